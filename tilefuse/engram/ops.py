@@ -1,0 +1,3 @@
+"""Public Engram ops (engram.md)."""
+
+__all__: list[str] = []

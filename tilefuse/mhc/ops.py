@@ -1,0 +1,3 @@
+"""Public mHC ops (mhc.md)."""
+
+__all__: list[str] = []

@@ -1,0 +1,1 @@
+"""Autograd layers composed from the public ops: the level most users call."""

@@ -1,0 +1,3 @@
+"""Public MoE routing ops (moe.md)."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""Public RMSNorm (+ cast) ops (quant.md 5.11)."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""Public fused SwiGLU + cast ops (quant.md 3.11-3.14)."""
+
+__all__: list[str] = []

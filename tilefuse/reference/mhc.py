@@ -1,0 +1,3 @@
+"""Reference mHC ops (mhc.md)."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""Reference MoE routing (moe.md)."""
+
+__all__: list[str] = []
