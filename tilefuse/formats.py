@@ -327,8 +327,13 @@ def load_sf(sf: torch.Tensor, nbk: int) -> torch.Tensor:
 
 def quantize(v: torch.Tensor, sf_inv: torch.Tensor, fmt: str) -> torch.Tensor:
     """``narrow_fmt(v * sf_inv)`` (one binary32 product) in the format's container:
-    float8_e4m3fn ``(.., H)``, packed int8 E2M1 ``(.., H/2)`` or packed uint8 E5M6 ``(.., 3H/2)``."""
+    float8_e4m3fn ``(.., H)``, packed int8 E2M1 ``(.., H/2)`` or packed uint8 E5M6 ``(.., 3H/2)``.
+
+    A NaN product (NaN input, or inf * 0 when a block's sf is inf) is encoded as the positive canonical
+    NaN, as the kernels do (section 9.2): e4m3 0x7F, e2m1 code 0x7.
+    """
     scaled = v.float() * sf_inv
+    scaled = torch.where(torch.isnan(scaled), torch.full_like(scaled, float("nan")).abs(), scaled)
     if fmt == "e4m3":
         return e4m3_encode(scaled)
     if fmt == "e2m1":
