@@ -1,0 +1,78 @@
+"""The public API matches spec/api.json: every name exists as ``tilefuse.<module>.<name>``, is callable,
+and its parameters start with the listed names in order (keyword-only ones as listed). Extra parameters
+may follow, but only with defaults."""
+import importlib
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_SPEC = REPO.parent / "shared" / "spec" / "api.json"
+LOCAL_SPEC = REPO / "tests" / "api.json"
+EXPECTED_COUNT = 117
+
+
+def _load_spec() -> dict:
+    return json.loads((SHARED_SPEC if SHARED_SPEC.exists() else LOCAL_SPEC).read_text())
+
+
+SPEC = _load_spec()
+ENTRIES = [(module, name, entry) for module, names in sorted(SPEC.items()) for name, entry in sorted(names.items())]
+POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _alias_target(entry: dict) -> str | None:
+    note = entry.get("note", "")
+    return note.split("alias of ", 1)[1].strip() if note.startswith("alias of ") else None
+
+
+def test_spec_copies_agree():
+    if not SHARED_SPEC.exists():
+        pytest.skip("no shared spec next to the repository; tests/api.json is the reference")
+    assert json.loads(SHARED_SPEC.read_text()) == json.loads(LOCAL_SPEC.read_text())
+
+
+def test_spec_has_all_names():
+    assert len(ENTRIES) == EXPECTED_COUNT
+
+
+@pytest.mark.parametrize("module,name,entry", ENTRIES, ids=[f"{m}.{n}" for m, n, _ in ENTRIES])
+def test_public_name(module, name, entry):
+    mod = importlib.import_module(f"tilefuse.{module}")
+    assert hasattr(mod, name), f"tilefuse.{module} has no attribute {name}"
+    obj = getattr(mod, name)
+    assert callable(obj), f"tilefuse.{module}.{name} is not callable"
+    target = _alias_target(entry)
+    if target is not None:  # an alias must take the parameters of its target
+        entry = SPEC[module][target]
+    if not entry["params"] and not entry["kwonly"]:
+        return
+    params = list(inspect.signature(obj).parameters.values())
+    positional = [p.name for p in params if p.kind in POSITIONAL]
+    kwonly = [p.name for p in params if p.kind == inspect.Parameter.KEYWORD_ONLY]
+    want, want_kw = entry["params"], entry["kwonly"]
+    assert positional[:len(want)] == want, f"{module}.{name}: positional parameters {positional}, spec {want}"
+    assert kwonly[:len(want_kw)] == want_kw, f"{module}.{name}: keyword-only parameters {kwonly}, spec {want_kw}"
+    listed = set(want) | set(want_kw)
+    extra = [p.name for p in params if p.name not in listed and p.kind in (*POSITIONAL, inspect.Parameter.KEYWORD_ONLY)
+             and p.default is inspect.Parameter.empty]
+    assert not extra, f"{module}.{name}: parameters beyond the spec must have defaults: {extra}"
+
+
+@pytest.mark.parametrize("module", sorted(SPEC))
+def test_module_all_exports_the_spec_names(module):
+    mod = importlib.import_module(f"tilefuse.{module}")
+    exported = set(getattr(mod, "__all__", ()))
+    if module == "reference":  # the reference table of API.md is the whole of tilefuse.reference
+        assert exported == set(SPEC[module])
+    else:
+        assert set(SPEC[module]) <= exported, f"missing from tilefuse.{module}.__all__: {set(SPEC[module]) - exported}"
+
+
+def test_engram_gate_fn_is_an_autograd_function():
+    from tilefuse.modeling.engram import EngramGateFn
+
+    assert issubclass(EngramGateFn, torch.autograd.Function)
