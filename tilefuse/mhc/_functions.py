@@ -1,0 +1,233 @@
+"""Autograd Functions behind the v1 mHC ops (mhc.md §1.2), and the residual-gradient side channel (§2.12).
+
+The Functions take already validated arguments (the public wrappers in ``ops.py`` check them) and call
+the reference math, so they also run in float64 for gradcheck. A CUDA kernel plugs in where a Function
+calls ``R.*``.
+"""
+from __future__ import annotations
+
+import torch
+
+from tilefuse.reference import mhc as R
+
+# §2.12: the attribute of a residual's untyped storage that holds its fused bf16 gradient buffer.
+SIDE_CHANNEL = "grad_from_mhc_post"
+
+
+def num_partials(device: torch.device) -> int:
+    """Number P of parameter-gradient partials (§2.3): the SM count on CUDA, 1 elsewhere."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
+
+
+def attach_residual_grad(residual: torch.Tensor, grad: torch.Tensor) -> None:
+    """Store ``grad`` as the side-channel buffer of ``residual``'s storage (§2.12 step 1)."""
+    setattr(residual.untyped_storage(), SIDE_CHANNEL, grad)
+
+
+def peek_residual_grad(residual: torch.Tensor) -> torch.Tensor | None:
+    """The side-channel buffer attached to ``residual``'s storage, viewed as ``residual``, or None.
+
+    A buffer of another element count or dtype (a different tensor sharing the storage) is ignored.
+    """
+    buf = getattr(residual.untyped_storage(), SIDE_CHANNEL, None)
+    if buf is None or buf.numel() != residual.numel() or buf.dtype != residual.dtype:
+        return None
+    return buf.view(residual.shape)
+
+
+def pop_residual_grad(residual: torch.Tensor) -> torch.Tensor:
+    """Take (and detach from the storage) the side-channel buffer; raise AttributeError if absent (§2.12 step 3)."""
+    buf = peek_residual_grad(residual)
+    if buf is None:
+        raise AttributeError(
+            "mhc_pre_norm_fn: fuse_grad_acc=True needs the residual gradient that mhc_post's backward attaches "
+            "to the residual; call mhc_post on the same residual, or pass fuse_grad_acc=False")
+    delattr(residual.untyped_storage(), SIDE_CHANNEL)
+    return buf
+
+
+def _write(out: torch.Tensor | None, result: torch.Tensor, ctx) -> torch.Tensor:
+    """Return ``result``, or copy it into the caller's ``out`` (marked dirty) and return that."""
+    if out is None:
+        return result
+    out.copy_(result)
+    ctx.mark_dirty(out)
+    return out
+
+
+def normw_merge_bwd_into(fn, normw, out_fn_grad, fn_grad, normw_grad) -> None:
+    """§2.2.1 backward, accumulated: ``fn_grad += dW * w``; ``normw_grad += sum_j dW[j] * fn[j]``."""
+    d_fn, d_w = R.mhc_fn_normw_merge_bwd_ref(fn, normw, out_fn_grad)
+    fn_grad.add_(d_fn)
+    normw_grad.add_(d_w)
+
+
+def norm_fn_forward(residual: torch.Tensor, fn: torch.Tensor, eps: float):
+    """§2.2.2 with one split: ``(out [T, M], out_mul [T, 1, M], sqrsum [T, 1])``."""
+    K = residual.shape[-2] * residual.shape[-1]
+    out_mul, sqrsum = R.mhc_pre_norm_fn_partials_ref(residual, fn, 1)
+    out_mul, sqrsum, out = R.mhc_reduce_partials_and_rmsnorm_ref(out_mul, sqrsum, K, eps)
+    return out, out_mul, sqrsum
+
+
+def pre_chain(out_mul_splitted, sqrsum_splitted, residual, scale, base, rms_eps, pre_eps, sinkhorn_eps,
+              post_mult_value, sinkhorn_repeat):
+    """The fused pre of §2.8 on flattened tensors: reduce + RMS, split, Sinkhorn, apply.
+
+    Returns ``(post_mix [T, n, 1], comb_mix [T, n, n], layer_input [T, C])``.
+    """
+    n, C = residual.shape[-2:]
+    _, _, mixes = R.mhc_reduce_partials_and_rmsnorm_ref(out_mul_splitted, sqrsum_splitted, n * C, rms_eps)
+    pre, post, comb = R.mhc_pre_split_mixes_ref(mixes, scale, base, n, post_mult_value, pre_eps)
+    comb = R.sinkhorn_normalize_ref(comb, sinkhorn_repeat, sinkhorn_eps)
+    return post, comb, R.mhc_pre_apply_mix_ref(residual, pre)
+
+
+class ExpandToMHCFn(torch.autograd.Function):
+    """§2.1: copy to every stream; backward sums the streams in order."""
+
+    @staticmethod
+    def forward(ctx, hidden, mhc_mult, out):
+        return _write(out, R.expand_to_mhc_ref(hidden, mhc_mult), ctx)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return R.expand_to_mhc_bwd_ref(grad), None, None
+
+
+class MHCFnNormwMergeFn(torch.autograd.Function):
+    """§2.2.1: ``W = fn * w``; gradients accumulate into ``main_grad`` when the parameter has one."""
+
+    @staticmethod
+    def forward(ctx, fn, normw):
+        ctx.save_for_backward(fn, normw)
+        ctx.main_grads = (getattr(fn, "main_grad", None), getattr(normw, "main_grad", None))
+        return fn * normw
+
+    @staticmethod
+    def backward(ctx, grad):
+        fn, normw = ctx.saved_tensors
+        fn_main, w_main = ctx.main_grads
+        fn_grad = fn_main if fn_main is not None else torch.zeros_like(fn)
+        w_grad = w_main if w_main is not None else torch.zeros_like(normw)
+        normw_merge_bwd_into(fn, normw, grad, fn_grad, w_grad)
+        return (None if fn_main is not None else fn_grad), (None if w_main is not None else w_grad)
+
+
+class MHCPreNormFn(torch.autograd.Function):
+    """§2.2.2-2.2.3: mix logits; saves the residual, the weight and the reduced partials."""
+
+    @staticmethod
+    def forward(ctx, residual, fn, eps, fuse_grad_acc):
+        out, out_mul, sqrsum = norm_fn_forward(residual, fn, eps)
+        ctx.save_for_backward(residual, fn, out_mul, sqrsum)
+        ctx.eps, ctx.fuse_grad_acc = eps, fuse_grad_acc
+        return out.view(*residual.shape[:-2], fn.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        residual, fn, out_mul, sqrsum = ctx.saved_tensors
+        K = fn.shape[1]
+        d_mul, d_sq = R.mhc_reduce_partials_and_rmsnorm_bwd_ref(grad.reshape(-1, fn.shape[0]), out_mul, sqrsum,
+                                                                K, ctx.eps)
+        buf = pop_residual_grad(residual) if ctx.fuse_grad_acc else None
+        dx, d_fn = R.mhc_pre_norm_fn_gemm_bwd_ref(d_mul[:, 0], d_sq[:, 0], residual, fn, buf)
+        if buf is not None:
+            buf.copy_(dx)
+            dx = None
+        return dx, d_fn, None, None
+
+
+class MHCPreSplitMixesFn(torch.autograd.Function):
+    """§2.3: split mix logits; saves the logits, the post mix, scale and base."""
+
+    @staticmethod
+    def forward(ctx, input_mixes, scale, base, mhc_mult, post_mult_value, pre_eps):
+        pre, post, comb = R.mhc_pre_split_mixes_ref(input_mixes, scale, base, mhc_mult, post_mult_value, pre_eps)
+        ctx.save_for_backward(input_mixes, post, scale, base)
+        ctx.post_mult_value = post_mult_value
+        return pre, post, comb
+
+    @staticmethod
+    def backward(ctx, d_pre, d_post, d_comb):
+        input_mixes, post, scale, base = ctx.saved_tensors
+        n = post.shape[-2]
+        d_input, d_scale, d_base = R.mhc_pre_split_mixes_bwd_ref(
+            d_pre.reshape(-1, n), d_post.reshape(-1, n), d_comb.reshape(-1, n * n),
+            input_mixes.reshape(-1, input_mixes.shape[-1]), post.reshape(-1, n), scale, base,
+            ctx.post_mult_value, num_partials(input_mixes.device))
+        return d_input.view(input_mixes.shape), d_scale, d_base, None, None, None
+
+
+class SinkhornNormalizeFn(torch.autograd.Function):
+    """§2.4: Sinkhorn; saves only the input and replays the forward in backward."""
+
+    @staticmethod
+    def forward(ctx, x, repeat, eps):
+        ctx.save_for_backward(x)
+        ctx.repeat, ctx.eps = repeat, eps
+        return R.sinkhorn_normalize_ref(x, repeat, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return R.sinkhorn_normalize_bwd_ref(grad, x, ctx.repeat, ctx.eps), None, None
+
+
+class MHCPreApplyMixFn(torch.autograd.Function):
+    """§2.5: apply the pre mix; backward accumulates dx into the side channel when one is attached."""
+
+    @staticmethod
+    def forward(ctx, x, mix, out):
+        ctx.save_for_backward(x, mix)
+        return _write(out, R.mhc_pre_apply_mix_ref(x, mix), ctx)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, mix = ctx.saved_tensors
+        buf = peek_residual_grad(x)
+        dx, d_mix = R.mhc_pre_apply_mix_bwd_ref(grad, x, mix, buf)
+        if buf is not None:
+            buf.copy_(dx)
+            dx = None
+        return dx, d_mix, None
+
+
+def post_backward(x, residual, post_layer_mix, comb_res_mix, d_o, fuse_grad_acc: bool):
+    """§2.6 backward; with ``fuse_grad_acc`` the residual gradient also becomes the side channel."""
+    d_x, d_residual, d_post, d_comb = R.mhc_post_bwd_ref(x, residual, post_layer_mix, comb_res_mix, d_o)
+    if fuse_grad_acc:
+        attach_residual_grad(residual, d_residual)
+    return d_x, d_residual, d_post, d_comb
+
+
+class MHCPostFn(torch.autograd.Function):
+    """§2.6: new residual; backward attaches the residual gradient as the side channel (v1)."""
+
+    @staticmethod
+    def forward(ctx, x, residual, post_layer_mix, comb_res_mix, out):
+        ctx.save_for_backward(x, residual, post_layer_mix, comb_res_mix)
+        return _write(out, R.mhc_post_ref(x, residual, post_layer_mix, comb_res_mix), ctx)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (*post_backward(*ctx.saved_tensors, grad, True), None)
+
+
+class MHCHeadComputeMixFn(torch.autograd.Function):
+    """§2.7: head mix; parameter gradients through P token partials reduced in order."""
+
+    @staticmethod
+    def forward(ctx, input_mix, scale, base, pre_eps):
+        ctx.save_for_backward(input_mix, scale, base)
+        return R.mhc_head_compute_mix_ref(input_mix, scale, base, pre_eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        input_mix, scale, base = ctx.saved_tensors
+        n = input_mix.shape[-1]
+        d_input, scale_partial, base_partial = R.mhc_head_compute_mix_bwd_ref(
+            grad.reshape(-1, n), input_mix.reshape(-1, n), scale, base, num_partials(input_mix.device))
+        return d_input.view(input_mix.shape), R.seq_sum(scale_partial, 0), R.seq_sum(base_partial, 0), None
