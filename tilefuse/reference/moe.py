@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tilefuse import formats
+
 __all__ = [
     "aux_fi",
     "expand_to_fused",
@@ -78,7 +80,7 @@ def softmax_lane_order(x: torch.Tensor) -> torch.Tensor:
     """
     rows, experts = x.shape
     z = torch.exp(x - x.max(dim=1, keepdim=True).values)
-    chunks = -(-experts // 128)
+    chunks = formats.cdiv(experts, 128)
     zp = F.pad(z, (0, chunks * 128 - experts)).view(rows, chunks, 32, 4)
     acc = torch.zeros(rows, 32, dtype=x.dtype, device=x.device)
     for c in range(chunks):
@@ -392,10 +394,6 @@ def moe_topk_gate_backward(scores, topk_idx, topk_weights, grad_topk_weights, ro
 # Fused (expert-major) layout (§1.5, §2.5-§2.8)
 # ----------------------------------------------------------------------------------------------------
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _order_workers(num_slots: int, num_experts: int, num_sms: int | None, device):
     """Worker of each flat slot under upstream's order model (§1.5), or all 0 for token order."""
     flat = torch.arange(num_slots, dtype=torch.int64, device=device)
@@ -403,7 +401,7 @@ def _order_workers(num_slots: int, num_experts: int, num_sms: int | None, device
         return torch.zeros_like(flat), 1
     threads = next(h for h in (256, 512, 1024) if h >= num_experts)
     workers = num_sms * threads // 32
-    per_worker = _ceil_div(_ceil_div(num_slots, workers), 32) * 32
+    per_worker = formats.align(formats.cdiv(num_slots, workers), 32)
     return flat // per_worker, workers
 
 
@@ -480,18 +478,18 @@ def expand_to_fused_with_sf(x, num_per_channels: int, token_topk_to_pos: torch.T
                             use_tma_aligned_col_major_sf: bool = False):
     """expand_to_fused of ``(data, sf)``: the per-token sf rows travel with the data rows (§2.7).
 
-    ``out_sf`` is row-major ``(N, H_sf)`` or TMA-aligned column-major (storage ``(H_sf, align(N, 4))``,
-    zero pad, returned as the transposed first N columns).
+    The sf rows (fp32, or int32 packed UE8M0) are decoded with ``formats.load_sf``, expanded (padding
+    and untargeted rows zero) and stored back in the requested quant.md §1.5 layout with
+    ``formats.store_sf``: row-major ``(N, H_sf)`` or TMA-aligned column-major (storage
+    ``(H_sf, align(N, 4))``, zero pad). The UE8M0 round trip is exact; unused high bytes of the last
+    packed word come out zero.
     """
     data, sf = x
+    packed = sf.dtype == torch.int32
+    num_blocks = formats.cdiv(data.size(1), num_per_channels) if packed else sf.size(1)
     out = expand_to_fused(data, token_topk_to_pos, pos_to_expert)
-    out_sf = expand_to_fused(sf, token_topk_to_pos, pos_to_expert)
-    if use_tma_aligned_col_major_sf:
-        size = out_sf.size(0)
-        storage = torch.zeros(out_sf.size(1), -(-size // 4) * 4, dtype=sf.dtype, device=sf.device)
-        storage[:, :size] = out_sf.t()
-        out_sf = storage[:, :size].t()
-    return out, out_sf
+    sf_rows = expand_to_fused(formats.load_sf(sf, num_blocks), token_topk_to_pos, pos_to_expert)
+    return out, formats.store_sf(sf_rows, use_tma_aligned_col_major_sf, packed)
 
 
 def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -509,12 +507,6 @@ def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     fix = (err != 0) & torch.isfinite(s) & even
     toward = torch.where(err > 0, float("inf"), float("-inf")).to(torch.float64)
     return torch.where(fix, torch.nextafter(s, toward), s).to(torch.float32)
-
-
-def _e4m3_saturate(x: torch.Tensor) -> torch.Tensor:
-    """fp32 -> float8_e4m3fn with round-to-nearest-even and saturation to +-448 (quant.md §1.1)."""
-    from tilefuse import formats
-    return formats.e4m3_encode(x)
 
 
 def reduce_fused(x, topk_weights, token_topk_to_pos, fp8_format: str = "", sf=None, *, out=None):
@@ -539,7 +531,7 @@ def reduce_fused(x, topk_weights, token_topk_to_pos, fp8_format: str = "", sf=No
         acc = torch.where(taken[:, None], fma_f32(x[p].to(torch.float32), scale[:, None], acc), acc)
     if sf is not None:
         acc = acc * sf.reshape(-1)[0]
-    result = _e4m3_saturate(acc) if fp8_format == "e4m3" else acc.to(x.dtype)
+    result = formats.e4m3_encode(acc) if fp8_format == "e4m3" else acc.to(x.dtype)
     if out is None:
         return result
     return out.copy_(result)
