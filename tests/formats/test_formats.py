@@ -1,7 +1,6 @@
 """tilefuse.formats against quant.md section 1: exhaustive code tables, rounding ties, packing byte order,
 UE8M0, the scale rule and the sf layouts. Oracles are independent scalar formulations (float64 / Fraction /
 struct), never the code under test."""
-import bisect
 import math
 import struct
 
@@ -9,15 +8,7 @@ import pytest
 import torch
 
 from tilefuse import formats as F
-
-
-def f32(x: float) -> float:
-    """Python float rounded to binary32."""
-    return struct.unpack("<f", struct.pack("<f", x))[0]
-
-
-def f32_bits(x: float) -> int:
-    return struct.unpack("<I", struct.pack("<f", x))[0]
+from tests.formats.scalar_oracle import E2M1_MAG, e4m3_nearest, e4m3_value, e5m6_code, f32, f32_bits
 
 
 def bits_f32(b: int) -> float:
@@ -29,23 +20,6 @@ def as_u8(t: torch.Tensor) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------------ E4M3
-
-def e4m3_value(byte: int) -> float:
-    """Value of an E4M3 byte from the section 1.1 field layout (NaN for S.1111.111)."""
-    s, e, m = byte >> 7, (byte >> 3) & 0xF, byte & 0x7
-    if e == 0xF and m == 0x7:
-        return math.nan
-    mag = m / 8 * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
-    return -mag if s else mag
-
-
-def e4m3_nearest(v: float) -> int:
-    """Scalar oracle: saturate to +-448, then nearest finite code, ties to the even mantissa code."""
-    sign = 0x80 if math.copysign(1.0, v) < 0 else 0
-    m = min(abs(v), 448.0)
-    best = min(range(0x7F), key=lambda c: (abs(e4m3_value(c) - m), c & 1))
-    return sign | best
-
 
 def test_e4m3_all_bytes_decode_and_reencode():
     codes = torch.arange(256, dtype=torch.uint8)
@@ -89,9 +63,6 @@ def test_e4m3_nan_stays_nan():
 
 
 # ------------------------------------------------------------------------------------------------ E2M1
-
-E2M1_MAG = [0, 0.5, 1.0, 1.5, 2, 3, 4, 6]
-
 
 def test_e2m1_all_codes_decode_and_reencode():
     codes = torch.arange(16, dtype=torch.uint8)
@@ -139,27 +110,6 @@ def test_e2m1_pack_byte_order():
 
 # ------------------------------------------------------------------------------------------------ E5M6
 
-_HALF_POS = sorted(v for v in (struct.unpack("<e", struct.pack("<H", h))[0] for h in range(0x7C00)))
-
-
-def e5m6_oracle(v: float) -> int:
-    """Section 1.3 step by step, with the round-toward-zero binary16 found by search in the value table."""
-    v = f32(v)
-    neg = math.copysign(1, v) < 0
-    a = abs(v)
-    if a >= 65536.0:
-        h = 0x7C00
-    else:
-        k = bisect.bisect_right(_HALF_POS, a) - 1  # largest binary16 <= a
-        h = struct.unpack("<H", struct.pack("<e", _HALF_POS[k]))[0]
-    h |= 0x8000 if neg else 0
-    t = h >> 4
-    r = f32_bits(v) & 0x1FFFF
-    if (t & 1) + r > 0x10000:
-        t += 1
-    return t & 0xFFF
-
-
 def test_e5m6_all_codes_identity_and_values():
     codes = torch.arange(4096, dtype=torch.int32)
     dec = F.e5m6_decode(codes)
@@ -186,13 +136,13 @@ def test_e5m6_rounding_ties_carry_and_subnormal_quirk():
     ]
     x = torch.tensor([v for v, _ in cases], dtype=torch.float32)
     assert F.e5m6_encode(x).tolist() == [c for _, c in cases]
-    assert [e5m6_oracle(v) for v, _ in cases] == [c for _, c in cases]
+    assert [e5m6_code(v) for v, _ in cases] == [c for _, c in cases]
 
 
 def test_e5m6_random_against_scalar_oracle():
     x = torch.randn(600) * torch.exp2(torch.randint(-26, 16, (600,)).float())
     x = x.clamp(-65024, 65024)
-    assert F.e5m6_encode(x).tolist() == [e5m6_oracle(v) for v in x.tolist()]
+    assert F.e5m6_encode(x).tolist() == [e5m6_code(v) for v in x.tolist()]
 
 
 def test_e5m6_pack_byte_order():
