@@ -93,7 +93,7 @@ def test_demo_runs_every_stage_on_cpu():
     assert result.returncode == 0, result.stdout + result.stderr
     rows = {}
     for line in result.stdout.splitlines():
-        if m := re.match(r"(\S+)\s+.*\s(\d\.\d{6}e[+-]\d+)\s+(\d+\.\d+)\s+(reference|kernel|torch)$", line):
+        if m := re.match(r"(\S+) +(\d\.\d{6}e[+-]\d+) +(\d+\.\d+) +(reference|kernel|torch) +\w+ \(", line):
             rows[m.group(1)] = (float(m.group(2)), m.group(4))
     assert list(rows) == list(STAGES)
     for stage, (checksum, path) in rows.items():

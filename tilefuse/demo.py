@@ -319,11 +319,12 @@ def run_demo(cfg: Config, device: torch.device, repeat: int = 1, rows: list[Row]
 
 
 def _print_rows(rows: list[Row]) -> None:
+    """One line per stage: stage, checksum, ms, path, then the outputs (the widest column) last."""
     w_stage = max(len("stage"), *(len(row.stage) for row in rows))
-    w_out = max(len("outputs"), *(len(row.outputs) for row in rows))
-    print(f"{'stage':<{w_stage}}  {'outputs':<{w_out}}  {'checksum':>12}  {'ms':>9}  path")
+    w_path = max(len("path"), *(len(row.path) for row in rows))
+    print(f"{'stage':<{w_stage}}  {'checksum':>12}  {'ms':>9}  {'path':<{w_path}}  outputs")
     for row in rows:
-        print(f"{row.stage:<{w_stage}}  {row.outputs:<{w_out}}  {row.checksum:>12.6e}  {row.ms:>9.2f}  {row.path}")
+        print(f"{row.stage:<{w_stage}}  {row.checksum:>12.6e}  {row.ms:>9.2f}  {row.path:<{w_path}}  {row.outputs}")
 
 
 def main(argv: list[str] | None = None) -> int:
