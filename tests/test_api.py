@@ -76,3 +76,17 @@ def test_engram_gate_fn_is_an_autograd_function():
     from tilefuse.modeling.engram import EngramGateFn
 
     assert issubclass(EngramGateFn, torch.autograd.Function)
+
+
+def test_readme_quickstart_and_examples():
+    """The README's quickstart is exactly the two documented commands, and its API-tour examples run."""
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    quickstart = readme.split("## Quickstart", 1)[1].split("```", 2)[1].strip().splitlines()
+    assert quickstart == ['pip install -e ".[dev]" && python -m tilefuse demo', "python -m pytest -n 2 -q"]
+    namespace: dict = {}
+    for block in re.findall(r"```python\n(.*?)```", readme, re.S):
+        exec(compile(block, "README.md", "exec"), namespace)
+    assert namespace["back"].shape == namespace["x"].shape
+    assert namespace["R"].shape == (1, 8, 4, 256)
