@@ -366,15 +366,7 @@ def test_gate_bwd_num_sms_error():
 # grad_w_reduce (§2.6) and the fp32 fma it relies on
 # ----------------------------------------------------------------------------------------------------
 
-def round_f32(q: Fraction) -> float:
-    """Round an exact rational to the nearest fp32 (ties to even), independently of torch."""
-    f = np.float32(float(q))
-    candidates = [np.nextafter(f, np.float32(-np.inf)), f, np.nextafter(f, np.float32(np.inf))]
-    best = min(candidates, key=lambda c: (abs(Fraction(float(c)) - q), int(np.array(c).view(np.int32)) & 1))
-    return float(best)
-
-
-def test_fma_f32_correctly_rounded():
+def test_fma_f32_correctly_rounded(round_f32):
     a = torch.randn(400) * torch.exp2(torch.randint(-20, 20, (400,)).float())
     b = torch.randn(400)
     c = torch.randn(400) * torch.exp2(torch.randint(-20, 20, (400,)).float())
@@ -390,7 +382,7 @@ def test_fma_f32_correctly_rounded():
     assert got[100] == 1 + 2.0**-11 and got[101] == 1 + 2.0**-11 + 2.0**-23
 
 
-def test_grad_w_reduce_exact_definition():
+def test_grad_w_reduce_exact_definition(round_f32):
     """Every element equals fma(S, w_other, acc) with S the ascending fp32 sum over p (§2.6), computed
     with numpy float32 scalars and exact rationals."""
     p, m, h = 8, 1, 512
