@@ -56,7 +56,8 @@ def _validate(sf, block_size, transpose_sf1s, outs) -> None:
             tname = f"outs[{i}][{j}]"
             _check.tensor(_OP, tname, t, dtype=torch.int32, shape=shape, device=device)
             # Strides of size-1 dims address nothing; every other stride must match exactly.
-            _check.expect(all(a == b for a, b, n in zip(t.stride(), stride, shape) if n > 1), _OP, f"{tname} must have strides {stride}, got {t.stride()}")
+            _check.expect(all(a == b for a, b, n in zip(t.stride(), stride, shape) if n > 1), _OP,
+                          f"{tname} must have strides {stride}, got {t.stride()}")
             _check.expect(t.data_ptr() % 32 == 0, _OP, f"{tname} must be 32-byte aligned, got address "
                                                           f"{t.data_ptr():#x}")
 

@@ -61,10 +61,12 @@ def clamp_counts(x: torch.Tensor, swiglu_clamp_value: float, rows: torch.Tensor 
     """``[#(l > c), #(r > c), #(r < -c)]`` (int64) over ``rows`` (a bool mask, default all), pre-clamp values."""
     h = x.size(-1) // 2
     cd = _compute_dtype(x)
-    xf = x.to(cd) if rows is None else x[rows].to(cd)
+    xf = x.to(cd)
     c = _clamp_value(swiglu_clamp_value, cd, x.device)
     left, right = xf[:, :h], xf[:, h:]
-    return torch.stack([(left > c).sum(), (right > c).sum(), (right < -c).sum()]).to(torch.int64)
+    keep = torch.ones_like(left, dtype=torch.bool) if rows is None else rows[:, None]
+    return torch.stack([((left > c) & keep).sum(), ((right > c) & keep).sum(),
+                        ((right < -c) & keep).sum()]).to(torch.int64)
 
 
 def _clamp(left: torch.Tensor, right: torch.Tensor, c: torch.Tensor | None):
@@ -135,9 +137,11 @@ def swiglu_backward(x, grad_out: torch.Tensor, weight: torch.Tensor, pos_to_toke
     out = act * w
     x_grad = torch.cat([dx, dy], dim=1)
     row_sum = (g * act).sum(-1)
-    weight_grad = torch.zeros(weight.numel(), dtype=torch.float32, device=xf.device)
+    # Scatter row sums to their (t, k); rows with a negative position go to a dummy last slot (no host sync).
+    n = weight.numel()
     p = pos_to_token_topk.long()
-    weight_grad[p[p >= 0]] = row_sum[p >= 0]
-    weight_grad = weight_grad.view(weight.shape)
+    weight_grad = torch.zeros(n + 1, dtype=torch.float32, device=xf.device)
+    weight_grad.index_put_((torch.where(p >= 0, p, n),), row_sum)
+    weight_grad = weight_grad[:n].view(weight.shape)
     weight_grad = torch.where(token_topk_to_pos == -1, torch.zeros_like(weight_grad), weight_grad)
     return out, x_grad, weight_grad
