@@ -1,0 +1,194 @@
+"""Kernel tiers for the per-token casts (quant.md 3.1-3.3): compile (sm_90, no GPU) and gpu (bit-exact vs reference).
+
+Every GPU comparison is bitwise (quant.md 6.2): data, sf and sf strides, with packed-UE8M0 padding bytes
+cleared on both sides (6.1 ``clear_unused_sf``). Outputs are poisoned (0xFF in the allocator's free blocks)
+before each launch so unwritten elements show.
+"""
+import pytest
+import torch
+
+from tilefuse import _jit
+from tilefuse.quant import _per_token_cast_kernel as K
+from tilefuse.reference.quant import cast as ref_cast
+from tilefuse.testing import assert_equal, clear_unused_sf
+
+TOKENS = (0, 1, 7, 4001, 8192)
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("cfg", K._configs(), ids=str)
+def test_builds_for_sm90(cfg):
+    kernel = _jit.compile_kernel("per_token_cast", cfg, "sm_90")
+    src = kernel.get_kernel_source()
+    assert "__global__" in src
+    assert "use_fast_math" not in src
+
+
+def _poison():
+    """Fill the caching allocator's free memory with 0xFF so freshly allocated outputs start poisoned."""
+    free = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    free.fill_(0xFF)
+    del free
+
+
+def _compare_sf(got, want, hidden, npc, packed):
+    if packed:
+        assert got.stride() == want.stride() or got.numel() == 0
+        assert_equal(clear_unused_sf(got, hidden, npc), clear_unused_sf(want, hidden, npc))
+    else:
+        assert_equal(got, want)
+
+
+def _run(x, fmt, npc, col, round_sf, packed, x_sf=None, x_block_size=None):
+    _poison()
+    got = K.per_token_cast_launch(x, x_sf, fmt, npc, x_block_size, col, round_sf, packed)
+    torch.cuda.synchronize()
+    return got
+
+
+def _check(x, fmt, npc, col, round_sf, packed, x_sf=None, x_block_size=None):
+    out, sf = _run(x, fmt, npc, col, round_sf, packed, x_sf, x_block_size)
+    ref_in = x.cpu() if x_sf is None else (x.cpu(), x_sf.cpu())
+    r_out, r_sf = ref_cast(ref_in, fmt, (1, npc), x_block_size=x_block_size, round_sf=round_sf,
+                           use_tma_aligned_col_major_sf=col, use_packed_ue8m0=packed)
+    hidden = x.size(1) * (2 if x.dtype == torch.int8 else 1)
+    assert_equal(out.cpu(), r_out)
+    _compare_sf(sf.cpu(), r_sf, hidden, npc, packed)
+    return out, sf
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("hidden", K.HIDDEN_SIZES)
+def test_bf16_e4m3_col_packed_matches_reference(t, hidden):
+    x = torch.randn(t, hidden, dtype=torch.bfloat16, device="cuda")
+    _check(x, "e4m3", 128, True, True, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", (1, 7, 4001))
+@pytest.mark.parametrize("hidden", (576, 7168))
+@pytest.mark.parametrize("x_dtype", ("bfloat16", "float32"))
+@pytest.mark.parametrize("fmt", ("e4m3", "e2m1"))
+@pytest.mark.parametrize("flags", ((False, True, False), (True, True, True), (True, False, False)), ids=str)
+def test_grid_matches_reference(t, hidden, x_dtype, fmt, flags):
+    col, round_sf, packed = flags
+    x = torch.randn(t, hidden, dtype=DTYPES[x_dtype], device="cuda")
+    _check(x, fmt, 128, col, round_sf, packed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("npc", (16, 32, 64, 2048))
+def test_num_per_channels(npc):
+    x = torch.randn(4001, 2048, dtype=torch.bfloat16, device="cuda") * 3
+    _check(x, "e4m3", npc, False, False, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("in_fmt", ("e4m3", "e2m1"))
+@pytest.mark.parametrize("fmt", ("e4m3", "e2m1"))
+def test_prequantized_input(in_fmt, fmt):
+    base = torch.randn(4001, 2048, dtype=torch.bfloat16)
+    data, sf = ref_cast(base, in_fmt, (128, 128), round_sf=True, use_tma_aligned_col_major_sf=True,
+                        use_packed_ue8m0=True)
+    _check(data.cuda(), fmt, 128, True, True, True, x_sf=sf.cuda(), x_block_size=(128, 128))
+
+
+@pytest.mark.gpu
+def test_prequantized_unrounded_sf_order_a():
+    base = torch.randn(4001, 2048, dtype=torch.bfloat16)
+    data, sf = ref_cast(base, "e4m3", (32, 32))
+    _check(data.cuda(), "e4m3", 32, False, False, False, x_sf=sf.cuda(), x_block_size=(32, 32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ("e4m3", "e2m1"))
+def test_sf_only_equals_cast_sf(fmt):
+    x = torch.randn(4001, 2048, dtype=torch.bfloat16, device="cuda")
+    _, sf = _run(x, fmt, 128, False, True, False)
+    _poison()
+    got = K.per_token_cast_launch(x, None, fmt, 128, None, False, True, False, mode="sf_only")
+    assert_equal(got, sf)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ("e4m3", "e2m1"))
+def test_precomputed_sf(fmt):
+    x = torch.randn(4001, 2048, dtype=torch.bfloat16, device="cuda")
+    sf = torch.rand(4001, 16, device="cuda") * 0.01 + 1e-3
+    _poison()
+    got = K.per_token_cast_launch(x, None, fmt, 128, mode="precomputed", sf=sf)
+    assert_equal(got.cpu(), ref_cast(x.cpu(), fmt, (1, 128), sf=sf.cpu()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden", (576, 7168))
+def test_strided_rows_equal_contiguous(hidden):
+    big = torch.randn(4001, 2 * hidden + 64, dtype=torch.bfloat16, device="cuda")
+    x = big[:, :hidden]
+    a = _run(x, "e4m3", 128, True, True, True)
+    b = _run(x.contiguous(), "e4m3", 128, True, True, True)
+    assert_equal(a[0], b[0])
+    assert_equal(clear_unused_sf(a[1], hidden, 128), clear_unused_sf(b[1], hidden, 128))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ("e4m3", "e2m1"))
+def test_deterministic_and_batch_invariant(fmt):
+    x = torch.randn(8192, 7168, dtype=torch.bfloat16, device="cuda")
+    out1, sf1 = _run(x, fmt, 128, False, True, False)
+    out2, sf2 = _run(x, fmt, 128, False, True, False)
+    assert_equal(out1, out2)
+    assert_equal(sf1, sf2)
+    for lo, hi in ((0, 1), (4000, 4007), (8191, 8192)):
+        o, s = _run(x[lo:hi], fmt, 128, False, True, False)
+        assert_equal(o, out1[lo:hi])
+        assert_equal(s, sf1[lo:hi])
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_equals_eager():
+    x = torch.randn(4001, 7168, dtype=torch.bfloat16, device="cuda")
+    eager = _run(x, "e4m3", 128, True, True, True)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        K.per_token_cast_launch(x, None, "e4m3", 128, None, True, True, True)  # warm (compile) off-graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = K.per_token_cast_launch(x, None, "e4m3", 128, None, True, True, True)
+    captured[0].fill_(0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_equal(captured[0], eager[0])
+    assert_equal(clear_unused_sf(captured[1], 7168, 128), clear_unused_sf(eager[1], 7168, 128))
+
+
+@pytest.mark.gpu
+def test_torch_compile_equals_eager():
+    x = torch.randn(4001, 2048, dtype=torch.bfloat16, device="cuda")
+
+    def f(x):
+        out, sf = K.per_token_cast_cuda(x, "e2m1", 128, None, False, True, False)
+        return out, sf, K.per_token_cast_with_sf_only_cuda(x, "e2m1", 128, False, True, False)
+
+    compiled = torch.compile(f, fullgraph=True)
+    got = compiled(x)
+    want = f(x)
+    for g, w in zip(got, want):
+        assert_equal(g, w)
+
+
+@pytest.mark.gpu
+def test_no_allocation_beyond_outputs():
+    x = torch.randn(4001, 7168, dtype=torch.bfloat16, device="cuda")
+    K.per_token_cast_launch(x, None, "e4m3", 128, None, True, True, True)  # compile first
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out, sf = K.per_token_cast_launch(x, None, "e4m3", 128, None, True, True, True)
+    torch.cuda.synchronize()
+    sf_store = sf.untyped_storage().nbytes()
+    allowed = sum(-(-n // 512) * 512 for n in (out.untyped_storage().nbytes(), sf_store))
+    assert torch.cuda.max_memory_allocated() - base <= allowed
