@@ -1,0 +1,52 @@
+"""CUDA tensors take the same reference path as CPU tensors (no kernels yet): results on the GPU equal
+the CPU results. Tolerances: fp32 reductions on the GPU may be ordered differently from the CPU, so
+CUDA_RTOL = CUDA_ATOL = 1e-5 for fp32 and 1 bf16 ulp (rtol 2^-7) for bf16 outputs."""
+import pytest
+import torch
+
+from tilefuse.mhc import mhc_post, mhc_pre_split_mixes_bwd
+from tilefuse.modeling.mhc import expand_from_embedding, mhc_head, mhc_pre
+from tests.mhc.mhc_helpers import BF16, leaf
+
+CUDA_RTOL = CUDA_ATOL = 1e-5
+PARTIAL_TOL = 1e-4  # parameter gradients: 1000-token fp32 sums regrouped into SM-count partials
+BF16_RTOL = 2.0 ** -7
+N, C, B, S = 4, 64, 2, 40
+K, M = N * C, N * (N + 2)
+
+
+def _close(a, b):
+    rtol, atol = (BF16_RTOL, 1e-5) if a.dtype == BF16 else (CUDA_RTOL, CUDA_ATOL)
+    torch.testing.assert_close(a.cpu(), b, rtol=rtol, atol=atol)
+
+
+def _layer(device, e, fn, scale, base, normw, head_fn):
+    leaves = [leaf(t.to(device)) for t in (e, fn, scale, base, normw, head_fn)]
+    r0 = expand_from_embedding(leaves[0], N)
+    u, (post, comb) = mhc_pre(r0, *leaves[1:4], norm_weight=leaves[4])
+    r1 = mhc_post(u, r0, post, comb)
+    out = mhc_head(r1, leaves[5], torch.ones(1, device=device), torch.zeros(N, device=device))
+    out.float().square().sum().backward()
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+@pytest.mark.gpu
+def test_layer_on_cuda_equals_cpu():
+    args = (torch.randn(B, S, C).to(BF16), torch.randn(M, K) * 0.05, 0.5 * torch.randn(3), 0.5 * torch.randn(M),
+            1 + 0.1 * torch.randn(K), torch.randn(N, K) * 0.05)
+    for a, b in zip(_layer("cuda", *args), _layer("cpu", *args)):
+        _close(a, b)
+
+
+@pytest.mark.gpu
+def test_split_mixes_bwd_on_cuda_uses_sm_partials():
+    T = 1000
+    m, s, b = torch.randn(T, M), torch.randn(3), torch.randn(M)
+    grads = [torch.randn(T, N), torch.randn(T, N), torch.randn(T, N * N), m, torch.rand(T, N) * 2, s, b]
+    outs = {}
+    for dev in ("cpu", "cuda"):
+        d_in, d_s, d_b = torch.empty(T, M, device=dev), torch.empty(3, device=dev), torch.empty(M, device=dev)
+        mhc_pre_split_mixes_bwd(*[t.to(dev) for t in grads], d_in, d_s, d_b, 2.0)
+        outs[dev] = (d_in, d_s, d_b)
+    for a, b in zip(outs["cuda"], outs["cpu"]):
+        torch.testing.assert_close(a.cpu(), b, rtol=PARTIAL_TOL, atol=PARTIAL_TOL)
