@@ -107,3 +107,19 @@ def same_device(op: str, **tensors) -> torch.device | None:
         elif t.device != device:
             fail(op, f"{name} must be on the same device as {first} ({device}), got {t.device}")
     return device
+
+
+def real(op: str, name: str, value, *, positive: bool = False) -> float:
+    """Check a Python real scalar (bool rejected), optionally ``> 0``; return it as float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        fail(op, f"{name} must be a real number, got {type(value).__name__}", TypeError)
+    if positive and not value > 0:
+        fail(op, f"{name} must be > 0, got {value}")
+    return float(value)
+
+
+def flag(op: str, name: str, value) -> bool:
+    """Check a bool argument."""
+    if not isinstance(value, bool):
+        fail(op, f"{name} must be a bool, got {type(value).__name__}", TypeError)
+    return value

@@ -37,19 +37,6 @@ BF16, FP32 = torch.bfloat16, torch.float32
 # Validation helpers
 # ----------------------------------------------------------------------------------------------------
 
-def _number(op: str, name: str, value, *, positive: bool = False) -> float:
-    """Check a Python real scalar (bool rejected); ``positive`` asks for ``value > 0``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        _check.fail(op, f"{name} must be a float, got {type(value).__name__}", TypeError)
-    if positive and not value > 0:
-        _check.fail(op, f"{name} must be > 0, got {value}")
-    return float(value)
-
-
-def _flag(op: str, name: str, value) -> bool:
-    _check.expect(isinstance(value, bool), op, f"{name} must be a bool, got {type(value).__name__}", TypeError)
-    return value
-
 
 def _num_sms(op: str, device: torch.device, num_sms: int | None) -> int:
     """``S_m``: the explicit ``num_sms``, else the CUDA device's SM count, else ``DEFAULT_NUM_SMS``."""
@@ -140,9 +127,9 @@ def engram_gate_fwd(hidden_states: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     op = "engram_gate_fwd"
     _gate_operands(op, hidden_states, k, v, weight_fused)
     _hidden(op, "hidden_states", hidden_states, 256, 512)
-    eps = _number(op, "eps", eps)
-    clamp_value = _number(op, "clamp_value", clamp_value, positive=True)
-    _flag(op, "save_for_backward", save_for_backward)
+    eps = _check.real(op, "eps", eps)
+    clamp_value = _check.real(op, "clamp_value", clamp_value, positive=True)
+    _check.flag(op, "save_for_backward", save_for_backward)
     _check.same_device(op, hidden_states=hidden_states, k=k, v=v, weight_fused=weight_fused)
     out, dot, g, rx, rk = _ref._gate_fwd(hidden_states, k, v, weight_fused, eps, clamp_value)
     if not save_for_backward:
@@ -167,7 +154,7 @@ def engram_gate_bwd(grad_out: torch.Tensor, hidden_states: torch.Tensor, k: torc
     _hidden(op, "hidden_states", hidden_states, 512, 1024)
     for name, stat in (("dot", dot), ("gate_score", gate_score), ("rstd_x", rstd_x), ("rstd_k", rstd_k)):
         _check.tensor(op, name, stat, dtype=FP32, shape=(t, m), contiguous=True)
-    clamp_value = _number(op, "clamp_value", clamp_value, positive=True)
+    clamp_value = _check.real(op, "clamp_value", clamp_value, positive=True)
     device = _check.same_device(op, grad_out=grad_out, hidden_states=hidden_states, k=k, v=v,
                                 weight_fused=weight_fused, dot=dot, gate_score=gate_score, rstd_x=rstd_x,
                                 rstd_k=rstd_k)
@@ -217,8 +204,8 @@ def engram_sinkhorn_momentum_update(grad: torch.Tensor, momentum_buffer: torch.T
     _check.expect(grad.numel() == n, op,
                   f"grad must have as many elements as momentum_buffer ({n}), got shape {tuple(grad.shape)}")
     _check.expect(n % 256 == 0, op, f"momentum_buffer must have numel % 256 == 0, got shape {tuple(momentum_buffer.shape)}")
-    beta1 = _number(op, "beta1", beta1)
-    _flag(op, "nesterov", nesterov)
+    beta1 = _check.real(op, "beta1", beta1)
+    _check.flag(op, "nesterov", nesterov)
     _check.same_device(op, grad=grad, momentum_buffer=momentum_buffer)
     return _ref._sinkhorn_momentum_update(grad, momentum_buffer, beta1, nesterov)
 
@@ -233,7 +220,7 @@ def engram_sinkhorn_step(matrix: torch.Tensor, row_scale: torch.Tensor, col_scal
     """
     op = "engram_sinkhorn_step"
     _sinkhorn_operands(op, matrix, row_scale, col_scale)
-    eps = _number(op, "eps", eps)
+    eps = _check.real(op, "eps", eps)
     device = _check.same_device(op, matrix=matrix, row_scale=row_scale, col_scale=col_scale)
     partials = 3 * _num_sms(op, device, num_sms)
     return _ref._sinkhorn_step(matrix, row_scale, col_scale, eps, partials)
@@ -257,8 +244,8 @@ def engram_sinkhorn_finalize(matrix: torch.Tensor, row_scale: torch.Tensor, col_
     only read. Returns ``out`` (new when ``None``)."""
     op = "engram_sinkhorn_finalize"
     _sinkhorn_operands(op, matrix, row_scale, col_scale)
-    eps = _number(op, "eps", eps)
-    alpha = _number(op, "alpha", alpha)
+    eps = _check.real(op, "eps", eps)
+    alpha = _check.real(op, "alpha", alpha)
     _check.optional(op, "out", out, dtype=FP32, shape=tuple(matrix.shape), contiguous=True)
     _check.same_device(op, matrix=matrix, row_scale=row_scale, col_scale=col_scale, out=out)
     return _ref._sinkhorn_finalize(matrix, row_scale, col_scale, eps, alpha, out)

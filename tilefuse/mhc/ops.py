@@ -10,7 +10,6 @@ constraints (n = 4, K % 256, M <= 32) belong to the kernel path.
 """
 from __future__ import annotations
 
-import numbers
 
 import torch
 
@@ -57,22 +56,9 @@ F32 = torch.float32
 # shared checks
 
 
-def _real(op: str, name: str, value) -> float:
-    """Check a Python real scalar (bool rejected) and return it as float."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        _check.fail(op, f"{name} must be a real number, got {type(value).__name__}", TypeError)
-    return float(value)
-
-
-def _flag(op: str, name: str, value) -> bool:
-    if not isinstance(value, bool):
-        _check.fail(op, f"{name} must be a bool, got {type(value).__name__}", TypeError)
-    return value
-
-
 def _post_mult(op: str, name: str, value) -> float:
     """``post_mult_value`` is a nonzero real (the backward divides by it, §2.3)."""
-    value = _real(op, name, value)
+    value = _check.real(op, name, value)
     _check.expect(value != 0.0, op, f"{name} must be nonzero, got {value}")
     return value
 
@@ -175,7 +161,7 @@ def mhc_reduce_partials_and_rmsnorm_fwd(out_mul_splitted: torch.Tensor, sqrsum_s
     _check.tensor(op, "sqrsum", sqrsum, dtype=F32, shape=(T, G), contiguous=True, device=dev)
     _check.tensor(op, "out", out, dtype=F32, shape=(T, M), contiguous=True, device=dev)
     size = _check.integer(op, "rms_group_size", rms_group_size, min=1)
-    eps = _real(op, "rms_eps", rms_eps)
+    eps = _check.real(op, "rms_eps", rms_eps)
     _check.integer(op, "n_splits", n_splits, min=1)
     _check.expect(S == n_splits, op, f"out_mul_splitted must have n_splits={n_splits} partials in dim 0, got {S}")
     pm, qm, o = R.mhc_reduce_partials_and_rmsnorm_ref(out_mul_splitted, sqrsum_splitted, size, eps)
@@ -200,7 +186,7 @@ def mhc_reduce_partials_and_rmsnorm_bwd(out_grad: torch.Tensor, out_mul: torch.T
     _check.tensor(op, "out_mul_grad", out_mul_grad, dtype=F32, shape=(T, G, M), contiguous=True, device=dev)
     _check.tensor(op, "sqrsum_grad", sqrsum_grad, dtype=F32, shape=(T, G), contiguous=True, device=dev)
     size = _check.integer(op, "rms_group_size", rms_group_size, min=1)
-    eps = _real(op, "rms_eps", rms_eps)
+    eps = _check.real(op, "rms_eps", rms_eps)
     d_mul, d_sq = R.mhc_reduce_partials_and_rmsnorm_bwd_ref(out_grad, out_mul, sqrsum, size, eps)
     out_mul_grad.copy_(d_mul)
     sqrsum_grad.copy_(d_sq)
@@ -226,8 +212,8 @@ def mhc_pre_norm_fn(residual: torch.Tensor, mhc_fn: torch.Tensor, mhc_norm_weigh
     """
     op = "mhc_pre_norm_fn"
     _check_norm_fn_inputs(op, residual, mhc_fn, mhc_norm_weight)
-    eps = _real(op, "mhc_norm_eps", mhc_norm_eps)
-    _flag(op, "fuse_grad_acc", fuse_grad_acc)
+    eps = _check.real(op, "mhc_norm_eps", mhc_norm_eps)
+    _check.flag(op, "fuse_grad_acc", fuse_grad_acc)
     _check.integer(op, "n_splits", n_splits, min=1)
     fn = mhc_fn if mhc_norm_weight is None else F.MHCFnNormwMergeFn.apply(mhc_fn, mhc_norm_weight)
     return F.MHCPreNormFn.apply(residual, fn, eps, fuse_grad_acc)
@@ -255,7 +241,7 @@ def mhc_pre_split_mixes(input_mixes: torch.Tensor, mhc_scale: torch.Tensor, mhc_
                   f"input_mixes must have mhc_mult*(mhc_mult+2)={M} columns, got shape {tuple(input_mixes.shape)}")
     _check_scale_base(op, mhc_scale, mhc_base, 3, M, input_mixes.device)
     v = _post_mult(op, "mhc_post_mult_value", mhc_post_mult_value)
-    eps = _real(op, "mhc_pre_eps", mhc_pre_eps)
+    eps = _check.real(op, "mhc_pre_eps", mhc_pre_eps)
     return F.MHCPreSplitMixesFn.apply(input_mixes, mhc_scale, mhc_base, n, v, eps)
 
 
@@ -274,7 +260,7 @@ def mhc_pre_split_mixes_fwd(input_mixes: torch.Tensor, mhc_scale: torch.Tensor, 
                            ("comb_res_mix", comb_res_mix, n * n)):
         _check.tensor(op, name, t, dtype=F32, shape=(T, width), contiguous=True, device=dev)
     v = _post_mult(op, "mhc_post_mult_value", mhc_post_mult_value)
-    eps = _real(op, "mhc_pre_eps", mhc_pre_eps)
+    eps = _check.real(op, "mhc_pre_eps", mhc_pre_eps)
     pre, post, comb = R.mhc_pre_split_mixes_ref(input_mixes, mhc_scale, mhc_base, n, v, eps)
     pre_layer_mix.copy_(pre.view(T, n))
     post_layer_mix.copy_(post.view(T, n))
@@ -315,7 +301,7 @@ def mhc_pre_split_mixes_bwd(pre_layer_mix_grad: torch.Tensor, post_layer_mix_gra
 
 
 def _sinkhorn_args(op: str, repeat, eps) -> tuple[int, float]:
-    return _check.integer(op, "repeat", repeat, min=1), _real(op, "eps", eps)
+    return _check.integer(op, "repeat", repeat, min=1), _check.real(op, "eps", eps)
 
 
 def _square(op: str, name: str, t, **kwargs) -> torch.Tensor:
@@ -450,7 +436,7 @@ def mhc_post_bwd(x: torch.Tensor, residual: torch.Tensor, post_layer_mix: torch.
     op = "mhc_post_bwd"
     _check_post(op, x, residual, post_layer_mix, comb_res_mix)
     _check.tensor(op, "d_o", d_o, dtype=BF16, shape=tuple(residual.shape), device=residual.device)
-    _flag(op, "fuse_grad_acc", fuse_grad_acc)
+    _check.flag(op, "fuse_grad_acc", fuse_grad_acc)
     return F.post_backward(x, residual, post_layer_mix, comb_res_mix, d_o.contiguous(), fuse_grad_acc)
 
 
@@ -465,7 +451,7 @@ def mhc_head_compute_mix(input_mix: torch.Tensor, mhc_scale: torch.Tensor, mhc_b
     op = "mhc_head_compute_mix"
     _check.tensor(op, "input_mix", input_mix, dtype=F32, ndim=3, contiguous=True)
     _check_scale_base(op, mhc_scale, mhc_base, 1, input_mix.shape[-1], input_mix.device)
-    eps = _real(op, "mhc_pre_eps", mhc_pre_eps)
+    eps = _check.real(op, "mhc_pre_eps", mhc_pre_eps)
     return F.MHCHeadComputeMixFn.apply(input_mix, mhc_scale, mhc_base, eps)
 
 
@@ -485,7 +471,7 @@ def mhc_head_compute_mix_fwd(input_mix: torch.Tensor, mhc_scale: torch.Tensor, m
     op = "mhc_head_compute_mix_fwd"
     T, n, _ = _check_head_flat(op, input_mix, mhc_scale, mhc_base, token_block_size)
     _check.tensor(op, "output_mix", output_mix, dtype=F32, shape=(T, n), contiguous=True, device=input_mix.device)
-    eps = _real(op, "mhc_pre_eps", mhc_pre_eps)
+    eps = _check.real(op, "mhc_pre_eps", mhc_pre_eps)
     output_mix.copy_(R.mhc_head_compute_mix_ref(input_mix, mhc_scale, mhc_base, eps))
 
 
@@ -518,8 +504,8 @@ def mhc_head_compute_mix_bwd(output_mix_grad: torch.Tensor, input_mix: torch.Ten
 
 def _check_fuse_scalars(op: str, rms_eps, mhc_pre_eps, mhc_sinkhorn_eps, mhc_post_mult_value, sinkhorn_repeat,
                         n_splits) -> tuple:
-    return (_real(op, "rms_eps", rms_eps), _real(op, "mhc_pre_eps", mhc_pre_eps),
-            _real(op, "mhc_sinkhorn_eps", mhc_sinkhorn_eps), _post_mult(op, "mhc_post_mult_value", mhc_post_mult_value),
+    return (_check.real(op, "rms_eps", rms_eps), _check.real(op, "mhc_pre_eps", mhc_pre_eps),
+            _check.real(op, "mhc_sinkhorn_eps", mhc_sinkhorn_eps), _post_mult(op, "mhc_post_mult_value", mhc_post_mult_value),
             _check.integer(op, "sinkhorn_repeat", sinkhorn_repeat, min=1),
             _check.integer(op, "n_splits", n_splits, min=1))
 

@@ -46,22 +46,9 @@ def _assert_data(cond: torch.Tensor, op: str, message: str) -> None:
     torch._assert_async(cond.all(), f"{op}: {message}")
 
 
-def _number(op: str, name: str, value) -> float:
-    """A Python int or float scalar argument."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        _check.fail(op, f"{name} must be a float, got {type(value).__name__}", TypeError)
-    return float(value)
-
-
-def _flag(op: str, name: str, value) -> bool:
-    if not isinstance(value, bool):
-        _check.fail(op, f"{name} must be a bool, got {type(value).__name__}", TypeError)
-    return value
-
-
 def _num_shared(op: str, use_shared_as_routed, num_shared_experts) -> int:
     """S: 0 unless ``use_shared_as_routed``, then ``num_shared_experts`` in {1, 2} (§2.2 step 6, §2.13 step 6)."""
-    if not _flag(op, "use_shared_as_routed", use_shared_as_routed):
+    if not _check.flag(op, "use_shared_as_routed", use_shared_as_routed):
         return 0
     _check.integer(op, "num_shared_experts", num_shared_experts)
     _check.expect(num_shared_experts in (1, 2), op,
@@ -201,7 +188,7 @@ def top2_sum_gate(logits, bias, num_topk, num_topk_groups, num_groups, use_share
                   f"to_physical_map must have at least num_shared_experts + 1 = {num_shared + 1} columns with shared "
                   f"experts, got {num_extra + 1 if to_physical_map is not None else 'none'}")
     _check_fixed_routing(op, fix_routing_mask, unmapped_topk_idx, rows, num_topk, device)
-    _number(op, "routed_scaling_factor", routed_scaling_factor)
+    _check.real(op, "routed_scaling_factor", routed_scaling_factor)
     _check.integer(op, "ep_rank", ep_rank, min=0)
     _check.integer(op, "num_ep_ranks", num_ep_ranks, min=1, max=num_routed + num_extra)
     _check.integer(op, "num_tp_ranks", num_tp_ranks, min=1)
@@ -246,7 +233,7 @@ def moe_topk_gate_forward(logits, num_topk, use_shared_as_routed, num_shared_exp
     _check.expect(num_topk + num_shared <= MAX_TOPK, op,
                   f"num_topk + num_shared_experts must be <= {MAX_TOPK}, got {num_topk + num_shared}")
     _check.expect(num_routed % 4 == 0, op, f"logits must have a multiple of 4 experts, got shape {tuple(logits.shape)}")
-    _number(op, "routed_scaling_factor", routed_scaling_factor)
+    _check.real(op, "routed_scaling_factor", routed_scaling_factor)
     _check.integer(op, "ep_rank", ep_rank, min=0)
     width = num_topk + num_shared
     if out is not None:
@@ -308,7 +295,7 @@ def moe_topk_gate_backward(scores, topk_idx, topk_weights, grad_topk_weights, ro
                   f"{tuple(topk_idx.shape)}")
     for name, t in (("topk_weights", topk_weights), ("grad_topk_weights", grad_topk_weights)):
         _check.tensor(op, name, t, dtype=FP32, shape=(rows, num_topk), contiguous=True, device=device)
-    _number(op, "routed_scaling_factor", routed_scaling_factor)
+    _check.real(op, "routed_scaling_factor", routed_scaling_factor)
     _check.expect((mask is None) == (grad_scores_sum is None), op, "mask and grad_scores_sum must be given together")
     if grad_scores_sum is not None:
         _check.tensor(op, "grad_scores_sum", grad_scores_sum, dtype=FP32, ndim=2, contiguous=True, device=device)
@@ -353,7 +340,7 @@ def get_fused_mapping(topk_idx: torch.Tensor, num_experts: int, num_expanded_tok
     _check.integer(op, "num_experts", num_experts, min=1, max=MAX_FUSED_EXPERTS)
     _check.integer(op, "num_expanded_tokens", num_expanded_tokens, min=0)
     _check.integer(op, "alignment", alignment, min=1)
-    _flag(op, "force_no_sync", force_no_sync)
+    _check.flag(op, "force_no_sync", force_no_sync)
     if num_sms is not None:
         _check.integer(op, "num_sms", num_sms, min=1)
     _assert_data((topk_idx >= -1) & (topk_idx < num_experts), op,
@@ -399,7 +386,7 @@ def expand_to_fused_with_sf(x, num_per_channels: int, token_topk_to_pos: torch.T
     rows, hidden = data.shape
     _check.tensor(op, "x[1]", sf, dtype=(FP32, INT32), ndim=2, contiguous=True, device=data.device)
     _check.choice(op, "num_per_channels", num_per_channels, (32, 128))
-    _flag(op, "use_tma_aligned_col_major_sf", use_tma_aligned_col_major_sf)
+    _check.flag(op, "use_tma_aligned_col_major_sf", use_tma_aligned_col_major_sf)
     blocks = formats.cdiv(hidden, num_per_channels)
     sf_width = formats.cdiv(blocks, 4) if sf.dtype == INT32 else blocks
     _check.tensor(op, "x[1]", sf, shape=(rows, sf_width))
