@@ -1,0 +1,246 @@
+"""TileLang kernel for the E5M6 per-token cast (quant.md 3.4, 2.3, 1.3); the E5M6 cast-back shares the
+cast-back factory (``_cast_back_kernel``, data format "e5m6").
+
+One scale per row (``num_per_channels == H``): ``a = max(amax, 1e-4)``, ``M = 65024``; plain ``sf = a / M``,
+``sf_inv = M / a`` (IEEE divisions, fast-math off), or with ``round_sf`` ``sf = 2^E`` from the exponent bits
+of ``a / M`` and ``sf_inv`` the binary32 with biased exponent ``max(127 - E, 0)`` (2.3). Each value
+``x * sf_inv`` is encoded exactly as 1.3 says: the binary16 pattern rounded toward zero (subnormals
+truncated, ``>= 2^16`` to inf, NaN payload kept), its top 12 bits, plus one when ``(t & 1) + low17 > 0x10000``.
+NaN products are first made the positive canonical NaN, as the reference does. Eight codes become three
+words ``W0 W1 W2`` (big-endian bit string) stored as little-endian uint32.
+
+Tiling (SIMT): ``L`` threads (a power of two >= 32) per row, each holding about four groups of eight values
+in registers; the row maximum is a warp-shuffle reduction, then one shared-memory step across the row's
+warps (max is exact in any order). Nothing depends on the token count: deterministic and batch-invariant.
+"""
+import torch
+
+from tilefuse import _jit
+from tilefuse import formats as F
+from tilefuse.quant import _cast_back_kernel as CB
+
+_M = F.FMT_MAX["e5m6"]
+_CLAMP = F.CLAMP_MIN["e5m6"]
+_TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_MAX_PER_THREAD = 64
+
+
+def _tiling(hidden: int) -> tuple[int, int, int] | None:
+    """(L threads per row, NG groups of 8 per thread, R rows per CTA), or None for widths beyond 65536.
+
+    L is a power of two >= 32 giving each thread about four groups (32 values), so a row is a whole number
+    of warps; small rows share a CTA (R * L >= 128 threads).
+    """
+    g8 = hidden // 8
+    lanes = 32
+    while lanes < 1024 and lanes * 4 < g8:
+        lanes *= 2
+    ng = -(-g8 // lanes)
+    if ng > 8:
+        return None
+    return lanes, ng, max(1, 128 // lanes)
+
+
+def _e5m6_code(v):
+    """The 12-bit E5M6 code (uint32) of binary32 ``v``, bit-exactly quant.md 1.3."""
+    import tilelang.language as T
+
+    b = T.if_then_else(v != v, T.uint32(0x7FC00000), T.reinterpret(v, "uint32"))  # NaN -> +canonical NaN
+    e = T.cast(T.shift_right(b, 23) & 0xFF, "int32")
+    m = b & T.uint32(0x7FFFFF)
+    # binary16 magnitude rounded toward zero
+    normal = T.shift_left(T.cast(e - 112, "uint32"), 10) | T.shift_right(m, 13)
+    shift = 126 - e  # >= 14 whenever the value is below the binary16 normal range
+    sub = T.if_then_else(shift < 24, T.shift_right(m | T.uint32(0x800000), T.cast(T.max(T.min(shift, 31), 0), "uint32")),
+                         T.uint32(0))
+    payload = T.shift_right(m, 13)
+    special = T.if_then_else(m == 0, T.uint32(0x7C00),
+                             T.uint32(0x7C00) | T.if_then_else(payload == 0, T.uint32(0x200), payload))
+    mag = T.if_then_else(e == 255, special,
+                         T.if_then_else(e - 112 >= 31, T.uint32(0x7C00),
+                                        T.if_then_else(e - 112 >= 1, normal, sub)))
+    t = T.shift_right(T.shift_left(T.shift_right(b, 31), 15) | mag, 4)
+    r = b & T.uint32(0x1FFFF)
+    return T.if_then_else((t & 1) + r > T.uint32(0x10000), t + 1, t) & T.uint32(0xFFF)
+
+
+def e5m6_cast_kernel(x_dtype: str, hidden: int, round_sf: bool, sf_layout: str):
+    """Factory for one static config: ``x_dtype`` "bfloat16" | "float32", ``hidden`` (% 8 == 0), ``round_sf``,
+    ``sf_layout`` "row" | "col" | "col_packed". Token count and input row stride are symbolic.
+
+    Thread ``lane`` of a row owns the groups ``lane + j * L`` (8 values each, 16-byte loads): loads are
+    coalesced across lanes, every value stays in registers until its code is packed.
+    """
+    import tilelang.language as T
+
+    L, NG, R = _tiling(hidden)
+    g8 = hidden // 8
+    vec = 16 // (2 if x_dtype == "bfloat16" else 4)
+    words = g8 * 3
+    nwarps = L // 32
+    Tn, S, P = T.dynamic("num_tokens, x_row_stride, sf_pad")
+    if sf_layout == "row":
+        sf_param = T.Tensor((Tn, 1), "float32")
+    elif sf_layout == "col":
+        sf_param = T.Tensor((1, P), "float32")
+    else:
+        sf_param = T.Tensor((1, P, 4), "uint8")  # the int32 storage seen as bytes; byte 0 holds the exponent
+
+    @T.prim_func
+    def e5m6_cast(X: T.StridedTensor((Tn, hidden), (S, 1), x_dtype), Y: T.Tensor((Tn, words), "uint32"),
+                  SF: sf_param):
+        T.assume(S % vec == 0)
+        with T.Kernel(T.ceildiv(Tn, R), threads=R * L) as bx:
+            tx = T.get_thread_binding()
+            lane = tx % L
+            row = bx * R + tx // L
+            raw = T.alloc_local((NG * 8,), x_dtype)
+            xv = T.alloc_local((NG * 8,), "float32")
+            amax = T.alloc_local((1,), "float32")
+            inv = T.alloc_local((1,), "float32")
+            code = T.alloc_local((8,), "uint32")
+            red = T.alloc_shared((R * nwarps,), "float32")
+            for j in T.unroll(NG):
+                if T.And(row < Tn, lane + j * L < g8):
+                    for p in T.unroll(8 // vec):
+                        for v in T.vectorized(vec):
+                            raw[j * 8 + p * vec + v] = X[row, (lane + j * L) * 8 + p * vec + v]
+            amax[0] = T.float32(0.0)
+            for j in T.unroll(NG):
+                for v in T.unroll(8):
+                    xv[j * 8 + v] = T.if_then_else(T.And(row < Tn, lane + j * L < g8),
+                                                   T.cast(raw[j * 8 + v], "float32"), T.float32(0.0))
+                    amax[0] = T.max(amax[0], T.abs(xv[j * 8 + v]))
+            for off in (16, 8, 4, 2, 1):  # a Python tuple: unrolled while building
+                amax[0] = T.max(amax[0], T.shfl_xor(amax[0], off))
+            if nwarps > 1:
+                if tx % 32 == 0:
+                    red[tx // 32] = amax[0]
+                T.sync_threads()
+                for w in T.unroll(nwarps):
+                    amax[0] = T.max(amax[0], red[(tx // L) * nwarps + w])
+            a = T.max(amax[0], T.float32(_CLAMP))
+            if round_sf:
+                eb = T.shift_right(T.reinterpret(a / T.float32(_M), "int32") - 1, 23) + 1  # biased E + 127
+                sf = T.reinterpret(T.shift_left(eb, 23), "float32")
+                inv[0] = T.reinterpret(T.shift_left(T.max(254 - eb, 0), 23), "float32")
+            else:
+                sf = a / T.float32(_M)
+                inv[0] = T.float32(_M) / a
+            if T.And(lane == 0, row < Tn):
+                if sf_layout == "row":
+                    SF[row, 0] = sf
+                elif sf_layout == "col":
+                    SF[0, row] = sf
+                else:
+                    SF[0, row, 0] = T.cast(eb, "uint8")
+            for j in T.unroll(NG):
+                g = lane + j * L
+                if T.And(row < Tn, g < g8):
+                    for v in T.unroll(8):
+                        code[v] = _e5m6_code(xv[j * 8 + v] * inv[0])
+                    Y[row, g * 3] = T.shift_left(code[0], 20) | T.shift_left(code[1], 8) | T.shift_right(code[2], 4)
+                    Y[row, g * 3 + 1] = (T.shift_left(code[2] & 0xF, 28) | T.shift_left(code[3], 16)
+                                         | T.shift_left(code[4], 4) | T.shift_right(code[5], 8))
+                    Y[row, g * 3 + 2] = T.shift_left(code[5] & 0xFF, 24) | T.shift_left(code[6], 12) | code[7]
+
+    return e5m6_cast
+
+
+HIDDEN_SIZES = (576, 2048, 2560, 3072, 4096, 6144, 7168)  # quant.md 7.1 (bench shapes)
+_FLAG_SETS = ((True, "row"), (True, "col_packed"))  # quant.md 7.1: (col, round, packed) = FTF and TTT
+
+
+def test_configs() -> list[tuple]:
+    """The cast configs the GPU tier uses (and the compile tier builds)."""
+    cfgs = [(xd, h, r, lay) for xd in ("bfloat16", "float32") for h in (576, 7168) for r, lay in _FLAG_SETS]
+    cfgs += [("bfloat16", 2048, False, "row"), ("bfloat16", 2048, False, "col"), ("bfloat16", 2048, True, "col")]
+    return cfgs
+
+
+def test_cast_back_configs() -> list[tuple]:
+    """The cast-back (``_cast_back_kernel``) configs of the E5M6 GPU tests."""
+    return [("e5m6", out, h, 1, h, packed) for out in ("bf16", "fp32") for h in (576, 7168)
+            for packed in (False, True)]
+
+
+def _configs() -> list[tuple]:
+    cfgs = test_configs()
+    cfgs += [(xd, h, r, lay) for xd in ("bfloat16", "float32") for h in HIDDEN_SIZES for r, lay in _FLAG_SETS]
+    return list(dict.fromkeys(cfgs))
+
+
+_jit.register("per_token_cast_to_e5m6", e5m6_cast_kernel, _configs)
+
+
+# ---- launcher ----
+
+def _aligned_rows(x: torch.Tensor, vec: int) -> torch.Tensor:
+    """``x`` when its rows start on ``vec``-element (16-byte) boundaries (pointer and stride), else a copy."""
+    if x.stride(-1) != 1 or x.data_ptr() % 16 or (x.size(0) > 1 and x.stride(0) % vec):
+        return x.contiguous()
+    return x
+
+
+def e5m6_cast_launch(x: torch.Tensor, num_per_channels: int, use_tma_aligned_col_major_sf: bool = False,
+                     round_sf: bool = False, use_packed_ue8m0: bool = False):
+    """Allocate ``(uint8 (T, 3H/2), sf)`` and launch (quant.md 3.4). Validates nothing: the public op does
+    (``num_per_channels == H``, ``H % 8 == 0``, packed only with col and round_sf)."""
+    t, hidden = x.shape
+    dev = x.device
+    if _tiling(hidden) is None:  # a width no CTA tiling fits (far beyond the spec's sizes): the reference
+        from tilefuse.reference.quant import cast_to_e5m6
+        return cast_to_e5m6(x, num_per_channels, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
+    out = torch.empty((t, hidden * 3 // 2), dtype=torch.uint8, device=dev)
+    pad = F.align(t, 4)
+    if use_tma_aligned_col_major_sf and use_packed_ue8m0:
+        layout = "col_packed"
+        store = torch.empty((1, pad), dtype=torch.int32, device=dev)
+        out_sf, sf_arg = store[:, :t].t(), store.view(torch.uint8).view(1, pad, 4)
+    elif use_tma_aligned_col_major_sf:
+        layout = "col"
+        store = torch.empty((1, pad), dtype=torch.float32, device=dev)
+        out_sf, sf_arg = store[:, :t].t(), store
+    else:
+        layout = "row"
+        out_sf = sf_arg = torch.empty((t, 1), dtype=torch.float32, device=dev)
+    if t > 0:
+        vec = 16 // x.element_size()
+        cfg = (_TL_DTYPE[x.dtype], hidden, round_sf, layout)
+        _jit.get("per_token_cast_to_e5m6", cfg)(_aligned_rows(x, vec), out.view(torch.uint32), sf_arg)
+    return out, out_sf
+
+
+# ---- torch.library registration (torch.compile / fake tensors) ----
+
+@torch.library.custom_op("tilefuse::per_token_cast_to_e5m6", mutates_args=(), device_types="cuda")
+def _e5m6_op(x: torch.Tensor, num_per_channels: int, use_tma_aligned_col_major_sf: bool, round_sf: bool,
+             use_packed_ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    out, sf = e5m6_cast_launch(x, num_per_channels, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
+    return out, sf
+
+
+@_e5m6_op.register_fake
+def _(x, num_per_channels, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0):
+    t, hidden = x.shape
+    out = x.new_empty((t, hidden * 3 // 2), dtype=torch.uint8)
+    pad = (t + 3) // 4 * 4
+    if use_tma_aligned_col_major_sf:
+        dtype = torch.int32 if use_packed_ue8m0 else torch.float32
+        return out, x.new_empty_strided((t, 1), (1, pad), dtype=dtype)
+    return out, x.new_empty((t, 1), dtype=torch.float32)
+
+
+def per_token_cast_to_e5m6_cuda(x: torch.Tensor, num_per_channels: int, use_tma_aligned_col_major_sf: bool = False,
+                                round_sf: bool = False, use_packed_ue8m0: bool = False):
+    """CUDA entry for ``per_token_cast_to_e5m6`` (and ``per_token_cast(x, 'e5m6', ...)``)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.tilefuse.per_token_cast_to_e5m6(x, num_per_channels, use_tma_aligned_col_major_sf,
+                                                          round_sf, use_packed_ue8m0)
+    return e5m6_cast_launch(x, num_per_channels, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
+
+
+def cast_back_e5m6_cuda(x, fmt: str, x_block_size) -> torch.Tensor:
+    """CUDA entry for ``cast_back_e5m6`` (and ``cast_back(..., x_special_fmt='e5m6')``): the cast-back kernel
+    with E5M6 decoding."""
+    return CB.cast_back_cuda(x, fmt, x_block_size, "e5m6")
