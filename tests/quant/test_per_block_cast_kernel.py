@@ -1,0 +1,498 @@
+"""Kernel tiers for the per-block casts (quant.md 3.6, 3.7): fake shapes (everywhere), launcher/kernel
+interface and sm_90 builds (compile), and bit-exact kernel == reference on the GPU.
+
+GPU comparisons call the reference on the same CUDA tensors and compare bitwise (quant.md 6.2): data, sf
+and sf strides, with packed-UE8M0 padding bytes cleared on both sides (6.1 ``clear_unused_sf``). Outputs
+are poisoned (0xFF in the allocator's free blocks) before each launch so unwritten elements show.
+"""
+import pytest
+import torch
+
+from tilefuse import _jit
+from tilefuse.formats import cdiv
+from tilefuse.quant import _per_block_cast_kernel as K
+from tilefuse.reference import quant as R
+from tilefuse.testing import assert_equal, clear_unused_sf
+
+TOKENS = (0, 1, 7, 4001, 8192)
+LAYOUT_FLAGS = {"row": (False, False), "col": (True, False), "col_packed": (True, True)}  # (col, packed)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Everywhere: the fake (meta) implementations give the reference's shapes, dtypes and strides
+# ---------------------------------------------------------------------------------------------------------
+
+def _meta_like(shape, dtype):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _same_meta(got: torch.Tensor, want: torch.Tensor):
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if want.numel():
+        assert got.stride() == want.stride()
+
+
+@pytest.mark.parametrize("t", (0, 1, 7, 300))
+@pytest.mark.parametrize("block", ((128, 128), (32, 32), (32, 128)))
+@pytest.mark.parametrize("fmt", ("e4m3", "e2m1"))
+@pytest.mark.parametrize("flags", ((False, True, False), (True, True, True), (True, False, False)), ids=str)
+def test_fake_per_block_cast_matches_reference_metadata(t, block, fmt, flags):
+    col, rnd, packed = flags
+    x = torch.randn(t, 320, dtype=torch.bfloat16)
+    want = R.cast(x, fmt, block, round_sf=rnd, use_tma_aligned_col_major_sf=col, use_packed_ue8m0=packed)
+    xm = _meta_like(x.shape, x.dtype)
+    got = torch.ops.tilefuse.per_block_cast(xm, fmt, list(block), col, rnd, packed)
+    _same_meta(got[0], want[0])
+    _same_meta(got[1], want[1])
+    _same_meta(torch.ops.tilefuse.per_block_cast_with_sf_only(xm, fmt, list(block), col, rnd, packed), want[1])
+
+
+@pytest.mark.parametrize("t", (0, 7, 300))
+@pytest.mark.parametrize("fmt", ("e4m3", "e2m1"))
+def test_fake_precomputed_matches_reference_metadata(t, fmt):
+    x = torch.randn(t, 320, dtype=torch.float32)
+    sf = torch.rand(cdiv(t, 32), cdiv(320, 32)) + 0.5
+    want = R.cast(x, fmt, (32, 32), sf=sf)
+    got = torch.ops.tilefuse.per_block_cast_with_precomputed_sf(_meta_like(x.shape, x.dtype), fmt, [32, 32],
+                                                                _meta_like(sf.shape, sf.dtype))
+    _same_meta(got, want)
+
+
+@pytest.mark.parametrize("t", (0, 1, 7, 300))
+@pytest.mark.parametrize("out_block", K.LOSSLESS_OUT_BLOCKS)
+@pytest.mark.parametrize("layout", tuple(LAYOUT_FLAGS))
+def test_fake_lossless_matches_reference_metadata(t, out_block, layout):
+    col, packed = LAYOUT_FLAGS[layout]
+    data, sf_in = R.cast(torch.randn(t, 320), "e2m1", (1, 32), round_sf=True)
+    want = R.per_block_cast_lossless((data, sf_in), (1, 32), out_block, col, packed)
+    got = torch.ops.tilefuse.per_block_cast_lossless(_meta_like(data.shape, data.dtype),
+                                                     _meta_like(sf_in.shape, sf_in.dtype),
+                                                     [1, 32], list(out_block), col, packed)
+    _same_meta(got[0], want[0])
+    _same_meta(got[1], want[1])
+
+
+def test_lossless_supported_covers_the_tested_blocks():
+    for out_block in K.LOSSLESS_OUT_BLOCKS:
+        assert K.lossless_supported((1, 32), out_block)
+    assert not K.lossless_supported((1, 4), (1, 128))     # input blocks narrower than a thread's 8 channels
+    assert not K.lossless_supported((1, 32), (1, 512))    # output blocks wider than a warp's 256 channels
+    assert not K.lossless_supported((3, 32), (96, 128))   # non-power-of-two heights
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Compile tier: every config the GPU tests use builds for sm_90; the launchers' arguments bind to the
+# kernels' parameters (shapes, strides, dtypes), checked on CPU tensors without running anything
+# ---------------------------------------------------------------------------------------------------------
+
+_ALL = [("per_block_cast", c) for c in K._cast_configs()] + \
+       [("per_block_cast_lossless", c) for c in K._lossless_configs()]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name,cfg", _ALL, ids=str)
+def test_builds_for_sm90(name, cfg):
+    src = _jit.compile_kernel(name, cfg, "sm_90").get_kernel_source()
+    assert "__global__" in src
+    assert "use_fast_math" not in src
+
+
+def _binding_checker(calls):
+    """A stand-in for ``_jit.get`` that checks each argument against the kernel's parameter buffer
+    (dtype, shape and strides under one consistent binding of the symbolic sizes) and records the call."""
+    from tilelang import tvm
+
+    def get(name, cfg):
+        func = _jit._FACTORIES[name][0](*cfg)
+
+        def launch(*args):
+            assert len(args) == len(func.params)
+            an = tvm.arith.Analyzer()
+            bound = {}
+            buffers = [func.buffer_map[p] for p in func.params]
+            for buf, arg in zip(buffers, args):  # bind the plain symbolic dims and strides first
+                for sym, val in zip(list(buf.shape) + list(buf.strides), list(arg.shape) + list(arg.stride())):
+                    if isinstance(sym, tvm.tirx.Var):
+                        assert bound.setdefault(sym.name, val) == val, (buf.name, sym.name)
+                        an.bind(sym, val)
+            for buf, arg in zip(buffers, args):
+                assert str(buf.dtype) == str(arg.dtype).replace("torch.", ""), (buf.name, buf.dtype, arg.dtype)
+                assert [int(an.simplify(s)) for s in buf.shape] == list(arg.shape), buf.name
+                if arg.numel() > 1:
+                    assert [int(an.simplify(s)) for s in buf.strides] == list(arg.stride()), buf.name
+            calls.append((name, cfg, bound))
+        return launch
+    return get
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("cfg", [c for i, c in enumerate(K._cast_configs())
+                                 if i in (0, 5) or c[0] == "float32" or c[7] != "cast" or c[6] == "col"], ids=str)
+def test_cast_launcher_binds_kernel_parameters(cfg, monkeypatch):
+    x_dtype, fmt, hidden, bm, bk, rnd, layout, mode = cfg
+    col, packed = LAYOUT_FLAGS[layout]
+    calls = []
+    monkeypatch.setattr(K._jit, "get", _binding_checker(calls))
+    t = 301
+    x = torch.randn(t, hidden).to(getattr(torch, x_dtype))
+    if mode == "precomputed":
+        sf = torch.rand(cdiv(t, bm), 2 * cdiv(hidden, bk))[:, ::2].contiguous() + 0.5
+        got = K.per_block_cast_launch(x, fmt, (bm, bk), mode=mode, sf=sf)
+        _same_meta(got, R.cast(x, fmt, (bm, bk), sf=sf))
+    else:
+        got = K.per_block_cast_launch(x, fmt, (bm, bk), col, rnd, packed, mode=mode)
+        want = R.cast(x, fmt, (bm, bk), round_sf=rnd, use_tma_aligned_col_major_sf=col, use_packed_ue8m0=packed)
+        if mode == "sf_only":
+            _same_meta(got, want[1])
+        else:
+            _same_meta(got[0], want[0])
+            _same_meta(got[1], want[1])
+    assert [(n, c) for n, c, _ in calls] == [("per_block_cast", cfg)]
+    assert calls[0][2]["num_tokens"] == t
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("cfg", K._lossless_configs(), ids=str)
+def test_lossless_launcher_binds_kernel_parameters(cfg, monkeypatch):
+    hidden, ibm, ibk, obm, obk, in_packed, layout = cfg
+    col, packed = LAYOUT_FLAGS[layout]
+    calls = []
+    monkeypatch.setattr(K._jit, "get", _binding_checker(calls))
+    data, sf_in = R.cast(torch.randn(301, hidden), "e2m1", (ibm, ibk), round_sf=True,
+                         use_tma_aligned_col_major_sf=in_packed, use_packed_ue8m0=in_packed)
+    got = K.per_block_cast_lossless_launch(data, sf_in, (ibm, ibk), (obm, obk), col, packed)
+    want = R.per_block_cast_lossless((data, sf_in), (ibm, ibk), (obm, obk), col, packed)
+    _same_meta(got[0], want[0])
+    _same_meta(got[1], want[1])
+    assert [(n, c) for n, c, _ in calls] == [("per_block_cast_lossless", cfg)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU tier
+# ---------------------------------------------------------------------------------------------------------
+
+def _poison():
+    """Fill the caching allocator's free memory with 0xFF so freshly allocated outputs start poisoned."""
+    free = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    free.fill_(0xFF)
+    del free
+
+
+def _compare_sf(got, want, hidden, bk):
+    """Strides compared on the device tensors, then the bytes with packed padding cleared on both sides."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert got.stride() == want.stride() or got.numel() == 0
+    assert_equal(clear_unused_sf(got, hidden, bk), clear_unused_sf(want, hidden, bk))
+
+
+def _cast(x, fmt, block, col, rnd, packed):
+    _poison()
+    got = K.per_block_cast_launch(x, fmt, block, col, rnd, packed)
+    torch.cuda.synchronize()
+    return got
+
+
+def _check_cast(x, fmt, block, col, rnd, packed):
+    out, sf = _cast(x, fmt, block, col, rnd, packed)
+    r_out, r_sf = R.cast(x, fmt, block, round_sf=rnd, use_tma_aligned_col_major_sf=col, use_packed_ue8m0=packed)
+    assert_equal(out, r_out)
+    _compare_sf(sf, r_sf, x.size(1), block[1])
+    return out, sf
+
+
+def _x(t, hidden, dtype=torch.bfloat16, scale=1.0):
+    return (torch.randn(t, hidden, device="cuda") * scale).to(dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("block", K.BLOCKS)
+@pytest.mark.parametrize("fmt", ("e4m3", "e2m1"))
+@pytest.mark.parametrize("flags", K.FLAG_SETS, ids=str)
+def test_cast_matches_reference(t, block, fmt, flags):
+    col, rnd, packed = flags
+    _check_cast(_x(t, 576, scale=3.0), fmt, block, col, rnd, packed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", (1, 4001, 8192))
+@pytest.mark.parametrize("fmt", ("e4m3", "e2m1"))
+def test_cast_large_hidden(t, fmt):
+    _check_cast(_x(t, 7168), fmt, (128, 128), True, True, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", (7, 4001))
+@pytest.mark.parametrize("cfg", (("e4m3", (32, 128), False), ("e2m1", (128, 32), True)), ids=str)
+def test_cast_mixed_blocks_plain_sf(t, cfg):
+    fmt, block, col = cfg
+    _check_cast(_x(t, 2048, scale=0.01), fmt, block, col, False, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", (7, 4001))
+def test_cast_fp32_input(t):
+    _check_cast(_x(t, 576, torch.float32, scale=100.0), "e4m3", (128, 128), True, True, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", (1, 4001))
+def test_sf_only_equals_cast_sf_and_reference(t):
+    x = _x(t, 576)
+    _, sf = _cast(x, "e2m1", (128, 128), True, True, True)
+    _poison()
+    got = K.per_block_cast_launch(x, "e2m1", (128, 128), True, True, True, mode="sf_only")
+    r_sf = R.cast(x, "e2m1", (128, 128), round_sf=True, use_tma_aligned_col_major_sf=True, use_packed_ue8m0=True)[1]
+    _compare_sf(got, sf, 576, 128)
+    _compare_sf(got, r_sf, 576, 128)
+
+
+def _precomputed_sf(t, bm, bk, hidden):
+    """A row-strided positive sf grid with a few zero entries and a few tiny ones (scaled values far beyond
+    the format maximum, so the conversion saturates)."""
+    nbm, nbk = cdiv(t, bm), cdiv(hidden, bk)
+    wide = torch.rand(nbm, nbk + 3, device="cuda") * 0.02 + 1e-3
+    sf = wide[:, :nbk]  # row stride nbk + 3: the kernel must honour it
+    sf[::3, 0] = 0.0
+    sf[1::4, -1] = 1e-9
+    return sf
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("cfg", (("e4m3", (32, 32)), ("e2m1", (128, 128))), ids=str)
+def test_precomputed_matches_reference(t, cfg):
+    fmt, (bm, bk) = cfg
+    x = _x(t, 576, scale=2.0)
+    sf = _precomputed_sf(t, bm, bk, 576)
+    _poison()
+    got = K.per_block_cast_launch(x, fmt, (bm, bk), mode="precomputed", sf=sf)
+    torch.cuda.synchronize()
+    assert_equal(got, R.cast(x, fmt, (bm, bk), sf=sf))
+
+
+def _adversarial(t, hidden, dtype, bm, bk):
+    """Random data with whole blocks replaced: all +0, all -0, subnormals only, exactly the format maxima
+    (448, 6), far beyond them (1e30 and the dtype's largest finite value), and one huge element among tiny
+    ones (the others flush to zero codes)."""
+    x = torch.randn(t, hidden, device="cuda", dtype=torch.float32)
+    tiny = torch.finfo(dtype).tiny
+    fills = [lambda b: b.zero_(), lambda b: b.zero_().neg_(),
+             lambda b: b.copy_(torch.randn_like(b).sign() * tiny * torch.rand_like(b) * 0.5),
+             lambda b: b.copy_(torch.randn_like(b).sign() * 448.0),
+             lambda b: b.copy_(torch.randn_like(b).sign() * 6.0),
+             lambda b: b.copy_(torch.randn_like(b) * 1e30),
+             lambda b: b.copy_(torch.randn_like(b).sign() * torch.finfo(dtype).max),
+             lambda b: (b.copy_(torch.randn_like(b) * 1e-6), b[0, 0].fill_(3e4))]
+    k = 0
+    for r in range(0, t, bm):
+        for c in range(0, hidden, bk):
+            if (r // bm + c // bk) % 2 == 0:
+                fills[k % len(fills)](x[r:r + bm, c:c + bk])
+                k += 1
+    x = x.to(dtype)
+    if dtype == torch.bfloat16 and t > 0:
+        x[0, :8] = torch.tensor([tiny / 4, -tiny / 8, tiny * 0.75, 0, -0.0, 448, -6, 1e-3], dtype=dtype)
+    return x
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", (7, 4001))
+@pytest.mark.parametrize("fmt", ("e4m3", "e2m1"))
+@pytest.mark.parametrize("block", K.BLOCKS)
+@pytest.mark.parametrize("flags", K.FLAG_SETS, ids=str)
+def test_adversarial_round_sf(t, fmt, block, flags):
+    col, rnd, packed = flags
+    _check_cast(_adversarial(t, 576, torch.bfloat16, *block), fmt, block, col, rnd, packed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", (("e4m3", (32, 128), False), ("e2m1", (128, 32), True)), ids=str)
+def test_adversarial_plain_sf(cfg):
+    fmt, block, col = cfg
+    _check_cast(_adversarial(4001, 2048, torch.bfloat16, *block), fmt, block, col, False, False)
+
+
+@pytest.mark.gpu
+def test_adversarial_fp32_subnormals():
+    _check_cast(_adversarial(4001, 576, torch.float32, 128, 128), "e4m3", (128, 128), True, True, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ("e4m3", "e2m1"))
+def test_nan_and_inf_policy(fmt):
+    """quant.md 1.7 / 9.2 (implementation-defined, the reference models upstream's kernels): NaN is ignored
+    by the block max and encodes as +NaN / +6; an inf makes the block's sf inf and its sf_inv 0."""
+    x = _x(300, 576)
+    x[3, 5] = float("nan")
+    x[130, 300] = float("inf")
+    x[260, 70] = -float("inf")
+    x[261, 71] = float("nan")
+    _check_cast(x, fmt, (128, 128), True, True, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ("e4m3", "e2m1"))
+def test_deterministic_and_batch_invariant(fmt):
+    x = _x(8192, 7168)
+    out1, sf1 = _cast(x, fmt, (128, 128), True, True, True)
+    out2, sf2 = _cast(x, fmt, (128, 128), True, True, True)
+    assert_equal(out1, out2)
+    assert_equal(clear_unused_sf(sf1, 7168, 128), clear_unused_sf(sf2, 7168, 128))
+    for lo, hi in ((0, 128), (4096, 4352), (8064, 8192)):  # whole 128-row blocks
+        o, s = _cast(x[lo:hi], fmt, (128, 128), True, True, True)
+        assert_equal(o, out1[lo:hi])
+        assert_equal(clear_unused_sf(s, 7168, 128), clear_unused_sf(sf1[lo // 128:hi // 128], 7168, 128))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_equals_eager():
+    x = _x(4001, 7168)
+    eager = _cast(x, "e4m3", (128, 128), True, True, True)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        K.per_block_cast_launch(x, "e4m3", (128, 128), True, True, True)  # warm (compile) off-graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = K.per_block_cast_launch(x, "e4m3", (128, 128), True, True, True)
+    captured[0].fill_(0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_equal(captured[0], eager[0])
+    assert_equal(clear_unused_sf(captured[1], 7168, 128), clear_unused_sf(eager[1], 7168, 128))
+
+
+@pytest.mark.gpu
+def test_torch_compile_equals_eager():
+    x = _x(4001, 576)
+    sf = torch.rand(cdiv(4001, 32), cdiv(576, 32), device="cuda") + 0.01
+    data, sf_in = R.cast(_x(4001, 576), "e2m1", (1, 32), round_sf=True, use_tma_aligned_col_major_sf=True,
+                         use_packed_ue8m0=True)
+
+    def f(x, sf, data, sf_in):
+        out, out_sf = K.per_block_cast_cuda(x, "e2m1", (128, 128), True, True, True)
+        only = K.per_block_cast_with_sf_only_cuda(x, "e2m1", (128, 128), True, True, True)
+        pre = K.per_block_cast_with_precomputed_sf_cuda(x, "e4m3", (32, 32), sf)
+        lo, lo_sf = K.per_block_cast_lossless_cuda((data, sf_in), "e4m3", (1, 32), (1, 128), True, True, True)
+        return out, out_sf, only, pre, lo, lo_sf
+
+    got = torch.compile(f, fullgraph=True)(x, sf, data, sf_in)
+    want = f(x, sf, data, sf_in)
+    for g, w, bk in zip(got, want, (None, 128, 128, None, None, 128)):
+        if bk is None:
+            assert_equal(g, w)
+        else:
+            _compare_sf(g, w, 576, bk)
+
+
+# ---- per_block_cast_lossless ----
+
+def _lossless_input(t, hidden, in_packed):
+    """quant.md 7.2: randn * 2^e (e uniform in [-110, 126]) clamped to +-FLT_MAX/8, every magnitude raised
+    to >= max/2^9 keeping its sign, then the reference e2m1 cast with block (1, 32) and power-of-two sf."""
+    e = torch.randint(-110, 127, (t, hidden), device="cuda").float()
+    v = (torch.randn(t, hidden, device="cuda") * torch.exp2(e)).clamp(-torch.finfo(torch.float32).max / 8,
+                                                                      torch.finfo(torch.float32).max / 8)
+    if t > 0:
+        floor = v.abs().max() / 2 ** 9
+        v = torch.where(v < 0, -1.0, 1.0) * torch.maximum(v.abs(), floor)
+    return R.cast(v, "e2m1", (1, 32), round_sf=True, use_tma_aligned_col_major_sf=in_packed,
+                  use_packed_ue8m0=in_packed)
+
+
+def _check_lossless(data, sf_in, out_block, layout, x_block=(1, 32)):
+    col, packed = LAYOUT_FLAGS[layout]
+    _poison()
+    out, sf = K.per_block_cast_lossless_launch(data, sf_in, x_block, out_block, col, packed)
+    torch.cuda.synchronize()
+    r_out, r_sf = R.per_block_cast_lossless((data, sf_in), x_block, out_block, col, packed)
+    hidden = 2 * data.size(1)
+    assert_equal(out, r_out)
+    _compare_sf(sf, r_sf, hidden, out_block[1])
+    # the spec's contract: dequantizing either side gives the same fp32 bits
+    assert_equal(R.cast_back((out, sf), "fp32", out_block), R.cast_back((data, sf_in), "fp32", x_block))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("out_block", K.LOSSLESS_OUT_BLOCKS)
+@pytest.mark.parametrize("packed", (False, True))
+def test_lossless_matches_reference(t, out_block, packed):
+    data, sf_in = _lossless_input(t, 576, packed)
+    _check_lossless(data, sf_in, out_block, "col_packed" if packed else "row")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", (1, 4001, 8192))
+def test_lossless_large_hidden(t):
+    data, sf_in = _lossless_input(t, 7168, True)
+    _check_lossless(data, sf_in, (1, 128), "col_packed")
+
+
+@pytest.mark.gpu
+def test_lossless_fp32_col_sf_out():
+    data, sf_in = _lossless_input(4001, 576, True)
+    _check_lossless(data, sf_in, (32, 32), "col")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("in_layout", ("col_major", "row_strided"))
+def test_lossless_strided_fp32_sf_in(in_layout):
+    data, sf_in = _lossless_input(4001, 576, False)
+    if in_layout == "col_major":
+        strided = sf_in.t().contiguous().t()
+    else:
+        strided = torch.empty(sf_in.size(0), sf_in.size(1) + 5, device="cuda")[:, :sf_in.size(1)]
+        strided.copy_(sf_in)
+    assert not strided.is_contiguous()
+    _check_lossless(data, strided, (1, 128), "row")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("exp_range", ((0, 6), (100, 111), (243, 254)), ids=str)
+@pytest.mark.parametrize("packed", (False, True))
+def test_lossless_adversarial_exponents(exp_range, packed):
+    """Random nibbles (every code, -0 included), all-zero data rows, and input exponents drawn from a range
+    of 12 (the widest the exactness precondition allows), down to byte 0 (sf +0.0) and up to 254."""
+    t, hidden = 4001, 576
+    data = torch.randint(-128, 128, (t, hidden // 2), device="cuda", dtype=torch.int8)
+    data[::5] = 0
+    ebytes = torch.randint(exp_range[0], exp_range[1] + 1, (t, hidden // 32), device="cuda", dtype=torch.int64)
+    if packed:
+        words = torch.nn.functional.pad(ebytes, (0, 4 * cdiv(hidden // 32, 4) - hidden // 32))
+        words = (words.view(t, -1, 4) << torch.tensor([0, 8, 16, 24], device="cuda")).sum(-1)
+        words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+        sf_in = words.t().contiguous().t()  # column-major packed, as the reference cast returns it
+    else:
+        sf_in = (ebytes << 23).to(torch.int32).view(torch.float32)
+    for out_block in K.LOSSLESS_OUT_BLOCKS:
+        _check_lossless(data, sf_in, out_block, "col_packed" if packed else "row")
+
+
+@pytest.mark.gpu
+def test_lossless_deterministic_and_batch_invariant():
+    data, sf_in = _lossless_input(8192, 7168, True)
+    out1, sf1 = K.per_block_cast_lossless_launch(data, sf_in, (1, 32), (1, 128), True, True)
+    out2, sf2 = K.per_block_cast_lossless_launch(data, sf_in, (1, 32), (1, 128), True, True)
+    assert_equal(out1, out2)
+    assert_equal(clear_unused_sf(sf1, 7168, 128), clear_unused_sf(sf2, 7168, 128))
+    for lo, hi in ((0, 1), (4000, 4007), (8191, 8192)):  # output blocks are one row high
+        o, s = K.per_block_cast_lossless_launch(data[lo:hi], sf_in[lo:hi], (1, 32), (1, 128), True, True)
+        assert_equal(o, out1[lo:hi])
+        assert_equal(clear_unused_sf(s, 7168, 128), clear_unused_sf(sf1[lo:hi], 7168, 128))
+
+
+@pytest.mark.gpu
+def test_lossless_cuda_graph_replay_equals_eager():
+    data, sf_in = _lossless_input(4001, 7168, True)
+    eager = K.per_block_cast_lossless_launch(data, sf_in, (1, 32), (1, 128), True, True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = K.per_block_cast_lossless_launch(data, sf_in, (1, 32), (1, 128), True, True)
+    captured[0].fill_(0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_equal(captured[0], eager[0])
+    assert_equal(clear_unused_sf(captured[1], 7168, 128), clear_unused_sf(eager[1], 7168, 128))

@@ -1,0 +1,573 @@
+"""TileLang kernels for the per-block casts (quant.md 3.6, 3.7; formats 1.1-1.6).
+
+Two factories share one thread geometry and one block reduction:
+
+* ``per_block_cast_kernel`` covers ``per_block_cast``, ``per_block_cast_with_sf_only`` and
+  ``per_block_cast_with_precomputed_sf``: bf16/fp32 input, e4m3 or e2m1 output, one scale per
+  ``bm x bk`` block (bm, bk in {32, 128}), ``round_sf``, and the row-major / TMA-aligned column-major /
+  column-major packed-UE8M0 sf layouts;
+* ``per_block_cast_lossless_kernel`` re-encodes packed E2M1 data with power-of-two sf (fp32 or packed
+  UE8M0, any strides) into E4M3 with coarser power-of-two sf.
+
+Geometry: a thread owns ``8 rows x 8 channels`` (per row one 16-byte bf16 / 32-byte fp32 / 4-byte e2m1
+vector load and one 8-byte e4m3 / 4-byte e2m1 store); a warp's 32 lanes cover 256 consecutive channels;
+warps stack along rows. A block's maximum is a register reduction over the thread's rows, an xor-shuffle
+over the ``bk / 8`` lanes of the block and, for blocks taller than 8 rows, a max over the block's warps
+through shared memory. No atomics, and the tiling never depends on the token count: results are
+deterministic and batch-invariant. Arithmetic is the spec's, in binary32 with IEEE division (fast-math off);
+maxima use ``fmaxf``, which ignores NaN like the reference (1.7).
+"""
+import torch
+
+from tilefuse import _jit
+from tilefuse.formats import CLAMP_MIN, FMT_MAX, cdiv
+
+_C = 8                 # channels per thread chunk (one vector per row)
+_RPT = 8               # rows per thread
+_LANES = 32
+_TILE_H = _C * _LANES  # channels per CTA (256)
+_TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_LAYOUTS = ("row", "col", "col_packed")
+
+
+def _geometry(bm: int) -> tuple[int, int, int]:
+    """(NB blocks per thread along rows, WB warps per block along rows, W warps per CTA) for block height bm.
+
+    bm >= 8: a thread's 8 rows lie in one block and a block spans ``bm / 8`` warps. bm < 8: a thread's rows
+    span ``8 / bm`` whole blocks. A CTA has 8 warps (16 when one block needs 16), i.e. ``8 * W`` rows.
+    """
+    if bm >= _RPT:
+        assert bm % _RPT == 0 and bm <= 128
+        wb = bm // _RPT
+        return 1, wb, max(wb, 8)
+    assert _RPT % bm == 0
+    return _RPT // bm, 1, 8
+
+
+def _layout(col: bool, packed: bool) -> str:
+    """Static sf layout name of the v1 flags (packed UE8M0 exists only column-major, quant.md 1.5)."""
+    assert col or not packed, "packed UE8M0 sf needs the column-major layout (v1)"
+    return ("col_packed" if packed else "col") if col else "row"
+
+
+class _Common:
+    """Kernel pieces shared by both factories for block shape ``(bm, bk)`` and sf layout ``sf_layout``."""
+
+    def __init__(self, T, bm: int, bk: int, sf_layout: str):
+        assert 8 <= bk <= _TILE_H and bk & (bk - 1) == 0
+        self.nb, self.wb, self.W = _geometry(bm)
+        self.rows_per_cta = _RPT * self.W
+        self.threads = _LANES * self.W
+        nb, wb = self.nb, self.wb
+        log2_lanes = (bk // _C).bit_length() - 1
+
+        @T.macro
+        def block_max(vals, w, lane, red):
+            """``vals[n]`` (a thread's partial max over its n-th row block) becomes the max over the whole
+            block: xor-shuffles over the block's lanes, then (blocks taller than 8 rows) a max over the
+            block's warps, whose partial maxima go through the shared buffer ``red`` (``W * 32`` entries)."""
+            for s in T.unroll(log2_lanes):
+                for n in T.unroll(nb):
+                    vals[n] = T.max(vals[n], T.shfl_xor(vals[n], T.shift_left(1, s)))
+            if wb > 1:
+                red[w * _LANES + lane] = vals[0]
+                T.sync_threads()
+                for k in T.unroll(wb):
+                    vals[0] = T.max(vals[0], red[((w // wb) * wb + k) * _LANES + lane])
+
+        @T.macro
+        def store_sf(SF, rb, cb, sf_value, byte_value):
+            """One block's sf: fp32 row-major ``SF[rb, cb]``, fp32 col storage ``SF[cb, rb]``, or the UE8M0
+            byte in byte ``cb % 4`` of word ``(rb, cb // 4)`` of the col storage seen as ``(words, P, 4)`` bytes
+            (padding bytes of the last word are not written, quant.md 1.5)."""
+            if sf_layout == "row":
+                SF[rb, cb] = sf_value
+            elif sf_layout == "col":
+                SF[cb, rb] = sf_value
+            else:
+                SF[cb // 4, rb, cb % 4] = T.cast(byte_value, "uint8")
+
+        self.block_max = block_max
+        self.store_sf = store_sf
+
+    @staticmethod
+    def sf_param(T, sf_layout: str, nbm, pad, nbk: int):
+        """The sf output parameter of a layout (quant.md 1.5); ``pad`` = align(nbm, 4) rows of col storage."""
+        if sf_layout == "row":
+            return T.Tensor((nbm, nbk), "float32")
+        if sf_layout == "col":
+            return T.Tensor((nbk, pad), "float32")
+        return T.Tensor((cdiv(nbk, 4), pad, 4), "uint8")
+
+
+def per_block_cast_kernel(x_dtype: str, fmt: str, hidden: int, bm: int, bk: int, round_sf: bool, sf_layout: str,
+                          mode: str):
+    """Factory for one static config of the per-block casts (quant.md 3.6).
+
+    x_dtype: "bfloat16" | "float32". fmt: "e4m3" | "e2m1". sf_layout: "row" | "col" | "col_packed".
+    mode: "cast" (X -> Y, SF) | "sf_only" (X -> SF) | "precomputed" (X, row-major fp32 SF -> Y).
+    e2m1 data is written as int32 words of 8 nibbles (element 8k+v in bits 4v..4v+3 of word k): the packed
+    int8 container ``(T, H/2)`` viewed as int32 ``(T, H/8)``.
+    """
+    import tilelang.language as T
+
+    assert hidden % 64 == 0 and bm in (32, 128) and bk in (32, 128) and sf_layout in _LAYOUTS
+    assert not (sf_layout == "col_packed" and not round_sf)
+    M = FMT_MAX[fmt]
+    clamp = CLAMP_MIN[fmt]
+    cm = _Common(T, bm, bk, sf_layout)
+    nb, W, rows_per_cta = cm.nb, cm.W, cm.rows_per_cta
+    lanes_per_block = bk // _C
+    nbk = cdiv(hidden, bk)
+
+    Tn, NBM, P, SS = T.dynamic("num_tokens, num_row_blocks, sf_pad, sf_row_stride")
+    x_param = T.Tensor((Tn, hidden), x_dtype)
+    y_param = (T.Tensor((Tn, hidden), "float8_e4m3fn") if fmt == "e4m3"
+               else T.Tensor((Tn, hidden // 8), "int32"))
+    sf_param = (T.StridedTensor((NBM, nbk), (SS, 1), "float32") if mode == "precomputed"
+                else cm.sf_param(T, sf_layout, NBM, P, nbk))
+
+    def e2m1_code(v):
+        """uint32 nibble of quant.md 1.2: magnitude to the nearest code (ties to even), sign bit copied;
+        NaN gives +6 (code 7), as the reference encodes a NaN product."""
+        m = T.abs(v)
+        code = (T.cast(m > T.float32(0.25), "uint32") + T.cast(m >= T.float32(0.75), "uint32")
+                + T.cast(m > T.float32(1.25), "uint32") + T.cast(m >= T.float32(1.75), "uint32")
+                + T.cast(m > T.float32(2.5), "uint32") + T.cast(m >= T.float32(3.5), "uint32")
+                + T.cast(m > T.float32(5.0), "uint32"))
+        sign = T.shift_right(T.reinterpret(v, "uint32"), T.uint32(31))
+        return T.if_then_else(T.isnan(v), T.uint32(7), code | T.shift_left(sign, T.uint32(3)))
+
+    def e2m1_word(xl, base, s):
+        """int32 of 8 nibbles: the code of ``xl[base + v] * s`` in bits 4v..4v+3 (low nibble = even element)."""
+        word = e2m1_code(xl[base] * s)
+        for v in range(1, _C):
+            word = word | T.shift_left(e2m1_code(xl[base + v] * s), T.uint32(4 * v))
+        return T.reinterpret(word, "int32")
+
+    @T.macro
+    def body(X, Y, SF):
+        with T.Kernel(T.ceildiv(hidden, _TILE_H), T.ceildiv(Tn, rows_per_cta), threads=cm.threads) as (bx, by):
+            tx = T.get_thread_binding()
+            lane = tx % _LANES
+            w = tx // _LANES
+            row0 = by * rows_per_cta + w * _RPT
+            col0 = bx * _TILE_H + lane * _C
+            cb = col0 // bk
+            xl = T.alloc_local((_RPT * _C,), "float32")
+            inv = T.alloc_local((nb,), "float32")
+            # load 8 rows x 8 channels; rows past the end and channels past hidden read as 0 (never the max)
+            for j in T.unroll(_RPT):
+                if T.And(row0 + j < Tn, col0 < hidden):
+                    for v in T.vectorized(_C):
+                        xl[j * _C + v] = T.cast(X[row0 + j, col0 + v], "float32")
+                else:
+                    for v in T.vectorized(_C):
+                        xl[j * _C + v] = T.float32(0.0)
+            if mode == "precomputed":
+                # sf_inv = 1 / sf (IEEE), and 0 for a zero sf, as the reference cast (quant.md 2.1)
+                if T.And(row0 < Tn, col0 < hidden):
+                    s = SF[row0 // bm, cb]
+                    inv[0] = T.if_then_else(s == T.float32(0.0), T.float32(0.0), T.float32(1.0) / s)
+                else:
+                    inv[0] = T.float32(0.0)
+            else:
+                am = T.alloc_local((nb,), "float32")
+                red = T.alloc_shared((W * _LANES,), "float32")
+                for n in T.unroll(nb):
+                    am[n] = T.float32(0.0)
+                for j in T.unroll(_RPT):
+                    for v in T.unroll(_C):
+                        am[j * nb // _RPT] = T.max(am[j * nb // _RPT], T.abs(xl[j * _C + v]))
+                cm.block_max(am, w, lane, red)
+                for n in T.unroll(nb):
+                    a = T.max(am[n], T.float32(clamp))  # quant.md 1.4 step 1
+                    if round_sf:
+                        # sf = 2^E, E = ceil(log2(a / M)) from the bits of a / M; sf_inv = 2^-E (0 if sf = inf)
+                        eb = T.shift_right(T.reinterpret(a / T.float32(M), "int32") - 1, 23) + 1
+                        sf = T.reinterpret(T.shift_left(eb, 23), "float32")
+                        inv[n] = T.reinterpret(T.shift_left(T.max(254 - eb, 0), 23), "float32")
+                    else:
+                        eb = 0
+                        sf = a / T.float32(M)
+                        inv[n] = T.float32(M) / a
+                    if T.And(T.And(lane % lanes_per_block == 0, w % cm.wb == 0), T.And(row0 < Tn, col0 < hidden)):
+                        cm.store_sf(SF, row0 // bm, cb, sf, eb)
+            if mode != "sf_only":
+                for j in T.unroll(_RPT):
+                    if T.And(row0 + j < Tn, col0 < hidden):
+                        if fmt == "e4m3":
+                            for v in T.vectorized(_C):
+                                Y[row0 + j, col0 + v] = T.cast(xl[j * _C + v] * inv[j * nb // _RPT],
+                                                               "float8_e4m3fn")
+                        else:
+                            Y[row0 + j, col0 // _C] = e2m1_word(xl, j * _C, inv[j * nb // _RPT])
+
+    if mode == "sf_only":
+        @T.prim_func
+        def per_block_cast(X: x_param, SF: sf_param):
+            body(X, None, SF)
+    else:
+        @T.prim_func
+        def per_block_cast(X: x_param, Y: y_param, SF: sf_param):
+            body(X, Y, SF)
+    return per_block_cast
+
+
+def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, obk: int, sf_in_packed: bool,
+                                   sf_layout: str):
+    """Factory for one static config of ``per_block_cast_lossless`` (quant.md 3.7).
+
+    Inputs: the packed e2m1 data viewed as int32 ``(T, H/8)`` words (element 8k+v in bits 4v..4v+3 of word
+    k) and the input sf (fp32, or packed UE8M0 int32) with any strides. Per output block B:
+    ``E_B = max(0, max_b e(b) - 6)`` over the input exponents of B's real elements; each element becomes
+    ``e4m3(fp4 * 2^(e(b) - E_B))``; the sf is ``E_B`` as a UE8M0 byte or the fp32 pattern ``E_B << 23``.
+    Unlike upstream there is no device assertion for ``e(b) + 5 < E_B``: such elements are rounded (the
+    factor underflows to 0 below 2^-126).
+    """
+    import tilelang.language as T
+
+    assert hidden % 32 == 0 and sf_layout in _LAYOUTS
+    assert ibk >= _C and obk % ibk == 0 and obm % ibm == 0
+    cm = _Common(T, obm, obk, sf_layout)
+    nb, W, rows_per_cta = cm.nb, cm.W, cm.rows_per_cta
+    lanes_per_block = obk // _C
+    nbk = cdiv(hidden, obk)
+    nbki = cdiv(hidden, ibk)
+
+    Tn, NBM, P, NBMI, SI0, SI1 = T.dynamic("num_tokens, num_row_blocks, sf_pad, in_sf_rows, in_sf_s0, in_sf_s1")
+    d_param = T.Tensor((Tn, hidden // 8), "int32")
+    sfi_param = T.StridedTensor((NBMI, cdiv(nbki, 4) if sf_in_packed else nbki), (SI0, SI1),
+                                "int32" if sf_in_packed else "float32")
+    y_param = T.Tensor((Tn, hidden), "float8_e4m3fn")
+    sf_param = cm.sf_param(T, sf_layout, NBM, P, nbk)
+
+    def in_exponent(SFI, row, col):
+        """Biased exponent byte e(b) of the input block holding element (row, col) (quant.md 3.7)."""
+        bi, bk = row // ibm, col // ibk
+        if sf_in_packed:
+            return T.shift_right(SFI[bi, bk // 4], (bk % 4) * 8) & 255
+        return T.shift_right(T.reinterpret(SFI[bi, bk], "int32"), 23) & 255
+
+    def fp4_value(word, v):
+        """Exact fp32 value of nibble v of ``word`` (quant.md 1.2): exponent 0 -> m/2, else (2+m)*2^e/4."""
+        nib = T.shift_right(word, 4 * v) & 15
+        e = T.shift_right(nib, 1) & 3
+        m = T.cast(nib & 1, "float32")
+        mag = T.if_then_else(e == 0, m * T.float32(0.5),
+                             (T.float32(2.0) + m) * T.cast(T.shift_left(1, e), "float32") * T.float32(0.25))
+        return T.if_then_else(nib >= 8, -mag, mag)
+
+    @T.macro
+    def body(D, SFI, Y, SF):
+        with T.Kernel(T.ceildiv(hidden, _TILE_H), T.ceildiv(Tn, rows_per_cta), threads=cm.threads) as (bx, by):
+            tx = T.get_thread_binding()
+            lane = tx % _LANES
+            w = tx // _LANES
+            row0 = by * rows_per_cta + w * _RPT
+            col0 = bx * _TILE_H + lane * _C
+            dl = T.alloc_local((_RPT,), "int32")
+            el = T.alloc_local((_RPT,), "int32")
+            mx = T.alloc_local((nb,), "int32")
+            red = T.alloc_shared((W * _LANES,), "int32")
+            tmp = T.alloc_local((_C,), "float32")
+            # load 8 rows of 8 nibbles and their input exponents; missing rows/channels count as e = 0
+            for j in T.unroll(_RPT):
+                if T.And(row0 + j < Tn, col0 < hidden):
+                    dl[j] = D[row0 + j, col0 // _C]
+                    el[j] = in_exponent(SFI, row0 + j, col0)
+                else:
+                    dl[j] = 0
+                    el[j] = 0
+            for n in T.unroll(nb):
+                mx[n] = 0
+            for j in T.unroll(_RPT):
+                mx[j * nb // _RPT] = T.max(mx[j * nb // _RPT], el[j])
+            cm.block_max(mx, w, lane, red)
+            for n in T.unroll(nb):
+                mx[n] = T.max(mx[n] - 6, 0)  # E_B
+                if T.And(T.And(lane % lanes_per_block == 0, w % cm.wb == 0),
+                         T.And(row0 + n * obm < Tn, col0 < hidden)):
+                    cm.store_sf(SF, (row0 + n * obm) // obm, col0 // obk,
+                                T.reinterpret(T.shift_left(mx[n], 23), "float32"), mx[n])
+            for j in T.unroll(_RPT):
+                if T.And(row0 + j < Tn, col0 < hidden):
+                    # 2^(e(b) - E_B) from its exponent bits; 0 below 2^-126 (the product then rounds to +-0)
+                    factor = T.reinterpret(T.shift_left(T.max(127 + el[j] - mx[j * nb // _RPT], 0), 23), "float32")
+                    for v in T.unroll(_C):
+                        tmp[v] = fp4_value(dl[j], v) * factor
+                    for v in T.vectorized(_C):
+                        Y[row0 + j, col0 + v] = T.cast(tmp[v], "float8_e4m3fn")
+
+    @T.prim_func
+    def per_block_cast_lossless(D: d_param, SFI: sfi_param, Y: y_param, SF: sf_param):
+        body(D, SFI, Y, SF)
+    return per_block_cast_lossless
+
+
+# ---- static configs (compile tier, ``precompile``, bench) ----
+
+HIDDEN_SIZES = (576, 2048, 2560, 3072, 4096, 6144, 7168)  # quant.md 7.1
+FLAG_SETS = ((False, True, False), (True, True, True))     # (col, round_sf, packed), quant.md 7.1
+BLOCKS = ((128, 128), (32, 32))                             # per_block_cast grid, quant.md 7.2
+LOSSLESS_OUT_BLOCKS = ((1, 128), (32, 32), (128, 128))      # per_block_cast_lossless grid, in block (1, 32)
+
+
+def _cast_configs() -> list[tuple]:
+    """per_block_cast configs of the GPU tests (and the compile tier): every block x format x flag set at
+    H = 576 (a partial 128-channel block and a partial CTA tile), (128,128) at H = 7168, the mixed blocks
+    with plain fp32 sf (row and col), fp32 input, sf-only and precomputed."""
+    cfgs = [("bfloat16", fmt, 576, bm, bk, rnd, _layout(col, packed), "cast")
+            for bm, bk in BLOCKS for fmt in ("e4m3", "e2m1") for col, rnd, packed in FLAG_SETS]
+    cfgs += [("bfloat16", fmt, 7168, 128, 128, True, "col_packed", "cast") for fmt in ("e4m3", "e2m1")]
+    cfgs += [("bfloat16", "e4m3", 2048, 32, 128, False, "row", "cast"),
+             ("bfloat16", "e2m1", 2048, 128, 32, False, "col", "cast"),
+             ("float32", "e4m3", 576, 128, 128, True, "col_packed", "cast"),
+             ("bfloat16", "e2m1", 576, 128, 128, True, "col_packed", "sf_only"),
+             ("bfloat16", "e4m3", 576, 32, 32, False, "row", "precomputed"),
+             ("bfloat16", "e2m1", 576, 128, 128, False, "row", "precomputed")]
+    return cfgs
+
+
+def _bench_cast_configs() -> list[tuple]:
+    """The quant.md 7.3 per_block_cast benchmark grid (every H, dtype, format, flag set and block)."""
+    return [(x, fmt, h, bm, bk, rnd, _layout(col, packed), "cast")
+            for h in HIDDEN_SIZES for x in ("bfloat16", "float32") for fmt in ("e4m3", "e2m1")
+            for col, rnd, packed in FLAG_SETS for bm, bk in BLOCKS]
+
+
+def _lossless_configs() -> list[tuple]:
+    """per_block_cast_lossless configs of the GPU tests (and the compile tier): input block (1, 32); each
+    output block with (fp32 row-major sf in, row-major sf out) and (packed col sf in, packed col sf out) at
+    H = 576; fp32 col sf out; and (1,128) packed at H = 7168."""
+    cfgs = [(576, 1, 32, obm, obk, packed, "col_packed" if packed else "row")
+            for obm, obk in LOSSLESS_OUT_BLOCKS for packed in (False, True)]
+    cfgs += [(576, 1, 32, 32, 32, True, "col"), (7168, 1, 32, 1, 128, True, "col_packed")]
+    return cfgs
+
+
+def _bench_lossless_configs() -> list[tuple]:
+    """The quant.md 7.3 per_block_cast_lossless benchmark grid."""
+    return [(h, 1, 32, obm, obk, in_packed, _layout(col, packed))
+            for h in HIDDEN_SIZES for obm, obk in LOSSLESS_OUT_BLOCKS
+            for in_packed in (False, True) for col, _, packed in FLAG_SETS]
+
+
+def _unique(cfgs: list[tuple]) -> list[tuple]:
+    return list(dict.fromkeys(cfgs))
+
+
+_jit.register("per_block_cast", per_block_cast_kernel, lambda: _unique(_cast_configs() + _bench_cast_configs()))
+_jit.register("per_block_cast_lossless", per_block_cast_lossless_kernel,
+              lambda: _unique(_lossless_configs() + _bench_lossless_configs()))
+
+
+# ---- launchers ----
+
+def _aligned(t: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """``t`` (contiguous) itself when its data pointer is ``nbytes``-aligned, else an aligned contiguous copy."""
+    if t.is_contiguous() and t.data_ptr() % nbytes == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _alloc_sf(t: int, hidden: int, bm: int, bk: int, layout: str, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(returned sf tensor, kernel argument) for the ``(cdiv(t,bm), cdiv(hidden,bk))`` grid (quant.md 1.5):
+    row-major fp32; col: fp32 storage ``(nbk, align(nbm,4))`` returned transposed and cropped; col_packed:
+    int32 storage ``(cdiv(nbk,4), align(nbm,4))`` likewise, handed to the kernel as ``(words, pad, 4)`` bytes."""
+    nbm, nbk = cdiv(t, bm), cdiv(hidden, bk)
+    pad = cdiv(nbm, 4) * 4
+    if layout == "row":
+        sf = torch.empty((nbm, nbk), dtype=torch.float32, device=device)
+        return sf, sf
+    if layout == "col":
+        store = torch.empty((nbk, pad), dtype=torch.float32, device=device)
+        return store[:, :nbm].t(), store
+    store = torch.empty((cdiv(nbk, 4), pad), dtype=torch.int32, device=device)
+    return store[:, :nbm].t(), store.view(torch.uint8).view(store.size(0), pad, 4)
+
+
+def _alloc_out(t: int, hidden: int, fmt: str, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(returned data, kernel argument): e4m3 ``(t, H)``, or packed e2m1 int8 ``(t, H/2)`` seen as int32 ``(t, H/8)``."""
+    if fmt == "e4m3":
+        out = torch.empty((t, hidden), dtype=torch.float8_e4m3fn, device=device)
+        return out, out
+    out = torch.empty((t, hidden // 2), dtype=torch.int8, device=device)
+    return out, out.view(torch.int32)
+
+
+def per_block_cast_launch(x: torch.Tensor, fmt: str, block_size, use_tma_aligned_col_major_sf: bool = False,
+                          round_sf: bool = False, use_packed_ue8m0: bool = False, mode: str = "cast",
+                          sf: torch.Tensor | None = None):
+    """Allocate the outputs and launch (quant.md 3.6). Validates nothing: the public op does.
+
+    mode "cast" returns ``(out, out_sf)``, "sf_only" returns ``out_sf``, "precomputed" (row-major fp32
+    ``sf`` of the block grid) returns ``out``.
+    """
+    t, hidden = x.shape
+    bm, bk = (int(b) for b in block_size)
+    dev = x.device
+    layout = "row" if mode == "precomputed" else _layout(use_tma_aligned_col_major_sf, use_packed_ue8m0)
+    out = y_arg = out_sf = sf_arg = None
+    if mode != "sf_only":
+        out, y_arg = _alloc_out(t, hidden, fmt, dev)
+    if mode == "precomputed":
+        sf_arg = sf if sf.stride(-1) == 1 else sf.contiguous()
+    else:
+        out_sf, sf_arg = _alloc_sf(t, hidden, bm, bk, layout, dev)
+    if t > 0:
+        cfg = (_TL_DTYPE[x.dtype], fmt, hidden, bm, bk, bool(round_sf), layout, mode)
+        x = _aligned(x, 16)
+        args = (x, sf_arg) if mode == "sf_only" else (x, y_arg, sf_arg)
+        _jit.get("per_block_cast", cfg)(*args)
+    if mode == "cast":
+        return out, out_sf
+    return out_sf if mode == "sf_only" else out
+
+
+def per_block_cast_lossless_launch(data: torch.Tensor, sf_in: torch.Tensor, x_block_size, out_block_size,
+                                   use_tma_aligned_col_major_sf: bool = False, use_packed_ue8m0: bool = False):
+    """Allocate ``(out, out_sf)`` and launch (quant.md 3.7); ``(data, sf_in)`` is the packed e2m1 pair.
+    Needs ``lossless_supported(x_block_size, out_block_size)``; validates nothing else."""
+    t, hidden = data.size(0), 2 * data.size(1)
+    ibm, ibk = (int(b) for b in x_block_size)
+    obm, obk = (int(b) for b in out_block_size)
+    layout = _layout(use_tma_aligned_col_major_sf, use_packed_ue8m0)
+    out = torch.empty((t, hidden), dtype=torch.float8_e4m3fn, device=data.device)
+    out_sf, sf_arg = _alloc_sf(t, hidden, obm, obk, layout, data.device)
+    if t > 0:
+        cfg = (hidden, ibm, ibk, obm, obk, sf_in.dtype == torch.int32, layout)
+        words = _aligned(data, 4).view(torch.int32)
+        _jit.get("per_block_cast_lossless", cfg)(words, sf_in, out, sf_arg)
+    return out, out_sf
+
+
+def lossless_supported(x_block_size, out_block_size) -> bool:
+    """Block shapes the lossless kernel handles: input blocks at least 8 channels wide, output blocks of
+    8..256 channels and a power-of-two height up to 128 (the tested (1,32) -> (1,128), (32,32), (128,128)
+    among them). Other shapes that pass the public op's checks take the reference."""
+    ibm, ibk = x_block_size
+    obm, obk = out_block_size
+    pow2 = lambda n: n > 0 and n & (n - 1) == 0
+    return (pow2(ibk) and ibk >= _C and pow2(obk) and obk <= _TILE_H and obk % ibk == 0
+            and pow2(obm) and obm <= 128 and obm % ibm == 0)
+
+
+# ---- torch.library registration (torch.compile / fake tensors) ----
+
+def _fake_sf(x: torch.Tensor, t, hidden: int, bm: int, bk: int, col: bool, packed: bool) -> torch.Tensor:
+    nbm, nbk = (t + bm - 1) // bm, cdiv(hidden, bk)
+    pad = (nbm + 3) // 4 * 4
+    if col and packed:
+        return x.new_empty_strided((nbm, cdiv(nbk, 4)), (1, pad), dtype=torch.int32)
+    if col:
+        return x.new_empty_strided((nbm, nbk), (1, pad), dtype=torch.float32)
+    return x.new_empty((nbm, nbk), dtype=torch.float32)
+
+
+def _fake_out(x: torch.Tensor, t, hidden: int, fmt: str) -> torch.Tensor:
+    if fmt == "e2m1":
+        return x.new_empty((t, hidden // 2), dtype=torch.int8)
+    return x.new_empty((t, hidden), dtype=torch.float8_e4m3fn)
+
+
+@torch.library.custom_op("tilefuse::per_block_cast", mutates_args=(), device_types="cuda")
+def _per_block_cast_op(x: torch.Tensor, fmt: str, block_size: list[int], use_tma_aligned_col_major_sf: bool,
+                       round_sf: bool, use_packed_ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    out, out_sf = per_block_cast_launch(x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
+    return out, out_sf
+
+
+@_per_block_cast_op.register_fake
+def _(x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0):
+    t, h = x.shape
+    return (_fake_out(x, t, h, fmt),
+            _fake_sf(x, t, h, block_size[0], block_size[1], use_tma_aligned_col_major_sf, use_packed_ue8m0))
+
+
+@torch.library.custom_op("tilefuse::per_block_cast_with_sf_only", mutates_args=(), device_types="cuda")
+def _per_block_sf_only_op(x: torch.Tensor, fmt: str, block_size: list[int], use_tma_aligned_col_major_sf: bool,
+                          round_sf: bool, use_packed_ue8m0: bool) -> torch.Tensor:
+    return per_block_cast_launch(x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0,
+                                 mode="sf_only")
+
+
+@_per_block_sf_only_op.register_fake
+def _(x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0):
+    t, h = x.shape
+    return _fake_sf(x, t, h, block_size[0], block_size[1], use_tma_aligned_col_major_sf, use_packed_ue8m0)
+
+
+@torch.library.custom_op("tilefuse::per_block_cast_with_precomputed_sf", mutates_args=(), device_types="cuda")
+def _per_block_precomputed_op(x: torch.Tensor, fmt: str, block_size: list[int], sf: torch.Tensor) -> torch.Tensor:
+    return per_block_cast_launch(x, fmt, block_size, mode="precomputed", sf=sf)
+
+
+@_per_block_precomputed_op.register_fake
+def _(x, fmt, block_size, sf):
+    t, h = x.shape
+    return _fake_out(x, t, h, fmt)
+
+
+@torch.library.custom_op("tilefuse::per_block_cast_lossless", mutates_args=(), device_types="cuda")
+def _per_block_lossless_op(data: torch.Tensor, sf_in: torch.Tensor, x_block_size: list[int],
+                           out_block_size: list[int], use_tma_aligned_col_major_sf: bool,
+                           use_packed_ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    out, out_sf = per_block_cast_lossless_launch(data, sf_in, x_block_size, out_block_size,
+                                                 use_tma_aligned_col_major_sf, use_packed_ue8m0)
+    return out, out_sf
+
+
+@_per_block_lossless_op.register_fake
+def _(data, sf_in, x_block_size, out_block_size, use_tma_aligned_col_major_sf, use_packed_ue8m0):
+    t, h = data.size(0), 2 * data.size(1)
+    out = data.new_empty((t, h), dtype=torch.float8_e4m3fn)
+    return out, _fake_sf(data, t, h, out_block_size[0], out_block_size[1], use_tma_aligned_col_major_sf,
+                         use_packed_ue8m0)
+
+
+# ---- CUDA entries of the public ops (arguments already validated by them) ----
+
+def per_block_cast_cuda(x, fmt, block_size, use_tma_aligned_col_major_sf=False, round_sf=False,
+                        use_packed_ue8m0=False):
+    """CUDA entry for ``per_block_cast``: a direct launch in eager mode, the custom op under torch.compile."""
+    if torch.compiler.is_compiling():
+        return torch.ops.tilefuse.per_block_cast(x, fmt, [int(b) for b in block_size],
+                                                 use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
+    return per_block_cast_launch(x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
+
+
+def per_block_cast_with_sf_only_cuda(x, fmt, block_size, use_tma_aligned_col_major_sf=False, round_sf=False,
+                                     use_packed_ue8m0=False):
+    """CUDA entry for ``per_block_cast_with_sf_only``."""
+    if torch.compiler.is_compiling():
+        return torch.ops.tilefuse.per_block_cast_with_sf_only(x, fmt, [int(b) for b in block_size],
+                                                              use_tma_aligned_col_major_sf, round_sf,
+                                                              use_packed_ue8m0)
+    return per_block_cast_launch(x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0,
+                                 mode="sf_only")
+
+
+def per_block_cast_with_precomputed_sf_cuda(x, fmt, block_size, sf, use_tma_aligned_col_major_sf=False,
+                                            round_sf=False, use_packed_ue8m0=False):
+    """CUDA entry for ``per_block_cast_with_precomputed_sf`` (col/packed were rejected by the public op;
+    ``round_sf`` has no effect with a given sf)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.tilefuse.per_block_cast_with_precomputed_sf(x, fmt, [int(b) for b in block_size], sf)
+    return per_block_cast_launch(x, fmt, block_size, mode="precomputed", sf=sf)
+
+
+def per_block_cast_lossless_cuda(x, fmt, x_block_size, out_block_size, use_tma_aligned_col_major_sf=False,
+                                 round_sf=False, use_packed_ue8m0=False):
+    """CUDA entry for ``per_block_cast_lossless`` (``x`` the packed e2m1 ``(data, sf)`` pair, fmt 'e4m3';
+    ``round_sf`` has no effect). Block shapes outside ``lossless_supported`` use the reference."""
+    data, sf_in = x
+    if not lossless_supported(x_block_size, out_block_size):
+        from tilefuse.reference.quant import per_block_cast_lossless as ref
+        return ref(x, tuple(x_block_size), tuple(out_block_size), use_tma_aligned_col_major_sf, use_packed_ue8m0)
+    if torch.compiler.is_compiling():
+        return torch.ops.tilefuse.per_block_cast_lossless(data, sf_in, [int(b) for b in x_block_size],
+                                                          [int(b) for b in out_block_size],
+                                                          use_tma_aligned_col_major_sf, use_packed_ue8m0)
+    return per_block_cast_lossless_launch(data, sf_in, x_block_size, out_block_size,
+                                          use_tma_aligned_col_major_sf, use_packed_ue8m0)
