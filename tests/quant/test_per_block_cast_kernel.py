@@ -72,6 +72,22 @@ def test_fake_lossless_matches_reference_metadata(t, out_block, layout):
     _same_meta(got[1], want[1])
 
 
+@pytest.mark.parametrize("shape", ((0, 576), (5, 0)))
+def test_empty_inputs_launch_nothing(shape, monkeypatch):
+    def no_launch(name, cfg):
+        raise AssertionError(f"launched {name} {cfg} for an empty input")
+    monkeypatch.setattr(K._jit, "get", no_launch)
+    x = torch.randn(shape, dtype=torch.bfloat16)
+    out, sf = K.per_block_cast_launch(x, "e2m1", (32, 128), True, True, True)
+    assert out.shape == (shape[0], shape[1] // 2) and out.dtype == torch.int8
+    assert sf.shape == (cdiv(shape[0], 32), cdiv(cdiv(shape[1], 128), 4)) and sf.dtype == torch.int32
+    data = torch.zeros(shape[0], shape[1] // 2, dtype=torch.int8)
+    sf_in = torch.ones(shape[0], cdiv(shape[1], 32))
+    out, sf = K.per_block_cast_lossless_launch(data, sf_in, (1, 32), (32, 32))
+    assert out.shape == shape and out.dtype == torch.float8_e4m3fn
+    assert sf.shape == (cdiv(shape[0], 32), cdiv(shape[1], 32)) and sf.dtype == torch.float32
+
+
 def test_lossless_supported_covers_the_tested_blocks():
     for out_block in K.LOSSLESS_OUT_BLOCKS:
         assert K.lossless_supported((1, 32), out_block)

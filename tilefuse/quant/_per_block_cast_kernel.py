@@ -393,7 +393,7 @@ def _alloc_out(t: int, hidden: int, fmt: str, device) -> tuple[torch.Tensor, tor
         out = torch.empty((t, hidden), dtype=torch.float8_e4m3fn, device=device)
         return out, out
     out = torch.empty((t, hidden // 2), dtype=torch.int8, device=device)
-    return out, out.view(torch.int32)
+    return out, (out.view(torch.int32) if hidden else out)  # hidden 0: nothing is launched
 
 
 def per_block_cast_launch(x: torch.Tensor, fmt: str, block_size, use_tma_aligned_col_major_sf: bool = False,
@@ -415,7 +415,7 @@ def per_block_cast_launch(x: torch.Tensor, fmt: str, block_size, use_tma_aligned
         sf_arg = sf if sf.stride(-1) == 1 else sf.contiguous()
     else:
         out_sf, sf_arg = _alloc_sf(t, hidden, bm, bk, layout, dev)
-    if t > 0:
+    if x.numel() > 0:  # zero tokens or zero channels: empty outputs, no launch
         cfg = (_TL_DTYPE[x.dtype], fmt, hidden, bm, bk, bool(round_sf), layout, mode)
         x = _aligned(x, 16)
         args = (x, sf_arg) if mode == "sf_only" else (x, y_arg, sf_arg)
@@ -435,7 +435,7 @@ def per_block_cast_lossless_launch(data: torch.Tensor, sf_in: torch.Tensor, x_bl
     layout = _layout(use_tma_aligned_col_major_sf, use_packed_ue8m0)
     out = torch.empty((t, hidden), dtype=torch.float8_e4m3fn, device=data.device)
     out_sf, sf_arg = _alloc_sf(t, hidden, obm, obk, layout, data.device)
-    if t > 0:
+    if data.numel() > 0:  # zero tokens or zero channels: empty outputs, no launch
         cfg = (hidden, ibm, ibk, obm, obk, sf_in.dtype == torch.int32, layout)
         words = _aligned(data, 4).view(torch.int32)
         _jit.get("per_block_cast_lossless", cfg)(words, sf_in, out, sf_arg)
