@@ -253,8 +253,12 @@ def cast_back_launch(data: torch.Tensor, sf: torch.Tensor, fmt: str, x_block_siz
     if t == 0 or hidden == 0:
         return out
     bm, bk = (int(b) for b in x_block_size)
-    cfg = (dfmt, fmt, hidden, bm, bk, sf.dtype == torch.int32)
-    _jit.get("cast_back", cfg)(_kernel_data(data, dfmt), sf, out)
+    fn = _jit.get("cast_back", (dfmt, fmt, hidden, bm, bk, sf.dtype == torch.int32))
+    data = _kernel_data(data, dfmt)
+    # the kernel numbers chunks in int32: inputs beyond 2^31 chunks go in row slices (whole sf row blocks)
+    step = max(bm, (2 ** 31 - 1) // (hidden // _CHUNK[dfmt]) // bm * bm)
+    for r0 in range(0, t, step):
+        fn(data[r0:r0 + step], sf[r0 // bm:], out[r0:r0 + step])
     return out
 
 
@@ -272,7 +276,11 @@ def unpack_e2m1_launch(x: torch.Tensor, out_dtype: torch.dtype = torch.float32) 
         flat = x.contiguous().view(torch.uint8).view(-1)
         if flat.data_ptr() % 8:
             flat = flat.clone()
-        _jit.get("unpack_from_e2m1fn_x2", (_UNPACK_DTYPES[k_dtype],))(flat, out.view(-1))
+        fn = _jit.get("unpack_from_e2m1fn_x2", (_UNPACK_DTYPES[k_dtype],))
+        flat_out = out.view(-1)
+        step = 2 ** 29  # bytes per launch: 2N outputs stay below 2^31 (int32 indexing)
+        for b0 in range(0, flat.numel(), step):
+            fn(flat[b0:b0 + step], flat_out[2 * b0:2 * (b0 + step)])
     return out if k_dtype == out_dtype else out.to(out_dtype)
 
 

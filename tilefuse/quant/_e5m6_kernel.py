@@ -64,6 +64,15 @@ def _e5m6_code(v):
     return T.if_then_else((t & 1) + r > T.uint32(0x10000), t + 1, t) & T.uint32(0xFFF)
 
 
+def _e5m6_words(c):
+    """Words ``W0, W1, W2`` (uint32) of the eight codes ``c`` (uint32 expressions), quant.md 1.3 packing."""
+    import tilelang.language as T
+
+    return (T.shift_left(c[0], 20) | T.shift_left(c[1], 8) | T.shift_right(c[2], 4),
+            T.shift_left(c[2] & 0xF, 28) | T.shift_left(c[3], 16) | T.shift_left(c[4], 4) | T.shift_right(c[5], 8),
+            T.shift_left(c[5] & 0xFF, 24) | T.shift_left(c[6], 12) | c[7])
+
+
 def e5m6_cast_kernel(x_dtype: str, hidden: int, round_sf: bool, sf_layout: str):
     """Factory for one static config: ``x_dtype`` "bfloat16" | "float32", ``hidden`` (% 8 == 0), ``round_sf``,
     ``sf_layout`` "row" | "col" | "col_packed". Token count and input row stride are symbolic.
@@ -139,10 +148,10 @@ def e5m6_cast_kernel(x_dtype: str, hidden: int, round_sf: bool, sf_layout: str):
                 if T.And(row < Tn, g < g8):
                     for v in T.unroll(8):
                         code[v] = _e5m6_code(xv[j * 8 + v] * inv[0])
-                    Y[row, g * 3] = T.shift_left(code[0], 20) | T.shift_left(code[1], 8) | T.shift_right(code[2], 4)
-                    Y[row, g * 3 + 1] = (T.shift_left(code[2] & 0xF, 28) | T.shift_left(code[3], 16)
-                                         | T.shift_left(code[4], 4) | T.shift_right(code[5], 8))
-                    Y[row, g * 3 + 2] = T.shift_left(code[5] & 0xFF, 24) | T.shift_left(code[6], 12) | code[7]
+                    w0, w1, w2 = _e5m6_words([code[v] for v in range(8)])
+                    Y[row, g * 3] = w0
+                    Y[row, g * 3 + 1] = w1
+                    Y[row, g * 3 + 2] = w2
 
     return e5m6_cast
 

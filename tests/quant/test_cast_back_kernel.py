@@ -1,0 +1,379 @@
+"""Kernel tiers for ``cast_back`` / ``per_token_cast_back`` (quant.md 3.5) and ``unpack_from_e2m1fn_x2`` (1.2).
+
+compile: every config the GPU tier uses builds for sm_90 with IEEE arithmetic, and the launchers hand each
+kernel arguments whose dtypes, shapes and strides fit its signature (checked on CPU against the prim_func).
+gpu: bit-exact against the reference run on the same CUDA tensors (quant.md 6.2), outputs poisoned first.
+"""
+import numpy as np
+import pytest
+import torch
+
+from tilefuse import _jit
+from tilefuse import formats as F
+from tilefuse.quant import _cast_back_kernel as K
+from tilefuse.reference import quant as R
+from tilefuse.testing import assert_equal
+
+TOKENS = (0, 1, 7, 4001, 8192)
+OUT = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# (use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0): quant.md 7.1 sets plus a non-rounded col sf
+FLAGS = ((False, True, False), (True, True, True), (True, False, False))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# compile tier
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.compile
+@pytest.mark.parametrize("cfg", K.test_configs(), ids=str)
+def test_cast_back_builds_for_sm90(cfg):
+    src = _jit.compile_kernel("cast_back", cfg, "sm_90").get_kernel_source()
+    assert "__global__" in src and "use_fast_math" not in src
+    chunk_bytes = {"e4m3": 16, "e2m1": 16, "e5m6": 4}[cfg[0]]
+    if chunk_bytes == 16:  # one 16-byte load per chunk of data
+        assert "*(fp8_e4_16_t*)" in src or "*(uint4*)(raw" in src
+    assert ("*(uint4*)(Y" in src) if cfg[1] == "bf16" else ("*(float4*)(Y" in src)  # 16-byte stores
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16", "float16"))
+def test_unpack_builds_for_sm90(dtype):
+    src = _jit.compile_kernel("unpack_from_e2m1fn_x2", (dtype,), "sm_90").get_kernel_source()
+    assert "*(uint2*)(raw" in src  # 8-byte vector load of the packed bytes
+
+
+def _bind(func, args):
+    """Assert that tensors ``args`` fit the buffers of prim_func ``func``: dtype, rank, static dims and strides,
+    and one consistent value per symbolic dimension or stride; returns the symbol values."""
+    import tvm
+
+    env = {}
+
+    def match(expr, got, what):
+        if isinstance(expr, tvm.tirx.IntImm):
+            assert int(expr) == got, what
+        elif isinstance(expr, tvm.tirx.Var):
+            assert env.setdefault(expr.name, got) == got, (what, env[expr.name])
+
+    bufs = [func.buffer_map[p] for p in func.params if p in func.buffer_map]
+    assert len(bufs) == len(args)
+    for buf, t in zip(bufs, args):
+        assert str(buf.dtype) == str(t.dtype).replace("torch.", ""), (buf.name, buf.dtype, t.dtype)
+        assert len(buf.shape) == t.dim(), (buf.name, buf.shape, t.shape)
+        for i, dim in enumerate(buf.shape):
+            match(dim, t.size(i), (buf.name, "dim", i, t.shape))
+        if buf.strides:
+            for i, stride in enumerate(buf.strides):
+                if t.size(i) > 1:  # a size-1 dimension's stride is never used
+                    match(stride, t.stride(i), (buf.name, "stride", i, t.stride()))
+        else:
+            assert t.is_contiguous(), buf.name
+    return env
+
+
+def tir_eval(e, env):
+    """numpy evaluation of a TIR expression with C integer semantics (wrapping, logical shifts on unsigned)."""
+    from tvm import tirx
+    t = type(e).__name__
+    dt = str(e.dtype)
+    npdt = np.bool_ if dt == "bool" else np.dtype(dt)
+    ev = lambda x: tir_eval(x, env)
+    if t == "IntImm":
+        return np.array(e.value).astype(npdt)
+    if t == "FloatImm":
+        return np.array(e.value, dtype=npdt)
+    if t == "Var":
+        return env[e.name]
+    if t == "Cast":
+        return ev(e.value).astype(npdt)
+    if t in ("Add", "Sub", "Mul", "Max", "Min", "EQ", "NE", "LT", "LE", "GT", "GE", "And", "Or", "FloorDiv", "FloorMod"):
+        a, b = ev(e.a), ev(e.b)
+        with np.errstate(over="ignore"):
+            f = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Max": np.maximum, "Min": np.minimum,
+                 "EQ": np.equal, "NE": np.not_equal, "LT": np.less, "LE": np.less_equal, "GT": np.greater,
+                 "GE": np.greater_equal, "And": np.logical_and, "Or": np.logical_or,
+                 "FloorDiv": np.floor_divide, "FloorMod": np.mod}[t]
+            return f(a, b).astype(npdt)
+    if t == "Not":
+        return np.logical_not(ev(e.a))
+    if t == "Select":
+        return np.where(ev(e.condition), ev(e.true_value), ev(e.false_value)).astype(npdt)
+    if t == "Call":
+        name = e.op.name.split(".")[-1]
+        args = [ev(a) for a in e.args]
+        if name == "if_then_else":
+            return np.where(args[0], args[1], args[2]).astype(npdt)
+        if name == "reinterpret":
+            return np.ascontiguousarray(args[0]).view(npdt)
+        if name == "shift_left":
+            return np.left_shift(args[0], args[1].astype(args[0].dtype)).astype(npdt)
+        if name == "shift_right":
+            return np.right_shift(args[0], args[1].astype(args[0].dtype)).astype(npdt)
+        if name == "bitwise_and":
+            return (args[0] & args[1]).astype(npdt)
+        if name == "bitwise_or":
+            return (args[0] | args[1]).astype(npdt)
+        if name == "fabs":
+            return np.abs(args[0])
+        if name == "isnan":
+            return np.isnan(args[0])
+    raise NotImplementedError(t, getattr(getattr(e, "op", None), "name", None))
+
+
+def _fake_jit(monkeypatch, factory):
+    """Replace ``_jit.get`` by a checker that binds the launch arguments to the factory's prim_func."""
+    calls = []
+
+    def get(name, cfg):
+        func = factory(*cfg)
+        return lambda *args: calls.append(_bind(func, args))
+
+    monkeypatch.setattr(_jit, "get", get)
+    return calls
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("fmt", ("e4m3", "e2m1"))
+@pytest.mark.parametrize("flags", FLAGS, ids=str)
+@pytest.mark.parametrize("block", ((1, 128), (128, 128), (128, 1), (1, 576)), ids=str)
+def test_cast_back_launch_binds(monkeypatch, fmt, flags, block):
+    col, round_sf, packed = flags
+    if block[1] == 1 and packed:
+        pytest.skip("packed UE8M0 is per channel block")
+    x = torch.randn(130, 576)
+    data, sf = R.cast(x, fmt, block, round_sf=round_sf, use_tma_aligned_col_major_sf=col, use_packed_ue8m0=packed)
+    calls = _fake_jit(monkeypatch, K.cast_back_kernel)
+    out = K.cast_back_launch(data, sf, "bf16", block)
+    assert out.shape == (130, 576) and out.dtype == torch.bfloat16 and out.is_contiguous()
+    assert len(calls) == 1 and calls[0]["num_tokens"] == 130
+    # a row-strided data view is passed as it is when its rows stay 16-byte aligned
+    wide = torch.zeros(130, 2 * data.size(1), dtype=data.dtype)
+    wide[:, :data.size(1)] = data
+    K.cast_back_launch(wide[:, :data.size(1)], sf, "fp32", block)
+    assert calls[1]["data_row_stride"] == 2 * data.size(1)
+
+
+@pytest.mark.compile
+def test_unpack_launch_binds(monkeypatch):
+    calls = _fake_jit(monkeypatch, K.unpack_e2m1_kernel)
+    x = torch.randint(-128, 128, (3, 5, 7), dtype=torch.int8)
+    out = K.unpack_e2m1_launch(x, torch.float64)
+    assert out.shape == (3, 5, 14) and out.dtype == torch.float64
+    assert calls == [{"num_bytes": 105}]
+    out = K.unpack_e2m1_launch(x.view(torch.uint8)[:, ::2], torch.bfloat16)  # non-contiguous: copied
+    assert out.shape == (3, 3, 14) and out.dtype == torch.bfloat16
+    assert calls[1] == {"num_bytes": 63}
+    assert K.unpack_e2m1_launch(torch.empty(0, 4, dtype=torch.int8)).shape == (0, 8)
+    assert len(calls) == 2  # nothing launched for an empty input
+
+
+def test_e2m1_decode_expression_is_exact():
+    """The kernel's E2M1 decoding expression, evaluated with C integer semantics, gives the bits of
+    ``formats.e2m1_decode`` for all 16 nibbles (including -0.0)."""
+    pytest.importorskip("tilelang")
+    from tvm import tirx
+
+    nib = np.arange(16, dtype=np.int32)
+    got = tir_eval(K._decode_e2m1(tirx.Var("c", "int32")), {"c": nib}).view(np.uint32)
+    want = F.e2m1_decode(torch.from_numpy(nib)).numpy().view(np.uint32)
+    assert (got == want).all()
+    assert got[8] == 0x80000000 and got[7] == np.float32(6.0).view(np.uint32)
+
+
+def test_fake_shapes_match_reference():
+    """The fake implementations (torch.compile's view of the ops) give the reference's shapes and dtypes."""
+    x = torch.randn(9, 256)
+    for fmt in ("e4m3", "e2m1"):
+        pair = R.cast(x, fmt, (1, 128))
+        for out in ("bf16", "fp32"):
+            want = R.cast_back(pair, out, (1, 128))
+            got = torch.ops.tilefuse.cast_back(pair[0].to("meta"), pair[1].to("meta"), out, [1, 128], None)
+            assert got.shape == want.shape and got.dtype == want.dtype
+    packed = torch.randint(-128, 128, (2, 3, 5), dtype=torch.int8)
+    got = torch.ops.tilefuse.unpack_from_e2m1fn_x2(packed.to("meta"), torch.float16)
+    assert got.shape == (2, 3, 10) and got.dtype == torch.float16
+
+
+# ---------------------------------------------------------------------------------------------------------
+# gpu tier
+# ---------------------------------------------------------------------------------------------------------
+
+def _poison():
+    """Fill the caching allocator's free memory with 0xFF so freshly allocated outputs start as NaN."""
+    free = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    free.fill_(0xFF)
+    del free
+
+
+def _run(data, sf, out, block):
+    _poison()
+    got = K.cast_back_launch(data, sf, out, block)
+    torch.cuda.synchronize()
+    return got
+
+
+def _check(data, sf, out, block):
+    got = _run(data, sf, out, block)
+    assert_equal(got, R.cast_back((data, sf), out, block))
+    return got
+
+
+def _quantized(t, hidden, fmt, block, flags, dtype=torch.bfloat16):
+    col, round_sf, packed = flags
+    x = torch.randn(t, hidden, dtype=dtype, device="cuda")
+    return R.cast(x, fmt, block, round_sf=round_sf, use_tma_aligned_col_major_sf=col, use_packed_ue8m0=packed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("fmt", ("e4m3", "e2m1"))
+@pytest.mark.parametrize("out", ("bf16", "fp32"))
+@pytest.mark.parametrize("flags", FLAGS, ids=str)
+def test_per_token_matches_reference(t, fmt, out, flags):
+    data, sf = _quantized(t, 576, fmt, (1, 128), flags, OUT[out])
+    _check(data, sf, out, (1, 128))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ("e4m3", "e2m1"))
+@pytest.mark.parametrize("out", ("bf16", "fp32"))
+def test_one_group_per_row(fmt, out):
+    data, sf = _quantized(4001, 2048, fmt, (1, 2048), (False, False, False))
+    _check(data, sf, out, (1, 2048))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", (1, 7, 4001))
+@pytest.mark.parametrize("block", ((128, 1), (128, 128)), ids=str)
+@pytest.mark.parametrize("round_sf", (False, True))
+@pytest.mark.parametrize("out", ("bf16", "fp32"))
+def test_block_matches_reference(t, block, round_sf, out):
+    data, sf = _quantized(t, 2048, "e4m3", block, (False, round_sf, False))
+    _check(data, sf, out, block)
+
+
+@pytest.mark.gpu
+def test_block_col_packed_sf():
+    data, sf = _quantized(4001, 2048, "e4m3", (128, 128), (True, True, True))
+    _check(data, sf, "fp32", (128, 128))
+
+
+@pytest.mark.gpu
+def test_e2m1_block_32():
+    data, sf = _quantized(4001, 2048, "e2m1", (32, 32), (False, False, False))
+    _check(data, sf, "bf16", (32, 32))
+
+
+@pytest.mark.gpu
+def test_per_token_cast_back_entry():
+    data, sf = _quantized(4001, 576, "e2m1", (1, 128), (True, True, True))
+    _poison()
+    got = K.per_token_cast_back_cuda((data, sf), "fp32", 128)
+    assert_equal(got, R.cast_back((data, sf), "fp32", (1, 128)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ("e4m3", "e2m1"))
+def test_random_codes_and_scales(fmt):
+    """Adversarial: every code (subnormals, +-max, -0; no NaN codes) times sf from 2^-126 up to 2^100 in a
+    column-major fp32 sf that is not TMA-aligned, so products also overflow and go subnormal."""
+    t, hidden = 4001, 576
+    width = hidden if fmt == "e4m3" else hidden // 2
+    raw = torch.randint(0, 256, (t, width), dtype=torch.uint8, device="cuda")
+    if fmt == "e4m3":
+        raw[(raw & 0x7F) == 0x7F] = 0x7E  # NaN -> max
+        raw[:, :8] = torch.tensor([0x7E, 0xFE, 0x01, 0x81, 0x80, 0x00, 0x07, 0x08], dtype=torch.uint8)
+        data = raw.view(torch.float8_e4m3fn)
+    else:
+        data = raw.view(torch.int8)
+    exps = torch.randint(-126, 101, (t, 5), device="cuda").float()
+    sf = (torch.exp2(exps) * (1 + torch.rand(t, 5, device="cuda"))).t().contiguous().t()
+    sf[:3] = torch.tensor([0.0, float(torch.finfo(torch.float32).max), 2.0 ** -149], device="cuda")[:, None]
+    for out in ("bf16", "fp32"):
+        _check(data, sf, out, (1, 128))
+
+
+@pytest.mark.gpu
+def test_all_zero_blocks():
+    x = torch.randn(4001, 576, device="cuda")
+    x[100:300] = 0
+    x[:, 128:256] = -0.0
+    for fmt in ("e4m3", "e2m1"):
+        data, sf = R.cast(x, fmt, (1, 128), round_sf=True)
+        got = _check(data, sf, "fp32", (1, 128))
+        assert (got[100:300] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ("e4m3", "e2m1"))
+def test_strided_data_equals_contiguous(fmt):
+    data, sf = _quantized(4001, 576, fmt, (1, 128), (True, True, True))
+    wide = torch.zeros(data.size(0), data.size(1) + 64, dtype=data.dtype, device="cuda")
+    wide[:, :data.size(1)] = data
+    view = wide[:, :data.size(1)]
+    assert_equal(_check(view, sf, "bf16", (1, 128)), _run(data, sf, "bf16", (1, 128)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ("e4m3", "e2m1"))
+def test_deterministic_and_batch_invariant(fmt):
+    data, sf = _quantized(8192, 576, fmt, (1, 128), (False, True, False))
+    a = _run(data, sf, "bf16", (1, 128))
+    b = _run(data, sf, "bf16", (1, 128))
+    assert_equal(a, b)
+    for lo, hi in ((0, 1), (4000, 4007), (8191, 8192)):
+        assert_equal(_run(data[lo:hi], sf[lo:hi], "bf16", (1, 128)), a[lo:hi])
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_equals_eager():
+    data, sf = _quantized(4001, 576, "e4m3", (1, 128), (True, True, True))
+    eager = _run(data, sf, "fp32", (1, 128))
+    K.cast_back_launch(data, sf, "fp32", (1, 128))  # compiled before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = K.cast_back_launch(data, sf, "fp32", (1, 128))
+    captured.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_equal(captured, eager)
+
+
+@pytest.mark.gpu
+def test_torch_compile_equals_eager():
+    data, sf = _quantized(4001, 576, "e2m1", (1, 128), (False, True, False))
+
+    def f(data, sf):
+        return (K.cast_back_cuda((data, sf), "bf16", (1, 128)),
+                K.unpack_from_e2m1fn_x2_cuda(data, torch.float32))
+
+    got = torch.compile(f, fullgraph=True)(data, sf)
+    want = f(data, sf)
+    for g, w in zip(got, want):
+        assert_equal(g, w)
+
+
+def _unpack_ref(x, out_dtype):
+    return F.e2m1_decode(F.e2m1_unpack(x)).to(out_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ((1,), (3, 5, 7), (4001, 1024), (0, 4), (7, 0)), ids=str)
+@pytest.mark.parametrize("out_dtype", (torch.float32, torch.bfloat16, torch.float16, torch.float64))
+def test_unpack_matches_reference(shape, out_dtype):
+    x = torch.randint(-128, 128, shape, dtype=torch.int8, device="cuda")
+    _poison()
+    got = K.unpack_e2m1_launch(x, out_dtype)
+    torch.cuda.synchronize()
+    assert_equal(got, _unpack_ref(x, out_dtype))
+
+
+@pytest.mark.gpu
+def test_unpack_uint8_and_strided_input():
+    x = torch.randint(0, 256, (257, 66), dtype=torch.uint8, device="cuda")
+    view = x[:, 1:65]  # misaligned, row-strided
+    _poison()
+    assert_equal(K.unpack_e2m1_launch(view, torch.float32), _unpack_ref(view, torch.float32))
+    every = torch.arange(256, dtype=torch.uint8, device="cuda")  # every byte
+    assert_equal(K.unpack_e2m1_launch(every, torch.bfloat16), _unpack_ref(every, torch.bfloat16))
