@@ -7,9 +7,13 @@ A kernel module registers a *factory* (Python arguments that change the generate
     fn = get("transpose", (2,))          # compiled once per process, then a dict lookup
     fn(x, out)                           # launches on torch's current CUDA stream (TVM-FFI)
 
-``import tilelang`` happens on the first compile, never at import time. Compiled binaries land in
-TileLang's disk cache (``TILELANG_CACHE_DIR``, default ``~/.tilelang/cache``), so a second process loads
-them instead of compiling. Kernels are compiled with fast-math off (IEEE division; quant.md 9.1).
+``import tilelang`` happens on the first compile, never at import time. Every compiled kernel is also
+exported as a shared library into tilefuse's own disk cache (``TILEFUSE_CACHE_DIR``, default
+``<TILELANG_CACHE_DIR or ~/.tilelang/cache>/tilefuse``), keyed by the kernel name, its static config, the
+target arch, the TileLang version and a digest of the kernel module's source. A later process loads that
+library through TVM-FFI and TileLang's runtime libraries, without importing TileLang or rebuilding the
+``prim_func``: a warm start costs tens of milliseconds. Kernels are compiled with fast-math off (IEEE
+division; quant.md 9.1).
 
 ``python -m tilefuse precompile [--ops NAME ...] [--arch sm_90] [--jobs N]`` compiles every registered
 config in parallel, with or without a GPU.
@@ -17,12 +21,20 @@ config in parallel, with or without a GPU.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import hashlib
 import importlib
+import importlib.util
+import inspect
 import os
+import shutil
+import sys
+import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
-from typing import Callable, Hashable, Iterable
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from typing import Callable, Iterable
 
 import torch
 
@@ -56,51 +68,149 @@ def current_arch() -> str:
     return _DEFAULT_ARCH
 
 
-def compile_kernel(name: str, config: tuple, arch: str | None = None):
-    """Compile (or load from TileLang's disk cache) one static config; returns the ``JITKernel``."""
+def compile_kernel(name: str, config: tuple, arch: str | None = None, export: bool = True):
+    """Compile (or load from TileLang's disk cache) one static config and, unless ``export`` is False, export
+    its library into tilefuse's disk cache; returns the ``JITKernel``."""
     import tilelang
 
     factory, _ = _FACTORIES[name]
-    return tilelang.compile(
+    arch = arch or current_arch()
+    kernel = tilelang.compile(
         factory(*config),
-        target={"kind": "cuda", "arch": arch or current_arch()},
+        target={"kind": "cuda", "arch": arch},
         execution_backend="tvm_ffi",
         pass_configs=dict(_PASS_CONFIGS),
     )
-
-
-def _launcher(kernel) -> Callable:
-    """The cheapest callable for a compiled kernel: the TVM-FFI executable taking (inputs..., outputs...).
-
-    All our kernels take their outputs as arguments (no ``out_idx``), so the executable can be called
-    directly; it reads torch's current stream through the DLPack exchange API.
-    """
-    adapter = getattr(kernel, "adapter", None)
-    get_exe = getattr(adapter, "get_exportable_executable", None)
-    if get_exe is not None:
-        try:
-            return get_exe()
-        except Exception:  # pragma: no cover - older/newer adapters: fall back to the JITKernel call
-            pass
+    if export:
+        _export(kernel, _lib_path(name, config, arch))
     return kernel
 
 
+def _cache_dir() -> str:
+    base = os.environ.get("TILELANG_CACHE_DIR") or os.path.expanduser("~/.tilelang/cache")
+    return os.environ.get("TILEFUSE_CACHE_DIR") or os.path.join(base, "tilefuse")
+
+
+_DIGESTS: dict[str, str] = {}
+
+
+def _lib_path(name: str, config: tuple, arch: str) -> str:
+    """Where the exported library of ``name`` at ``config`` for ``arch`` lives in tilefuse's disk cache."""
+    mod = _FACTORIES[name][0].__module__
+    digest = _DIGESTS.get(mod)
+    if digest is None:
+        from importlib.metadata import version
+
+        with open(inspect.getsourcefile(sys.modules[mod]), "rb") as f:
+            digest = hashlib.sha256(f.read() + version("tilelang").encode()).hexdigest()[:16]
+        _DIGESTS[mod] = digest
+    key = hashlib.sha256(repr((name, config, arch, sorted(_PASS_CONFIGS.items()), digest)).encode()).hexdigest()
+    return os.path.join(_cache_dir(), f"{name}-{arch}-{key[:24]}.so")
+
+
+def _export(kernel, path: str) -> None:
+    """Write the kernel's host + device library to ``path``, atomically (concurrent writers are harmless)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+    os.close(fd)
+    try:
+        cached = getattr(kernel.adapter, "libpath", None)  # loaded from TileLang's own cache: copy that file
+        if cached and os.path.exists(cached):
+            shutil.copyfile(cached, tmp)
+        else:
+            kernel.adapter.get_exportable_executable().export_library(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+_RUNTIME_LOADED = False
+
+
+def _load_runtime() -> None:
+    """Let TVM-FFI load CUDA kernel libraries: load TileLang's runtime libraries, without ``import tilelang``."""
+    global _RUNTIME_LOADED
+    if _RUNTIME_LOADED:
+        return
+    spec = importlib.util.find_spec("tilelang")
+    libdir = os.path.join(list(spec.submodule_search_locations)[0], "lib") if spec else ""
+    libs = [os.path.join(libdir, n) for n in ("libtvm_runtime.so", "libtilelang.so")]
+    if all(os.path.exists(p) for p in libs):
+        import tvm_ffi  # noqa: F401  (loads libtvm_ffi first)
+
+        for p in libs:
+            ctypes.CDLL(p, mode=ctypes.RTLD_GLOBAL | os.RTLD_LAZY)
+    else:  # another install layout: let TileLang load its libraries
+        import tilelang  # noqa: F401
+    _RUNTIME_LOADED = True
+
+
+def _load(path: str) -> Callable:
+    """The entry function of an exported kernel library: a TVM-FFI function taking (inputs..., outputs...).
+
+    All our kernels take their outputs as arguments (no ``out_idx``); the function launches on torch's
+    current stream, which it reads through the DLPack exchange API.
+    """
+    import tvm_ffi
+
+    _load_runtime()
+    return tvm_ffi.load_module(path)["main"]
+
+
 def get(name: str, config: tuple) -> Callable:
-    """The launch callable of ``name`` at ``config`` for the current device, compiled on first use."""
+    """The launch function of ``name`` at ``config`` for the current device: loaded from the disk cache, or
+    compiled (and exported there) on first use; later calls cost a dict lookup."""
     key = (name, config)
     fn = _COMPILED.get(key)
     if fn is None:
         with _LOCK:
             fn = _COMPILED.get(key)
             if fn is None:
-                fn = _launcher(compile_kernel(name, config))
+                arch = current_arch()
+                path = _lib_path(name, config, arch)
+                if not os.path.exists(path):
+                    compile_kernel(name, config, arch)
+                fn = _load(path)
                 _COMPILED[key] = fn
     return fn
 
 
 def get_jit_kernel(name: str, config: tuple):
     """The ``JITKernel`` object itself (for benchmarks of a bare TileLang call and for source dumps)."""
-    return compile_kernel(name, config)
+    return compile_kernel(name, config, export=False)
+
+
+def _compile_one(name: str, config: tuple, arch: str) -> None:
+    if name not in _FACTORIES:  # a fresh (spawned) worker: import the kernel modules first
+        registered()
+    compile_kernel(name, config, arch)
+
+
+def compile_many(work: list[tuple[str, tuple]], arch: str, jobs: int, progress: bool = False) -> list:
+    """Compile and export ``(name, config)`` pairs in ``jobs`` worker processes (lowering holds the GIL, so
+    threads would not overlap; workers are spawned, never forked from a process that holds CUDA); returns ``[((name, config), error message)]`` for the failures."""
+    bar = None
+    if progress:
+        try:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(work), desc=f"precompile {arch}", unit="kernel")
+        except ImportError:  # pragma: no cover
+            pass
+    failures = []
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_compile_one, name, cfg, arch): (name, cfg) for name, cfg in work}
+        for fut in as_completed(futures):
+            try:
+                fut.result()
+            except Exception as exc:  # report every failure, keep compiling the others
+                failures.append((futures[fut], f"{type(exc).__name__}: {str(exc)[:500]}"))
+            if bar:
+                bar.update(1)
+    if bar:
+        bar.close()
+    return failures
 
 
 def precompile_main(argv: list[str]) -> int:
@@ -121,26 +231,10 @@ def precompile_main(argv: list[str]) -> int:
             print(name, cfg)
         return 0
     arch = args.arch or current_arch()
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover
-        tqdm = None
     start = time.perf_counter()
-    failures = []
-    bar = tqdm(total=len(work), desc=f"precompile {arch}", unit="kernel") if tqdm else None
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = {pool.submit(compile_kernel, name, cfg, arch): (name, cfg) for name, cfg in work}
-        for fut in as_completed(futures):
-            try:
-                fut.result()
-            except Exception as exc:  # report every failure, keep compiling the others
-                failures.append((futures[fut], exc))
-            if bar:
-                bar.update(1)
-    if bar:
-        bar.close()
+    failures = compile_many(work, arch, args.jobs, progress=True)
     print(f"compiled {len(work) - len(failures)}/{len(work)} kernels for {arch} in "
           f"{time.perf_counter() - start:.1f} s")
     for (name, cfg), exc in failures:
-        print(f"FAILED {name} {cfg}: {type(exc).__name__}: {exc}")
+        print(f"FAILED {name} {cfg}: {exc}")
     return 1 if failures else 0

@@ -121,19 +121,20 @@ def _area(name: str) -> str:
 def host_overhead(iters: int = 2000) -> list[dict]:
     """Median wall µs per call at one row (7168 bf16 channels -> e4m3, col + round + ue8m0)."""
     from tilefuse import _jit
+    from tilefuse import quant
     from tilefuse.quant import _per_token_cast_kernel as Q
 
     x = torch.randn(1, 7168, device="cuda").to(torch.bfloat16)
     cfg = ("bfloat16", "e4m3", 7168, 128, True, "col_packed", "cast")
     jk = _jit.get_jit_kernel("per_token_cast", cfg)
     out, sf = Q.per_token_cast_launch(x, None, "e4m3", 128, None, True, True, True)
-    sf_store = torch.empty((14, 4), dtype=torch.int32, device="cuda")  # (cdiv(56 groups, 4), align(1 row, 4))
-    sf_arg = sf_store.view(torch.uint8).view(14, 4, 4)
     calls = {
         "torch.empty(1, 7168)": lambda: torch.empty((1, 7168), dtype=torch.float8_e4m3fn, device="cuda"),
-        "bare TileLang kernel call (preallocated outputs)": lambda: jk(x, out, sf_arg),
-        "tilefuse eager entry (per_token_cast_cuda)": lambda: Q.per_token_cast_cuda(x, "e4m3", 128, None, True, True,
-                                                                                     True),
+        "bare TileLang kernel call (JITKernel, preallocated outputs)": lambda: jk(x, out, sf),
+        "tilefuse launcher (per_token_cast_launch: allocation + launch)": lambda: Q.per_token_cast_launch(
+            x, None, "e4m3", 128, None, True, True, True),
+        "tilefuse.quant.per_token_cast (public op: validation + launcher)": lambda: quant.per_token_cast(
+            x, "e4m3", 128, None, True, True, True),
         "torch.ops.tilefuse.per_token_cast (custom op)": lambda: torch.ops.tilefuse.per_token_cast(
             x, None, "e4m3", 128, None, True, True, True),
     }
@@ -150,6 +151,79 @@ def host_overhead(iters: int = 2000) -> list[dict]:
             samples.append((time.perf_counter() - t0) / (iters // 5) * 1e6)
             torch.cuda.synchronize()
         rows.append({"call": name, "us": statistics.median(samples)})
+    return rows
+
+
+_COLD = """
+import time, sys
+t0 = time.perf_counter()
+import torch
+torch.cuda.init(); x = torch.randn(4096, 7168, device="cuda").to(torch.bfloat16); torch.cuda.synchronize()
+t1 = time.perf_counter()
+import tilefuse.quant as q
+t2 = time.perf_counter()
+out, sf = q.per_token_cast(x, "e4m3", 128, None, True, True, True); torch.cuda.synchronize()
+t3 = time.perf_counter()
+ref = q.per_token_cast(x.cpu(), "e4m3", 128, None, True, True, True)
+ok = torch.equal(out.cpu().view(torch.uint8), ref[0].view(torch.uint8))
+print(f"{t1 - t0:.3f} {t2 - t1:.3f} {t3 - t2:.3f} {ok} {'tilelang' in sys.modules}")
+"""
+
+
+def cold_start() -> dict:
+    """A second process's first call of an already-compiled kernel (disk cache warm): seconds for
+    ``import tilefuse.quant`` and for the first ``per_token_cast`` call (load + launch + sync)."""
+    import subprocess
+    import sys
+
+    from tilefuse.quant import per_token_cast
+
+    x = torch.randn(8, 7168, device="cuda").to(torch.bfloat16)
+    per_token_cast(x, "e4m3", 128, None, True, True, True)  # make sure this config is in the disk cache
+    res = subprocess.run([sys.executable, "-c", _COLD], capture_output=True, text=True, timeout=120)
+    fields = res.stdout.split()
+    if res.returncode or len(fields) != 5:
+        return {"error": (res.stdout + res.stderr)[-500:]}
+    return {"torch_and_cuda_init_s": float(fields[0]), "import_tilefuse_s": float(fields[1]),
+            "first_call_s": float(fields[2]), "equals_reference": fields[3] == "True",
+            "imported_tilelang": fields[4] == "True"}
+
+
+def tile_sweep(tiles: list[tuple[int, int]], jobs: int = 16) -> list[dict]:
+    """Time each ``per_token_cast`` bench case at each ``(threads, pairs per thread)`` tile (the tile never
+    changes results: each variant's outputs are compared bitwise with the default tile's)."""
+    from tilefuse import _jit
+    from tilefuse.quant import _per_token_cast_kernel as Q
+
+    cases = [c for c in _cases() if c[0] == "per_token_cast"]
+    plans = []
+    for name, shape, make, run, _ in cases:
+        x = make()[0]
+        col, rnd, packed = (" col" in shape, " round" in shape, " ue8m0" in shape)
+        fmt = "e2m1" if "e2m1" in shape else "e4m3"
+        layout = "col_packed" if packed else ("col" if col else "row")
+        base = (Q._TL_DTYPE[x.dtype], fmt, 7168, 128, rnd, layout, "cast", 0, 0, False)
+        plans.append((shape, x, fmt, col, rnd, packed, base))
+    work = [("per_token_cast", base + (tile,)) for *_, base in plans for tile in tiles]
+    failures = dict(_jit.compile_many(work, _jit.current_arch(), jobs))
+    rows = []
+    for shape, x, fmt, col, rnd, packed, base in plans:
+        want = Q.per_token_cast_launch(x, None, fmt, 128, None, col, rnd, packed)
+        sets = [x] + [torch.randn_like(x, dtype=torch.float32).to(x.dtype) for _ in range(2)]
+        for tile in tiles:
+            cfg = base + (tile,)
+            if ("per_token_cast", cfg) in failures:
+                rows.append({"shape": shape, "tile": tile, "error": failures[("per_token_cast", cfg)][:200]})
+                continue
+            fn = _jit.get("per_token_cast", cfg)
+            got = [torch.full_like(want[0], 0x7F if fmt == "e2m1" else 1.0), torch.empty_like(want[1])]
+            fn(x, *got)
+            same = torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+            us = _median_us(lambda i: fn(sets[i % 3], *got), 3)
+            nbytes = _nbytes(x, *want)
+            rows.append({"shape": shape, "tile": tile, "us": us, "gbs": nbytes / us / 1e3, "bitwise_equal": same})
+        del sets
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -189,6 +263,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--plot", default=None, help="write a PNG bar chart of %% of the copy ceiling")
     parser.add_argument("--host-overhead", action="store_true", help="also time one-row calls on the host")
     parser.add_argument("--no-compile-ref", action="store_true", help="skip torch.compile of the references")
+    parser.add_argument("--cold-start", action="store_true",
+                        help="also time a second process's first per_token_cast call (warm disk cache)")
+    parser.add_argument("--tiles", default=None,
+                        help="per_token_cast tile sweep, e.g. 256x4,512x8 (threads x pairs per thread)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU")
@@ -196,14 +274,29 @@ def main(argv: list[str]) -> int:
     result = run_bench(args.ops, with_compile=not args.no_compile_ref)
     if args.host_overhead:
         result["host_overhead"] = host_overhead()
+    if args.cold_start:
+        result["cold_start"] = cold_start()
+    if args.tiles:
+        tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
+        result["tile_sweep"] = tile_sweep(tiles)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     if args.plot:
         _plot(result, args.plot)
     _print_table(result)
+    if "tile_sweep" in result:
+        print("\n| per_token_cast case | tile | µs | % ceiling | bitwise equal |\n| --- | --- | ---: | ---: | --- |")
+        for r in result["tile_sweep"]:
+            if "error" in r:
+                print(f"| {r['shape']} | {r['tile']} | error: {r['error'][:80]} | | |")
+            else:
+                print(f"| {r['shape']} | {r['tile']} | {r['us']:.1f} | "
+                      f"{100 * r['gbs'] / result['copy_ceiling_gbs']:.1f} | {r['bitwise_equal']} |")
     if "host_overhead" in result:
         print("\n| call at one row | µs per call |\n| --- | ---: |")
         for r in result["host_overhead"]:
             print(f"| {r['call']} | {r['us']:.2f} |")
+    if "cold_start" in result:
+        print("\ncold start (second process, warm disk cache):", result["cold_start"])
     return 0

@@ -7,7 +7,7 @@ before each launch so unwritten elements show.
 import pytest
 import torch
 
-from tilefuse import _jit
+from tilefuse import _jit, _registry, quant
 from tilefuse.quant import _per_token_cast_kernel as K
 from tilefuse.reference.quant import cast as ref_cast
 from tilefuse.testing import assert_equal, clear_unused_sf
@@ -19,7 +19,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 @pytest.mark.compile
 @pytest.mark.parametrize("cfg", K._configs(), ids=str)
 def test_builds_for_sm90(cfg):
-    kernel = _jit.compile_kernel("per_token_cast", cfg, "sm_90")
+    kernel = _jit.compile_kernel("per_token_cast", cfg, "sm_90", export=False)
     src = kernel.get_kernel_source()
     assert "__global__" in src
     assert "use_fast_math" not in src
@@ -196,3 +196,82 @@ def test_no_allocation_beyond_outputs():
     # the caching allocator rounds large blocks up to 2 MiB: allow that rounding, nothing more
     allowed = sum(-(-n // (2 << 20)) * (2 << 20) for n in (out.untyped_storage().nbytes(), sf_store))
     assert torch.cuda.max_memory_allocated() - base <= allowed
+
+
+# ---- the public ops on CUDA tensors (they dispatch to the kernel) ----
+
+def _public_case(x):
+    """Every public per-token cast of ``x`` that reaches the kernel, as a tuple of output tensors."""
+    out, sf = quant.per_token_cast(x, "e4m3", 128, None, True, True, True)
+    out2, sf2 = quant.per_token_cast(x, "e2m1", 128, None, False, True, False)
+    only = quant.per_token_cast_with_sf_only(x, "e2m1", 128, None, False, True, False)
+    pre = quant.per_token_cast_with_precomputed_sf(x, "e4m3", 128, sf2)
+    return out, sf, out2, sf2, only, pre
+
+
+@pytest.mark.gpu
+def test_public_ops_take_the_kernel_and_match_reference():
+    x = torch.randn(4001, 2048, dtype=torch.bfloat16, device="cuda")
+    assert all(_registry.OPS[f"quant.{n}"]["path"] == "kernel" for n in
+               ("per_token_cast", "per_token_cast_with_sf_only", "per_token_cast_with_precomputed_sf"))
+    got = _public_case(x)
+    want = _public_case(x.cpu())
+    for g, w in zip(got, want):
+        assert g.is_cuda and g.stride() == w.stride()
+    for i in (0, 2, 3, 4, 5):
+        assert_equal(got[i].cpu(), want[i])
+    assert_equal(clear_unused_sf(got[1].cpu().contiguous(), 2048, 128), clear_unused_sf(want[1].contiguous(), 2048, 128))
+    data, sf = ref_cast(x.cpu(), "e2m1", (128, 128), round_sf=True, use_tma_aligned_col_major_sf=True,
+                        use_packed_ue8m0=True)
+    pair_got = quant.per_token_cast((data.cuda(), sf.cuda()), "e4m3", 128, (128, 128))
+    pair_want = quant.per_token_cast((data, sf), "e4m3", 128, (128, 128))
+    assert_equal(pair_got[0].cpu(), pair_want[0])
+    assert_equal(pair_got[1].cpu(), pair_want[1])
+
+
+@pytest.mark.gpu
+def test_public_ops_torch_compile_fullgraph_equals_eager():
+    x = torch.randn(4001, 2048, dtype=torch.bfloat16, device="cuda")
+    compiled = torch.compile(_public_case, fullgraph=True)
+    got = compiled(x)
+    want = _public_case(x)
+    for g, w in zip(got, want):
+        assert g.stride() == w.stride()
+        assert_equal(g, w)
+
+
+@pytest.mark.gpu
+def test_public_ops_cuda_graph_replay_equals_eager():
+    x = torch.randn(4001, 2048, dtype=torch.bfloat16, device="cuda")
+    eager = _public_case(x)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _public_case(x)  # warm (load) off-graph
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _public_case(x)
+    for t in captured:
+        t.fill_(1)  # poison
+    graph.replay()
+    torch.cuda.synchronize()
+    for g, w in zip(captured, eager):
+        assert_equal(g, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ("e4m3", "e2m1"))
+def test_public_op_allocates_only_its_outputs(fmt):
+    x = torch.randn(4001, 7168, dtype=torch.bfloat16, device="cuda")
+    quant.per_token_cast(x, fmt, 128, None, True, True, True)  # load first
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out, sf = quant.per_token_cast(x, fmt, 128, None, True, True, True)
+    torch.cuda.synchronize()
+    # the caching allocator rounds each block up (512 B small blocks, 2 MiB large ones): allow that only
+    rounded = [-(-n // (2 << 20)) * (2 << 20) if n > (1 << 20) else -(-n // 512) * 512
+               for n in (out.untyped_storage().nbytes(), sf.untyped_storage().nbytes())]
+    assert torch.cuda.max_memory_allocated() - base <= sum(rounded)

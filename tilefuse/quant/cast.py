@@ -1,7 +1,10 @@
 """Public per-token / per-block / per-channel casts, cast-back and E5M6 (quant.md sections 3, 5).
 
-Each op validates its arguments on metadata only, then computes with the exact reference
-(``tilefuse.reference.quant``) on the input's device; no TileLang kernel exists yet. Where upstream asserts,
+Each op validates its arguments on metadata only, then computes on the input's device: CUDA tensors of
+``per_token_cast`` (e4m3/e2m1), ``per_token_cast_with_sf_only`` and ``per_token_cast_with_precomputed_sf``
+go to the TileLang kernel (``_per_token_cast_kernel``: a direct launch in eager mode, its
+``torch.library`` custom op under ``torch.compile``); every other op, and every CPU tensor, takes the exact
+reference (``tilefuse.reference.quant``). Where upstream asserts,
 we raise ``ValueError`` (shapes, values, flags) or ``TypeError`` (types, dtypes) naming the argument.
 Flag combinations follow v1 (section 1.5): packed UE8M0 needs the column-major layout and ``round_sf``.
 """
@@ -15,6 +18,7 @@ from .. import _check
 from .. import formats as F
 from .._registry import public
 from ..reference import quant as R
+from . import _per_token_cast_kernel as K
 
 __all__ = [
     "per_token_cast", "per_token_cast_with_sf_only", "per_token_cast_with_precomputed_sf",
@@ -133,7 +137,7 @@ def _per_token_checks(op: str, x, fmt: str, npc, x_block_size, *, allow_pair: bo
 # Per-token casts (sections 3.1-3.4)
 # ---------------------------------------------------------------------------------------------------------
 
-@public("quant")
+@public("quant", path="kernel")
 def per_token_cast(x, fmt: str, num_per_channels: int, x_block_size: Sequence[int] | None = None,
                    use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
                    use_packed_ue8m0: bool = False):
@@ -149,11 +153,14 @@ def per_token_cast(x, fmt: str, num_per_channels: int, x_block_size: Sequence[in
         return _to_e5m6(op, x, num_per_channels, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
     _per_token_checks(op, x, fmt, num_per_channels, x_block_size, allow_pair=True)
     _flags(op, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
+    if (x[0] if _is_pair(x) else x).is_cuda:
+        return K.per_token_cast_cuda(x, fmt, num_per_channels, x_block_size, use_tma_aligned_col_major_sf,
+                                     round_sf, use_packed_ue8m0)
     return R.cast(x, fmt, (1, num_per_channels), x_block_size=x_block_size, round_sf=round_sf,
                   use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, use_packed_ue8m0=use_packed_ue8m0)
 
 
-@public("quant")
+@public("quant", path="kernel")
 def per_token_cast_with_sf_only(x, fmt: str, num_per_channels: int, x_block_size: Sequence[int] | None = None,
                                 use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
                                 use_packed_ue8m0: bool = False) -> torch.Tensor:
@@ -161,11 +168,14 @@ def per_token_cast_with_sf_only(x, fmt: str, num_per_channels: int, x_block_size
     op = "per_token_cast_with_sf_only"
     _per_token_checks(op, x, fmt, num_per_channels, x_block_size, allow_pair=False)
     _flags(op, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
+    if x.is_cuda:
+        return K.per_token_cast_with_sf_only_cuda(x, fmt, num_per_channels, use_tma_aligned_col_major_sf, round_sf,
+                                                  use_packed_ue8m0)
     return R.cast(x, fmt, (1, num_per_channels), round_sf=round_sf,
                   use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, use_packed_ue8m0=use_packed_ue8m0)[1]
 
 
-@public("quant")
+@public("quant", path="kernel")
 def per_token_cast_with_precomputed_sf(x, fmt: str, num_per_channels: int, sf: torch.Tensor,
                                        x_block_size: Sequence[int] | None = None,
                                        use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
@@ -175,6 +185,8 @@ def per_token_cast_with_precomputed_sf(x, fmt: str, num_per_channels: int, sf: t
     op = "per_token_cast_with_precomputed_sf"
     T, H = _per_token_checks(op, x, fmt, num_per_channels, x_block_size, allow_pair=False)
     _precomputed_sf(op, sf, x, T, F.cdiv(H, num_per_channels), use_tma_aligned_col_major_sf, use_packed_ue8m0)
+    if x.is_cuda:
+        return K.per_token_cast_with_precomputed_sf_cuda(x, fmt, num_per_channels, sf)
     return R.cast(x, fmt, (1, num_per_channels), sf=sf)
 
 
