@@ -24,7 +24,7 @@ import torch
 from tilefuse import _jit
 
 _THREADS = 256
-_UNROLL = 2  # chunks per thread, loaded before any is decoded
+_UNROLL = 2  # chunks per thread, loaded before any is decoded (1 when a chunk is 128 output bytes)
 # elements per chunk and the container word each chunk is loaded as
 _CHUNK = {"e4m3": 16, "e2m1": 32, "e5m6": 8}
 _OUT_TL = {"bf16": "bfloat16", "fp32": "float32"}
@@ -90,7 +90,8 @@ def cast_back_kernel(dfmt: str, out: str, hidden: int, bm: int, bk: int, sf_pack
     nbk = -(-hidden // bk)
     sf_w = -(-nbk // 4) if sf_packed else nbk
     per_chunk_sf = bk % V == 0  # every element of a chunk shares one sf
-    per_cta = _THREADS * _UNROLL
+    unroll = _UNROLL if V * (2 if out == "bf16" else 4) <= 64 else 1  # keeps e2m1 -> fp32 under ~64 registers
+    per_cta = _THREADS * unroll
     py_range_v = tuple(range(V))
 
     Tn, S, NBM, SF0, SF1 = T.dynamic("num_tokens, data_row_stride, sf_rows, sf_stride0, sf_stride1")
@@ -111,16 +112,16 @@ def cast_back_kernel(dfmt: str, out: str, hidden: int, bm: int, bk: int, sf_pack
             T.assume(S % d_per_chunk == 0)
         with T.Kernel(T.ceildiv(Tn * cpr, per_cta), threads=_THREADS) as bx:
             tx = T.get_thread_binding()
-            raw = T.alloc_local((_UNROLL * d_per_chunk,), d_dtype)
-            val = T.alloc_local((_UNROLL * V,), "float32")
-            res = T.alloc_local((_UNROLL * V,), o_dtype)
+            raw = T.alloc_local((unroll * d_per_chunk,), d_dtype)
+            val = T.alloc_local((unroll * V,), "float32")
+            res = T.alloc_local((unroll * V,), o_dtype)
             s = T.alloc_local((1,), "float32")
-            for u in T.unroll(_UNROLL):
+            for u in T.unroll(unroll):
                 c = bx * per_cta + u * _THREADS + tx
                 if c < Tn * cpr:
                     for v in T.vectorized(d_per_chunk):
                         raw[u * d_per_chunk + v] = X[c // cpr, (c % cpr) * d_per_chunk + v]
-            for u in T.unroll(_UNROLL):
+            for u in T.unroll(unroll):
                 c = bx * per_cta + u * _THREADS + tx
                 row = c // cpr
                 col0 = (c % cpr) * V
