@@ -73,7 +73,6 @@ def _bind(func, args):
 
 def tir_eval(e, env):
     """numpy evaluation of a TIR expression with C integer semantics (wrapping, logical shifts on unsigned)."""
-    from tvm import tirx
     t = type(e).__name__
     dt = str(e.dtype)
     npdt = np.bool_ if dt == "bool" else np.dtype(dt)
@@ -86,7 +85,8 @@ def tir_eval(e, env):
         return env[e.name]
     if t == "Cast":
         return ev(e.value).astype(npdt)
-    if t in ("Add", "Sub", "Mul", "Max", "Min", "EQ", "NE", "LT", "LE", "GT", "GE", "And", "Or", "FloorDiv", "FloorMod"):
+    if t in ("Add", "Sub", "Mul", "Max", "Min", "EQ", "NE", "LT", "LE", "GT", "GE", "And", "Or",
+             "FloorDiv", "FloorMod"):
         a, b = ev(e.a), ev(e.b)
         with np.errstate(over="ignore"):
             f = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Max": np.maximum, "Min": np.minimum,

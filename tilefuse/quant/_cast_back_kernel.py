@@ -104,10 +104,12 @@ def cast_back_kernel(dfmt: str, out: str, hidden: int, bm: int, bk: int, sf_pack
             return T.reinterpret(T.shift_left(T.shift_right(word, (kb % 4) * 8) & 255, 23), "float32")
         return SF[rb, kb]
 
+    x_param = T.StridedTensor((Tn, d_width), (S, 1), d_dtype)
+    sf_param = T.StridedTensor((NBM, sf_w), (SF0, SF1), "int32" if sf_packed else "float32")
+    y_param = T.Tensor((Tn, hidden), o_dtype)
+
     @T.prim_func
-    def cast_back(X: T.StridedTensor((Tn, d_width), (S, 1), d_dtype),
-                  SF: T.StridedTensor((NBM, sf_w), (SF0, SF1), "int32" if sf_packed else "float32"),
-                  Y: T.Tensor((Tn, hidden), o_dtype)):
+    def cast_back(X: x_param, SF: sf_param, Y: y_param):
         if dfmt != "e5m6":  # the launcher guarantees 16-byte aligned rows for vector loads
             T.assume(S % d_per_chunk == 0)
         with T.Kernel(T.ceildiv(Tn * cpr, per_cta), threads=_THREADS) as bx:
@@ -160,8 +162,11 @@ def unpack_e2m1_kernel(out_dtype: str):
     o_vec = 16 // {"float32": 4, "bfloat16": 2, "float16": 2}[out_dtype]
     N = T.dynamic("num_bytes")
 
+    x_param = T.Tensor((N,), "uint8")
+    y_param = T.Tensor((2 * N,), out_dtype)
+
     @T.prim_func
-    def unpack_e2m1(X: T.Tensor((N,), "uint8"), Y: T.Tensor((2 * N,), out_dtype)):
+    def unpack_e2m1(X: x_param, Y: y_param):
         with T.Kernel(T.ceildiv(N, _THREADS * B), threads=_THREADS) as bx:
             tx = T.get_thread_binding()
             raw = T.alloc_local((B,), "uint8")

@@ -51,8 +51,8 @@ def _e5m6_code(v):
     # binary16 magnitude rounded toward zero
     normal = T.shift_left(T.cast(e - 112, "uint32"), 10) | T.shift_right(m, 13)
     shift = 126 - e  # >= 14 whenever the value is below the binary16 normal range
-    sub = T.if_then_else(shift < 24, T.shift_right(m | T.uint32(0x800000), T.cast(T.max(T.min(shift, 31), 0), "uint32")),
-                         T.uint32(0))
+    shift_u = T.cast(T.max(T.min(shift, 31), 0), "uint32")
+    sub = T.if_then_else(shift < 24, T.shift_right(m | T.uint32(0x800000), shift_u), T.uint32(0))
     payload = T.shift_right(m, 13)
     special = T.if_then_else(m == 0, T.uint32(0x7C00),
                              T.uint32(0x7C00) | T.if_then_else(payload == 0, T.uint32(0x200), payload))
@@ -95,9 +95,11 @@ def e5m6_cast_kernel(x_dtype: str, hidden: int, round_sf: bool, sf_layout: str):
     else:
         sf_param = T.Tensor((1, P, 4), "uint8")  # the int32 storage seen as bytes; byte 0 holds the exponent
 
+    x_param = T.StridedTensor((Tn, hidden), (S, 1), x_dtype)
+    y_param = T.Tensor((Tn, words), "uint32")
+
     @T.prim_func
-    def e5m6_cast(X: T.StridedTensor((Tn, hidden), (S, 1), x_dtype), Y: T.Tensor((Tn, words), "uint32"),
-                  SF: sf_param):
+    def e5m6_cast(X: x_param, Y: y_param, SF: sf_param):
         T.assume(S % vec == 0)
         with T.Kernel(T.ceildiv(Tn, R), threads=R * L) as bx:
             tx = T.get_thread_binding()
