@@ -275,3 +275,27 @@ def test_public_op_allocates_only_its_outputs(fmt):
     rounded = [-(-n // (2 << 20)) * (2 << 20) if n > (1 << 20) else -(-n // 512) * 512
                for n in (out.untyped_storage().nbytes(), sf.untyped_storage().nbytes())]
     assert torch.cuda.max_memory_allocated() - base <= sum(rounded)
+
+
+@pytest.mark.gpu
+def test_public_op_validation_cache():
+    """Repeated eager calls skip the checks once their facts passed them: results stay exact at any token
+    count and row stride, and arguments that differ in a checked fact still raise."""
+    x = torch.randn(4001, 2048, dtype=torch.bfloat16, device="cuda")
+    for _ in range(2):  # first call validates and records, second takes the cached launch
+        for fmt in ("e4m3", "e2m1"):
+            out, sf = quant.per_token_cast(x, fmt, 128, None, False, True, False)
+            r_out, r_sf = ref_cast(x.cpu(), fmt, (1, 128), round_sf=True)
+            assert_equal(out.cpu(), r_out)
+            assert_equal(sf.cpu(), r_sf)
+            assert_equal(quant.per_token_cast_with_sf_only(x, fmt, 128, None, False, True, False).cpu(), r_sf)
+    strided = torch.randn(7, 4096 + 64, dtype=torch.bfloat16, device="cuda")[:, :2048]
+    out, sf = quant.per_token_cast(strided, "e4m3", 128, None, False, True, False)
+    assert_equal(out.cpu(), ref_cast(strided.cpu(), "e4m3", (1, 128), round_sf=True)[0])
+    column_major = torch.randn(2048, 16, dtype=torch.bfloat16, device="cuda").t()  # same dtype and hidden
+    with pytest.raises(ValueError, match="x must have a unit stride"):
+        quant.per_token_cast(column_major, "e4m3", 128, None, False, True, False)
+    with pytest.raises(TypeError, match="num_per_channels"):
+        quant.per_token_cast(x, "e4m3", 128.0, None, False, True, False)
+    with pytest.raises(ValueError, match="num_per_channels"):
+        quant.per_token_cast(x[:, :1024], "e4m3", 2048, None, False, True, False)
