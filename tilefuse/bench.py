@@ -289,6 +289,12 @@ def _plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _save(result: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m tilefuse bench")
     parser.add_argument("--ops", nargs="*", default=None, help="op names or areas (quant, transpose)")
@@ -304,20 +310,25 @@ def main(argv: list[str]) -> int:
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU")
         return 1
+    # Each part is printed and saved as soon as it is done, so a run cut short keeps what it measured.
     result = run_bench(args.ops, with_compile=not args.no_compile_ref)
-    if args.host_overhead:
-        result["host_overhead"] = host_overhead()
-    if args.cold_start:
-        result["cold_start"] = cold_start()
-    if args.tiles:
-        result["tile_sweep"] = tile_sweep(parse_tiles(args.tiles))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    _print_table(result)
+    _save(result, args.json)
     if args.plot:
         _plot(result, args.plot)
-    _print_table(result)
-    if "tile_sweep" in result:
+    if args.host_overhead:
+        result["host_overhead"] = host_overhead()
+        print("\n| call at one row | µs per call | vs bare call |\n| --- | ---: | ---: |")
+        bare = next(r["us"] for r in result["host_overhead"] if r["call"].startswith("bare"))
+        for r in result["host_overhead"]:
+            print(f"| {r['call']} | {r['us']:.2f} | {r['us'] / bare:.2f}x |")
+        _save(result, args.json)
+    if args.cold_start:
+        result["cold_start"] = cold_start()
+        print("\ncold start (second process, warm disk cache):", result["cold_start"])
+        _save(result, args.json)
+    if args.tiles:
+        result["tile_sweep"] = tile_sweep(parse_tiles(args.tiles))
         print("\n| per_token_cast case | tile | µs | % ceiling | bitwise equal |\n| --- | --- | ---: | ---: | --- |")
         for r in result["tile_sweep"]:
             if "error" in r:
@@ -325,10 +336,5 @@ def main(argv: list[str]) -> int:
             else:
                 print(f"| {r['shape']} | {r['tile']} | {r['us']:.1f} | "
                       f"{100 * r['gbs'] / result['copy_ceiling_gbs']:.1f} | {r['bitwise_equal']} |")
-    if "host_overhead" in result:
-        print("\n| call at one row | µs per call |\n| --- | ---: |")
-        for r in result["host_overhead"]:
-            print(f"| {r['call']} | {r['us']:.2f} |")
-    if "cold_start" in result:
-        print("\ncold start (second process, warm disk cache):", result["cold_start"])
+        _save(result, args.json)
     return 0
