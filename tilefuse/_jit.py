@@ -39,7 +39,13 @@ from typing import Callable, Iterable
 import torch
 
 # Kernel modules that register factories here; ``precompile`` imports them all.
-KERNEL_MODULES = ("tilefuse.transpose._kernel", "tilefuse.quant._per_token_cast_kernel")
+KERNEL_MODULES = (
+    "tilefuse.transpose._kernel",
+    "tilefuse.quant._per_token_cast_kernel",
+    "tilefuse.quant._per_block_cast_kernel",
+    "tilefuse.quant._cast_back_kernel",
+    "tilefuse.quant._e5m6_kernel",
+)
 
 _FACTORIES: dict[str, tuple[Callable, Callable[[], Iterable[tuple]]]] = {}
 _COMPILED: dict[tuple, Callable] = {}
