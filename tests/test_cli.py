@@ -20,7 +20,7 @@ DEMO_TOKENS = 16
 
 
 def _run(*args, timeout=300):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     return subprocess.run([sys.executable, "-m", "tilefuse", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
 

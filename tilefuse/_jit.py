@@ -77,7 +77,10 @@ def current_arch() -> str:
 def compile_kernel(name: str, config: tuple, arch: str | None = None, export: bool = True):
     """Compile (or load from TileLang's disk cache) one static config and, unless ``export`` is False, export
     its library into tilefuse's disk cache; returns the ``JITKernel``."""
-    import tilelang
+    try:
+        import tilelang
+    except ImportError as exc:
+        raise ImportError(f"tilefuse: compiling the {name} kernel needs TileLang (pip install tilelang==0.1.15)") from exc
 
     factory, _ = _FACTORIES[name]
     arch = arch or current_arch()
@@ -100,15 +103,24 @@ def _cache_dir() -> str:
 _DIGESTS: dict[str, str] = {}
 
 
+def _tilelang_version() -> str:
+    """TileLang's installed version (part of every cache key), or "absent": then nothing cached matches and a
+    compile is attempted, which fails with ImportError naming TileLang."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tilelang")
+    except PackageNotFoundError:
+        return "absent"
+
+
 def _lib_path(name: str, config: tuple, arch: str) -> str:
     """Where the exported library of ``name`` at ``config`` for ``arch`` lives in tilefuse's disk cache."""
     mod = _FACTORIES[name][0].__module__
     digest = _DIGESTS.get(mod)
     if digest is None:
-        from importlib.metadata import version
-
         with open(inspect.getsourcefile(sys.modules[mod]), "rb") as f:
-            digest = hashlib.sha256(f.read() + version("tilelang").encode()).hexdigest()[:16]
+            digest = hashlib.sha256(f.read() + _tilelang_version().encode()).hexdigest()[:16]
         _DIGESTS[mod] = digest
     key = hashlib.sha256(repr((name, config, arch, sorted(_PASS_CONFIGS.items()), digest)).encode()).hexdigest()
     return os.path.join(_cache_dir(), f"{name}-{arch}-{key[:24]}.so")

@@ -1,6 +1,9 @@
 """CUDA tensors take the same reference path as CPU tensors (no kernels yet): results on the GPU equal
-the CPU results. Tolerances: fp32 reductions on the GPU may be ordered differently from the CPU, so
-CUDA_RTOL = CUDA_ATOL = 1e-5 for fp32 and 1 bf16 ulp (rtol 2^-7) for bf16 outputs."""
+the CPU results. Tolerances: fp32 reductions on the GPU are ordered differently from the CPU (cuBLAS vs
+CPU BLAS), so an fp32 result of a length-n reduction may differ by up to about n * 2^-24 times the size of
+its terms: a normwise bound, |a - b| <= RED_LEN * 2^-24 * max|b| over the tensor. No elementwise rtol:
+some gradient rows are mathematically ~0 and come out as pure cancellation noise (~1e-11 next to ~1e2
+elsewhere in the tensor), which differs between any two summation orders. bf16 outputs allow 1 bf16 ulp."""
 import pytest
 import torch
 
@@ -8,16 +11,21 @@ from tilefuse.mhc import mhc_post, mhc_pre_split_mixes_bwd
 from tilefuse.modeling.mhc import expand_from_embedding, mhc_head, mhc_pre
 from tests.mhc.mhc_helpers import BF16, leaf
 
-CUDA_RTOL = CUDA_ATOL = 1e-5
 PARTIAL_TOL = 1e-4  # parameter gradients: 1000-token fp32 sums regrouped into SM-count partials
 BF16_RTOL = 2.0 ** -7
 N, C, B, S = 4, 64, 2, 40
 K, M = N * C, N * (N + 2)
+RED_LEN = max(K, B * S)  # the longest fp32 reduction behind any output: K channels or B*S tokens
 
 
 def _close(a, b):
-    rtol, atol = (BF16_RTOL, 1e-5) if a.dtype == BF16 else (CUDA_RTOL, CUDA_ATOL)
-    torch.testing.assert_close(a.cpu(), b, rtol=rtol, atol=atol)
+    a = a.cpu()
+    if a.dtype == BF16:
+        torch.testing.assert_close(a, b, rtol=BF16_RTOL, atol=1e-5)
+        return
+    bound = RED_LEN * 2.0 ** -24 * b.abs().max()
+    excess = (a - b).abs() - bound
+    assert excess.max() <= 0, f"fp32 result off by more than the reduction bound: worst excess {excess.max():.3e}"
 
 
 def _layer(device, e, fn, scale, base, normw, head_fn):

@@ -18,6 +18,7 @@ from .. import _check
 from .. import formats as F
 from .._registry import public
 from ..reference import quant as R
+from . import _cast_back_kernel as KC, _e5m6_kernel as KE, _per_block_cast_kernel as KB
 from . import _per_token_cast_kernel as K
 
 __all__ = [
@@ -234,10 +235,12 @@ def _to_e5m6(op: str, x, npc, col: bool, round_sf: bool, packed: bool):
     _check.expect(npc == H, op, f"num_per_channels must equal hidden ({H}) for fmt 'e5m6', got {npc}")
     _check.expect(H % 8 == 0, op, f"x must have hidden % 8 == 0 for fmt 'e5m6', got shape {(T, H)}")
     _flags(op, col, round_sf, packed)
+    if x.is_cuda:
+        return KE.per_token_cast_to_e5m6_cuda(x, npc, col, round_sf, packed)
     return R.cast_to_e5m6(x, npc, col, round_sf, packed)
 
 
-@public("quant")
+@public("quant", path="kernel")
 def per_token_cast_to_e5m6(x: torch.Tensor, num_per_channels: int, use_tma_aligned_col_major_sf: bool = False,
                            round_sf: bool = False, use_packed_ue8m0: bool = False):
     """E5M6 per-token cast, one scale per row (section 3.4) -> ``(uint8 (T, 3H/2), sf)``."""
@@ -259,18 +262,20 @@ def _per_block_checks(op: str, x, fmt: str, block_size) -> tuple[int, int, int, 
     return T, H, bm, bk
 
 
-@public("quant")
+@public("quant", path="kernel")
 def per_block_cast(x: torch.Tensor, fmt: str, block_size: Sequence[int], use_tma_aligned_col_major_sf: bool = False,
                    round_sf: bool = False, use_packed_ue8m0: bool = False):
     """One scale per ``block_size`` block of a contiguous bf16/fp32 ``(T, H)`` (section 3.6) -> (out, out_sf)."""
     op = "per_block_cast"
     _per_block_checks(op, x, fmt, block_size)
     _flags(op, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
+    if x.is_cuda:
+        return KB.per_block_cast_cuda(x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
     return R.cast(x, fmt, tuple(block_size), round_sf=round_sf,
                   use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, use_packed_ue8m0=use_packed_ue8m0)
 
 
-@public("quant")
+@public("quant", path="kernel")
 def per_block_cast_with_sf_only(x: torch.Tensor, fmt: str, block_size: Sequence[int],
                                 use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
                                 use_packed_ue8m0: bool = False) -> torch.Tensor:
@@ -278,11 +283,14 @@ def per_block_cast_with_sf_only(x: torch.Tensor, fmt: str, block_size: Sequence[
     op = "per_block_cast_with_sf_only"
     _per_block_checks(op, x, fmt, block_size)
     _flags(op, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
+    if x.is_cuda:
+        return KB.per_block_cast_with_sf_only_cuda(x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf,
+                                                   use_packed_ue8m0)
     return R.cast(x, fmt, tuple(block_size), round_sf=round_sf,
                   use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, use_packed_ue8m0=use_packed_ue8m0)[1]
 
 
-@public("quant")
+@public("quant", path="kernel")
 def per_block_cast_with_precomputed_sf(x: torch.Tensor, fmt: str, block_size: Sequence[int], sf: torch.Tensor,
                                        use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
                                        use_packed_ue8m0: bool = False) -> torch.Tensor:
@@ -290,10 +298,12 @@ def per_block_cast_with_precomputed_sf(x: torch.Tensor, fmt: str, block_size: Se
     op = "per_block_cast_with_precomputed_sf"
     T, H, bm, bk = _per_block_checks(op, x, fmt, block_size)
     _precomputed_sf(op, sf, x, F.cdiv(T, bm), F.cdiv(H, bk), use_tma_aligned_col_major_sf, use_packed_ue8m0)
+    if x.is_cuda:
+        return KB.per_block_cast_with_precomputed_sf_cuda(x, fmt, (bm, bk), sf)
     return R.cast(x, fmt, (bm, bk), sf=sf)
 
 
-@public("quant")
+@public("quant", path="kernel")
 def per_block_cast_lossless(x, fmt: str, x_block_size: Sequence[int], out_block_size: Sequence[int],
                             use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
                             use_packed_ue8m0: bool = False):
@@ -314,6 +324,9 @@ def per_block_cast_lossless(x, fmt: str, x_block_size: Sequence[int], out_block_
     if use_packed_ue8m0:
         _check.expect(use_tma_aligned_col_major_sf, op, "use_packed_ue8m0 requires use_tma_aligned_col_major_sf="
                       "True (packed UE8M0 is column-major only), got use_tma_aligned_col_major_sf=False")
+    if x[0].is_cuda:
+        return KB.per_block_cast_lossless_cuda(x, fmt, (ibm, ibk), (obm, obk), use_tma_aligned_col_major_sf, round_sf,
+                                               use_packed_ue8m0)
     return R.per_block_cast_lossless(x, (ibm, ibk), (obm, obk), use_tma_aligned_col_major_sf, use_packed_ue8m0)
 
 
@@ -389,19 +402,23 @@ def _cast_back(op: str, x, fmt: str, x_block_size, x_special_fmt) -> torch.Tenso
         _check.expect(x[0].size(1) % 12 == 0, op,
                       f"x[0] (data) must have width % 12 == 0 (hidden % 8 == 0), got shape {tuple(x[0].shape)}")
         _pair(op, x, x_block_size, data_fmts=("e5m6",))
+        if x[0].is_cuda:
+            return KE.cast_back_e5m6_cuda(x, fmt, tuple(x_block_size))
         return R.cast_back_from_e5m6(x, fmt, tuple(x_block_size))
     T, H, block = _pair(op, x, x_block_size)
     _check.expect(H % 64 == 0, op, f"x must have logical hidden % 64 == 0, got hidden {H}")
+    if x[0].is_cuda:
+        return KC.cast_back_cuda(x, fmt, block)
     return R.cast_back(x, fmt, block)
 
 
-@public("quant")
+@public("quant", path="kernel")
 def cast_back(x, fmt: str, x_block_size: Sequence[int], x_special_fmt: str | None = None) -> torch.Tensor:
     """Dequantize ``(data, sf)`` with block ``x_block_size`` to bf16/fp32 (section 3.5)."""
     return _cast_back("cast_back", x, fmt, x_block_size, x_special_fmt)
 
 
-@public("quant")
+@public("quant", path="kernel")
 def per_token_cast_back(x, fmt: str, num_per_channels: int, x_special_fmt: str | None = None) -> torch.Tensor:
     """``cast_back`` with block ``(1, num_per_channels)`` (section 3.5)."""
     op = "per_token_cast_back"
@@ -409,13 +426,13 @@ def per_token_cast_back(x, fmt: str, num_per_channels: int, x_special_fmt: str |
     return _cast_back(op, x, fmt, (1, num_per_channels), x_special_fmt)
 
 
-@public("quant")
+@public("quant", path="kernel")
 def cast_back_e5m6(x, fmt: str, x_block_size: Sequence[int]) -> torch.Tensor:
     """Dequantize ``(uint8 packed E5M6 (T, 3H/2), sf)`` to bf16/fp32 (section 3.5, ``x_special_fmt='e5m6'``)."""
     return _cast_back("cast_back_e5m6", x, fmt, x_block_size, "e5m6")
 
 
-@public("quant")
+@public("quant", path="kernel")
 def unpack_from_e2m1fn_x2(x: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Decode a packed FP4 container ``[..., K]`` (int8/uint8) to ``[..., 2K]`` of ``out_dtype`` (section 1.2)."""
     op = "unpack_from_e2m1fn_x2"
@@ -423,6 +440,8 @@ def unpack_from_e2m1fn_x2(x: torch.Tensor, out_dtype: torch.dtype = torch.float3
     _check.expect(x.dim() >= 1, op, "x must have at least one dimension, got a 0-d tensor")
     if not isinstance(out_dtype, torch.dtype):
         _check.fail(op, f"out_dtype must be a torch.dtype, got {type(out_dtype).__name__}", TypeError)
+    if x.is_cuda:
+        return KC.unpack_from_e2m1fn_x2_cuda(x, out_dtype)
     return F.e2m1_decode(F.e2m1_unpack(x)).to(out_dtype)
 
 
