@@ -426,15 +426,21 @@ def _check_lossless(data, sf_in, out_block, layout, x_block=(1, 32)):
     hidden = 2 * data.size(1)
     assert_equal(out, r_out)
     _compare_sf(sf, r_sf, hidden, out_block[1])
-    # the spec's contract: dequantizing either side gives the same fp32 bits, except in output blocks whose
-    # input exponents are all <= 6: there E_B = 0 and the stored sf is +0.0 by definition (quant.md 3.7)
+    # the spec's contract: dequantizing either side gives the same fp32 bits wherever both scales are nonzero.
+    # Two spec-defined exceptions (quant.md 3.7, 1.4): an output block whose input exponents are all <= 6 has
+    # E_B = 0 and stores sf +0.0 (it dequantizes to zeros), and an input block with exponent byte 0 has sf +0.0
+    # although its data is re-encoded with the factor 2^(0 - E_B).
     back_out = R.cast_back((out, sf), "fp32", out_block)
     back_in = R.cast_back((data, sf_in), "fp32", x_block)
-    t = data.size(0)
-    live = load_sf(sf, cdiv(hidden, out_block[1])) > 0
-    live = live.repeat_interleave(out_block[0], 0)[:t].repeat_interleave(out_block[1], 1)[:, :hidden]
-    assert_equal(back_out[live], back_in[live])
-    assert (back_out[~live] == 0).all()
+    live_out = _elementwise(load_sf(sf, cdiv(hidden, out_block[1])) > 0, out_block, back_out.shape)
+    live_in = _elementwise(load_sf(sf_in, cdiv(hidden, x_block[1])) > 0, x_block, back_out.shape)
+    assert_equal(back_out[live_out & live_in], back_in[live_out & live_in])
+    assert (back_out[~live_out] == 0).all()
+
+
+def _elementwise(grid, block, shape):
+    """Expand a per-block grid to the elements it covers, cropped to ``shape``."""
+    return grid.repeat_interleave(block[0], 0)[:shape[0]].repeat_interleave(block[1], 1)[:, :shape[1]]
 
 
 @pytest.mark.gpu
