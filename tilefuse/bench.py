@@ -24,8 +24,8 @@ _L2_ROTATE_BYTES = 512 << 20
 _SLEEP_CYCLES = 200_000  # ~100 µs of GPU time queued ahead of each timed batch
 
 
-def _median_us(fn: Callable[[int], object], n_sets: int, warmup: int = 5, iters: int = 30,
-               calls: int = 10) -> float:
+def median_us(fn: Callable[[int], object], n_sets: int, warmup: int = 5, iters: int = 30,
+              calls: int = 10) -> float:
     """Median µs per call: each sample times ``calls`` back-to-back calls between one pair of CUDA events,
     call ``i`` using input set ``i % n_sets``. A short device-side sleep is queued before the start event,
     so the host enqueues the calls while the GPU is still busy: host launch and allocation time stay out of
@@ -53,7 +53,7 @@ def copy_ceiling_gbs() -> float:
     n = 1 << 30
     src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
     dst = torch.empty_like(src)
-    us = _median_us(lambda i: dst.copy_(src), 1, calls=3)
+    us = median_us(lambda i: dst.copy_(src), 1, calls=3)
     return 2 * n / us / 1e3
 
 
@@ -109,13 +109,13 @@ def run_bench(ops: list[str] | None, with_compile: bool = True) -> dict:
         sets = [first] + [make() for _ in range(min(n_sets, 4) - 1)]
         outs = _flat(run(*first))
         nbytes = _nbytes(*first) + _nbytes(*outs)
-        us = _median_us(lambda i: run(*sets[i % len(sets)]), len(sets))
+        us = median_us(lambda i: run(*sets[i % len(sets)]), len(sets))
         gbs = nbytes / us / 1e3
         row = {"op": name, "shape": shape, "us": us, "gbs": gbs, "pct_ceiling": 100 * gbs / ceiling}
         if with_compile and ref is not None:
             try:
                 cref = torch.compile(ref)
-                row["compile_us"] = _median_us(lambda i: cref(*sets[i % len(sets)]), len(sets))
+                row["compile_us"] = median_us(lambda i: cref(*sets[i % len(sets)]), len(sets))
                 row["speedup_vs_compile"] = row["compile_us"] / us
             except Exception as exc:  # torch.compile of a reference may fail; report, keep going
                 row["compile_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
@@ -252,7 +252,7 @@ def tile_sweep(tiles: list[tuple[int, int]], jobs: int = 16) -> list[dict]:
             got = [torch.full_like(want[0], 0x7F if fmt == "e2m1" else 1.0), torch.empty_like(want[1])]
             fn(x, *got)
             same = torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
-            us = _median_us(lambda i: fn(sets[i % 3], *got), 3)
+            us = median_us(lambda i: fn(sets[i % 3], *got), 3)
             nbytes = _nbytes(x, *want)
             rows.append({"shape": shape, "tile": tile, "us": us, "gbs": nbytes / us / 1e3, "bitwise_equal": same})
         del sets

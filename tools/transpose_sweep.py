@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 import multiprocessing
@@ -25,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tilefuse import _jit  # noqa: E402
+from tilefuse.bench import copy_ceiling_gbs, median_us  # noqa: E402
 from tilefuse.transpose import _kernel as K  # noqa: E402
 
 DTYPES = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32}
@@ -41,29 +41,6 @@ VARIANTS = {
 CHECK_SHAPES = [(1, 64, 64, 64), (3, 192, 320, 320), (2, 320, 192, 256), (1, 4032, 576, 1152),
                 (1, 64, 7168, 7168), (2, 7168, 64, 128)]
 BIG = (8, 8192, 7168)
-
-
-def _median_us(fn, n_sets: int, warmup: int = 5, iters: int = 30) -> float:
-    for i in range(warmup):
-        fn(i % n_sets)
-    torch.cuda.synchronize()
-    times = []
-    for i in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(i % n_sets)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
-def copy_ceiling_gbs() -> float:
-    """GB/s of a 2 GiB device-to-device copy, bytes read + written."""
-    n = 1 << 30
-    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
-    dst = torch.empty_like(src)
-    return 2 * n / _median_us(lambda i: dst.copy_(src), 1) / 1e3
 
 
 def _rand(b: int, m: int, n: int, stride: int, dtype: torch.dtype) -> torch.Tensor:
@@ -94,7 +71,7 @@ def _time(run, es: int, shape: tuple, row_stride: int) -> tuple[float, float]:
     n_sets = max(2, -(-(1 << 30) // one))
     xs = [_rand(b, m, n, row_stride, DTYPES[es]) for _ in range(n_sets)]
     out = torch.empty(b, n, m, dtype=xs[0].dtype, device="cuda")
-    us = _median_us(lambda i: run(xs[i], out), n_sets)
+    us = median_us(lambda i: run(xs[i], out), n_sets)
     return us, 2 * one / us / 1e3
 
 
