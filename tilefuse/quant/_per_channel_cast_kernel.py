@@ -1,0 +1,304 @@
+"""TileLang kernel for the per-channel casts (quant.md 3.8-3.10; formats 1.1, 1.4, 1.6).
+
+One factory covers ``per_channel_cast``, ``per_channel_cast_and_transpose`` and ``per_channel_cast_fused``:
+E4M3 output with one scale per ``npt x 1`` block (npt in {32, 128}: ``npt`` consecutive rows of one
+channel), ``round_sf``, a row-major fp32 sf ``(cdiv(T_out, npt), H)``, and
+
+* a bf16/fp32 input or a pre-quantized per-token pair (e4m3 data, row-major fp32 sf with block (1, 128));
+* an optional row gather ``pos_to_token`` (negative entries are zero rows, and so are their sf for pairs;
+  indices >= T are clamped to T - 1 like the reference's gather);
+* an optional transposed data output ``(H, T)``.
+
+Geometry: a CTA owns a tile of 128 rows x 64 channels with 128 threads. Thread ``tx`` owns 8 consecutive
+channels (``tx % 8``: one 16-byte bf16 / 32-byte fp32 / 8-byte e4m3 vector per row) of 8 consecutive rows
+(``tx // 8``), so a warp covers 32 rows x 64 channels. A block's maximum is a register max over the thread's
+8 rows, an xor-shuffle over the warp's 4 row lanes (32 rows) and, for npt = 128, a max over the CTA's 4
+warps through shared memory. Data leaves as one 8-byte store per row (or, transposed, one 8-byte store of
+8 rows per channel); the sf as one 32-byte run of 8 channels. No atomics, and the tiling never depends on
+the token count: results are deterministic and batch-invariant. Arithmetic is the spec's, in binary32 with
+IEEE division (fast-math off); maxima use ``fmaxf``, which ignores NaN like the reference (1.7); pairs use
+order B: ``narrow((data * sf_in) * sf_inv)`` (1.6).
+"""
+import torch
+
+from tilefuse import _jit
+from tilefuse.formats import CLAMP_MIN, FMT_MAX, cdiv
+from tilefuse.quant._per_block_cast_kernel import _aligned
+
+_BM = 128        # rows per CTA (one 128-row block, or four 32-row blocks)
+_C = 8           # channels per thread
+_RPT = 8         # rows per thread
+_CL = 8          # channel lanes per CTA row
+_BC = _C * _CL   # channels per CTA (64)
+_THREADS = _CL * (_BM // _RPT)  # 128
+_PAIR_NPC = 128  # per-token block width of a pre-quantized input (quant.md 3.10)
+_TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float8_e4m3fn: "pair"}
+
+
+def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, transpose: bool, gather: bool):
+    """Factory for one static config.
+
+    x_kind: "bfloat16" | "float32" (plain input X) | "pair" (e4m3 data D and fp32 sf S ``(T_in, H/128)``).
+    npt: 32 | 128 rows per block. transpose: data output ``(H, T_out)`` instead of ``(T_out, H)`` (needs
+    T_out % 8 == 0; the public op guarantees % 128). gather: an int32 ``pos_to_token (T_out,)`` selects the
+    input row of each output row. Parameters, in order: X | (D, S), [P], Y, SF.
+    """
+    import tilelang.language as T
+
+    assert hidden % _C == 0 and npt in (32, 128) and x_kind in ("bfloat16", "float32", "pair")
+    assert not (transpose and gather)
+    assert x_kind != "pair" or hidden % _PAIR_NPC == 0
+    M = FMT_MAX["e4m3"]
+    clamp = CLAMP_MIN["e4m3"]
+    pair = x_kind == "pair"
+    warps_per_block = npt // (_RPT * 4)  # 1 (npt 32) or 4 (npt 128)
+
+    Tn, NBM, Tin = T.dynamic("num_tokens, num_row_blocks, num_in_tokens")
+    Ts = Tin if gather else Tn  # rows of the input
+    if pair:
+        in_params = [T.Tensor((Ts, hidden), "float8_e4m3fn"), T.Tensor((Ts, hidden // _PAIR_NPC), "float32")]
+    else:
+        in_params = [T.Tensor((Ts, hidden), x_kind)]
+    p_param = T.Tensor((Tn,), "int32")
+    y_param = T.Tensor((hidden, Tn), "float8_e4m3fn") if transpose else T.Tensor((Tn, hidden), "float8_e4m3fn")
+    sf_param = T.Tensor((NBM, hidden), "float32")
+
+    @T.macro
+    def body(X, S, P, Y, SF):
+        with T.Kernel(T.ceildiv(hidden, _BC), T.ceildiv(Tn, _BM), threads=_THREADS) as (bx, by):
+            tx = T.get_thread_binding()
+            cl = tx % _CL
+            rl = tx // _CL
+            w = tx // 32
+            row0 = by * _BM + rl * _RPT
+            col0 = bx * _BC + cl * _C
+            xl = T.alloc_local((_RPT * _C,), "float32")
+            am = T.alloc_local((_C,), "float32")
+            inv = T.alloc_local((_C,), "float32")
+            sfl = T.alloc_local((_C,), "float32")
+            src = T.alloc_local((1,), "int32")
+            red = T.alloc_shared((4, _BC), "float32")
+            raw = T.alloc_local((_RPT, _C), "float8_e4m3fn")
+            yb = T.alloc_local((_C,), "float8_e4m3fn")
+            # 1. load 8 rows x 8 channels as binary32 (pairs: data * sf_in); missing/padding rows read +0
+            for j in T.unroll(_RPT):
+                src[0] = -1
+                if T.And(row0 + j < Tn, col0 < hidden):
+                    if gather:
+                        src[0] = T.min(P[row0 + j], Tin - 1)  # clamp like the reference; Tin = 0 gives -1
+                    else:
+                        src[0] = row0 + j
+                if src[0] >= 0:
+                    if pair:
+                        for v in T.vectorized(_C):
+                            raw[j, v] = X[src[0], col0 + v]
+                        s = S[src[0], col0 // _PAIR_NPC]
+                        for v in T.unroll(_C):
+                            xl[j * _C + v] = T.cast(raw[j, v], "float32") * s
+                    else:
+                        for v in T.vectorized(_C):
+                            xl[j * _C + v] = T.cast(X[src[0], col0 + v], "float32")
+                else:
+                    for v in T.vectorized(_C):
+                        xl[j * _C + v] = T.float32(0.0)
+            # 2. block maxima: registers (8 rows), xor-shuffles over the warp's 4 row lanes, then the warps
+            for v in T.unroll(_C):
+                am[v] = T.float32(0.0)
+            for j in T.unroll(_RPT):
+                for v in T.unroll(_C):
+                    am[v] = T.max(am[v], T.abs(xl[j * _C + v]))
+            for v in T.unroll(_C):
+                am[v] = T.max(am[v], T.shfl_xor(am[v], 8))
+                am[v] = T.max(am[v], T.shfl_xor(am[v], 16))
+            if warps_per_block > 1:
+                if rl % 4 == 0:
+                    for v in T.unroll(_C):
+                        red[w, cl * _C + v] = am[v]
+                T.sync_threads()
+                for v in T.unroll(_C):
+                    am[v] = T.max(T.max(red[0, cl * _C + v], red[1, cl * _C + v]),
+                                  T.max(red[2, cl * _C + v], red[3, cl * _C + v]))
+            # 3. scale pair per channel (quant.md 1.4); one thread per block and 8 channels stores the sf
+            for v in T.unroll(_C):
+                a = T.max(am[v], T.float32(clamp))
+                if round_sf:
+                    # sf = 2^E, E = ceil(log2(a / M)) from the bits of a / M; sf_inv = 2^-E (0 if sf = inf)
+                    eb = T.shift_right(T.reinterpret(a / T.float32(M), "int32") - 1, 23) + 1
+                    sfl[v] = T.reinterpret(T.shift_left(eb, 23), "float32")
+                    inv[v] = T.reinterpret(T.shift_left(T.max(254 - eb, 0), 23), "float32")
+                else:
+                    sfl[v] = a / T.float32(M)
+                    inv[v] = T.float32(M) / a
+            if T.And(T.And(rl % (npt // _RPT) == 0, row0 < Tn), col0 < hidden):
+                for v in T.vectorized(_C):
+                    SF[row0 // npt, col0 + v] = sfl[v]
+            # 4. narrowed data (satfinite E4M3): one 8-byte store per row, or per channel when transposed
+            if transpose:
+                if T.And(row0 < Tn, col0 < hidden):
+                    for v in T.unroll(_C):
+                        for j in T.unroll(_RPT):  # strided register reads: scalar conversions
+                            yb[j] = T.cast(xl[j * _C + v] * inv[v], "float8_e4m3fn")
+                        for j in T.vectorized(_RPT):
+                            Y[col0 + v, row0 + j] = yb[j]
+            else:
+                for j in T.unroll(_RPT):
+                    if T.And(row0 + j < Tn, col0 < hidden):
+                        for v in T.vectorized(_C):
+                            yb[v] = T.cast(xl[j * _C + v] * inv[v], "float8_e4m3fn")
+                        for v in T.vectorized(_C):
+                            Y[row0 + j, col0 + v] = yb[v]
+
+    if pair and gather:
+        @T.prim_func
+        def per_channel_cast(D: in_params[0], S: in_params[1], P: p_param, Y: y_param, SF: sf_param):
+            body(D, S, P, Y, SF)
+    elif pair:
+        @T.prim_func
+        def per_channel_cast(D: in_params[0], S: in_params[1], Y: y_param, SF: sf_param):
+            body(D, S, None, Y, SF)
+    elif gather:
+        @T.prim_func
+        def per_channel_cast(X: in_params[0], P: p_param, Y: y_param, SF: sf_param):
+            body(X, None, P, Y, SF)
+    elif transpose:
+        @T.prim_func
+        def per_channel_cast(X: in_params[0], Y: y_param, SF: sf_param):
+            T.assume(Tn % _RPT == 0)
+            body(X, None, None, Y, SF)
+    else:
+        @T.prim_func
+        def per_channel_cast(X: in_params[0], Y: y_param, SF: sf_param):
+            body(X, None, None, Y, SF)
+    return per_channel_cast
+
+
+# ---- static configs (compile tier, ``precompile``, bench) ----
+
+HIDDEN_SIZES = (576, 2048, 2560, 3072, 4096, 6144, 7168)  # quant.md 7.1 (H % 64)
+HIDDEN_SIZES_128 = tuple(h for h in HIDDEN_SIZES if h % 128 == 0)
+
+
+def _test_configs() -> list[tuple]:
+    """Configs of the GPU tests (and the compile tier): (x_kind, hidden, npt, round_sf, transpose, gather)."""
+    return [
+        ("bfloat16", 576, 128, True, False, False),    # per_channel_cast
+        ("float32", 576, 128, False, False, False),    # per_channel_cast, fp32 input
+        ("bfloat16", 576, 32, False, True, False),     # per_channel_cast_and_transpose
+        ("bfloat16", 576, 128, True, True, False),
+        ("bfloat16", 200, 128, False, False, True),    # fused: gather, partial channel tile
+        ("pair", 2048, 128, False, False, True),       # fused: pre-quantized pair + gather
+        ("pair", 2048, 128, True, False, False),       # fused: pre-quantized pair, no gather
+    ]
+
+
+def _bench_configs() -> list[tuple]:
+    """The quant.md 7.2/7.3 grids: per_channel_cast (bf16, npt 128), _and_transpose (npt 32/128) and
+    _fused (hidden % 128, plain bf16 or pair, with and without the gather), round_sf both ways."""
+    cfgs = [("bfloat16", h, 128, rnd, False, False) for h in HIDDEN_SIZES for rnd in (False, True)]
+    cfgs += [("bfloat16", h, npt, rnd, True, False) for h in HIDDEN_SIZES for npt in (32, 128)
+             for rnd in (False, True)]
+    cfgs += [(kind, h, 128, rnd, False, gather) for h in HIDDEN_SIZES_128 for kind in ("bfloat16", "pair")
+             for rnd in (False, True) for gather in (False, True)]
+    return cfgs
+
+
+_jit.register("per_channel_cast", per_channel_cast_kernel,
+              lambda: list(dict.fromkeys(_test_configs() + _bench_configs())))
+
+
+# ---- launcher ----
+
+def supported(hidden: int) -> bool:
+    """Hidden sizes the kernel handles (whole 8-channel vectors); others take the reference."""
+    return hidden % _C == 0
+
+
+def per_channel_cast_launch(x: torch.Tensor, x_sf: torch.Tensor | None, num_per_tokens: int, round_sf: bool,
+                            transpose: bool = False, pos_to_token: torch.Tensor | None = None):
+    """Allocate ``(out, out_sf)`` and launch (quant.md 3.8-3.10). Validates nothing: the public ops do.
+
+    ``x``: contiguous bf16/fp32 ``(T, H)``, or the e4m3 data of a pair whose fp32 sf ``x_sf`` is
+    ``(T, H/128)`` row-major. ``pos_to_token``: optional int32 ``(T_out,)``. Returns e4m3 ``(T_out, H)``
+    (``(H, T_out)`` when ``transpose``) and fp32 ``(cdiv(T_out, npt), H)``.
+    """
+    t_in, hidden = x.shape
+    t_out = t_in if pos_to_token is None else pos_to_token.numel()
+    npt = int(num_per_tokens)
+    dev = x.device
+    shape = (hidden, t_out) if transpose else (t_out, hidden)
+    out = torch.empty(shape, dtype=torch.float8_e4m3fn, device=dev)
+    out_sf = torch.empty((cdiv(t_out, npt), hidden), dtype=torch.float32, device=dev)
+    if t_out > 0 and hidden > 0:  # zero output rows or channels: empty outputs, no launch
+        assert not transpose or t_out % _RPT == 0
+        gather = pos_to_token is not None
+        cfg = (_TL_DTYPE[x.dtype], hidden, npt, bool(round_sf), bool(transpose), gather)
+        args = [_aligned(x, 16)]
+        if x_sf is not None:
+            args.append(x_sf.contiguous())
+        if gather:
+            args.append(pos_to_token.contiguous())
+        _jit.get("per_channel_cast", cfg)(*args, out, out_sf)
+    return out, out_sf
+
+
+# ---- torch.library registration (torch.compile / fake tensors) ----
+
+def _fake(x: torch.Tensor, t_out, npt: int, transpose: bool):
+    hidden = x.size(1)
+    shape = (hidden, t_out) if transpose else (t_out, hidden)
+    return (x.new_empty(shape, dtype=torch.float8_e4m3fn),
+            x.new_empty(((t_out + npt - 1) // npt, hidden), dtype=torch.float32))
+
+
+@torch.library.custom_op("tilefuse::per_channel_cast", mutates_args=(), device_types="cuda")
+def _per_channel_cast_op(x: torch.Tensor, num_per_tokens: int, round_sf: bool,
+                         transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    out, out_sf = per_channel_cast_launch(x, None, num_per_tokens, round_sf, transpose)
+    return out, out_sf
+
+
+@_per_channel_cast_op.register_fake
+def _(x, num_per_tokens, round_sf, transpose):
+    return _fake(x, x.size(0), num_per_tokens, transpose)
+
+
+@torch.library.custom_op("tilefuse::per_channel_cast_fused", mutates_args=(), device_types="cuda")
+def _per_channel_cast_fused_op(x: torch.Tensor, x_sf: torch.Tensor | None, pos_to_token: torch.Tensor | None,
+                               round_sf: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    out, out_sf = per_channel_cast_launch(x, x_sf, 128, round_sf, False, pos_to_token)
+    return out, out_sf
+
+
+@_per_channel_cast_fused_op.register_fake
+def _(x, x_sf, pos_to_token, round_sf):
+    return _fake(x, x.size(0) if pos_to_token is None else pos_to_token.size(0), 128, False)
+
+
+# ---- CUDA entries of the public ops (arguments already validated by them) ----
+
+def _plain_cast(x, num_per_tokens, round_sf, transpose):
+    if torch.compiler.is_compiling():
+        return torch.ops.tilefuse.per_channel_cast(x, int(num_per_tokens), bool(round_sf), transpose)
+    return per_channel_cast_launch(x, None, num_per_tokens, round_sf, transpose)
+
+
+def per_channel_cast_cuda(x, fmt, num_per_tokens, round_sf=False):
+    """CUDA entry for ``per_channel_cast`` (quant.md 3.8: e4m3, npt 128, T % 128 == 0, H % 64 == 0)."""
+    return _plain_cast(x, num_per_tokens, round_sf, False)
+
+
+def per_channel_cast_and_transpose_cuda(x, fmt, num_per_tokens, round_sf=False):
+    """CUDA entry for ``per_channel_cast_and_transpose`` (quant.md 3.9: bf16, npt 32/128, T % 128 == 0)."""
+    return _plain_cast(x, num_per_tokens, round_sf, True)
+
+
+def per_channel_cast_fused_cuda(x, fmt, num_per_tokens, round_sf=False, num_per_channels=None, pos_to_token=None):
+    """CUDA entry for ``per_channel_cast_fused`` (quant.md 3.10); ``x`` a tensor or a ``(data, sf)`` pair.
+    Plain inputs whose hidden size is not a multiple of 8 take the reference."""
+    data, x_sf = (x[0], x[1]) if isinstance(x, (tuple, list)) else (x, None)
+    if not supported(data.size(1)):
+        from tilefuse.reference.quant import per_channel_cast_fused as ref
+        return ref(x, num_per_tokens, num_per_channels, round_sf, pos_to_token)
+    if torch.compiler.is_compiling():
+        return torch.ops.tilefuse.per_channel_cast_fused(data, x_sf, pos_to_token, bool(round_sf))
+    return per_channel_cast_launch(data, x_sf, 128, round_sf, False, pos_to_token)
