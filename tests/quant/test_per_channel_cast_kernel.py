@@ -1,0 +1,394 @@
+"""Kernel tiers for the per-channel casts (quant.md 3.8-3.10): fake shapes and launcher logic (everywhere),
+sm_90 builds, parameter binding and generated-code checks (compile), bit-exact kernel == reference (GPU).
+
+GPU comparisons call the reference on the same CUDA tensors and compare bitwise (quant.md 6.2): data and
+the row-major fp32 sf (no padding exists in these layouts). Outputs are poisoned (0xFF in the allocator's
+free blocks) before each launch so unwritten elements show. These ops take contiguous inputs only, so
+there is no strided-input case; the gather's input row count is free, so it runs T in {0, 1, 7, 4001, 8192}.
+"""
+import pytest
+import torch
+
+from tilefuse import _jit
+from tilefuse.formats import cdiv
+from tilefuse.quant import _per_channel_cast_kernel as K
+from tilefuse.reference import quant as R
+from tilefuse.testing import assert_equal
+
+TOKENS = (0, 1, 7, 4001, 8192)        # input rows of the gathering op
+ALIGNED_TOKENS = (0, 128, 4096, 8192)  # ops that need T % 128 == 0
+OUT_TOKENS = (0, 16, 112, 4000, 8192)  # gather lengths (% 16)
+CFG = {  # the static configs of K._test_configs(), by role
+    "cast_bf16": ("bfloat16", 576, 128, True, False, False),
+    "cast_fp32": ("float32", 576, 128, False, False, False),
+    "transpose32": ("bfloat16", 576, 32, False, True, False),
+    "transpose128": ("bfloat16", 576, 128, True, True, False),
+    "gather": ("bfloat16", 200, 128, False, False, True),
+    "pair_gather": ("pair", 2048, 128, False, False, True),
+    "pair": ("pair", 2048, 128, True, False, False),
+}
+
+
+def _ref(x, x_sf, npt, rnd, transpose=False, pos=None):
+    """The reference result of the launcher's arguments (quant.md 3.8-3.10)."""
+    if x_sf is not None or pos is not None:
+        src = (x, x_sf) if x_sf is not None else x
+        out, sf = R.per_channel_cast_fused(src, npt, 128 if x_sf is not None else None, rnd, pos)
+    else:
+        out, sf = R.cast(x, "e4m3", (npt, 1), round_sf=rnd)
+    return (out.T.contiguous() if transpose else out), sf
+
+
+def _pos(t_out, t_in, device="cpu"):
+    """A gather map of length t_out: about a quarter padding rows (-1), the rest random input rows."""
+    if t_in == 0:
+        return torch.full((t_out,), -1, dtype=torch.int32, device=device)
+    pos = torch.randint(0, t_in, (t_out,), dtype=torch.int32, device=device)
+    pos[torch.rand(t_out, device=device) < 0.25] = -1
+    return pos
+
+
+def _pair(t, hidden, device="cpu", scale=1.0):
+    """A per-token e4m3 pair with non-power-of-two sf (the reference cast, round_sf off; quant.md 7.2)."""
+    x = (torch.randn(t, hidden, device=device) * scale).to(torch.bfloat16)
+    return R.cast(x, "e4m3", (1, 128))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Everywhere: fake (meta) implementations and the launcher's bookkeeping
+# ---------------------------------------------------------------------------------------------------------
+
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+def _same_meta(got: torch.Tensor, want: torch.Tensor):
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if want.numel():
+        assert got.stride() == want.stride()
+
+
+@pytest.mark.parametrize("t", (0, 128, 384))
+@pytest.mark.parametrize("npt,transpose", ((128, False), (32, True), (128, True)))
+def test_fake_per_channel_cast_matches_reference_metadata(t, npt, transpose):
+    x = torch.randn(t, 192, dtype=torch.bfloat16)
+    want = _ref(x, None, npt, True, transpose)
+    got = torch.ops.tilefuse.per_channel_cast(_meta(x), npt, True, transpose)
+    _same_meta(got[0], want[0])
+    _same_meta(got[1], want[1])
+
+
+@pytest.mark.parametrize("t_in,t_out", ((0, 16), (7, 0), (7, 144), (300, None)))
+@pytest.mark.parametrize("pair", (False, True))
+def test_fake_fused_matches_reference_metadata(t_in, t_out, pair):
+    pos = None if t_out is None else _pos(t_out, t_in)
+    t_ref = t_in if t_out is None else t_out
+    if pair:
+        data, sf_in = _pair(t_in, 256)
+        want = _ref(data, sf_in, 128, False, pos=pos)
+        got = torch.ops.tilefuse.per_channel_cast_fused(_meta(data), _meta(sf_in),
+                                                        None if pos is None else _meta(pos), False)
+    else:
+        x = torch.randn(t_in, 200)
+        want = _ref(x, None, 128, False, pos=pos) if pos is not None else R.cast(x, "e4m3", (128, 1))
+        got = torch.ops.tilefuse.per_channel_cast_fused(_meta(x), None, None if pos is None else _meta(pos), False)
+    assert want[0].shape[0] == t_ref
+    _same_meta(got[0], want[0])
+    _same_meta(got[1], want[1])
+
+
+@pytest.mark.parametrize("case", ("no_rows", "no_gather_rows", "no_channels"))
+def test_empty_outputs_launch_nothing(case, monkeypatch):
+    def no_launch(name, cfg):
+        raise AssertionError(f"launched {name} {cfg} for an empty output")
+    monkeypatch.setattr(K._jit, "get", no_launch)
+    if case == "no_rows":
+        out, sf = K.per_channel_cast_launch(torch.randn(0, 576, dtype=torch.bfloat16), None, 32, True, True)
+        assert out.shape == (576, 0) and sf.shape == (0, 576)
+    elif case == "no_gather_rows":
+        data, sf_in = _pair(7, 256)
+        out, sf = K.per_channel_cast_launch(data, sf_in, 128, False, pos_to_token=_pos(0, 7))
+        assert out.shape == (0, 256) and sf.shape == (0, 256)
+    else:
+        out, sf = K.per_channel_cast_launch(torch.randn(128, 0), None, 128, False)
+        assert out.shape == (128, 0) and sf.shape == (1, 0)
+    assert out.dtype == torch.float8_e4m3fn and sf.dtype == torch.float32
+
+
+def test_fused_entry_takes_reference_for_unsupported_hidden():
+    """hidden % 8 != 0 (allowed for plain fused inputs) is not a kernel shape: the entry must not launch."""
+    assert not K.supported(12) and K.supported(200)
+    x = torch.randn(50, 12)
+    pos = _pos(32, 50)
+    got = K.per_channel_cast_fused_cuda(x, "e4m3", 128, True, None, pos)
+    want = R.per_channel_cast_fused(x, 128, None, True, pos)
+    assert_equal(got[0], want[0])
+    assert_equal(got[1], want[1])
+
+
+def test_test_configs_are_registered():
+    cfgs = _jit.registered()["per_channel_cast"]
+    assert set(CFG.values()) == set(K._test_configs())
+    assert set(K._test_configs()) <= set(cfgs)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Compile tier
+# ---------------------------------------------------------------------------------------------------------
+
+_SOURCES: dict[tuple, str] = {}
+
+
+def _source(cfg) -> str:
+    if cfg not in _SOURCES:
+        _SOURCES[cfg] = _jit.compile_kernel("per_channel_cast", cfg, "sm_90").get_kernel_source()
+    return _SOURCES[cfg]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("role", tuple(CFG))
+def test_builds_for_sm90_with_vector_accesses(role):
+    """Each GPU-tier config builds; the generated CUDA keeps IEEE arithmetic, 8-byte e4m3 stores (one row of
+    8 channels, or 8 rows of one channel when transposed), 16-byte bf16 loads, satfinite conversions."""
+    cfg = CFG[role]
+    src = _source(cfg)
+    assert "__global__" in src and "use_fast_math" not in src
+    assert "*(fp8_e4_8_t*)(Y +" in src
+    assert "__NV_SATFINITE" in src or "(fp8_e4_t)(" in src
+    if cfg[0] == "bfloat16":
+        assert "*(uint4*)(X +" in src
+    if cfg[0] == "pair":
+        assert "*(fp8_e4_8_t*)(D +" in src
+    if cfg[4]:  # transposed: the store's row stride is the token count
+        assert "* ((int64_t)num_tokens)))) = *(fp8_e4_8_t*)(yb" in src
+
+
+def _binding_checker(calls):
+    """A stand-in for ``_jit.get`` checking each argument against the kernel's parameter buffer (dtype,
+    shape, strides under one consistent binding of the symbolic sizes); records the call."""
+    from tilelang import tvm
+
+    def get(name, cfg):
+        func = _jit._FACTORIES[name][0](*cfg)
+
+        def launch(*args):
+            assert len(args) == len(func.params)
+            an = tvm.arith.Analyzer()
+            bound = {}
+            buffers = [func.buffer_map[p] for p in func.params]
+            for buf, arg in zip(buffers, args):
+                for sym, val in zip(list(buf.shape), list(arg.shape)):
+                    if isinstance(sym, tvm.tirx.Var):
+                        assert bound.setdefault(sym.name, val) == val, (buf.name, sym.name)
+                        an.bind(sym, val)
+            for buf, arg in zip(buffers, args):
+                assert str(buf.dtype) == str(arg.dtype).replace("torch.", ""), (buf.name, buf.dtype, arg.dtype)
+                assert [int(an.simplify(s)) for s in buf.shape] == list(arg.shape), buf.name
+                assert arg.is_contiguous(), buf.name
+            calls.append((cfg, bound))
+        return launch
+    return get
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("role", tuple(CFG))
+def test_launcher_binds_kernel_parameters(role, monkeypatch):
+    x_kind, hidden, npt, rnd, transpose, gather = CFG[role]
+    calls = []
+    monkeypatch.setattr(K._jit, "get", _binding_checker(calls))
+    t_in = 301 if gather else 256
+    pos = _pos(144, t_in) if gather else None
+    if x_kind == "pair":
+        x, x_sf = _pair(t_in, hidden)
+    else:
+        x, x_sf = torch.randn(t_in, hidden).to(getattr(torch, x_kind)), None
+    got = K.per_channel_cast_launch(x, x_sf, npt, rnd, transpose, pos)
+    want = _ref(x, x_sf, npt, rnd, transpose, pos)
+    _same_meta(got[0], want[0])
+    _same_meta(got[1], want[1])
+    assert [c for c, _ in calls] == [CFG[role]]
+    assert calls[0][1]["num_tokens"] == (144 if gather else t_in)
+    assert calls[0][1]["num_row_blocks"] == cdiv(calls[0][1]["num_tokens"], npt)
+    if gather:
+        assert calls[0][1]["num_in_tokens"] == t_in
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU tier
+# ---------------------------------------------------------------------------------------------------------
+
+def _poison():
+    """Fill the caching allocator's free memory with 0xFF so freshly allocated outputs start poisoned."""
+    free = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    free.fill_(0xFF)
+    del free
+
+
+def _check(x, x_sf, npt, rnd, transpose=False, pos=None):
+    _poison()
+    got = K.per_channel_cast_launch(x, x_sf, npt, rnd, transpose, pos)
+    torch.cuda.synchronize()
+    want = _ref(x, x_sf, npt, rnd, transpose, pos)
+    assert_equal(got[0], want[0])
+    assert_equal(got[1], want[1])
+    return got
+
+
+def _x(t, hidden, dtype=torch.bfloat16, scale=1.0):
+    return (torch.randn(t, hidden, device="cuda") * scale).to(dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", ALIGNED_TOKENS)
+@pytest.mark.parametrize("role", ("cast_bf16", "cast_fp32"))
+def test_per_channel_cast_matches_reference(t, role):
+    x_kind, hidden, npt, rnd, _, _ = CFG[role]
+    _check(_x(t, hidden, getattr(torch, x_kind), scale=3.0), None, npt, rnd)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", ALIGNED_TOKENS)
+@pytest.mark.parametrize("role", ("transpose32", "transpose128"))
+def test_per_channel_cast_and_transpose_matches_reference(t, role):
+    _, hidden, npt, rnd, _, _ = CFG[role]
+    _check(_x(t, hidden, scale=0.01), None, npt, rnd, transpose=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t_in", TOKENS)
+@pytest.mark.parametrize("t_out", OUT_TOKENS)
+def test_fused_gather_matches_reference(t_in, t_out):
+    _check(_x(t_in, 200), None, 128, False, pos=_pos(t_out, t_in, "cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t_in", TOKENS)
+@pytest.mark.parametrize("t_out", (16, 4000, 8192))
+def test_fused_pair_gather_matches_reference(t_in, t_out):
+    data, sf_in = _pair(t_in, 2048, "cuda", scale=5.0)
+    _check(data, sf_in, 128, False, pos=_pos(t_out, t_in, "cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", ALIGNED_TOKENS)
+def test_fused_pair_matches_reference(t):
+    data, sf_in = _pair(t, 2048, "cuda")
+    _check(data, sf_in, 128, True)
+
+
+@pytest.mark.gpu
+def test_fused_plain_without_gather_equals_per_channel_cast():
+    x = _x(4096, 576)
+    got = _check(x, None, 128, True)
+    assert_equal(K.per_channel_cast_fused_cuda(x, "e4m3", 128, True)[0], got[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("role", ("cast_bf16", "transpose32", "pair_gather"))
+def test_deterministic_and_batch_invariant(role):
+    """Two runs are identical, and the first 4096 output rows do not depend on the rows after them."""
+    x_kind, hidden, npt, rnd, transpose, gather = CFG[role]
+    if x_kind == "pair":
+        x, x_sf = _pair(8192, hidden, "cuda")
+    else:
+        x, x_sf = _x(8192, hidden), None
+    pos = _pos(8192, 8192, "cuda") if gather else None
+    a = K.per_channel_cast_launch(x, x_sf, npt, rnd, transpose, pos)
+    b = K.per_channel_cast_launch(x, x_sf, npt, rnd, transpose, pos)
+    assert_equal(a[0], b[0])
+    assert_equal(a[1], b[1])
+    if gather:
+        part = K.per_channel_cast_launch(x, x_sf, npt, rnd, transpose, pos[:4096])
+    else:
+        part = K.per_channel_cast_launch(x[:4096], None if x_sf is None else x_sf[:4096], npt, rnd, transpose)
+    whole = a[0][:, :4096] if transpose else a[0][:4096]
+    assert_equal(part[0], whole.contiguous())
+    assert_equal(part[1], a[1][:4096 // npt])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("role", ("transpose128", "pair_gather"))
+def test_cuda_graph_replay_equals_eager(role):
+    """A captured launch replays on new input values (same buffers) and equals an eager launch on them."""
+    x_kind, hidden, npt, rnd, transpose, gather = CFG[role]
+    if x_kind == "pair":
+        x, x_sf = _pair(4096, hidden, "cuda")
+        x2, x2_sf = _pair(4096, hidden, "cuda", scale=7.0)
+    else:
+        x, x_sf, x2, x2_sf = _x(4096, hidden), None, _x(4096, hidden, scale=7.0), None
+    pos = _pos(4000, 4096, "cuda") if gather else None
+    launch = lambda: K.per_channel_cast_launch(x, x_sf, npt, rnd, transpose, pos)  # noqa: E731
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        launch()  # warm (compile, load) off-graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = launch()
+    x.copy_(x2)
+    if x_sf is not None:
+        x_sf.copy_(x2_sf)
+    captured[0].fill_(0)
+    captured[1].fill_(0)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = K.per_channel_cast_launch(x2, x2_sf, npt, rnd, transpose, pos)
+    assert_equal(captured[0], eager[0])
+    assert_equal(captured[1], eager[1])
+
+
+@pytest.mark.gpu
+def test_torch_compile_equals_eager():
+    x = _x(4096, 576)
+    data, sf_in = _pair(301, 2048, "cuda")
+    pos = _pos(4000, 301, "cuda")
+
+    def f(x, data, sf_in, pos):
+        a = torch.ops.tilefuse.per_channel_cast(x, 32, False, True)
+        b = torch.ops.tilefuse.per_channel_cast_fused(data, sf_in, pos, False)
+        return a, b
+
+    got = torch.compile(f, fullgraph=True)(x, data, sf_in, pos)
+    want = (K.per_channel_cast_launch(x, None, 32, False, True), K.per_channel_cast_launch(data, sf_in, 128, False,
+                                                                                           pos_to_token=pos))
+    for g, w in zip(got, want):
+        assert_equal(g[0], w[0])
+        assert_equal(g[1], w[1])
+
+
+def _adversarial(t, hidden, dtype, npt):
+    """Random data with whole (npt x 8) channel strips replaced: all +0, all -0, subnormals only, exactly
+    448, far beyond it (1e30 and the dtype's largest finite value), and one huge element among tiny ones."""
+    x = torch.randn(t, hidden, device="cuda", dtype=torch.float32)
+    tiny = torch.finfo(dtype).tiny
+    fills = [lambda b: b.zero_(), lambda b: b.zero_().neg_(),
+             lambda b: b.copy_(torch.randn_like(b).sign() * tiny * torch.rand_like(b) * 0.5),
+             lambda b: b.copy_(torch.randn_like(b).sign() * 448.0),
+             lambda b: b.copy_(torch.randn_like(b) * 1e30),
+             lambda b: b.copy_(torch.randn_like(b).sign() * torch.finfo(dtype).max),
+             lambda b: (b.copy_(torch.randn_like(b) * 1e-6), b[0, 0].fill_(3e4))]
+    k = 0
+    for r in range(0, t, npt):
+        for c in range(0, hidden, 8):
+            if (r // npt + c // 8) % 2 == 0:
+                fills[k % len(fills)](x[r:r + npt, c:c + 8])
+                k += 1
+    return x.to(dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("role", ("cast_bf16", "cast_fp32", "transpose32", "transpose128"))
+def test_adversarial_plain(role):
+    x_kind, hidden, npt, rnd, transpose, _ = CFG[role]
+    _check(_adversarial(1024, hidden, getattr(torch, x_kind), npt), None, npt, rnd, transpose)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("role", ("gather", "pair_gather", "pair"))
+def test_adversarial_fused(role):
+    x_kind, hidden, npt, rnd, _, gather = CFG[role]
+    x = _adversarial(1024, hidden, torch.bfloat16, 128)
+    x_sf = None
+    if x_kind == "pair":
+        x, x_sf = R.cast(x, "e4m3", (1, 128))
+    _check(x, x_sf, 128, rnd, pos=_pos(1008, 1024, "cuda") if gather else None)
