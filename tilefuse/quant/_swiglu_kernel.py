@@ -1,0 +1,349 @@
+"""TileLang kernels for the fused SwiGLU casts (quant.md 3.11-3.14; formats 1.1, 1.4-1.6).
+
+One pass each: the input is read once and every output written once; no intermediate tensor in HBM.
+
+* ``swiglu_fwd_ptc`` (3.12): a team of L lanes (16 or 32, inside one warp) owns a row; lane ``q`` holds
+  chunks of E elements (one 16-byte vector of ``l`` and one of ``r``) at columns ``c*L*E + q*E``. With
+  ``npc == 128`` every chunk is quantized on its own (a group is ``128 / E`` adjacent lanes: register max,
+  then a shuffle butterfly); with ``npc == H`` the whole row stays in registers and the butterfly spans the
+  team. Packed UE8M0 words are gathered by the team's lane 0 through shuffles.
+* ``swiglu_bwd_ptc`` (3.13): the same row/team mapping over the ``H`` gate/up column pairs; ``dx`` and ``dy``
+  groups (``npc`` in {32, 128}) are quantized from binary32; the weight-gradient row sum is a fixed
+  butterfly (deterministic).
+* ``swiglu_fwd_pcc`` (3.14): a CTA owns 128 tokens x 64 channels; the bf16 activation tile goes through
+  shared memory so that each thread then owns one channel x 32 tokens (per-channel amax, transposed
+  16-byte stores).
+
+Arithmetic is the reference's, in binary32, IEEE division and libdevice ``expf`` (fast-math off):
+``t = 1 + expf(-l)``, ``act = (l / t) * r``; ``sf = a / M`` and ``sf_inv = M / a`` or the power-of-two rule
+of 1.4 from the exponent bits; ``e4m3(v * sf_inv)`` with satfinite. The tiling never depends on the token
+count: results are deterministic and batch-invariant. Clamp constants are baked into the static config as
+binary32 bit patterns.
+"""
+
+import struct
+
+import torch
+
+from tilefuse import _jit
+from tilefuse import formats as F
+
+_M = F.FMT_MAX["e4m3"]
+_TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+def f32_bits(v: float) -> int:
+    """The binary32 bit pattern (as a signed int32) of the Python float ``v`` rounded to binary32."""
+    return struct.unpack("<i", struct.pack("<f", v))[0]
+
+
+def _team(n_chunks: int) -> int:
+    """Lanes per row: the largest power of two <= 32 dividing the chunk count of a row."""
+    lanes = 1
+    while lanes < 32 and n_chunks % (2 * lanes) == 0:
+        lanes *= 2
+    return lanes
+
+
+# ---- expression helpers (evaluated while a prim_func is built) ----
+
+def _f32(T, bits: int):
+    """A binary32 constant given by its bit pattern (exact, no decimal round trip)."""
+    return T.reinterpret(T.int32(bits), "float32")
+
+
+def _scale_pair(T, amax, clamp_bits: int, round_sf: bool):
+    """(sf, sf_inv, biased exponent or None) of quant.md 1.4 for a group maximum ``amax``."""
+    a = T.max(amax, _f32(T, clamp_bits))
+    if round_sf:
+        bits = T.reinterpret(a / T.float32(_M), "int32")
+        eb = T.shift_right(bits - 1, 23) + 1  # biased exponent of 2^ceil(log2(a / M))
+        return (T.reinterpret(T.shift_left(eb, 23), "float32"),
+                T.reinterpret(T.shift_left(254 - eb, 23), "float32"), eb)
+    return a / T.float32(_M), T.float32(_M) / a, None
+
+
+def _act(T, left, right, clamp_bits):
+    """SwiGLU of binary32 ``left``/``right`` after the optional clamp (quant.md 3.11)."""
+    if clamp_bits is not None:
+        c = _f32(T, clamp_bits)
+        left = T.min(left, c)
+        right = T.min(T.max(right, -c), c)
+    t = T.exp(-left) + T.float32(1.0)
+    return (left / t) * right
+
+
+def _stage_bytes(T, eb, g0: int, gps: int, lanes_per_group: int, team: int):
+    """OR of the UE8M0 bytes of groups ``g0 .. g0+gps-1`` (held by lanes ``k * lanes_per_group``), each at
+    byte ``g % 4`` of its packed word (quant.md 1.5), as seen by every lane of the team."""
+    word = None
+    for k in range(gps):
+        byte = T.shift_left(T.shfl_sync(eb, k * lanes_per_group, team), ((g0 + k) % 4) * 8)
+        word = byte if word is None else word | byte
+    return word
+
+
+# ---- 3.12: forward + per-token cast ----
+
+def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, sf_layout: str, weighted: bool,
+                          skip: bool, clamp_bits: int | None, count: bool, sf_clamp_bits: int = f32_bits(1e-4)):
+    """Factory for one static config of ``swiglu_forward_and_per_token_cast``.
+
+    x_dtype: "bfloat16" | "float32"; hidden: H (x is (T, 2H)); npc: 128 or H; sf_layout: "row" | "col" |
+    "col_packed"; weighted: pos_to_token_topk + flat topk_weights given; skip: pos_to_expert given;
+    clamp_bits: binary32 bits of the clamp constant or None; count: clamped_count given (int64 (3,), added).
+    """
+    import tilelang.language as T
+
+    eb_x = 2 if x_dtype == "bfloat16" else 4
+    E = 16 // eb_x                     # elements per chunk (one 16-byte vector)
+    nch = hidden // E                  # chunks per row
+    L = _team(nch)
+    C = nch // L                       # chunks per lane
+    threads = 128
+    BM = threads // L                  # rows per CTA
+    per_chunk = npc != hidden          # npc == 128: each chunk quantized on its own
+    Lg = npc // E if per_chunk else L  # lanes per group (a chunk-group) or the whole team
+    assert Lg <= L and L % Lg == 0
+    ng = hidden // npc
+    n_words = -(-ng // 4)
+    stages = [[c] for c in range(C)] if per_chunk else [list(range(C))]
+    gps = L * E // npc if per_chunk else 1  # groups per stage
+
+    # unused optional inputs are passed as 1-element dummies, hence their own sizes
+    Tn, P, NW, NI, NE = T.dynamic("num_tokens, sf_pad, num_weights, num_p2t, num_p2e")
+    x_param = T.Tensor((Tn, 2 * hidden), x_dtype)
+    y_param = T.Tensor((Tn, hidden), "float8_e4m3fn")
+    if sf_layout == "row":
+        sf_param = T.Tensor((Tn, ng), "float32")
+    elif sf_layout == "col":
+        sf_param = T.StridedTensor((Tn, ng), (1, P), "float32")
+    else:
+        sf_param = T.StridedTensor((Tn, n_words), (1, P), "int32")
+    p2t_param = T.Tensor((NI,), "int32")
+    p2e_param = T.Tensor((NE,), "int32")
+    w_param = T.Tensor((NW,), "float32")
+    cnt_param = T.Tensor((3,), "int64")
+
+    @T.macro
+    def body(X, P2T, W, P2E, Y, SF, CNT):
+        with T.Kernel(T.ceildiv(Tn, BM), threads=threads) as bx:
+            tx = T.get_thread_binding()
+            q = tx % L
+            row = bx * BM + tx // L
+            xl = T.alloc_local((C, E), x_dtype)
+            xr = T.alloc_local((C, E), x_dtype)
+            act = T.alloc_local((C, E), "float32")
+            yb = T.alloc_local((E,), "float8_e4m3fn")
+            am = T.alloc_local((1,), "float32")
+            w = T.alloc_local((1,), "float32")
+            word = T.alloc_local((1,), "int32")
+            cnt = T.alloc_local((3,), "int32")
+            ok = row < Tn
+            if skip:
+                ok = T.And(ok, P2E[T.min(row, Tn - 1)] >= 0)
+            for c in T.unroll(C):
+                col = c * (L * E) + q * E
+                if ok:
+                    for v in T.vectorized(E):
+                        xl[c, v] = X[row, col + v]
+                    for v in T.vectorized(E):
+                        xr[c, v] = X[row, hidden + col + v]
+                else:
+                    for v in T.vectorized(E):
+                        xl[c, v] = T.cast(0, x_dtype)
+                    for v in T.vectorized(E):
+                        xr[c, v] = T.cast(0, x_dtype)
+            w[0] = T.float32(1.0)
+            if weighted:
+                p = T.if_then_else(row < Tn, P2T[T.min(row, Tn - 1)], -1)
+                w[0] = T.if_then_else(T.And(p >= 0, NW > 0), W[T.min(p, NW - 1)], T.float32(0.0))
+            if count:
+                c_ = _f32(T, clamp_bits)
+                for k in T.unroll(3):
+                    cnt[k] = 0
+                for c in T.unroll(C):
+                    for e in T.unroll(E):
+                        lv = T.cast(xl[c, e], "float32")
+                        rv = T.cast(xr[c, e], "float32")
+                        cnt[0] = cnt[0] + T.if_then_else(T.And(ok, lv > c_), 1, 0)
+                        cnt[1] = cnt[1] + T.if_then_else(T.And(ok, rv > c_), 1, 0)
+                        cnt[2] = cnt[2] + T.if_then_else(T.And(ok, rv < -c_), 1, 0)
+                for k in T.unroll(3):
+                    for st in T.unroll(5):  # warp sum
+                        cnt[k] = cnt[k] + T.shfl_xor(cnt[k], T.shift_right(16, st))
+                    if T.And(tx % 32 == 0, cnt[k] != 0):
+                        T.atomic_add(CNT[k], T.cast(cnt[k], "int64"))
+            word[0] = 0
+            for si, chunks in enumerate(stages):
+                am[0] = T.float32(0.0)
+                for c in chunks:
+                    for e in T.unroll(E):
+                        a = _act(T, T.cast(xl[c, e], "float32"), T.cast(xr[c, e], "float32"), clamp_bits)
+                        if weighted:
+                            a = a * w[0]
+                        act[c, e] = a
+                        am[0] = T.max(am[0], T.abs(act[c, e]))
+                for st in T.unroll(Lg.bit_length() - 1):  # group max: butterfly over Lg lanes
+                    am[0] = T.max(am[0], T.shfl_xor(am[0], T.shift_right(Lg // 2, st)))
+                sf, inv, eb = _scale_pair(T, am[0], sf_clamp_bits, round_sf)
+                # sf store: the first lane of each group
+                g = si * gps + q // Lg
+                if sf_layout == "col_packed":  # lane 0 gathers the stage's exponents into its word
+                    word[0] = word[0] | _stage_bytes(T, eb, si * gps, gps, Lg, L)
+                    if (si + 1) * gps % 4 == 0 or si == len(stages) - 1:
+                        if T.And(ok, q == 0):
+                            SF[row, si * gps // 4] = word[0]
+                        word[0] = 0
+                elif T.And(ok, q % Lg == 0):
+                    SF[row, g] = sf
+                for c in chunks:
+                    col = c * (L * E) + q * E
+                    if ok:
+                        for e in T.vectorized(E):
+                            yb[e] = T.cast(act[c, e] * inv, "float8_e4m3fn")
+                        for e in T.vectorized(E):
+                            Y[row, col + e] = yb[e]
+
+    @T.prim_func
+    def swiglu_fwd_ptc(X: x_param, P2T: p2t_param, W: w_param, P2E: p2e_param, Y: y_param, SF: sf_param,
+                       CNT: cnt_param):
+        body(X, P2T, W, P2E, Y, SF, CNT)
+
+    return swiglu_fwd_ptc
+
+
+
+# ---- static configs (compile tier, precompile, bench) ----
+
+FWD_PTC_HIDDEN = (1024, 1280, 1536, 2048, 3072, 3584)  # quant.md 7.2
+CLAMPS = (None, 10.0, 0.5)
+
+
+def _fwd_ptc_cfg(x_dtype: str, hidden: int, npc: int, col: bool, round_sf: bool, packed: bool, weighted: bool,
+                 skip: bool, clamp: float | None, count: bool, sf_clamp_min: float | None = None) -> tuple:
+    layout = "row" if not col else ("col_packed" if packed else "col")
+    clamp_bits = None if clamp is None else f32_bits(clamp)
+    sf_clamp = f32_bits(F.CLAMP_MIN["e4m3"] if sf_clamp_min is None else sf_clamp_min)
+    return (x_dtype, hidden, npc, round_sf, layout, weighted, skip, clamp_bits, count and clamp is not None,
+            sf_clamp)
+
+
+def fwd_ptc_test_configs() -> list[tuple]:
+    """The few configs the GPU tier launches (kept small: the compile tier builds each one)."""
+    cfgs = [
+        _fwd_ptc_cfg("bfloat16", 1024, 128, True, True, True, False, False, None, False),
+        _fwd_ptc_cfg("bfloat16", 1280, 128, False, True, False, True, True, 0.5, True),
+        _fwd_ptc_cfg("bfloat16", 1536, 1536, False, False, False, True, False, 10.0, True),
+        _fwd_ptc_cfg("float32", 1024, 128, True, False, False, False, True, None, False),
+    ]
+    return cfgs
+
+
+def _fwd_ptc_configs() -> list[tuple]:
+    """Test configs plus the benchmark rows of quant.md 7.3 (clamp in {0.5, None}, col + round)."""
+    cfgs = fwd_ptc_test_configs()
+    for h in FWD_PTC_HIDDEN:
+        for clamp in (0.5, None):
+            cfg = _fwd_ptc_cfg("bfloat16", h, 128, True, True, True, False, False, clamp, False)
+            if cfg not in cfgs:
+                cfgs.append(cfg)
+    return cfgs
+
+
+_jit.register("swiglu_fwd_ptc", swiglu_fwd_ptc_kernel, _fwd_ptc_configs)
+
+
+# ---- launchers ----
+
+_DUMMIES: dict[tuple, torch.Tensor] = {}
+
+
+def _dummy(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A cached 1-element tensor standing in for an absent optional input (never read or written)."""
+    key = (device, dtype)
+    t = _DUMMIES.get(key)
+    if t is None:
+        t = _DUMMIES[key] = torch.zeros(1, dtype=dtype, device=device)
+    return t
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its data pointer is 16-byte aligned (the kernels load 16-byte vectors), else a copy."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _new_sf(x: torch.Tensor, t: int, cols: int, layout: str) -> torch.Tensor:
+    """sf output in its returned layout: row-major fp32, or TMA-aligned column-major (column stride rounded up
+    to 4 rows; quant.md 1.5) fp32 or packed-UE8M0 int32 words."""
+    if layout == "row":
+        return x.new_empty((t, cols), dtype=torch.float32)
+    dtype = torch.int32 if layout == "col_packed" else torch.float32
+    return x.new_empty_strided((t, cols), (1, (t + 3) // 4 * 4), dtype=dtype)
+
+
+def _fwd_ptc_sf_cols(hidden: int, npc: int, layout: str) -> int:
+    ng = hidden // npc
+    return -(-ng // 4) if layout == "col_packed" else ng
+
+
+def swiglu_fwd_ptc_launch(x: torch.Tensor, num_per_channels: int, pos_to_token_topk=None, topk_weights=None,
+                          pos_to_expert=None, use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False,
+                          use_packed_ue8m0: bool = False, swiglu_clamp_value=None, clamped_count=None,
+                          sf_clamp_min=None):
+    """Allocate ``(out, out_sf)`` and launch (quant.md 3.12); adds the clamp counts to ``clamped_count``.
+    Validates nothing: the public op does."""
+    t, hidden = x.size(0), x.size(1) // 2
+    cfg = _fwd_ptc_cfg(_TL_DTYPE[x.dtype], hidden, num_per_channels, use_tma_aligned_col_major_sf, round_sf,
+                       use_packed_ue8m0, pos_to_token_topk is not None, pos_to_expert is not None,
+                       swiglu_clamp_value, clamped_count is not None, sf_clamp_min)
+    layout = cfg[4]
+    out = x.new_empty((t, hidden), dtype=torch.float8_e4m3fn)
+    out_sf = _new_sf(x, t, _fwd_ptc_sf_cols(hidden, num_per_channels, layout), layout)
+    if t:
+        dev = x.device
+        p2t = pos_to_token_topk if pos_to_token_topk is not None else _dummy(dev, torch.int32)
+        w = topk_weights.reshape(-1) if topk_weights is not None else _dummy(dev, torch.float32)
+        if w.numel() == 0:  # empty topk_weights: weight 0 for every row, as the reference (dummy holds 0)
+            w = _dummy(dev, torch.float32)
+        p2e = pos_to_expert if pos_to_expert is not None else _dummy(dev, torch.int32)
+        cnt = clamped_count if cfg[8] else _dummy(dev, torch.int64)
+        _jit.get("swiglu_fwd_ptc", cfg)(_aligned(x), p2t, w, p2e, out, out_sf, cnt)
+    return out, out_sf
+
+
+# ---- torch.library registration (torch.compile / fake tensors) ----
+
+@torch.library.custom_op("tilefuse::swiglu_forward_and_per_token_cast", mutates_args=("clamped_count",),
+                         device_types="cuda")
+def _fwd_ptc_op(x: torch.Tensor, num_per_channels: int, pos_to_token_topk: torch.Tensor | None,
+                topk_weights: torch.Tensor | None, pos_to_expert: torch.Tensor | None,
+                use_tma_aligned_col_major_sf: bool, round_sf: bool, use_packed_ue8m0: bool,
+                swiglu_clamp_value: float | None, clamped_count: torch.Tensor | None,
+                sf_clamp_min: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return swiglu_fwd_ptc_launch(x, num_per_channels, pos_to_token_topk, topk_weights, pos_to_expert,
+                                 use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0, swiglu_clamp_value,
+                                 clamped_count, sf_clamp_min)
+
+
+@_fwd_ptc_op.register_fake
+def _(x, num_per_channels, pos_to_token_topk, topk_weights, pos_to_expert, use_tma_aligned_col_major_sf, round_sf,
+      use_packed_ue8m0, swiglu_clamp_value, clamped_count, sf_clamp_min):
+    t, hidden = x.size(0), x.size(1) // 2
+    layout = "row" if not use_tma_aligned_col_major_sf else ("col_packed" if use_packed_ue8m0 else "col")
+    return (x.new_empty((t, hidden), dtype=torch.float8_e4m3fn),
+            _new_sf(x, t, _fwd_ptc_sf_cols(hidden, num_per_channels, layout), layout))
+
+
+def swiglu_forward_and_per_token_cast_cuda(x, fmt, num_per_channels, pos_to_token_topk=None, topk_weights=None,
+                                           pos_to_expert=None, use_tma_aligned_col_major_sf=False, round_sf=False,
+                                           use_packed_ue8m0=False, swiglu_clamp_value=None, clamped_count=None,
+                                           sf_clamp_min=None):
+    """CUDA entry for the public ``swiglu_forward_and_per_token_cast`` (``fmt`` is 'e4m3'): a direct launch in
+    eager mode, the custom op under ``torch.compile``."""
+    args = (x, num_per_channels, pos_to_token_topk, topk_weights, pos_to_expert, use_tma_aligned_col_major_sf,
+            round_sf, use_packed_ue8m0, None if swiglu_clamp_value is None else float(swiglu_clamp_value),
+            clamped_count, None if sf_clamp_min is None else float(sf_clamp_min))
+    if torch.compiler.is_compiling():
+        return torch.ops.tilefuse.swiglu_forward_and_per_token_cast(*args)
+    return swiglu_fwd_ptc_launch(*args)
