@@ -1,0 +1,588 @@
+"""TileLang kernels for the RMSNorm ops (quant.md 5.11): norm_forward, norm_forward_and_per_token_cast,
+norm_backward.
+
+Forward: one CTA per row ``(b, t)`` of a ``(B, T, H)`` view (2-D inputs are ``B = 1``). Thread ``tx`` owns
+the 16-byte vectors ``c * threads + tx`` of the row and keeps them in registers: ``h`` (``round(x + res)``
+with a residual), the sum of squares (thread sum, warp butterfly, one shared slot per warp, every thread
+adds the warp sums in warp order: a fixed order), ``rstd = rsqrtf(S / H + eps)``,
+``o = round((h * rstd) * (w * out_scale))``. The quantizing variant then casts ``o`` exactly as
+``per_token_cast(o, 'e4m3', 32)`` (1.4, 1.6): a 32-channel group is ``L`` consecutive lanes, its maximum a
+shuffle butterfly; packed UE8M0 words (and mega-MoE words) collect the four group bytes by shuffles.
+
+Backward: a fixed grid of ``NP`` CTAs; CTA ``p`` walks rows ``p, p + NP, ...`` in order, writes ``dx`` per
+row and accumulates ``xh * g`` per column in registers, then stores partial row ``p`` of an fp32
+``(NP, H)`` workspace. A second kernel sums the partials in order ``0 .. NP-1`` onto the existing
+``weight_grad`` (quant.md 5.11). No atomics: deterministic, and a row's ``dx`` never depends on other rows.
+
+Optional tensors absent from a static config are passed as a 1-element dummy, so every config has one
+signature. ``eps`` and ``out_scale`` are binary32 scalar arguments.
+"""
+
+import torch
+
+from tilefuse import _jit
+from tilefuse import formats as F
+
+_TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_THREADS = 128
+_NP = 256          # partial weight-gradient buffers of norm_backward (fixed: results never depend on the GPU)
+_M = F.FMT_MAX["e4m3"]
+_CLAMP = F.CLAMP_MIN["e4m3"]
+_NPC = 32          # quant.md 5.11: the quantizing op casts with 32-channel groups
+
+
+def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residual: bool, quant: bool,
+                        sf_layout: str, round_sf: bool, with_bf16: bool, with_rstd: bool, mega_bm: int = 0):
+    """Factory for one static config (see module doc).
+
+    sf_layout: "row" | "col" | "col_packed" (ignored unless ``quant``). ``mega_bm`` > 0 adds the mega-MoE sf
+    output with that block M (quant.md 5.11; needs round_sf and hidden % 128 == 0)."""
+    import tilelang.language as T
+
+    E = 16 // (2 if x_dtype == "bfloat16" else 4)   # elements per 16-byte vector
+    VPR = hidden // E
+    C = -(-VPR // _THREADS)                          # vectors per thread
+    NW = _THREADS // 32
+    L = _NPC // E                                    # lanes per 32-channel group
+    ng = hidden // _NPC
+    nw4 = -(-ng // 4)
+    assert hidden % 16 == 0 and (not quant or hidden % _NPC == 0)
+    assert not mega_bm or (quant and round_sf and hidden % 128 == 0)
+    packed = quant and sf_layout == "col_packed"
+
+    B, Tn = T.dynamic("batch, num_tokens")
+    XB, XS, RB, RS, OB, OS, QB, QS, PB, PS, BB, BS = T.dynamic(
+        "x_sb, x_st, res_sb, res_st, rout_sb, rout_st, out_sb, out_st, sf_pad, sf_sb, bf_sb, bf_st")
+    MR, ML = T.dynamic("mega_rows, mega_ld")
+
+    def rows3(dtype, sb, st):
+        return T.StridedTensor((B, Tn, hidden), (sb, st, 1), dtype)
+
+    def dummy(dtype):
+        return T.Tensor((1,), dtype)
+
+    x_p = rows3(x_dtype, XB, XS)
+    w_p = T.Tensor((hidden,), x_dtype) if has_weight else dummy(x_dtype)
+    r_p = rows3(x_dtype, RB, RS) if has_residual else dummy(x_dtype)
+    ro_p = rows3(x_dtype, OB, OS) if has_residual else dummy(x_dtype)
+    o_p = rows3("float8_e4m3fn" if quant else x_dtype, QB, QS)
+    if not quant:
+        sf_p = dummy("float32")
+    elif sf_layout == "row":  # row-major (B, T, ng) or packed words (B, T, nw4), contiguous
+        sf_p = T.Tensor((B, Tn, nw4 if packed else ng), "int32" if packed else "float32")
+    else:  # per batch a column-major (T, ng') matrix with leading dimension PB = align(T, 4)
+        sf_p = T.StridedTensor((B, Tn, nw4 if packed else ng), (PS, 1, PB), "int32" if packed else "float32")
+    bf_p = rows3("bfloat16", BB, BS) if with_bf16 else dummy("bfloat16")
+    rstd_p = T.Tensor((B, Tn), "float32") if with_rstd else dummy("float32")
+    mega_p = T.StridedTensor((hidden // 128, MR), (ML, 1), "int32") if mega_bm else dummy("int32")
+
+    @T.prim_func
+    def norm_forward(X: x_p, W: w_p, Res: r_p, ResOut: ro_p, Out: o_p, SF: sf_p, Bf: bf_p, Rstd: rstd_p,
+                     Mega: mega_p, eps: T.float32, out_scale: T.float32):
+        # quant.md 5.11: non-last strides are multiples of 16 elements (the launcher zeroes those of size-1 dims)
+        T.assume(XB % 16 == 0)
+        T.assume(XS % 16 == 0)
+        if has_residual:
+            T.assume(RB % 16 == 0)
+            T.assume(RS % 16 == 0)
+            T.assume(OB % 16 == 0)
+            T.assume(OS % 16 == 0)
+        T.assume(QB % 16 == 0)
+        T.assume(QS % 16 == 0)
+        if with_bf16:
+            T.assume(BB % 16 == 0)
+            T.assume(BS % 16 == 0)
+        with T.Kernel(Tn, B, threads=_THREADS) as (t, b):
+            tx = T.get_thread_binding()
+            h = T.alloc_local((C, E), "float32")
+            io = T.alloc_local((C, E), x_dtype)
+            red = T.alloc_shared((NW,), "float32")
+            acc = T.alloc_var("float32")
+            # 1. h = x (+ residual, rounded to x.dtype and written to residual_out); sum of squares
+            acc = T.float32(0.0)
+            for c in T.unroll(C):
+                col = (c * _THREADS + tx) * E
+                if col < hidden:
+                    for e in T.vectorized(E):
+                        io[c, e] = X[b, t, col + e]
+                    if has_residual:
+                        rr = T.alloc_local((E,), x_dtype)
+                        for e in T.vectorized(E):
+                            rr[e] = Res[b, t, col + e]
+                        for e in T.unroll(E):
+                            io[c, e] = T.cast(T.cast(io[c, e], "float32") + T.cast(rr[e], "float32"), x_dtype)
+                        for e in T.vectorized(E):
+                            ResOut[b, t, col + e] = io[c, e]
+                    for e in T.unroll(E):
+                        h[c, e] = T.cast(io[c, e], "float32")
+                else:
+                    for e in T.unroll(E):
+                        h[c, e] = T.float32(0.0)
+                for e in T.unroll(E):
+                    acc = acc + h[c, e] * h[c, e]
+            for st in T.unroll(5):
+                acc = acc + T.shfl_xor(acc, T.shift_right(16, st))
+            if tx % 32 == 0:
+                red[tx // 32] = acc
+            T.sync_threads()
+            acc = red[0]
+            for i in T.unroll(1, NW):
+                acc = acc + red[i]
+            rstd = T.rsqrt(acc / T.float32(hidden) + eps)
+            if with_rstd:
+                if tx == 0:
+                    Rstd[b, t] = rstd
+            # 2. o = round((h * rstd) * (w * out_scale)), kept as fp32 values of x.dtype in h
+            for c in T.unroll(C):
+                col = (c * _THREADS + tx) * E
+                if col < hidden:
+                    if has_weight:
+                        ww = T.alloc_local((E,), x_dtype)
+                        for e in T.vectorized(E):
+                            ww[e] = W[col + e]
+                        for e in T.unroll(E):
+                            io[c, e] = T.cast((h[c, e] * rstd) * (T.cast(ww[e], "float32") * out_scale), x_dtype)
+                    else:
+                        for e in T.unroll(E):
+                            io[c, e] = T.cast((h[c, e] * rstd) * out_scale, x_dtype)
+                    for e in T.unroll(E):
+                        h[c, e] = T.cast(io[c, e], "float32")
+                    if with_bf16:
+                        bb = T.alloc_local((E,), "bfloat16")
+                        for e in T.unroll(E):
+                            bb[e] = T.cast(h[c, e], "bfloat16")
+                        for e in T.vectorized(E):
+                            Bf[b, t, col + e] = bb[e]
+                    if not quant:
+                        for e in T.vectorized(E):
+                            Out[b, t, col + e] = io[c, e]
+            # 3. quantizing op: per_token_cast(o, 'e4m3', 32) of the rounded values
+            if quant:
+                for c in T.unroll(C):
+                    col = (c * _THREADS + tx) * E
+                    g = col // _NPC
+                    am = T.alloc_var("float32")
+                    am = T.float32(0.0)
+                    for e in T.unroll(E):
+                        am = T.max(am, T.abs(h[c, e]))
+                    for st in T.unroll(L.bit_length() - 1):
+                        am = T.max(am, T.shfl_xor(am, T.shift_right(L // 2, st)))
+                    a = T.max(am, T.float32(_CLAMP))
+                    inv = T.alloc_var("float32")
+                    eb = T.alloc_var("int32")
+                    if round_sf:
+                        bits = T.reinterpret(a / T.float32(_M), "int32")
+                        eb = T.shift_right(bits - 1, 23) + 1
+                        inv = T.reinterpret(T.shift_left(254 - eb, 23), "float32")
+                        sf = T.reinterpret(T.shift_left(eb, 23), "float32")
+                    else:
+                        eb = 0
+                        sf = a / T.float32(_M)
+                        inv = T.float32(_M) / a
+                    if packed or mega_bm:
+                        # bytes of groups 4k..4k+3 (lanes L apart); groups past ng give 0 bytes
+                        byte = T.if_then_else(col < hidden, eb, 0)
+                        word = (byte | T.shift_left(T.shfl_down(byte, L), 8) | T.shift_left(T.shfl_down(byte, 2 * L), 16)
+                                | T.shift_left(T.shfl_down(byte, 3 * L), 24))
+                        lead = T.And(col < hidden, T.And(tx % L == 0, g % 4 == 0))
+                        if packed:
+                            if lead:
+                                SF[b, t, g // 4] = word
+                        if mega_bm:
+                            if lead:
+                                i = t % mega_bm
+                                mrow = ((t // mega_bm) * (-(-mega_bm // 128) * 128) + (i // 128) * 128
+                                        + (i % 32) * 4 + (i % 128) // 32)
+                                Mega[g // 4, mrow] = word
+                    if not packed:
+                        if T.And(col < hidden, tx % L == 0):
+                            SF[b, t, g] = sf
+                    if col < hidden:
+                        qb = T.alloc_local((E,), "float8_e4m3fn")
+                        for e in T.unroll(E):
+                            qb[e] = T.cast(T.max(T.min(h[c, e] * inv, T.float32(_M)), T.float32(-_M)), "float8_e4m3fn")
+                        for e in T.vectorized(E):
+                            Out[b, t, col + e] = qb[e]
+
+    return norm_forward
+
+
+def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_grad: bool):
+    """Factory: ``dx`` per row and the per-CTA partial weight gradients ``(NP, hidden)`` fp32 (module doc)."""
+    import tilelang.language as T
+
+    E = 16 // (2 if x_dtype == "bfloat16" else 4)
+    VPR = hidden // E
+    C = -(-VPR // _THREADS)
+    NW = _THREADS // 32
+    Tn = T.dynamic("num_tokens")
+    XS, GS, RS = T.dynamic("x_st, dy_st, rg_st")
+
+    x_p = T.StridedTensor((Tn, hidden), (XS, 1), x_dtype)
+    dy_p = T.StridedTensor((Tn, hidden), (GS, 1), x_dtype)
+    rg_p = T.StridedTensor((Tn, hidden), (RS, 1), x_dtype) if has_res_grad else T.Tensor((1,), x_dtype)
+    w_p = T.Tensor((hidden,), x_dtype) if has_weight else T.Tensor((1,), x_dtype)
+    rstd_p = T.Tensor((Tn,), "float32")
+    dx_p = T.Tensor((Tn, hidden), x_dtype)
+    part_p = T.Tensor((_NP, hidden), "float32") if has_weight else T.Tensor((1,), "float32")
+
+    @T.prim_func
+    def norm_backward(DY: dy_p, X: x_p, W: w_p, Rstd: rstd_p, RG: rg_p, DX: dx_p, Part: part_p,
+                      out_scale: T.float32):
+        T.assume(XS % 16 == 0)
+        T.assume(GS % 16 == 0)
+        if has_res_grad:
+            T.assume(RS % 16 == 0)
+        with T.Kernel(_NP, threads=_THREADS) as p:
+            tx = T.get_thread_binding()
+            xh = T.alloc_local((C, E), "float32")
+            gw = T.alloc_local((C, E), "float32")
+            wv = T.alloc_local((C, E), "float32")
+            wacc = T.alloc_local((C, E), "float32")
+            io = T.alloc_local((E,), x_dtype)
+            red = T.alloc_shared((NW,), "float32")
+            acc = T.alloc_var("float32")
+            for c in T.unroll(C):
+                col = (c * _THREADS + tx) * E
+                for e in T.unroll(E):
+                    wacc[c, e] = T.float32(0.0)
+                    wv[c, e] = T.float32(1.0)
+                if has_weight:
+                    if col < hidden:
+                        for e in T.vectorized(E):
+                            io[e] = W[col + e]
+                        for e in T.unroll(E):
+                            wv[c, e] = T.cast(io[e], "float32")
+            for k in T.serial(T.ceildiv(Tn, _NP)):
+                row = k * _NP + p
+                if row < Tn:
+                    r = Rstd[row]
+                    acc = T.float32(0.0)
+                    for c in T.unroll(C):
+                        col = (c * _THREADS + tx) * E
+                        for e in T.unroll(E):
+                            xh[c, e] = T.float32(0.0)
+                            gw[c, e] = T.float32(0.0)
+                        if col < hidden:
+                            for e in T.vectorized(E):
+                                io[e] = X[row, col + e]
+                            for e in T.unroll(E):
+                                xh[c, e] = T.cast(io[e], "float32") * r
+                            for e in T.vectorized(E):
+                                io[e] = DY[row, col + e]
+                            for e in T.unroll(E):
+                                g = T.cast(io[e], "float32") * out_scale
+                                if has_weight:
+                                    wacc[c, e] = wacc[c, e] + xh[c, e] * g
+                                    gw[c, e] = g * wv[c, e]
+                                else:
+                                    gw[c, e] = g
+                        for e in T.unroll(E):
+                            acc = acc + xh[c, e] * gw[c, e]
+                    for st in T.unroll(5):
+                        acc = acc + T.shfl_xor(acc, T.shift_right(16, st))
+                    T.sync_threads()  # the previous row's readers of red are done
+                    if tx % 32 == 0:
+                        red[tx // 32] = acc
+                    T.sync_threads()
+                    acc = red[0]
+                    for i in T.unroll(1, NW):
+                        acc = acc + red[i]
+                    mean = acc / T.float32(hidden)
+                    for c in T.unroll(C):
+                        col = (c * _THREADS + tx) * E
+                        if col < hidden:
+                            if has_res_grad:
+                                rg = T.alloc_local((E,), x_dtype)
+                                for e in T.vectorized(E):
+                                    rg[e] = RG[row, col + e]
+                                for e in T.unroll(E):
+                                    io[e] = T.cast((gw[c, e] - xh[c, e] * mean) * r + T.cast(rg[e], "float32"),
+                                                   x_dtype)
+                            else:
+                                for e in T.unroll(E):
+                                    io[e] = T.cast((gw[c, e] - xh[c, e] * mean) * r, x_dtype)
+                            for e in T.vectorized(E):
+                                DX[row, col + e] = io[e]
+            if has_weight:
+                for c in T.unroll(C):
+                    col = (c * _THREADS + tx) * E
+                    if col < hidden:
+                        for e in T.vectorized(E):
+                            Part[p, col + e] = wacc[c, e]
+
+    return norm_backward
+
+
+def weight_grad_reduce_kernel(wg_dtype: str, hidden: int):
+    """Factory: ``WG[j] = round(float(WG[j]) + sum_{p = 0 .. NP-1} Part[p, j])`` (the sum in order p)."""
+    import tilelang.language as T
+
+    @T.prim_func
+    def weight_grad_reduce(Part: T.Tensor((_NP, hidden), "float32"), WG: T.Tensor((hidden,), wg_dtype)):
+        with T.Kernel(T.ceildiv(hidden, _THREADS), threads=_THREADS) as bx:
+            j = bx * _THREADS + T.get_thread_binding()
+            if j < hidden:
+                s = T.alloc_var("float32")
+                s = T.float32(0.0)
+                for p in T.serial(_NP):
+                    s = s + Part[p, j]
+                WG[j] = T.cast(T.cast(WG[j], "float32") + s, wg_dtype)
+
+    return weight_grad_reduce
+
+
+HIDDEN_SIZES = (2048, 4096, 7168)  # benchmark shapes used by the bench and the GPU tier
+
+
+def test_forward_configs() -> list[tuple]:
+    """Forward configs the GPU tier uses (x_dtype, hidden, weight, residual, quant, layout, round, bf16, rstd, mega)."""
+    cfgs = []
+    for xd in ("bfloat16", "float32"):
+        cfgs.append((xd, 7168, True, True, False, "row", False, False, True, 0))
+        cfgs.append((xd, 576, False, False, False, "row", False, False, True, 0))
+        for layout, rnd in (("row", False), ("col", False), ("col_packed", True)):
+            cfgs.append((xd, 7168, True, True, True, layout, rnd, True, True, 0))
+    cfgs.append(("bfloat16", 576, True, False, True, "col_packed", True, False, True, 0))
+    cfgs.append(("bfloat16", 7168, True, False, True, "row", True, False, True, 64))
+    return cfgs
+
+
+def test_backward_configs() -> list[tuple]:
+    return [(xd, h, w, r) for xd in ("bfloat16", "float32") for h, w, r in ((7168, True, True), (576, False, False))]
+
+
+_jit.register("norm_forward", norm_forward_kernel, test_forward_configs)
+_jit.register("norm_backward", norm_backward_kernel, test_backward_configs)
+_jit.register("norm_weight_grad_reduce", weight_grad_reduce_kernel,
+              lambda: [(d, h) for d in ("bfloat16", "float32") for h in (7168,)])
+
+_DUMMY: dict[tuple, torch.Tensor] = {}
+
+
+def _dummy(dtype: torch.dtype, device) -> torch.Tensor:
+    key = (dtype, str(device))
+    t = _DUMMY.get(key)
+    if t is None:
+        t = _DUMMY[key] = torch.empty((1,), dtype=dtype, device=device)
+    return t
+
+
+def _rows3(t: torch.Tensor) -> torch.Tensor:
+    """``(B, T, H)`` view of a 2-D/3-D row tensor, strides of size-1 dims set to 0 (kernel assumes % 16)."""
+    t = t if t.dim() == 3 else t.unsqueeze(0)
+    st = [0 if n == 1 else s for n, s in zip(t.shape, t.stride())]
+    st[-1] = 1
+    return t.as_strided(t.shape, st)
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    return t if t.data_ptr() % 16 == 0 else t.contiguous()
+
+
+def _sf_alloc(x: torch.Tensor, col: bool, packed: bool) -> torch.Tensor:
+    """out_sf in the layout the op returns (quant.md 5.11): row-major, or per batch column-major with leading
+    dimension align(T, 4); 2-D x gives a 2-D sf."""
+    lead = tuple(x.shape[:-1])
+    ng = x.size(-1) // _NPC
+    width, dtype = (-(-ng // 4), torch.int32) if packed else (ng, torch.float32)
+    if not col:
+        return x.new_empty((*lead, width), dtype=dtype)
+    t = lead[-1]
+    pad = (t + 3) // 4 * 4
+    if x.dim() == 2:
+        return x.new_empty_strided((t, width), (1, pad), dtype=dtype)
+    return x.new_empty_strided((lead[0], t, width), (width * pad, 1, pad), dtype=dtype)
+
+
+def _sf3(sf: torch.Tensor) -> torch.Tensor:
+    return sf if sf.dim() == 3 else sf.unsqueeze(0)
+
+
+def norm_forward_launch(x, weight, eps, residual=None, out_scale=1.0, out=None, residual_out=None,
+                        with_rstd=False, quant=False, use_tma_aligned_col_major_sf=False, round_sf=False,
+                        use_packed_ue8m0=False, with_out_bf16=False, out_sf=None, out_bf16=None, mega_moe_sf=None,
+                        mega_moe_block_m=0):
+    """Allocate missing outputs and launch the forward kernel (quant.md 5.11). Validates nothing.
+
+    Returns ``(out, out_sf, out_bf16, rstd, residual_out)`` (None where absent)."""
+    col, packed = use_tma_aligned_col_major_sf, use_packed_ue8m0
+    layout = "col_packed" if (packed and col) else ("col" if col else "row")
+    if quant and packed and not col:
+        layout = "row"  # a given row-major packed out_sf (int32 words)
+    has_res = residual is not None
+    if out is None:
+        out = torch.empty_like(x, dtype=torch.float8_e4m3fn if quant else x.dtype,
+                               memory_format=torch.contiguous_format)
+    if has_res and residual_out is None:
+        residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if quant and out_sf is None:
+        out_sf = _sf_alloc(x, col, packed)
+    if with_out_bf16 and out_bf16 is None:
+        out_bf16 = torch.empty_like(x, dtype=torch.bfloat16, memory_format=torch.contiguous_format)
+    rstd = x.new_empty(tuple(x.shape[:-1]), dtype=torch.float32) if with_rstd else None
+    if x.numel() == 0:
+        return out, out_sf, out_bf16, rstd, residual_out
+    mega = bool(mega_moe_sf is not None)
+    cfg = (_TL_DTYPE[x.dtype], x.size(-1), weight is not None, has_res, quant, layout, round_sf,
+           with_out_bf16, with_rstd, mega_moe_block_m if mega else 0)
+    fn = _jit.get("norm_forward", cfg)
+    dev = x.device
+    if mega:
+        t = x.size(0)
+        rows = -(-t // mega_moe_block_m) * (-(-mega_moe_block_m // 128) * 128)
+        mega_arg = mega_moe_sf.as_strided((x.size(-1) // 128, rows), (mega_moe_sf.stride(1), 1))
+    else:
+        mega_arg = _dummy(torch.int32, dev)
+    if quant:
+        sf_arg = _sf3(out_sf)
+        if layout != "row":
+            b, t, w = sf_arg.shape
+            pad = (t + 3) // 4 * 4
+            sf_arg = sf_arg.as_strided((b, t, w), (w * pad, 1, pad))
+    else:
+        sf_arg = _dummy(torch.float32, dev)
+    # outputs written through a 16-byte-aligned temporary when the caller's buffer is not aligned
+    o_arg = out if out.data_ptr() % 16 == 0 else torch.empty_like(out, memory_format=torch.contiguous_format)
+    fn(_rows3(_aligned(x)),
+       weight if weight is not None else _dummy(x.dtype, dev),
+       _rows3(_aligned(residual)) if has_res else _dummy(x.dtype, dev),
+       _rows3(residual_out) if has_res else _dummy(x.dtype, dev),
+       _rows3(o_arg), sf_arg,
+       _rows3(out_bf16) if with_out_bf16 else _dummy(torch.bfloat16, dev),
+       rstd.view(1, -1) if with_rstd else _dummy(torch.float32, dev),
+       mega_arg, float(eps), float(out_scale))
+    if o_arg is not out:
+        out.copy_(o_arg)
+    return out, out_sf, out_bf16, rstd, residual_out
+
+
+def norm_backward_launch(out_grad, x, weight, rstd, residual_out_grad=None, out_scale=1.0, weight_grad=None):
+    """``(x_grad, weight_grad)`` of quant.md 5.11: dx kernel with NP partial weight gradients, then the ordered
+    reduction onto ``weight_grad`` (a new zeroed buffer of weight.dtype when not given). Validates nothing."""
+    t, hidden = x.shape
+    dev = x.device
+    x_grad = torch.empty((t, hidden), dtype=x.dtype, device=dev)
+    if weight is not None and weight_grad is None:
+        weight_grad = torch.zeros((hidden,), dtype=weight.dtype, device=dev)
+    if t == 0:
+        return x_grad, weight_grad
+    has_w, has_rg = weight is not None, residual_out_grad is not None
+    fn = _jit.get("norm_backward", (_TL_DTYPE[x.dtype], hidden, has_w, has_rg))
+    part = torch.empty((_NP, hidden), dtype=torch.float32, device=dev) if has_w else _dummy(torch.float32, dev)
+
+    def rows(a):
+        a = _aligned(a)
+        return a.as_strided(a.shape, (0 if a.size(0) == 1 else a.stride(0), 1))
+
+    fn(rows(out_grad), rows(x), weight if has_w else _dummy(x.dtype, dev), rstd,
+       rows(residual_out_grad) if has_rg else _dummy(x.dtype, dev), x_grad, part, float(out_scale))
+    if has_w:
+        _jit.get("norm_weight_grad_reduce", (_TL_DTYPE[weight_grad.dtype], hidden))(part, weight_grad)
+    return x_grad, weight_grad
+
+
+# ---- torch.library registration (torch.compile / fake tensors) ----
+
+@torch.library.custom_op("tilefuse::norm_forward", mutates_args=(), device_types="cuda")
+def _norm_forward_op(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None,
+                     out_scale: float, with_rstd: bool) -> list[torch.Tensor]:
+    """[out, rstd?, residual_out?] (the optional ones present per with_rstd / residual)."""
+    out, _, _, rstd, res_out = norm_forward_launch(x, weight, eps, residual, out_scale, with_rstd=with_rstd)
+    return [t for t in (out, rstd, res_out) if t is not None]
+
+
+@_norm_forward_op.register_fake
+def _(x, weight, eps, residual, out_scale, with_rstd):
+    rstd = x.new_empty(tuple(x.shape[:-1]), dtype=torch.float32) if with_rstd else None
+    res = [torch.empty_like(x, memory_format=torch.contiguous_format), rstd,
+           (torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None)]
+    return [t for t in res if t is not None]
+
+
+@torch.library.custom_op("tilefuse::norm_forward_and_per_token_cast", mutates_args=(), device_types="cuda")
+def _norm_cast_op(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None,
+                  out_scale: float, use_tma_aligned_col_major_sf: bool, round_sf: bool, use_packed_ue8m0: bool,
+                  with_out_bf16: bool, with_rstd: bool) -> list[torch.Tensor]:
+    """[out, out_sf, out_bf16?, rstd?, residual_out?]."""
+    res = norm_forward_launch(x, weight, eps, residual, out_scale, with_rstd=with_rstd, quant=True,
+                              use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, round_sf=round_sf,
+                              use_packed_ue8m0=use_packed_ue8m0, with_out_bf16=with_out_bf16)
+    return [t for t in res if t is not None]
+
+
+@_norm_cast_op.register_fake
+def _(x, weight, eps, residual, out_scale, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0, with_out_bf16,
+      with_rstd):
+    cf = torch.contiguous_format
+    res = (torch.empty_like(x, dtype=torch.float8_e4m3fn, memory_format=cf),
+           _sf_alloc(x, use_tma_aligned_col_major_sf, use_packed_ue8m0),
+           torch.empty_like(x, dtype=torch.bfloat16, memory_format=cf) if with_out_bf16 else None,
+           x.new_empty(tuple(x.shape[:-1]), dtype=torch.float32) if with_rstd else None,
+           torch.empty_like(x, memory_format=cf) if residual is not None else None)
+    return [t for t in res if t is not None]
+
+
+@torch.library.custom_op("tilefuse::norm_backward", mutates_args=(), device_types="cuda")
+def _norm_backward_op(out_grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor,
+                      residual_out_grad: torch.Tensor | None, out_scale: float) -> list[torch.Tensor]:
+    """[x_grad, weight_grad?]."""
+    return [t for t in norm_backward_launch(out_grad, x, weight, rstd, residual_out_grad, out_scale) if t is not None]
+
+
+@_norm_backward_op.register_fake
+def _(out_grad, x, weight, rstd, residual_out_grad, out_scale):
+    res = [torch.empty_like(x, memory_format=torch.contiguous_format)]
+    return res if weight is None else res + [torch.empty_like(weight)]
+
+
+def _simple(*tensors) -> bool:
+    """True when no caller-provided output buffer is involved: the custom op path works under torch.compile."""
+    return all(t is None for t in tensors)
+
+
+def norm_forward_cuda(x, weight, eps, residual=None, out_scale=1.0, out=None, residual_out=None, with_rstd=False):
+    """CUDA entry for the public ``norm_forward``: ``(out, rstd, norm_input)``."""
+    if torch.compiler.is_compiling() and _simple(out, residual_out):
+        res = list(torch.ops.tilefuse.norm_forward(x, weight, float(eps), residual, float(out_scale), with_rstd))
+        o = res.pop(0)
+        rstd = res.pop(0) if with_rstd else None
+        res_out = res.pop(0) if residual is not None else None
+    else:
+        o, _, _, rstd, res_out = norm_forward_launch(x, weight, eps, residual, out_scale, out, residual_out,
+                                                     with_rstd)
+    return o, rstd, (x if residual is None else res_out)
+
+
+def norm_forward_and_per_token_cast_cuda(x, weight, eps, fmt, num_per_channels, residual=None, out_scale=1.0,
+                                         use_tma_aligned_col_major_sf=False, round_sf=False, use_packed_ue8m0=False,
+                                         with_out_bf16=False, out=None, out_bf16=None, residual_out=None,
+                                         mega_moe_sf=None, mega_moe_block_m=0, with_rstd=False):
+    """CUDA entry for the public ``norm_forward_and_per_token_cast``: ``((out, out_sf), out_bf16, rstd,
+    norm_input)``, or ``(out, None, rstd, norm_input)`` when ``fmt`` names x's dtype."""
+    if fmt != "e4m3":
+        o, rstd, norm_input = norm_forward_cuda(x, weight, eps, residual, out_scale,
+                                                None if out is None else out[0], residual_out, with_rstd)
+        return o, None, rstd, norm_input
+    out_x, out_sf = (None, None) if out is None else out
+    if torch.compiler.is_compiling() and _simple(out_x, out_sf, out_bf16, residual_out, mega_moe_sf):
+        res = list(torch.ops.tilefuse.norm_forward_and_per_token_cast(
+            x, weight, float(eps), residual, float(out_scale), use_tma_aligned_col_major_sf, round_sf,
+            use_packed_ue8m0, with_out_bf16, with_rstd))
+        o, sf = res.pop(0), res.pop(0)
+        bf = res.pop(0) if with_out_bf16 else None
+        rstd = res.pop(0) if with_rstd else None
+        res_out = res.pop(0) if residual is not None else None
+    else:
+        o, sf, bf, rstd, res_out = norm_forward_launch(
+            x, weight, eps, residual, out_scale, out_x, residual_out, with_rstd, True, use_tma_aligned_col_major_sf,
+            round_sf, use_packed_ue8m0, with_out_bf16, out_sf, out_bf16, mega_moe_sf, mega_moe_block_m)
+    return (o, sf), bf, rstd, (x if residual is None else res_out)
+
+
+def norm_backward_cuda(out_grad, x, weight, rstd, residual_out_grad=None, out_scale=1.0, weight_grad=None):
+    """CUDA entry for the public ``norm_backward``: ``(x_grad, weight_grad)``."""
+    if torch.compiler.is_compiling() and weight_grad is None:
+        res = list(torch.ops.tilefuse.norm_backward(out_grad, x, weight, rstd, residual_out_grad, float(out_scale)))
+        return res[0], (res[1] if weight is not None else None)
+    return norm_backward_launch(out_grad, x, weight, rstd, residual_out_grad, out_scale, weight_grad)
