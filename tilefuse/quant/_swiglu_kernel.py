@@ -214,6 +214,142 @@ def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, s
 
 
 
+# ---- 3.13: backward + per-token cast ----
+
+def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int | None):
+    """Factory for one static config of ``swiglu_backward_and_per_token_cast``: H (data is e4m3 (T, 2H) with
+    row-major fp32 sf (T, 2H / npc)), npc in {32, 128}, round_sf, binary32 clamp bits or None.
+
+    Lane ``q`` of a row's team holds chunks of 8 gate/up column pairs at ``c*L*8 + q*8``; a ``dx`` (or ``dy``)
+    group is ``npc / 8`` adjacent lanes. ``WG`` (fp32, flat (T*K,)) must be zero-filled by the caller: the
+    kernel writes the row sums only (at ``pos_to_token_topk[row]`` where ``token_topk_to_pos`` is not -1).
+    """
+    import tilelang.language as T
+
+    E = 8
+    nch = hidden // E
+    L = _team(nch)
+    C = nch // L
+    Lg = npc // E
+    threads = 128
+    BM = threads // L
+    ngh = hidden // npc  # groups per half row
+
+    Tn, NW = T.dynamic("num_tokens, num_weights")
+
+    @T.prim_func
+    def swiglu_bwd_ptc(D: T.Tensor((Tn, 2 * hidden), "float8_e4m3fn"), SFI: T.Tensor((Tn, 2 * ngh), "float32"),
+                       G: T.Tensor((Tn, hidden), "bfloat16"), W: T.Tensor((NW,), "float32"),
+                       P2T: T.Tensor((Tn,), "int32"), TT2P: T.Tensor((NW,), "int32"),
+                       OUT: T.Tensor((Tn, hidden), "bfloat16"), Q: T.Tensor((Tn, 2 * hidden), "float8_e4m3fn"),
+                       QSF: T.Tensor((Tn, 2 * ngh), "float32"), XG: T.Tensor((Tn, 2 * hidden), "bfloat16"),
+                       WG: T.Tensor((NW,), "float32")):
+        with T.Kernel(T.ceildiv(Tn, BM), threads=threads) as bx:
+            tx = T.get_thread_binding()
+            q = tx % L
+            row = bx * BM + tx // L
+            ok = row < Tn
+            rs = T.min(row, Tn - 1)
+            dl = T.alloc_local((C, E), "float8_e4m3fn")
+            dr = T.alloc_local((C, E), "float8_e4m3fn")
+            gb = T.alloc_local((C, E), "bfloat16")
+            dx = T.alloc_local((E,), "float32")
+            dy = T.alloc_local((E,), "float32")
+            ob = T.alloc_local((E,), "bfloat16")
+            xb = T.alloc_local((E,), "bfloat16")
+            yb = T.alloc_local((E,), "bfloat16")
+            qx = T.alloc_local((E,), "float8_e4m3fn")
+            qy = T.alloc_local((E,), "float8_e4m3fn")
+            am = T.alloc_local((2,), "float32")
+            acc = T.alloc_local((1,), "float32")
+            w = T.alloc_local((1,), "float32")
+            r = T.alloc_local((6,), "float32")  # clamped x, clamped y, t, s, act, gws of one element
+            for c in T.unroll(C):
+                col = c * (L * E) + q * E
+                if ok:
+                    for v in T.vectorized(E):
+                        dl[c, v] = D[row, col + v]
+                    for v in T.vectorized(E):
+                        dr[c, v] = D[row, hidden + col + v]
+                    for v in T.vectorized(E):
+                        gb[c, v] = G[row, col + v]
+                else:
+                    for v in T.vectorized(E):
+                        dl[c, v] = T.cast(0, "float8_e4m3fn")
+                    for v in T.vectorized(E):
+                        dr[c, v] = T.cast(0, "float8_e4m3fn")
+                    for v in T.vectorized(E):
+                        gb[c, v] = T.cast(0, "bfloat16")
+            p = T.if_then_else(ok, P2T[rs], -1)
+            w[0] = T.if_then_else(p >= 0, W[T.min(p, NW - 1)], T.float32(0.0))
+            acc[0] = T.float32(0.0)
+            for c in T.unroll(C):
+                col = c * (L * E) + q * E
+                sfx = T.if_then_else(ok, SFI[rs, col // npc], T.float32(1.0))
+                sfy = T.if_then_else(ok, SFI[rs, ngh + col // npc], T.float32(1.0))
+                am[0] = T.float32(0.0)
+                am[1] = T.float32(0.0)
+                for e in T.unroll(E):
+                    xv = T.cast(dl[c, e], "float32") * sfx
+                    yv = T.cast(dr[c, e], "float32") * sfy
+                    g = T.cast(gb[c, e], "float32")
+                    r[0] = xv
+                    r[1] = yv
+                    if clamp_bits is not None:
+                        cc = _f32(T, clamp_bits)
+                        r[0] = T.min(xv, cc)
+                        r[1] = T.min(T.max(yv, -cc), cc)
+                    r[2] = T.exp(-r[0]) + T.float32(1.0)  # t
+                    r[3] = T.float32(1.0) / r[2]          # s
+                    r[4] = (r[0] / r[2]) * r[1]            # act
+                    r[5] = (g * w[0]) * r[3]               # gws
+                    dxe = (r[5] * r[1]) * T.fma(r[0], T.float32(1.0) - r[3], T.float32(1.0))
+                    dye = r[5] * r[0]
+                    if clamp_bits is not None:
+                        dxe = T.if_then_else(xv > cc, T.float32(0.0), dxe)
+                        dye = T.if_then_else(T.Or(yv > cc, yv < -cc), T.float32(0.0), dye)
+                    dx[e] = dxe
+                    dy[e] = dye
+                    ob[e] = T.cast(r[4] * w[0], "bfloat16")
+                    acc[0] = acc[0] + g * r[4]
+                    am[0] = T.max(am[0], T.abs(dx[e]))
+                    am[1] = T.max(am[1], T.abs(dy[e]))
+                for st in T.unroll(Lg.bit_length() - 1):  # group maxima: butterfly over Lg lanes
+                    am[0] = T.max(am[0], T.shfl_xor(am[0], T.shift_right(Lg // 2, st)))
+                    am[1] = T.max(am[1], T.shfl_xor(am[1], T.shift_right(Lg // 2, st)))
+                sf_x, inv_x, _ = _scale_pair(T, am[0], f32_bits(F.CLAMP_MIN["e4m3"]), round_sf)
+                sf_y, inv_y, _ = _scale_pair(T, am[1], f32_bits(F.CLAMP_MIN["e4m3"]), round_sf)
+                for e in T.vectorized(E):
+                    xb[e] = T.cast(dx[e], "bfloat16")
+                for e in T.vectorized(E):
+                    yb[e] = T.cast(dy[e], "bfloat16")
+                for e in T.vectorized(E):
+                    qx[e] = T.cast(dx[e] * inv_x, "float8_e4m3fn")
+                for e in T.vectorized(E):
+                    qy[e] = T.cast(dy[e] * inv_y, "float8_e4m3fn")
+                if ok:
+                    for e in T.vectorized(E):
+                        OUT[row, col + e] = ob[e]
+                    for e in T.vectorized(E):
+                        XG[row, col + e] = xb[e]
+                    for e in T.vectorized(E):
+                        XG[row, hidden + col + e] = yb[e]
+                    for e in T.vectorized(E):
+                        Q[row, col + e] = qx[e]
+                    for e in T.vectorized(E):
+                        Q[row, hidden + col + e] = qy[e]
+                    if q % Lg == 0:
+                        QSF[row, col // npc] = sf_x
+                        QSF[row, ngh + col // npc] = sf_y
+            for st in T.unroll(L.bit_length() - 1):  # row sum of g * act: fixed butterfly over the team
+                acc[0] = acc[0] + T.shfl_xor(acc[0], T.shift_right(L // 2, st))
+            if T.And(T.And(ok, q == 0), T.And(p >= 0, p < NW)):
+                if TT2P[p] != -1:
+                    WG[p] = acc[0]
+
+    return swiglu_bwd_ptc
+
+
 # ---- static configs (compile tier, precompile, bench) ----
 
 FWD_PTC_HIDDEN = (1024, 1280, 1536, 2048, 3072, 3584)  # quant.md 7.2
@@ -252,6 +388,33 @@ def _fwd_ptc_configs() -> list[tuple]:
 
 
 _jit.register("swiglu_fwd_ptc", swiglu_fwd_ptc_kernel, _fwd_ptc_configs)
+
+
+BWD_PTC_HIDDEN = (2048, 2560, 3072, 4096, 6144, 7168)  # quant.md 7.2
+
+
+def _bwd_ptc_cfg(hidden: int, npc: int, round_sf: bool, clamp: float | None) -> tuple:
+    return (hidden, npc, round_sf, None if clamp is None else f32_bits(clamp))
+
+
+def bwd_ptc_test_configs() -> list[tuple]:
+    return [_bwd_ptc_cfg(2048, 128, True, None), _bwd_ptc_cfg(2560, 32, False, 0.5),
+            _bwd_ptc_cfg(7168, 128, False, 10.0)]
+
+
+def _bwd_ptc_configs() -> list[tuple]:
+    """Test configs plus the benchmark rows (clamp in {None, 0.5}, round_sf, npc in {32, 128})."""
+    cfgs = bwd_ptc_test_configs()
+    for h in BWD_PTC_HIDDEN:
+        for npc in (32, 128):
+            for clamp in (None, 0.5):
+                cfg = _bwd_ptc_cfg(h, npc, True, clamp)
+                if cfg not in cfgs:
+                    cfgs.append(cfg)
+    return cfgs
+
+
+_jit.register("swiglu_bwd_ptc", swiglu_bwd_ptc_kernel, _bwd_ptc_configs)
 
 
 # ---- launchers ----
@@ -312,6 +475,35 @@ def swiglu_fwd_ptc_launch(x: torch.Tensor, num_per_channels: int, pos_to_token_t
     return out, out_sf
 
 
+def swiglu_bwd_ptc_launch(data: torch.Tensor, sf: torch.Tensor, grad_out: torch.Tensor, weight: torch.Tensor,
+                          pos_to_token_topk: torch.Tensor, token_topk_to_pos: torch.Tensor, num_per_channels: int,
+                          round_sf: bool = False, swiglu_clamp_value=None):
+    """Allocate the outputs and launch (quant.md 3.13): returns ``(out bf16 (T_e, H), x_grad_fp8 e4m3 (T_e, 2H),
+    x_grad_fp8_sf fp32 (T_e, 2H/npc), x_grad bf16 (T_e, 2H), weight_grad fp32 weight.shape)``. ``data`` may be
+    3-D (flattened); ``weight_grad`` is zero-filled, then the kernel writes the row sums. Validates nothing."""
+    width = data.size(-1)
+    hidden = width // 2
+    t = data.numel() // width
+    data = data.reshape(t, width)
+    grad_out = grad_out.reshape(t, hidden)
+    out = data.new_empty((t, hidden), dtype=torch.bfloat16)
+    q = data.new_empty((t, width), dtype=torch.float8_e4m3fn)
+    q_sf = data.new_empty((t, width // num_per_channels), dtype=torch.float32)
+    x_grad = data.new_empty((t, width), dtype=torch.bfloat16)
+    weight_grad = torch.zeros(weight.shape, dtype=torch.float32, device=data.device)
+    if t and weight.numel():
+        cfg = _bwd_ptc_cfg(hidden, num_per_channels, round_sf, swiglu_clamp_value)
+        _jit.get("swiglu_bwd_ptc", cfg)(_aligned(data), sf, _aligned(grad_out.contiguous()), weight.reshape(-1),
+                                         pos_to_token_topk, token_topk_to_pos.reshape(-1), out, q, q_sf, x_grad,
+                                         weight_grad.view(-1))
+    elif t:  # no weights at all: every row has weight 0 and no weight_grad entry to write
+        w0 = _dummy(data.device, torch.float32)
+        _jit.get("swiglu_bwd_ptc", _bwd_ptc_cfg(hidden, num_per_channels, round_sf, swiglu_clamp_value))(
+            _aligned(data), sf, _aligned(grad_out.contiguous()), w0, torch.full_like(pos_to_token_topk, -1),
+            _dummy(data.device, torch.int32), out, q, q_sf, x_grad, torch.zeros_like(w0))
+    return out, q, q_sf, x_grad, weight_grad
+
+
 # ---- torch.library registration (torch.compile / fake tensors) ----
 
 @torch.library.custom_op("tilefuse::swiglu_forward_and_per_token_cast", mutates_args=("clamped_count",),
@@ -347,3 +539,38 @@ def swiglu_forward_and_per_token_cast_cuda(x, fmt, num_per_channels, pos_to_toke
     if torch.compiler.is_compiling():
         return torch.ops.tilefuse.swiglu_forward_and_per_token_cast(*args)
     return swiglu_fwd_ptc_launch(*args)
+
+
+@torch.library.custom_op("tilefuse::swiglu_backward_and_per_token_cast", mutates_args=(), device_types="cuda")
+def _bwd_ptc_op(data: torch.Tensor, sf: torch.Tensor, grad_out: torch.Tensor, weight: torch.Tensor,
+                pos_to_token_topk: torch.Tensor, token_topk_to_pos: torch.Tensor, num_per_channels: int,
+                round_sf: bool, swiglu_clamp_value: float | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return swiglu_bwd_ptc_launch(data, sf, grad_out, weight, pos_to_token_topk, token_topk_to_pos,
+                                 num_per_channels, round_sf, swiglu_clamp_value)
+
+
+@_bwd_ptc_op.register_fake
+def _(data, sf, grad_out, weight, pos_to_token_topk, token_topk_to_pos, num_per_channels, round_sf,
+      swiglu_clamp_value):
+    width = data.size(-1)
+    t = data.numel() // width
+    return (data.new_empty((t, width // 2), dtype=torch.bfloat16),
+            data.new_empty((t, width), dtype=torch.float8_e4m3fn),
+            data.new_empty((t, width // num_per_channels), dtype=torch.float32),
+            data.new_empty((t, width), dtype=torch.bfloat16),
+            weight.new_empty(weight.shape, dtype=torch.float32))
+
+
+def swiglu_backward_and_per_token_cast_cuda(x, grad_out, weight, pos_to_token_topk, token_topk_to_pos,
+                                            num_per_channels, round_sf=False, swiglu_clamp_value=None):
+    """CUDA entry for the public ``swiglu_backward_and_per_token_cast`` (``x`` a ``(data, sf)`` pair): returns
+    ``(out, (x_grad_fp8, x_grad_fp8_sf), x_grad, weight_grad)``."""
+    data, sf = x
+    args = (data, sf, grad_out, weight, pos_to_token_topk, token_topk_to_pos, num_per_channels, round_sf,
+            None if swiglu_clamp_value is None else float(swiglu_clamp_value))
+    if torch.compiler.is_compiling():
+        out, q, q_sf, x_grad, weight_grad = torch.ops.tilefuse.swiglu_backward_and_per_token_cast(*args)
+    else:
+        out, q, q_sf, x_grad, weight_grad = swiglu_bwd_ptc_launch(*args)
+    return out, (q, q_sf), x_grad, weight_grad
