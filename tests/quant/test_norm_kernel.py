@@ -1,0 +1,230 @@
+"""Kernel tiers for the RMSNorm ops (quant.md 5.11): compile (sm_90, no GPU) and gpu (vs the reference).
+
+Tolerances (quant.md 6.3, RMSNorm is tolerance-compared): the kernel sums H squares (or H products in the
+backward) in its own order, so a binary32 sum differs from torch's by at most about ``H * u`` relative
+(u = 2^-24), and rsqrtf adds a few ulp. Everything downstream of rstd is compared exactly where it can be:
+``o`` is recomputed from the kernel's own rstd with the spec's products (no sums), and the quantized output
+must equal ``per_token_cast`` of that ``o`` bit for bit.
+"""
+import pytest
+import torch
+
+from tilefuse import _jit
+from tilefuse.quant import _norm_kernel as K
+from tilefuse.reference.norm import norm_backward_ref, norm_forward_ref
+from tilefuse.reference.quant import cast as ref_cast
+from tilefuse.testing import assert_equal, clear_unused_sf
+
+TOKENS = (0, 1, 7, 4001, 8192)
+DT = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+U = 2.0 ** -24
+
+
+def rtol_sum(h: int) -> float:
+    """Relative tolerance of a binary32 length-h reduction in another order, plus rsqrtf's error (8 ulp)."""
+    return (h + 8) * U
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name,cfg", [("norm_forward", c) for c in K.test_forward_configs()]
+                         + [("norm_backward", c) for c in K.test_backward_configs()]
+                         + [("norm_weight_grad_reduce", (d, 7168)) for d in ("bfloat16", "float32")], ids=str)
+def test_builds_for_sm90(name, cfg):
+    src = _jit.compile_kernel(name, cfg, "sm_90", export=False).get_kernel_source()
+    assert "__global__" in src and "use_fast_math" not in src
+
+
+def test_fake_shapes_cpu():
+    """Output allocation of the launcher's helpers (no kernel): sf layouts of 2-D and 3-D inputs."""
+    x = torch.empty((7, 576))
+    sf = K._sf_alloc(x, col=True, packed=True)
+    assert sf.shape == (7, 5) and sf.stride() == (1, 8) and sf.dtype == torch.int32
+    sf = K._sf_alloc(torch.empty((3, 7, 576)), col=True, packed=False)
+    assert sf.shape == (3, 7, 18) and sf.stride() == (18 * 8, 1, 8)
+    assert K._sf_alloc(x, col=False, packed=False).stride() == (18, 1)
+    v = K._rows3(torch.empty((1, 64))[:, :32])
+    assert v.shape == (1, 1, 32) and v.stride() == (0, 0, 1)
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _poison():
+    free = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    free.fill_(0xFF)
+    del free
+
+
+def _inputs(t, h, dtype, residual=True, weight=True, strided=False):
+    g = torch.Generator(device="cuda").manual_seed(t * 7 + h)
+    x = torch.randn((t, h + (32 if strided else 0)), generator=g, device="cuda").to(dtype)[:, :h]
+    r = torch.randn((t, h), generator=g, device="cuda").to(dtype) if residual else None
+    w = (torch.rand((h,), generator=g, device="cuda") + 0.5).to(dtype) if weight else None
+    return x, r, w
+
+
+def _o_from_rstd(h_in, w, rstd, scale, dtype):
+    """The spec's o from a given rstd: products only, so exact in torch."""
+    hf = h_in.float()
+    f = torch.tensor(scale, device=hf.device) if w is None else w.float() * scale
+    return ((hf * rstd.unsqueeze(-1)) * f).to(dtype)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("xd,h,has_w,has_r", [("bfloat16", 7168, True, True), ("float32", 7168, True, True),
+                                              ("bfloat16", 576, False, False), ("float32", 576, False, False)])
+def test_forward_gpu(t, xd, h, has_w, has_r):
+    dtype = DT[xd]
+    x, r, w = _inputs(t, h, dtype, has_r, has_w, strided=True)
+    _poison()
+    out, _, _, rstd, res_out = K.norm_forward_launch(x, w, 1e-6, r, 0.5, with_rstd=True)
+    ro, rrstd, rh = norm_forward_ref(x, w, 1e-6, r, 0.5)
+    if has_r:
+        assert_equal(res_out, rh)  # one rounded add: exact
+    torch.testing.assert_close(rstd, rrstd, rtol=rtol_sum(h), atol=0)
+    assert_equal(out, _o_from_rstd(rh if has_r else x, w, rstd, 0.5, dtype))
+    # determinism and batch invariance: rerun, and rerun on the first row alone
+    out2, _, _, rstd2, _ = K.norm_forward_launch(x, w, 1e-6, r, 0.5, with_rstd=True)
+    assert_equal(out2, out)
+    assert_equal(rstd2, rstd)
+    if t > 1:
+        o1, _, _, s1, _ = K.norm_forward_launch(x[:1], w, 1e-6, None if r is None else r[:1], 0.5, with_rstd=True)
+        assert_equal(o1, out[:1])
+        assert_equal(s1, rstd[:1])
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("xd", ["bfloat16", "float32"])
+@pytest.mark.parametrize("col,round_sf,packed", [(False, False, False), (True, False, False), (True, True, True)])
+def test_forward_cast_gpu(t, xd, col, round_sf, packed):
+    dtype, h = DT[xd], 7168
+    x, r, w = _inputs(t, h, dtype)
+    if t > 2:  # adversarial rows: an all-zero row, tiny (subnormal-scale) values, huge values
+        x[0] = 0
+        r[0] = 0
+        x[1] = x[1] * 1e-30
+        r[1] = 0
+        x[2] = x[2] * 1e4
+    _poison()
+    out, sf, bf, rstd, _ = K.norm_forward_launch(x, w, 1e-6, r, 1.0, with_rstd=True, quant=True,
+                                                 use_tma_aligned_col_major_sf=col, round_sf=round_sf,
+                                                 use_packed_ue8m0=packed, with_out_bf16=True)
+    _, rrstd, rh = norm_forward_ref(x, w, 1e-6, r, 1.0)
+    torch.testing.assert_close(rstd, rrstd, rtol=rtol_sum(h), atol=0)
+    o = _o_from_rstd(rh, w, rstd, 1.0, dtype)
+    assert_equal(bf, o.to(torch.bfloat16))
+    r_out, r_sf = ref_cast(o, "e4m3", (1, 32), round_sf=round_sf, use_tma_aligned_col_major_sf=col,
+                           use_packed_ue8m0=packed)
+    assert_equal(out, r_out)
+    assert sf.shape == r_sf.shape and (sf.stride() == r_sf.stride() or t == 0)
+    got, want = sf.contiguous(), r_sf.contiguous()
+    if packed:
+        got, want = clear_unused_sf(got, h, 32), clear_unused_sf(want, h, 32)
+    assert_equal(got, want)
+
+
+@gpu
+@pytest.mark.gpu
+def test_forward_cast_3d_col_and_mega_gpu():
+    x, _, w = _inputs(2 * 7, 576, torch.bfloat16, residual=False)
+    x3 = x.view(2, 7, 576)
+    out, sf, _, rstd, _ = K.norm_forward_launch(x3, w, 1e-6, None, 1.0, with_rstd=True, quant=True,
+                                                use_tma_aligned_col_major_sf=True, round_sf=True,
+                                                use_packed_ue8m0=True)
+    o = _o_from_rstd(x3, w, rstd, 1.0, torch.bfloat16)
+    for b in range(2):
+        r_out, r_sf = ref_cast(o[b], "e4m3", (1, 32), round_sf=True, use_tma_aligned_col_major_sf=True,
+                               use_packed_ue8m0=True)
+        assert_equal(out[b], r_out)
+        assert_equal(clear_unused_sf(sf[b].contiguous(), 576, 32), clear_unused_sf(r_sf.contiguous(), 576, 32))
+    # mega-MoE sf (H % 128 == 0, round_sf): the spec's scatter (public op helper) of the kernel's own o
+    from tilefuse import formats as F
+    from tilefuse.quant.norm import _write_mega_moe_sf
+    t, h, bm = 300, 7168, 64
+    x, _, w = _inputs(t, h, torch.bfloat16, residual=False)
+    ld = F.cdiv(t, bm) * F.align(bm, 128) + 5
+    store = torch.full((h // 128, ld), -1, dtype=torch.int32, device="cuda")
+    want_store = store.clone()
+    _, _, _, rstd, _ = K.norm_forward_launch(x, w, 1e-6, None, 1.0, with_rstd=True, quant=True, round_sf=True,
+                                             mega_moe_sf=store.t()[:t], mega_moe_block_m=bm)
+    o = _o_from_rstd(x, w, rstd, 1.0, torch.bfloat16)
+    _write_mega_moe_sf(want_store.t()[:t], F.ue8m0_encode(ref_cast(o, "e4m3", (1, 32), round_sf=True)[1]), bm)
+    assert_equal(store, want_store)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("xd,h,has_w,has_r", [("bfloat16", 7168, True, True), ("float32", 7168, True, True),
+                                              ("bfloat16", 576, False, False)])
+def test_backward_gpu(t, xd, h, has_w, has_r):
+    dtype = DT[xd]
+    x, dy, w = _inputs(t, h, dtype, True, has_w, strided=True)
+    rg = torch.randn((t, h), device="cuda").to(dtype) if has_r else None
+    rstd = torch.rand((t,), device="cuda") + 0.5
+    wg0 = torch.randn((h,), device="cuda").to(dtype) if has_w else None
+    _poison()
+    dx, wg = K.norm_backward_launch(dy, x, w, rstd, rg, 0.75, None if wg0 is None else wg0.clone())
+    rdx, rwg = norm_backward_ref(dy, x, w, rstd, rg, 0.75)
+    # dx: one length-h dot product per row, then per-element products: tolerance of the sum times |xh * A/H|
+    tol = {"bfloat16": 2 ** -7, "float32": rtol_sum(h) * 16}[xd]
+    torch.testing.assert_close(dx.float(), rdx.float(), rtol=tol, atol=tol)
+    if has_w:
+        # weight_grad: a length-t sum per column, in NP partials; tolerance relative to the sum of |terms|
+        mag = ((x.float() * rstd[:, None]).abs() * (dy.float() * 0.75).abs()).sum(0) + wg0.float().abs()
+        err = (wg.float() - (wg0.float() + rwg).to(dtype).float()).abs()
+        ulp = 2 ** -7 if dtype == torch.bfloat16 else 0.0
+        assert bool((err <= (t + 8) * U * mag + ulp * (wg0.float() + rwg).abs()).all())
+    dx2, wg2 = K.norm_backward_launch(dy, x, w, rstd, rg, 0.75, None if wg0 is None else wg0.clone())
+    assert_equal(dx2, dx)
+    if has_w:
+        assert_equal(wg2, wg)
+    if t > 1:
+        dx1, _ = K.norm_backward_launch(dy[:1], x[:1], w, rstd[:1], None if rg is None else rg[:1], 0.75)
+        assert_equal(dx1, dx[:1])
+
+
+@gpu
+@pytest.mark.gpu
+def test_graph_and_compile_gpu():
+    x, r, w = _inputs(64, 7168, torch.bfloat16)
+    eager = K.norm_forward_and_per_token_cast_cuda(x, w, 1e-6, "e4m3", 32, r, round_sf=True,
+                                                   use_tma_aligned_col_major_sf=True, use_packed_ue8m0=True,
+                                                   with_rstd=True)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        K.norm_forward_launch(x, w, 1e-6, r, 1.0, with_rstd=True, quant=True, use_tma_aligned_col_major_sf=True,
+                              round_sf=True, use_packed_ue8m0=True)  # warm up (load the kernel)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        captured = K.norm_forward_launch(x, w, 1e-6, r, 1.0, with_rstd=True, quant=True,
+                                         use_tma_aligned_col_major_sf=True, round_sf=True, use_packed_ue8m0=True)
+    g.replay()
+    torch.cuda.synchronize()
+    assert_equal(captured[0], eager[0][0])
+    assert_equal(captured[1], eager[0][1])
+
+    def f(x, w, r):
+        return K.norm_forward_and_per_token_cast_cuda(x, w, 1e-6, "e4m3", 32, r, round_sf=True,
+                                                      use_tma_aligned_col_major_sf=True, use_packed_ue8m0=True,
+                                                      with_rstd=True)
+
+    comp = torch.compile(f, fullgraph=True)(x, w, r)
+    assert_equal(comp[0][0], eager[0][0])
+    assert_equal(comp[0][1], eager[0][1])
+    assert_equal(comp[2], eager[2])
+    dy = torch.randn_like(x)
+    rstd = eager[2]
+
+    def b(dy, x, w, rstd):
+        return K.norm_backward_cuda(dy, x, w, rstd)
+
+    got = torch.compile(b, fullgraph=True)(dy, x, w, rstd)
+    want = K.norm_backward_cuda(dy, x, w, rstd)
+    assert_equal(got[0], want[0])
+    assert_equal(got[1], want[1])

@@ -1,0 +1,151 @@
+"""Kernel tiers for batched_transpose_weight_sf (quant.md 5.13) and per_token_cast_and_cast_back (5.8):
+compile (sm_90, no GPU) and gpu (bit-exact vs the reference run on the CUDA tensors)."""
+import pytest
+import torch
+
+from tilefuse import _jit
+from tilefuse.quant import _cast_and_cast_back_kernel as CB
+from tilefuse.quant import _weight_sf_kernel as WS
+from tilefuse.reference.quant import per_token_cast_and_cast_back_values
+from tilefuse.reference.weight_sf import batched_transpose_weight_sf as ref_wsf
+from tilefuse.testing import assert_equal
+
+TOKENS = (0, 1, 7, 4001, 8192)
+DT = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name,cfg", [("batched_transpose_weight_sf", c) for c in WS._configs()]
+                         + [("per_token_cast_and_cast_back", c) for c in CB.test_configs()], ids=str)
+def test_builds_for_sm90(name, cfg):
+    src = _jit.compile_kernel(name, cfg, "sm_90", export=False).get_kernel_source()
+    assert "__global__" in src and "use_fast_math" not in src
+
+
+def test_weight_sf_fake_shapes_cpu():
+    """The registered fake gives the spec's shapes and strides (quant.md 5.13)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        sf = [torch.empty((2, 8, 12)), torch.empty((4, 5))]
+        out = torch.ops.tilefuse.batched_transpose_weight_sf.default(sf, 128, [False, True])
+    assert out[0].shape == (2, 1024, 3) and out[0].stride() == (3 * 1024, 1, 1024)
+    assert out[1].shape == (2, 1536, 2) and out[1].stride() == (2 * 1536, 1, 1536)
+    assert out[2].shape == (512, 2) and out[2].stride() == (1, 512)
+    assert out[3].shape == (1, 640) and out[3].stride() == (640, 1)
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _poison():
+    free = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    free.fill_(0xFF)
+    del free
+
+
+def _pow2_sf(shape, gen):
+    """Powers of two 2^-40 .. 2^20 with some zeros (exponent byte 0)."""
+    e = torch.randint(-40, 21, shape, generator=gen, device="cuda").float()
+    v = torch.exp2(e)
+    return torch.where(torch.rand(shape, generator=gen, device="cuda") < 0.05, torch.zeros_like(v), v)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs", [32, 128])
+def test_weight_sf_gpu(bs):
+    g = torch.Generator(device="cuda").manual_seed(bs)
+    shapes = [(7168 // bs, 2048 // bs), (3, 4096 // bs, 7168 // bs), (128 // bs, 640 // bs), (2, 384 // bs, 128 // bs)]
+    sf = [_pow2_sf(s, g) for s in shapes]
+    flags = [False, True, True, False]
+    _poison()
+    got = WS.batched_transpose_weight_sf_launch(sf, bs, flags, None)
+    want = ref_wsf(sf, bs, flags)
+    for (a0, a1), (b0, b1) in zip(got, want):
+        for a, b in ((a0, b0), (a1, b1)):
+            assert a.shape == b.shape and a.stride() == b.stride()
+            assert_equal(a, b)  # the reference zero-fills padding bytes; so does the kernel
+    # in place into given outputs, and CUDA-graph replay
+    outs = [(torch.full_like(a, -1), torch.full_like(b, -1)) for a, b in want]
+    res = WS.batched_transpose_weight_sf_launch(sf, bs, flags, outs)
+    for (o0, o1), (r0, r1), (b0, b1) in zip(outs, res, want):
+        assert r0 is o0 and r1 is o1
+        assert_equal(o0, b0)
+        assert_equal(o1, b1)
+    graph = torch.cuda.CUDAGraph()
+    outs2 = [(torch.full_like(a, -1), torch.full_like(b, -1)) for a, b in want]
+    with torch.cuda.graph(graph):
+        WS.batched_transpose_weight_sf_launch(sf, bs, flags, outs2)
+    graph.replay()
+    torch.cuda.synchronize()
+    for (o0, o1), (b0, b1) in zip(outs2, want):
+        assert_equal(o0, b0)
+        assert_equal(o1, b1)
+    comp = torch.compile(lambda s: WS.batched_transpose_weight_sf_cuda(s, bs, flags), fullgraph=True)(sf)
+    for (a0, a1), (b0, b1) in zip(comp, want):
+        assert_equal(a0, b0)
+        assert_equal(a1, b1)
+
+
+def _adversarial(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Rows: all zero; -0 and subnormal-scale values; values at and beyond the format max; random."""
+    t = x.size(0)
+    if t >= 4:
+        x[0] = 0
+        x[1] = x[1] * 1e-38
+        x[1, :3] = -0.0
+        x[2, ::2] = {"e4m3": 448.0, "e2m1": 6.0}[fmt]
+        x[3] = x[3] * 1e5
+    return x
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("cfg", CB.test_configs(), ids=str)
+def test_cast_and_cast_back_gpu(t, cfg):
+    xd, fmt, h, npc, mode = cfg
+    dtype = DT[xd]
+    g = torch.Generator(device="cuda").manual_seed(t + npc)
+    base = torch.randn((t, h + 64), generator=g, device="cuda") * 3
+    base = _adversarial(base, fmt).to(dtype)
+    round_sf, e4m3_sf = mode == "round", mode == "e4m3"
+    for strided in (False, True):
+        x = base[:, :h].clone() if not strided else base.clone()[:, :h]
+        want = per_token_cast_and_cast_back_values(x.clone(), fmt, npc, round_sf, e4m3_sf)
+        tail = None if not strided else base[:, h:].clone()
+        CB.cast_and_cast_back_launch(x, fmt, npc, round_sf, e4m3_sf)
+        torch.cuda.synchronize()
+        assert_equal(x, want)
+        if strided:
+            assert_equal(x._base[:, h:] if x._base is not None else tail, tail)  # the row tail is untouched
+    if t > 1:  # batch invariance and determinism: the first row alone, and a second run
+        x1 = base[:1, :h].clone()
+        CB.cast_and_cast_back_launch(x1, fmt, npc, round_sf, e4m3_sf)
+        assert_equal(x1, want[:1])
+
+
+@gpu
+@pytest.mark.gpu
+def test_cast_and_cast_back_graph_and_compile_gpu():
+    x = torch.randn((64, 2048), device="cuda").to(torch.bfloat16)
+    want = per_token_cast_and_cast_back_values(x.clone(), "e4m3", 128, True, False)
+    y = x.clone()
+    CB.per_token_cast_and_cast_back_cuda(y, "e4m3", 128, True)  # warm up
+    y.copy_(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        CB.per_token_cast_and_cast_back_cuda(y, "e4m3", 128, True)
+    y.copy_(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_equal(y, want)
+
+    def f(z):
+        CB.per_token_cast_and_cast_back_cuda(z, "e4m3", 128, True)
+        return z
+
+    z = x.clone()
+    torch.compile(f, fullgraph=True)(z)
+    assert_equal(z, want)
