@@ -350,6 +350,89 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
     return swiglu_bwd_ptc
 
 
+# ---- 3.14: forward + per-channel cast (+ transpose) ----
+
+_PCC_BT, _PCC_BH, _PCC_THREADS = 128, 64, 256  # tokens x channels per CTA
+
+
+def swiglu_fwd_pcc_kernel(hidden: int, npt: int, round_sf: bool, transpose: bool, clamp_bits: int | None):
+    """Factory for one static config of ``swiglu_forward_and_per_channel_cast_and_transpose``: bf16 x (T, 2H)
+    with T % 128 == 0 and H % 64 == 0; npt in {32, 128}; e4m3 out (H, T) if ``transpose`` else (T, H); sf
+    row-major fp32 (T / npt, H).
+
+    Phase 1: thread (row slot, 8-channel chunk) reads 16-byte vectors of ``l`` and ``r`` for 4 rows and stores
+    ``bf16(act)`` into a 128 x 64 shared tile. Phase 2: thread (channel, quarter) owns 32 tokens of one channel
+    (conflict-free column reads); npt == 128 combines the 4 quarter maxima through shared memory. Transposed
+    output leaves as two 16-byte stores per thread.
+    """
+    import tilelang.language as T
+
+    BT, BH, threads = _PCC_BT, _PCC_BH, _PCC_THREADS
+    NCH = BH // 8          # 8-channel chunks per tile row
+    RS = threads // NCH    # row slots
+    RPT = BT // RS         # rows per thread in phase 1
+    TQ = BT // (threads // BH)  # tokens per thread in phase 2 (32)
+    Tn = T.dynamic("num_tokens")
+    y_shape = (hidden, Tn) if transpose else (Tn, hidden)
+
+    @T.prim_func
+    def swiglu_fwd_pcc(X: T.Tensor((Tn, 2 * hidden), "bfloat16"), Y: T.Tensor(y_shape, "float8_e4m3fn"),
+                       SF: T.Tensor((Tn // npt, hidden), "float32")):
+        T.assume(Tn % BT == 0)
+        with T.Kernel(Tn // BT, hidden // BH, threads=threads) as (bx, by):
+            tx = T.get_thread_binding()
+            A = T.alloc_shared((BT, BH), "bfloat16")
+            red = T.alloc_shared((threads // BH, BH), "float32")
+            xl = T.alloc_local((RPT, 8), "bfloat16")
+            xr = T.alloc_local((RPT, 8), "bfloat16")
+            ab = T.alloc_local((8,), "bfloat16")
+            av = T.alloc_local((TQ,), "float32")
+            yb = T.alloc_local((TQ,), "float8_e4m3fn")
+            am = T.alloc_local((1,), "float32")
+            t0 = bx * BT
+            h0 = by * BH
+            ch = tx % NCH
+            rs = tx // NCH
+            for i in T.unroll(RPT):
+                for v in T.vectorized(8):
+                    xl[i, v] = X[t0 + rs + i * RS, h0 + ch * 8 + v]
+                for v in T.vectorized(8):
+                    xr[i, v] = X[t0 + rs + i * RS, hidden + h0 + ch * 8 + v]
+            for i in T.unroll(RPT):
+                for e in T.unroll(8):
+                    ab[e] = T.cast(_act(T, T.cast(xl[i, e], "float32"), T.cast(xr[i, e], "float32"), clamp_bits),
+                                   "bfloat16")
+                for e in T.vectorized(8):
+                    A[rs + i * RS, ch * 8 + e] = ab[e]
+            T.sync_threads()
+            h = tx % BH
+            qt = tx // BH
+            am[0] = T.float32(0.0)
+            for i in T.unroll(TQ):
+                av[i] = T.cast(A[qt * TQ + i, h], "float32")
+                am[0] = T.max(am[0], T.abs(av[i]))
+            if npt == BT:
+                red[qt, h] = am[0]
+                T.sync_threads()
+                am[0] = T.max(T.max(red[0, h], red[1, h]), T.max(red[2, h], red[3, h]))
+            sf, inv, _ = _scale_pair(T, am[0], f32_bits(F.CLAMP_MIN["e4m3"]), round_sf)
+            if npt == BT:
+                if qt == 0:
+                    SF[bx, h0 + h] = sf
+            else:
+                SF[(t0 + qt * TQ) // npt, h0 + h] = sf
+            for i in T.vectorized(TQ):
+                yb[i] = T.cast(av[i] * inv, "float8_e4m3fn")
+            if transpose:
+                for i in T.vectorized(TQ):
+                    Y[h0 + h, t0 + qt * TQ + i] = yb[i]
+            else:
+                for i in T.unroll(TQ):
+                    Y[t0 + qt * TQ + i, h0 + h] = yb[i]
+
+    return swiglu_fwd_pcc
+
+
 # ---- static configs (compile tier, precompile, bench) ----
 
 FWD_PTC_HIDDEN = (1024, 1280, 1536, 2048, 3072, 3584)  # quant.md 7.2
@@ -415,6 +498,35 @@ def _bwd_ptc_configs() -> list[tuple]:
 
 
 _jit.register("swiglu_bwd_ptc", swiglu_bwd_ptc_kernel, _bwd_ptc_configs)
+
+
+PCC_HIDDEN = (576, 2048, 2560, 3072, 4096, 6144, 7168)  # quant.md 7.1 (x width 2H)
+
+
+def _pcc_cfg(hidden: int, npt: int, round_sf: bool, transpose: bool, clamp: float | None) -> tuple:
+    return (hidden, npt, round_sf, transpose, None if clamp is None else f32_bits(clamp))
+
+
+def pcc_test_configs() -> list[tuple]:
+    return [_pcc_cfg(576, 32, True, True, None), _pcc_cfg(2048, 128, False, True, 0.5),
+            _pcc_cfg(576, 128, True, False, 10.0)]
+
+
+def _pcc_configs() -> list[tuple]:
+    """Test configs plus the benchmark rows (clamp in {None, 0.5}, every H, npt, round and transpose flag)."""
+    cfgs = pcc_test_configs()
+    for h in PCC_HIDDEN:
+        for npt in (32, 128):
+            for round_sf in (False, True):
+                for transpose in (True, False):
+                    for clamp in (None, 0.5):
+                        cfg = _pcc_cfg(h, npt, round_sf, transpose, clamp)
+                        if cfg not in cfgs:
+                            cfgs.append(cfg)
+    return cfgs
+
+
+_jit.register("swiglu_fwd_pcc", swiglu_fwd_pcc_kernel, _pcc_configs)
 
 
 # ---- launchers ----
@@ -504,6 +616,20 @@ def swiglu_bwd_ptc_launch(data: torch.Tensor, sf: torch.Tensor, grad_out: torch.
     return out, q, q_sf, x_grad, weight_grad
 
 
+def swiglu_fwd_pcc_launch(x: torch.Tensor, num_per_tokens: int, round_sf: bool = False,
+                          without_transpose: bool = False, swiglu_clamp_value=None):
+    """Allocate ``(out, out_sf)`` and launch (quant.md 3.14): e4m3 ``out`` (H, T), or (T, H) with
+    ``without_transpose``, and row-major fp32 ``out_sf`` (T / npt, H). Validates nothing."""
+    t, hidden = x.size(0), x.size(1) // 2
+    out_shape = (t, hidden) if without_transpose else (hidden, t)
+    out = x.new_empty(out_shape, dtype=torch.float8_e4m3fn)
+    out_sf = x.new_empty((t // num_per_tokens, hidden), dtype=torch.float32)
+    if t:
+        cfg = _pcc_cfg(hidden, num_per_tokens, round_sf, not without_transpose, swiglu_clamp_value)
+        _jit.get("swiglu_fwd_pcc", cfg)(_aligned(x), out, out_sf)
+    return out, out_sf
+
+
 # ---- torch.library registration (torch.compile / fake tensors) ----
 
 @torch.library.custom_op("tilefuse::swiglu_forward_and_per_token_cast", mutates_args=("clamped_count",),
@@ -574,3 +700,27 @@ def swiglu_backward_and_per_token_cast_cuda(x, grad_out, weight, pos_to_token_to
     else:
         out, q, q_sf, x_grad, weight_grad = swiglu_bwd_ptc_launch(*args)
     return out, (q, q_sf), x_grad, weight_grad
+
+
+@torch.library.custom_op("tilefuse::swiglu_forward_and_per_channel_cast_and_transpose", mutates_args=(),
+                         device_types="cuda")
+def _fwd_pcc_op(x: torch.Tensor, num_per_tokens: int, round_sf: bool, without_transpose: bool,
+                swiglu_clamp_value: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return swiglu_fwd_pcc_launch(x, num_per_tokens, round_sf, without_transpose, swiglu_clamp_value)
+
+
+@_fwd_pcc_op.register_fake
+def _(x, num_per_tokens, round_sf, without_transpose, swiglu_clamp_value):
+    t, hidden = x.size(0), x.size(1) // 2
+    return (x.new_empty((t, hidden) if without_transpose else (hidden, t), dtype=torch.float8_e4m3fn),
+            x.new_empty((t // num_per_tokens, hidden), dtype=torch.float32))
+
+
+def swiglu_forward_and_per_channel_cast_and_transpose_cuda(x, fmt, num_per_tokens, round_sf=False,
+                                                           without_transpose=False, swiglu_clamp_value=None):
+    """CUDA entry for the public ``swiglu_forward_and_per_channel_cast_and_transpose`` (``fmt`` is 'e4m3')."""
+    args = (x, num_per_tokens, round_sf, without_transpose,
+            None if swiglu_clamp_value is None else float(swiglu_clamp_value))
+    if torch.compiler.is_compiling():
+        return torch.ops.tilefuse.swiglu_forward_and_per_channel_cast_and_transpose(*args)
+    return swiglu_fwd_pcc_launch(*args)
