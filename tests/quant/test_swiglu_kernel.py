@@ -1,0 +1,393 @@
+"""Kernel tiers for the fused SwiGLU casts (quant.md 3.11-3.14).
+
+* compile (sm_90, no GPU): each static config the GPU tier launches builds, with precise ``expf``, no fast
+  math and 16-byte vector loads.
+* CPU: the configs the GPU tier uses are the ones the compile tier builds; the fake implementations give the
+  reference's shapes, strides and dtypes.
+* gpu: bit-exact vs the reference run ON THE GPU (CUDA ``expf`` can differ from the CPU's by an ulp), outputs
+  poisoned before each launch; ``weight_grad`` within quant.md 6.3's 1e-4 abs/rel (free sum order). Rows with
+  ``pos_to_expert < 0`` are masked out (3.12: unspecified). Packed-UE8M0 padding bytes are cleared (6.1).
+"""
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from tilefuse import _jit
+from tilefuse import quant
+from tilefuse.quant import _swiglu_kernel as K
+from tilefuse.reference import swiglu as ref
+from tilefuse.reference.quant import cast as ref_cast
+from tilefuse.testing import assert_equal, clear_unused_sf
+
+TOKENS = (0, 1, 7, 4001, 8192)
+PCC_TOKENS = (0, 128, 4096, 8192)  # 3.14 requires T % 128 == 0
+WG_TOL = 1e-4                      # quant.md 6.3: weight_grad, abs and rel
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+# Forward per-token cases: (x dtype, H, npc, col, round_sf, packed, weighted, skip, clamp, count).
+FWD_CASES = (
+    ("bfloat16", 1024, 128, True, True, True, False, False, None, False),
+    ("bfloat16", 1280, 128, False, True, False, True, True, 0.5, True),
+    ("bfloat16", 1536, 1536, False, False, False, True, False, 10.0, True),
+    ("float32", 1024, 128, True, False, False, False, True, None, False),
+)
+BWD_CASES = ((2048, 128, True, None), (2560, 32, False, 0.5), (7168, 128, False, 10.0))  # (H, npc, round, clamp)
+PCC_CASES = ((576, 32, True, True, None), (2048, 128, False, True, 0.5), (576, 128, True, False, 10.0))
+# (H, npt, round_sf, transpose, clamp)
+
+
+def _compile_cases():
+    return ([("swiglu_fwd_ptc", c) for c in K.fwd_ptc_test_configs()]
+            + [("swiglu_bwd_ptc", c) for c in K.bwd_ptc_test_configs()]
+            + [("swiglu_fwd_pcc", c) for c in K.pcc_test_configs()])
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name,cfg", _compile_cases(), ids=str)
+def test_builds_for_sm90(name, cfg):
+    src = _jit.compile_kernel(name, cfg, "sm_90", export=False).get_kernel_source()
+    assert "__global__" in src
+    assert "expf(" in src and "__expf" not in src and "use_fast_math" not in src  # precise expf (3.11)
+    assert "uint4" in src or "float4" in src  # 16-byte vector loads
+
+
+# ---- CPU: config bookkeeping and fake implementations ----
+
+def test_gpu_cases_are_compiled_configs():
+    fwd = {K._fwd_ptc_cfg(*c) for c in FWD_CASES}
+    assert fwd == set(K.fwd_ptc_test_configs())
+    assert {K._bwd_ptc_cfg(*c) for c in BWD_CASES} == set(K.bwd_ptc_test_configs())
+    assert {K._pcc_cfg(*c) for c in PCC_CASES} == set(K.pcc_test_configs())
+    registered = _jit.registered()
+    for name, cfg in _compile_cases():
+        assert cfg in registered[name]
+
+
+def test_f32_bits_is_binary32_rounding():
+    assert K.f32_bits(1.0) == 0x3F800000
+    assert K.f32_bits(0.5) == 0x3F000000
+    # 0.1 rounds to the nearest binary32 (0x3DCCCCCD), not a truncation
+    assert K.f32_bits(0.1) == 0x3DCCCCCD
+    assert K.f32_bits(-2.0) == -0x40000000
+
+
+def _cpu_fwd(x, npc, col, round_sf, packed):
+    return quant.swiglu_forward_and_per_token_cast(x, "e4m3", npc, use_tma_aligned_col_major_sf=col,
+                                                   round_sf=round_sf, use_packed_ue8m0=packed)
+
+
+@pytest.mark.parametrize("t", (0, 1, 7))
+@pytest.mark.parametrize("flags", ((True, True, True), (True, False, False), (False, True, False)), ids=str)
+def test_fwd_ptc_fake_matches_reference_layout(t, flags):
+    col, round_sf, packed = flags
+    x = torch.randn(t, 2 * 1280, dtype=torch.bfloat16)
+    want = _cpu_fwd(x, 128, col, round_sf, packed)
+    with FakeTensorMode():
+        fx = torch.empty(t, 2 * 1280, dtype=torch.bfloat16, device="cuda")
+        got = torch.ops.tilefuse.swiglu_forward_and_per_token_cast(fx, 128, None, None, None, col, round_sf,
+                                                                     packed, None, None, None)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype and (g.stride() == w.stride() or w.numel() == 0)
+
+
+@pytest.mark.parametrize("npc", (32, 128))
+def test_bwd_ptc_fake_matches_reference_layout(npc):
+    t, h = 7, 256
+    data, sf = ref_cast(torch.randn(t, 2 * h), "e4m3", (1, npc))
+    grad = torch.randn(t, h, dtype=torch.bfloat16)
+    weight = torch.rand(t, 2)
+    p2t = torch.arange(t, dtype=torch.int32)
+    tt2p = torch.full((t, 2), -1, dtype=torch.int32)
+    want = quant.swiglu_backward_and_per_token_cast((data, sf), grad, weight, p2t, tt2p, npc)
+    want = (want[0], want[1][0], want[1][1], want[2], want[3])
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        args = [mode.from_tensor(a) for a in (data, sf, grad, weight, p2t, tt2p)]
+        got = torch.ops.tilefuse.swiglu_backward_and_per_token_cast(*args, npc, False, None)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype and g.stride() == w.stride()
+
+
+@pytest.mark.parametrize("without_transpose", (False, True))
+def test_fwd_pcc_fake_matches_reference_layout(without_transpose):
+    x = torch.randn(128, 2 * 64, dtype=torch.bfloat16)
+    want = quant.swiglu_forward_and_per_channel_cast_and_transpose(x, "e4m3", 32,
+                                                                   without_transpose=without_transpose)
+    with FakeTensorMode() as mode:
+        got = torch.ops.tilefuse.swiglu_forward_and_per_channel_cast_and_transpose(mode.from_tensor(x), 32, False,
+                                                                                   without_transpose, None)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype and g.stride() == w.stride()
+
+
+# ---- GPU tier ----
+
+def _poison():
+    """Fill the caching allocator's free memory with 0xFF so freshly allocated outputs start poisoned."""
+    free = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    free.fill_(0xFF)
+    del free
+
+
+def _fill(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """Adversarial fills (in place): all-zero 128-column blocks, subnormal magnitudes, values beyond the e4m3
+    maximum (|act| up to ~1e5, ``exp`` overflowing to inf for l << 0)."""
+    if kind == "zero_blocks":
+        x.view(x.size(0), -1, 128)[:, ::3] = 0
+    elif kind == "subnormal":
+        tiny = torch.finfo(x.dtype).tiny
+        x.copy_(torch.randn_like(x, dtype=torch.float32).mul_(tiny * 0.25).to(x.dtype))
+    elif kind == "huge":
+        x.copy_(torch.randn_like(x, dtype=torch.float32).mul_(300.0).to(x.dtype))
+    return x
+
+
+def _fwd_inputs(t, x_dtype, hidden, weighted, skip, fill="randn"):
+    x = torch.randn(t, 2 * hidden, dtype=DTYPES[x_dtype], device="cuda") * 2
+    x = _fill(x, fill)
+    p2t = w = p2e = None
+    if weighted:
+        w = torch.randn(max(t, 1), 4, dtype=torch.float32, device="cuda")
+        p2t = torch.randint(-1, w.numel(), (t,), dtype=torch.int32, device="cuda")
+    if skip:
+        p2e = torch.randint(-1, 3, (t,), dtype=torch.int32, device="cuda")
+    return x, p2t, w, p2e
+
+
+def _fwd_check(case, x, p2t, w, p2e):
+    x_dtype, hidden, npc, col, round_sf, packed, weighted, skip, clamp, count = case
+    cnt = torch.tensor([5, 6, 7], dtype=torch.int64, device="cuda") if count else None
+    want_cnt = None if cnt is None else cnt.clone()
+    _poison()
+    out, sf = K.swiglu_fwd_ptc_launch(x, npc, p2t, w, p2e, col, round_sf, packed, clamp, cnt)
+    torch.cuda.synchronize()
+    act = ref.swiglu_forward(x, p2t, w, clamp)
+    r_out, r_sf = ref_cast(act, "e4m3", (1, npc), round_sf=round_sf, use_tma_aligned_col_major_sf=col,
+                           use_packed_ue8m0=packed)
+    keep = torch.ones(x.size(0), dtype=torch.bool, device="cuda") if p2e is None else p2e >= 0
+    assert out.shape == r_out.shape and out.dtype == r_out.dtype
+    assert sf.shape == r_sf.shape and sf.dtype == r_sf.dtype
+    assert sf.stride() == r_sf.stride() or sf.numel() == 0
+    assert_equal(out[keep], r_out[keep])
+    assert_equal(clear_unused_sf(sf, hidden, npc)[keep], clear_unused_sf(r_sf, hidden, npc)[keep])
+    if cnt is not None:
+        want_cnt += ref.clamp_counts(x, clamp, keep)
+        assert_equal(cnt, want_cnt)
+    return out, sf
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("case", FWD_CASES, ids=str)
+def test_fwd_ptc_matches_reference(case, t):
+    x, p2t, w, p2e = _fwd_inputs(t, case[0], case[1], case[6], case[7])
+    _fwd_check(case, x, p2t, w, p2e)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fill", ("zero_blocks", "subnormal", "huge"))
+@pytest.mark.parametrize("case", (FWD_CASES[0], FWD_CASES[1], FWD_CASES[3]), ids=str)
+def test_fwd_ptc_adversarial(case, fill):
+    x, p2t, w, p2e = _fwd_inputs(257, case[0], case[1], case[6], case[7], fill)
+    _fwd_check(case, x, p2t, w, p2e)
+
+
+@pytest.mark.gpu
+def test_fwd_ptc_deterministic_and_batch_invariant():
+    case = FWD_CASES[1]
+    x, p2t, w, p2e = _fwd_inputs(4001, case[0], case[1], case[6], case[7])
+    args = (128, p2t, w, p2e, False, True, False, 0.5)
+    c1 = torch.zeros(3, dtype=torch.int64, device="cuda")
+    c2 = torch.zeros(3, dtype=torch.int64, device="cuda")
+    o1, s1 = K.swiglu_fwd_ptc_launch(x, *args, c1)
+    o2, s2 = K.swiglu_fwd_ptc_launch(x, *args, c2)
+    keep = p2e >= 0
+    assert_equal(o1[keep], o2[keep])
+    assert_equal(s1[keep], s2[keep])
+    assert_equal(c1, c2)
+    lo, hi = 1000, 1777  # a sub-batch gives the same rows
+    o3, s3 = K.swiglu_fwd_ptc_launch(x[lo:hi], 128, p2t[lo:hi], w, p2e[lo:hi], False, True, False, 0.5, None)
+    k = keep[lo:hi]
+    assert_equal(o3[k], o1[lo:hi][k])
+    assert_equal(s3[k], s1[lo:hi][k])
+
+
+def _graph_equals_eager(launch):
+    eager = launch()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = launch()
+    for c in captured:
+        c.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    return eager, captured
+
+
+@pytest.mark.gpu
+def test_fwd_ptc_cuda_graph_replay_equals_eager():
+    x = torch.randn(4001, 2048, dtype=torch.bfloat16, device="cuda")
+    eager, captured = _graph_equals_eager(lambda: K.swiglu_fwd_ptc_launch(x, 128, None, None, None, True, True,
+                                                                          True))
+    assert_equal(captured[0], eager[0])
+    assert_equal(clear_unused_sf(captured[1], 1024, 128), clear_unused_sf(eager[1], 1024, 128))
+
+
+@pytest.mark.gpu
+def test_fwd_ptc_torch_compile_equals_eager():
+    case = FWD_CASES[1]
+    x, p2t, w, p2e = _fwd_inputs(4001, case[0], case[1], case[6], case[7])
+    c_eager = torch.zeros(3, dtype=torch.int64, device="cuda")
+    c_comp = torch.zeros(3, dtype=torch.int64, device="cuda")
+
+    def f(x, p2t, w, p2e, cnt):
+        return K.swiglu_forward_and_per_token_cast_cuda(x, "e4m3", 128, p2t, w, p2e, False, True, False, 0.5, cnt)
+
+    got = torch.compile(f, fullgraph=True)(x, p2t, w, p2e, c_comp)
+    want = f(x, p2t, w, p2e, c_eager)
+    keep = p2e >= 0
+    for g, wv in zip(got, want):
+        assert_equal(g[keep], wv[keep])
+    assert_equal(c_comp, c_eager)
+
+
+def _bwd_inputs(t, hidden, npc, fill="randn"):
+    xb = _fill(torch.randn(t, 2 * hidden, dtype=torch.bfloat16, device="cuda"), fill)
+    data, sf = ref_cast(xb, "e4m3", (1, npc))  # per-token e4m3, unrounded row-major sf (7.2)
+    grad = torch.randn(t, hidden, dtype=torch.bfloat16, device="cuda")
+    weight = torch.rand(max(t, 1), 2, dtype=torch.float32, device="cuda")
+    # a consistent mapping: some rows point at a (t, k) slot, the rest of the slots are -1
+    perm = torch.randperm(weight.numel(), device="cuda")[:t].to(torch.int32)
+    p2t = torch.where(torch.rand(t, device="cuda") < 0.2, torch.full_like(perm, -1), perm)
+    tt2p = torch.full(weight.shape, -1, dtype=torch.int32, device="cuda")
+    rows = torch.arange(t, dtype=torch.int32, device="cuda")
+    tt2p.view(-1)[p2t[p2t >= 0].long()] = rows[p2t >= 0]
+    return data, sf, grad, weight, p2t, tt2p
+
+
+def _bwd_check(case, data, sf, grad, weight, p2t, tt2p):
+    hidden, npc, round_sf, clamp = case
+    _poison()
+    out, q, q_sf, x_grad, wg = K.swiglu_bwd_ptc_launch(data, sf, grad, weight, p2t, tt2p, npc, round_sf, clamp)
+    torch.cuda.synchronize()
+    r_out, r_xg, r_wg = ref.swiglu_backward((data, sf), grad, weight, p2t, tt2p, npc, clamp)
+    r_q, r_qsf = ref_cast(r_xg, "e4m3", (1, npc), round_sf=round_sf)
+    assert_equal(out, r_out.to(torch.bfloat16))
+    assert_equal(x_grad, r_xg.to(torch.bfloat16))
+    assert_equal(q, r_q)
+    assert_equal(q_sf, r_qsf)
+    torch.testing.assert_close(wg, r_wg, atol=WG_TOL, rtol=WG_TOL)
+    return out, q, q_sf, x_grad, wg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("case", BWD_CASES, ids=str)
+def test_bwd_ptc_matches_reference(case, t):
+    _bwd_check(case, *_bwd_inputs(t, case[0], case[1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fill", ("zero_blocks", "subnormal", "huge"))
+@pytest.mark.parametrize("case", BWD_CASES[:2], ids=str)
+def test_bwd_ptc_adversarial(case, fill):
+    _bwd_check(case, *_bwd_inputs(257, case[0], case[1], fill))
+
+
+@pytest.mark.gpu
+def test_bwd_ptc_3d_data_and_grad():
+    case = BWD_CASES[0]
+    data, sf, grad, weight, p2t, tt2p = _bwd_inputs(4000, case[0], case[1])
+    flat = K.swiglu_bwd_ptc_launch(data, sf, grad, weight, p2t, tt2p, case[1], case[2], case[3])
+    got = K.swiglu_bwd_ptc_launch(data.view(40, 100, -1), sf, grad.view(40, 100, -1), weight, p2t, tt2p,
+                                  case[1], case[2], case[3])
+    for g, w in zip(got, flat):
+        assert_equal(g, w)
+
+
+@pytest.mark.gpu
+def test_bwd_ptc_deterministic_and_batch_invariant():
+    case = BWD_CASES[1]
+    args = _bwd_inputs(4001, case[0], case[1])
+    a = K.swiglu_bwd_ptc_launch(*args, case[1], case[2], case[3])
+    b = K.swiglu_bwd_ptc_launch(*args, case[1], case[2], case[3])
+    for g, w in zip(a, b):
+        assert_equal(g, w)  # weight_grad included: a fixed butterfly order
+    data, sf, grad, weight, p2t, tt2p = args
+    lo, hi = 1000, 1777
+    c = K.swiglu_bwd_ptc_launch(data[lo:hi], sf[lo:hi], grad[lo:hi], weight, p2t[lo:hi], tt2p, case[1], case[2],
+                                case[3])
+    for i in range(4):
+        assert_equal(c[i], a[i][lo:hi])
+    reached = p2t[lo:hi][p2t[lo:hi] >= 0].long()
+    assert_equal(c[4].view(-1)[reached], a[4].view(-1)[reached])
+
+
+@pytest.mark.gpu
+def test_bwd_ptc_cuda_graph_and_torch_compile_equal_eager():
+    case = BWD_CASES[0]
+    args = _bwd_inputs(4001, case[0], case[1])
+    eager, captured = _graph_equals_eager(lambda: K.swiglu_bwd_ptc_launch(*args, case[1], case[2], case[3]))
+    for g, w in zip(captured, eager):
+        assert_equal(g, w)
+    data, sf, grad, weight, p2t, tt2p = args
+
+    def f(data, sf, grad, weight, p2t, tt2p):
+        out, (q, q_sf), x_grad, wg = K.swiglu_backward_and_per_token_cast_cuda((data, sf), grad, weight, p2t, tt2p,
+                                                                              case[1], case[2], case[3])
+        return out, q, q_sf, x_grad, wg
+
+    got = torch.compile(f, fullgraph=True)(*args)
+    for g, w in zip(got, eager):
+        assert_equal(g, w)
+
+
+def _pcc_check(case, x):
+    hidden, npt, round_sf, transpose, clamp = case
+    _poison()
+    out, sf = K.swiglu_fwd_pcc_launch(x, npt, round_sf, not transpose, clamp)
+    torch.cuda.synchronize()
+    act = ref.swiglu_forward(x, swiglu_clamp_value=clamp).to(torch.bfloat16)
+    r_out, r_sf = ref_cast(act, "e4m3", (npt, 1), round_sf=round_sf)
+    assert_equal(out, r_out.T.contiguous() if transpose else r_out)
+    assert_equal(sf, r_sf)
+    return out, sf
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", PCC_TOKENS)
+@pytest.mark.parametrize("case", PCC_CASES, ids=str)
+def test_fwd_pcc_matches_reference(case, t):
+    _pcc_check(case, torch.randn(t, 2 * case[0], dtype=torch.bfloat16, device="cuda") * 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fill", ("zero_blocks", "subnormal", "huge"))
+@pytest.mark.parametrize("case", PCC_CASES, ids=str)
+def test_fwd_pcc_adversarial(case, fill):
+    x = _fill(torch.randn(256, 2 * case[0], dtype=torch.bfloat16, device="cuda"), fill)
+    _pcc_check(case, x)
+
+
+@pytest.mark.gpu
+def test_fwd_pcc_deterministic_batch_invariant_graph_and_compile():
+    case = PCC_CASES[1]
+    x = torch.randn(8192, 2 * case[0], dtype=torch.bfloat16, device="cuda")
+    launch = lambda x: K.swiglu_fwd_pcc_launch(x, case[1], case[2], not case[3], case[4])  # noqa: E731
+    a, b = launch(x), launch(x)
+    assert_equal(a[0], b[0])
+    assert_equal(a[1], b[1])
+    part = launch(x[1024:2048])  # token blocks are independent
+    assert_equal(part[0], a[0][:, 1024:2048])
+    assert_equal(part[1], a[1][1024 // case[1]:2048 // case[1]])
+    eager, captured = _graph_equals_eager(lambda: launch(x))
+    assert_equal(captured[0], eager[0])
+    assert_equal(captured[1], eager[1])
+
+    def f(x):
+        return K.swiglu_forward_and_per_channel_cast_and_transpose_cuda(x, "e4m3", case[1], case[2], not case[3],
+                                                                        case[4])
+
+    got = torch.compile(f, fullgraph=True)(x)
+    assert_equal(got[0], a[0])
+    assert_equal(got[1], a[1])
