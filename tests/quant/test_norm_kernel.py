@@ -129,6 +129,25 @@ def test_forward_cast_gpu(t, xd, col, round_sf, packed):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("t", TOKENS)
+def test_forward_cast_given_row_packed_out_gpu(t):
+    """Pre-allocated out and row-major packed out_sf (quant.md 5.11), written in place."""
+    h = 7168
+    x, _, w = _inputs(t, h, torch.bfloat16, residual=False)
+    out = torch.empty((t, h), dtype=torch.float8_e4m3fn, device="cuda")
+    out_sf = torch.full((t, h // 32 // 4), -1, dtype=torch.int32, device="cuda")
+    got, sf, _, rstd, _ = K.norm_forward_launch(x, w, 1e-6, None, 1.0, out=out, with_rstd=True, quant=True,
+                                                round_sf=True, use_packed_ue8m0=True, out_sf=out_sf)
+    assert got is out and sf is out_sf
+    o = _o_from_rstd(x, w, rstd, 1.0, torch.bfloat16)
+    r_out, r_sf = ref_cast(o, "e4m3", (1, 32), round_sf=True, use_tma_aligned_col_major_sf=True,
+                           use_packed_ue8m0=True)
+    assert_equal(out, r_out)
+    assert_equal(out_sf, r_sf.contiguous())  # 224 groups: whole words, no padding
+
+
+@gpu
+@pytest.mark.gpu
 def test_forward_cast_3d_col_and_mega_gpu():
     x, _, w = _inputs(2 * 7, 576, torch.bfloat16, residual=False)
     x3 = x.view(2, 7, 576)

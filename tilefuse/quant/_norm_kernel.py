@@ -35,7 +35,7 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
                         sf_layout: str, round_sf: bool, with_bf16: bool, with_rstd: bool, mega_bm: int = 0):
     """Factory for one static config (see module doc).
 
-    sf_layout: "row" | "col" | "col_packed" (ignored unless ``quant``). ``mega_bm`` > 0 adds the mega-MoE sf
+    sf_layout: "row" | "row_packed" | "col" | "col_packed" (ignored unless ``quant``). ``mega_bm`` > 0 adds the mega-MoE sf
     output with that block M (quant.md 5.11; needs round_sf and hidden % 128 == 0)."""
     import tilelang.language as T
 
@@ -48,7 +48,7 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
     nw4 = -(-ng // 4)
     assert hidden % 16 == 0 and (not quant or hidden % _NPC == 0)
     assert not mega_bm or (quant and round_sf and hidden % 128 == 0)
-    packed = quant and sf_layout == "col_packed"
+    packed = quant and sf_layout in ("col_packed", "row_packed")
 
     B, Tn = T.dynamic("batch, num_tokens")
     XB, XS, RB, RS, OB, OS, QB, QS, PB, PS, BB, BS = T.dynamic(
@@ -68,7 +68,7 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
     o_p = rows3("float8_e4m3fn" if quant else x_dtype, QB, QS)
     if not quant:
         sf_p = dummy("float32")
-    elif sf_layout == "row":  # row-major (B, T, ng) or packed words (B, T, nw4), contiguous
+    elif sf_layout in ("row", "row_packed"):  # row-major (B, T, ng) or packed words (B, T, nw4), contiguous
         sf_p = T.Tensor((B, Tn, nw4 if packed else ng), "int32" if packed else "float32")
     else:  # per batch a column-major (T, ng') matrix with leading dimension PB = align(T, 4)
         sf_p = T.StridedTensor((B, Tn, nw4 if packed else ng), (PS, 1, PB), "int32" if packed else "float32")
@@ -345,6 +345,7 @@ def test_forward_configs() -> list[tuple]:
             cfgs.append((xd, 7168, True, True, True, layout, rnd, True, True, 0))
     cfgs.append(("bfloat16", 576, True, False, True, "col_packed", True, False, True, 0))
     cfgs.append(("bfloat16", 7168, True, False, True, "row", True, False, True, 64))
+    cfgs.append(("bfloat16", 7168, True, False, True, "row_packed", True, False, True, 0))
     return cfgs
 
 
@@ -407,9 +408,7 @@ def norm_forward_launch(x, weight, eps, residual=None, out_scale=1.0, out=None, 
 
     Returns ``(out, out_sf, out_bf16, rstd, residual_out)`` (None where absent)."""
     col, packed = use_tma_aligned_col_major_sf, use_packed_ue8m0
-    layout = "col_packed" if (packed and col) else ("col" if col else "row")
-    if quant and packed and not col:
-        layout = "row"  # a given row-major packed out_sf (int32 words)
+    layout = ("col_packed" if col else "row_packed") if packed else ("col" if col else "row")
     has_res = residual is not None
     if out is None:
         out = torch.empty_like(x, dtype=torch.float8_e4m3fn if quant else x.dtype,
@@ -436,7 +435,7 @@ def norm_forward_launch(x, weight, eps, residual=None, out_scale=1.0, out=None, 
         mega_arg = _dummy(torch.int32, dev)
     if quant:
         sf_arg = _sf3(out_sf)
-        if layout != "row":
+        if col:
             b, t, w = sf_arg.shape
             pad = (t + 3) // 4 * 4
             sf_arg = sf_arg.as_strided((b, t, w), (w * pad, 1, pad))
