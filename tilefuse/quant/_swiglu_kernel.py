@@ -264,7 +264,10 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
             acc = T.alloc_local((1,), "float32")
             w = T.alloc_local((1,), "float32")
             r = T.alloc_local((6,), "float32")  # clamped x, clamped y, t, s, act, gws of one element
-            for c in T.unroll(C):
+            p = T.if_then_else(ok, P2T[rs], -1)
+            w[0] = T.if_then_else(p >= 0, W[T.min(p, NW - 1)], T.float32(0.0))
+            acc[0] = T.float32(0.0)
+            for c in T.unroll(C):  # chunk by chunk: registers stay bounded at H = 7168
                 col = c * (L * E) + q * E
                 if ok:
                     for v in T.vectorized(E):
@@ -280,11 +283,6 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
                         dr[c, v] = T.cast(0, "float8_e4m3fn")
                     for v in T.vectorized(E):
                         gb[c, v] = T.cast(0, "bfloat16")
-            p = T.if_then_else(ok, P2T[rs], -1)
-            w[0] = T.if_then_else(p >= 0, W[T.min(p, NW - 1)], T.float32(0.0))
-            acc[0] = T.float32(0.0)
-            for c in T.unroll(C):
-                col = c * (L * E) + q * E
                 sfx = T.if_then_else(ok, SFI[rs, col // npc], T.float32(1.0))
                 sfy = T.if_then_else(ok, SFI[rs, ngh + col // npc], T.float32(1.0))
                 am[0] = T.float32(0.0)
