@@ -13,6 +13,7 @@ from tilefuse import formats as F
 from tilefuse.quant import _cast_back_kernel as K
 from tilefuse.reference import quant as R
 from tilefuse.testing import assert_equal
+from tests.quant.kernel_binding import fake_jit, tir_eval
 
 TOKENS = (0, 1, 7, 4001, 8192)
 OUT = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -42,96 +43,6 @@ def test_unpack_builds_for_sm90(dtype):
     assert "*(uint2*)(raw" in src  # 8-byte vector load of the packed bytes
 
 
-def _bind(func, args):
-    """Assert that tensors ``args`` fit the buffers of prim_func ``func``: dtype, rank, static dims and strides,
-    and one consistent value per symbolic dimension or stride; returns the symbol values."""
-    import tvm
-
-    env = {}
-
-    def match(expr, got, what):
-        if isinstance(expr, tvm.tirx.IntImm):
-            assert int(expr) == got, what
-        elif isinstance(expr, tvm.tirx.Var):
-            assert env.setdefault(expr.name, got) == got, (what, env[expr.name])
-
-    bufs = [func.buffer_map[p] for p in func.params if p in func.buffer_map]
-    assert len(bufs) == len(args)
-    for buf, t in zip(bufs, args):
-        assert str(buf.dtype) == str(t.dtype).replace("torch.", ""), (buf.name, buf.dtype, t.dtype)
-        assert len(buf.shape) == t.dim(), (buf.name, buf.shape, t.shape)
-        for i, dim in enumerate(buf.shape):
-            match(dim, t.size(i), (buf.name, "dim", i, t.shape))
-        if buf.strides:
-            for i, stride in enumerate(buf.strides):
-                if t.size(i) > 1:  # a size-1 dimension's stride is never used
-                    match(stride, t.stride(i), (buf.name, "stride", i, t.stride()))
-        else:
-            assert t.is_contiguous(), buf.name
-    return env
-
-
-def tir_eval(e, env):
-    """numpy evaluation of a TIR expression with C integer semantics (wrapping, logical shifts on unsigned)."""
-    t = type(e).__name__
-    dt = str(e.dtype)
-    npdt = np.bool_ if dt == "bool" else np.dtype(dt)
-    ev = lambda x: tir_eval(x, env)
-    if t == "IntImm":
-        return np.array(e.value).astype(npdt)
-    if t == "FloatImm":
-        return np.array(e.value, dtype=npdt)
-    if t == "Var":
-        return env[e.name]
-    if t == "Cast":
-        return ev(e.value).astype(npdt)
-    if t in ("Add", "Sub", "Mul", "Max", "Min", "EQ", "NE", "LT", "LE", "GT", "GE", "And", "Or",
-             "FloorDiv", "FloorMod"):
-        a, b = ev(e.a), ev(e.b)
-        with np.errstate(over="ignore"):
-            f = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Max": np.maximum, "Min": np.minimum,
-                 "EQ": np.equal, "NE": np.not_equal, "LT": np.less, "LE": np.less_equal, "GT": np.greater,
-                 "GE": np.greater_equal, "And": np.logical_and, "Or": np.logical_or,
-                 "FloorDiv": np.floor_divide, "FloorMod": np.mod}[t]
-            return f(a, b).astype(npdt)
-    if t == "Not":
-        return np.logical_not(ev(e.a))
-    if t == "Select":
-        return np.where(ev(e.condition), ev(e.true_value), ev(e.false_value)).astype(npdt)
-    if t == "Call":
-        name = e.op.name.split(".")[-1]
-        args = [ev(a) for a in e.args]
-        if name == "if_then_else":
-            return np.where(args[0], args[1], args[2]).astype(npdt)
-        if name == "reinterpret":
-            return np.ascontiguousarray(args[0]).view(npdt)
-        if name == "shift_left":
-            return np.left_shift(args[0], args[1].astype(args[0].dtype)).astype(npdt)
-        if name == "shift_right":
-            return np.right_shift(args[0], args[1].astype(args[0].dtype)).astype(npdt)
-        if name == "bitwise_and":
-            return (args[0] & args[1]).astype(npdt)
-        if name == "bitwise_or":
-            return (args[0] | args[1]).astype(npdt)
-        if name == "fabs":
-            return np.abs(args[0])
-        if name == "isnan":
-            return np.isnan(args[0])
-    raise NotImplementedError(t, getattr(getattr(e, "op", None), "name", None))
-
-
-def _fake_jit(monkeypatch, factory):
-    """Replace ``_jit.get`` by a checker that binds the launch arguments to the factory's prim_func."""
-    calls = []
-
-    def get(name, cfg):
-        func = factory(*cfg)
-        return lambda *args: calls.append(_bind(func, args))
-
-    monkeypatch.setattr(_jit, "get", get)
-    return calls
-
-
 @pytest.mark.compile
 @pytest.mark.parametrize("fmt", ("e4m3", "e2m1"))
 @pytest.mark.parametrize("flags", FLAGS, ids=str)
@@ -142,27 +53,27 @@ def test_cast_back_launch_binds(monkeypatch, fmt, flags, block):
         pytest.skip("packed UE8M0 is per channel block")
     x = torch.randn(130, 576)
     data, sf = R.cast(x, fmt, block, round_sf=round_sf, use_tma_aligned_col_major_sf=col, use_packed_ue8m0=packed)
-    calls = _fake_jit(monkeypatch, K.cast_back_kernel)
+    calls = fake_jit(monkeypatch)
     out = K.cast_back_launch(data, sf, "bf16", block)
     assert out.shape == (130, 576) and out.dtype == torch.bfloat16 and out.is_contiguous()
-    assert len(calls) == 1 and calls[0]["num_tokens"] == 130
+    assert len(calls) == 1 and calls[0].env["num_tokens"] == 130
     # a row-strided data view is passed as it is when its rows stay 16-byte aligned
     wide = torch.zeros(130, 2 * data.size(1), dtype=data.dtype)
     wide[:, :data.size(1)] = data
     K.cast_back_launch(wide[:, :data.size(1)], sf, "fp32", block)
-    assert calls[1]["data_row_stride"] == 2 * data.size(1)
+    assert calls[1].env["data_row_stride"] == 2 * data.size(1)
 
 
 @pytest.mark.compile
 def test_unpack_launch_binds(monkeypatch):
-    calls = _fake_jit(monkeypatch, K.unpack_e2m1_kernel)
+    calls = fake_jit(monkeypatch)
     x = torch.randint(-128, 128, (3, 5, 7), dtype=torch.int8)
     out = K.unpack_e2m1_launch(x, torch.float64)
     assert out.shape == (3, 5, 14) and out.dtype == torch.float64
-    assert calls == [{"num_bytes": 105}]
+    assert [c.env for c in calls] == [{"num_bytes": 105}]
     out = K.unpack_e2m1_launch(x.view(torch.uint8)[:, ::2], torch.bfloat16)  # non-contiguous: copied
     assert out.shape == (3, 3, 14) and out.dtype == torch.bfloat16
-    assert calls[1] == {"num_bytes": 63}
+    assert calls[1].env == {"num_bytes": 63}
     assert K.unpack_e2m1_launch(torch.empty(0, 4, dtype=torch.int8)).shape == (0, 8)
     assert len(calls) == 2  # nothing launched for an empty input
 

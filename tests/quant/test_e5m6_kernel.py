@@ -4,9 +4,6 @@ compile: every config the GPU tier uses builds for sm_90 with IEEE arithmetic; t
 the kernel signature (checked on CPU against the prim_func). gpu: packed bytes, sf (strides included, packed
 padding cleared) and cast-back outputs bit-exact against the reference run on the same CUDA tensors.
 """
-import importlib.util
-import pathlib
-
 import numpy as np
 import pytest
 import torch
@@ -16,20 +13,12 @@ from tilefuse import formats as F
 from tilefuse.quant import _e5m6_kernel as K
 from tilefuse.reference import quant as R
 from tilefuse.testing import assert_equal, clear_unused_sf
+from tests.quant.kernel_binding import fake_jit, tir_eval
 
 TOKENS = (0, 1, 7, 4001, 8192)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # (use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0): the quant.md 7.1 sets
 FLAGS = ((False, True, False), (True, True, True))
-
-
-def _binding_helpers():
-    """``_bind`` / ``_fake_jit`` from the cast-back kernel tests (one copy of the signature checker)."""
-    path = pathlib.Path(__file__).with_name("test_cast_back_kernel.py")
-    spec = importlib.util.spec_from_file_location("_cast_back_kernel_tests", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -84,7 +73,6 @@ def test_e5m6_expressions_are_exact():
     from tvm import tirx
 
     from tilefuse.quant import _cast_back_kernel as CB
-    tir_eval = _binding_helpers().tir_eval
 
     vals = _edge_values(200_000)
     got = tir_eval(K._e5m6_code(tirx.Var("v", "float32")), {"v": vals})
@@ -112,20 +100,19 @@ def test_e5m6_expressions_are_exact():
 @pytest.mark.parametrize("flags", FLAGS + ((True, False, False), (False, False, False)), ids=str)
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
 def test_launch_binds(monkeypatch, flags, dtype):
-    helpers = _binding_helpers()
-    calls = helpers._fake_jit(monkeypatch, K.e5m6_cast_kernel)
+    calls = fake_jit(monkeypatch)
     x = torch.randn(9, 2 * 576, dtype=dtype)[:, :576]  # row-strided view
     out, sf = K.e5m6_cast_launch(x, 576, *flags)
     r_out, r_sf = R.cast_to_e5m6(x, 576, *flags)
     assert out.shape == r_out.shape and out.dtype == r_out.dtype
     assert sf.shape == r_sf.shape and sf.dtype == r_sf.dtype and sf.stride() == r_sf.stride()
-    assert calls == [{"num_tokens": 9, "x_row_stride": 1152, **({"sf_pad": 12} if flags[0] else {})}]
+    want_env = {"num_tokens": 9, "x_row_stride": 1152, **({"sf_pad": 12} if flags[0] else {})}
+    assert [(c.name, c.env) for c in calls] == [("per_token_cast_to_e5m6", want_env)]
     # the cast-back of those bytes launches the shared cast-back kernel with E5M6 decoding
-    from tilefuse.quant import _cast_back_kernel as CB
-    calls = helpers._fake_jit(monkeypatch, CB.cast_back_kernel)
+    calls = fake_jit(monkeypatch)
     got = K.cast_back_e5m6_cuda((r_out, r_sf), "bf16", (1, 576))
     assert got.shape == (9, 576) and got.dtype == torch.bfloat16
-    assert calls[0]["num_tokens"] == 9
+    assert calls[0].name == "cast_back" and calls[0].env["num_tokens"] == 9
 
 
 def test_fake_shapes_match_reference():

@@ -13,6 +13,7 @@ from tilefuse.formats import cdiv, load_sf
 from tilefuse.quant import _per_block_cast_kernel as K
 from tilefuse.reference import quant as R
 from tilefuse.testing import assert_equal, clear_unused_sf
+from tests.quant.kernel_binding import fake_jit
 
 TOKENS = (0, 1, 7, 4001, 8192)
 LAYOUT_FLAGS = {"row": (False, False), "col": (True, False), "col_packed": (True, True)}  # (col, packed)
@@ -113,42 +114,13 @@ def test_builds_for_sm90(name, cfg):
     assert "use_fast_math" not in src
 
 
-def _binding_checker(calls):
-    """A stand-in for ``_jit.get`` that checks each argument against the kernel's parameter buffer
-    (dtype, shape and strides under one consistent binding of the symbolic sizes) and records the call."""
-    from tilelang import tvm
-
-    def get(name, cfg):
-        func = _jit._FACTORIES[name][0](*cfg)
-
-        def launch(*args):
-            assert len(args) == len(func.params)
-            an = tvm.arith.Analyzer()
-            bound = {}
-            buffers = [func.buffer_map[p] for p in func.params]
-            for buf, arg in zip(buffers, args):  # bind the plain symbolic dims and strides first
-                for sym, val in zip(list(buf.shape) + list(buf.strides), list(arg.shape) + list(arg.stride())):
-                    if isinstance(sym, tvm.tirx.Var):
-                        assert bound.setdefault(sym.name, val) == val, (buf.name, sym.name)
-                        an.bind(sym, val)
-            for buf, arg in zip(buffers, args):
-                assert str(buf.dtype) == str(arg.dtype).replace("torch.", ""), (buf.name, buf.dtype, arg.dtype)
-                assert [int(an.simplify(s)) for s in buf.shape] == list(arg.shape), buf.name
-                if arg.numel() > 1:
-                    assert [int(an.simplify(s)) for s in buf.strides] == list(arg.stride()), buf.name
-            calls.append((name, cfg, bound))
-        return launch
-    return get
-
-
 @pytest.mark.compile
 @pytest.mark.parametrize("cfg", [c for i, c in enumerate(K._cast_configs())
                                  if i in (0, 5) or c[0] == "float32" or c[7] != "cast" or c[6] == "col"], ids=str)
 def test_cast_launcher_binds_kernel_parameters(cfg, monkeypatch):
     x_dtype, fmt, hidden, bm, bk, rnd, layout, mode = cfg
     col, packed = LAYOUT_FLAGS[layout]
-    calls = []
-    monkeypatch.setattr(K._jit, "get", _binding_checker(calls))
+    calls = fake_jit(monkeypatch)
     t = 301
     x = torch.randn(t, hidden).to(getattr(torch, x_dtype))
     if mode == "precomputed":
@@ -172,8 +144,7 @@ def test_cast_launcher_binds_kernel_parameters(cfg, monkeypatch):
 def test_lossless_launcher_binds_kernel_parameters(cfg, monkeypatch):
     hidden, ibm, ibk, obm, obk, in_packed, layout = cfg
     col, packed = LAYOUT_FLAGS[layout]
-    calls = []
-    monkeypatch.setattr(K._jit, "get", _binding_checker(calls))
+    calls = fake_jit(monkeypatch)
     data, sf_in = R.cast(torch.randn(301, hidden), "e2m1", (ibm, ibk), round_sf=True,
                          use_tma_aligned_col_major_sf=in_packed, use_packed_ue8m0=in_packed)
     got = K.per_block_cast_lossless_launch(data, sf_in, (ibm, ibk), (obm, obk), col, packed)

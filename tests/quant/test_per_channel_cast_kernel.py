@@ -14,6 +14,7 @@ from tilefuse.formats import cdiv
 from tilefuse.quant import _per_channel_cast_kernel as K
 from tilefuse.reference import quant as R
 from tilefuse.testing import assert_equal
+from tests.quant.kernel_binding import fake_jit
 
 TOKENS = (0, 1, 7, 4001, 8192)        # input rows of the gathering op
 ALIGNED_TOKENS = (0, 128, 4096, 8192)  # ops that need T % 128 == 0
@@ -163,39 +164,11 @@ def test_builds_for_sm90_with_vector_accesses(role):
         assert "* ((int64_t)num_tokens)))) = *(fp8_e4_8_t*)(yb" in src
 
 
-def _binding_checker(calls):
-    """A stand-in for ``_jit.get`` checking each argument against the kernel's parameter buffer (dtype,
-    shape, strides under one consistent binding of the symbolic sizes); records the call."""
-    from tilelang import tvm
-
-    def get(name, cfg):
-        func = _jit._FACTORIES[name][0](*cfg)
-
-        def launch(*args):
-            assert len(args) == len(func.params)
-            an = tvm.arith.Analyzer()
-            bound = {}
-            buffers = [func.buffer_map[p] for p in func.params]
-            for buf, arg in zip(buffers, args):
-                for sym, val in zip(list(buf.shape), list(arg.shape)):
-                    if isinstance(sym, tvm.tirx.Var):
-                        assert bound.setdefault(sym.name, val) == val, (buf.name, sym.name)
-                        an.bind(sym, val)
-            for buf, arg in zip(buffers, args):
-                assert str(buf.dtype) == str(arg.dtype).replace("torch.", ""), (buf.name, buf.dtype, arg.dtype)
-                assert [int(an.simplify(s)) for s in buf.shape] == list(arg.shape), buf.name
-                assert arg.is_contiguous(), buf.name
-            calls.append((cfg, bound))
-        return launch
-    return get
-
-
 @pytest.mark.compile
 @pytest.mark.parametrize("role", tuple(CFG))
 def test_launcher_binds_kernel_parameters(role, monkeypatch):
     x_kind, hidden, npt, rnd, transpose, gather = CFG[role]
-    calls = []
-    monkeypatch.setattr(K._jit, "get", _binding_checker(calls))
+    calls = fake_jit(monkeypatch)
     t_in = 301 if gather else 256
     pos = _pos(144, t_in) if gather else None
     if x_kind == "pair":
@@ -206,11 +179,11 @@ def test_launcher_binds_kernel_parameters(role, monkeypatch):
     want = _ref(x, x_sf, npt, rnd, transpose, pos)
     _same_meta(got[0], want[0])
     _same_meta(got[1], want[1])
-    assert [c for c, _ in calls] == [CFG[role]]
-    assert calls[0][1]["num_tokens"] == (144 if gather else t_in)
-    assert calls[0][1]["num_row_blocks"] == cdiv(calls[0][1]["num_tokens"], npt)
+    assert [c.cfg for c in calls] == [CFG[role]]
+    assert calls[0].env["num_tokens"] == (144 if gather else t_in)
+    assert calls[0].env["num_row_blocks"] == cdiv(calls[0].env["num_tokens"], npt)
     if gather:
-        assert calls[0][1]["num_in_tokens"] == t_in
+        assert calls[0].env["num_in_tokens"] == t_in
 
 
 # ---------------------------------------------------------------------------------------------------------
