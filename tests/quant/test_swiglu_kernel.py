@@ -18,6 +18,7 @@ from tilefuse.quant import _swiglu_kernel as K
 from tilefuse.reference import swiglu as ref
 from tilefuse.reference.quant import cast as ref_cast
 from tilefuse.testing import assert_equal, clear_unused_sf
+from tests.quant.kernel_binding import fake_jit
 
 TOKENS = (0, 1, 7, 4001, 8192)
 PCC_TOKENS = (0, 128, 4096, 8192)  # 3.14 requires T % 128 == 0
@@ -117,6 +118,23 @@ def test_fwd_pcc_fake_matches_reference_layout(without_transpose):
                                                                                    without_transpose, None)
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == w.dtype and g.stride() == w.stride()
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("case", FWD_CASES, ids=str)
+def test_fwd_ptc_launcher_binds_kernel_parameters(case, monkeypatch):
+    """Every argument the launcher passes fits the kernel's parameters, absent optional inputs included
+    (their stand-ins must match static sizes, e.g. the (3,) clamp counter)."""
+    x_dtype, hidden, npc, col, round_sf, packed, weighted, skip, clamp, count = case
+    calls = fake_jit(monkeypatch)
+    t = 7
+    x = torch.randn(t, 2 * hidden).to(DTYPES[x_dtype])
+    w = torch.randn(t, 4) if weighted else None
+    p2t = torch.randint(-1, 4 * t, (t,), dtype=torch.int32) if weighted else None
+    p2e = torch.randint(-1, 3, (t,), dtype=torch.int32) if skip else None
+    cnt = torch.zeros(3, dtype=torch.int64) if count else None
+    K.swiglu_fwd_ptc_launch(x, npc, p2t, w, p2e, col, round_sf, packed, clamp, cnt)
+    assert [(c.name, c.env["num_tokens"]) for c in calls] == [("swiglu_fwd_ptc", t)]
 
 
 # ---- GPU tier ----

@@ -532,12 +532,13 @@ _jit.register("swiglu_fwd_pcc", swiglu_fwd_pcc_kernel, _pcc_configs)
 _DUMMIES: dict[tuple, torch.Tensor] = {}
 
 
-def _dummy(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A cached 1-element tensor standing in for an absent optional input (never read or written)."""
-    key = (device, dtype)
+def _dummy(device: torch.device, dtype: torch.dtype, n: int = 1) -> torch.Tensor:
+    """A cached ``n``-element zero tensor standing in for an absent optional input (never read or written;
+    ``n`` matches the kernel parameter's static size where it has one)."""
+    key = (device, dtype, n)
     t = _DUMMIES.get(key)
     if t is None:
-        t = _DUMMIES[key] = torch.zeros(1, dtype=dtype, device=device)
+        t = _DUMMIES[key] = torch.zeros(n, dtype=dtype, device=device)
     return t
 
 
@@ -580,7 +581,7 @@ def swiglu_fwd_ptc_launch(x: torch.Tensor, num_per_channels: int, pos_to_token_t
         if w.numel() == 0:  # empty topk_weights: weight 0 for every row, as the reference (dummy holds 0)
             w = _dummy(dev, torch.float32)
         p2e = pos_to_expert if pos_to_expert is not None else _dummy(dev, torch.int32)
-        cnt = clamped_count if cfg[8] else _dummy(dev, torch.int64)
+        cnt = clamped_count if cfg[8] else _dummy(dev, torch.int64, 3)  # the kernel's CNT is int64 (3,)
         _jit.get("swiglu_fwd_ptc", cfg)(_aligned(x), p2t, w, p2e, out, out_sf, cnt)
     return out, out_sf
 
