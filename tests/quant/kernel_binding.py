@@ -10,8 +10,9 @@ Call = namedtuple("Call", "name cfg env")
 
 
 def bind(func, args):
-    """Assert that tensors ``args`` fit the buffers of prim_func ``func``: dtype, rank, static dims and strides,
-    and one consistent value per symbolic dimension or stride; returns the symbol values."""
+    """Assert that ``args`` fit the parameters of prim_func ``func``: tensors their buffers (dtype, rank, static
+    dims and strides, one consistent value per symbolic dimension or stride), Python numbers its scalars;
+    returns the symbol values."""
     import tvm
 
     env = {}
@@ -22,9 +23,13 @@ def bind(func, args):
         elif isinstance(expr, tvm.tirx.Var):
             assert env.setdefault(expr.name, got) == got, (what, env[expr.name])
 
-    bufs = [func.buffer_map[p] for p in func.params if p in func.buffer_map]
-    assert len(bufs) == len(args)
-    for buf, t in zip(bufs, args):
+    assert len(func.params) == len(args), (len(func.params), len(args))
+    for param, t in zip(func.params, args):
+        if param not in func.buffer_map:  # a scalar parameter takes a Python number of its kind
+            want = float if str(param.dtype).startswith("float") else int
+            assert type(t) is want, (param.name, param.dtype, type(t).__name__)
+            continue
+        buf = func.buffer_map[param]
         assert str(buf.dtype) == str(t.dtype).replace("torch.", ""), (buf.name, buf.dtype, t.dtype)
         assert len(buf.shape) == t.dim(), (buf.name, buf.shape, t.shape)
         for i, dim in enumerate(buf.shape):

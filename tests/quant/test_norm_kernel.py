@@ -14,6 +14,7 @@ from tilefuse.quant import _norm_kernel as K
 from tilefuse.reference.norm import norm_backward_ref, norm_forward_ref
 from tilefuse.reference.quant import cast as ref_cast
 from tilefuse.testing import assert_equal, clear_unused_sf
+from tests.quant.kernel_binding import fake_jit
 
 TOKENS = (0, 1, 7, 4001, 8192)
 DT = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -69,6 +70,22 @@ def _o_from_rstd(h_in, w, rstd, scale, dtype):
     f = torch.tensor(scale, device=hf.device) if w is None else w.float() * scale
     return ((hf * rstd.unsqueeze(-1)) * f).to(dtype)
 
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("shape", ((7, 576), (2, 7, 576)), ids=str)
+@pytest.mark.parametrize("layout", ((False, False), (True, True)), ids=str)
+def test_forward_launcher_binds_kernel_parameters(shape, layout, monkeypatch):
+    """2-D and 3-D rows, rstd and every sf layout: each launch argument fits the kernel's parameters under one
+    binding of the symbolic sizes (batch, tokens, strides)."""
+    col, packed = layout
+    calls = fake_jit(monkeypatch)
+    x = torch.randn(shape).to(torch.bfloat16)
+    w = torch.randn(shape[-1]).to(torch.bfloat16)
+    K.norm_forward_launch(x, w, 1e-6, None, 1.0, with_rstd=True, quant=True, use_tma_aligned_col_major_sf=col,
+                          round_sf=True, use_packed_ue8m0=packed)
+    batch = shape[0] if len(shape) == 3 else 1
+    assert [(c.name, c.env["batch"], c.env["num_tokens"]) for c in calls] == [("norm_forward", batch, shape[-2])]
 
 @gpu
 @pytest.mark.gpu

@@ -443,13 +443,14 @@ def norm_forward_launch(x, weight, eps, residual=None, out_scale=1.0, out=None, 
         sf_arg = _dummy(torch.float32, dev)
     # outputs written through a 16-byte-aligned temporary when the caller's buffer is not aligned
     o_arg = out if out.data_ptr() % 16 == 0 else torch.empty_like(out, memory_format=torch.contiguous_format)
-    fn(_rows3(_aligned(x)),
+    x3 = _rows3(_aligned(x))
+    fn(x3,
        weight if weight is not None else _dummy(x.dtype, dev),
        _rows3(_aligned(residual)) if has_res else _dummy(x.dtype, dev),
        _rows3(residual_out) if has_res else _dummy(x.dtype, dev),
        _rows3(o_arg), sf_arg,
        _rows3(out_bf16) if with_out_bf16 else _dummy(torch.bfloat16, dev),
-       rstd.view(1, -1) if with_rstd else _dummy(torch.float32, dev),
+       rstd.view(x3.shape[:2]) if with_rstd else _dummy(torch.float32, dev),
        mega_arg, float(eps), float(out_scale))
     if o_arg is not out:
         out.copy_(o_arg)
