@@ -11,7 +11,10 @@ from tilefuse.testing import assert_equal, clear_unused_sf
 
 WIRED = ("per_token_cast", "per_token_cast_with_sf_only", "per_token_cast_with_precomputed_sf", "per_block_cast",
          "per_block_cast_with_sf_only", "per_block_cast_with_precomputed_sf", "per_block_cast_lossless",
-         "cast_back", "per_token_cast_back", "cast_back_e5m6", "unpack_from_e2m1fn_x2", "per_token_cast_to_e5m6")
+         "cast_back", "per_token_cast_back", "cast_back_e5m6", "unpack_from_e2m1fn_x2", "per_token_cast_to_e5m6",
+         "per_channel_cast", "per_channel_cast_and_transpose", "per_channel_cast_fused",
+         "swiglu_backward_and_per_token_cast", "swiglu_forward_and_per_channel_cast_and_transpose",
+         "batched_transpose_weight_sf")
 T, H = 133, 512
 
 
@@ -89,3 +92,28 @@ def test_e5m6(layout):
     back = R.cast_back_from_e5m6(pair, "fp32", (1, H))
     assert_equal(Q.cast_back_e5m6(pair, "fp32", (1, H)), back)
     assert_equal(Q.cast_back(pair, "fp32", (1, H), "e5m6"), back)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("round_sf", (False, True))
+def test_per_channel_family(round_sf):
+    x = _x()[:128]
+    want = R.cast(x, "e4m3", (128, 1), round_sf=round_sf)
+    _same(Q.per_channel_cast(x, "e4m3", 128, round_sf), want)
+    got = Q.per_channel_cast_and_transpose(x, "e4m3", 128, round_sf)
+    assert_equal(got[0], want[0].T.contiguous())
+    assert_equal(got[1], want[1])
+    pos = torch.randint(-1, 128, (144,), dtype=torch.int32, device="cuda")
+    _same(Q.per_channel_cast_fused(x, "e4m3", 128, round_sf, None, pos),
+          R.per_channel_cast_fused(x, 128, None, round_sf, pos))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("without_transpose", (False, True))
+def test_swiglu_per_channel(without_transpose):
+    x = torch.randn(256, 2 * H, device="cuda").to(torch.bfloat16)
+    from tilefuse.reference import swiglu as RS
+    data, sf = R.cast(RS.swiglu_forward(x, swiglu_clamp_value=0.5).to(torch.bfloat16), "e4m3", (128, 1))
+    got = Q.swiglu_forward_and_per_channel_cast_and_transpose(x, "e4m3", 128, False, without_transpose, 0.5)
+    assert_equal(got[0], data if without_transpose else data.T.contiguous())
+    assert_equal(got[1], sf)

@@ -19,6 +19,7 @@ from .. import formats as F
 from .._registry import public
 from ..reference import quant as R
 from . import _cast_back_kernel as KC, _e5m6_kernel as KE, _per_block_cast_kernel as KB
+from . import _per_channel_cast_kernel as KP
 from . import _per_token_cast_kernel as K
 
 __all__ = [
@@ -343,23 +344,27 @@ def _per_channel_checks(op: str, x, fmt: str, npt, allowed_npt, dtype=_HIGH) -> 
     _check.expect(H % 64 == 0, op, f"x must have hidden % 64 == 0, got shape {(T, H)}")
 
 
-@public("quant")
+@public("quant", path="kernel")
 def per_channel_cast(x: torch.Tensor, fmt: str, num_per_tokens: int, round_sf: bool = False):
     """Column-wise quantization with block ``(128, 1)`` (section 3.8) -> e4m3 ``(T, H)``, fp32 ``(T/128, H)``."""
     _per_channel_checks("per_channel_cast", x, fmt, num_per_tokens, (128,))
+    if x.is_cuda:
+        return KP.per_channel_cast_cuda(x, fmt, num_per_tokens, round_sf)
     return R.cast(x, "e4m3", (num_per_tokens, 1), round_sf=round_sf)
 
 
-@public("quant")
+@public("quant", path="kernel")
 def per_channel_cast_and_transpose(x: torch.Tensor, fmt: str, num_per_tokens: int, round_sf: bool = False):
     """Per-channel quantization with block ``(npt, 1)``, data transposed (section 3.9) ->
     e4m3 ``(H, T)`` contiguous and fp32 ``(T/npt, H)`` (not transposed)."""
     _per_channel_checks("per_channel_cast_and_transpose", x, fmt, num_per_tokens, (32, 128), dtype=torch.bfloat16)
+    if x.is_cuda:
+        return KP.per_channel_cast_and_transpose_cuda(x, fmt, num_per_tokens, round_sf)
     out, sf = R.cast(x, "e4m3", (num_per_tokens, 1), round_sf=round_sf)
     return out.T.contiguous(), sf
 
 
-@public("quant")
+@public("quant", path="kernel")
 def per_channel_cast_fused(x, fmt: str, num_per_tokens: int, round_sf: bool = False,
                            num_per_channels: int | None = None, pos_to_token: torch.Tensor | None = None):
     """Per-channel ``(128, 1)`` quantization fused with an optional row gather and with dequantization of a
@@ -386,6 +391,8 @@ def per_channel_cast_fused(x, fmt: str, num_per_tokens: int, round_sf: bool = Fa
         _check.tensor(op, "pos_to_token", pos_to_token, dtype=torch.int32, ndim=1, contiguous=True, device=device)
         _check.expect(pos_to_token.numel() % 16 == 0, op,
                       f"pos_to_token must have a length % 16 == 0, got {pos_to_token.numel()}")
+    if device.type == "cuda":
+        return KP.per_channel_cast_fused_cuda(x, fmt, num_per_tokens, round_sf, num_per_channels, pos_to_token)
     return R.per_channel_cast_fused(x, num_per_tokens, num_per_channels, round_sf, pos_to_token)
 
 

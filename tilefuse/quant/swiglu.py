@@ -7,6 +7,7 @@ from tilefuse import _check
 from tilefuse import formats as F
 from tilefuse._registry import public
 from tilefuse.reference import quant as _quant_ref
+from tilefuse.quant import _swiglu_kernel as _K
 from tilefuse.reference import swiglu as _ref
 
 __all__ = [
@@ -80,7 +81,7 @@ def swiglu_forward_and_per_token_cast(
                            use_packed_ue8m0=packed, clamp_min=sf_clamp_min)
 
 
-@public("quant")
+@public("quant", path="kernel")
 def swiglu_backward_and_per_token_cast(
     x, grad_out: torch.Tensor, weight: torch.Tensor, pos_to_token_topk: torch.Tensor,
     token_topk_to_pos: torch.Tensor, num_per_channels: int, round_sf: bool = False,
@@ -116,6 +117,9 @@ def swiglu_backward_and_per_token_cast(
     _check.tensor(op, "token_topk_to_pos", token_topk_to_pos, dtype=torch.int32, shape=tuple(weight.shape),
                   contiguous=True, device=data.device)
     _check_clamp(op, swiglu_clamp_value)
+    if data.is_cuda:
+        return _K.swiglu_backward_and_per_token_cast_cuda(x, grad_out, weight, pos_to_token_topk, token_topk_to_pos,
+                                                          num_per_channels, round_sf, swiglu_clamp_value)
 
     out, x_grad, weight_grad = _ref.swiglu_backward((data.reshape(t_e, width), sf), grad_out.reshape(t_e, h),
                                                     weight, pos_to_token_topk, token_topk_to_pos, num_per_channels,
@@ -124,7 +128,7 @@ def swiglu_backward_and_per_token_cast(
     return out.to(torch.bfloat16), fp8, x_grad.to(torch.bfloat16), weight_grad
 
 
-@public("quant")
+@public("quant", path="kernel")
 def swiglu_forward_and_per_channel_cast_and_transpose(
     x: torch.Tensor, fmt: str, num_per_tokens: int, round_sf: bool = False, without_transpose: bool = False,
     swiglu_clamp_value: float | None = None,
@@ -139,6 +143,9 @@ def swiglu_forward_and_per_channel_cast_and_transpose(
     _check.choice(op, "num_per_tokens", num_per_tokens, (32, 128))
     _check.expect(x.size(0) % 128 == 0, op, f"x must have T % 128 == 0, got shape {tuple(x.shape)}")
     _check_clamp(op, swiglu_clamp_value)
+    if x.is_cuda:
+        return _K.swiglu_forward_and_per_channel_cast_and_transpose_cuda(x, fmt, num_per_tokens, round_sf,
+                                                                         without_transpose, swiglu_clamp_value)
     act = _ref.swiglu_forward(x, swiglu_clamp_value=swiglu_clamp_value).to(torch.bfloat16)
     data, sf = _quant_ref.cast(act, "e4m3", (num_per_tokens, 1), round_sf=round_sf)
     return (data if without_transpose else data.T.contiguous()), sf

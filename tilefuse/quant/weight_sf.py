@@ -5,6 +5,7 @@ import torch
 
 from tilefuse import _check
 from tilefuse._registry import public
+from tilefuse.quant import _weight_sf_kernel as _K
 from tilefuse.reference import weight_sf as _ref
 
 __all__ = ["batched_transpose_weight_sf"]
@@ -62,7 +63,7 @@ def _validate(sf, block_size, transpose_sf1s, outs) -> None:
                                                           f"{t.data_ptr():#x}")
 
 
-@public("quant")
+@public("quant", path="kernel")
 def batched_transpose_weight_sf(sf: list[torch.Tensor], block_size: int, transpose_sf1s: list[bool],
                                 outs: list | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Convert power-of-two weight sf into the two packed UE8M0 GEMM layouts (quant.md 5.13).
@@ -73,6 +74,8 @@ def batched_transpose_weight_sf(sf: list[torch.Tensor], block_size: int, transpo
     _validate(sf, block_size, transpose_sf1s, outs)
     if len(sf) == 0:
         return []
+    if sf[0].is_cuda:
+        return _K.batched_transpose_weight_sf_cuda(sf, block_size, transpose_sf1s, outs)
     layouts = [_layouts(s.shape, block_size, t) for s, t in zip(sf, transpose_sf1s)]
     need = [outs is None or outs[i] is None for i in range(len(sf))]
     sizes = [[_POOL_ALIGN_WORDS * -(-torch.Size(shape).numel() // _POOL_ALIGN_WORDS) for shape, _ in pair]
