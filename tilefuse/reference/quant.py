@@ -53,15 +53,20 @@ def _pair_parts(x, x_block_size: Sequence[int] | None) -> tuple[torch.Tensor, to
         raise TypeError(f"cast: x must be a tensor or a (data, sf) pair, got {type(x).__name__}")
     if x_block_size is None:
         raise ValueError("cast: a (data, sf) pair x requires x_block_size")
-    data, sf_in = x
+    return _decode_pair(x, x_block_size, "cast")
+
+
+def _decode_pair(x, block_size: Sequence[int], op: str) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """``(data, sf)`` with e4m3 or packed e2m1 data -> (binary32 data values, sf expanded over its blocks,
+    data format)."""
+    data, sf = x
     fmt = F.fmt_of(data)
     if fmt not in ("e4m3", "e2m1"):
-        raise TypeError(f"cast: pair data must be float8_e4m3fn or int8 (packed e2m1), got {data.dtype}")
+        raise TypeError(f"{op}: data must be float8_e4m3fn or int8 (packed e2m1), got {data.dtype}")
     vals = F.dequantize(data, fmt)
     T, W = vals.shape
-    ibm, ibk = x_block_size
-    sf_vals = F.load_sf(sf_in, F.cdiv(W, ibk))
-    return vals, expand_blocks(sf_vals, ibm, ibk, T, W), fmt
+    bm, bk = block_size
+    return vals, expand_blocks(F.load_sf(sf, F.cdiv(W, bk)), bm, bk, T, W), fmt
 
 
 def _empty_sf(nbk: int, col: bool, packed: bool, device) -> torch.Tensor:
@@ -136,15 +141,8 @@ def cast_back(x, fmt: str, block_size: Sequence[int] = (32, 32)) -> torch.Tensor
 
     data is float8_e4m3fn ``(T, W)`` or packed int8 e2m1 ``(T, W/2)``; sf in any section 1.5 layout.
     """
-    data, sf = x
-    dfmt = F.fmt_of(data)
-    if dfmt not in ("e4m3", "e2m1"):
-        raise TypeError(f"cast_back: data must be float8_e4m3fn or int8 (packed e2m1), got {data.dtype}")
-    vals = F.dequantize(data, dfmt)
-    T, W = vals.shape
-    bm, bk = block_size
-    sf_vals = F.load_sf(sf, F.cdiv(W, bk))
-    return _round_out(vals * expand_blocks(sf_vals, bm, bk, T, W), fmt)
+    vals, sf, _ = _decode_pair(x, block_size, "cast_back")
+    return _round_out(vals * sf, fmt)
 
 
 # ---------------------------------------------------------------------------------------------------------
