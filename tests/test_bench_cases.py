@@ -1,0 +1,104 @@
+"""The bench cases (tilefuse/bench.py) on the CPU: every case builds at a tiny scale, runs through its public op
+(the CPU reference) and counts the tensors quant.md 7.3 lists, so a broken case fails here, not on the GPU."""
+import pytest
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from tilefuse import _registry, bench
+
+TINY = 1 / 64  # 8001 x 7168 -> 125 x 128
+
+# Tensors counted per benchmark (quant.md 7.3; a pair counts as its two tensors). Ops the table does not list
+# count every input and output the same way.
+COUNTED = {
+    "per_token_cast": 3,                      # x, out, out_sf
+    "per_token_cast_with_sf_only": 2,         # x, out_sf
+    "per_token_cast_with_precomputed_sf": 3,  # x, sf, out
+    "per_block_cast": 3,                      # x, out, sf
+    "per_block_cast_with_sf_only": 2,         # x, sf
+    "per_block_cast_with_precomputed_sf": 3,  # x, sf, out
+    "per_block_cast_lossless": 4,             # input pair, output pair
+    "per_channel_cast": 3,
+    "per_channel_cast_and_transpose": 3,
+    "cast_back": 3,                           # data, sf, output (stand-in: the original x)
+    "per_token_cast_back": 3,
+    "unpack_from_e2m1fn_x2": 2,
+    "per_token_cast_to_e5m6": 3,              # x, packed, sf
+    "cast_back_e5m6": 3,                      # packed, sf, output
+    "swiglu_backward_and_per_token_cast": 11,  # x pair, grad, weights, 2 maps, out, fp8 pair, x_grad, weight_grad
+    "per_channel_cast_fused-1": 3,            # x, out, sf (no gather)
+    "per_channel_cast_fused-2": 4,            # x, pos_to_token, out, sf
+    "per_channel_cast_fused-3": 5,            # x pair, pos_to_token, out, sf
+    "swiglu_forward_and_per_channel_cast_and_transpose": 3,
+    "batched_transpose_weight_sf": 6,         # 2 weights: sf, sf0_out, sf1_out each
+    "batched_transpose": 2,
+    "transpose": 2,
+}
+
+CASES = bench._cases()
+
+
+def _ids():
+    seen: dict[str, int] = {}
+    ids = []
+    for case in CASES:
+        seen[case.name] = seen.get(case.name, 0) + 1
+        ids.append(f"{case.name}-{seen[case.name]}")
+    return ids
+
+
+def test_every_kernel_op_has_a_case():
+    kernel_ops = {name.split(".", 1)[1] for name, rec in _registry.load_all().items() if rec["path"] == "kernel"}
+    assert kernel_ops <= {case.name for case in CASES}
+
+
+@pytest.mark.parametrize("case, case_id", list(zip(CASES, _ids())), ids=_ids())
+def test_case_runs_on_cpu_and_counts_the_listed_tensors(case, case_id):
+    shape, inputs = case.make("cpu", TINY)
+    outputs = case.run(*inputs)
+    tensors = bench._tensors(inputs) + bench._tensors(outputs)
+    assert len(tensors) == COUNTED.get(case_id, COUNTED.get(case.name)), shape
+    assert all(t.device.type == "cpu" and t.numel() > 0 for t in tensors), shape
+    assert bench.counted_bytes(inputs, outputs) == sum(t.numel() * t.element_size() for t in tensors)
+    # each rotated input set is a fresh build of the same shapes
+    again = case.make("cpu", TINY)
+    assert again[0] == shape
+    assert [t.shape for t in bench._tensors(again[1])] == [t.shape for t in bench._tensors(inputs)]
+
+
+def _full_scale_bytes(name: str, shape_prefix: str) -> tuple[int, tuple]:
+    """counted_bytes of the named case at the benchmark shape, on fake tensors (nothing computed)."""
+    case = next(c for c in CASES if c.name == name and c.make("meta", 1.0)[0].startswith(shape_prefix))
+    with FakeTensorMode():
+        shape, inputs = case.make("cpu", 1.0)
+        return bench.counted_bytes(inputs, case.run(*inputs)), inputs
+
+
+def test_per_channel_cast_bytes_by_hand():
+    # bf16 x (8064, 7168) read, e4m3 out (8064, 7168) and fp32 sf (8064/128, 7168) written
+    got, _ = _full_scale_bytes("per_channel_cast", "bf16 8064x7168")
+    assert got == 8064 * 7168 * 2 + 8064 * 7168 * 1 + 63 * 7168 * 4
+
+
+def test_per_token_cast_bytes_by_hand():
+    # bf16 x (8192, 7168); e4m3 out; row-major fp32 sf (8192, 7168 / 128)
+    got, _ = _full_scale_bytes("per_token_cast", "bfloat16 8192x7168 npc128 e4m3 round")
+    assert got == 8192 * 7168 * 2 + 8192 * 7168 + 8192 * 56 * 4
+
+
+def test_swiglu_backward_bytes_by_hand():
+    # quant.md 3.13 shapes: x pair e4m3 (Te, 2H) + fp32 (Te, 2H/128); grad bf16 (Te, H); weight fp32 (T, K);
+    # pos_to_token_topk int32 (Te,); token_topk_to_pos int32 (T, K); out bf16 (Te, H); x_grad_fp8 pair like x;
+    # x_grad bf16 (Te, 2H); weight_grad fp32 (T, K)
+    got, inputs = _full_scale_bytes("swiglu_backward_and_per_token_cast", "e4m3 pair")
+    (data, _), _, weight, _, _ = inputs
+    te, h, (t, k) = data.size(0), data.size(1) // 2, weight.shape
+    assert (h, k) == (7168, 6) and te % 128 == 0
+    pair = te * 2 * h + te * (2 * h // 128) * 4
+    assert got == pair + te * h * 2 + t * k * 4 + te * 4 + t * k * 4 + te * h * 2 + pair + te * 2 * h * 2 + t * k * 4
+
+
+def test_list_prints_shapes_and_megabytes(capsys):
+    assert bench.main(["--list", "--ops", "per_channel_cast"]) == 0
+    out = capsys.readouterr().out
+    assert "| per_channel_cast | bf16 8064x7168 npt128 round | 175.2 |" in out
+    assert "per_block_cast" not in out
