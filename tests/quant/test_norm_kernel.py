@@ -87,6 +87,33 @@ def test_forward_launcher_binds_kernel_parameters(shape, layout, monkeypatch):
     batch = shape[0] if len(shape) == 3 else 1
     assert [(c.name, c.env["batch"], c.env["num_tokens"]) for c in calls] == [("norm_forward", batch, shape[-2])]
 
+@pytest.mark.compile
+@pytest.mark.parametrize("t", (1, 7))
+@pytest.mark.parametrize("xd,has_w,has_rg", [("bfloat16", True, True), ("float32", False, False),
+                                              ("float32", True, False)], ids=str)
+def test_backward_launcher_binds_kernel_parameters(t, xd, has_w, has_rg, monkeypatch):
+    """Row-strided ``x``/``out_grad``/``residual_out_grad`` (three different row strides), weight and residual
+    grad present or absent, one row: the dx launch and the weight-grad reduce each fit their kernel."""
+    dtype, h = DT[xd], 576
+    calls = fake_jit(monkeypatch)
+    x = torch.randn(t, h + 32).to(dtype)[:, :h]
+    dy = torch.randn(t, h + 64).to(dtype)[:, :h]
+    rg = torch.randn(t, h).to(dtype) if has_rg else None
+    w = torch.randn(h).to(dtype) if has_w else None
+    rstd = torch.rand(t)
+    K.norm_backward_launch(dy, x, w, rstd, rg, 0.75, None)
+    want = [("norm_backward", (xd, h, has_w, has_rg), t)]
+    if has_w:
+        want.append(("norm_weight_grad_reduce", (xd, h), None))
+    assert [(c.name, c.cfg, c.env.get("num_tokens")) for c in calls] == want
+    if t > 1:
+        assert (calls[0].env["x_st"], calls[0].env["dy_st"]) == (h + 32, h + 64)
+    if has_w:  # an existing fp32 accumulator for a bf16 weight picks the fp32 reduce
+        calls.clear()
+        K.norm_backward_launch(dy, x, w, rstd, rg, 0.75, torch.zeros(h))
+        assert [(c.name, c.cfg) for c in calls][1:] == [("norm_weight_grad_reduce", ("float32", h))]
+
+
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", TOKENS)

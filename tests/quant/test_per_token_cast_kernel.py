@@ -11,6 +11,7 @@ from tilefuse import _jit, _registry, quant
 from tilefuse.quant import _per_token_cast_kernel as K
 from tilefuse.reference.quant import cast as ref_cast
 from tilefuse.testing import assert_equal, clear_unused_sf
+from tests.quant.kernel_binding import fake_jit
 
 TOKENS = (0, 1, 7, 4001, 8192)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -23,6 +24,80 @@ def test_builds_for_sm90(cfg):
     src = kernel.get_kernel_source()
     assert "__global__" in src
     assert "use_fast_math" not in src
+
+
+
+def _bind(monkeypatch) -> list:
+    """``fake_jit`` with an empty launch-plan cache (a cached plan keeps the kernel it fetched first)."""
+    monkeypatch.setattr(K, "_PLANS", {})
+    return fake_jit(monkeypatch)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("xd,fmt,h", [("bfloat16", "e4m3", 576), ("float32", "e2m1", 7168)], ids=str)
+@pytest.mark.parametrize("flags", ((False, True, False), (True, False, False), (True, True, True)), ids=str)
+@pytest.mark.parametrize("t,width", [(7, 0), (7, 64), (7, 3), (1, 3)], ids=str)
+def test_cast_launcher_binds_kernel_parameters(xd, fmt, h, flags, t, width, monkeypatch):
+    """mode "cast": every sf layout (row, column-major fp32, packed UE8M0 with its 4-aligned column stride),
+    contiguous rows, aligned row strides passed as they are, other strides through a copy, one row."""
+    col, round_sf, packed = flags
+    calls = _bind(monkeypatch)
+    x = torch.randn(t, h + width).to(DTYPES[xd])[:, :h]
+    out, sf = K.per_token_cast_launch(x, None, fmt, 128, None, col, round_sf, packed)
+    layout = "col_packed" if packed else ("col" if col else "row")
+    assert [(c.name, c.cfg, c.env["num_tokens"]) for c in calls] == [
+        ("per_token_cast", (xd, fmt, h, 128, round_sf, layout, "cast"), t)]
+    if t > 1:
+        aligned = (h + width) * x.element_size() % 16 == 0
+        assert calls[0].env["x_row_stride"] == (h + width if aligned else h)
+    if col:
+        assert calls[0].env["sf_pad"] == (t + 3) // 4 * 4 == sf.stride(1)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("fmt", ("e4m3", "e2m1"))
+@pytest.mark.parametrize("flags", ((False, True, False), (True, True, True)), ids=str)
+def test_sf_only_launcher_binds_kernel_parameters(fmt, flags, monkeypatch):
+    col, round_sf, packed = flags
+    calls = _bind(monkeypatch)
+    x = torch.randn(7, 2048 + 64).to(torch.bfloat16)[:, :2048]
+    K.per_token_cast_launch(x, None, fmt, 128, None, col, round_sf, packed, mode="sf_only")
+    layout = "col_packed" if packed else ("col" if col else "row")
+    assert [(c.name, c.cfg, c.env["num_tokens"], c.env["x_row_stride"]) for c in calls] == [
+        ("per_token_cast", ("bfloat16", fmt, 2048, 128, round_sf, layout, "sf_only"), 7, 2048 + 64)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("fmt", ("e4m3", "e2m1"))
+@pytest.mark.parametrize("sf_width", (16, 20), ids=("sf_contiguous", "sf_row_strided"))
+def test_precomputed_launcher_binds_kernel_parameters(fmt, sf_width, monkeypatch):
+    """mode "precomputed": a row-major fp32 sf, contiguous or with a longer row stride (inner-contiguous)."""
+    calls = _bind(monkeypatch)
+    x = torch.randn(7, 2048).to(torch.bfloat16)
+    sf = (torch.rand(7, sf_width) + 0.5)[:, :16]
+    K.per_token_cast_launch(x, None, fmt, 128, mode="precomputed", sf=sf)
+    assert [(c.name, c.cfg, c.env["num_tokens"], c.env["sf_pad"]) for c in calls] == [
+        ("per_token_cast", ("bfloat16", fmt, 2048, 128, False, "row", "precomputed"), 7, sf_width)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("in_fmt,fmt", [("e4m3", "e4m3"), ("e4m3", "e2m1"), ("e2m1", "e4m3"), ("e2m1", "e2m1")])
+@pytest.mark.parametrize("sf_kind", ("packed_col", "fp32_row"))
+def test_prequantized_launcher_binds_kernel_parameters(in_fmt, fmt, sf_kind, monkeypatch):
+    """Pre-quantized (data, sf) pairs: e4m3 or packed-E2M1 data, with (128, 128) packed-UE8M0 column-major sf
+    or (32, 32) row-major fp32 sf; the output in every layout the pair's config uses."""
+    t = 300
+    packed = sf_kind == "packed_col"
+    bs = (128, 128) if packed else (32, 32)
+    npc = 128 if packed else 32
+    data, x_sf = ref_cast(torch.randn(t, 2048), in_fmt, bs, round_sf=packed, use_tma_aligned_col_major_sf=packed,
+                          use_packed_ue8m0=packed)
+    calls = _bind(monkeypatch)
+    K.per_token_cast_launch(data, x_sf, fmt, npc, bs, packed, packed, packed)
+    xd = "float8_e4m3fn" if in_fmt == "e4m3" else "e2m1"
+    layout = "col_packed" if packed else "row"
+    assert [(c.name, c.cfg, c.env["num_tokens"], c.env["in_sf_rows"]) for c in calls] == [
+        ("per_token_cast", (xd, fmt, 2048, npc, packed, layout, "cast", *bs, packed), t, -(-t // bs[0]))]
 
 
 def _poison():

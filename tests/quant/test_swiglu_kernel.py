@@ -137,6 +137,44 @@ def test_fwd_ptc_launcher_binds_kernel_parameters(case, monkeypatch):
     assert [(c.name, c.env["num_tokens"]) for c in calls] == [("swiglu_fwd_ptc", t)]
 
 
+
+@pytest.mark.compile
+@pytest.mark.parametrize("rows3d", (False, True), ids=("2d", "3d"))
+@pytest.mark.parametrize("weights", (True, False), ids=("weights", "no_weights"))
+def test_bwd_ptc_launcher_binds_kernel_parameters(rows3d, weights, monkeypatch):
+    """3-D data/grad (flattened to rows) and an empty ``weight`` (dummy stand-ins): every argument fits the
+    kernel's parameters; ``num_weights`` is ``T * K``, or the 1-element dummy without weights."""
+    hidden, npc, round_sf, clamp = BWD_CASES[1]
+    calls = fake_jit(monkeypatch)
+    t, k = 6, 2
+    data, sf = ref_cast(torch.randn(t, 2 * hidden), "e4m3", (1, npc))
+    grad = torch.randn(t, hidden).to(torch.bfloat16)
+    if rows3d:
+        data, grad = data.view(2, 3, -1), grad.view(2, 3, -1)
+    nt = t if weights else 0
+    weight = torch.rand(nt, k)
+    p2t = torch.full((t,), -1, dtype=torch.int32)
+    if weights:
+        p2t[:4] = torch.tensor([0, 3, 5, 10], dtype=torch.int32)
+    tt2p = torch.full((nt, k), -1, dtype=torch.int32)
+    K.swiglu_bwd_ptc_launch(data, sf, grad, weight, p2t, tt2p, npc, round_sf, clamp)
+    assert [(c.name, c.cfg, c.env["num_tokens"], c.env["num_weights"]) for c in calls] == [
+        ("swiglu_bwd_ptc", K._bwd_ptc_cfg(hidden, npc, round_sf, clamp), t, t * k if weights else 1)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("case", PCC_CASES, ids=str)
+def test_fwd_pcc_launcher_binds_kernel_parameters(case, monkeypatch):
+    """Transposed (H, T) and untransposed (T, H) e4m3 outputs, npt 32 and 128: every argument fits."""
+    hidden, npt, round_sf, transpose, clamp = case
+    calls = fake_jit(monkeypatch)
+    t = 256
+    x = torch.randn(t, 2 * hidden).to(torch.bfloat16)
+    out, out_sf = K.swiglu_fwd_pcc_launch(x, npt, round_sf, not transpose, clamp)
+    assert out.shape == ((hidden, t) if transpose else (t, hidden)) and out_sf.shape == (t // npt, hidden)
+    assert [(c.name, c.cfg, c.env["num_tokens"]) for c in calls] == [("swiglu_fwd_pcc", K._pcc_cfg(*case), t)]
+
+
 # ---- GPU tier ----
 
 def _poison():

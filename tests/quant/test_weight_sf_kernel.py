@@ -9,6 +9,7 @@ from tilefuse.quant import _weight_sf_kernel as WS
 from tilefuse.reference.quant import per_token_cast_and_cast_back_values
 from tilefuse.reference.weight_sf import batched_transpose_weight_sf as ref_wsf
 from tilefuse.testing import assert_equal
+from tests.quant.kernel_binding import fake_jit
 
 TOKENS = (0, 1, 7, 4001, 8192)
 DT = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -33,6 +34,47 @@ def test_weight_sf_fake_shapes_cpu():
     assert out[1].shape == (2, 1536, 2) and out[1].stride() == (2 * 1536, 1, 1536)
     assert out[2].shape == (512, 2) and out[2].stride() == (1, 512)
     assert out[3].shape == (1, 640) and out[3].stride() == (640, 1)
+
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("given_outs", (False, True), ids=("pool", "outs"))
+@pytest.mark.parametrize("bs", (32, 128))
+def test_weight_sf_launcher_binds_kernel_parameters(bs, given_outs, monkeypatch):
+    """2-D and 3-D sf, sf1 transposed or not, outputs from the pool or given (in the returned strides): each
+    of the two launches per sf fits the kernel (``rows``/``cols`` swap for sf1, ``out_rows = rows * bs``)."""
+    shapes = [(5, 7), (2, 3, 6)]
+    flags = [True, False]
+    sf = [torch.exp2(torch.randint(-20, 20, s).float()) for s in shapes]
+    outs = None
+    if given_outs:
+        outs = [(torch.full_like(a, -1), torch.full_like(b, -1)) for a, b in ref_wsf(sf, bs, flags)]
+    calls = fake_jit(monkeypatch)
+    WS.batched_transpose_weight_sf_launch(sf, bs, flags, outs)
+    want = []
+    for s in shapes:
+        g, r, c = (1, *s) if len(s) == 2 else s
+        want += [(g, r, c, -(-c // 4), r * bs), (g, c, r, -(-r // 4), c * bs)]
+    keys = ("groups", "rows", "cols", "words", "out_rows")
+    assert [c.name for c in calls] == ["batched_transpose_weight_sf"] * 4
+    assert [tuple(c.env[k] for k in keys) for c in calls] == want
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("t,width", [(7, 2048), (7, 2048 + 64), (7, 2048 + 3), (1, 2048 + 3)], ids=str)
+@pytest.mark.parametrize("xd", ("bfloat16", "float32"))
+def test_cast_and_cast_back_launcher_binds_kernel_parameters(xd, t, width, monkeypatch):
+    """Contiguous rows, 16-byte-multiple row strides (passed as they are) and other row strides (through a
+    contiguous copy): the launch fits the kernel's strided parameter."""
+    calls = fake_jit(monkeypatch)
+    x = torch.randn(t, width).to(DT[xd])[:, :2048]
+    CB.cast_and_cast_back_launch(x, "e4m3", 128, round_sf=True)
+    vec = 16 // x.element_size()
+    stride = width if width % vec == 0 else 2048
+    assert [(c.name, c.cfg, c.env["num_tokens"]) for c in calls] == [
+        ("per_token_cast_and_cast_back", (xd, "e4m3", 2048, 128, "round"), t)]
+    if t > 1:
+        assert calls[0].env["row_stride"] == stride
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -12,6 +12,7 @@ import torch
 from tilefuse import _jit
 from tilefuse.transpose import _kernel as K
 from tilefuse.transpose import batched_transpose, transpose
+from tests.quant.kernel_binding import fake_jit
 
 HIDDEN = (576, 2048, 2560, 3072, 4096, 6144, 7168)
 DTYPES = (torch.float8_e4m3fn, torch.bfloat16, torch.float32)
@@ -26,6 +27,27 @@ def test_builds_for_sm90_with_16_byte_accesses(cfg):
     assert re.search(r"\*\(int4\*\)\(X \+", src) and re.search(r"\*\(int4\*\)\(Y \+", src)
     assert re.search(r"\*\(int4\*\)\(tile \+", src)
     assert not re.search(r"(?<![\w*(])(X|Y|tile)\[(?!\])", src)
+
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("b,width", [(0, 0), (0, 64), (0, 4), (3, 0), (3, 64), (3, 4)], ids=str)
+def test_launcher_binds_kernel_parameters(dtype, b, width, monkeypatch):
+    """2-D (``b == 0``) and batched inputs, contiguous or row-strided views (16-byte-multiple strides passed as
+    they are, others through a copy): the int32-word views fit the kernel, sizes counted in words."""
+    m, n = 64, 192
+    calls = fake_jit(monkeypatch)
+    x = torch.randn((max(b, 1), m, n + width)).to(dtype)[:, :, :n]
+    out = K.batched_transpose_launch(x) if b else K.transpose_launch(x[0])
+    assert out.shape == ((b, n, m) if b else (n, m))
+    size = x.element_size()
+    stride = n + width if (n + width) * size % 16 == 0 else n
+    words = lambda k: k * size // 4  # noqa: E731
+    assert [(c.name, c.cfg) for c in calls] == [("batched_transpose", (size,))]
+    env = calls[0].env
+    assert (env["batch"], env["rows_words"], env["cols_words"], env["row_stride_words"]) == (
+        max(b, 1), words(m), words(n), words(stride))
 
 
 def _rand(shape, dtype):
