@@ -373,8 +373,19 @@ def host_overhead(iters: int = 2000) -> list[dict]:
     cfg = ("bfloat16", "e4m3", 7168, 128, True, "col_packed", "cast")
     jk = _jit.get_jit_kernel("per_token_cast", cfg)
     out, sf = Q.per_token_cast_launch(x, None, "e4m3", 128, None, True, True, True)
+    raw = _jit.get("per_token_cast", cfg)
+
+    def one_buffer():  # the two outputs carved from one int32 allocation (a candidate allocation scheme)
+        buf = x.new_empty((1792 + 56,), dtype=torch.int32)
+        return buf.as_strided((1, 1792), (1792, 1)).view(torch.float8_e4m3fn), buf.as_strided((1, 14), (1, 4), 1792)
+
     calls = {
         "torch.empty(1, 7168)": lambda: torch.empty((1, 7168), dtype=torch.float8_e4m3fn, device="cuda"),
+        "component: x.new_empty((1, 7168), fp8)": lambda: x.new_empty((1, 7168), dtype=torch.float8_e4m3fn),
+        "component: x.new_empty_strided((1, 14), (1, 4), int32)": lambda: x.new_empty_strided(
+            (1, 14), (1, 4), dtype=torch.int32),
+        "component: one int32 buffer carved into data + sf (3 views)": one_buffer,
+        "component: raw TVM-FFI call (preallocated outputs)": lambda: raw(x, out, sf),
         "bare TileLang kernel call (JITKernel, preallocated outputs)": lambda: jk(x, out, sf),
         "tilefuse launcher (per_token_cast_launch: allocation + launch)": lambda: Q.per_token_cast_launch(
             x, None, "e4m3", 128, None, True, True, True),

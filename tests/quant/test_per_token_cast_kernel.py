@@ -10,7 +10,8 @@ import torch
 from tilefuse import _jit, _registry, quant
 from tilefuse.quant import _per_token_cast_kernel as K
 from tilefuse.reference.quant import cast as ref_cast
-from tilefuse.testing import assert_equal, clear_unused_sf
+from tilefuse.testing import assert_equal, clear_unused_sf, every_bf16_in_groups, quant_adversarial
+from tilefuse.testing.generators import QUANT_FILLS
 from tests.quant.kernel_binding import fake_jit
 
 TOKENS = (0, 1, 7, 4001, 8192)
@@ -154,6 +155,29 @@ def test_grid_matches_reference(t, hidden, x_dtype, fmt, flags):
     col, round_sf, packed = flags
     x = torch.randn(t, hidden, dtype=DTYPES[x_dtype], device="cuda")
     _check(x, fmt, 128, col, round_sf, packed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fill", QUANT_FILLS)
+@pytest.mark.parametrize("x_dtype", ("bfloat16", "float32"))
+@pytest.mark.parametrize("fmt", ("e4m3", "e2m1"))
+@pytest.mark.parametrize("flags", ((False, True, False), (True, True, True), (True, False, False)), ids=str)
+def test_adversarial_fills_match_reference(fill, x_dtype, fmt, flags):
+    """Zero blocks, subnormals, huge values, NaN and +-inf (quant.md 1.7: NaN ignored by the amax, inf gives
+    sf = inf and sf_inv = 0, NaN encodes as positive NaN / code 7), and rows of format maxima and ties."""
+    x = quant_adversarial(61, 576, fill, dtype=DTYPES[x_dtype], device="cuda")
+    _check(x, fmt, 128, *flags)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("round_sf", (False, True))
+def test_e2m1_encodes_every_bf16_pattern(round_sf):
+    """Every finite bf16 pattern of magnitude <= 6 in groups whose amax is 6 (sf = 1): each E2M1 tie and
+    rounding boundary of the nibble encoder, against the reference's decision table."""
+    x = every_bf16_in_groups(128)
+    x = torch.cat((x, torch.full((-x.size(0) % 56, 128), 6.0, dtype=x.dtype))).view(-1, 7168).cuda()
+    _check(x, "e2m1", 128, not round_sf, round_sf, False)  # (col, plain) and (row, round): compiled configs
+    _check(x.float(), "e2m1", 128, not round_sf, round_sf, False)
 
 
 @pytest.mark.gpu

@@ -6,6 +6,7 @@ import torch
 
 import tilefuse.quant as Q
 from tilefuse import _registry, formats as F
+from tilefuse.quant import norm as N, swiglu as S
 from tilefuse.reference import quant as R
 from tilefuse.testing import assert_equal, clear_unused_sf
 
@@ -14,7 +15,8 @@ WIRED = ("per_token_cast", "per_token_cast_with_sf_only", "per_token_cast_with_p
          "cast_back", "per_token_cast_back", "cast_back_e5m6", "unpack_from_e2m1fn_x2", "per_token_cast_to_e5m6",
          "per_channel_cast", "per_channel_cast_and_transpose", "per_channel_cast_fused",
          "swiglu_backward_and_per_token_cast", "swiglu_forward_and_per_channel_cast_and_transpose",
-         "batched_transpose_weight_sf")
+         "batched_transpose_weight_sf", "swiglu_forward_and_per_token_cast", "per_token_cast_and_cast_back",
+         "norm_forward", "norm_forward_and_per_token_cast", "norm_backward")
 T, H = 133, 512
 
 
@@ -117,3 +119,85 @@ def test_swiglu_per_channel(without_transpose):
     got = Q.swiglu_forward_and_per_channel_cast_and_transpose(x, "e4m3", 128, False, without_transpose, 0.5)
     assert_equal(got[0], data if without_transpose else data.T.contiguous())
     assert_equal(got[1], sf)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ((False, False, False), (True, True, True)))
+def test_swiglu_per_token(layout):
+    x = torch.randn(T, 2 * H, device="cuda").to(torch.bfloat16)
+    p2t = torch.randint(-1, 2 * T, (T,), dtype=torch.int32, device="cuda")
+    weights = torch.rand(T, 2, device="cuda")
+    p2e = torch.randint(-1, 4, (T,), dtype=torch.int32, device="cuda")
+    counts = [torch.zeros(3, dtype=torch.int64, device="cuda") for _ in range(2)]
+    args = ("e4m3", 128, p2t, weights, p2e, *layout, 0.5)
+    got = Q.swiglu_forward_and_per_token_cast(x, *args, counts[0], 1e-3)
+    want = S.swiglu_forward_and_per_token_cast_reference(x, *args, counts[1], 1e-3)
+    _same(got, want, npc=128)
+    assert_equal(counts[0], counts[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,npc,round_sf,e4m3_sf", (("e4m3", 128, True, False), ("e2m1", 32, False, True)))
+def test_cast_and_cast_back_in_place(fmt, npc, round_sf, e4m3_sf):
+    base = _x()
+    x = torch.empty(T, H + 64, device="cuda", dtype=torch.bfloat16)[:, :H]  # strided rows, updated in place
+    x.copy_(base)
+    assert Q.per_token_cast_and_cast_back(x, fmt, npc, round_sf, e4m3_sf) is None
+    assert_equal(x, R.per_token_cast_and_cast_back_values(base, fmt, npc, round_sf, e4m3_sf))
+
+
+def _norm_inputs(residual: bool):
+    x, r = _x(), (_x() if residual else None)
+    w = (torch.rand(H, device="cuda") + 0.5).to(torch.bfloat16)
+    return x, r, w
+
+
+def _o(h_in, w, rstd, scale):
+    """The spec's o from a given rstd (products only: exact in torch), as the kernel tier checks it."""
+    return ((h_in.float() * rstd.unsqueeze(-1)) * (w.float() * scale)).to(h_in.dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("residual", (False, True))
+def test_norm_forward(residual):
+    x, r, w = _norm_inputs(residual)
+    got = Q.norm_forward(x, w, 1e-6, r, 0.5, with_rstd=True)
+    want = N.norm_forward_reference(x, w, 1e-6, r, 0.5, with_rstd=True)
+    torch.testing.assert_close(got[1], want[1], rtol=(H + 8) * 2.0 ** -24, atol=0)
+    assert_equal(got[2], want[2])
+    assert (got[2] is x) == (not residual)
+    assert_equal(got[0], _o(want[2], w, got[1], 0.5))
+    assert Q.norm_forward(x, w, 1e-6, r, 0.5)[1] is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ((False, False, False), (True, True, True)))
+def test_norm_forward_and_per_token_cast(layout):
+    x, r, w = _norm_inputs(True)
+    (data, sf), bf, rstd, norm_input = Q.norm_forward_and_per_token_cast(x, w, 1e-6, "e4m3", 32, r, 1.0, *layout,
+                                                                         with_out_bf16=True, with_rstd=True)
+    want = N.norm_forward_and_per_token_cast_reference(x, w, 1e-6, "e4m3", 32, r, 1.0, *layout, with_out_bf16=True,
+                                                       with_rstd=True)
+    torch.testing.assert_close(rstd, want[2], rtol=(H + 8) * 2.0 ** -24, atol=0)
+    assert_equal(norm_input, want[3])
+    o = _o(want[3], w, rstd, 1.0)
+    assert_equal(bf, o)
+    _same((data, sf), R.cast(o, "e4m3", (1, 32), round_sf=layout[1], use_tma_aligned_col_major_sf=layout[0],
+                             use_packed_ue8m0=layout[2]), npc=32)
+    plain = Q.norm_forward_and_per_token_cast(x, w, 1e-6, "bf16", None, r, 1.0)
+    assert plain[1] is None and plain[2] is None
+    assert_equal(plain[0], _o(want[3], w, Q.norm_forward(x, w, 1e-6, r, 1.0, with_rstd=True)[1], 1.0))
+
+
+@pytest.mark.gpu
+def test_norm_backward():
+    x, rg, w = _norm_inputs(True)
+    dy = _x()
+    rstd = torch.rand(T, device="cuda") + 0.5
+    acc = torch.randn(H, device="cuda")
+    dx, wg = Q.norm_backward(dy, x, w, rstd, rg, 0.75, acc)
+    rdx, rwg = N.norm_backward_reference(dy, x, w, rstd, rg, 0.75, acc.clone())
+    assert wg is acc
+    torch.testing.assert_close(dx.float(), rdx.float(), rtol=2 ** -7, atol=2 ** -7)
+    torch.testing.assert_close(wg, rwg, rtol=1e-5, atol=1e-3)
+    assert Q.norm_backward(dy, x, None, rstd)[1] is None

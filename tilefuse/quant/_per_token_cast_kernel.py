@@ -18,6 +18,8 @@ pre-quantized inputs use order A: ``narrow(data * (sf_in * sf_inv))``.
 
 
 
+import struct
+
 import torch
 
 from tilefuse import _jit
@@ -37,13 +39,19 @@ def _vec(hidden_phys: int, elem_bytes: int) -> int:
     return v
 
 
-def _lanes(npc: int, elems: int) -> tuple[int, int]:
-    """(L lanes, C chunks) per (row, group) pair: ``npc / elems`` vectors split over at most 32 lanes."""
+def _lanes(npc: int, elems: int, max_lanes: int = 32) -> tuple[int, int]:
+    """(L lanes, C chunks) per (row, group) pair: ``npc / elems`` vectors split over at most ``max_lanes``."""
     nv = npc // elems
     lanes = 1
-    while lanes < 32 and nv % (2 * lanes) == 0:
+    while lanes < max_lanes and nv % (2 * lanes) == 0:
         lanes *= 2
     return lanes, nv // lanes
+
+
+def _pow2_split(m: float) -> tuple[int, int]:
+    """``(mantissa field, exponent)`` of the binary32 ``m``: ``m = (1 + field / 2^23) * 2^exponent``."""
+    bits = struct.unpack("<I", struct.pack("<f", m))[0]
+    return bits & 0x7FFFFF, (bits >> 23) - 127
 
 
 def _tiling(n_units: int, lanes: int, threads: int, units_per_thread: int) -> tuple[int, int]:
@@ -61,7 +69,8 @@ def per_token_cast_kernel(x_dtype: str, fmt: str, hidden: int, npc: int, round_s
 
     x_dtype: "bfloat16" | "float32" (plain) | "float8_e4m3fn" | "e2m1" (pre-quantized, needs ibm, ibk).
     fmt: "e4m3" | "e2m1". sf_layout: "row" | "col" | "col_packed". mode: "cast" | "sf_only" | "precomputed".
-    tile: (threads per CTA, (row, group) pairs per thread), a tuning knob that never changes the results.
+    tile: (threads per CTA, vectors per thread[, most lanes per (row, group) pair]), a tuning knob that never
+    changes the results.
 
     Thread mapping: a (row, group) pair is read by L lanes of one warp, lane ``q`` holding C chunks of E
     consecutive elements (one 16-byte vector each) at columns ``g*npc + c*L*E + q*E``, so a warp's loads
@@ -71,6 +80,7 @@ def per_token_cast_kernel(x_dtype: str, fmt: str, hidden: int, npc: int, round_s
 
     M = _MAX[fmt]
     clamp = _CLAMP[fmt]
+    m_field, m_exp = _pow2_split(M)
     prequant = x_dtype in ("float8_e4m3fn", "e2m1")
     ng = -(-hidden // npc)
     partial = hidden % npc != 0
@@ -81,8 +91,8 @@ def per_token_cast_kernel(x_dtype: str, fmt: str, hidden: int, npc: int, round_s
     per_byte = 2 if x_dtype == "e2m1" else 1
     E = min(vp * per_byte, npc)                     # logical elements per vector
     vp = E // per_byte
-    L, C = _lanes(npc, E)
-    threads, per_thread = tile
+    L, C = _lanes(npc, E, tile[2] if len(tile) > 2 else 32)
+    threads, per_thread = tile[:2]
     threads = max(threads, L)
     UG = 4 if sf_layout == "col_packed" and mode != "precomputed" else 1
     RU = max(1, per_thread // (UG * C))              # units (UG consecutive groups of one row) per thread
@@ -132,19 +142,18 @@ def per_token_cast_kernel(x_dtype: str, fmt: str, hidden: int, npc: int, round_s
         return T.cast(raw[j, c, e], "float32")
 
     def e2m1_code(v):
-        """Nibble of quant.md 1.2 from the binary32 pattern of ``v``: magnitude rounded to the nearest code,
-        ties to even, saturated at 7 (6.0; NaN and inf too); sign bit copied. From 1.0 up, codes are a
-        float with one mantissa bit and exponent bias 1: round the pattern to one mantissa bit (add half an
-        ulp minus one plus the kept bit, ties to even) and rebias (127 -> 1, i.e. subtract 252 << 22).
-        Below 1.0, codes 0..2 step by 0.5: ``2|v|`` rounded to an integer by one binary32 add of
-        1.5 * 2^23 (ulp 1 there, ties to even)."""
-        bits = T.reinterpret(v, "int32")
-        mb = bits & 0x7FFFFFFF
-        norm = T.min(T.shift_right(mb + (0x1FFFFF - (252 << 22)) + (T.shift_right(mb, 22) & 1), 22), 7)
-        m = T.reinterpret(mb, "float32")
-        sub = T.reinterpret(m * T.float32(2.0) + T.float32(12582912.0), "int32") - 0x4B400000
-        code = T.if_then_else(m < T.float32(1.0), sub, norm)
-        return code | (T.shift_right(bits, 28) & 8)
+        """Nibble of quant.md 1.2 for the binary32 ``v``: magnitude rounded to the nearest code, ties to even,
+        saturated at 7; sign bit copied. ``m = min(|v|, 6)`` (NaN and inf give 6, so code 7). Codes are a
+        float with one mantissa bit, bias 1, and a subnormal step of 0.5 below 1.0: one binary32 add of
+        ``S = 1.5 * 2^(e + 22)``, e the exponent of m raised to at least 0 (the binade [1, 2)), rounds m to a
+        multiple of S's ulp ``2^(e - 1)`` with ties to even, and ``bits(m + S) - bits(S)`` counts those steps
+        past S. The code is then ``2e + steps``: one add and five integer operations, no branch.
+        (Checked against the decision table for every binary32 pattern.)"""
+        m = T.min(T.abs(v), T.float32(6.0))
+        e = T.max(T.reinterpret(m, "int32") & 0x7F800000, 0x3F800000)
+        s = e + 0x0B400000
+        steps = T.reinterpret(m + T.reinterpret(s, "float32"), "int32") - s
+        return (steps + (T.shift_right(e, 22) - 254)) | (T.shift_right(T.reinterpret(v, "int32"), 28) & 8)
 
     x_param = T.StridedTensor((Tn, x_phys), (S, 1), x_store)
     sfi_param = T.StridedTensor((NBMI, sfi_cols), (SI0, SI1), "int32" if sf_in_packed else "float32")
@@ -207,10 +216,14 @@ def per_token_cast_kernel(x_dtype: str, fmt: str, hidden: int, npc: int, round_s
                         am[j] = T.max(am[j], T.shfl_xor(am[j], T.shift_right(L // 2, st)))
                     a = T.max(am[j], T.float32(clamp))
                     if round_sf:
-                        bits = T.reinterpret(a / T.float32(M), "int32")
-                        eb = T.shift_right(bits - 1, 23) + 1  # biased exponent of 2^ceil(log2(a/M))
+                        # biased exponent of 2^ceil(log2(a/M)) without the division: with M = (1 + f) 2^k,
+                        # a/M <= 2^n exactly when a's pattern minus f's field is at most (n + k) << 23
+                        # (a >= M 2^-126 keeps a/M normal); inf gives 255: sf = inf, sf_inv = 0 (quant.md 1.7)
+                        ab = T.reinterpret(a, "int32")
+                        eb = T.if_then_else(ab >= 0x7F800000, 255,
+                                            T.shift_right(ab - (m_field + 1), 23) + (1 - m_exp))
                         sf = T.reinterpret(T.shift_left(eb, 23), "float32")
-                        inv[j] = T.reinterpret(T.shift_left(254 - eb, 23), "float32")
+                        inv[j] = T.reinterpret(T.shift_left(T.max(254 - eb, 0), 23), "float32")
                     else:
                         sf = a / T.float32(M)
                         inv[j] = T.float32(M) / a

@@ -19,7 +19,7 @@ from .. import formats as F
 from .._registry import public
 from ..reference import quant as R
 from . import _cast_back_kernel as KC, _e5m6_kernel as KE, _per_block_cast_kernel as KB
-from . import _per_channel_cast_kernel as KP
+from . import _cast_and_cast_back_kernel as KCC, _per_channel_cast_kernel as KP
 from . import _per_token_cast_kernel as K
 
 __all__ = [
@@ -456,7 +456,7 @@ def unpack_from_e2m1fn_x2(x: torch.Tensor, out_dtype: torch.dtype = torch.float3
 # v2.1: in-place quantization round trip (section 5.8)
 # ---------------------------------------------------------------------------------------------------------
 
-@public("quant")
+@public("quant", path="kernel")
 def per_token_cast_and_cast_back(x: torch.Tensor, fmt: str, num_per_channels: int, round_sf: bool = False,
                                  use_e4m3_sf: bool = False) -> None:
     """In place: ``x <- round_{x.dtype}(decode(narrow(x * sf_inv)) * sf)`` per ``(1, npc)`` group (section 5.8)."""
@@ -467,4 +467,6 @@ def per_token_cast_and_cast_back(x: torch.Tensor, fmt: str, num_per_channels: in
     _check.expect(H % num_per_channels == 0 and H % 64 == 0, op,
                   f"x must have hidden % num_per_channels == 0 and hidden % 64 == 0, got shape {(T, H)}")
     _check.expect(not (round_sf and use_e4m3_sf), op, "round_sf and use_e4m3_sf cannot both be True")
+    if x.is_cuda:
+        return KCC.per_token_cast_and_cast_back_cuda(x, fmt, num_per_channels, round_sf, use_e4m3_sf)
     x.copy_(R.per_token_cast_and_cast_back_values(x, fmt, num_per_channels, round_sf, use_e4m3_sf))

@@ -10,6 +10,7 @@ import torch
 from tilefuse import _check
 from tilefuse import formats as F
 from tilefuse._registry import public
+from tilefuse.quant import _norm_kernel as _K
 from tilefuse.reference import norm as _ref
 from tilefuse.reference import quant as _quant_ref
 
@@ -70,7 +71,7 @@ def _finish(x, h, rstd, residual, residual_out, with_rstd):
     return (rstd if with_rstd else None), norm_input
 
 
-@public("quant")
+@public("quant", path="kernel")
 def norm_forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None,
                  out_scale: float = 1.0, out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
                  with_rstd: bool = False):
@@ -82,6 +83,14 @@ def norm_forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, resid
     op = "norm_forward"
     _check_forward(op, x, weight, eps, residual, out_scale, residual_out)
     _check_like(op, "out", out, x)
+    if x.is_cuda:
+        return _K.norm_forward_cuda(x, weight, eps, residual, out_scale, out, residual_out, with_rstd)
+    return norm_forward_reference(x, weight, eps, residual, out_scale, out, residual_out, with_rstd)
+
+
+def norm_forward_reference(x, weight, eps, residual=None, out_scale=1.0, out=None, residual_out=None,
+                           with_rstd=False):
+    """What ``norm_forward`` returns, computed by the reference on any device (no validation)."""
     o, rstd, h = _ref.norm_forward_ref(x, weight, eps, residual, out_scale)
     if out is not None:
         o = out.copy_(o)
@@ -127,7 +136,7 @@ def _per_token_sf(o: torch.Tensor, npc: int, col: bool, round_sf: bool, packed: 
     return data, sf
 
 
-@public("quant")
+@public("quant", path="kernel")
 def norm_forward_and_per_token_cast(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float, fmt: str, num_per_channels: int | None,
     residual: torch.Tensor | None = None, out_scale: float = 1.0, use_tma_aligned_col_major_sf: bool = False,
@@ -196,6 +205,25 @@ def norm_forward_and_per_token_cast(
             out_x = out[0]
             _check_like(op, "out[0]", out_x, x)
 
+    if x.is_cuda:
+        return _K.norm_forward_and_per_token_cast_cuda(x, weight, eps, fmt, num_per_channels, residual, out_scale,
+                                                       col, round_sf, packed, with_out_bf16, out, out_bf16,
+                                                       residual_out, mega_moe_sf, mega_moe_block_m, with_rstd)
+    return norm_forward_and_per_token_cast_reference(x, weight, eps, fmt, num_per_channels, residual, out_scale, col,
+                                                     round_sf, packed, with_out_bf16, out, out_bf16, residual_out,
+                                                     mega_moe_sf, mega_moe_block_m, with_rstd)
+
+
+def norm_forward_and_per_token_cast_reference(x, weight, eps, fmt, num_per_channels, residual=None, out_scale=1.0,
+                                              use_tma_aligned_col_major_sf=False, round_sf=False,
+                                              use_packed_ue8m0=False, with_out_bf16=False, out=None, out_bf16=None,
+                                              residual_out=None, mega_moe_sf=None, mega_moe_block_m=0,
+                                              with_rstd=False):
+    """What ``norm_forward_and_per_token_cast`` returns, computed by the reference on any device (no validation)."""
+    quantized = fmt == "e4m3"
+    col, packed = use_tma_aligned_col_major_sf, use_packed_ue8m0
+    h = x.size(-1)
+    out_x, out_sf = (None, None) if out is None else out
     o, rstd, hsum = _ref.norm_forward_ref(x, weight, eps, residual, out_scale)
     rstd, norm_input = _finish(x, hsum, rstd, residual, residual_out, with_rstd)
     if not quantized:
@@ -212,7 +240,7 @@ def norm_forward_and_per_token_cast(
     return (data, sf), bf16, rstd, norm_input
 
 
-@public("quant")
+@public("quant", path="kernel")
 def norm_backward(out_grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor,
                   residual_out_grad: torch.Tensor | None = None, out_scale: float = 1.0,
                   weight_grad: torch.Tensor | None = None):
@@ -233,6 +261,13 @@ def norm_backward(out_grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor 
     _check_scalar(op, "out_scale", out_scale)
     _check.optional(op, "weight_grad", weight_grad, dtype=_DTYPES, shape=(h,), contiguous=True, device=x.device)
     _check.expect(weight_grad is None or weight is not None, op, "weight_grad requires weight")
+    if x.is_cuda:
+        return _K.norm_backward_cuda(out_grad, x, weight, rstd, residual_out_grad, out_scale, weight_grad)
+    return norm_backward_reference(out_grad, x, weight, rstd, residual_out_grad, out_scale, weight_grad)
+
+
+def norm_backward_reference(out_grad, x, weight, rstd, residual_out_grad=None, out_scale=1.0, weight_grad=None):
+    """What ``norm_backward`` returns, computed by the reference on any device (no validation)."""
     x_grad, wg = _ref.norm_backward_ref(out_grad, x, weight, rstd, residual_out_grad, out_scale)
     if weight is None:
         return x_grad, None

@@ -30,7 +30,7 @@ def _check_clamp(op: str, value, name: str = "swiglu_clamp_value") -> None:
                   f"{name} must be None or a float, got {type(value).__name__}", TypeError)
 
 
-@public("quant")
+@public("quant", path="kernel")
 def swiglu_forward_and_per_token_cast(
     x: torch.Tensor, fmt: str, num_per_channels: int, pos_to_token_topk: torch.Tensor | None = None,
     topk_weights: torch.Tensor | None = None, pos_to_expert: torch.Tensor | None = None,
@@ -72,13 +72,26 @@ def swiglu_forward_and_per_token_cast(
     _check.expect(sf_clamp_min is None or (isinstance(sf_clamp_min, (int, float)) and not isinstance(sf_clamp_min, bool)
                                            and sf_clamp_min >= F.FMT_MAX["e4m3"] * 2.0 ** -126), op,
                   f"sf_clamp_min must be None or a float >= 448 * 2^-126, got {sf_clamp_min!r}")
+    args = (x, fmt, num_per_channels, pos_to_token_topk, topk_weights, pos_to_expert, col, round_sf, packed,
+            swiglu_clamp_value, clamped_count, sf_clamp_min)
+    if x.is_cuda:
+        return _K.swiglu_forward_and_per_token_cast_cuda(*args)
+    return swiglu_forward_and_per_token_cast_reference(*args)
 
+
+def swiglu_forward_and_per_token_cast_reference(x, fmt, num_per_channels, pos_to_token_topk=None, topk_weights=None,
+                                                pos_to_expert=None, use_tma_aligned_col_major_sf=False,
+                                                round_sf=False, use_packed_ue8m0=False, swiglu_clamp_value=None,
+                                                clamped_count=None, sf_clamp_min=None):
+    """What ``swiglu_forward_and_per_token_cast`` returns (and adds to ``clamped_count``), computed by the
+    reference on any device (no validation)."""
     act = _ref.swiglu_forward(x, pos_to_token_topk, topk_weights, swiglu_clamp_value)
     if clamped_count is not None:
         rows = None if pos_to_expert is None else pos_to_expert >= 0
         clamped_count += _ref.clamp_counts(x, swiglu_clamp_value, rows)
-    return _quant_ref.cast(act, "e4m3", (1, num_per_channels), round_sf=round_sf, use_tma_aligned_col_major_sf=col,
-                           use_packed_ue8m0=packed, clamp_min=sf_clamp_min)
+    return _quant_ref.cast(act, fmt, (1, num_per_channels), round_sf=round_sf,
+                           use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
+                           use_packed_ue8m0=use_packed_ue8m0, clamp_min=sf_clamp_min)
 
 
 @public("quant", path="kernel")

@@ -17,8 +17,12 @@ __all__ = [
     "random_topk_idx",
     "random_topk_weights",
     "e5m6_special_inputs",
+    "quant_adversarial",
+    "every_bf16_in_groups",
     "poison_",
 ]
+
+QUANT_FILLS = ("zero_blocks", "subnormal", "huge", "nan", "inf", "mixed")
 
 # E5M6 landmarks (quant.md 1.3): min subnormal, max subnormal, min normal, max normal.
 E5M6_MIN_SUBNORMAL = 2.0 ** -20
@@ -98,6 +102,53 @@ def e5m6_special_inputs(num_tokens: int, hidden: int, *, dtype: torch.dtype = to
         x = torch.full((num_tokens, hidden), value, dtype=dtype)
         x[:, -1] = E5M6_MAX
         yield x.to(device), True
+
+
+def quant_adversarial(num_tokens: int, hidden: int, kind: str, *, dtype: torch.dtype = torch.bfloat16,
+                      group: int = 128, seed: int | None = 0, device="cpu") -> torch.Tensor:
+    """A ``(num_tokens, hidden)`` quantization input of one adversarial kind (quant.md 6.2's edge cases):
+
+    - ``zero_blocks``: every third ``group``-column block all zero (the amax clamp decides the sf);
+    - ``subnormal``: magnitudes around a quarter of the dtype's smallest normal;
+    - ``huge``: magnitudes up to about half the dtype's maximum (sf far above 1, no overflow);
+    - ``nan`` / ``inf``: a normal fill with about 1 element in 97 NaN (negative and positive) or +-inf;
+    - ``mixed``: rows cycling through zeros, subnormals, e4m3/e2m1 maxima and their ties, and normal values.
+    """
+    g = make_generator(seed)
+    x = torch.randn(num_tokens, hidden, generator=g)
+    fin = torch.finfo(dtype)
+    if kind == "zero_blocks":
+        x[:, : hidden - hidden % group].view(num_tokens, -1, group)[:, ::3] = 0
+    elif kind == "subnormal":
+        x = x * (fin.tiny * 0.25)
+    elif kind == "huge":
+        x = x.clamp(-4, 4) * (fin.max / 8)
+    elif kind in ("nan", "inf"):
+        hit = torch.rand(num_tokens, hidden, generator=g) < 1 / 97
+        sign = torch.where(torch.rand(num_tokens, hidden, generator=g) < 0.5, -1.0, 1.0)
+        x = torch.where(hit, sign * (float("nan") if kind == "nan" else float("inf")), x)
+    elif kind == "mixed":
+        specials = torch.tensor([0.0, -0.0, 448.0, -448.0, 464.0, 6.0, -6.0, 5.0, 3.5, 2.5, 1.75, 1.25, 0.75, 0.25,
+                                 fin.tiny, -fin.tiny * 0.5, 1e-30, 7.0, 480.0])
+        idx = torch.randint(0, len(specials), (num_tokens, hidden), generator=g)
+        x = torch.where(torch.arange(num_tokens)[:, None] % 3 == 0, specials[idx], x)
+    else:
+        raise ValueError(f"quant_adversarial: kind must be one of {QUANT_FILLS}, got {kind!r}")
+    return x.to(dtype).to(device)
+
+
+def every_bf16_in_groups(group: int = 128, device="cpu") -> torch.Tensor:
+    """Every finite bf16 bit pattern of magnitude <= 6 (once each, in pattern order), in rows of ``group``
+    whose first element is 6.0: per-token e2m1 casts of these rows have amax 6, sf exactly 1 (rounded or
+    not) and so encode each pattern itself, through every tie of the E2M1 grid."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    vals = bits[bits.abs() <= 6.0]
+    per_row = group - 1
+    rows = -(-vals.numel() // per_row)
+    body = torch.zeros(rows * per_row)
+    body[: vals.numel()] = vals
+    x = torch.cat((torch.full((rows, 1), 6.0), body.view(rows, per_row)), dim=1)
+    return x.to(torch.bfloat16).to(device)
 
 
 def poison_(t: torch.Tensor) -> torch.Tensor:

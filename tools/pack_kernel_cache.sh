@@ -1,0 +1,33 @@
+#!/bin/bash
+# Compile every registered kernel config for sm_90 here (no GPU needed) and pack tilefuse's exported
+# libraries into .gpu/kcache.tar.xz, which tools/gpu_verify.sh unpacks on the device: the GPU machine then
+# spends its time measuring instead of compiling. Libraries are keyed by a digest of their kernel module, so
+# an edited kernel is simply recompiled on the device. Usage: bash tools/pack_kernel_cache.sh [--ops NAME ...]
+set -o pipefail  # a failed config is reported and skipped; the rest is still packed
+python3 -m tilefuse precompile --jobs "${JOBS:-2}" --arch sm_90 "$@" 2>&1 | grep -E "^FAILED|^compiled" | tail -8
+# SWEEP="256x4,256x4x4" also compiles the per_token_cast tile-sweep variants of ``bench --tiles``
+# only the libraries of the current sources (older digests stay behind)
+cat > /tmp/kcache_list.py <<'PY'
+import os
+import sys
+
+from tilefuse import _jit, bench
+
+if __name__ == "__main__":  # compile_many spawns workers that re-import this file
+    work = [(name, cfg) for name, cfgs in _jit.registered().items() for cfg in cfgs]
+    if os.environ.get("SWEEP"):
+        sweep = bench.sweep_work(bench.parse_tiles(os.environ["SWEEP"]))
+        todo = [w for w in sweep if not os.path.exists(_jit._lib_path(*w, "sm_90"))]
+        for (name, cfg), err in _jit.compile_many(todo, "sm_90", int(os.environ.get("JOBS", "2"))):
+            print("FAILED", name, cfg, err[:200], file=sys.stderr)
+        work += sweep
+    with open(sys.argv[1], "w") as f:
+        for name, cfg in work:
+            path = _jit._lib_path(name, cfg, "sm_90")
+            if os.path.exists(path):
+                f.write(os.path.basename(path) + "\n")
+PY
+PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 /tmp/kcache_list.py /tmp/kcache.list 2>&1 | grep FAILED
+dir="${TILEFUSE_CACHE_DIR:-${TILELANG_CACHE_DIR:-$HOME/.tilelang/cache}/tilefuse}"
+mkdir -p .gpu && tar -C "$dir" -cJf .gpu/kcache.tar.xz -T /tmp/kcache.list
+echo "$(wc -l < /tmp/kcache.list) libraries, $(du -h .gpu/kcache.tar.xz | cut -f1)"
