@@ -53,6 +53,9 @@ KERNEL_MODULES = (
     "tilefuse.quant._cast_and_cast_back_kernel",
 )
 
+# Modules of TileLang helpers that kernels import: their source is part of every kernel's cache key.
+SHARED_KERNEL_MODULES = ("tilefuse.quant._tl",)
+
 _FACTORIES: dict[str, tuple[Callable, Callable[[], Iterable[tuple]]]] = {}
 _COMPILED: dict[tuple, Callable] = {}
 _LOCK = threading.Lock()
@@ -125,9 +128,12 @@ def _lib_path(name: str, config: tuple, arch: str) -> str:
     mod = _FACTORIES[name][0].__module__
     digest = _DIGESTS.get(mod)
     if digest is None:
-        with open(inspect.getsourcefile(sys.modules[mod]), "rb") as f:
-            digest = hashlib.sha256(f.read() + _tilelang_version().encode()).hexdigest()[:16]
-        _DIGESTS[mod] = digest
+        h = hashlib.sha256(_tilelang_version().encode())
+        for m in (mod, *SHARED_KERNEL_MODULES):
+            importlib.import_module(m)
+            with open(inspect.getsourcefile(sys.modules[m]), "rb") as f:
+                h.update(f.read())
+        digest = _DIGESTS[mod] = h.hexdigest()[:16]
     key = hashlib.sha256(repr((name, config, arch, sorted(_PASS_CONFIGS.items()), digest)).encode()).hexdigest()
     return os.path.join(_cache_dir(), f"{name}-{arch}-{key[:24]}.so")
 

@@ -286,6 +286,48 @@ def _cases() -> list[Case]:
     cases.append(Case("swiglu_forward_and_per_channel_cast_and_transpose", swiglu_pcc,
                       lambda x: q.swiglu_forward_and_per_channel_cast_and_transpose(x, "e4m3", 128, True)))
 
+    def swiglu_ptc(device, scale):
+        """MoE rows (topk 6, 256 experts, 8 ranks, aligned to 16) of 2H = 7168 (H = 3584, the largest of the
+        grid) with routing weights, col + round, clamp 0.5 (quant.md 7.2-7.3)."""
+        t_src, k, rows = _moe_routing(scale, 16)
+        h = _dim(3584, scale, 128)
+        x = _randn((len(rows), 2 * h), torch.bfloat16, device)
+        p2t = torch.tensor(rows, dtype=torch.int32, device=device)
+        weights = torch.rand(t_src, k, device=device)
+        return f"bf16 {len(rows)}x{2 * h} ({t_src} tokens, topk {k}, weighted) npc128 col round clamp 0.5", (
+            x, p2t, weights)
+
+    cases.append(Case("swiglu_forward_and_per_token_cast", swiglu_ptc,
+                      lambda x, p2t, w: q.swiglu_forward_and_per_token_cast(x, "e4m3", 128, p2t, w, None, True, True,
+                                                                            False, 0.5)))
+
+    # RMSNorm (quant.md 5.11; no upstream benchmark): bf16 8192 x 7168 with a weight
+    def norm_input(device, scale):
+        t, h = _dim(8192, scale), _dim(7168, scale, 128)
+        return f"bf16 {t}x{h} weight", (_randn((t, h), torch.bfloat16, device),
+                                        _randn((h,), torch.bfloat16, device))
+
+    cases.append(Case("norm_forward", norm_input, lambda x, w: q.norm_forward(x, w, 1e-6)[0]))
+    cases.append(Case("norm_forward_and_per_token_cast",
+                      lambda device, scale: (norm_input(device, scale)[0] + " -> e4m3 npc32 col round ue8m0",
+                                             norm_input(device, scale)[1]),
+                      lambda x, w: q.norm_forward_and_per_token_cast(x, w, 1e-6, "e4m3", 32, None, 1.0, True, True,
+                                                                     True)[0]))
+
+    def norm_grad(device, scale):
+        label, (x, w) = norm_input(device, scale)
+        rstd = torch.rand(x.size(0), device=device) + 0.5
+        return label + ", rstd -> x_grad, weight_grad", (_randn(tuple(x.shape), torch.bfloat16, device), x, w, rstd)
+
+    cases.append(Case("norm_backward", norm_grad, lambda dy, x, w, rstd: q.norm_backward(dy, x, w, rstd)))
+
+    def cast_in_place(x):
+        q.per_token_cast_and_cast_back(x, "e4m3", 128, True)
+        return x  # written in place: counted as the output
+
+    cases.append(Case("per_token_cast_and_cast_back", plain(8192, 7168, extra=" npc128 e4m3 round, in place"),
+                      cast_in_place))
+
     # weight sf (quant.md 5.13): MoE up (n 4096, k 7168) and down (n 7168, k 2048) weights of 256 experts
     def weight_sf(device, scale):
         g = _dim(256, scale)

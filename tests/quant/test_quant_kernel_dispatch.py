@@ -132,7 +132,11 @@ def test_swiglu_per_token(layout):
     args = ("e4m3", 128, p2t, weights, p2e, *layout, 0.5)
     got = Q.swiglu_forward_and_per_token_cast(x, *args, counts[0], 1e-3)
     want = S.swiglu_forward_and_per_token_cast_reference(x, *args, counts[1], 1e-3)
-    _same(got, want, npc=128)
+    kept = p2e >= 0  # skipped rows (pos_to_expert < 0) have unspecified output (quant.md 3.12)
+    assert_equal(got[0][kept], want[0][kept])
+    sf_got, sf_want = (clear_unused_sf(t, H, 128) if layout[2] else t for t in (got[1], want[1]))
+    assert got[1].stride() == want[1].stride()
+    assert_equal(sf_got[kept], sf_want[kept])
     assert_equal(counts[0], counts[1])
 
 
@@ -143,7 +147,7 @@ def test_cast_and_cast_back_in_place(fmt, npc, round_sf, e4m3_sf):
     x = torch.empty(T, H + 64, device="cuda", dtype=torch.bfloat16)[:, :H]  # strided rows, updated in place
     x.copy_(base)
     assert Q.per_token_cast_and_cast_back(x, fmt, npc, round_sf, e4m3_sf) is None
-    assert_equal(x, R.per_token_cast_and_cast_back_values(base, fmt, npc, round_sf, e4m3_sf))
+    assert_equal(x, R.per_token_cast_and_cast_back_values(base, fmt, npc, round_sf, e4m3_sf), check_stride=False)
 
 
 def _norm_inputs(residual: bool):
@@ -195,8 +199,8 @@ def test_norm_backward():
     dy = _x()
     rstd = torch.rand(T, device="cuda") + 0.5
     acc = torch.randn(H, device="cuda")
-    dx, wg = Q.norm_backward(dy, x, w, rstd, rg, 0.75, acc)
     rdx, rwg = N.norm_backward_reference(dy, x, w, rstd, rg, 0.75, acc.clone())
+    dx, wg = Q.norm_backward(dy, x, w, rstd, rg, 0.75, acc)
     assert wg is acc
     torch.testing.assert_close(dx.float(), rdx.float(), rtol=2 ** -7, atol=2 ** -7)
     torch.testing.assert_close(wg, rwg, rtol=1e-5, atol=1e-3)

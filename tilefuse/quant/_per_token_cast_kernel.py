@@ -18,11 +18,10 @@ pre-quantized inputs use order A: ``narrow(data * (sf_in * sf_inv))``.
 
 
 
-import struct
-
 import torch
 
 from tilefuse import _jit
+from tilefuse.quant import _tl
 
 _MAX = {"e4m3": 448.0, "e2m1": 6.0}
 _CLAMP = {"e4m3": 1e-4, "e2m1": 6.0 * 2.0 ** -126}
@@ -46,12 +45,6 @@ def _lanes(npc: int, elems: int, max_lanes: int = 32) -> tuple[int, int]:
     while lanes < max_lanes and nv % (2 * lanes) == 0:
         lanes *= 2
     return lanes, nv // lanes
-
-
-def _pow2_split(m: float) -> tuple[int, int]:
-    """``(mantissa field, exponent)`` of the binary32 ``m``: ``m = (1 + field / 2^23) * 2^exponent``."""
-    bits = struct.unpack("<I", struct.pack("<f", m))[0]
-    return bits & 0x7FFFFF, (bits >> 23) - 127
 
 
 def _tiling(n_units: int, lanes: int, threads: int, units_per_thread: int) -> tuple[int, int]:
@@ -80,7 +73,6 @@ def per_token_cast_kernel(x_dtype: str, fmt: str, hidden: int, npc: int, round_s
 
     M = _MAX[fmt]
     clamp = _CLAMP[fmt]
-    m_field, m_exp = _pow2_split(M)
     prequant = x_dtype in ("float8_e4m3fn", "e2m1")
     ng = -(-hidden // npc)
     partial = hidden % npc != 0
@@ -140,20 +132,6 @@ def per_token_cast_kernel(x_dtype: str, fmt: str, hidden: int, npc: int, round_s
                                  (T.float32(2.0) + m) * T.cast(T.shift_left(1, ex), "float32") * T.float32(0.25))
             return T.if_then_else(nib >= 8, -mag, mag)
         return T.cast(raw[j, c, e], "float32")
-
-    def e2m1_code(v):
-        """Nibble of quant.md 1.2 for the binary32 ``v``: magnitude rounded to the nearest code, ties to even,
-        saturated at 7; sign bit copied. ``m = min(|v|, 6)`` (NaN and inf give 6, so code 7). Codes are a
-        float with one mantissa bit, bias 1, and a subnormal step of 0.5 below 1.0: one binary32 add of
-        ``S = 1.5 * 2^(e + 22)``, e the exponent of m raised to at least 0 (the binade [1, 2)), rounds m to a
-        multiple of S's ulp ``2^(e - 1)`` with ties to even, and ``bits(m + S) - bits(S)`` counts those steps
-        past S. The code is then ``2e + steps``: one add and five integer operations, no branch.
-        (Checked against the decision table for every binary32 pattern.)"""
-        m = T.min(T.abs(v), T.float32(6.0))
-        e = T.max(T.reinterpret(m, "int32") & 0x7F800000, 0x3F800000)
-        s = e + 0x0B400000
-        steps = T.reinterpret(m + T.reinterpret(s, "float32"), "int32") - s
-        return (steps + (T.shift_right(e, 22) - 254)) | (T.shift_right(T.reinterpret(v, "int32"), 28) & 8)
 
     x_param = T.StridedTensor((Tn, x_phys), (S, 1), x_store)
     sfi_param = T.StridedTensor((NBMI, sfi_cols), (SI0, SI1), "int32" if sf_in_packed else "float32")
@@ -216,14 +194,10 @@ def per_token_cast_kernel(x_dtype: str, fmt: str, hidden: int, npc: int, round_s
                         am[j] = T.max(am[j], T.shfl_xor(am[j], T.shift_right(L // 2, st)))
                     a = T.max(am[j], T.float32(clamp))
                     if round_sf:
-                        # biased exponent of 2^ceil(log2(a/M)) without the division: with M = (1 + f) 2^k,
-                        # a/M <= 2^n exactly when a's pattern minus f's field is at most (n + k) << 23
-                        # (a >= M 2^-126 keeps a/M normal); inf gives 255: sf = inf, sf_inv = 0 (quant.md 1.7)
-                        ab = T.reinterpret(a, "int32")
-                        eb = T.if_then_else(ab >= 0x7F800000, 255,
-                                            T.shift_right(ab - (m_field + 1), 23) + (1 - m_exp))
-                        sf = T.reinterpret(T.shift_left(eb, 23), "float32")
-                        inv[j] = T.reinterpret(T.shift_left(T.max(254 - eb, 0), 23), "float32")
+                        # the clamp keeps a >= M 2^-126; inf gives sf = inf, sf_inv = 0 (quant.md 1.7)
+                        eb = _tl.pow2_sf_exponent(a, M)
+                        sf = _tl.pow2_from_exponent(eb)
+                        inv[j] = _tl.pow2_inverse_from_exponent(eb)
                     else:
                         sf = a / T.float32(M)
                         inv[j] = T.float32(M) / a
@@ -251,17 +225,18 @@ def per_token_cast_kernel(x_dtype: str, fmt: str, hidden: int, npc: int, round_s
                                     yb[j, c, e] = T.cast(value(raw, SFI, j, c, e, row, col) * scale, y_dtype)
                                 for e in T.vectorized(E):
                                     Y[row, col + e] = yb[j, c, e]
-                            else:
+                            else:  # halves of the scaled values (exact): see _tl.e2m1_steps_of_half
+                                half = inv[j] * T.float32(0.5)
                                 for b in T.unroll(E // 2):
                                     lo = value(raw, SFI, j, c, 2 * b, row, col)
                                     hi = value(raw, SFI, j, c, 2 * b + 1, row, col)
                                     if prequant:
-                                        lo = lo * (sf_in_at(SFI, row, col + 2 * b) * inv[j])
-                                        hi = hi * (sf_in_at(SFI, row, col + 2 * b + 1) * inv[j])
+                                        lo = lo * (sf_in_at(SFI, row, col + 2 * b) * half)
+                                        hi = hi * (sf_in_at(SFI, row, col + 2 * b + 1) * half)
                                     else:
-                                        lo = lo * inv[j]
-                                        hi = hi * inv[j]
-                                    yb[j, c, b] = T.cast(e2m1_code(lo) | T.shift_left(e2m1_code(hi), 4), "int8")
+                                        lo = lo * half
+                                        hi = hi * half
+                                    yb[j, c, b] = T.cast(_tl.e2m1_pair_byte_of_halves(lo, hi), "int8")
                                 for b in T.vectorized(E // 2):
                                     Y[row, col // 2 + b] = yb[j, c, b]
 
