@@ -13,7 +13,8 @@ from tilefuse import _jit
 from tilefuse.formats import cdiv
 from tilefuse.quant import _per_channel_cast_kernel as K
 from tilefuse.reference import quant as R
-from tilefuse.testing import assert_equal
+from tilefuse.testing import assert_equal, quant_adversarial
+from tilefuse.testing.generators import QUANT_FILLS
 from tests.quant.kernel_binding import fake_jit
 
 TOKENS = (0, 1, 7, 4001, 8192)        # input rows of the gathering op
@@ -365,3 +366,23 @@ def test_adversarial_fused(role):
     if x_kind == "pair":
         x, x_sf = R.cast(x, "e4m3", (1, 128))
     _check(x, x_sf, 128, rnd, pos=_pos(1008, 1024, "cuda") if gather else None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fill", QUANT_FILLS)
+@pytest.mark.parametrize("role", tuple(CFG))
+def test_quant_adversarial_fills_match_reference(fill, role):
+    """quant.md 6.2's fills (zero channel blocks, subnormals, huge values, NaN and +-inf, format maxima and
+    ties) through every test config. Per quant.md 1.7 (the reference models the kernels): NaN is ignored by
+    the block max and encodes as +NaN (0x7F); an inf makes its block's sf inf and sf_inv 0 (the inf itself
+    becomes NaN, the block's finite values +-0). Pairs are the per-token reference cast of the fill, so an
+    inf gives a per-token sf of inf and NaN data/products in the dequantized values."""
+    x_kind, hidden, npt, rnd, transpose, gather = CFG[role]
+    t_in = 301 if gather else 384
+    dtype = torch.bfloat16 if x_kind == "pair" else getattr(torch, x_kind)
+    x = quant_adversarial(t_in, hidden, fill, dtype=dtype, device="cuda")
+    x_sf = None
+    if x_kind == "pair":
+        x, x_sf = R.cast(x, "e4m3", (1, 128))
+    pos = _pos(400, t_in, "cuda") if gather else None
+    _check(x, x_sf, npt, rnd, transpose, pos)

@@ -51,6 +51,7 @@ def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, 
     M = FMT_MAX["e4m3"]
     clamp = CLAMP_MIN["e4m3"]
     pair = x_kind == "pair"
+    raw_dtype = "float8_e4m3fn" if pair else x_kind
     warps_per_block = npt // (_RPT * 4)  # 1 (npt 32) or 4 (npt 128)
 
     Tn, NBM, Tin = T.dynamic("num_tokens, num_row_blocks, num_in_tokens")
@@ -72,36 +73,56 @@ def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, 
             w = tx // 32
             row0 = by * _BM + rl * _RPT
             col0 = bx * _BC + cl * _C
+            live = T.And(row0 < Tn, col0 < hidden)  # all 8 rows (Tn % 8 == 0) and all 8 channels
+            xr = T.alloc_local((_RPT * _C,), raw_dtype)
             xl = T.alloc_local((_RPT * _C,), "float32")
+            sl = T.alloc_local((_RPT,), "float32")
+            pl = T.alloc_local((_RPT,), "int32")
             am = T.alloc_local((_C,), "float32")
             inv = T.alloc_local((_C,), "float32")
             sfl = T.alloc_local((_C,), "float32")
-            src = T.alloc_local((1,), "int32")
             red = T.alloc_shared((4, _BC), "float32")
-            raw = T.alloc_local((_RPT, _C), "float8_e4m3fn")
             yb = T.alloc_local((_C,), "float8_e4m3fn")
-            # 1. load 8 rows x 8 channels as binary32 (pairs: data * sf_in); missing/padding rows read +0
+            xt = T.alloc_local((_RPT,), "float32")
+            # 1. issue every load of the thread before any use (8 independent vector loads in flight);
+            # missing rows (past Tn, other channel tiles, negative gather entries) read +0 (pairs: sf 0 too)
+            for i in T.unroll(_RPT * _C):
+                xr[i] = T.cast(0, raw_dtype)
+            if pair:
+                for j in T.unroll(_RPT):
+                    sl[j] = T.float32(0.0)
+            if gather:
+                for j in T.unroll(_RPT):
+                    pl[j] = -1
+                if live:
+                    for j in T.vectorized(_RPT):
+                        pl[j] = P[row0 + j]
+                for j in T.unroll(_RPT):
+                    pl[j] = T.min(pl[j], Tin - 1)  # clamp like the reference's gather (int32: Tin < 2^31)
+                for j in T.unroll(_RPT):
+                    if pl[j] >= 0:
+                        for v in T.vectorized(_C):
+                            xr[j * _C + v] = X[pl[j], col0 + v]
+                        if pair:
+                            sl[j] = S[pl[j], col0 // _PAIR_NPC]
+            else:
+                if live:
+                    for j in T.unroll(_RPT):
+                        for v in T.vectorized(_C):
+                            xr[j * _C + v] = X[row0 + j, col0 + v]
+                        if pair:
+                            sl[j] = S[row0 + j, col0 // _PAIR_NPC]
+            # 2. binary32 values (pairs: data * sf_in) and block maxima: registers (8 rows), xor-shuffles over
+            # the warp's 4 row lanes, then (npt 128) the CTA's 4 warps through shared memory
             for j in T.unroll(_RPT):
-                src[0] = -1
-                if T.And(row0 + j < Tn, col0 < hidden):
-                    if gather:
-                        src[0] = T.min(P[row0 + j], Tin - 1)  # clamp like the reference; Tin = 0 gives -1
-                    else:
-                        src[0] = row0 + j
-                if src[0] >= 0:
-                    if pair:
-                        for v in T.vectorized(_C):
-                            raw[j, v] = X[src[0], col0 + v]
-                        s = S[src[0], col0 // _PAIR_NPC]
-                        for v in T.unroll(_C):
-                            xl[j * _C + v] = T.cast(raw[j, v], "float32") * s
-                    else:
-                        for v in T.vectorized(_C):
-                            xl[j * _C + v] = T.cast(X[src[0], col0 + v], "float32")
-                else:
+                if pair:  # e4m3 pairs -> binary32 pairs (one F2FP + two HADD2.F32), then * sf_in
                     for v in T.vectorized(_C):
-                        xl[j * _C + v] = T.float32(0.0)
-            # 2. block maxima: registers (8 rows), xor-shuffles over the warp's 4 row lanes, then the warps
+                        xl[j * _C + v] = T.cast(xr[j * _C + v], "float32")
+                    for v in T.unroll(_C):
+                        xl[j * _C + v] = xl[j * _C + v] * sl[j]
+                else:
+                    for v in T.unroll(_C):
+                        xl[j * _C + v] = T.cast(xr[j * _C + v], "float32")
             for v in T.unroll(_C):
                 am[v] = T.float32(0.0)
             for j in T.unroll(_RPT):
@@ -129,20 +150,21 @@ def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, 
                 else:
                     sfl[v] = a / T.float32(M)
                     inv[v] = T.float32(M) / a
-            if T.And(T.And(rl % (npt // _RPT) == 0, row0 < Tn), col0 < hidden):
-                for v in T.vectorized(_C):
-                    SF[row0 // npt, col0 + v] = sfl[v]
-            # 4. narrowed data (satfinite E4M3): one 8-byte store per row, or per channel when transposed
-            if transpose:
-                if T.And(row0 < Tn, col0 < hidden):
+            if live:
+                if rl % (npt // _RPT) == 0:
+                    for v in T.vectorized(_C):
+                        SF[row0 // npt, col0 + v] = sfl[v]
+                # 4. narrowed data (satfinite E4M3): one 8-byte store per row, or per channel when transposed
+                if transpose:
                     for v in T.unroll(_C):
-                        for j in T.unroll(_RPT):  # strided register reads: scalar conversions
-                            yb[j] = T.cast(xl[j * _C + v] * inv[v], "float8_e4m3fn")
+                        for j in T.unroll(_RPT):  # a register transpose: contiguous operands for packed F2FP
+                            xt[j] = xl[j * _C + v] * inv[v]
+                        for j in T.vectorized(_RPT):
+                            yb[j] = T.cast(xt[j], "float8_e4m3fn")
                         for j in T.vectorized(_RPT):
                             Y[col0 + v, row0 + j] = yb[j]
-            else:
-                for j in T.unroll(_RPT):
-                    if T.And(row0 + j < Tn, col0 < hidden):
+                else:
+                    for j in T.unroll(_RPT):
                         for v in T.vectorized(_C):
                             yb[v] = T.cast(xl[j * _C + v] * inv[v], "float8_e4m3fn")
                         for v in T.vectorized(_C):
@@ -151,14 +173,17 @@ def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, 
     if pair and gather:
         @T.prim_func
         def per_channel_cast(D: in_params[0], S: in_params[1], P: p_param, Y: y_param, SF: sf_param):
+            T.assume(Tn % _RPT == 0)
             body(D, S, P, Y, SF)
     elif pair:
         @T.prim_func
         def per_channel_cast(D: in_params[0], S: in_params[1], Y: y_param, SF: sf_param):
+            T.assume(Tn % _RPT == 0)
             body(D, S, None, Y, SF)
     elif gather:
         @T.prim_func
         def per_channel_cast(X: in_params[0], P: p_param, Y: y_param, SF: sf_param):
+            T.assume(Tn % _RPT == 0)
             body(X, None, P, Y, SF)
     elif transpose:
         @T.prim_func
@@ -168,6 +193,7 @@ def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, 
     else:
         @T.prim_func
         def per_channel_cast(X: in_params[0], Y: y_param, SF: sf_param):
+            T.assume(Tn % _RPT == 0)
             body(X, None, None, Y, SF)
     return per_channel_cast
 
@@ -229,7 +255,7 @@ def per_channel_cast_launch(x: torch.Tensor, x_sf: torch.Tensor | None, num_per_
     out = torch.empty(shape, dtype=torch.float8_e4m3fn, device=dev)
     out_sf = torch.empty((cdiv(t_out, npt), hidden), dtype=torch.float32, device=dev)
     if t_out > 0 and hidden > 0:  # zero output rows or channels: empty outputs, no launch
-        assert not transpose or t_out % _RPT == 0
+        assert t_out % _RPT == 0  # the public ops guarantee % 16 (gather) or % 128
         gather = pos_to_token is not None
         cfg = (_TL_DTYPE[x.dtype], hidden, npt, bool(round_sf), bool(transpose), gather)
         args = [_aligned(x, 16)]
