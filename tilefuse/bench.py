@@ -405,50 +405,59 @@ def _area(name: str) -> str:
     return "transpose" if name in ("transpose", "batched_transpose") else "quant"
 
 
+def _median_call_us(fn, iters: int) -> float:
+    """Median over 5 batches of wall µs per call of ``fn`` (after 50 warm-up calls)."""
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(iters // 5):
+            fn()
+        samples.append((time.perf_counter() - t0) / (iters // 5) * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
 def host_overhead(iters: int = 2000) -> list[dict]:
-    """Median wall µs per call at one row (7168 bf16 channels -> e4m3, col + round + ue8m0)."""
+    """Median wall µs per call at one row (7168 bf16 channels -> e4m3), for two sf layouts. Each group has
+    two baselines: the bare TileLang call with preallocated outputs, and TileLang's own allocating call
+    (``out_idx``: the kernel returns its outputs), which does what the public op does minus validation; the
+    latter exists for the row-major layout only (TileLang allocates plain contiguous outputs)."""
+    import tilelang
+
     from tilefuse import _jit
     from tilefuse import quant
     from tilefuse.quant import _per_token_cast_kernel as Q
 
     x = torch.randn(1, 7168, device="cuda").to(torch.bfloat16)
-    cfg = ("bfloat16", "e4m3", 7168, 128, True, "col_packed", "cast")
-    jk = _jit.get_jit_kernel("per_token_cast", cfg)
-    out, sf = Q.per_token_cast_launch(x, None, "e4m3", 128, None, True, True, True)
-    raw = _jit.get("per_token_cast", cfg)
-
-    def one_buffer():  # the two outputs carved from one int32 allocation (a candidate allocation scheme)
-        buf = x.new_empty((1792 + 56,), dtype=torch.int32)
-        return buf.as_strided((1, 1792), (1792, 1)).view(torch.float8_e4m3fn), buf.as_strided((1, 14), (1, 4), 1792)
-
-    calls = {
-        "torch.empty(1, 7168)": lambda: torch.empty((1, 7168), dtype=torch.float8_e4m3fn, device="cuda"),
-        "component: x.new_empty((1, 7168), fp8)": lambda: x.new_empty((1, 7168), dtype=torch.float8_e4m3fn),
-        "component: x.new_empty_strided((1, 14), (1, 4), int32)": lambda: x.new_empty_strided(
-            (1, 14), (1, 4), dtype=torch.int32),
-        "component: one int32 buffer carved into data + sf (3 views)": one_buffer,
-        "component: raw TVM-FFI call (preallocated outputs)": lambda: raw(x, out, sf),
-        "bare TileLang kernel call (JITKernel, preallocated outputs)": lambda: jk(x, out, sf),
-        "tilefuse launcher (per_token_cast_launch: allocation + launch)": lambda: Q.per_token_cast_launch(
-            x, None, "e4m3", 128, None, True, True, True),
-        "tilefuse.quant.per_token_cast (public op: validation + launcher)": lambda: quant.per_token_cast(
-            x, "e4m3", 128, None, True, True, True),
-        "torch.ops.tilefuse.per_token_cast (custom op)": lambda: torch.ops.tilefuse.per_token_cast(
-            x, None, "e4m3", 128, None, True, True, True),
-    }
     rows = []
-    for name, fn in calls.items():
-        for _ in range(50):
-            fn()
-        torch.cuda.synchronize()
-        samples = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(iters // 5):
-                fn()
-            samples.append((time.perf_counter() - t0) / (iters // 5) * 1e6)
-            torch.cuda.synchronize()
-        rows.append({"call": name, "us": statistics.median(samples)})
+    for layout, col in (("col_packed", True), ("row", False)):
+        cfg = ("bfloat16", "e4m3", 7168, 128, True, layout, "cast")
+        jk = _jit.get_jit_kernel("per_token_cast", cfg)
+        out, sf = Q.per_token_cast_launch(x, None, "e4m3", 128, None, col, True, col)
+        raw = _jit.get("per_token_cast", cfg)
+        group = "col + round + ue8m0" if col else "row-major sf, round"
+        calls = {
+            "torch.empty(1, 7168)": lambda: torch.empty((1, 7168), dtype=torch.float8_e4m3fn, device="cuda"),
+            "x.new_empty((1, 7168), fp8)": lambda: x.new_empty((1, 7168), dtype=torch.float8_e4m3fn),
+            "raw TVM-FFI call (preallocated outputs)": lambda: raw(x, out, sf),
+            "bare TileLang kernel call (JITKernel, preallocated outputs)": lambda: jk(x, out, sf),
+        }
+        if not col:
+            alloc = tilelang.compile(Q.per_token_cast_kernel(*cfg), out_idx=[1, 2],
+                                     target={"kind": "cuda", "arch": _jit.current_arch()},
+                                     execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS))
+            calls["bare TileLang kernel call allocating its outputs (JITKernel, out_idx)"] = lambda: alloc(x)
+        calls["tilefuse launcher (per_token_cast_launch: allocation + launch)"] = lambda: Q.per_token_cast_launch(
+            x, None, "e4m3", 128, None, col, True, col)
+        calls["tilefuse.quant.per_token_cast (public op: validation + launcher)"] = lambda: quant.per_token_cast(
+            x, "e4m3", 128, None, col, True, col)
+        calls["torch.ops.tilefuse.per_token_cast (custom op)"] = lambda: torch.ops.tilefuse.per_token_cast(
+            x, None, "e4m3", 128, None, col, True, col)
+        for name, fn in calls.items():
+            rows.append({"group": group, "call": name, "us": _median_call_us(fn, iters)})
     return rows
 
 
@@ -613,10 +622,14 @@ def main(argv: list[str]) -> int:
         _plot(result, args.plot)
     if args.host_overhead:
         result["host_overhead"] = host_overhead()
-        print("\n| call at one row | µs per call | vs bare call |\n| --- | ---: | ---: |")
-        bare = next(r["us"] for r in result["host_overhead"] if r["call"].startswith("bare"))
+        print("\n| sf layout | call at one row | µs per call | vs bare call | vs allocating bare call |")
+        print("| --- | --- | ---: | ---: | ---: |")
         for r in result["host_overhead"]:
-            print(f"| {r['call']} | {r['us']:.2f} | {r['us'] / bare:.2f}x |")
+            same = [o for o in result["host_overhead"] if o["group"] == r["group"]]
+            bare = next(o["us"] for o in same if o["call"].startswith("bare TileLang kernel call (JIT"))
+            alloc = next((o["us"] for o in same if "allocating" in o["call"]), None)
+            vs_alloc = f"{r['us'] / alloc:.2f}x" if alloc else "-"
+            print(f"| {r['group']} | {r['call']} | {r['us']:.2f} | {r['us'] / bare:.2f}x | {vs_alloc} |")
         _save(result, args.json)
     if args.cold_start:
         result["cold_start"] = cold_start()

@@ -94,6 +94,7 @@ def per_token_cast_kernel(x_dtype: str, fmt: str, hidden: int, npc: int, round_s
     SL = threads // L                                # slots per CTA: each slot holds RU units
     rows_first = sf_layout != "row"                  # consecutive slots -> consecutive rows (col sf stores)
     guard_cols = partial or ng % UG != 0             # some chunks lie past the last column
+    f16_exact = x_dtype == "bfloat16" and round_sf and mode != "precomputed" and E == 8
     y_shape_h = hidden // 2 if fmt == "e2m1" else hidden
     y_dtype = "int8" if fmt == "e2m1" else "float8_e4m3fn"
 
@@ -211,6 +212,9 @@ def per_token_cast_kernel(x_dtype: str, fmt: str, hidden: int, npc: int, round_s
             # 3. scaled, narrowed data: E4M3 bytes or packed FP4 nibbles, one vector store per chunk
             if mode != "sf_only":
                 yb = T.alloc_local((R, C, E // (2 if fmt == "e2m1" else 1)), y_dtype)
+                if fmt == "e2m1":
+                    hb = T.alloc_local((E,), "float32")
+                    _tl.import_cuda_helpers()
                 for j in T.unroll(R):
                     row, gi = pair_of(bx, by, s, j)
                     for c in T.unroll(C):
@@ -225,7 +229,18 @@ def per_token_cast_kernel(x_dtype: str, fmt: str, hidden: int, npc: int, round_s
                                     yb[j, c, e] = T.cast(value(raw, SFI, j, c, e, row, col) * scale, y_dtype)
                                 for e in T.vectorized(E):
                                     Y[row, col + e] = yb[j, c, e]
-                            else:  # halves of the scaled values (exact): see _tl.e2m1_steps_of_half
+                            elif E in (4, 8):  # halves of the scaled values (exact): _tl.e2m1_steps_of_half
+                                half = inv[j] * T.float32(0.5)
+                                for e in T.unroll(E):
+                                    xv = value(raw, SFI, j, c, e, row, col)
+                                    hb[e] = xv * (sf_in_at(SFI, row, col + e) * half if prequant else half)
+                                if f16_exact:  # bf16 data times a power of two: 8 significant bits
+                                    word = _tl.e2m1_pack_of_f16_halves([hb[e] for e in range(E)])
+                                else:
+                                    word = _tl.e2m1_pack_of_halves([hb[e] for e in range(E)])
+                                store = "tf_store_u32" if E == 8 else "tf_store_u16"
+                                T.call_extern("handle", store, T.address_of(Y[row, col // 2]), word)
+                            else:
                                 half = inv[j] * T.float32(0.5)
                                 for b in T.unroll(E // 2):
                                     lo = value(raw, SFI, j, c, 2 * b, row, col)
@@ -321,14 +336,27 @@ def _plan(x_dtype: torch.dtype, phys: int, x_sf_dtype, fmt: str, npc: int, x_blo
             return x.contiguous()
         return x
 
-    if mode == "cast" and not prequant:  # the hot path, kept free of branches on the static config
-        def launch(x: torch.Tensor, x_sf=None, sf=None):
-            t = x.shape[0]
-            out = x.new_empty((t, y_shape_h), dtype=y_dtype)
-            out_sf = new_sf(x, t)
-            if t:
-                (fn if fn is not None else kernel())(aligned(x, t), out, out_sf)
-            return out, out_sf
+    if mode == "cast" and not prequant:  # the hot paths: no branch on the static config, no helper calls
+        if layout == "row":
+            def launch(x: torch.Tensor, x_sf=None, sf=None):
+                t = x.shape[0]
+                out = x.new_empty((t, y_shape_h), dtype=y_dtype)
+                out_sf = x.new_empty((t, ng), dtype=torch.float32)
+                if t:
+                    if x.data_ptr() % align or (t > 1 and x.stride(0) % vp):
+                        x = x.contiguous()
+                    (fn if fn is not None else kernel())(x, out, out_sf)
+                return out, out_sf
+        else:
+            def launch(x: torch.Tensor, x_sf=None, sf=None):
+                t = x.shape[0]
+                out = x.new_empty((t, y_shape_h), dtype=y_dtype)
+                out_sf = x.new_empty_strided((t, sf_cols), (1, (t + 3) & ~3), dtype=sf_dtype)
+                if t:
+                    if x.data_ptr() % align or (t > 1 and x.stride(0) % vp):
+                        x = x.contiguous()
+                    (fn if fn is not None else kernel())(x, out, out_sf)
+                return out, out_sf
 
         return launch
 

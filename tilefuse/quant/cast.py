@@ -147,9 +147,10 @@ _VALIDATED: dict[tuple, object] = {}
 
 def _eager_key(op: str, x, fmt, npc, x_block_size, col, round_sf, packed) -> tuple | None:
     """The cache key of an eager call on a plain CUDA tensor, or None where the cache does not apply."""
-    if (not torch.compiler.is_compiling() and x_block_size is None and type(x) is torch.Tensor and x.is_cuda
-            and type(fmt) is str and type(npc) is int):
-        return op, x.dtype, x.shape[1:], x.stride()[1:], fmt, npc, col, round_sf, packed
+    if (type(x) is torch.Tensor and x.is_cuda and x_block_size is None and type(fmt) is str and type(npc) is int
+            and not torch.compiler.is_compiling()):
+        shape = x.shape  # the token count (shape[0]) stays out of the key; the row stride is in (one entry each)
+        return op, x.dtype, len(shape), shape[-1], x.stride(), fmt, npc, col, round_sf, packed
     return None
 
 
