@@ -291,3 +291,34 @@ def test_graph_and_compile_gpu():
     want = K.norm_backward_cuda(dy, x, w, rstd)
     assert_equal(got[0], want[0])
     assert_equal(got[1], want[1])
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("fill", ("nan", "inf"))
+@pytest.mark.parametrize("col,round_sf,packed", [(False, False, False), (True, False, False), (True, True, True)])
+def test_forward_cast_nan_inf_gpu(fill, col, round_sf, packed):
+    """quant.md 1.7 in the quantizing forward: a NaN/inf input makes its row NaN (rstd NaN or 0); a weight
+    beyond the bf16 range makes ``o`` overflow to +-inf in some groups (sf = inf, sf_inv = 0: the round mode
+    used to give sf_inv = -inf). The cast of the kernel's own ``o`` must equal the reference's bit for bit."""
+    dtype, h, t = torch.bfloat16, 7168, 37
+    x, r, w = _inputs(t, h, dtype)
+    x[3, 5] = float(fill)
+    x[4, 100] = -float(fill)
+    w[64:70] = 3e38  # |o| = |h| * rstd * 3e38 overflows to inf for |h * rstd| > ~1.13
+    out, sf, bf, rstd, _ = K.norm_forward_launch(x, w, 1e-6, r, 1.0, with_rstd=True, quant=True,
+                                                 use_tma_aligned_col_major_sf=col, round_sf=round_sf,
+                                                 use_packed_ue8m0=packed, with_out_bf16=True)
+    _, _, rh = norm_forward_ref(x, w, 1e-6, r, 1.0)
+    o = _o_from_rstd(rh, w, rstd, 1.0, dtype)
+    assert bool(o.isinf().any())
+    nan = bf.isnan()
+    assert torch.equal(nan, o.isnan())  # NaN payloads are not part of the contract
+    assert_equal(torch.where(nan, 0, bf), torch.where(nan, 0, o.to(torch.bfloat16)))
+    r_out, r_sf = ref_cast(o, "e4m3", (1, 32), round_sf=round_sf, use_tma_aligned_col_major_sf=col,
+                           use_packed_ue8m0=packed)
+    assert_equal(out, r_out)
+    got, want = sf.contiguous(), r_sf.contiguous()
+    if packed:
+        got, want = clear_unused_sf(got, h, 32), clear_unused_sf(want, h, 32)
+    assert_equal(got, want)

@@ -191,3 +191,22 @@ def test_cast_and_cast_back_graph_and_compile_gpu():
     z = x.clone()
     torch.compile(f, fullgraph=True)(z)
     assert_equal(z, want)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("fill", ("nan", "inf", "zero_blocks", "subnormal", "huge", "mixed"))
+@pytest.mark.parametrize("cfg", [c for c in CB.test_configs() if c[3] == 128], ids=str)
+def test_cast_and_cast_back_adversarial_fills_gpu(fill, cfg):
+    """quant.md 1.7: NaN ignored by the group amax (encodes as NaN / code 7), +-inf gives sf = inf and
+    sf_inv = 0 (the round mode used to give sf_inv = -inf); compared with the reference exactly."""
+    from tilefuse.testing import quant_adversarial
+
+    xd, fmt, h, npc, mode = cfg
+    x = quant_adversarial(61, h, fill, dtype=DT[xd], device="cuda")
+    want = per_token_cast_and_cast_back_values(x.clone(), fmt, npc, mode == "round", mode == "e4m3")
+    CB.cast_and_cast_back_launch(x, fmt, npc, mode == "round", mode == "e4m3")
+    torch.cuda.synchronize()
+    # NaN payloads are not part of the contract (1.7): NaN positions must agree, every other value bit-exactly
+    assert torch.equal(x.isnan(), want.isnan())
+    assert_equal(torch.where(x.isnan(), 0, x), torch.where(want.isnan(), 0, want), check_stride=False)

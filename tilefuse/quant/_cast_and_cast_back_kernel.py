@@ -4,21 +4,22 @@ Per ``(1, npc)`` group: amax of ``|x|`` (binary32), ``a = max(amax, clamp)``, th
 1.4 (plain IEEE divisions, the power-of-two bit rule, or an E4M3 sf with ``sf_inv = 1 / float(sf_q)``), and
 ``x <- round_{x.dtype}(decode(narrow(x * sf_inv)) * sf)``. Fast-math is off, so every division is IEEE.
 
-Mapping: the (row, 16-byte vector) pairs of the tensor are numbered row-major; thread ``tx`` of CTA ``bx``
-owns pairs ``(bx * R + j) * threads + tx``. A group is ``L = npc / E`` consecutive vectors (E elements of
-16 bytes), always L aligned lanes of one warp because ``H % npc == 0``; its maximum is a register max and a
-shuffle butterfly over those lanes. Every thread runs the shuffles (out-of-range rows hold zeros), so the
+Mapping: CTA ``(bx, row)`` owns vectors ``(bx * R + j) * threads + tx`` (j < R) of one row, R up to 8 (the
+whole of a 7168-wide bf16 row in one CTA; no per-element index division). A group is ``L = npc / E``
+consecutive vectors (E elements of 16 bytes), always L aligned lanes of one warp because ``H % npc == 0``;
+its maximum is a register max and a shuffle butterfly over those lanes. Every thread runs the shuffles (out-of-range columns hold zeros), so the
 butterfly never diverges. No shared memory, no atomics, no dependence on T: deterministic, batch-invariant.
 """
 import torch
 
 from tilefuse import _jit
 from tilefuse import formats as F
+from tilefuse.quant import _tl
 from tilefuse.quant._cast_back_kernel import _decode_e2m1  # fp32 of an E2M1 nibble (bit assembly)
 
 _TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
-_THREADS = 256
-_R = 2  # vectors per thread, all loaded before the first is used
+_THREADS = 128
+_R_MAX = 8  # at most 8 vectors (128 bytes) per thread
 
 
 def e2m1_nibble(v):
@@ -45,10 +46,10 @@ def sf_and_inv(a, fmt: str, sf_mode: str):
 
     M = T.float32(F.FMT_MAX[fmt])
     if sf_mode == "round":
-        bits = T.reinterpret(a / M, "int32")
-        eb = T.shift_right(bits - 1, 23) + 1  # biased exponent of 2^ceil(log2(a / M))
-        return (T.reinterpret(T.shift_left(eb, 23), "float32"),
-                T.reinterpret(T.shift_left(254 - eb, 23), "float32"))
+        # division-free 2^ceil(log2(a / M)); the clamp keeps a >= M 2^-126, and an infinite amax gives
+        # eb = 255: sf = inf and sf_inv = 0 (quant.md 1.7), where (254 - eb) << 23 would give -inf
+        eb = _tl.pow2_sf_exponent(a, F.FMT_MAX[fmt])
+        return _tl.pow2_from_exponent(eb), _tl.pow2_inverse_from_exponent(eb)
     if sf_mode == "e4m3":
         s = T.min(a / M, T.float32(448.0))  # satfinite: a / M >= 0, so only the top needs a clamp
         sf = T.cast(T.cast(s, "float8_e4m3fn"), "float32")
@@ -71,44 +72,49 @@ def cast_and_cast_back_kernel(x_dtype: str, fmt: str, hidden: int, npc: int, sf_
     Tn, S = T.dynamic("num_tokens, row_stride")
 
     x_param = T.StridedTensor((Tn, hidden), (S, 1), x_dtype)
+    R = min(_R_MAX, -(-VPR // _THREADS))  # vectors per thread, all loaded before the first is used
+    NX = -(-VPR // (_THREADS * R))        # CTAs per row
 
     @T.prim_func
     def cast_and_cast_back(X: x_param):
         T.assume(S % E == 0)
-        with T.Kernel(T.ceildiv(Tn * VPR, _THREADS * _R), threads=_THREADS) as bx:
+        with T.Kernel(NX, Tn, threads=_THREADS) as (bx, row):
             tx = T.get_thread_binding()
-            raw = T.alloc_local((_R, E), x_dtype)
-            am = T.alloc_local((_R,), "float32")
-            for j in T.unroll(_R):
-                p = (bx * _R + j) * _THREADS + tx
-                row = p // VPR
-                col = (p % VPR) * E
-                if row < Tn:
+            raw = T.alloc_local((R, E), x_dtype)
+            v = T.alloc_local((R, E), "float32")
+            am = T.alloc_local((R,), "float32")
+            for j in T.unroll(R):
+                col = ((bx * R + j) * _THREADS + tx) * E
+                if col < hidden:
                     for e in T.vectorized(E):
                         raw[j, e] = X[row, col + e]
                 else:
                     for e in T.vectorized(E):
                         raw[j, e] = T.cast(0, x_dtype)
-            for j in T.unroll(_R):
+            for j in T.unroll(R):
                 am[j] = T.float32(0.0)
                 for e in T.unroll(E):
-                    am[j] = T.max(am[j], T.abs(T.cast(raw[j, e], "float32")))
+                    v[j, e] = T.cast(raw[j, e], "float32")
+                    am[j] = T.max(am[j], T.abs(v[j, e]))
                 for st in T.unroll(L.bit_length() - 1):
                     am[j] = T.max(am[j], T.shfl_xor(am[j], T.shift_right(L // 2, st)))
-            for j in T.unroll(_R):
-                p = (bx * _R + j) * _THREADS + tx
-                row = p // VPR
-                col = (p % VPR) * E
+            for j in T.unroll(R):
+                col = ((bx * R + j) * _THREADS + tx) * E
                 sf, inv = sf_and_inv(T.max(am[j], T.float32(clamp)), fmt, sf_mode)
-                for e in T.unroll(E):
-                    q = T.cast(raw[j, e], "float32") * inv
-                    if fmt == "e4m3":
-                        d = T.cast(T.cast(T.max(T.min(q, T.float32(448.0)), T.float32(-448.0)), "float8_e4m3fn"),
-                                   "float32")
-                    else:
-                        d = _decode_e2m1(e2m1_nibble(q))
-                    raw[j, e] = T.cast(d * sf, x_dtype)
-                if row < Tn:
+                if fmt == "e4m3":
+                    # the E4M3 conversion saturates finite values to +-448 and keeps NaN (as the reference)
+                    qb = T.alloc_local((E,), "float8_e4m3fn")
+                    for e in T.vectorized(E):
+                        qb[e] = T.cast(v[j, e] * inv, "float8_e4m3fn")
+                    for e in T.unroll(E):
+                        raw[j, e] = T.cast(T.cast(qb[e], "float32") * sf, x_dtype)
+                else:
+                    for e in T.unroll(E):
+                        # halving the scaled value is exact where the code is decided (normal range);
+                        # NaN gives code 7 (quant.md 1.7)
+                        d = _decode_e2m1(_tl.e2m1_nibble_of_half((v[j, e] * inv) * T.float32(0.5)))
+                        raw[j, e] = T.cast(d * sf, x_dtype)
+                if col < hidden:
                     for e in T.vectorized(E):
                         X[row, col + e] = raw[j, e]
 

@@ -22,12 +22,15 @@ import torch
 
 from tilefuse import _jit
 from tilefuse import formats as F
+from tilefuse.quant import _tl
 
 _TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _THREADS = 128
 _NP = 256          # partial weight-gradient buffers of norm_backward (fixed: results never depend on the GPU)
 _M = F.FMT_MAX["e4m3"]
 _CLAMP = F.CLAMP_MIN["e4m3"]
+_RB = 32           # weight-gradient reduce: partial rows loaded per batch (_NP % _RB == 0)
+_RT = 64           # weight-gradient reduce: threads per CTA (112 CTAs at H = 7168)
 _NPC = 32          # quant.md 5.11: the quantizing op casts with 32-channel groups
 
 
@@ -94,8 +97,7 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
             T.assume(BS % 16 == 0)
         with T.Kernel(Tn, B, threads=_THREADS) as (t, b):
             tx = T.get_thread_binding()
-            h = T.alloc_local((C, E), "float32")
-            io = T.alloc_local((C, E), x_dtype)
+            io = T.alloc_local((C, E), x_dtype)   # h = round(x + res) in x.dtype: binary32 values are float(io)
             red = T.alloc_shared((NW,), "float32")
             acc = T.alloc_var("float32")
             # 1. h = x (+ residual, rounded to x.dtype and written to residual_out); sum of squares
@@ -109,17 +111,17 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
                         rr = T.alloc_local((E,), x_dtype)
                         for e in T.vectorized(E):
                             rr[e] = Res[b, t, col + e]
-                        for e in T.unroll(E):
+                        for e in T.vectorized(E):
                             io[c, e] = T.cast(T.cast(io[c, e], "float32") + T.cast(rr[e], "float32"), x_dtype)
                         for e in T.vectorized(E):
                             ResOut[b, t, col + e] = io[c, e]
-                    for e in T.unroll(E):
-                        h[c, e] = T.cast(io[c, e], "float32")
                 else:
-                    for e in T.unroll(E):
-                        h[c, e] = T.float32(0.0)
+                    for e in T.vectorized(E):
+                        io[c, e] = T.cast(0, x_dtype)
+            for c in T.unroll(C):
                 for e in T.unroll(E):
-                    acc = acc + h[c, e] * h[c, e]
+                    hv = T.cast(io[c, e], "float32")
+                    acc = acc + hv * hv
             for st in T.unroll(5):
                 acc = acc + T.shfl_xor(acc, T.shift_right(16, st))
             if tx % 32 == 0:
@@ -132,49 +134,56 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
             if with_rstd:
                 if tx == 0:
                     Rstd[b, t] = rstd
-            # 2. o = round((h * rstd) * (w * out_scale)), kept as fp32 values of x.dtype in h
+            # 2. per vector: o = round((h * rstd) * (w * out_scale)); the quantizing op then casts o exactly as
+            #    per_token_cast(o, 'e4m3', 32) (its 32-channel group: L lanes of this vector index)
             for c in T.unroll(C):
                 col = (c * _THREADS + tx) * E
+                g = col // _NPC
+                of = T.alloc_local((E,), "float32")
+                ob = T.alloc_local((E,), x_dtype)
                 if col < hidden:
                     if has_weight:
                         ww = T.alloc_local((E,), x_dtype)
                         for e in T.vectorized(E):
                             ww[e] = W[col + e]
                         for e in T.unroll(E):
-                            io[c, e] = T.cast((h[c, e] * rstd) * (T.cast(ww[e], "float32") * out_scale), x_dtype)
+                            of[e] = (T.cast(io[c, e], "float32") * rstd) * (T.cast(ww[e], "float32") * out_scale)
                     else:
                         for e in T.unroll(E):
-                            io[c, e] = T.cast((h[c, e] * rstd) * out_scale, x_dtype)
+                            of[e] = (T.cast(io[c, e], "float32") * rstd) * out_scale
+                else:
                     for e in T.unroll(E):
-                        h[c, e] = T.cast(io[c, e], "float32")
-                    if with_bf16:
+                        of[e] = T.float32(0.0)
+                for e in T.vectorized(E):
+                    ob[e] = T.cast(of[e], x_dtype)
+                if with_bf16:
+                    if col < hidden:
                         bb = T.alloc_local((E,), "bfloat16")
-                        for e in T.unroll(E):
-                            bb[e] = T.cast(h[c, e], "bfloat16")
+                        for e in T.vectorized(E):
+                            bb[e] = T.cast(ob[e], "bfloat16")
                         for e in T.vectorized(E):
                             Bf[b, t, col + e] = bb[e]
-                    if not quant:
+                if not quant:
+                    if col < hidden:
                         for e in T.vectorized(E):
-                            Out[b, t, col + e] = io[c, e]
-            # 3. quantizing op: per_token_cast(o, 'e4m3', 32) of the rounded values
-            if quant:
-                for c in T.unroll(C):
-                    col = (c * _THREADS + tx) * E
-                    g = col // _NPC
+                            Out[b, t, col + e] = ob[e]
+                else:
                     am = T.alloc_var("float32")
                     am = T.float32(0.0)
                     for e in T.unroll(E):
-                        am = T.max(am, T.abs(h[c, e]))
+                        of[e] = T.cast(ob[e], "float32")
+                        am = T.max(am, T.abs(of[e]))
                     for st in T.unroll(L.bit_length() - 1):
                         am = T.max(am, T.shfl_xor(am, T.shift_right(L // 2, st)))
                     a = T.max(am, T.float32(_CLAMP))
                     inv = T.alloc_var("float32")
                     eb = T.alloc_var("int32")
                     if round_sf:
-                        bits = T.reinterpret(a / T.float32(_M), "int32")
-                        eb = T.shift_right(bits - 1, 23) + 1
-                        inv = T.reinterpret(T.shift_left(254 - eb, 23), "float32")
-                        sf = T.reinterpret(T.shift_left(eb, 23), "float32")
+                        # division-free 2^ceil(log2(a / M)); the clamp keeps a >= M 2^-126; an infinite amax
+                        # gives eb = 255, sf = inf and sf_inv = 0 (quant.md 1.7)
+                        eb = _tl.pow2_sf_exponent(a, _M)
+                        inv = _tl.pow2_inverse_from_exponent(eb)
+                        sf = _tl.pow2_from_exponent(eb)
                     else:
                         eb = 0
                         sf = a / T.float32(_M)
@@ -198,9 +207,10 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
                         if T.And(col < hidden, tx % L == 0):
                             SF[b, t, g] = sf
                     if col < hidden:
+                        # the E4M3 conversion saturates finite values to +-448 and keeps NaN
                         qb = T.alloc_local((E,), "float8_e4m3fn")
-                        for e in T.unroll(E):
-                            qb[e] = T.cast(T.max(T.min(h[c, e] * inv, T.float32(_M)), T.float32(-_M)), "float8_e4m3fn")
+                        for e in T.vectorized(E):
+                            qb[e] = T.cast(of[e] * inv, "float8_e4m3fn")
                         for e in T.vectorized(E):
                             Out[b, t, col + e] = qb[e]
 
@@ -320,13 +330,18 @@ def weight_grad_reduce_kernel(wg_dtype: str, hidden: int):
 
     @T.prim_func
     def weight_grad_reduce(Part: T.Tensor((_NP, hidden), "float32"), WG: T.Tensor((hidden,), wg_dtype)):
-        with T.Kernel(T.ceildiv(hidden, _THREADS), threads=_THREADS) as bx:
-            j = bx * _THREADS + T.get_thread_binding()
+        with T.Kernel(T.ceildiv(hidden, _RT), threads=_RT) as bx:
+            j = bx * _RT + T.get_thread_binding()
             if j < hidden:
                 s = T.alloc_var("float32")
+                buf = T.alloc_local((_RB,), "float32")
                 s = T.float32(0.0)
-                for p in T.serial(_NP):
-                    s = s + Part[p, j]
+                # the partials in batches of _RB independent loads (in flight together), added in order p
+                for k in T.serial(_NP // _RB):
+                    for i in T.unroll(_RB):
+                        buf[i] = Part[k * _RB + i, j]
+                    for i in T.unroll(_RB):
+                        s = s + buf[i]
                 WG[j] = T.cast(T.cast(WG[j], "float32") + s, wg_dtype)
 
     return weight_grad_reduce

@@ -4,7 +4,8 @@ Both outputs are one operation on a strided view of the fp32 sf ``e`` ``(G, R, C
 ``out[g, c, r] = bytes(e[g, r // bs, 4c + u] for u < 4)`` of shape ``(G, cdiv(C, 4), R * bs)`` (byte ``u``
 = biased exponent, 0 past ``C``). ``sf0`` is it on ``e`` itself (R = n/bs, C = k/bs); ``sf1`` on the
 transposed view (R = k/bs, C = n/bs), read through its strides. A thread builds 4 consecutive words of one
-storage row (the same source row block, since ``bs >= 32``) and writes them with one 16-byte store. All sizes
+storage row (the same source row block, since ``bs >= 32``) and writes them with one 16-byte store, for
+``_U`` such chunks ``_THREADS`` chunks apart (all sf loads first, then the stores). All sizes
 and input strides are symbolic, so one build per block size serves every weight.
 """
 
@@ -12,8 +13,9 @@ import torch
 
 from tilefuse import _jit
 
-_THREADS = 128
-_W = 4  # words per thread (one 16-byte store)
+_THREADS = 256
+_W = 4  # words per 16-byte store
+_U = 4  # 16-byte stores per thread (a CTA writes 16 KB: few, large CTAs instead of 2 KB ones)
 
 
 def weight_sf_kernel(block_size: int):
@@ -30,21 +32,25 @@ def weight_sf_kernel(block_size: int):
     def weight_sf(E: e_param, Y: y_param):
         T.assume(NR % (_W * 32) == 0)
         T.assume(YG % _W == 0)
-        with T.Kernel(T.ceildiv(NR, _THREADS * _W), W, G, threads=_THREADS) as (bx, c, g):
+        with T.Kernel(T.ceildiv(NR, _THREADS * _W * _U), W, G, threads=_THREADS) as (bx, c, g):
             tx = T.get_thread_binding()
-            words = T.alloc_local((_W,), "int32")
-            r0 = (bx * _THREADS + tx) * _W
-            if r0 < NR:
+            words = T.alloc_local((_U, _W), "int32")
+            for k in T.unroll(_U):
+                r0 = ((bx * _U + k) * _THREADS + tx) * _W
                 word = T.alloc_var("int32")
                 word = 0
-                for u in T.unroll(4):
-                    if c * 4 + u < C:
-                        bits = T.reinterpret(E[g, r0 // block_size, c * 4 + u], "int32")
-                        word = word | T.shift_left(T.shift_right(bits, 23) & 255, 8 * u)
+                if r0 < NR:
+                    for u in T.unroll(4):
+                        if c * 4 + u < C:
+                            bits = T.reinterpret(E[g, r0 // block_size, c * 4 + u], "int32")
+                            word = word | T.shift_left(T.shift_right(bits, 23) & 255, 8 * u)
                 for v in T.unroll(_W):
-                    words[v] = word
-                for v in T.vectorized(_W):
-                    Y[g, c, r0 + v] = words[v]
+                    words[k, v] = word
+            for k in T.unroll(_U):
+                r0 = ((bx * _U + k) * _THREADS + tx) * _W
+                if r0 < NR:
+                    for v in T.vectorized(_W):
+                        Y[g, c, r0 + v] = words[k, v]
 
     return weight_sf
 
