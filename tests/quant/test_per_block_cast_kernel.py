@@ -318,6 +318,102 @@ def test_nan_and_inf_policy(fmt):
     _check_cast(x, fmt, (128, 128), True, True, True)
 
 
+def _nan_inf_x(t, hidden, bm, bk):
+    """Random bf16 data with quant.md 1.7's specials placed per block: a lone +NaN, a lone NaN with the sign
+    bit set, +inf and -inf (the block's sf becomes inf, sf_inv 0, so its finite values encode as +-0 and the
+    infs as NaN / code 7), an all-NaN block (max ignores NaN: the clamp decides the sf), and a block of
+    NaN mixed with the bf16 maximum; one element per 8-channel vector so every lane position is hit."""
+    x = _x(t, hidden, scale=2.0)
+    neg_nan = torch.tensor([-1], dtype=torch.int16, device="cuda").view(torch.bfloat16)[0]  # 0xFFFF: -NaN
+    k = 0
+    for r in range(0, t, bm):
+        for c in range(0, hidden, bk):
+            blk = x[r:r + bm, c:c + bk]
+            i, j = k % blk.size(0), (3 * k) % blk.size(1)
+            kind = k % 6
+            if kind == 0:
+                blk[i, j] = float("nan")
+            elif kind == 1:
+                blk[i, j] = neg_nan
+            elif kind == 2:
+                blk[i, j] = float("inf")
+                blk[(i + 1) % blk.size(0), (j + 9) % blk.size(1)] = float("nan")
+            elif kind == 3:
+                blk[i, j] = -float("inf")
+            elif kind == 4:
+                blk.fill_(float("nan"))
+            else:
+                blk[::2, 1::3] = float("nan")
+                blk[i, j] = torch.finfo(torch.bfloat16).max
+            k += 1
+    return x
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", (7, 300))
+@pytest.mark.parametrize("fmt", ("e4m3", "e2m1"))
+@pytest.mark.parametrize("block", K.BLOCKS)
+@pytest.mark.parametrize("flags", K.FLAG_SETS, ids=str)
+def test_nan_inf_every_block_and_layout(t, fmt, block, flags):
+    """quant.md 1.7 over every registered block x format x sf layout (H = 576): NaN (either sign) ignored by
+    the max and encoded as the reference does, inf giving sf inf / sf_inv 0, all-NaN blocks."""
+    col, rnd, packed = flags
+    _check_cast(_nan_inf_x(t, 576, *block), fmt, block, col, rnd, packed)
+
+
+@pytest.mark.gpu
+def test_nan_inf_sf_only():
+    x = _nan_inf_x(300, 576, 128, 128)
+    _poison()
+    got = K.per_block_cast_launch(x, "e2m1", (128, 128), True, True, True, mode="sf_only")
+    r_sf = R.cast(x, "e2m1", (128, 128), round_sf=True, use_tma_aligned_col_major_sf=True, use_packed_ue8m0=True)[1]
+    _compare_sf(got, r_sf, 576, 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", (("e4m3", (32, 32)), ("e2m1", (128, 128))), ids=str)
+def test_nan_inf_precomputed(cfg):
+    """Precomputed sf with NaN/inf data, and sf entries of +inf (sf_inv 0), 0 (sf_inv 0) and the smallest
+    normal (products far beyond the format maximum)."""
+    fmt, (bm, bk) = cfg
+    t = 300
+    x = _nan_inf_x(t, 576, bm, bk)
+    sf = _precomputed_sf(t, bm, bk, 576)
+    sf[::2, 1] = float("inf")
+    sf[1::5, 2] = torch.finfo(torch.float32).tiny
+    _poison()
+    got = K.per_block_cast_launch(x, fmt, (bm, bk), mode="precomputed", sf=sf)
+    torch.cuda.synchronize()
+    assert_equal(got, R.cast(x, fmt, (bm, bk), sf=sf))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", (1, 8001))
+def test_bench_shapes_match_reference(rows):
+    """The benchmark rows' configs (bf16 x 7168): e4m3 128x128 col packed (cast, sf-only, precomputed sf) and
+    e2m1 32x32 row round, on random and adversarial data (specials included)."""
+    for x in (_x(rows, 7168, scale=3.0), _nan_inf_x(rows, 7168, 128, 128),
+              _adversarial(rows, 7168, torch.bfloat16, 32, 32)):
+        out, sf = _check_cast(x, "e4m3", (128, 128), True, True, True)
+        _poison()
+        only = K.per_block_cast_launch(x, "e4m3", (128, 128), True, True, True, mode="sf_only")
+        _compare_sf(only, sf, 7168, 128)
+        _check_cast(x, "e2m1", (32, 32), False, True, False)
+        plain_sf = R.cast(x, "e4m3", (128, 128))[1]
+        _poison()
+        got = K.per_block_cast_launch(x, "e4m3", (128, 128), mode="precomputed", sf=plain_sf)
+        torch.cuda.synchronize()
+        assert_equal(got, R.cast(x, "e4m3", (128, 128), sf=plain_sf))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", (1, 8001))
+def test_lossless_bench_shape(t):
+    """The benchmark row: fp32 row-major sf in (block 1x32), e4m3 128x128 col packed UE8M0 out, H = 7168."""
+    data, sf_in = _lossless_input(t, 7168, False)
+    _check_lossless(data, sf_in, (128, 128), "col_packed")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ("e4m3", "e2m1"))
 def test_deterministic_and_batch_invariant(fmt):

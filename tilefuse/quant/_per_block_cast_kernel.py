@@ -21,6 +21,7 @@ import torch
 
 from tilefuse import _jit
 from tilefuse.formats import CLAMP_MIN, FMT_MAX, cdiv
+from tilefuse.quant import _tl
 
 _C = 8                 # channels per thread chunk (one vector per row)
 _RPT = 8               # rows per thread
@@ -127,23 +128,32 @@ def per_block_cast_kernel(x_dtype: str, fmt: str, hidden: int, bm: int, bk: int,
     sf_param = (T.StridedTensor((NBM, nbk), (SS, 1), "float32") if mode == "precomputed"
                 else cm.sf_param(T, sf_layout, NBM, P, nbk))
 
-    def e2m1_code(v):
-        """uint32 nibble of quant.md 1.2: magnitude to the nearest code (ties to even), sign bit copied;
-        NaN gives +6 (code 7), as the reference encodes a NaN product."""
-        m = T.abs(v)
-        code = (T.cast(m > T.float32(0.25), "uint32") + T.cast(m >= T.float32(0.75), "uint32")
-                + T.cast(m > T.float32(1.25), "uint32") + T.cast(m >= T.float32(1.75), "uint32")
-                + T.cast(m > T.float32(2.5), "uint32") + T.cast(m >= T.float32(3.5), "uint32")
-                + T.cast(m > T.float32(5.0), "uint32"))
-        sign = T.shift_right(T.reinterpret(v, "uint32"), T.uint32(31))
-        return T.if_then_else(T.isnan(v), T.uint32(7), code | T.shift_left(sign, T.uint32(3)))
+    def byte_perm(a, b, selector: int):
+        """``__byte_perm``: byte i of the result is byte ``selector`` nibble i of the 8-byte pair (a, b)."""
+        return T.call_extern("uint32", "__byte_perm", T.cast(a, "uint32"), T.cast(b, "uint32"),
+                             T.uint32(selector))
 
-    def e2m1_word(xl, base, s):
-        """int32 of 8 nibbles: the code of ``xl[base + v] * s`` in bits 4v..4v+3 (low nibble = even element)."""
-        word = e2m1_code(xl[base] * s)
-        for v in range(1, _C):
-            word = word | T.shift_left(e2m1_code(xl[base + v] * s), T.uint32(4 * v))
-        return T.reinterpret(word, "int32")
+    def e2m1_word(xr, base, inv_s):
+        """int32 of 8 nibbles: the code of ``xr[base + v] * inv_s`` (quant.md 1.2) in bits 4v..4v+3 (low nibble
+        = even element), the codes from the shared FMA-pipe encoder on halved values (``_tl.e2m1_steps_of_half``)
+        and the sign bits gathered from the halves' top bytes by byte permutes (as ``_tl.e2m1_pair_byte_of_halves``
+        takes them: a NaN made by the FP pipe is positive, code 7). A power-of-two ``inv_s`` (round_sf) is halved
+        exactly up front; otherwise each product is halved, which is exact or (below 2^-125) leaves a value
+        that encodes to +-0 either way."""
+        h = []
+        for v in range(_C):
+            xv = T.cast(xr[base + v], "float32")
+            h.append(xv * (inv_s * T.float32(0.5)) if round_sf else xv * inv_s * T.float32(0.5))
+        # codes: byte b = code(2b) + 16 code(2b+1) (each code's bits 3..21 are zero, so byte b is clean)
+        p = [_tl.e2m1_steps_of_half(h[2 * b]) + T.shift_left(_tl.e2m1_steps_of_half(h[2 * b + 1]), 4)
+             for b in range(_C // 2)]
+        codes = byte_perm(byte_perm(p[0], p[1], 0x0040), byte_perm(p[2], p[3], 0x0040), 0x5410)
+        # signs: top bytes of the even / odd halves -> sign of element 2k at bit 8k+7 of ``ev``, of 2k+1 of ``od``
+        bits = [T.reinterpret(hv, "uint32") for hv in h]
+        ev = byte_perm(byte_perm(bits[0], bits[2], 0x0073), byte_perm(bits[4], bits[6], 0x0073), 0x5410)
+        od = byte_perm(byte_perm(bits[1], bits[3], 0x0073), byte_perm(bits[5], bits[7], 0x0073), 0x5410)
+        signs = (T.shift_right(ev, T.uint32(4)) & T.uint32(0x08080808)) | (od & T.uint32(0x80808080))
+        return T.reinterpret(codes | signs, "int32")
 
     @T.macro
     def body(X, Y, SF):
@@ -154,16 +164,17 @@ def per_block_cast_kernel(x_dtype: str, fmt: str, hidden: int, bm: int, bk: int,
             row0 = by * rows_per_cta + w * _RPT
             col0 = bx * _TILE_H + lane * _C
             cb = col0 // bk
-            xl = T.alloc_local((_RPT * _C,), "float32")
+            # raw input elements (bf16 kept 2 per register: half the registers, two CTAs per SM), widened on use
+            xr = T.alloc_local((_RPT * _C,), x_dtype)
             inv = T.alloc_local((nb,), "float32")
             # load 8 rows x 8 channels; rows past the end and channels past hidden read as 0 (never the max)
             for j in T.unroll(_RPT):
                 if T.And(row0 + j < Tn, col0 < hidden):
                     for v in T.vectorized(_C):
-                        xl[j * _C + v] = T.cast(X[row0 + j, col0 + v], "float32")
+                        xr[j * _C + v] = X[row0 + j, col0 + v]
                 else:
                     for v in T.vectorized(_C):
-                        xl[j * _C + v] = T.float32(0.0)
+                        xr[j * _C + v] = T.cast(0.0, x_dtype)
             if mode == "precomputed":
                 # sf_inv = 1 / sf (IEEE), and 0 for a zero sf, as the reference cast (quant.md 2.1)
                 if T.And(row0 < Tn, col0 < hidden):
@@ -178,15 +189,15 @@ def per_block_cast_kernel(x_dtype: str, fmt: str, hidden: int, bm: int, bk: int,
                     am[n] = T.float32(0.0)
                 for j in T.unroll(_RPT):
                     for v in T.unroll(_C):
-                        am[j * nb // _RPT] = T.max(am[j * nb // _RPT], T.abs(xl[j * _C + v]))
+                        am[j * nb // _RPT] = T.max(am[j * nb // _RPT], T.abs(T.cast(xr[j * _C + v], "float32")))
                 cm.block_max(am, w, lane, red)
                 for n in T.unroll(nb):
                     a = T.max(am[n], T.float32(clamp))  # quant.md 1.4 step 1
                     if round_sf:
                         # sf = 2^E, E = ceil(log2(a / M)) from the bits of a / M; sf_inv = 2^-E (0 if sf = inf)
-                        eb = T.shift_right(T.reinterpret(a / T.float32(M), "int32") - 1, 23) + 1
-                        sf = T.reinterpret(T.shift_left(eb, 23), "float32")
-                        inv[n] = T.reinterpret(T.shift_left(T.max(254 - eb, 0), 23), "float32")
+                        eb = _tl.pow2_sf_exponent(a, M)  # the clamp keeps a >= M 2^-126 (or a = inf)
+                        sf = _tl.pow2_from_exponent(eb)
+                        inv[n] = _tl.pow2_inverse_from_exponent(eb)
                     else:
                         eb = 0
                         sf = a / T.float32(M)
@@ -198,10 +209,10 @@ def per_block_cast_kernel(x_dtype: str, fmt: str, hidden: int, bm: int, bk: int,
                     if T.And(row0 + j < Tn, col0 < hidden):
                         if fmt == "e4m3":
                             for v in T.vectorized(_C):
-                                Y[row0 + j, col0 + v] = T.cast(xl[j * _C + v] * inv[j * nb // _RPT],
+                                Y[row0 + j, col0 + v] = T.cast(T.cast(xr[j * _C + v], "float32") * inv[j * nb // _RPT],
                                                                "float8_e4m3fn")
                         else:
-                            Y[row0 + j, col0 // _C] = e2m1_word(xl, j * _C, inv[j * nb // _RPT])
+                            Y[row0 + j, col0 // _C] = e2m1_word(xr, j * _C, inv[j * nb // _RPT])
 
     if mode == "sf_only":
         @T.prim_func
@@ -242,21 +253,27 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
     y_param = T.Tensor((Tn, hidden), "float8_e4m3fn")
     sf_param = cm.sf_param(T, sf_layout, NBM, P, nbk)
 
-    def in_exponent(SFI, row, col):
-        """Biased exponent byte e(b) of the input block holding element (row, col) (quant.md 3.7)."""
+    def in_sf_word(SFI, row, col):
+        """The raw int32 holding the input sf of element (row, col): the fp32 pattern, or the packed UE8M0 word."""
         bi, bk = row // ibm, col // ibk
         if sf_in_packed:
-            return T.shift_right(SFI[bi, bk // 4], (bk % 4) * 8) & 255
-        return T.shift_right(T.reinterpret(SFI[bi, bk], "int32"), 23) & 255
+            return SFI[bi, bk // 4]
+        return T.reinterpret(SFI[bi, bk], "int32")
 
-    def fp4_value(word, v):
-        """Exact fp32 value of nibble v of ``word`` (quant.md 1.2): exponent 0 -> m/2, else (2+m)*2^e/4."""
-        nib = T.shift_right(word, 4 * v) & 15
-        e = T.shift_right(nib, 1) & 3
-        m = T.cast(nib & 1, "float32")
-        mag = T.if_then_else(e == 0, m * T.float32(0.5),
-                             (T.float32(2.0) + m) * T.cast(T.shift_left(1, e), "float32") * T.float32(0.25))
-        return T.if_then_else(nib >= 8, -mag, mag)
+    def in_exponent(word, col):
+        """Biased exponent byte e(b) (quant.md 3.7) of the input block of column ``col`` from its sf word."""
+        if sf_in_packed:
+            return T.shift_right(word, ((col // ibk) % 4) * 8) & 255
+        return T.shift_right(word, 23) & 255
+
+    def fp4_value(word, v, factor):
+        """``fp4 * factor`` for nibble v of ``word`` (quant.md 1.2). The nibble's magnitude bits (e1 e0 m) go to
+        pattern bits 24..22 and its sign to bit 31: as binary32 that is exactly ``fp4 * 2^-126`` (e = 0 gives
+        the subnormal m 2^-127, e > 0 the normal (1 + m/2) 2^(e-127)), so one exact multiply by 2^126 gives
+        the fp4 value and a second the product the reference rounds (same single rounding)."""
+        nib = T.shift_right(word, 4 * v)  # v is a constant after unrolling: nvcc folds the shifts and masks
+        bits = T.shift_left(nib & 7, 22) | T.shift_left(nib & 8, 28)
+        return T.reinterpret(bits, "float32") * T.float32(2.0 ** 126) * factor
 
     @T.macro
     def body(D, SFI, Y, SF):
@@ -271,14 +288,20 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
             mx = T.alloc_local((nb,), "int32")
             red = T.alloc_shared((W * _LANES,), "int32")
             tmp = T.alloc_local((_C,), "float32")
-            # load 8 rows of 8 nibbles and their input exponents; missing rows/channels count as e = 0
+            # load 8 rows of 8 nibbles and their input sf words (all loads first: nothing waits on one before
+            # the last is issued), then the exponents; missing rows/channels count as e = 0
             for j in T.unroll(_RPT):
                 if T.And(row0 + j < Tn, col0 < hidden):
                     dl[j] = D[row0 + j, col0 // _C]
-                    el[j] = in_exponent(SFI, row0 + j, col0)
+                    el[j] = in_sf_word(SFI, row0 + j, col0)
                 else:
                     dl[j] = 0
                     el[j] = 0
+            for j in T.unroll(_RPT):
+                # torch strides are never negative (``SI1 == -1`` never holds), but nvcc cannot know it: the
+                # select makes the data words live before the block reduction's barrier, so nvcc does not sink
+                # their loads past it (a second DRAM round trip per CTA)
+                el[j] = T.max(in_exponent(el[j], col0), T.if_then_else(SI1 == -1, dl[j], 0))
             for n in T.unroll(nb):
                 mx[n] = 0
             for j in T.unroll(_RPT):
@@ -295,12 +318,13 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
                     # 2^(e(b) - E_B) from its exponent bits; 0 below 2^-126 (the product then rounds to +-0)
                     factor = T.reinterpret(T.shift_left(T.max(127 + el[j] - mx[j * nb // _RPT], 0), 23), "float32")
                     for v in T.unroll(_C):
-                        tmp[v] = fp4_value(dl[j], v) * factor
+                        tmp[v] = fp4_value(dl[j], v, factor)
                     for v in T.vectorized(_C):
                         Y[row0 + j, col0 + v] = T.cast(tmp[v], "float8_e4m3fn")
 
     @T.prim_func
     def per_block_cast_lossless(D: d_param, SFI: sfi_param, Y: y_param, SF: sf_param):
+        T.assume(Tn <= NBMI * ibm)  # the launcher's input sf covers every row: no per-row bounds branch
         body(D, SFI, Y, SF)
     return per_block_cast_lossless
 
@@ -330,10 +354,13 @@ def _cast_configs() -> list[tuple]:
 
 
 def _bench_cast_configs() -> list[tuple]:
-    """The quant.md 7.3 per_block_cast benchmark grid (every H, dtype, format, flag set and block)."""
+    """The quant.md 7.3 per_block_cast benchmark grid (every H, dtype, format, flag set and block), and the
+    sf-only / precomputed-sf rows of ``tilefuse.bench`` (bf16 8001 x 7168 e4m3 block 128x128)."""
     return [(x, fmt, h, bm, bk, rnd, _layout(col, packed), "cast")
             for h in HIDDEN_SIZES for x in ("bfloat16", "float32") for fmt in ("e4m3", "e2m1")
-            for col, rnd, packed in FLAG_SETS for bm, bk in BLOCKS]
+            for col, rnd, packed in FLAG_SETS for bm, bk in BLOCKS] + [
+        ("bfloat16", "e4m3", 7168, 128, 128, True, "col_packed", "sf_only"),
+        ("bfloat16", "e4m3", 7168, 128, 128, False, "row", "precomputed")]
 
 
 def _lossless_configs() -> list[tuple]:
