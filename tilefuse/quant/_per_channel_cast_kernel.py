@@ -13,10 +13,16 @@ Geometry: a CTA owns a tile of 128 rows x 64 channels with 128 threads. Thread `
 channels (``tx % 8``: one 16-byte bf16 / 32-byte fp32 / 8-byte e4m3 vector per row) of 8 consecutive rows
 (``tx // 8``), so a warp covers 32 rows x 64 channels. A block's maximum is a register max over the thread's
 8 rows, an xor-shuffle over the warp's 4 row lanes (32 rows) and, for npt = 128, a max over the CTA's 4
-warps through shared memory. Data leaves as one 8-byte store per row (or, transposed, one 8-byte store of
+warps through shared memory.
+
+Memory side: every thread first issues all 8 of its row loads (predicated, no use in between; missing rows
+stay +0), so 8 independent 16-byte loads (bf16) are in flight per thread, and ``__launch_bounds__(128, 5)``
+keeps 5 CTAs (20 warps, ~80 KB of bf16 loads) per SM. One predicate covers a thread's 8 rows: the launcher
+asserts ``T_out % 8 == 0`` (the public ops give % 16 or % 128). Data leaves as one 8-byte store per row (or, transposed, one 8-byte store of
 8 rows per channel); the sf as one 32-byte run of 8 channels. No atomics, and the tiling never depends on
 the token count: results are deterministic and batch-invariant. Arithmetic is the spec's, in binary32 with
-IEEE division (fast-math off); maxima use ``fmaxf``, which ignores NaN like the reference (1.7); pairs use
+IEEE division (fast-math off; round_sf takes the power of two from ``_tl.pow2_sf_exponent``, equal to the
+exponent of ``fl(a / 448)`` rounded up for every binary32 ``a >= 1e-4``: checked in numpy); maxima use ``fmaxf``, which ignores NaN like the reference (1.7); pairs use
 order B: ``narrow((data * sf_in) * sf_inv)`` (1.6).
 """
 import torch
@@ -24,6 +30,7 @@ import torch
 from tilefuse import _jit
 from tilefuse.formats import CLAMP_MIN, FMT_MAX, cdiv
 from tilefuse.quant._per_block_cast_kernel import _aligned
+from tilefuse.quant._tl import pow2_from_exponent, pow2_inverse_from_exponent, pow2_sf_exponent
 
 _BM = 128        # rows per CTA (one 128-row block, or four 32-row blocks)
 _C = 8           # channels per thread
@@ -31,6 +38,7 @@ _RPT = 8         # rows per thread
 _CL = 8          # channel lanes per CTA row
 _BC = _C * _CL   # channels per CTA (64)
 _THREADS = _CL * (_BM // _RPT)  # 128
+_MIN_BLOCKS = 5  # __launch_bounds__(128, 5): <= 102 registers (96, no spills) -> 5 CTAs = 20 warps per SM
 _PAIR_NPC = 128  # per-token block width of a pre-quantized input (quant.md 3.10)
 _TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float8_e4m3fn: "pair"}
 
@@ -67,6 +75,7 @@ def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, 
     @T.macro
     def body(X, S, P, Y, SF):
         with T.Kernel(T.ceildiv(hidden, _BC), T.ceildiv(Tn, _BM), threads=_THREADS) as (bx, by):
+            T.annotate_min_blocks_per_sm(_MIN_BLOCKS)
             tx = T.get_thread_binding()
             cl = tx % _CL
             rl = tx // _CL
@@ -143,10 +152,12 @@ def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, 
             for v in T.unroll(_C):
                 a = T.max(am[v], T.float32(clamp))
                 if round_sf:
-                    # sf = 2^E, E = ceil(log2(a / M)) from the bits of a / M; sf_inv = 2^-E (0 if sf = inf)
-                    eb = T.shift_right(T.reinterpret(a / T.float32(M), "int32") - 1, 23) + 1
-                    sfl[v] = T.reinterpret(T.shift_left(eb, 23), "float32")
-                    inv[v] = T.reinterpret(T.shift_left(T.max(254 - eb, 0), 23), "float32")
+                    # sf = 2^E, E = ceil(log2(fl(a / M))), without the division (a >= clamp = 1e-4 is in the
+                    # helper's range; numpy: equal to ((bits(fl(a / 448)) - 1) >> 23) + 1 for every binary32
+                    # a in [1e-4, inf]); sf_inv = 2^-E (0 if sf = inf)
+                    eb = pow2_sf_exponent(a, M)
+                    sfl[v] = pow2_from_exponent(eb)
+                    inv[v] = pow2_inverse_from_exponent(eb)
                 else:
                     sfl[v] = a / T.float32(M)
                     inv[v] = T.float32(M) / a
