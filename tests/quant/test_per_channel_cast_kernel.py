@@ -386,3 +386,18 @@ def test_quant_adversarial_fills_match_reference(fill, role):
         x, x_sf = R.cast(x, "e4m3", (1, 128))
     pos = _pos(400, t_in, "cuda") if gather else None
     _check(x, x_sf, npt, rnd, transpose, pos)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("role", ("gather", "pair_gather"))
+def test_fused_gather_from_misaligned_pos_view(role):
+    """The kernel reads pos_to_token as 32-byte runs of 8 rows: a view starting 4 bytes into its storage
+    must still give the reference's result (the launcher realigns it)."""
+    x_kind, hidden, npt, rnd, _, _ = CFG[role]
+    if x_kind == "pair":
+        x, x_sf = _pair(301, hidden, "cuda")
+    else:
+        x, x_sf = _x(301, hidden), None
+    pos = _pos(4001, 301, "cuda")[1:]
+    assert pos.data_ptr() % 16 != 0
+    _check(x, x_sf, npt, rnd, pos=pos)

@@ -18,11 +18,12 @@ warps through shared memory.
 Memory side: every thread first issues all 8 of its row loads (predicated, no use in between; missing rows
 stay +0), so 8 independent 16-byte loads (bf16) are in flight per thread, and ``__launch_bounds__(128, 5)``
 keeps 5 CTAs (20 warps, ~80 KB of bf16 loads) per SM. One predicate covers a thread's 8 rows: the launcher
-asserts ``T_out % 8 == 0`` (the public ops give % 16 or % 128). Data leaves as one 8-byte store per row (or, transposed, one 8-byte store of
-8 rows per channel); the sf as one 32-byte run of 8 channels. No atomics, and the tiling never depends on
-the token count: results are deterministic and batch-invariant. Arithmetic is the spec's, in binary32 with
-IEEE division (fast-math off; round_sf takes the power of two from ``_tl.pow2_sf_exponent``, equal to the
-exponent of ``fl(a / 448)`` rounded up for every binary32 ``a >= 1e-4``: checked in numpy); maxima use ``fmaxf``, which ignores NaN like the reference (1.7); pairs use
+asserts ``T_out % 8 == 0`` (the public ops give % 16 or % 128). Data leaves as one 8-byte store per row
+(or, transposed, one 8-byte store of 8 rows per channel); the sf as one 32-byte run of 8 channels. No
+atomics, and the tiling never depends on the token count: results are deterministic and batch-invariant.
+Arithmetic is the spec's, in binary32 with IEEE division (fast-math off; round_sf takes the power of two
+from ``_tl.pow2_sf_exponent``, equal to the exponent of ``fl(a / 448)`` rounded up for every binary32
+``a >= 1e-4``: checked in numpy); maxima use ``fmaxf``, which ignores NaN like the reference (1.7); pairs use
 order B: ``narrow((data * sf_in) * sf_inv)`` (1.6).
 """
 import torch
@@ -273,7 +274,7 @@ def per_channel_cast_launch(x: torch.Tensor, x_sf: torch.Tensor | None, num_per_
         if x_sf is not None:
             args.append(x_sf.contiguous())
         if gather:
-            args.append(pos_to_token.contiguous())
+            args.append(_aligned(pos_to_token, 16))  # read as 32-byte runs of 8 rows
         _jit.get("per_channel_cast", cfg)(*args, out, out_sf)
     return out, out_sf
 
