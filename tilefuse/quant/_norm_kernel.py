@@ -29,6 +29,8 @@ _THREADS = 128
 _NP = 256          # partial weight-gradient buffers of norm_backward (fixed: results never depend on the GPU)
 _M = F.FMT_MAX["e4m3"]
 _CLAMP = F.CLAMP_MIN["e4m3"]
+_BT = 256          # norm_backward threads per CTA (the NP = 256 CTAs are all resident: 2 per SM)
+_FWD_BLOCKS = 6    # bf16 norm_forward CTAs (rows) resident per SM: <= 80 registers, no spills
 _RB = 32           # weight-gradient reduce: partial rows loaded per batch (_NP % _RB == 0)
 _RT = 64           # weight-gradient reduce: threads per CTA (112 CTAs at H = 7168)
 _NPC = 32          # quant.md 5.11: the quantizing op casts with 32-channel groups
@@ -96,6 +98,8 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
             T.assume(BB % 16 == 0)
             T.assume(BS % 16 == 0)
         with T.Kernel(Tn, B, threads=_THREADS) as (t, b):
+            if x_dtype == "bfloat16":
+                T.annotate_min_blocks_per_sm(_FWD_BLOCKS)  # registers for 6 rows per SM: more loads in flight
             tx = T.get_thread_binding()
             io = T.alloc_local((C, E), x_dtype)   # h = round(x + res) in x.dtype: binary32 values are float(io)
             red = T.alloc_shared((NW,), "float32")
@@ -218,13 +222,18 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
 
 
 def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_grad: bool):
-    """Factory: ``dx`` per row and the per-CTA partial weight gradients ``(NP, hidden)`` fp32 (module doc)."""
+    """Factory: ``dx`` per row and the per-CTA partial weight gradients ``(NP, hidden)`` fp32 (module doc).
+
+    Registers hold only the weight-gradient accumulators and one row of x and dy: the row is loaded one
+    iteration ahead (its loads are in flight during the previous row's reduction and dx), and the dx pass
+    reads the current row's x and dy again (L1 hits: the lines were loaded one row earlier)."""
     import tilelang.language as T
 
     E = 16 // (2 if x_dtype == "bfloat16" else 4)
     VPR = hidden // E
-    C = -(-VPR // _THREADS)
-    NW = _THREADS // 32
+    TB = _BT if x_dtype == "bfloat16" else 2 * _BT   # 32 elements per thread at H = 7168 (registers: see below)
+    C = -(-VPR // TB)
+    NW = TB // 32
     Tn = T.dynamic("num_tokens")
     XS, GS, RS = T.dynamic("x_st, dy_st, rg_st")
 
@@ -243,52 +252,59 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
         T.assume(GS % 16 == 0)
         if has_res_grad:
             T.assume(RS % 16 == 0)
-        with T.Kernel(_NP, threads=_THREADS) as p:
+        with T.Kernel(_NP, threads=TB) as p:
+            T.annotate_min_blocks_per_sm(2)  # <= 128 registers: two CTAs per SM, so all NP CTAs run at once
             tx = T.get_thread_binding()
-            xh = T.alloc_local((C, E), "float32")
-            gw = T.alloc_local((C, E), "float32")
-            wv = T.alloc_local((C, E), "float32")
+            xn = T.alloc_local((C, E), x_dtype)     # the row to reduce next (loaded one iteration ahead)
+            dn = T.alloc_local((C, E), x_dtype)
             wacc = T.alloc_local((C, E), "float32")
+            wl = T.alloc_local((E,), x_dtype)
+            xl = T.alloc_local((E,), x_dtype)
+            dl = T.alloc_local((E,), x_dtype)
             io = T.alloc_local((E,), x_dtype)
             red = T.alloc_shared((NW,), "float32")
             acc = T.alloc_var("float32")
             for c in T.unroll(C):
-                col = (c * _THREADS + tx) * E
+                col = (c * TB + tx) * E
                 for e in T.unroll(E):
                     wacc[c, e] = T.float32(0.0)
-                    wv[c, e] = T.float32(1.0)
-                if has_weight:
-                    if col < hidden:
-                        for e in T.vectorized(E):
-                            io[e] = W[col + e]
-                        for e in T.unroll(E):
-                            wv[c, e] = T.cast(io[e], "float32")
+                for e in T.vectorized(E):
+                    xn[c, e] = T.cast(0, x_dtype)
+                    dn[c, e] = T.cast(0, x_dtype)
+                if T.And(col < hidden, p < Tn):
+                    for e in T.vectorized(E):
+                        xn[c, e] = X[p, col + e]
+                    for e in T.vectorized(E):
+                        dn[c, e] = DY[p, col + e]
             for k in T.serial(T.ceildiv(Tn, _NP)):
                 row = k * _NP + p
                 if row < Tn:
                     r = Rstd[row]
                     acc = T.float32(0.0)
                     for c in T.unroll(C):
-                        col = (c * _THREADS + tx) * E
+                        col = (c * TB + tx) * E
+                        for e in T.vectorized(E):
+                            wl[e] = T.cast(1, x_dtype)
+                        if has_weight:
+                            if col < hidden:
+                                for e in T.vectorized(E):
+                                    wl[e] = W[col + e]
                         for e in T.unroll(E):
-                            xh[c, e] = T.float32(0.0)
-                            gw[c, e] = T.float32(0.0)
-                        if col < hidden:
+                            xh = T.cast(xn[c, e], "float32") * r
+                            g = T.cast(dn[c, e], "float32") * out_scale
+                            if has_weight:
+                                wacc[c, e] = wacc[c, e] + xh * g
+                                acc = acc + xh * (g * T.cast(wl[e], "float32"))
+                            else:
+                                acc = acc + xh * g
+                    # the next row's loads, in flight during this row's reduction and dx pass
+                    for c in T.unroll(C):
+                        col = (c * TB + tx) * E
+                        if T.And(col < hidden, row + _NP < Tn):
                             for e in T.vectorized(E):
-                                io[e] = X[row, col + e]
-                            for e in T.unroll(E):
-                                xh[c, e] = T.cast(io[e], "float32") * r
+                                xn[c, e] = X[row + _NP, col + e]
                             for e in T.vectorized(E):
-                                io[e] = DY[row, col + e]
-                            for e in T.unroll(E):
-                                g = T.cast(io[e], "float32") * out_scale
-                                if has_weight:
-                                    wacc[c, e] = wacc[c, e] + xh[c, e] * g
-                                    gw[c, e] = g * wv[c, e]
-                                else:
-                                    gw[c, e] = g
-                        for e in T.unroll(E):
-                            acc = acc + xh[c, e] * gw[c, e]
+                                dn[c, e] = DY[row + _NP, col + e]
                     for st in T.unroll(5):
                         acc = acc + T.shfl_xor(acc, T.shift_right(16, st))
                     T.sync_threads()  # the previous row's readers of red are done
@@ -300,23 +316,32 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                         acc = acc + red[i]
                     mean = acc / T.float32(hidden)
                     for c in T.unroll(C):
-                        col = (c * _THREADS + tx) * E
+                        col = (c * TB + tx) * E
                         if col < hidden:
+                            for e in T.vectorized(E):
+                                xl[e] = X[row, col + e]
+                            for e in T.vectorized(E):
+                                dl[e] = DY[row, col + e]
+                            if has_weight:
+                                for e in T.vectorized(E):
+                                    wl[e] = W[col + e]
                             if has_res_grad:
                                 rg = T.alloc_local((E,), x_dtype)
                                 for e in T.vectorized(E):
                                     rg[e] = RG[row, col + e]
-                                for e in T.unroll(E):
-                                    io[e] = T.cast((gw[c, e] - xh[c, e] * mean) * r + T.cast(rg[e], "float32"),
-                                                   x_dtype)
-                            else:
-                                for e in T.unroll(E):
-                                    io[e] = T.cast((gw[c, e] - xh[c, e] * mean) * r, x_dtype)
+                            for e in T.unroll(E):
+                                xh = T.cast(xl[e], "float32") * r
+                                g = T.cast(dl[e], "float32") * out_scale
+                                gw = g * T.cast(wl[e], "float32") if has_weight else g
+                                if has_res_grad:
+                                    io[e] = T.cast((gw - xh * mean) * r + T.cast(rg[e], "float32"), x_dtype)
+                                else:
+                                    io[e] = T.cast((gw - xh * mean) * r, x_dtype)
                             for e in T.vectorized(E):
                                 DX[row, col + e] = io[e]
             if has_weight:
                 for c in T.unroll(C):
-                    col = (c * _THREADS + tx) * E
+                    col = (c * TB + tx) * E
                     if col < hidden:
                         for e in T.vectorized(E):
                             Part[p, col + e] = wacc[c, e]
