@@ -17,7 +17,7 @@ from tilefuse import quant
 from tilefuse.quant import _swiglu_kernel as K
 from tilefuse.reference import swiglu as ref
 from tilefuse.reference.quant import cast as ref_cast
-from tilefuse.testing import assert_equal, clear_unused_sf
+from tilefuse.testing import assert_equal, clear_unused_sf, quant_adversarial
 from tests.quant.kernel_binding import fake_jit
 
 TOKENS = (0, 1, 7, 4001, 8192)
@@ -197,6 +197,28 @@ def _fill(x: torch.Tensor, kind: str) -> torch.Tensor:
     return x
 
 
+def _assert_equal_but_nan_payload(got, want, rows=None):
+    """Bit-exact except NaN payloads and signs (quant.md 1.7: NaN is not part of the contract): the NaN positions
+    must agree (e4m3: codes 0x7F / 0xFF), every other element bit for bit. ``rows``: a bool row mask."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if got.dtype == torch.float8_e4m3fn:
+        got, want = got.view(torch.uint8), want.view(torch.uint8)  # fp8 has no bool indexing
+    if rows is not None:
+        got, want = got[rows], want[rows]
+    if got.dtype == torch.uint8:
+        g_nan, w_nan = (got & 0x7F) == 0x7F, (want & 0x7F) == 0x7F
+    else:
+        g_nan, w_nan = got.isnan(), want.isnan()
+    assert torch.equal(g_nan, w_nan)
+    assert_equal(torch.where(g_nan, torch.zeros_like(got), got), torch.where(w_nan, torch.zeros_like(want), want),
+                 check_stride=False)
+
+
+def _special_x(t, width, fill, dtype):
+    """quant.md 1.7 fills: ~1 element in 97 NaN or +-inf (either sign), in both halves (gate and up)."""
+    return quant_adversarial(t, width, fill, dtype=dtype, device="cuda")
+
+
 def _fwd_inputs(t, x_dtype, hidden, weighted, skip, fill="randn"):
     x = torch.randn(t, 2 * hidden, dtype=DTYPES[x_dtype], device="cuda") * 2
     x = _fill(x, fill)
@@ -245,6 +267,33 @@ def test_fwd_ptc_matches_reference(case, t):
 def test_fwd_ptc_adversarial(case, fill):
     x, p2t, w, p2e = _fwd_inputs(257, case[0], case[1], case[6], case[7], fill)
     _fwd_check(case, x, p2t, w, p2e)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,fill", [(FWD_CASES[0], "nan"), (FWD_CASES[0], "inf"), (FWD_CASES[3], "nan"),
+                                       (FWD_CASES[3], "inf"), (FWD_CASES[1], "inf")], ids=str)
+def test_fwd_ptc_nan_inf(case, fill):
+    """quant.md 1.7 inside the fused forward: NaN/inf in ``l`` or ``r`` (an inf ``l`` gives ``t`` = 1 or inf, so
+    act = +-inf or NaN; groups with an inf get sf = inf, sf_inv = 0, and NaN is dropped from the group maximum).
+    The clamp is only tested with inf: min/max with a NaN operand is not specified (3.11 + 1.7)."""
+    x_dtype, hidden, npc, col, round_sf, packed, weighted, skip, clamp, count = case
+    x = _special_x(257, 2 * hidden, fill, DTYPES[x_dtype])
+    _, p2t, w, p2e = _fwd_inputs(257, x_dtype, hidden, weighted, skip)
+    cnt = torch.tensor([5, 6, 7], dtype=torch.int64, device="cuda") if count else None
+    want_cnt = None if cnt is None else cnt.clone()
+    _poison()
+    out, sf = K.swiglu_fwd_ptc_launch(x, npc, p2t, w, p2e, col, round_sf, packed, clamp, cnt)
+    torch.cuda.synchronize()
+    act = ref.swiglu_forward(x, p2t, w, clamp)
+    assert bool(act.isnan().any()) and (fill == "nan" or bool(act.isinf().any()))
+    r_out, r_sf = ref_cast(act, "e4m3", (1, npc), round_sf=round_sf, use_tma_aligned_col_major_sf=col,
+                           use_packed_ue8m0=packed)
+    keep = torch.ones(x.size(0), dtype=torch.bool, device="cuda") if p2e is None else p2e >= 0
+    _assert_equal_but_nan_payload(out, r_out, keep)
+    assert_equal(clear_unused_sf(sf, hidden, npc)[keep], clear_unused_sf(r_sf, hidden, npc)[keep])
+    if cnt is not None:
+        want_cnt += ref.clamp_counts(x, clamp, keep)
+        assert_equal(cnt, want_cnt)
 
 
 @pytest.mark.gpu
@@ -351,6 +400,31 @@ def test_bwd_ptc_adversarial(case, fill):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fill", ("nan", "inf"))
+@pytest.mark.parametrize("case", (BWD_CASES[0], (7168, 128, True, None)), ids=str)  # a test and the bench config
+def test_bwd_ptc_nan_inf(case, fill):
+    """quant.md 1.7 through the backward: the e4m3 input comes from a per-token cast of x with NaN/inf (NaN
+    codes, inf input sf, so NaN/inf gate and up values), and the grad has them too. Outputs bit-exact but
+    NaN payloads; weight_grad within 6.3's tolerance with NaN where the reference has NaN. Unclamped only: a
+    clamp with a NaN operand is not specified."""
+    hidden, npc, round_sf, clamp = case
+    data, sf, grad, weight, p2t, tt2p = _bwd_inputs(129, hidden, npc)
+    data, sf = ref_cast(_special_x(129, 2 * hidden, fill, torch.bfloat16), "e4m3", (1, npc))
+    grad = _special_x(129, hidden, fill, torch.bfloat16)
+    _poison()
+    out, q, q_sf, x_grad, wg = K.swiglu_bwd_ptc_launch(data, sf, grad, weight, p2t, tt2p, npc, round_sf, clamp)
+    torch.cuda.synchronize()
+    r_out, r_xg, r_wg = ref.swiglu_backward((data, sf), grad, weight, p2t, tt2p, npc, clamp)
+    assert bool(r_xg.isnan().any())
+    r_q, r_qsf = ref_cast(r_xg, "e4m3", (1, npc), round_sf=round_sf)
+    _assert_equal_but_nan_payload(out, r_out.to(torch.bfloat16))
+    _assert_equal_but_nan_payload(x_grad, r_xg.to(torch.bfloat16))
+    _assert_equal_but_nan_payload(q, r_q)
+    assert_equal(q_sf, r_qsf)
+    torch.testing.assert_close(wg, r_wg, atol=WG_TOL, rtol=WG_TOL, equal_nan=True)
+
+
+@pytest.mark.gpu
 def test_bwd_ptc_3d_data_and_grad():
     case = BWD_CASES[0]
     data, sf, grad, weight, p2t, tt2p = _bwd_inputs(4000, case[0], case[1])
@@ -423,6 +497,25 @@ def test_fwd_pcc_matches_reference(case, t):
 def test_fwd_pcc_adversarial(case, fill):
     x = _fill(torch.randn(256, 2 * case[0], dtype=torch.bfloat16, device="cuda"), fill)
     _pcc_check(case, x)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,fill", [(PCC_CASES[0], "nan"), (PCC_CASES[0], "inf"), (PCC_CASES[2], "inf"),
+                                       ((7168, 128, True, True, None), "nan"), ((7168, 128, True, True, None), "inf")],
+                         ids=str)
+def test_fwd_pcc_nan_inf(case, fill):
+    """quant.md 1.7 in the per-channel forward (NaN dropped from the channel maximum; an inf act gives sf = inf,
+    sf_inv = 0): bit-exact but NaN payloads. The clamp only with inf (min/max of NaN is not specified)."""
+    hidden, npt, round_sf, transpose, clamp = case
+    x = _special_x(256, 2 * hidden, fill, torch.bfloat16)
+    _poison()
+    out, sf = K.swiglu_fwd_pcc_launch(x, npt, round_sf, not transpose, clamp)
+    torch.cuda.synchronize()
+    act = ref.swiglu_forward(x, swiglu_clamp_value=clamp).to(torch.bfloat16)
+    assert bool(act.isnan().any())
+    r_out, r_sf = ref_cast(act, "e4m3", (npt, 1), round_sf=round_sf)
+    _assert_equal_but_nan_payload(out, r_out.T.contiguous() if transpose else r_out)
+    assert_equal(sf, r_sf)
 
 
 @pytest.mark.gpu
