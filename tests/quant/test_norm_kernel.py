@@ -27,8 +27,8 @@ def rtol_sum(h: int) -> float:
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("name,cfg", [("norm_forward", c) for c in K.test_forward_configs()]
-                         + [("norm_backward", c) for c in K.test_backward_configs()]
+@pytest.mark.parametrize("name,cfg", [("norm_forward", c) for c in K._forward_configs()]
+                         + [("norm_backward", c) for c in K._backward_configs()]
                          + [("norm_weight_grad_reduce", (d, 7168)) for d in ("bfloat16", "float32")], ids=str)
 def test_builds_for_sm90(name, cfg):
     src = _jit.compile_kernel(name, cfg, "sm_90", export=False).get_kernel_source()

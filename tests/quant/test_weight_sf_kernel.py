@@ -210,3 +210,33 @@ def test_cast_and_cast_back_adversarial_fills_gpu(fill, cfg):
     # NaN payloads are not part of the contract (1.7): NaN positions must agree, every other value bit-exactly
     assert torch.equal(x.isnan(), want.isnan())
     assert_equal(torch.where(x.isnan(), 0, x), torch.where(want.isnan(), 0, want), check_stride=False)
+
+
+_BAD_SF = """
+import torch
+from tilefuse.quant import _weight_sf_kernel as WS
+sf = torch.exp2(torch.randint(-8, 8, (2, 32, 56), device="cuda").float())
+sf[1, 17, 40] = {value}
+WS.batched_transpose_weight_sf_launch([sf], 128, [True], None)
+torch.cuda.synchronize()
+print("no error")
+"""
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("value", ("3.0", "-2.0", "float('nan')"))
+def test_weight_sf_value_rule_asserts_on_device_gpu(value):
+    """quant.md 5.13: an sf with sign or mantissa bits set trips the kernel's device-side assertion (run in a
+    child process: a device assert leaves the CUDA context unusable). Valid values run clean (last test)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    res = subprocess.run([sys.executable, "-c", _BAD_SF.format(value=value)], capture_output=True, text=True,
+                         timeout=600, cwd=root)
+    assert res.returncode != 0 and "no error" not in res.stdout, res.stdout + res.stderr
+    ok = subprocess.run([sys.executable, "-c", _BAD_SF.format(value="0.25")], capture_output=True, text=True,
+                        timeout=600, cwd=root)
+    assert ok.returncode == 0 and "no error" in ok.stdout, ok.stdout + ok.stderr

@@ -393,8 +393,22 @@ def test_backward_configs() -> list[tuple]:
     return [(xd, h, w, r) for xd in ("bfloat16", "float32") for h, w, r in ((7168, True, True), (576, False, False))]
 
 
-_jit.register("norm_forward", norm_forward_kernel, test_forward_configs)
-_jit.register("norm_backward", norm_backward_kernel, test_backward_configs)
+# the bench rows (tilefuse/bench.py): bf16 8192 x 7168 with a weight, no residual, no rstd
+_BENCH_FORWARD = [("bfloat16", 7168, True, False, False, "row", False, False, False, 0),
+                  ("bfloat16", 7168, True, False, True, "col_packed", True, False, False, 0)]
+_BENCH_BACKWARD = [("bfloat16", 7168, True, False)]
+
+
+def _forward_configs() -> list[tuple]:
+    return test_forward_configs() + [c for c in _BENCH_FORWARD if c not in test_forward_configs()]
+
+
+def _backward_configs() -> list[tuple]:
+    return test_backward_configs() + [c for c in _BENCH_BACKWARD if c not in test_backward_configs()]
+
+
+_jit.register("norm_forward", norm_forward_kernel, _forward_configs)
+_jit.register("norm_backward", norm_backward_kernel, _backward_configs)
 _jit.register("norm_weight_grad_reduce", weight_grad_reduce_kernel,
               lambda: [(d, h) for d in ("bfloat16", "float32") for h in (7168,)])
 
