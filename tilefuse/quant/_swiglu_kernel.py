@@ -143,7 +143,6 @@ def _stage_bytes(T, eb, g0: int, gps: int, lanes_per_group: int, team: int):
 
 # ---- 3.12: forward + per-token cast ----
 
-_FWD_PTC_MIN_BLOCKS = 4
 
 def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, sf_layout: str, weighted: bool,
                           skip: bool, clamp_bits: int | None, count: bool, sf_clamp_bits: int = f32_bits(1e-4)):
@@ -169,6 +168,10 @@ def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, s
     n_words = -(-ng // 4)
     stages = [[c] for c in range(C)] if per_chunk else [list(range(C))]
     gps = L * E // npc if per_chunk else 1  # groups per stage
+    # npc == 128: chunk c + 1's loads are issued before chunk c is processed (registers stay bounded); npc == H
+    # needs the whole row first
+    first_loads = [0] if per_chunk else list(range(C))
+    next_loads = [[si + 1] if per_chunk and si + 1 < C else [] for si in range(len(stages))]
 
     # unused optional inputs are passed as 1-element dummies, hence their own sizes
     Tn, P, NW, NI, NE = T.dynamic("num_tokens, sf_pad, num_weights, num_p2t, num_p2e")
@@ -188,8 +191,6 @@ def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, s
     @T.macro
     def body(X, P2T, W, P2E, Y, SF, CNT):
         with T.Kernel(T.ceildiv(Tn, BM), threads=threads) as bx:
-            if per_chunk:
-                T.annotate_min_blocks_per_sm(_FWD_PTC_MIN_BLOCKS)  # <= 128 registers
             tx = T.get_thread_binding()
             q = tx % L
             row = bx * BM + tx // L
@@ -208,7 +209,7 @@ def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, s
             ok = row < Tn
             if skip:
                 ok = T.And(ok, P2E[T.min(row, Tn - 1)] >= 0)
-            for c in T.unroll(C):
+            for c in first_loads:
                 col = c * (L * E) + q * E
                 if ok:
                     for v in T.vectorized(E):
@@ -225,23 +226,31 @@ def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, s
                 p = T.if_then_else(row < Tn, P2T[T.min(row, Tn - 1)], -1)
                 w[0] = T.if_then_else(T.And(p >= 0, NW > 0), W[T.min(p, NW - 1)], T.float32(0.0))
             if count:
-                c_ = _f32(T, clamp_bits)
                 for k in T.unroll(3):
                     cnt[k] = 0
-                for c in T.unroll(C):
-                    for e in T.unroll(E):
-                        lv = T.cast(xl[c, e], "float32")
-                        rv = T.cast(xr[c, e], "float32")
-                        cnt[0] = cnt[0] + T.if_then_else(T.And(ok, lv > c_), 1, 0)
-                        cnt[1] = cnt[1] + T.if_then_else(T.And(ok, rv > c_), 1, 0)
-                        cnt[2] = cnt[2] + T.if_then_else(T.And(ok, rv < -c_), 1, 0)
-                for k in T.unroll(3):
-                    for st in T.unroll(5):  # warp sum
-                        cnt[k] = cnt[k] + T.shfl_xor(cnt[k], T.shift_right(16, st))
-                    if T.And(tx % 32 == 0, cnt[k] != 0):
-                        T.atomic_add(CNT[k], T.cast(cnt[k], "int64"))
             word[0] = 0
             for si, chunks in enumerate(stages):
+                for c in next_loads[si]:
+                    col = c * (L * E) + q * E
+                    if ok:
+                        for v in T.vectorized(E):
+                            xl[c, v] = X[row, col + v]
+                        for v in T.vectorized(E):
+                            xr[c, v] = X[row, hidden + col + v]
+                    else:
+                        for v in T.vectorized(E):
+                            xl[c, v] = T.cast(0, x_dtype)
+                        for v in T.vectorized(E):
+                            xr[c, v] = T.cast(0, x_dtype)
+                if count:
+                    c_ = _f32(T, clamp_bits)
+                    for c in chunks:
+                        for e in T.unroll(E):
+                            lv = T.cast(xl[c, e], "float32")
+                            rv = T.cast(xr[c, e], "float32")
+                            cnt[0] = cnt[0] + T.if_then_else(T.And(ok, lv > c_), 1, 0)
+                            cnt[1] = cnt[1] + T.if_then_else(T.And(ok, rv > c_), 1, 0)
+                            cnt[2] = cnt[2] + T.if_then_else(T.And(ok, rv < -c_), 1, 0)
                 am[0] = T.float32(0.0)
                 for c in chunks:
                     for e in T.unroll(E):
@@ -278,6 +287,12 @@ def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, s
                             yb[e] = T.cast(act[c, e] * inv, "float8_e4m3fn")
                         for e in T.vectorized(E):
                             Y[row, col + e] = yb[e]
+            if count:
+                for k in T.unroll(3):
+                    for st in T.unroll(5):  # warp sum
+                        cnt[k] = cnt[k] + T.shfl_xor(cnt[k], T.shift_right(16, st))
+                    if T.And(tx % 32 == 0, cnt[k] != 0):
+                        T.atomic_add(CNT[k], T.cast(cnt[k], "int64"))
 
     @T.prim_func
     def swiglu_fwd_ptc(X: x_param, P2T: p2t_param, W: w_param, P2E: p2e_param, Y: y_param, SF: sf_param,
