@@ -285,7 +285,7 @@ def test_fwd_ptc_nan_inf(case, fill):
     out, sf = K.swiglu_fwd_ptc_launch(x, npc, p2t, w, p2e, col, round_sf, packed, clamp, cnt)
     torch.cuda.synchronize()
     act = ref.swiglu_forward(x, p2t, w, clamp)
-    assert bool(act.isnan().any()) and (fill == "nan" or bool(act.isinf().any()))
+    assert bool(act.isnan().any())  # (an inf l below the clamp gives t = inf and act = NaN)
     r_out, r_sf = ref_cast(act, "e4m3", (1, npc), round_sf=round_sf, use_tma_aligned_col_major_sf=col,
                            use_packed_ue8m0=packed)
     keep = torch.ones(x.size(0), dtype=torch.bool, device="cuda") if p2e is None else p2e >= 0
