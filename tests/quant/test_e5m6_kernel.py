@@ -12,7 +12,8 @@ from tilefuse import _jit
 from tilefuse import formats as F
 from tilefuse.quant import _e5m6_kernel as K
 from tilefuse.reference import quant as R
-from tilefuse.testing import assert_equal, clear_unused_sf
+from tilefuse.testing import assert_equal, clear_unused_sf, quant_adversarial
+from tilefuse.testing.generators import QUANT_FILLS
 from tests.quant.kernel_binding import fake_jit, tir_eval
 
 TOKENS = (0, 1, 7, 4001, 8192)
@@ -94,6 +95,57 @@ def test_e5m6_expressions_are_exact():
     back = np.stack([tir_eval(c, {f"w{i}": got[:, i].view(np.int32) for i in range(3)})
                      for c in CB._e5m6_codes(*ws)], -1)
     assert (back == c8.astype(np.int32)).all()
+
+
+def _rz_half_bits(vals: np.ndarray) -> np.ndarray:
+    """binary16 patterns of binary32 ``vals`` rounded toward zero (IEEE: subnormals kept, finite overflow to
+    the largest finite), as ``__float2half_rz`` does: the correctly rounded conversion, stepped one unit
+    toward zero where it rounded away."""
+    with np.errstate(over="ignore"):
+        rne = vals.astype(np.float64).astype(np.float16)
+    bits = rne.view(np.uint16).astype(np.uint32)
+    away = np.abs(rne.astype(np.float64)) > np.abs(vals.astype(np.float64))
+    return np.where(away, bits - 1, bits).astype(np.uint32)
+
+
+def test_e5m6_values_are_exact():
+    """The cast-back's group decoder (codes placed in binary16 lanes, widened by the hardware; numpy's
+    float16 -> float32 widening stands in for it) equals ``formats.e5m6_decode`` bit for bit on every non-NaN
+    code, at every position of the group, and gives NaN for every NaN code."""
+    pytest.importorskip("tilelang")
+    from tvm import tirx
+
+    from tilefuse.quant import _cast_back_kernel as CB
+
+    rng = np.random.default_rng(3)
+    c8 = rng.integers(0, 4096, (50_000, 8)).astype(np.int64)
+    c8[:512] = np.arange(4096).reshape(512, 8)
+    c8[512:1024] = np.roll(np.arange(4096).reshape(512, 8), 3, axis=1)
+    words = F.e5m6_pack(torch.from_numpy(c8)).numpy().view(np.uint32).reshape(-1, 3)
+    ws = [tirx.Var(f"w{i}", "uint32") for i in range(3)]
+    got = np.stack([tir_eval(e, {f"w{i}": words[:, i] for i in range(3)}) for e in CB._e5m6_values(*ws)], -1)
+    want = F.e5m6_decode(torch.from_numpy(c8)).numpy()
+    nan = np.isnan(want)
+    assert nan.any() and (np.isnan(got) == nan).all()
+    assert (got[~nan].view(np.uint32) == want[~nan].view(np.uint32)).all()
+
+
+def test_e5m6_fast_encoder_is_exact():
+    """The cast's short encoder (hardware round-toward-zero binary16, then the 17-bit rounding) equals
+    ``formats`` on every value it is used for: finite binary32 below 2^16 in magnitude (edge-dense values,
+    every binary32 exponent, and all patterns of the top 16 bits with adversarial low bits)."""
+    pytest.importorskip("tilelang")
+    from tvm import tirx
+
+    vals = _edge_values(200_000)
+    hi = np.arange(1 << 16, dtype=np.uint32) << 16
+    low = np.array([0, 1, 0xFFFF, 0x10000, 0x10001, 0x1FFFF, 0x8000, 0xFFFF8000 & 0xFFFF], dtype=np.uint32)
+    every_top = (hi[:, None] | low[None, :]).reshape(-1).view(np.float32)
+    vals = np.concatenate([vals, every_top])
+    vals = vals[np.isfinite(vals) & (np.abs(vals) < 65536.0)]
+    v, h = tirx.Var("v", "float32"), tirx.Var("h", "uint32")
+    got = tir_eval(K._e5m6_code_of_rz_half(v, h), {"v": vals, "h": _rz_half_bits(vals)})
+    assert (got == F.e5m6_encode(torch.from_numpy(vals.copy())).numpy().astype(np.uint32)).all()
 
 
 @pytest.mark.compile
@@ -203,6 +255,43 @@ def test_adversarial_fills(flags):
     x[50:60] = torch.randn(10, hidden, device="cuda") * 1e6  # beyond 65024 before scaling
     for dtype in (torch.bfloat16, torch.float32):
         _check(x.to(dtype), flags)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", QUANT_FILLS)
+@pytest.mark.parametrize("hidden", (576, 7168))
+@pytest.mark.parametrize("x_dtype", ("bfloat16", "float32"))
+@pytest.mark.parametrize("flags", FLAGS, ids=str)
+def test_quant_adversarial_fills(kind, hidden, x_dtype, flags):
+    """quant.md 6.2 fills, NaN and +-inf included (1.7: a NaN does not change its row's sf and encodes as the
+    positive canonical NaN code; an inf makes the row's sf inf and sf_inv 0, so it encodes as NaN and every
+    finite element as +-0): the cast's bytes and sf, then the cast-back of the reference's bytes."""
+    x = quant_adversarial(4001, hidden, kind, dtype=DTYPES[x_dtype], device="cuda")
+    _check(x, flags)
+    data, sf = R.cast_to_e5m6(x, hidden, *flags)
+    for out in ("bf16", "fp32"):
+        _poison()
+        got = K.cast_back_e5m6_cuda((data, sf), out, (1, hidden))
+        torch.cuda.synchronize()
+        want = R.cast_back_from_e5m6((data, sf), out, (1, hidden))
+        nan = torch.isnan(want.float())  # NaN payloads are outside the contract (1.7): compare the positions
+        assert torch.equal(torch.isnan(got.float()), nan)
+        assert_equal(torch.where(nan, torch.zeros_like(got), got), torch.where(nan, torch.zeros_like(want), want))
+
+
+@pytest.mark.gpu
+def test_nan_and_inf_rows():
+    """quant.md 1.7 by hand: one NaN in a row of ones keeps sf = 1 / 65024-ish and codes 0x7E0; one -inf
+    gives sf = inf, the inf NaN and the rest +-0; a thread's NaN takes the full encoder, its neighbours the
+    short one (both in one row)."""
+    x = torch.ones(64, 7168, device="cuda")
+    x[1::4, 5] = float("nan")
+    x[2::4, 7000] = float("-inf")
+    x[3::4, ::97] = float("nan")
+    x[3::4, 1] = -0.0
+    for flags in FLAGS:
+        for dtype in (torch.bfloat16, torch.float32):
+            _check(x.to(dtype), flags)
 
 
 @pytest.mark.gpu

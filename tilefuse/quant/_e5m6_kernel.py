@@ -64,6 +64,29 @@ def _e5m6_code(v):
     return T.if_then_else((t & 1) + r > T.uint32(0x10000), t + 1, t) & T.uint32(0xFFF)
 
 
+def _e5m6_code_fast(v):
+    """The 12-bit E5M6 code (uint32) of binary32 ``v`` for ``v`` not NaN and ``|v| < 2^16`` (all the cast
+    produces from finite inputs), bit-exactly quant.md 1.3: ``h`` is the hardware round-toward-zero binary16
+    conversion (subnormals truncated, exactly step 1 in that range); ``z = t << 17 | r`` puts ``t = h >> 4``
+    over the low 17 bits ``r`` of ``v``, and ``(z + 0xFFFF + (t & 1)) >> 17`` is ``t`` plus one exactly when
+    ``(t & 1) + r > 0x10000`` (``r + (t & 1) <= 0x20000``, so the carry into bit 17 is that test). ``t``
+    is at most 0xFBF there, so the result needs no 12-bit mask."""
+    import tilelang.language as T
+
+    h = T.cast(T.call_extern("uint16", "__half_as_ushort", T.call_extern("float16", "__float2half_rz", v)),
+               "uint32")
+    return _e5m6_code_of_rz_half(v, h)
+
+
+def _e5m6_code_of_rz_half(v, h):
+    """:func:`_e5m6_code_fast` given ``h`` (uint32), the round-toward-zero binary16 pattern of ``v``."""
+    import tilelang.language as T
+
+    t = T.shift_right(h, 4)
+    z = T.shift_left(t, 17) | (T.reinterpret(v, "uint32") & T.uint32(0x1FFFF))
+    return T.shift_right(z + T.uint32(0xFFFF) + (t & T.uint32(1)), 17)
+
+
 def _e5m6_words(c):
     """Words ``W0, W1, W2`` (uint32) of the eight codes ``c`` (uint32 expressions), quant.md 1.3 packing."""
     import tilelang.language as T
@@ -108,20 +131,26 @@ def e5m6_cast_kernel(x_dtype: str, hidden: int, round_sf: bool, sf_layout: str):
             raw = T.alloc_local((NG * 8,), x_dtype)
             xv = T.alloc_local((NG * 8,), "float32")
             amax = T.alloc_local((1,), "float32")
+            special = T.alloc_local((1,), "float32")
             inv = T.alloc_local((1,), "float32")
             code = T.alloc_local((8,), "uint32")
             red = T.alloc_shared((R * nwarps,), "float32")
             for j in T.unroll(NG):
+                for v in T.unroll(8):
+                    raw[j * 8 + v] = T.cast(0, x_dtype)  # groups past the row or the last token read as 0
                 if T.And(row < Tn, lane + j * L < g8):
                     for p in T.unroll(8 // vec):
                         for v in T.vectorized(vec):
                             raw[j * 8 + p * vec + v] = X[row, (lane + j * L) * 8 + p * vec + v]
             amax[0] = T.float32(0.0)
+            special[0] = T.float32(0.0)
             for j in T.unroll(NG):
                 for v in T.unroll(8):
-                    xv[j * 8 + v] = T.if_then_else(T.And(row < Tn, lane + j * L < g8),
-                                                   T.cast(raw[j * 8 + v], "float32"), T.float32(0.0))
+                    xv[j * 8 + v] = T.cast(raw[j * 8 + v], "float32")
                     amax[0] = T.max(amax[0], T.abs(xv[j * 8 + v]))
+                    # NaN exactly when one of this thread's values is NaN or infinite (an extern FMA: the
+                    # TIR simplifier would fold a plain x * 0 to 0)
+                    special[0] = T.call_extern("float32", "__fmaf_rn", xv[j * 8 + v], T.float32(0.0), special[0])
             for off in (16, 8, 4, 2, 1):  # a Python tuple: unrolled while building
                 amax[0] = T.max(amax[0], T.shfl_xor(amax[0], off))
             if nwarps > 1:
@@ -145,15 +174,28 @@ def e5m6_cast_kernel(x_dtype: str, hidden: int, round_sf: bool, sf_layout: str):
                     SF[0, row] = sf
                 else:
                     SF[0, row, 0] = T.cast(eb, "uint8")
-            for j in T.unroll(NG):
-                g = lane + j * L
-                if T.And(row < Tn, g < g8):
-                    for v in T.unroll(8):
-                        code[v] = _e5m6_code(xv[j * 8 + v] * inv[0])
-                    w0, w1, w2 = _e5m6_words([code[v] for v in range(8)])
-                    Y[row, g * 3] = w0
-                    Y[row, g * 3 + 1] = w1
-                    Y[row, g * 3 + 2] = w2
+            # Finite inputs give finite products below 2^16 (|x| <= amax, so |x * sf_inv| <= ~65024.01):
+            # the short encoder. A thread holding a NaN or infinity takes the full one (quant.md 1.7 cases).
+            if T.call_extern("int32", "isnan", special[0]) == 0:  # (TIR folds a plain s == s to true)
+                for j in T.unroll(NG):
+                    g = lane + j * L
+                    if T.And(row < Tn, g < g8):
+                        for v in T.unroll(8):
+                            code[v] = _e5m6_code_fast(xv[j * 8 + v] * inv[0])
+                        w0, w1, w2 = _e5m6_words([code[v] for v in range(8)])
+                        Y[row, g * 3] = w0
+                        Y[row, g * 3 + 1] = w1
+                        Y[row, g * 3 + 2] = w2
+            else:
+                for j in T.unroll(NG):
+                    g = lane + j * L
+                    if T.And(row < Tn, g < g8):
+                        for v in T.unroll(8):
+                            code[v] = _e5m6_code(xv[j * 8 + v] * inv[0])
+                        w0, w1, w2 = _e5m6_words([code[v] for v in range(8)])
+                        Y[row, g * 3] = w0
+                        Y[row, g * 3 + 1] = w1
+                        Y[row, g * 3 + 2] = w2
 
     return e5m6_cast
 
