@@ -31,6 +31,29 @@ _TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _LAYOUTS = ("row", "col", "col_packed")
 
 
+# Register budgets per thread (bf16 input): with them ``_resident_ctas`` CTAs fit an SM's 64K registers, so
+# one CTA's loads overlap another's block reduction and stores (sass_stats: no spills at these budgets).
+_CAST_REGS = {"e4m3": 64, "e2m1": 80, "sf_only": 40, "precomputed": 64}
+_LOSSLESS_REGS = 40
+
+
+def _packed_input(x_dtype: str, fmt: str) -> bool:
+    """Whether the per_block_cast kernel takes its bf16 input as int32 words of two elements (e2m1 only)."""
+    return x_dtype == "bfloat16" and fmt == "e2m1"
+
+
+def _statically(n: int):
+    """``range(n)`` that TileLang's macro tracer leaves alone (a plain ``range`` in a macro becomes a device
+    loop whose variable is symbolic): the loop body is traced n times with Python ints."""
+    return tuple(range(n))
+
+
+def _resident_ctas(threads: int, regs: int) -> int:
+    """CTAs per SM that ``regs`` registers per thread allow (64K registers, at most 2048 threads), at most 3:
+    enough overlap for 256-thread CTAs without squeezing their registers (no spills)."""
+    return max(1, min(65536 // (threads * regs), 2048 // threads, 3))
+
+
 def _geometry(bm: int) -> tuple[int, int, int]:
     """(NB blocks per thread along rows, WB warps per block along rows, W warps per CTA) for block height bm.
 
@@ -122,19 +145,35 @@ def per_block_cast_kernel(x_dtype: str, fmt: str, hidden: int, bm: int, bk: int,
     nbk = cdiv(hidden, bk)
 
     Tn, NBM, P, SS = T.dynamic("num_tokens, num_row_blocks, sf_pad, sf_row_stride")
-    x_param = T.Tensor((Tn, hidden), x_dtype)
+    # e2m1 from bf16 (issue-bound): the input arrives as int32 words of two elements (the launcher's
+    # ``x.view(torch.int32)``), so widening a word's halves to binary32 is one shift or one mask each, where a
+    # bf16 element costs a byte permute and a shift. The e4m3 casts are memory-side and keep bf16 elements
+    # (fewer live registers around the block reduction at the two-CTA budget).
+    packed = _packed_input(x_dtype, fmt)
+    wpr = _C // 2 if packed else _C  # stored words per row of a thread's chunk
+    x_param = T.Tensor((Tn, hidden // 2), "int32") if packed else T.Tensor((Tn, hidden), x_dtype)
     y_param = (T.Tensor((Tn, hidden), "float8_e4m3fn") if fmt == "e4m3"
                else T.Tensor((Tn, hidden // 8), "int32"))
     sf_param = (T.StridedTensor((NBM, nbk), (SS, 1), "float32") if mode == "precomputed"
                 else cm.sf_param(T, sf_layout, NBM, P, nbk))
+
+    def elem(xr, j, v: int):
+        """Exact binary32 value of channel v (a Python int: the half is chosen while tracing) of row j."""
+        assert isinstance(v, int)
+        if not packed:
+            return T.cast(xr[j * _C + v], "float32")
+        word = xr[j * wpr + v // 2]
+        if v % 2 == 0:  # low half: element 2k of the pair
+            return T.reinterpret(T.shift_left(word, 16), "float32")
+        return T.reinterpret(word & T.int32(-65536), "float32")
 
     def byte_perm(a, b, selector: int):
         """``__byte_perm``: byte i of the result is byte ``selector`` nibble i of the 8-byte pair (a, b)."""
         return T.call_extern("uint32", "__byte_perm", T.cast(a, "uint32"), T.cast(b, "uint32"),
                              T.uint32(selector))
 
-    def e2m1_word(xr, base, inv_s):
-        """int32 of 8 nibbles: the code of ``xr[base + v] * inv_s`` (quant.md 1.2) in bits 4v..4v+3 (low nibble
+    def e2m1_word(xr, j: int, inv_s):
+        """int32 of 8 nibbles: the code of ``elem(xr, j, v) * inv_s`` (quant.md 1.2) in bits 4v..4v+3 (low nibble
         = even element), the codes from the shared FMA-pipe encoder on halved values (``_tl.e2m1_steps_of_half``)
         and the sign bits gathered from the halves' top bytes by byte permutes (as ``_tl.e2m1_pair_byte_of_halves``
         takes them: a NaN made by the FP pipe is positive, code 7). A power-of-two ``inv_s`` (round_sf) is halved
@@ -142,7 +181,7 @@ def per_block_cast_kernel(x_dtype: str, fmt: str, hidden: int, bm: int, bk: int,
         that encodes to +-0 either way."""
         h = []
         for v in range(_C):
-            xv = T.cast(xr[base + v], "float32")
+            xv = elem(xr, j, v)
             h.append(xv * (inv_s * T.float32(0.5)) if round_sf else xv * inv_s * T.float32(0.5))
         # codes: byte b = code(2b) + 16 code(2b+1) (each code's bits 3..21 are zero, so byte b is clean)
         p = [_tl.e2m1_steps_of_half(h[2 * b]) + T.shift_left(_tl.e2m1_steps_of_half(h[2 * b + 1]), 4)
@@ -158,23 +197,25 @@ def per_block_cast_kernel(x_dtype: str, fmt: str, hidden: int, bm: int, bk: int,
     @T.macro
     def body(X, Y, SF):
         with T.Kernel(T.ceildiv(hidden, _TILE_H), T.ceildiv(Tn, rows_per_cta), threads=cm.threads) as (bx, by):
+            if x_dtype == "bfloat16":
+                T.annotate_min_blocks_per_sm(_resident_ctas(cm.threads, _CAST_REGS[mode if mode != "cast" else fmt]))
             tx = T.get_thread_binding()
             lane = tx % _LANES
             w = tx // _LANES
             row0 = by * rows_per_cta + w * _RPT
             col0 = bx * _TILE_H + lane * _C
             cb = col0 // bk
-            # raw input elements (bf16 kept 2 per register: half the registers, two CTAs per SM), widened on use
-            xr = T.alloc_local((_RPT * _C,), x_dtype)
+            # raw input words (bf16 kept 2 per register: half the registers, two CTAs per SM), widened on use
+            xr = T.alloc_local((_RPT * wpr,), "int32" if packed else x_dtype)
             inv = T.alloc_local((nb,), "float32")
             # load 8 rows x 8 channels; rows past the end and channels past hidden read as 0 (never the max)
             for j in T.unroll(_RPT):
                 if T.And(row0 + j < Tn, col0 < hidden):
-                    for v in T.vectorized(_C):
-                        xr[j * _C + v] = X[row0 + j, col0 + v]
+                    for v in T.vectorized(wpr):
+                        xr[j * wpr + v] = X[row0 + j, col0 * wpr // _C + v]
                 else:
-                    for v in T.vectorized(_C):
-                        xr[j * _C + v] = T.cast(0.0, x_dtype)
+                    for v in T.vectorized(wpr):
+                        xr[j * wpr + v] = T.cast(0, xr.dtype)  # +0.0 either way
             if mode == "precomputed":
                 # sf_inv = 1 / sf (IEEE), and 0 for a zero sf, as the reference cast (quant.md 2.1)
                 if T.And(row0 < Tn, col0 < hidden):
@@ -188,8 +229,8 @@ def per_block_cast_kernel(x_dtype: str, fmt: str, hidden: int, bm: int, bk: int,
                 for n in T.unroll(nb):
                     am[n] = T.float32(0.0)
                 for j in T.unroll(_RPT):
-                    for v in T.unroll(_C):
-                        am[j * nb // _RPT] = T.max(am[j * nb // _RPT], T.abs(T.cast(xr[j * _C + v], "float32")))
+                    for v in _statically(_C):
+                        am[j * nb // _RPT] = T.max(am[j * nb // _RPT], T.abs(elem(xr, j, v)))
                 cm.block_max(am, w, lane, red)
                 for n in T.unroll(nb):
                     a = T.max(am[n], T.float32(clamp))  # quant.md 1.4 step 1
@@ -208,11 +249,12 @@ def per_block_cast_kernel(x_dtype: str, fmt: str, hidden: int, bm: int, bk: int,
                 for j in T.unroll(_RPT):
                     if T.And(row0 + j < Tn, col0 < hidden):
                         if fmt == "e4m3":
+                            assert not packed
                             for v in T.vectorized(_C):
                                 Y[row0 + j, col0 + v] = T.cast(T.cast(xr[j * _C + v], "float32") * inv[j * nb // _RPT],
                                                                "float8_e4m3fn")
                         else:
-                            Y[row0 + j, col0 // _C] = e2m1_word(xr, j * _C, inv[j * nb // _RPT])
+                            Y[row0 + j, col0 // _C] = e2m1_word(xr, j, inv[j * nb // _RPT])
 
     if mode == "sf_only":
         @T.prim_func
@@ -278,6 +320,7 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
     @T.macro
     def body(D, SFI, Y, SF):
         with T.Kernel(T.ceildiv(hidden, _TILE_H), T.ceildiv(Tn, rows_per_cta), threads=cm.threads) as (bx, by):
+            T.annotate_min_blocks_per_sm(_resident_ctas(cm.threads, _LOSSLESS_REGS))
             tx = T.get_thread_binding()
             lane = tx % _LANES
             w = tx // _LANES
@@ -445,6 +488,8 @@ def per_block_cast_launch(x: torch.Tensor, fmt: str, block_size, use_tma_aligned
     if x.numel() > 0:  # zero tokens or zero channels: empty outputs, no launch
         cfg = (_TL_DTYPE[x.dtype], fmt, hidden, bm, bk, bool(round_sf), layout, mode)
         x = _aligned(x, 16)
+        if _packed_input(cfg[0], fmt):
+            x = x.view(torch.int32)  # pairs of bf16 as the kernel's int32 words (hidden is even)
         args = (x, sf_arg) if mode == "sf_only" else (x, y_arg, sf_arg)
         _jit.get("per_block_cast", cfg)(*args)
     if mode == "cast":
