@@ -6,7 +6,7 @@ Both outputs are one operation on a strided view of the fp32 sf ``e`` ``(G, R, C
 transposed view (R = k/bs, C = n/bs), read through its strides. A thread builds 4 consecutive words of one
 storage row (the same source row block, since ``bs >= 32``) and writes them with one 16-byte store, for
 ``_U`` consecutive storage rows ``c`` (their 16 sf values share one source row: one base address), all sf
-loads first, then the stores (a CTA writes 16 KB). All sizes
+a CTA writes 16 KB. All sizes
 and input strides are symbolic, so one build per block size serves every weight.
 """
 
@@ -38,25 +38,19 @@ def weight_sf_kernel(block_size: int):
             tx = T.get_thread_binding()
             r0 = (bx * _THREADS + tx) * _W
             if r0 < NR:
-                words = T.alloc_local((_U, _W), "int32")
                 bad = T.alloc_var("int32")
                 bad = 0
                 rb = r0 // block_size
-                if (cy + 1) * (_U * 4) <= C:  # all 16 sf values exist: plain loads off one base address
-                    for k in T.unroll(_U):
-                        word = T.alloc_var("int32")
-                        word = 0
+                for k in T.unroll(_U):
+                    word = T.alloc_var("int32")
+                    word = 0
+                    if (cy + 1) * (_U * 4) <= C:  # all 16 sf values exist: plain loads off one base address
                         for u in T.unroll(4):
                             bits = T.alloc_var("int32")
                             bits = T.reinterpret(E[g, rb, (cy * _U + k) * 4 + u], "int32")
                             bad = bad | (bits & T.int32(_NOT_EXPONENT))
                             word = word | T.shift_left(T.shift_right(bits, 23) & 255, 8 * u)
-                        for v in T.unroll(_W):
-                            words[k, v] = word
-                else:  # the last column block: bytes past C are 0
-                    for k in T.unroll(_U):
-                        word = T.alloc_var("int32")
-                        word = 0
+                    else:  # the last column block: bytes past C are 0
                         for u in T.unroll(4):
                             j = (cy * _U + k) * 4 + u
                             if j < C:
@@ -64,14 +58,14 @@ def weight_sf_kernel(block_size: int):
                                 bits = T.reinterpret(E[g, rb, j], "int32")
                                 bad = bad | (bits & T.int32(_NOT_EXPONENT))
                                 word = word | T.shift_left(T.shift_right(bits, 23) & 255, 8 * u)
-                        for v in T.unroll(_W):
-                            words[k, v] = word
+                    if cy * _U + k < W:
+                        # one 16-byte store: nvcc splits a plain int4 store of this broadcast word into four
+                        # 4-byte ones (partial sectors); streaming (evict-first): outputs are written once
+                        T.call_extern("void", "__stcs",
+                                      T.call_extern("handle", "(int4*)", T.address_of(Y[g, cy * _U + k, r0])),
+                                      T.call_extern("handle", "make_int4", word, word, word, word))
                 # quant.md 5.13: sign and mantissa bits must be 0 (every sf element is read by some thread)
                 T.call_extern("void", "device_assert", bad == 0)
-                for k in T.unroll(_U):
-                    if cy * _U + k < W:
-                        for v in T.vectorized(_W):
-                            Y[g, cy * _U + k, r0 + v] = words[k, v]
 
     return weight_sf
 
