@@ -109,6 +109,9 @@ def e5m6_cast_kernel(x_dtype: str, hidden: int, round_sf: bool, sf_layout: str):
     g8 = hidden // 8
     vec = 16 // (2 if x_dtype == "bfloat16" else 4)
     words = g8 * 3
+    yvec = 4 if words % 4 == 0 else 1  # 16-byte stores when rows are whole vectors (H % 32 == 0)
+    qpr = words // yvec  # store vectors per row
+    n_copy = -(-(R * qpr) // (R * L))
     nwarps = L // 32
     Tn, S, P = T.dynamic("num_tokens, x_row_stride, sf_pad")
     if sf_layout == "row":
@@ -135,6 +138,7 @@ def e5m6_cast_kernel(x_dtype: str, hidden: int, round_sf: bool, sf_layout: str):
             inv = T.alloc_local((1,), "float32")
             code = T.alloc_local((8,), "uint32")
             red = T.alloc_shared((R * nwarps,), "float32")
+            ys = T.alloc_shared((R * words,), "uint32")  # the CTA's packed rows, stored coalesced at the end
             for j in T.unroll(NG):
                 for v in T.unroll(8):
                     raw[j * 8 + v] = T.cast(0, x_dtype)  # groups past the row or the last token read as 0
@@ -183,9 +187,9 @@ def e5m6_cast_kernel(x_dtype: str, hidden: int, round_sf: bool, sf_layout: str):
                         for v in T.unroll(8):
                             code[v] = _e5m6_code_fast(xv[j * 8 + v] * inv[0])
                         w0, w1, w2 = _e5m6_words([code[v] for v in range(8)])
-                        Y[row, g * 3] = w0
-                        Y[row, g * 3 + 1] = w1
-                        Y[row, g * 3 + 2] = w2
+                        ys[(tx // L) * words + g * 3] = w0  # lanes 3 words apart: no bank conflicts
+                        ys[(tx // L) * words + g * 3 + 1] = w1
+                        ys[(tx // L) * words + g * 3 + 2] = w2
             else:
                 for j in T.unroll(NG):
                     g = lane + j * L
@@ -193,9 +197,17 @@ def e5m6_cast_kernel(x_dtype: str, hidden: int, round_sf: bool, sf_layout: str):
                         for v in T.unroll(8):
                             code[v] = _e5m6_code(xv[j * 8 + v] * inv[0])
                         w0, w1, w2 = _e5m6_words([code[v] for v in range(8)])
-                        Y[row, g * 3] = w0
-                        Y[row, g * 3 + 1] = w1
-                        Y[row, g * 3 + 2] = w2
+                        ys[(tx // L) * words + g * 3] = w0  # lanes 3 words apart: no bank conflicts
+                        ys[(tx // L) * words + g * 3 + 1] = w1
+                        ys[(tx // L) * words + g * 3 + 2] = w2
+
+            T.sync_threads()
+            for i in T.unroll(n_copy):  # 16-byte stores, consecutive threads on consecutive vectors
+                q = i * (R * L) + tx
+                if q < R * qpr:
+                    if bx * R + q // qpr < Tn:
+                        for v in T.vectorized(yvec):
+                            Y[bx * R + q // qpr, (q % qpr) * yvec + v] = ys[q * yvec + v]
 
     return e5m6_cast
 
