@@ -252,14 +252,12 @@ def unpack_e2m1_kernel(out_dtype: str):
             tx = T.get_thread_binding()
             raw = T.alloc_local((U * B,), "uint8")
             res = T.alloc_local((2 * B,), out_dtype)
-            for u in T.unroll(U):
-                b0 = ((bx * U + u) * _THREADS + tx) * B
-                if b0 + B <= N:
+            if (bx + 1) * (U * _THREADS * B) <= N:  # every CTA but the last: no bounds checks
+                for u in T.unroll(U):
                     for v in T.vectorized(B):
-                        raw[u * B + v] = X[b0 + v]
-            for u in T.unroll(U):
-                b0 = ((bx * U + u) * _THREADS + tx) * B
-                if b0 + B <= N:
+                        raw[u * B + v] = X[((bx * U + u) * _THREADS + tx) * B + v]
+                for u in T.unroll(U):
+                    b0 = ((bx * U + u) * _THREADS + tx) * B
                     for q in range(B // 2):  # two bytes -> four values
                         x16 = (T.cast(raw[u * B + 2 * q], "uint32")
                                | T.shift_left(T.cast(raw[u * B + 2 * q + 1], "uint32"), 8))
@@ -267,11 +265,27 @@ def unpack_e2m1_kernel(out_dtype: str):
                             res[4 * q + v] = T.cast(e, out_dtype)
                     for v in T.vectorized(o_vec):
                         Y[2 * b0 + v] = res[v]
-                elif b0 < N:
-                    for v in T.serial(2 * B):
-                        if b0 + v // 2 < N:
-                            byte = T.cast(X[b0 + v // 2], "int32")
-                            Y[2 * b0 + v] = T.cast(_decode_e2m1(T.shift_right(byte, (v % 2) * 4) & 15), out_dtype)
+            else:
+                for u in T.unroll(U):
+                    b0 = ((bx * U + u) * _THREADS + tx) * B
+                    if b0 + B <= N:
+                        for v in T.vectorized(B):
+                            raw[u * B + v] = X[b0 + v]
+                for u in T.unroll(U):
+                    b0 = ((bx * U + u) * _THREADS + tx) * B
+                    if b0 + B <= N:
+                        for q in range(B // 2):  # two bytes -> four values
+                            x16 = (T.cast(raw[u * B + 2 * q], "uint32")
+                                   | T.shift_left(T.cast(raw[u * B + 2 * q + 1], "uint32"), 8))
+                            for v, e in enumerate(_decode_e2m1_x4(x16)):
+                                res[4 * q + v] = T.cast(e, out_dtype)
+                        for v in T.vectorized(o_vec):
+                            Y[2 * b0 + v] = res[v]
+                    elif b0 < N:
+                        for v in T.serial(2 * B):
+                            if b0 + v // 2 < N:
+                                byte = T.cast(X[b0 + v // 2], "int32")
+                                Y[2 * b0 + v] = T.cast(_decode_e2m1(T.shift_right(byte, (v % 2) * 4) & 15), out_dtype)
 
     return unpack_e2m1
 
