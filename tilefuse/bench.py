@@ -405,26 +405,30 @@ def _area(name: str) -> str:
     return "transpose" if name in ("transpose", "batched_transpose") else "quant"
 
 
-def _median_call_us(fn, iters: int) -> float:
-    """Median over 5 batches of wall µs per call of ``fn`` (after 50 warm-up calls)."""
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(iters // 5):
+def _interleaved_call_us(calls: list, batch: int = 200, rounds: int = 11) -> list[float]:
+    """Median wall µs per call of each function in ``calls``: ``rounds`` rounds, each timing a batch of
+    ``batch`` calls of every function in turn, so host drift (clock, other processes) hits them alike."""
+    for fn in calls:
+        for _ in range(50):
             fn()
-        samples.append((time.perf_counter() - t0) / (iters // 5) * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(samples)
+    torch.cuda.synchronize()
+    samples = [[] for _ in calls]
+    for _ in range(rounds):
+        for k, fn in enumerate(calls):
+            t0 = time.perf_counter()
+            for _ in range(batch):
+                fn()
+            samples[k].append((time.perf_counter() - t0) / batch * 1e6)
+            torch.cuda.synchronize()
+    return [statistics.median(v) for v in samples]
 
 
 def host_overhead(iters: int = 2000) -> list[dict]:
     """Median wall µs per call at one row (7168 bf16 channels -> e4m3), for two sf layouts. Each group has
     two baselines: the bare TileLang call with preallocated outputs, and TileLang's own allocating call
     (``out_idx``: the kernel returns its outputs), which does what the public op does minus validation; the
-    latter exists for the row-major layout only (TileLang allocates plain contiguous outputs)."""
+    latter exists for the row-major layout only (TileLang allocates plain contiguous outputs). All calls are
+    timed interleaved (see ``_interleaved_call_us``)."""
     import tilelang
 
     from tilefuse import _jit
@@ -432,7 +436,7 @@ def host_overhead(iters: int = 2000) -> list[dict]:
     from tilefuse.quant import _per_token_cast_kernel as Q
 
     x = torch.randn(1, 7168, device="cuda").to(torch.bfloat16)
-    rows = []
+    everything = []
     for layout, col in (("col_packed", True), ("row", False)):
         cfg = ("bfloat16", "e4m3", 7168, 128, True, layout, "cast")
         jk = _jit.get_jit_kernel("per_token_cast", cfg)
@@ -442,23 +446,23 @@ def host_overhead(iters: int = 2000) -> list[dict]:
         calls = {
             "torch.empty(1, 7168)": lambda: torch.empty((1, 7168), dtype=torch.float8_e4m3fn, device="cuda"),
             "x.new_empty((1, 7168), fp8)": lambda: x.new_empty((1, 7168), dtype=torch.float8_e4m3fn),
-            "raw TVM-FFI call (preallocated outputs)": lambda: raw(x, out, sf),
-            "bare TileLang kernel call (JITKernel, preallocated outputs)": lambda: jk(x, out, sf),
+            "raw TVM-FFI call (preallocated outputs)": lambda raw=raw, out=out, sf=sf: raw(x, out, sf),
+            "bare TileLang kernel call (JITKernel, preallocated outputs)": lambda jk=jk, out=out, sf=sf: jk(x, out, sf),
         }
         if not col:
             alloc = tilelang.compile(Q.per_token_cast_kernel(*cfg), out_idx=[1, 2],
                                      target={"kind": "cuda", "arch": _jit.current_arch()},
                                      execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS))
             calls["bare TileLang kernel call allocating its outputs (JITKernel, out_idx)"] = lambda: alloc(x)
-        calls["tilefuse launcher (per_token_cast_launch: allocation + launch)"] = lambda: Q.per_token_cast_launch(
-            x, None, "e4m3", 128, None, col, True, col)
-        calls["tilefuse.quant.per_token_cast (public op: validation + launcher)"] = lambda: quant.per_token_cast(
-            x, "e4m3", 128, None, col, True, col)
-        calls["torch.ops.tilefuse.per_token_cast (custom op)"] = lambda: torch.ops.tilefuse.per_token_cast(
-            x, None, "e4m3", 128, None, col, True, col)
-        for name, fn in calls.items():
-            rows.append({"group": group, "call": name, "us": _median_call_us(fn, iters)})
-    return rows
+        calls["tilefuse launcher (per_token_cast_launch: allocation + launch)"] = (
+            lambda col=col: Q.per_token_cast_launch(x, None, "e4m3", 128, None, col, True, col))
+        calls["tilefuse.quant.per_token_cast (public op: validation + launcher)"] = (
+            lambda col=col: quant.per_token_cast(x, "e4m3", 128, None, col, True, col))
+        calls["torch.ops.tilefuse.per_token_cast (custom op)"] = (
+            lambda col=col: torch.ops.tilefuse.per_token_cast(x, None, "e4m3", 128, None, col, True, col))
+        everything += [(group, name, fn) for name, fn in calls.items()]
+    times = _interleaved_call_us([fn for _, _, fn in everything], batch=max(1, iters // 10))
+    return [{"group": group, "call": name, "us": us} for (group, name, _), us in zip(everything, times)]
 
 
 _COLD = """

@@ -92,8 +92,8 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     listing, res = sass(kernel_source(args.name, ast.literal_eval(args.config)))
     lines = [re.sub(r"\s*/\*[0-9a-fx]+\*/\s*$", "", ln).strip() for ln in listing.splitlines()
-             if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
-    lines = [re.sub(r"^/\*[0-9a-f]{4}\*/\s*", "", ln) for ln in lines]
+             if re.match(r"\s+/\*[0-9a-f]{4,6}\*/", ln)]
+    lines = [re.sub(r"^/\*[0-9a-f]{4,6}\*/\s*", "", ln) for ln in lines]
     main_path = []
     for ln in lines:
         main_path.append(ln)
