@@ -4,7 +4,7 @@ Per ``(1, npc)`` group: amax of ``|x|`` (binary32), ``a = max(amax, clamp)``, th
 1.4 (plain IEEE divisions, the power-of-two bit rule, or an E4M3 sf with ``sf_inv = 1 / float(sf_q)``), and
 ``x <- round_{x.dtype}(decode(narrow(x * sf_inv)) * sf)``. Fast-math is off, so every division is IEEE.
 
-Mapping: CTA ``(bx, row)`` owns vectors ``(bx * R + j) * threads + tx`` (j < R) of one row, R up to 8 (the
+Mapping: CTA ``(row, bx)`` owns vectors ``(bx * R + j) * threads + tx`` (j < R) of one row, R up to 8 (the
 whole of a 7168-wide bf16 row in one CTA; no per-element index division). A group is ``L = npc / E``
 consecutive vectors (E elements of 16 bytes), always L aligned lanes of one warp because ``H % npc == 0``;
 its maximum is a register max and a shuffle butterfly over those lanes. Every thread runs the shuffles (out-of-range columns hold zeros), so the
@@ -78,7 +78,7 @@ def cast_and_cast_back_kernel(x_dtype: str, fmt: str, hidden: int, npc: int, sf_
     @T.prim_func
     def cast_and_cast_back(X: x_param):
         T.assume(S % E == 0)
-        with T.Kernel(NX, Tn, threads=_THREADS) as (bx, row):
+        with T.Kernel(Tn, NX, threads=_THREADS) as (row, bx):  # rows on grid x (y is limited to 65535)
             T.annotate_min_blocks_per_sm(8)  # <= 64 registers: 8 rows (8 x 14 KB of loads at H = 7168) per SM
             tx = T.get_thread_binding()
             raw = T.alloc_local((R, E), x_dtype)
