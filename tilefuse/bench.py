@@ -500,7 +500,7 @@ def cold_start() -> dict:
             "imported_tilelang": fields[4] == "True"}
 
 
-def _sweep_cases() -> list[tuple]:
+def _sweep_cases(only: str | None = None) -> list[tuple]:
     """(shape, make_inputs, fmt, col, round, packed, kernel config without the tile) of each per_token_cast case."""
     from tilefuse.quant import _per_token_cast_kernel as Q
 
@@ -515,13 +515,14 @@ def _sweep_cases() -> list[tuple]:
         layout = "col_packed" if packed else ("col" if col else "row")
         x_dtype = torch.float32 if shape.startswith("float32") else torch.bfloat16
         base = (Q._TL_DTYPE[x_dtype], fmt, 7168, 128, rnd, layout, "cast", 0, 0, False)
-        rows.append((shape, make, fmt, col, rnd, packed, base))
+        if only is None or only in shape:
+            rows.append((shape, make, fmt, col, rnd, packed, base))
     return rows
 
 
-def sweep_work(tiles: list[tuple[int, int]]) -> list[tuple[str, tuple]]:
+def sweep_work(tiles: list[tuple[int, int]], only: str | None = None) -> list[tuple[str, tuple]]:
     """The ``(kernel, config)`` pairs a tile sweep compiles (for ``_jit.compile_many``)."""
-    return [("per_token_cast", base + (tile,)) for *_, base in _sweep_cases() for tile in tiles]
+    return [("per_token_cast", base + (tile,)) for *_, base in _sweep_cases(only) for tile in tiles]
 
 
 def parse_tiles(text: str) -> list[tuple[int, int]]:
@@ -529,14 +530,14 @@ def parse_tiles(text: str) -> list[tuple[int, int]]:
     return [tuple(int(v) for v in t.split("x")) for t in text.split(",")]
 
 
-def tile_sweep(tiles: list[tuple[int, int]], jobs: int = 16) -> list[dict]:
+def tile_sweep(tiles: list[tuple[int, int]], jobs: int = 16, only: str | None = None) -> list[dict]:
     """Time each ``per_token_cast`` bench case at each ``(threads, pairs per thread)`` tile (the tile never
     changes results: each variant's outputs are compared bitwise with the default tile's)."""
     from tilefuse import _jit
     from tilefuse.quant import _per_token_cast_kernel as Q
 
-    plans = [(shape, make()[0], fmt, col, rnd, packed, base) for shape, make, fmt, col, rnd, packed, base in _sweep_cases()]
-    work = sweep_work(tiles)
+    plans = [(shape, make()[0], fmt, col, rnd, packed, base) for shape, make, fmt, col, rnd, packed, base in _sweep_cases(only)]
+    work = sweep_work(tiles, only)
     arch = _jit.current_arch()
     todo = [w for w in work if not os.path.exists(_jit._lib_path(*w, arch))]  # precompiled ones are skipped
     failures = dict(_jit.compile_many(todo, arch, jobs)) if todo else {}
@@ -607,6 +608,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-compile-ref", action="store_true", help="skip torch.compile of the references")
     parser.add_argument("--cold-start", action="store_true",
                         help="also time a second process's first per_token_cast call (warm disk cache)")
+    parser.add_argument("--tile-cases", default=None, help="sweep only the per_token_cast cases whose label "
+                        "contains this text (e.g. 'e2m1')")
     parser.add_argument("--tiles", default=None,
                         help="per_token_cast tile sweep, e.g. 256x4,512x8 (threads x pairs per thread)")
     args = parser.parse_args(argv)
@@ -640,7 +643,7 @@ def main(argv: list[str]) -> int:
         print("\ncold start (second process, warm disk cache):", result["cold_start"])
         _save(result, args.json)
     if args.tiles:
-        result["tile_sweep"] = tile_sweep(parse_tiles(args.tiles))
+        result["tile_sweep"] = tile_sweep(parse_tiles(args.tiles), only=args.tile_cases)
         print("\n| per_token_cast case | tile | µs | % ceiling | bitwise equal |\n| --- | --- | ---: | ---: | --- |")
         for r in result["tile_sweep"]:
             if "error" in r:
