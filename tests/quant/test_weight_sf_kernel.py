@@ -240,3 +240,14 @@ def test_weight_sf_value_rule_asserts_on_device_gpu(value):
     ok = subprocess.run([sys.executable, "-c", _BAD_SF.format(value="0.25")], capture_output=True, text=True,
                         timeout=600, cwd=root)
     assert ok.returncode == 0 and "no error" in ok.stdout, ok.stdout + ok.stderr
+
+
+@gpu
+@pytest.mark.gpu
+def test_cast_and_cast_back_many_rows_gpu():
+    """More rows than a grid's y dimension holds (65535): rows are on grid x."""
+    x = torch.randn((70001, 2048), device="cuda").to(torch.bfloat16)
+    want = per_token_cast_and_cast_back_values(x.clone(), "e4m3", 128, True, False)
+    CB.cast_and_cast_back_launch(x, "e4m3", 128, round_sf=True)
+    torch.cuda.synchronize()
+    assert_equal(x, want)
