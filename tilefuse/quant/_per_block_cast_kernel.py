@@ -308,14 +308,20 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
             return T.shift_right(word, ((col // ibk) % 4) * 8) & 255
         return T.shift_right(word, 23) & 255
 
-    def fp4_value(word, v, factor):
-        """``fp4 * factor`` for nibble v of ``word`` (quant.md 1.2). The nibble's magnitude bits (e1 e0 m) go to
-        pattern bits 24..22 and its sign to bit 31: as binary32 that is exactly ``fp4 * 2^-126`` (e = 0 gives
-        the subnormal m 2^-127, e > 0 the normal (1 + m/2) 2^(e-127)), so one exact multiply by 2^126 gives
-        the fp4 value and a second the product the reference rounds (same single rounding)."""
-        nib = T.shift_right(word, 4 * v)  # v is a constant after unrolling: nvcc folds the shifts and masks
-        bits = T.shift_left(nib & 7, 22) | T.shift_left(nib & 8, 28)
-        return T.reinterpret(bits, "float32") * T.float32(2.0 ** 126) * factor
+    def fp4_pair(word, k: int):
+        """binary32 ``fp4 * 2^-14`` of nibbles k and k + 4 of ``word`` (quant.md 1.2), exactly, through a binary16
+        pair: each nibble's magnitude bits (e1 e0 m) go to half bits 11..9 and its sign to bit 15, so e = 0 is
+        the subnormal m 2^-15 and e > 0 the normal (1 + m/2) 2^(e-15), i.e. fp4 2^-14 (nibble k + 4 sits 16 bits
+        above nibble k, so the same shifts serve both halves). Widening a half is exact (one FMA-pipe HADD2.F32),
+        and one multiply by ``2^(d + 14)`` then gives the product the reference rounds (``fp4 * 2^d``)."""
+        assert isinstance(k, int)
+        u = T.reinterpret(word, "uint32")
+        mag = T.shift_left(u, T.uint32(9 - 4 * k)) if k < 3 else T.shift_right(u, T.uint32(4 * k - 9))
+        sign = T.shift_left(u, T.uint32(12 - 4 * k))
+        bits = (mag & T.uint32(0x0E000E00)) | (sign & T.uint32(0x80008000))
+        return tuple(T.call_extern("float32", "__half2float", T.call_extern("float16", "__ushort_as_half",
+                                                                             T.cast(half, "uint16")))
+                     for half in (bits, T.shift_right(bits, T.uint32(16))))
 
     @T.macro
     def body(D, SFI, Y, SF):
@@ -358,10 +364,13 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
                                 T.reinterpret(T.shift_left(mx[n], 23), "float32"), mx[n])
             for j in T.unroll(_RPT):
                 if T.And(row0 + j < Tn, col0 < hidden):
-                    # 2^(e(b) - E_B) from its exponent bits; 0 below 2^-126 (the product then rounds to +-0)
-                    factor = T.reinterpret(T.shift_left(T.max(127 + el[j] - mx[j * nb // _RPT], 0), 23), "float32")
-                    for v in T.unroll(_C):
-                        tmp[v] = fp4_value(dl[j], v, factor)
+                    # 2^(e(b) - E_B + 14) from its exponent bits (0 below 2^-126: the product is then far below
+                    # e4m3's smallest subnormal and rounds to +-0, as with the unscaled factor)
+                    factor = T.reinterpret(T.shift_left(T.max(141 + el[j] - mx[j * nb // _RPT], 0), 23), "float32")
+                    for k in _statically(_C // 2):
+                        lo, hi = fp4_pair(dl[j], k)  # nibbles k and k + 4
+                        tmp[k] = lo * factor
+                        tmp[k + _C // 2] = hi * factor
                     for v in T.vectorized(_C):
                         Y[row0 + j, col0 + v] = T.cast(tmp[v], "float8_e4m3fn")
 
