@@ -252,6 +252,8 @@ def precompile_main(argv: list[str]) -> int:
     parser.add_argument("--arch", default=None, help="target arch, e.g. sm_90 (default: current GPU, else sm_90)")
     parser.add_argument("--jobs", type=int, default=max(1, min(8, os.cpu_count() or 1)), help="parallel compiles")
     parser.add_argument("--list", action="store_true", help="list the configs and exit")
+    parser.add_argument("--force", action="store_true",
+                        help="also recompile configs whose library is already in tilefuse's disk cache")
     args = parser.parse_args(argv)
 
     work = [(name, cfg) for name, cfgs in registered().items() for cfg in cfgs
@@ -261,10 +263,13 @@ def precompile_main(argv: list[str]) -> int:
             print(name, cfg)
         return 0
     arch = args.arch or current_arch()
+    cached = 0 if args.force else sum(os.path.exists(_lib_path(n, c, arch)) for n, c in work)
+    if not args.force:
+        work = [(n, c) for n, c in work if not os.path.exists(_lib_path(n, c, arch))]
     start = time.perf_counter()
-    failures = compile_many(work, arch, args.jobs, progress=True)
+    failures = compile_many(work, arch, args.jobs, progress=True) if work else []
     print(f"compiled {len(work) - len(failures)}/{len(work)} kernels for {arch} in "
-          f"{time.perf_counter() - start:.1f} s")
+          f"{time.perf_counter() - start:.1f} s ({cached} already in the disk cache)")
     for (name, cfg), exc in failures:
         print(f"FAILED {name} {cfg}: {exc}")
     return 1 if failures else 0
