@@ -170,6 +170,17 @@ def test_adversarial_fills_match_reference(fill, x_dtype, fmt, flags):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("x_dtype", ("bfloat16", "float32"))
+def test_e2m1_groups_near_the_largest_float(x_dtype):
+    """Group maxima above 6 * 2^125 make sf_inv = 6 / amax smaller than 2^-125, where halving it would round:
+    the kernel then forms x * sf_inv before halving (unrounded sf), exactly like the reference."""
+    x = torch.randn(61, 576) * 1e38
+    x[:, ::128] = torch.linspace(2.5e38, 3.3e38, 61)[:, None]
+    _check(x.to(DTYPES[x_dtype]).cuda(), "e2m1", 128, True, False, False)
+    _check(x.to(DTYPES[x_dtype]).cuda(), "e2m1", 128, False, True, False)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("round_sf", (False, True))
 def test_e2m1_encodes_every_bf16_pattern(round_sf):
     """Every finite bf16 pattern of magnitude <= 6 in groups whose amax is 6 (sf = 1): each E2M1 tie and

@@ -248,28 +248,36 @@ def per_token_cast_kernel(x_dtype: str, fmt: str, hidden: int, npc: int, round_s
                                     yb[j, c, e] = T.cast(value(raw, SFI, j, c, e, row, col) * scale, y_dtype)
                                 for e in T.vectorized(E):
                                     Y[row, col + e] = yb[j, c, e]
-                            elif E in (4, 8):  # halves of the scaled values (exact): _tl.e2m1_steps_of_half
-                                half = inv[j] * T.float32(0.5)
-                                for e in T.unroll(E):
-                                    xv = value(raw, SFI, j, c, e, row, col)
-                                    hb[e] = xv * (sf_in_at(SFI, row, col + e) * half if prequant else half)
+                            elif E in (4, 8):  # halves of the scaled values: _tl.e2m1_steps_of_half
+                                # x * (sf_inv / 2) is exactly half of x * sf_inv while sf_inv / 2 is exact: a
+                                # power of two (round_sf) or sf_inv >= 2^-125; otherwise (and for pre-quantized
+                                # inputs, order A) the product is formed first, then halved
+                                if prequant:
+                                    for e in T.unroll(E):
+                                        xv = value(raw, SFI, j, c, e, row, col)
+                                        hb[e] = xv * (sf_in_at(SFI, row, col + e) * inv[j]) * T.float32(0.5)
+                                elif not round_sf and inv[j] < T.float32(2.0 ** -125):
+                                    for e in T.unroll(E):
+                                        hb[e] = value(raw, SFI, j, c, e, row, col) * inv[j] * T.float32(0.5)
+                                else:
+                                    for e in T.unroll(E):
+                                        hb[e] = value(raw, SFI, j, c, e, row, col) * (inv[j] * T.float32(0.5))
                                 if f16_exact:  # bf16 data times a power of two: 8 significant bits
                                     word = _tl.e2m1_pack_of_f16_halves([hb[e] for e in range(E)])
                                 else:
                                     word = _tl.e2m1_pack_of_halves([hb[e] for e in range(E)])
                                 store = "tf_store_u32" if E == 8 else "tf_store_u16"
                                 T.call_extern("handle", store, T.address_of(Y[row, col // 2]), word)
-                            else:
-                                half = inv[j] * T.float32(0.5)
+                            else:  # other vector widths: product first, then the exact halving
                                 for b in T.unroll(E // 2):
                                     lo = value(raw, SFI, j, c, 2 * b, row, col)
                                     hi = value(raw, SFI, j, c, 2 * b + 1, row, col)
                                     if prequant:
-                                        lo = lo * (sf_in_at(SFI, row, col + 2 * b) * half)
-                                        hi = hi * (sf_in_at(SFI, row, col + 2 * b + 1) * half)
+                                        lo = lo * (sf_in_at(SFI, row, col + 2 * b) * inv[j]) * T.float32(0.5)
+                                        hi = hi * (sf_in_at(SFI, row, col + 2 * b + 1) * inv[j]) * T.float32(0.5)
                                     else:
-                                        lo = lo * half
-                                        hi = hi * half
+                                        lo = lo * inv[j] * T.float32(0.5)
+                                        hi = hi * inv[j] * T.float32(0.5)
                                     yb[j, c, b] = T.cast(_tl.e2m1_pair_byte_of_halves(lo, hi), "int8")
                                 for b in T.vectorized(E // 2):
                                     Y[row, col // 2 + b] = yb[j, c, b]
