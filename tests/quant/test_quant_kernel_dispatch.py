@@ -199,9 +199,12 @@ def test_norm_backward():
     dy = _x()
     rstd = torch.rand(T, device="cuda") + 0.5
     acc = torch.randn(H, device="cuda")
+    acc0 = acc.clone()
     rdx, rwg = N.norm_backward_reference(dy, x, w, rstd, rg, 0.75, acc.clone())
     dx, wg = Q.norm_backward(dy, x, w, rstd, rg, 0.75, acc)
     assert wg is acc
     torch.testing.assert_close(dx.float(), rdx.float(), rtol=2 ** -7, atol=2 ** -7)
-    torch.testing.assert_close(wg, rwg, rtol=1e-5, atol=1e-3)
+    # weight_grad: a length-T sum per column, in the kernel's partial order: (T + 8) u of the sum of |terms|
+    mag = ((x.float() * rstd[:, None]).abs() * (dy.float() * 0.75).abs()).sum(0) + acc0.abs()
+    assert bool(((wg - rwg).abs() <= (T + 8) * 2.0 ** -24 * mag).all())
     assert Q.norm_backward(dy, x, None, rstd)[1] is None

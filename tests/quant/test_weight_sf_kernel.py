@@ -165,7 +165,7 @@ def test_cast_and_cast_back_gpu(t, cfg):
     if t > 1:  # batch invariance and determinism: the first row alone, and a second run
         x1 = base[:1, :h].clone()
         CB.cast_and_cast_back_launch(x1, fmt, npc, round_sf, e4m3_sf)
-        assert_equal(x1, want[:1])
+        assert_equal(x1, want[:1], check_stride=False)  # a one-row clone may keep the source's row stride
 
 
 @gpu
