@@ -36,12 +36,12 @@ def default_tile(x_dtype: str, fmt: str, round_sf: bool, mode: str, prequant: bo
     - e4m3 with power-of-two sf or given sf: 448 threads, 2 vectors each: 28 slots of 16 lanes, so a CTA
       covers whole 56-group rows (7168 channels) and reads them as one contiguous run; 94.9-95.0% of the copy
       ceiling for bf16 (row or column-major packed sf) against 90.8-91.4% at (256, 4), 99.3% for fp32;
-    - e2m1: 128 threads, 4 vectors, 8 lanes per pair (2 chunks each): 89.1% against 83.1% at (256, 4) with the
-      same code (fewer registers per CTA, more CTAs per SM);
+    - e2m1: 64 threads, 4 vectors, 8 lanes per pair (2 chunks each): 90.2% (88.9% at 128 threads, 82-86% at 96,
+      192 or 16 lanes, 83.1% at (256, 4) with the same code: small CTAs, many per SM);
     - otherwise (256, 4): e4m3 with IEEE-divided sf measured 90.1% there and 89.3% at (448, 2).
     """
     if fmt == "e2m1" and not prequant:
-        return (128, 4, 8)
+        return (64, 4, 8)
     if fmt == "e4m3" and not prequant and (round_sf or mode == "precomputed"):
         return (448, 2)
     return _DEFAULT_TILE
@@ -79,8 +79,8 @@ def per_token_cast_kernel(x_dtype: str, fmt: str, hidden: int, npc: int, round_s
 
     x_dtype: "bfloat16" | "float32" (plain) | "float8_e4m3fn" | "e2m1" (pre-quantized, needs ibm, ibk).
     fmt: "e4m3" | "e2m1". sf_layout: "row" | "col" | "col_packed". mode: "cast" | "sf_only" | "precomputed".
-    tile: (threads per CTA, vectors per thread[, most lanes per (row, group) pair]), a tuning knob that never
-    changes the results.
+    tile: (threads per CTA, vectors per thread[, most lanes per (row, group) pair[, slot order: 1 = consecutive
+    slots on consecutive rows, 0 = along a row]]), a tuning knob that never changes the results.
 
     Thread mapping: a (row, group) pair is read by L lanes of one warp, lane ``q`` holding C chunks of E
     consecutive elements (one 16-byte vector each) at columns ``g*npc + c*L*E + q*E``, so a warp's loads
@@ -112,6 +112,8 @@ def per_token_cast_kernel(x_dtype: str, fmt: str, hidden: int, npc: int, round_s
     BM, GU = _tiling(n_units, L, threads, RU)
     SL = threads // L                                # slots per CTA: each slot holds RU units
     rows_first = sf_layout != "row"                  # consecutive slots -> consecutive rows (col sf stores)
+    if len(tile) > 3:                                # tile[3] overrides the slot order (0: along a row)
+        rows_first = bool(tile[3])
     guard_cols = partial or ng % UG != 0             # some chunks lie past the last column
     f16_exact = x_dtype == "bfloat16" and round_sf and mode != "precomputed" and E == 8
     y_shape_h = hidden // 2 if fmt == "e2m1" else hidden
