@@ -80,7 +80,8 @@ def per_token_cast_kernel(x_dtype: str, fmt: str, hidden: int, npc: int, round_s
     x_dtype: "bfloat16" | "float32" (plain) | "float8_e4m3fn" | "e2m1" (pre-quantized, needs ibm, ibk).
     fmt: "e4m3" | "e2m1". sf_layout: "row" | "col" | "col_packed". mode: "cast" | "sf_only" | "precomputed".
     tile: (threads per CTA, vectors per thread[, most lanes per (row, group) pair[, slot order: 1 = consecutive
-    slots on consecutive rows, 0 = along a row]]), a tuning knob that never changes the results.
+    slots on consecutive rows, 0 = along a row[, CTAs per SM the register budget must allow]]]), a tuning knob that
+    never changes the results.
 
     Thread mapping: a (row, group) pair is read by L lanes of one warp, lane ``q`` holding C chunks of E
     consecutive elements (one 16-byte vector each) at columns ``g*npc + c*L*E + q*E``, so a warp's loads
@@ -114,6 +115,7 @@ def per_token_cast_kernel(x_dtype: str, fmt: str, hidden: int, npc: int, round_s
     rows_first = sf_layout != "row"                  # consecutive slots -> consecutive rows (col sf stores)
     if len(tile) > 3:                                # tile[3] overrides the slot order (0: along a row)
         rows_first = bool(tile[3])
+    min_blocks = tile[4] if len(tile) > 4 else 0     # tile[4]: CTAs per SM the register budget must allow
     guard_cols = partial or ng % UG != 0             # some chunks lie past the last column
     f16_exact = x_dtype == "bfloat16" and round_sf and mode != "precomputed" and E == 8
     y_shape_h = hidden // 2 if fmt == "e2m1" else hidden
@@ -172,6 +174,8 @@ def per_token_cast_kernel(x_dtype: str, fmt: str, hidden: int, npc: int, round_s
     @T.macro
     def body(X, SFI, Y, SF):
         with T.Kernel(T.ceildiv(Tn, BM), n_units // GU, threads=threads) as (bx, by):
+            if min_blocks:
+                T.annotate_min_blocks_per_sm(min_blocks)
             tx = T.get_thread_binding()
             q = tx % L
             s = tx // L
