@@ -29,8 +29,7 @@ order B: ``narrow((data * sf_in) * sf_inv)`` (1.6).
 import torch
 
 from tilefuse import _jit
-from tilefuse.formats import CLAMP_MIN, FMT_MAX, cdiv
-from tilefuse.quant._per_block_cast_kernel import _aligned
+from tilefuse.formats import CLAMP_MIN, FMT_MAX
 from tilefuse.quant._tl import pow2_from_exponent, pow2_inverse_from_exponent, pow2_sf_exponent
 
 _BM = 128        # rows per CTA (one 128-row block, or four 32-row blocks)
@@ -251,6 +250,70 @@ def supported(hidden: int) -> bool:
     return hidden % _C == 0
 
 
+_PLANS: dict[tuple, object] = {}
+
+
+def launcher(x_dtype: torch.dtype, hidden: int, npt: int, round_sf: bool, transpose: bool = False,
+             gather: bool = False):
+    """The cached launch closure ``launch(x, x_sf=None, pos_to_token=None) -> (out, out_sf)`` of one static
+    config (``x_dtype`` float8_e4m3fn means a pre-quantized pair whose sf is ``x_sf``). Validates nothing:
+    the public ops do, and may keep the closure per validated argument set and call it directly (the host
+    cost per call is then two ``new_empty`` and the TVM-FFI call, close to a bare kernel call)."""
+    key = (x_dtype, hidden, npt, bool(round_sf), bool(transpose), bool(gather))
+    launch = _PLANS.get(key)
+    if launch is None:
+        launch = _PLANS[key] = _plan(*key)
+    return launch
+
+
+def _plan(x_dtype: torch.dtype, hidden: int, npt: int, round_sf: bool, transpose: bool, gather: bool):
+    """Build the launch closure of one config once: no branch on the static config per call."""
+    cfg = (_TL_DTYPE[x_dtype], hidden, npt, round_sf, transpose, gather)
+    pair = cfg[0] == "pair"
+    e4m3 = torch.float8_e4m3fn
+    fn = None
+
+    def kernel():
+        nonlocal fn
+        fn = _jit.get("per_channel_cast", cfg)
+        return fn
+
+    if not pair and not gather:
+        def launch(x: torch.Tensor, x_sf=None, pos_to_token=None):
+            t = x.shape[0]
+            out = x.new_empty((hidden, t) if transpose else (t, hidden), dtype=e4m3)
+            out_sf = x.new_empty(((t + npt - 1) // npt, hidden), dtype=torch.float32)
+            if t and hidden:  # zero output rows or channels: empty outputs, no launch
+                assert t % _RPT == 0  # the public ops guarantee % 16 (gather) or % 128
+                if x.data_ptr() % 16 or not x.is_contiguous():
+                    x = x.clone(memory_format=torch.contiguous_format)
+                (fn if fn is not None else kernel())(x, out, out_sf)
+            return out, out_sf
+        return launch
+
+    def launch(x: torch.Tensor, x_sf: torch.Tensor | None = None, pos_to_token: torch.Tensor | None = None):
+        t = x.shape[0] if pos_to_token is None else pos_to_token.shape[0]
+        out = x.new_empty((hidden, t) if transpose else (t, hidden), dtype=e4m3)
+        out_sf = x.new_empty(((t + npt - 1) // npt, hidden), dtype=torch.float32)
+        if t and hidden:
+            assert t % _RPT == 0
+            if x.data_ptr() % 16 or not x.is_contiguous():
+                x = x.clone(memory_format=torch.contiguous_format)
+            f = fn if fn is not None else kernel()
+            if gather:
+                p = pos_to_token
+                if p.data_ptr() % 16 or not p.is_contiguous():  # read as 32-byte runs of 8 rows
+                    p = p.clone(memory_format=torch.contiguous_format)
+                if pair:
+                    f(x, x_sf.contiguous(), p, out, out_sf)
+                else:
+                    f(x, p, out, out_sf)
+            else:
+                f(x, x_sf.contiguous(), out, out_sf)  # pair, no gather
+        return out, out_sf
+    return launch
+
+
 def per_channel_cast_launch(x: torch.Tensor, x_sf: torch.Tensor | None, num_per_tokens: int, round_sf: bool,
                             transpose: bool = False, pos_to_token: torch.Tensor | None = None):
     """Allocate ``(out, out_sf)`` and launch (quant.md 3.8-3.10). Validates nothing: the public ops do.
@@ -259,24 +322,8 @@ def per_channel_cast_launch(x: torch.Tensor, x_sf: torch.Tensor | None, num_per_
     ``(T, H/128)`` row-major. ``pos_to_token``: optional int32 ``(T_out,)``. Returns e4m3 ``(T_out, H)``
     (``(H, T_out)`` when ``transpose``) and fp32 ``(cdiv(T_out, npt), H)``.
     """
-    t_in, hidden = x.shape
-    t_out = t_in if pos_to_token is None else pos_to_token.numel()
-    npt = int(num_per_tokens)
-    dev = x.device
-    shape = (hidden, t_out) if transpose else (t_out, hidden)
-    out = torch.empty(shape, dtype=torch.float8_e4m3fn, device=dev)
-    out_sf = torch.empty((cdiv(t_out, npt), hidden), dtype=torch.float32, device=dev)
-    if t_out > 0 and hidden > 0:  # zero output rows or channels: empty outputs, no launch
-        assert t_out % _RPT == 0  # the public ops guarantee % 16 (gather) or % 128
-        gather = pos_to_token is not None
-        cfg = (_TL_DTYPE[x.dtype], hidden, npt, bool(round_sf), bool(transpose), gather)
-        args = [_aligned(x, 16)]
-        if x_sf is not None:
-            args.append(x_sf.contiguous())
-        if gather:
-            args.append(_aligned(pos_to_token, 16))  # read as 32-byte runs of 8 rows
-        _jit.get("per_channel_cast", cfg)(*args, out, out_sf)
-    return out, out_sf
+    return launcher(x.dtype, x.shape[1], int(num_per_tokens), round_sf, transpose,
+                    pos_to_token is not None)(x, x_sf, pos_to_token)
 
 
 # ---- torch.library registration (torch.compile / fake tensors) ----
@@ -317,7 +364,7 @@ def _(x, x_sf, pos_to_token, round_sf):
 def _plain_cast(x, num_per_tokens, round_sf, transpose):
     if torch.compiler.is_compiling():
         return torch.ops.tilefuse.per_channel_cast(x, int(num_per_tokens), bool(round_sf), transpose)
-    return per_channel_cast_launch(x, None, num_per_tokens, round_sf, transpose)
+    return launcher(x.dtype, x.shape[1], int(num_per_tokens), round_sf, transpose)(x)
 
 
 def per_channel_cast_cuda(x, fmt, num_per_tokens, round_sf=False):
@@ -339,4 +386,4 @@ def per_channel_cast_fused_cuda(x, fmt, num_per_tokens, round_sf=False, num_per_
         return ref(x, num_per_tokens, num_per_channels, round_sf, pos_to_token)
     if torch.compiler.is_compiling():
         return torch.ops.tilefuse.per_channel_cast_fused(data, x_sf, pos_to_token, bool(round_sf))
-    return per_channel_cast_launch(data, x_sf, 128, round_sf, False, pos_to_token)
+    return launcher(data.dtype, data.shape[1], 128, round_sf, False, pos_to_token is not None)(data, x_sf, pos_to_token)
