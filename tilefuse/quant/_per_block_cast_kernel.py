@@ -33,7 +33,10 @@ _LAYOUTS = ("row", "col", "col_packed")
 
 # Register budgets per thread (bf16 input): with them ``_resident_ctas`` CTAs fit an SM's 64K registers, so
 # one CTA's loads overlap another's block reduction and stores (sass_stats: no spills at these budgets).
-_CAST_REGS = {"e4m3": 64, "e2m1": 80, "sf_only": 40, "precomputed": 64}
+# sf_only at 40 registers (3 CTAs) made nvcc reuse the first rows' registers for the last two loads, which then
+# waited for the first rows' data (two DRAM round trips per CTA: 72.6% -> 60.9% on the H200); at 64 (2 CTAs) all
+# eight loads are issued before any is consumed.
+_CAST_REGS = {"e4m3": 64, "e2m1": 80, "sf_only": 64, "precomputed": 64}
 _LOSSLESS_REGS = 40
 
 
@@ -49,23 +52,26 @@ def _statically(n: int):
 
 
 def _resident_ctas(threads: int, regs: int) -> int:
-    """CTAs per SM that ``regs`` registers per thread allow (64K registers, at most 2048 threads), at most 3:
-    enough overlap for 256-thread CTAs without squeezing their registers (no spills)."""
-    return max(1, min(65536 // (threads * regs), 2048 // threads, 3))
+    """CTAs per SM that ``regs`` registers per thread allow (64K registers, at most 2048 threads), at most
+    ``max(3, 768 / threads)``: enough overlap for 256-thread CTAs without squeezing their registers (no spills),
+    and up to 6 CTAs of 128 threads."""
+    return max(1, min(65536 // (threads * regs), 2048 // threads, max(3, 768 // threads)))
 
 
-def _geometry(bm: int) -> tuple[int, int, int]:
+def _geometry(bm: int, warps: int = 8) -> tuple[int, int, int]:
     """(NB blocks per thread along rows, WB warps per block along rows, W warps per CTA) for block height bm.
 
     bm >= 8: a thread's 8 rows lie in one block and a block spans ``bm / 8`` warps. bm < 8: a thread's rows
-    span ``8 / bm`` whole blocks. A CTA has 8 warps (16 when one block needs 16), i.e. ``8 * W`` rows.
+    span ``8 / bm`` whole blocks. A CTA has ``warps`` warps (8 by default; more when one block needs more, i.e.
+    16 for bm = 128), i.e. ``8 * W`` rows. The tiling never changes any value, only which CTA computes it.
     """
+    assert warps & (warps - 1) == 0 and 1 <= warps <= 16
     if bm >= _RPT:
         assert bm % _RPT == 0 and bm <= 128
         wb = bm // _RPT
-        return 1, wb, max(wb, 8)
+        return 1, wb, max(wb, warps)
     assert _RPT % bm == 0
-    return _RPT // bm, 1, 8
+    return _RPT // bm, 1, warps
 
 
 def _layout(col: bool, packed: bool) -> str:
@@ -77,9 +83,9 @@ def _layout(col: bool, packed: bool) -> str:
 class _Common:
     """Kernel pieces shared by both factories for block shape ``(bm, bk)`` and sf layout ``sf_layout``."""
 
-    def __init__(self, T, bm: int, bk: int, sf_layout: str):
+    def __init__(self, T, bm: int, bk: int, sf_layout: str, warps: int = 8):
         assert 8 <= bk <= _TILE_H and bk & (bk - 1) == 0
-        self.nb, self.wb, self.W = _geometry(bm)
+        self.nb, self.wb, self.W = _geometry(bm, warps)
         self.rows_per_cta = _RPT * self.W
         self.threads = _LANES * self.W
         nb, wb = self.nb, self.wb
@@ -124,14 +130,43 @@ class _Common:
         return T.Tensor((cdiv(nbk, 4), pad, 4), "uint8")
 
 
+def default_warps(x_dtype: str, fmt: str, bm: int, mode: str) -> int:
+    """Warps per CTA of a per_block_cast config (a knob: blocks of 128 rows always take 16). The issue-heavy
+    e2m1 cast from bf16 with 32-row blocks runs 4-warp CTAs (up to 6 per SM at 80 registers), like the
+    per-token e2m1 cast that went 83% -> 89-90% of the copy ceiling from 256- to 128/64-thread CTAs."""
+    if x_dtype == "bfloat16" and fmt == "e2m1" and mode == "cast" and bm == 32:
+        return 4
+    return 8
+
+
+PIPE_CTAS = 1
+# per_block_cast_lossless with 128-row output blocks: persistent band walk (1) or one CTA per tile (0)
+LOSSLESS_PIPE = 1
+LOSSLESS_PIPE_CTAS = 2
+_SMS = 132  # H200 SMs: sizes the persistent grid only (no value depends on it)
+
+
+def default_pipe(x_dtype: str, fmt: str, bm: int, mode: str) -> int:
+    """1: persistent CTAs with the next band prefetched, 0: one CTA per tile; a knob for the memory-bound
+    128-row-block e4m3 cast and sf-only (a block's maximum needs all 128 rows before any store)."""
+    if x_dtype == "bfloat16" and fmt == "e4m3" and bm == 128 and mode in ("cast", "sf_only"):
+        return 1
+    return 0
+
+
 def per_block_cast_kernel(x_dtype: str, fmt: str, hidden: int, bm: int, bk: int, round_sf: bool, sf_layout: str,
-                          mode: str):
+                          mode: str, warps: int | None = None, pipe: int | None = None,
+                          pipe_ctas: int | None = None):
     """Factory for one static config of the per-block casts (quant.md 3.6).
 
     x_dtype: "bfloat16" | "float32". fmt: "e4m3" | "e2m1". sf_layout: "row" | "col" | "col_packed".
     mode: "cast" (X -> Y, SF) | "sf_only" (X -> SF) | "precomputed" (X, row-major fp32 SF -> Y).
     e2m1 data is written as int32 words of 8 nibbles (element 8k+v in bits 4v..4v+3 of word k): the packed
     int8 container ``(T, H/2)`` viewed as int32 ``(T, H/8)``.
+    warps: warps per CTA for blocks shorter than 128 rows (None: ``default_warps``); it changes no value.
+    pipe: 0 = one CTA per tile; 1 = persistent CTAs walking row bands, the next band's loads in flight during
+    the current band's reduction and stores (None: ``default_pipe``); pipe_ctas: the CTAs per SM its grid and
+    register budget target (None: ``PIPE_CTAS``). Neither changes any value.
     """
     import tilelang.language as T
 
@@ -139,10 +174,16 @@ def per_block_cast_kernel(x_dtype: str, fmt: str, hidden: int, bm: int, bk: int,
     assert not (sf_layout == "col_packed" and not round_sf)
     M = FMT_MAX[fmt]
     clamp = CLAMP_MIN[fmt]
-    cm = _Common(T, bm, bk, sf_layout)
+    cm = _Common(T, bm, bk, sf_layout, default_warps(x_dtype, fmt, bm, mode) if warps is None else warps)
     nb, W, rows_per_cta = cm.nb, cm.W, cm.rows_per_cta
     lanes_per_block = bk // _C
     nbk = cdiv(hidden, bk)
+    ncol = cdiv(hidden, _TILE_H)
+    if pipe is None:
+        pipe = default_pipe(x_dtype, fmt, bm, mode)
+    if pipe_ctas is None:
+        pipe_ctas = PIPE_CTAS
+    assert pipe in (0, 1)
 
     Tn, NBM, P, SS = T.dynamic("num_tokens, num_row_blocks, sf_pad, sf_row_stride")
     # e2m1 from bf16 (issue-bound): the input arrives as int32 words of two elements (the launcher's
@@ -195,66 +236,104 @@ def per_block_cast_kernel(x_dtype: str, fmt: str, hidden: int, bm: int, bk: int,
         return T.reinterpret(codes | signs, "int32")
 
     @T.macro
-    def body(X, Y, SF):
-        with T.Kernel(T.ceildiv(hidden, _TILE_H), T.ceildiv(Tn, rows_per_cta), threads=cm.threads) as (bx, by):
-            if x_dtype == "bfloat16":
-                T.annotate_min_blocks_per_sm(_resident_ctas(cm.threads, _CAST_REGS[mode if mode != "cast" else fmt]))
-            tx = T.get_thread_binding()
-            lane = tx % _LANES
-            w = tx // _LANES
-            row0 = by * rows_per_cta + w * _RPT
-            col0 = bx * _TILE_H + lane * _C
-            cb = col0 // bk
-            # raw input words (bf16 kept 2 per register: half the registers, two CTAs per SM), widened on use
-            xr = T.alloc_local((_RPT * wpr,), "int32" if packed else x_dtype)
-            inv = T.alloc_local((nb,), "float32")
-            # load 8 rows x 8 channels; rows past the end and channels past hidden read as 0 (never the max)
+    def load_rows(X, xr, row0, col0):
+        # load 8 rows x 8 channels; rows past the end and channels past hidden read as 0 (never the max)
+        for j in T.unroll(_RPT):
+            if T.And(row0 + j < Tn, col0 < hidden):
+                for v in T.vectorized(wpr):
+                    xr[j * wpr + v] = X[row0 + j, col0 * wpr // _C + v]
+            else:
+                for v in T.vectorized(wpr):
+                    xr[j * wpr + v] = T.cast(0, xr.dtype)  # +0.0 either way
+
+    @T.macro
+    def process(Y, SF, xr, row0, col0, inv, am, red, w, lane):
+        """Block maxima, sf and stores of the 8 rows x 8 channels held raw in ``xr``."""
+        cb = col0 // bk
+        if mode == "precomputed":
+            # sf_inv = 1 / sf (IEEE), and 0 for a zero sf, as the reference cast (quant.md 2.1)
+            if T.And(row0 < Tn, col0 < hidden):
+                s = SF[row0 // bm, cb]
+                inv[0] = T.if_then_else(s == T.float32(0.0), T.float32(0.0), T.float32(1.0) / s)
+            else:
+                inv[0] = T.float32(0.0)
+        else:
+            for n in T.unroll(nb):
+                am[n] = T.float32(0.0)
+            for j in T.unroll(_RPT):
+                for v in _statically(_C):
+                    am[j * nb // _RPT] = T.max(am[j * nb // _RPT], T.abs(elem(xr, j, v)))
+            cm.block_max(am, w, lane, red)
+            for n in T.unroll(nb):
+                a = T.max(am[n], T.float32(clamp))  # quant.md 1.4 step 1
+                if round_sf:
+                    # sf = 2^E, E = ceil(log2(a / M)) from the bits of a / M; sf_inv = 2^-E (0 if sf = inf)
+                    eb = _tl.pow2_sf_exponent(a, M)  # the clamp keeps a >= M 2^-126 (or a = inf)
+                    sf = _tl.pow2_from_exponent(eb)
+                    inv[n] = _tl.pow2_inverse_from_exponent(eb)
+                else:
+                    eb = 0
+                    sf = a / T.float32(M)
+                    inv[n] = T.float32(M) / a
+                if T.And(T.And(lane % lanes_per_block == 0, w % cm.wb == 0), T.And(row0 < Tn, col0 < hidden)):
+                    cm.store_sf(SF, row0 // bm, cb, sf, eb)
+        if mode != "sf_only":
             for j in T.unroll(_RPT):
                 if T.And(row0 + j < Tn, col0 < hidden):
-                    for v in T.vectorized(wpr):
-                        xr[j * wpr + v] = X[row0 + j, col0 * wpr // _C + v]
-                else:
-                    for v in T.vectorized(wpr):
-                        xr[j * wpr + v] = T.cast(0, xr.dtype)  # +0.0 either way
-            if mode == "precomputed":
-                # sf_inv = 1 / sf (IEEE), and 0 for a zero sf, as the reference cast (quant.md 2.1)
-                if T.And(row0 < Tn, col0 < hidden):
-                    s = SF[row0 // bm, cb]
-                    inv[0] = T.if_then_else(s == T.float32(0.0), T.float32(0.0), T.float32(1.0) / s)
-                else:
-                    inv[0] = T.float32(0.0)
-            else:
+                    if fmt == "e4m3":
+                        assert not packed
+                        for v in T.vectorized(_C):
+                            Y[row0 + j, col0 + v] = T.cast(T.cast(xr[j * _C + v], "float32") * inv[j * nb // _RPT],
+                                                           "float8_e4m3fn")
+                    else:
+                        Y[row0 + j, col0 // _C] = e2m1_word(xr, j, inv[j * nb // _RPT])
+
+    @T.macro
+    def body(X, Y, SF):
+        if pipe == 0:
+            with T.Kernel(T.ceildiv(hidden, _TILE_H), T.ceildiv(Tn, rows_per_cta), threads=cm.threads) as (bx, by):
+                if x_dtype == "bfloat16":
+                    T.annotate_min_blocks_per_sm(
+                        _resident_ctas(cm.threads, _CAST_REGS[mode if mode != "cast" else fmt]))
+                tx = T.get_thread_binding()
+                lane = tx % _LANES
+                w = tx // _LANES
+                row0 = by * rows_per_cta + w * _RPT
+                col0 = bx * _TILE_H + lane * _C
+                # raw input words (bf16 kept 2 per register: half the registers), widened on use
+                xr = T.alloc_local((_RPT * wpr,), "int32" if packed else x_dtype)
+                inv = T.alloc_local((nb,), "float32")
                 am = T.alloc_local((nb,), "float32")
                 red = T.alloc_shared((W * _LANES,), "float32")
-                for n in T.unroll(nb):
-                    am[n] = T.float32(0.0)
-                for j in T.unroll(_RPT):
-                    for v in _statically(_C):
-                        am[j * nb // _RPT] = T.max(am[j * nb // _RPT], T.abs(elem(xr, j, v)))
-                cm.block_max(am, w, lane, red)
-                for n in T.unroll(nb):
-                    a = T.max(am[n], T.float32(clamp))  # quant.md 1.4 step 1
-                    if round_sf:
-                        # sf = 2^E, E = ceil(log2(a / M)) from the bits of a / M; sf_inv = 2^-E (0 if sf = inf)
-                        eb = _tl.pow2_sf_exponent(a, M)  # the clamp keeps a >= M 2^-126 (or a = inf)
-                        sf = _tl.pow2_from_exponent(eb)
-                        inv[n] = _tl.pow2_inverse_from_exponent(eb)
-                    else:
-                        eb = 0
-                        sf = a / T.float32(M)
-                        inv[n] = T.float32(M) / a
-                    if T.And(T.And(lane % lanes_per_block == 0, w % cm.wb == 0), T.And(row0 < Tn, col0 < hidden)):
-                        cm.store_sf(SF, row0 // bm, cb, sf, eb)
-            if mode != "sf_only":
-                for j in T.unroll(_RPT):
-                    if T.And(row0 + j < Tn, col0 < hidden):
-                        if fmt == "e4m3":
-                            assert not packed
-                            for v in T.vectorized(_C):
-                                Y[row0 + j, col0 + v] = T.cast(T.cast(xr[j * _C + v], "float32") * inv[j * nb // _RPT],
-                                                               "float8_e4m3fn")
-                        else:
-                            Y[row0 + j, col0 // _C] = e2m1_word(xr, j, inv[j * nb // _RPT])
+                load_rows(X, xr, row0, col0)
+                process(Y, SF, xr, row0, col0, inv, am, red, w, lane)
+        else:
+            # persistent CTAs: ``G`` per 256-channel column (about ``pipe_ctas`` per SM on 132 SMs), CTA (bx, by)
+            # walking row bands by, by + G, ... of column bx (G adjacent bands of full rows in flight at once).
+            # The next band's loads are issued before the current band's block reduction (its barrier) and
+            # stores: two register buffers used in turn, and two shared reduction buffers (a warp writing one for
+            # band i + 1 cannot overtake a warp still reading it for band i - 1: both sit between the same two
+            # barriers). Bands past the end read 0 and store nothing. Same values as pipe 0.
+            G = max(1, (_SMS * pipe_ctas) // ncol)
+            with T.Kernel(ncol, G, threads=cm.threads) as (bx, by):
+                T.annotate_min_blocks_per_sm(pipe_ctas)
+                tx = T.get_thread_binding()
+                lane = tx % _LANES
+                w = tx // _LANES
+                col0 = bx * _TILE_H + lane * _C
+                xa = T.alloc_local((_RPT * wpr,), "int32" if packed else x_dtype)
+                xb = T.alloc_local((_RPT * wpr,), "int32" if packed else x_dtype)
+                inv = T.alloc_local((nb,), "float32")
+                am = T.alloc_local((nb,), "float32")
+                ra = T.alloc_shared((W * _LANES,), "float32")
+                rb = T.alloc_shared((W * _LANES,), "float32")
+                load_rows(X, xa, by * rows_per_cta + w * _RPT, col0)
+                for it in T.serial(T.ceildiv(T.ceildiv(Tn, rows_per_cta), 2 * G)):
+                    r0 = (by + 2 * it * G) * rows_per_cta + w * _RPT
+                    load_rows(X, xb, r0 + G * rows_per_cta, col0)
+                    process(Y, SF, xa, r0, col0, inv, am, ra, w, lane)
+                    load_rows(X, xa, r0 + 2 * G * rows_per_cta, col0)
+                    process(Y, SF, xb, r0 + G * rows_per_cta, col0, inv, am, rb, w, lane)
 
     if mode == "sf_only":
         @T.prim_func
@@ -268,7 +347,7 @@ def per_block_cast_kernel(x_dtype: str, fmt: str, hidden: int, bm: int, bk: int,
 
 
 def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, obk: int, sf_in_packed: bool,
-                                   sf_layout: str):
+                                   sf_layout: str, pipe: int | None = None, pipe_ctas: int | None = None):
     """Factory for one static config of ``per_block_cast_lossless`` (quant.md 3.7).
 
     Inputs: the packed e2m1 data viewed as int32 ``(T, H/8)`` words (element 8k+v in bits 4v..4v+3 of word
@@ -287,6 +366,12 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
     lanes_per_block = obk // _C
     nbk = cdiv(hidden, obk)
     nbki = cdiv(hidden, ibk)
+    ncol = cdiv(hidden, _TILE_H)
+    if pipe is None:
+        pipe = LOSSLESS_PIPE if obm == 128 else 0
+    if pipe_ctas is None:
+        pipe_ctas = LOSSLESS_PIPE_CTAS
+    assert pipe in (0, 1)
 
     Tn, NBM, P, NBMI, SI0, SI1 = T.dynamic("num_tokens, num_row_blocks, sf_pad, in_sf_rows, in_sf_s0, in_sf_s1")
     d_param = T.Tensor((Tn, hidden // 8), "int32")
@@ -324,55 +409,89 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
                      for half in (bits, T.shift_right(bits, T.uint32(16))))
 
     @T.macro
+    def load_ll(D, SFI, dl, el, row0, col0):
+        """8 rows of 8 nibbles and their input sf words (all loads first: nothing waits on one before the last
+        is issued); missing rows/channels count as e = 0."""
+        for j in T.unroll(_RPT):
+            if T.And(row0 + j < Tn, col0 < hidden):
+                dl[j] = D[row0 + j, col0 // _C]
+                el[j] = in_sf_word(SFI, row0 + j, col0)
+            else:
+                dl[j] = 0
+                el[j] = 0
+
+    @T.macro
+    def process_ll(Y, SF, dl, el, mx, tmp, red, row0, col0, w, lane):
+        """Exponents, block maxima E_B, sf and stores of the rows loaded into ``dl`` / ``el``."""
+        for j in T.unroll(_RPT):
+            # torch strides are never negative (``SI1 == -1`` never holds), but nvcc cannot know it: the
+            # select makes the data words live before the block reduction's barrier, so nvcc does not sink
+            # their loads past it (a second DRAM round trip per CTA)
+            el[j] = T.max(in_exponent(el[j], col0), T.if_then_else(SI1 == -1, dl[j], 0))
+        for n in T.unroll(nb):
+            mx[n] = 0
+        for j in T.unroll(_RPT):
+            mx[j * nb // _RPT] = T.max(mx[j * nb // _RPT], el[j])
+        cm.block_max(mx, w, lane, red)
+        for n in T.unroll(nb):
+            mx[n] = T.max(mx[n] - 6, 0)  # E_B
+            if T.And(T.And(lane % lanes_per_block == 0, w % cm.wb == 0),
+                     T.And(row0 + n * obm < Tn, col0 < hidden)):
+                cm.store_sf(SF, (row0 + n * obm) // obm, col0 // obk,
+                            T.reinterpret(T.shift_left(mx[n], 23), "float32"), mx[n])
+        for j in T.unroll(_RPT):
+            if T.And(row0 + j < Tn, col0 < hidden):
+                # 2^(e(b) - E_B + 14) from its exponent bits (0 below 2^-126: the product is then far below
+                # e4m3's smallest subnormal and rounds to +-0, as with the unscaled factor)
+                factor = T.reinterpret(T.shift_left(T.max(141 + el[j] - mx[j * nb // _RPT], 0), 23), "float32")
+                for k in _statically(_C // 2):
+                    lo, hi = fp4_pair(dl[j], k)  # nibbles k and k + 4
+                    tmp[k] = lo * factor
+                    tmp[k + _C // 2] = hi * factor
+                for v in T.vectorized(_C):
+                    Y[row0 + j, col0 + v] = T.cast(tmp[v], "float8_e4m3fn")
+
+    @T.macro
     def body(D, SFI, Y, SF):
-        with T.Kernel(T.ceildiv(hidden, _TILE_H), T.ceildiv(Tn, rows_per_cta), threads=cm.threads) as (bx, by):
-            T.annotate_min_blocks_per_sm(_resident_ctas(cm.threads, _LOSSLESS_REGS))
-            tx = T.get_thread_binding()
-            lane = tx % _LANES
-            w = tx // _LANES
-            row0 = by * rows_per_cta + w * _RPT
-            col0 = bx * _TILE_H + lane * _C
-            dl = T.alloc_local((_RPT,), "int32")
-            el = T.alloc_local((_RPT,), "int32")
-            mx = T.alloc_local((nb,), "int32")
-            red = T.alloc_shared((W * _LANES,), "int32")
-            tmp = T.alloc_local((_C,), "float32")
-            # load 8 rows of 8 nibbles and their input sf words (all loads first: nothing waits on one before
-            # the last is issued), then the exponents; missing rows/channels count as e = 0
-            for j in T.unroll(_RPT):
-                if T.And(row0 + j < Tn, col0 < hidden):
-                    dl[j] = D[row0 + j, col0 // _C]
-                    el[j] = in_sf_word(SFI, row0 + j, col0)
-                else:
-                    dl[j] = 0
-                    el[j] = 0
-            for j in T.unroll(_RPT):
-                # torch strides are never negative (``SI1 == -1`` never holds), but nvcc cannot know it: the
-                # select makes the data words live before the block reduction's barrier, so nvcc does not sink
-                # their loads past it (a second DRAM round trip per CTA)
-                el[j] = T.max(in_exponent(el[j], col0), T.if_then_else(SI1 == -1, dl[j], 0))
-            for n in T.unroll(nb):
-                mx[n] = 0
-            for j in T.unroll(_RPT):
-                mx[j * nb // _RPT] = T.max(mx[j * nb // _RPT], el[j])
-            cm.block_max(mx, w, lane, red)
-            for n in T.unroll(nb):
-                mx[n] = T.max(mx[n] - 6, 0)  # E_B
-                if T.And(T.And(lane % lanes_per_block == 0, w % cm.wb == 0),
-                         T.And(row0 + n * obm < Tn, col0 < hidden)):
-                    cm.store_sf(SF, (row0 + n * obm) // obm, col0 // obk,
-                                T.reinterpret(T.shift_left(mx[n], 23), "float32"), mx[n])
-            for j in T.unroll(_RPT):
-                if T.And(row0 + j < Tn, col0 < hidden):
-                    # 2^(e(b) - E_B + 14) from its exponent bits (0 below 2^-126: the product is then far below
-                    # e4m3's smallest subnormal and rounds to +-0, as with the unscaled factor)
-                    factor = T.reinterpret(T.shift_left(T.max(141 + el[j] - mx[j * nb // _RPT], 0), 23), "float32")
-                    for k in _statically(_C // 2):
-                        lo, hi = fp4_pair(dl[j], k)  # nibbles k and k + 4
-                        tmp[k] = lo * factor
-                        tmp[k + _C // 2] = hi * factor
-                    for v in T.vectorized(_C):
-                        Y[row0 + j, col0 + v] = T.cast(tmp[v], "float8_e4m3fn")
+        if pipe == 0:
+            with T.Kernel(T.ceildiv(hidden, _TILE_H), T.ceildiv(Tn, rows_per_cta), threads=cm.threads) as (bx, by):
+                T.annotate_min_blocks_per_sm(_resident_ctas(cm.threads, _LOSSLESS_REGS))
+                tx = T.get_thread_binding()
+                lane = tx % _LANES
+                w = tx // _LANES
+                row0 = by * rows_per_cta + w * _RPT
+                col0 = bx * _TILE_H + lane * _C
+                dl = T.alloc_local((_RPT,), "int32")
+                el = T.alloc_local((_RPT,), "int32")
+                mx = T.alloc_local((nb,), "int32")
+                red = T.alloc_shared((W * _LANES,), "int32")
+                tmp = T.alloc_local((_C,), "float32")
+                load_ll(D, SFI, dl, el, row0, col0)
+                process_ll(Y, SF, dl, el, mx, tmp, red, row0, col0, w, lane)
+        else:
+            # persistent CTAs walking row bands with the next band's loads in flight, as in per_block_cast
+            G = max(1, (_SMS * pipe_ctas) // ncol)
+            with T.Kernel(ncol, G, threads=cm.threads) as (bx, by):
+                T.annotate_min_blocks_per_sm(pipe_ctas)
+                tx = T.get_thread_binding()
+                lane = tx % _LANES
+                w = tx // _LANES
+                col0 = bx * _TILE_H + lane * _C
+                da = T.alloc_local((_RPT,), "int32")
+                ea = T.alloc_local((_RPT,), "int32")
+                db = T.alloc_local((_RPT,), "int32")
+                eb = T.alloc_local((_RPT,), "int32")
+                mx = T.alloc_local((nb,), "int32")
+                ra = T.alloc_shared((W * _LANES,), "int32")
+                rb = T.alloc_shared((W * _LANES,), "int32")
+                tmp = T.alloc_local((_C,), "float32")
+                load_ll(D, SFI, da, ea, by * rows_per_cta + w * _RPT, col0)
+                for it in T.serial(T.ceildiv(T.ceildiv(Tn, rows_per_cta), 2 * G)):
+                    r0 = (by + 2 * it * G) * rows_per_cta + w * _RPT
+                    load_ll(D, SFI, db, eb, r0 + G * rows_per_cta, col0)
+                    process_ll(Y, SF, da, ea, mx, tmp, ra, r0, col0, w, lane)
+                    load_ll(D, SFI, da, ea, r0 + 2 * G * rows_per_cta, col0)
+                    process_ll(Y, SF, db, eb, mx, tmp, rb, r0 + G * rows_per_cta, col0, w, lane)
 
     @T.prim_func
     def per_block_cast_lossless(D: d_param, SFI: sfi_param, Y: y_param, SF: sf_param):
