@@ -33,7 +33,28 @@ _BT = 256          # norm_backward threads per CTA (the NP = 256 CTAs are all re
 _FWD_BLOCKS = 6    # bf16 norm_forward CTAs (rows) resident per SM: <= 80 registers, no spills
 _RB = 32           # weight-gradient reduce: partial rows loaded per batch (_NP % _RB == 0)
 _RT = 64           # weight-gradient reduce: threads per CTA (112 CTAs at H = 7168)
+_BWD_L2_AHEAD = 1  # norm_backward: rows per CTA prefetched into L2 beyond the one loaded into registers
 _NPC = 32          # quant.md 5.11: the quantizing op casts with 32-channel groups
+
+# bf16 -> binary32 from the 32-bit register word holding elements 2k (low half) and 2k + 1 (high half): one
+# shift or one AND per element (TileLang's own conversion extracts the high half with PRMT, then shifts: two
+# ALU instructions). Exact: a bf16 is the high half of its binary32 value.
+_CUDA_HELPERS = """
+template <typename T> __device__ __forceinline__ float nf_bf16(const T* v, int i) {
+  const unsigned w = reinterpret_cast<const unsigned*>(v)[i >> 1];
+  return __uint_as_float((i & 1) ? (w & 0xFFFF0000u) : (w << 16)); }
+__device__ __forceinline__ void nf_prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" : : "l"(p)); }
+"""
+
+
+def _f32_of(T, x_dtype: str, buf, *idx):
+    """binary32 value of element ``buf[idx]`` of a local array of 16-byte vectors (the last index: the
+    element within its vector, a constant once unrolled): bf16 through the word helper, fp32 as is."""
+    if x_dtype != "bfloat16":
+        return T.cast(buf[idx], "float32")
+    *lead, e = idx
+    return T.call_extern("float32", "nf_bf16", T.address_of(buf[(*lead, 0)]), e)
 
 
 def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residual: bool, quant: bool,
@@ -54,6 +75,10 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
     assert hidden % 16 == 0 and (not quant or hidden % _NPC == 0)
     assert not mega_bm or (quant and round_sf and hidden % 128 == 0)
     packed = quant and sf_layout in ("col_packed", "row_packed")
+    words = quant and x_dtype == "bfloat16"   # bf16 -> binary32 through the word helpers (the cast variants)
+
+    def f32(buf, *idx):
+        return _f32_of(T, x_dtype if words else "float32", buf, *idx)
 
     B, Tn = T.dynamic("batch, num_tokens")
     XB, XS, RB, RS, OB, OS, QB, QS, PB, PS, BB, BS = T.dynamic(
@@ -100,6 +125,8 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
         with T.Kernel(Tn, B, threads=_THREADS) as (t, b):
             if x_dtype == "bfloat16":
                 T.annotate_min_blocks_per_sm(_FWD_BLOCKS)  # registers for 6 rows per SM: more loads in flight
+            if words:
+                T.import_source(_CUDA_HELPERS)
             tx = T.get_thread_binding()
             io = T.alloc_local((C, E), x_dtype)   # h = round(x + res) in x.dtype: binary32 values are float(io)
             red = T.alloc_shared((NW,), "float32")
@@ -124,7 +151,7 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
                         io[c, e] = T.cast(0, x_dtype)
             for c in T.unroll(C):
                 for e in T.unroll(E):
-                    hv = T.cast(io[c, e], "float32")
+                    hv = f32(io, c, e)
                     acc = acc + hv * hv
             for st in T.unroll(5):
                 acc = acc + T.shfl_xor(acc, T.shift_right(16, st))
@@ -151,10 +178,10 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
                         for e in T.vectorized(E):
                             ww[e] = W[col + e]
                         for e in T.unroll(E):
-                            of[e] = (T.cast(io[c, e], "float32") * rstd) * (T.cast(ww[e], "float32") * out_scale)
+                            of[e] = (f32(io, c, e) * rstd) * (f32(ww, e) * out_scale)
                     else:
                         for e in T.unroll(E):
-                            of[e] = (T.cast(io[c, e], "float32") * rstd) * out_scale
+                            of[e] = (f32(io, c, e) * rstd) * out_scale
                 else:
                     for e in T.unroll(E):
                         of[e] = T.float32(0.0)
@@ -175,7 +202,7 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
                     am = T.alloc_var("float32")
                     am = T.float32(0.0)
                     for e in T.unroll(E):
-                        of[e] = T.cast(ob[e], "float32")
+                        of[e] = f32(ob, e)
                         am = T.max(am, T.abs(of[e]))
                     for st in T.unroll(L.bit_length() - 1):
                         am = T.max(am, T.shfl_xor(am, T.shift_right(L // 2, st)))
@@ -234,6 +261,9 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
     TB = _BT if x_dtype == "bfloat16" else 2 * _BT   # 32 elements per thread at H = 7168 (registers: see below)
     C = -(-VPR // TB)
     NW = TB // 32
+
+    def f32(buf, *idx):
+        return _f32_of(T, x_dtype, buf, *idx)
     Tn = T.dynamic("num_tokens")
     XS, GS, RS = T.dynamic("x_st, dy_st, rg_st")
 
@@ -254,6 +284,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
             T.assume(RS % 16 == 0)
         with T.Kernel(_NP, threads=TB) as p:
             T.annotate_min_blocks_per_sm(2)  # <= 128 registers: two CTAs per SM, so all NP CTAs run at once
+            T.import_source(_CUDA_HELPERS)
             tx = T.get_thread_binding()
             xn = T.alloc_local((C, E), x_dtype)     # the row to reduce next (loaded one iteration ahead)
             dn = T.alloc_local((C, E), x_dtype)
@@ -290,11 +321,11 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                                 for e in T.vectorized(E):
                                     wl[e] = W[col + e]
                         for e in T.unroll(E):
-                            xh = T.cast(xn[c, e], "float32") * r
-                            g = T.cast(dn[c, e], "float32") * out_scale
+                            xh = f32(xn, c, e) * r
+                            g = f32(dn, c, e) * out_scale
                             if has_weight:
                                 wacc[c, e] = wacc[c, e] + xh * g
-                                acc = acc + xh * (g * T.cast(wl[e], "float32"))
+                                acc = acc + xh * (g * f32(wl, e))
                             else:
                                 acc = acc + xh * g
                     # the next row's loads, in flight during this row's reduction and dx pass
@@ -305,6 +336,14 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                                 xn[c, e] = X[row + _NP, col + e]
                             for e in T.vectorized(E):
                                 dn[c, e] = DY[row + _NP, col + e]
+                    # rows further ahead into L2 (no registers: the DRAM reads of _BWD_L2_AHEAD more rows in
+                    # flight per CTA; their register loads later hit L2)
+                    for a in T.unroll(2, 2 + _BWD_L2_AHEAD):
+                        for c in T.unroll(C):
+                            col = (c * TB + tx) * E
+                            if T.And(col < hidden, row + a * _NP < Tn):
+                                T.call_extern("void", "nf_prefetch_l2", T.address_of(X[row + a * _NP, col]))
+                                T.call_extern("void", "nf_prefetch_l2", T.address_of(DY[row + a * _NP, col]))
                     for st in T.unroll(5):
                         acc = acc + T.shfl_xor(acc, T.shift_right(16, st))
                     T.sync_threads()  # the previous row's readers of red are done
@@ -330,11 +369,11 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                                 for e in T.vectorized(E):
                                     rg[e] = RG[row, col + e]
                             for e in T.unroll(E):
-                                xh = T.cast(xl[e], "float32") * r
-                                g = T.cast(dl[e], "float32") * out_scale
-                                gw = g * T.cast(wl[e], "float32") if has_weight else g
+                                xh = f32(xl, e) * r
+                                g = f32(dl, e) * out_scale
+                                gw = g * f32(wl, e) if has_weight else g
                                 if has_res_grad:
-                                    io[e] = T.cast((gw - xh * mean) * r + T.cast(rg[e], "float32"), x_dtype)
+                                    io[e] = T.cast((gw - xh * mean) * r + f32(rg, e), x_dtype)
                                 else:
                                     io[e] = T.cast((gw - xh * mean) * r, x_dtype)
                             for e in T.vectorized(E):
