@@ -113,6 +113,14 @@ def _outside(T, v, lo, hi):
     return T.Or(T.isnan(v), T.Or(v < lo, v > hi))
 
 
+def _shared_sum(buf, i0, n: int):
+    """``buf[i0] + buf[i0 + 1] + ... + buf[i0 + n - 1]`` as one expression (left to right)."""
+    total = buf[i0]
+    for i in range(1, n):
+        total = total + buf[i0 + i]
+    return total
+
+
 def _abs_sum(T, buf, n: int):
     """``|buf[0]| + ... + |buf[n-1]|`` (FADD with an absolute-value operand: FMA pipe)."""
     total = T.abs(buf[0])
@@ -143,6 +151,10 @@ def _stage_bytes(T, eb, g0: int, gps: int, lanes_per_group: int, team: int):
 
 # ---- 3.12: forward + per-token cast ----
 
+# npc == 128: chunks whose loads are in flight ahead of the one being processed (1: the next chunk only;
+# 2: ~8 more registers, still <= 72 so that the bench shape's 1648 two-warp CTAs stay resident at once)
+_FWD_PTC_DEPTH = 2
+
 
 def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, sf_layout: str, weighted: bool,
                           skip: bool, clamp_bits: int | None, count: bool, sf_clamp_bits: int = f32_bits(1e-4)):
@@ -168,10 +180,13 @@ def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, s
     n_words = -(-ng // 4)
     stages = [[c] for c in range(C)] if per_chunk else [list(range(C))]
     gps = L * E // npc if per_chunk else 1  # groups per stage
-    # npc == 128: chunk c + 1's loads are issued before chunk c is processed (registers stay bounded); npc == H
+    # npc == 128: chunk c + D's loads are issued before chunk c is processed (registers stay bounded); npc == H
     # needs the whole row first
-    first_loads = [0] if per_chunk else list(range(C))
-    next_loads = [[si + 1] if per_chunk and si + 1 < C else [] for si in range(len(stages))]
+    # (_FWD_PTC_DEPTH chunks ahead: each warp walks its row chunk by chunk, so the loads in flight per warp, not
+    # the issue rate, bound it when the whole grid is resident at once)
+    D = _FWD_PTC_DEPTH
+    first_loads = list(range(min(D, C))) if per_chunk else list(range(C))
+    next_loads = [[si + D] if per_chunk and si + D < C else [] for si in range(len(stages))]
 
     # unused optional inputs are passed as 1-element dummies, hence their own sizes
     Tn, P, NW, NI, NE = T.dynamic("num_tokens, sf_pad, num_weights, num_p2t, num_p2e")
@@ -305,24 +320,44 @@ def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, s
 
 # ---- 3.13: backward + per-token cast ----
 
-_BWD_MIN_BLOCKS = 8
+_BWD_MIN_BLOCKS = 8   # <= 65536 / (threads * this) registers per thread (8 at 128 threads: 64)
+_BWD_THREADS = 128    # 4 rows (warps) per CTA
+_BWD_DEPTH = 1        # chunks whose loads are in flight ahead of the one being computed
+# lanes per row (at most; a power of two dividing H / 8): 32 = one warp walks a row in H / 256 serial chunks
+# (all 4096 bench rows in flight at once, each stream advancing 256-512 bytes per step: poor DRAM locality);
+# 128 = the CTA's 4 warps share one row (H / 1024 chunks each, 2 KB contiguous per stream and step, rows done
+# in launch order); the weight-gradient row sum then adds the per-warp sums through shared memory in a fixed
+# order (deterministic; the sum order is free within quant.md 6.3's tolerance)
+_BWD_ROW_THREADS = 128
+
+
+def _team_cap(n_chunks: int, cap: int) -> int:
+    """The largest power of two <= ``cap`` dividing ``n_chunks``."""
+    lanes = 1
+    while lanes < cap and n_chunks % (2 * lanes) == 0:
+        lanes *= 2
+    return lanes
 
 def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int | None):
     """Factory for one static config of ``swiglu_backward_and_per_token_cast``: H (data is e4m3 (T, 2H) with
     row-major fp32 sf (T, 2H / npc)), npc in {32, 128}, round_sf, binary32 clamp bits or None.
 
-    Lane ``q`` of a row's team holds chunks of 8 gate/up column pairs at ``c*L*8 + q*8``; a ``dx`` (or ``dy``)
-    group is ``npc / 8`` adjacent lanes. ``WG`` (fp32, flat (T*K,)) must be zero-filled by the caller: the
+    Lane ``q`` of a row's team (``L`` consecutive threads, up to ``_BWD_ROW_THREADS``) holds chunks of 8
+    gate/up column pairs at ``c*L*8 + q*8``; a ``dx`` (or ``dy``) group is ``npc / 8`` adjacent lanes (one warp). ``WG`` (fp32, flat (T*K,)) must be zero-filled by the caller: the
     kernel writes the row sums only (at ``pos_to_token_topk[row]`` where ``token_topk_to_pos`` is not -1).
     """
     import tilelang.language as T
 
     E = 8
     nch = hidden // E
-    L = _team(nch)
+    threads = _BWD_THREADS
+    L = _team_cap(nch, min(_BWD_ROW_THREADS, threads))  # lanes of a row's team (consecutive threads)
+    LW = min(L, 32)   # team lanes inside one warp
+    WPR = L // LW     # warps per row
     C = nch // L
     Lg = npc // E
-    threads = 128
+    assert Lg <= LW
+    depth = _BWD_DEPTH
     BM = threads // L
     ngh = hidden // npc  # groups per half row
 
@@ -366,11 +401,15 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
             ss = T.alloc_local((E,), "float32")   # s = 1 / t
             qs = T.alloc_local((E,), "float32")   # x / t
             sfv = T.alloc_local((2,), "float32")  # the chunk's input sf (gate, up)
+            red = T.alloc_shared((threads // 32,), "float32")  # per-warp row sums (WPR > 1)
+            tt = T.alloc_local((1,), "int32")
             p = T.if_then_else(ok, P2T[rs], -1)
             w[0] = T.if_then_else(p >= 0, W[T.min(p, NW - 1)], T.float32(0.0))
+            # the weight-gradient slot test, read now rather than after the row
+            tt[0] = T.if_then_else(T.And(p >= 0, p < NW), TT2P[T.max(T.min(p, NW - 1), 0)], -1)
             acc[0] = T.float32(0.0)
 
-            for c2 in T.unroll(C + 1):  # loads of chunk c2 are in flight while chunk c2 - 1 computes
+            for c2 in T.unroll(C + depth):  # loads of chunk c2 are in flight while chunk c2 - depth computes
                 if c2 < C:
                     lcol = c2 * (L * E) + q * E
                     if ok:
@@ -387,9 +426,11 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
                             dr[c2, v] = T.cast(0, "float8_e4m3fn")
                         for v in T.vectorized(E):
                             gb[c2, v] = T.cast(0, "bfloat16")
-                if c2 > 0:
-                    c = c2 - 1
+                if c2 >= depth:
+                    c = c2 - depth
                     col = c * (L * E) + q * E
+                    # (read here, not with the chunk's data: 128 -> 35 spill instructions at 64 registers;
+                    # 15 of 16 chunks hit L1)
                     sfv[0] = T.if_then_else(ok, SFI[rs, col // npc], T.float32(1.0))
                     sfv[1] = T.if_then_else(ok, SFI[rs, ngh + col // npc], T.float32(1.0))
                     sfx = sfv[0]
@@ -474,10 +515,15 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
                         if q % Lg == 0:
                             QSF[row, col // npc] = sf_x
                             QSF[row, ngh + col // npc] = sf_y
-            for st in T.unroll(L.bit_length() - 1):  # row sum of g * act: fixed butterfly over the team
-                acc[0] = acc[0] + T.shfl_xor(acc[0], T.shift_right(L // 2, st))
+            for st in T.unroll(LW.bit_length() - 1):  # row sum of g * act: fixed butterfly over the warp's lanes
+                acc[0] = acc[0] + T.shfl_xor(acc[0], T.shift_right(LW // 2, st))
+            if WPR > 1:  # then the row's warps in order (every thread reaches the barrier)
+                if tx % 32 == 0:
+                    red[tx // 32] = acc[0]
+                T.sync_threads()
+                acc[0] = _shared_sum(red, (tx // L) * WPR, WPR)
             if T.And(T.And(ok, q == 0), T.And(p >= 0, p < NW)):
-                if TT2P[p] != -1:
+                if tt[0] != -1:
                     WG[p] = acc[0]
 
     return swiglu_bwd_ptc
@@ -487,6 +533,10 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
 
 _PCC_BT, _PCC_BH, _PCC_THREADS = 128, 64, 256  # tokens x channels per CTA
 _PCC_MIN_BLOCKS = 4  # <= 64 registers (5: 48 registers with ~20 spill instructions, 40 warps/SM)
+# launch order: True = blockIdx.x walks the channel blocks of one 128-token tile first, so the CTAs running at
+# once read whole 2H-wide rows between them (long contiguous DRAM runs; the input is 4x the output); False =
+# token tiles first (each CTA reads 128-byte pieces of 128 rows while its neighbours read other rows)
+_PCC_CHANNEL_MAJOR = True
 
 
 def swiglu_fwd_pcc_kernel(hidden: int, npt: int, round_sf: bool, transpose: bool, clamp_bits: int | None):
@@ -508,12 +558,14 @@ def swiglu_fwd_pcc_kernel(hidden: int, npt: int, round_sf: bool, transpose: bool
     TQ = BT // (threads // BH)  # tokens per thread in phase 2 (32)
     Tn = T.dynamic("num_tokens")
     y_shape = (hidden, Tn) if transpose else (Tn, hidden)
+    grid = (hidden // BH, Tn // BT) if _PCC_CHANNEL_MAJOR else (Tn // BT, hidden // BH)
 
     @T.prim_func
     def swiglu_fwd_pcc(X: T.Tensor((Tn, 2 * hidden), "bfloat16"), Y: T.Tensor(y_shape, "float8_e4m3fn"),
                        SF: T.Tensor((Tn // npt, hidden), "float32")):
         T.assume(Tn % BT == 0)
-        with T.Kernel(Tn // BT, hidden // BH, threads=threads) as (bx, by):
+        with T.Kernel(*grid, threads=threads) as (b0, b1):
+            bx, by = (b1, b0) if _PCC_CHANNEL_MAJOR else (b0, b1)  # token tile, channel block
             T.annotate_min_blocks_per_sm(_PCC_MIN_BLOCKS)
             tx = T.get_thread_binding()
             A = T.alloc_shared((BT, BH), "bfloat16")
