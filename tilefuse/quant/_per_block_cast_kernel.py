@@ -13,8 +13,12 @@ Geometry: a thread owns ``8 rows x 8 channels`` (per row one 16-byte bf16 / 32-b
 vector load and one 8-byte e4m3 / 4-byte e2m1 store); a warp's 32 lanes cover 256 consecutive channels;
 warps stack along rows. A block's maximum is a register reduction over the thread's rows, an xor-shuffle
 over the ``bk / 8`` lanes of the block and, for blocks taller than 8 rows, a max over the block's warps
-through shared memory. No atomics, and the tiling never depends on the token count: results are
-deterministic and batch-invariant. Arithmetic is the spec's, in binary32 with IEEE division (fast-math off);
+through shared memory. Memory-bound configs with 128-row blocks (bf16 e4m3 cast / sf-only, lossless with
+128-row output blocks) instead run persistent CTAs, ``G`` per 256-channel column, each walking row bands
+``by, by + G, ...`` with the next band's loads issued before the current band's reduction barrier and stores
+(``default_pipe``, ``LOSSLESS_PIPE``; 0 restores one CTA per tile). No atomics, and no value depends on the
+tiling (a block's maximum is the same max over the same elements): results are deterministic and
+batch-invariant. Arithmetic is the spec's, in binary32 with IEEE division (fast-math off);
 maxima use ``fmaxf``, which ignores NaN like the reference (1.7).
 """
 import torch
