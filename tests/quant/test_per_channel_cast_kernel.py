@@ -6,6 +6,8 @@ the row-major fp32 sf (no padding exists in these layouts). Outputs are poisoned
 free blocks) before each launch so unwritten elements show. These ops take contiguous inputs only, so
 there is no strided-input case; the gather's input row count is free, so it runs T in {0, 1, 7, 4001, 8192}.
 """
+import re
+
 import pytest
 import torch
 
@@ -151,18 +153,19 @@ def _source(cfg) -> str:
 @pytest.mark.parametrize("role", tuple(CFG))
 def test_builds_for_sm90_with_vector_accesses(role):
     """Each GPU-tier config builds; the generated CUDA keeps IEEE arithmetic, 8-byte e4m3 stores (one row of
-    8 channels, or 8 rows of one channel when transposed), 16-byte bf16 loads, satfinite conversions."""
+    8 channels; 16-byte chunks of 16 rows of one channel when transposed), 16-byte bf16 loads, satfinite
+    conversions."""
     cfg = CFG[role]
     src = _source(cfg)
     assert "__global__" in src and "use_fast_math" not in src
-    assert "*(fp8_e4_8_t*)(Y +" in src
+    assert ("*(fp8_e4_16_t*)(Y +" if cfg[4] else "*(fp8_e4_8_t*)(Y +") in src
     assert "__NV_SATFINITE" in src or "(fp8_e4_t)(" in src
     if cfg[0] == "bfloat16":
         assert "*(uint4*)(X +" in src
     if cfg[0] == "pair":
         assert "*(fp8_e4_8_t*)(D +" in src
-    if cfg[4]:  # transposed: the store's row stride is the token count
-        assert "* ((int64_t)num_tokens)))) = *(fp8_e4_8_t*)(yb" in src
+    if cfg[4]:  # transposed: 16-byte chunks of the shared tile, the store's row stride is the token count
+        assert re.search(r"\* \(\(int64_t\)num_tokens\)\)\)\) = \*\(fp8_e4_16_t\*\)\((\(\(fp8_e4_t\*\))?ys", src)
 
 
 @pytest.mark.compile

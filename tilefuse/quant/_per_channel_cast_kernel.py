@@ -18,8 +18,11 @@ warps through shared memory.
 Memory side: every thread first issues all 8 of its row loads (predicated, no use in between; missing rows
 stay +0), so 8 independent 16-byte loads (bf16) are in flight per thread, and ``__launch_bounds__(128, 5)``
 keeps 5 CTAs (20 warps, ~80 KB of bf16 loads) per SM. One predicate covers a thread's 8 rows: the launcher
-asserts ``T_out % 8 == 0`` (the public ops give % 16 or % 128). Data leaves as one 8-byte store per row
-(or, transposed, one 8-byte store of 8 rows per channel); the sf as one 32-byte run of 8 channels. No
+asserts ``T_out % 8 == 0`` (the public ops give % 16 or % 128). Data leaves as one 8-byte store per row;
+transposed, each thread writes 8 rows of a channel (8 bytes) into an 8 KB shared tile (16-byte chunks
+XOR-swizzled by the channel lane: no bank conflicts) and, after a barrier, the CTA stores whole 128-byte
+runs of the transposed rows as 16-byte chunks (``T_out % 16 == 0``); the sf leaves as one 32-byte run of
+8 channels. No
 atomics, and the tiling never depends on the token count: results are deterministic and batch-invariant.
 Arithmetic is the spec's, in binary32 with IEEE division (fast-math off; round_sf takes the power of two
 from ``_tl.pow2_sf_exponent``, equal to the exponent of ``fl(a / 448)`` rounded up for every binary32
@@ -48,7 +51,7 @@ def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, 
 
     x_kind: "bfloat16" | "float32" (plain input X) | "pair" (e4m3 data D and fp32 sf S ``(T_in, H/128)``).
     npt: 32 | 128 rows per block. transpose: data output ``(H, T_out)`` instead of ``(T_out, H)`` (needs
-    T_out % 8 == 0; the public op guarantees % 128). gather: an int32 ``pos_to_token (T_out,)`` selects the
+    T_out % 16 == 0; the public op guarantees % 128). gather: an int32 ``pos_to_token (T_out,)`` selects the
     input row of each output row. Parameters, in order: X | (D, S), [P], Y, SF.
     """
     import tilelang.language as T
@@ -93,6 +96,8 @@ def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, 
             red = T.alloc_shared((4, _BC), "float32")
             yb = T.alloc_local((_C,), "float8_e4m3fn")
             xt = T.alloc_local((_RPT,), "float32")
+            if transpose:
+                ys = T.alloc_shared((_BC, _BM), "float8_e4m3fn")  # the CTA's transposed e4m3 tile (8 KB)
             # 1. issue every load of the thread before any use (8 independent vector loads in flight);
             # missing rows (past Tn, other channel tiles, negative gather entries) read +0 (pairs: sf 0 too)
             for i in T.unroll(_RPT * _C):
@@ -165,7 +170,8 @@ def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, 
                 if rl % (npt // _RPT) == 0:
                     for v in T.vectorized(_C):
                         SF[row0 // npt, col0 + v] = sfl[v]
-                # 4. narrowed data (satfinite E4M3): one 8-byte store per row, or per channel when transposed
+                # 4. narrowed data (satfinite E4M3): one 8-byte store per row, or (transposed) 8 rows of a
+                # channel into the shared tile, 16-byte chunks XOR-swizzled by the channel lane (conflict-free)
                 if transpose:
                     for v in T.unroll(_C):
                         for j in T.unroll(_RPT):  # a register transpose: contiguous operands for packed F2FP
@@ -173,13 +179,24 @@ def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, 
                         for j in T.vectorized(_RPT):
                             yb[j] = T.cast(xt[j], "float8_e4m3fn")
                         for j in T.vectorized(_RPT):
-                            Y[col0 + v, row0 + j] = yb[j]
+                            ys[cl * _C + v, T.bitwise_xor(rl // 2, cl) * 16 + (rl % 2) * _RPT + j] = yb[j]
                 else:
                     for j in T.unroll(_RPT):
                         for v in T.vectorized(_C):
                             yb[v] = T.cast(xl[j * _C + v] * inv[v], "float8_e4m3fn")
                         for v in T.vectorized(_C):
                             Y[row0 + j, col0 + v] = yb[v]
+            if transpose:
+                # whole 128-byte runs of the transposed rows: thread tx stores 16-byte chunks (16 rows of one
+                # channel), a warp 4 channels x 128 rows; rows past Tn (Tn % 16 == 0) and channels past
+                # hidden are skipped whole
+                T.sync_threads()
+                for k in T.unroll(_BC * _BM // 16 // _THREADS):
+                    ch = (tx + k * _THREADS) // 8
+                    rc = (tx + k * _THREADS) % 8
+                    if T.And(bx * _BC + ch < hidden, by * _BM + rc * 16 < Tn):
+                        for j in T.vectorized(16):
+                            Y[bx * _BC + ch, by * _BM + rc * 16 + j] = ys[ch, T.bitwise_xor(rc, ch // _C) * 16 + j]
 
     if pair and gather:
         @T.prim_func
@@ -199,7 +216,7 @@ def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, 
     elif transpose:
         @T.prim_func
         def per_channel_cast(X: in_params[0], Y: y_param, SF: sf_param):
-            T.assume(Tn % _RPT == 0)
+            T.assume(Tn % 16 == 0)  # 16-byte chunks of the transposed rows
             body(X, None, None, Y, SF)
     else:
         @T.prim_func
@@ -271,6 +288,7 @@ def _plan(x_dtype: torch.dtype, hidden: int, npt: int, round_sf: bool, transpose
     cfg = (_TL_DTYPE[x_dtype], hidden, npt, round_sf, transpose, gather)
     pair = cfg[0] == "pair"
     e4m3 = torch.float8_e4m3fn
+    row_align = 16 if transpose else _RPT  # transposed rows leave as 16-byte chunks
     fn = None
 
     def kernel():
@@ -284,7 +302,7 @@ def _plan(x_dtype: torch.dtype, hidden: int, npt: int, round_sf: bool, transpose
             out = x.new_empty((hidden, t) if transpose else (t, hidden), dtype=e4m3)
             out_sf = x.new_empty(((t + npt - 1) // npt, hidden), dtype=torch.float32)
             if t and hidden:  # zero output rows or channels: empty outputs, no launch
-                assert t % _RPT == 0  # the public ops guarantee % 16 (gather) or % 128
+                assert t % row_align == 0  # the public ops guarantee % 128
                 if x.data_ptr() % 16 or not x.is_contiguous():
                     x = x.clone(memory_format=torch.contiguous_format)
                 (fn if fn is not None else kernel())(x, out, out_sf)
