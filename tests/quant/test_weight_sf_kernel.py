@@ -38,13 +38,14 @@ def test_weight_sf_fake_shapes_cpu():
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("shapes", ([(5, 7), (2, 3, 6)], [(5, 7)], [(5, 7), (2, 3, 6), (4, 9)]), ids=("two", "one", "three"))
 @pytest.mark.parametrize("given_outs", (False, True), ids=("pool", "outs"))
 @pytest.mark.parametrize("bs", (32, 128))
-def test_weight_sf_launcher_binds_kernel_parameters(bs, given_outs, monkeypatch):
-    """2-D and 3-D sf, sf1 transposed or not, outputs from the pool or given (in the returned strides): each
-    of the two launches per sf fits the kernel (``rows``/``cols`` swap for sf1, ``out_rows = rows * bs``)."""
-    shapes = [(5, 7), (2, 3, 6)]
-    flags = [True, False]
+def test_weight_sf_launcher_binds_kernel_parameters(bs, given_outs, shapes, monkeypatch):
+    """2-D and 3-D sf, sf1 transposed or not, outputs from the pool or given (in the returned strides): every
+    output is one job of a launch (up to 4 per launch: 4, 2, then 1), each job's arguments fit the kernel
+    (``rows``/``cols`` swap for sf1, ``out_rows = rows * bs``), in order."""
+    flags = [True, False, True][:len(shapes)]
     sf = [torch.exp2(torch.randint(-20, 20, s).float()) for s in shapes]
     outs = None
     if given_outs:
@@ -56,8 +57,11 @@ def test_weight_sf_launcher_binds_kernel_parameters(bs, given_outs, monkeypatch)
         g, r, c = (1, *s) if len(s) == 2 else s
         want += [(g, r, c, -(-c // 4), r * bs), (g, c, r, -(-r // 4), c * bs)]
     keys = ("groups", "rows", "cols", "words", "out_rows")
-    assert [c.name for c in calls] == ["batched_transpose_weight_sf"] * 4
-    assert [tuple(c.env[k] for k in keys) for c in calls] == want
+    assert [c.name for c in calls] == ["batched_transpose_weight_sf"] * len(calls)
+    assert [c.cfg[1] for c in calls] == {2: [2], 4: [4], 6: [4, 2]}[len(want)]
+    assert all(c.cfg in WS._configs() for c in calls)
+    got = [tuple(c.env[f"{k}{j}"] for k in keys) for c in calls for j in range(c.cfg[1])]
+    assert got == want
 
 
 @pytest.mark.compile

@@ -6,8 +6,9 @@ Both outputs are one operation on a strided view of the fp32 sf ``e`` ``(G, R, C
 transposed view (R = k/bs, C = n/bs), read through its strides. A thread builds 4 consecutive words of one
 storage row (the same source row block, since ``bs >= 32``) and writes them with one 16-byte store, for
 ``_U`` consecutive storage rows ``c`` (their 16 sf values share one source row: one base address), all sf
-a CTA writes 16 KB. All sizes
-and input strides are symbolic, so one build per block size serves every weight.
+a CTA writes 16 KB. All sizes and input strides are symbolic, so one build per block size (and outputs per
+launch) serves every weight. One launch converts up to 4 outputs (both of two weights: the bench's call is one
+launch instead of four); the launcher groups a call's outputs 4, 2 or 1 at a time.
 """
 
 import torch
@@ -20,59 +21,126 @@ _NOT_EXPONENT = -0x7F800001  # int32 pattern 0x807FFFFF: sign and mantissa bits
 _U = 4  # words of the storage (output rows c) per thread: 4 16-byte stores, one sf row's loads
 
 
-def weight_sf_kernel(block_size: int):
-    """Factory: ``E`` fp32 ``(G, R, C)`` (any strides) -> ``Y`` int32 ``(G, W, NR)`` (row stride NR, group
-    stride YG), ``W = cdiv(C, 4)``, ``NR = R * block_size``."""
+def weight_sf_kernel(block_size: int, jobs: int = 1):
+    """Factory: ``jobs`` independent conversions in one launch (``jobs`` in 1, 2, 4), each ``E_j`` fp32
+    ``(G, R, C)`` (any strides) -> ``Y_j`` int32 ``(G, W, NR)`` (row stride NR, group stride YG),
+    ``W = cdiv(C, 4)``, ``NR = R * block_size``. The 1-D grid is the concatenation of the jobs' CTA ranges
+    (job j: ``cdiv(NR, 1024) * cdiv(W, 4) * G`` CTAs, bx fastest): one launch per up to 4 outputs instead
+    of one per output (host launch cost and the kernel-boundary drain/ramp are paid once)."""
     import tilelang.language as T
 
-    G, R, C, W, NR = T.dynamic("groups, rows, cols, words, out_rows")
-    SG, SR, SC, YG = T.dynamic("stride_g, stride_r, stride_c, out_stride_g")
-    e_param = T.StridedTensor((G, R, C), (SG, SR, SC), "float32")
-    y_param = T.StridedTensor((G, W, NR), (YG, NR, 1), "int32")
+    assert jobs in (1, 2, 4)
+    dims, params = [], []
+    for j in range(jobs):
+        d = T.dynamic(f"groups{j} rows{j} cols{j} words{j} out_rows{j} out_stride_g{j}")  # G R C W NR YG
+        st = T.dynamic(f"stride_g{j} stride_r{j} stride_c{j}")
+        dims.append(d)
+        params.append(T.StridedTensor((d[0], d[1], d[2]), st, "float32"))
+        params.append(T.StridedTensor((d[0], d[3], d[4]), (d[5], d[4], 1), "int32"))
+    nbx = [T.ceildiv(d[4], _THREADS * _W) for d in dims]
+    ncy = [T.ceildiv(d[3], _U) for d in dims]
+    nblk = [nbx[j] * ncy[j] * dims[j][0] for j in range(jobs)]
+    first = [sum(nblk[:j], 0) for j in range(jobs)]   # first CTA of job j
+    total = sum(nblk[1:], nblk[0])
 
-    @T.prim_func
-    def weight_sf(E: e_param, Y: y_param):
-        T.assume(NR % (_W * 32) == 0)
-        T.assume(YG % _W == 0)
-        with T.Kernel(T.ceildiv(NR, _THREADS * _W), T.ceildiv(W, _U), G, threads=_THREADS) as (bx, cy, g):
-            tx = T.get_thread_binding()
-            r0 = (bx * _THREADS + tx) * _W
-            if r0 < NR:
-                bad = T.alloc_var("int32")
-                bad = 0
-                rb = r0 // block_size
-                for k in T.unroll(_U):
-                    word = T.alloc_var("int32")
-                    word = 0
-                    if (cy + 1) * (_U * 4) <= C:  # all 16 sf values exist: plain loads off one base address
-                        for u in T.unroll(4):
+    @T.macro
+    def job(E, Y, blk, tx, j):
+        # the CTA's (bx, cy, g), computed once into registers (two divisions by CTA-uniform values)
+        q = T.alloc_var("int32")
+        bx = T.alloc_var("int32")
+        cy = T.alloc_var("int32")
+        g = T.alloc_var("int32")
+        r0 = T.alloc_var("int32")
+        rb = T.alloc_var("int32")
+        q = blk // nbx[j]
+        bx = blk - q * nbx[j]
+        g = q // ncy[j]
+        cy = q - g * ncy[j]
+        r0 = (bx * _THREADS + tx) * _W
+        rb = r0 // block_size
+        if r0 < dims[j][4]:
+            bad = T.alloc_var("int32")
+            bad = 0
+            for k in T.unroll(_U):
+                word = T.alloc_var("int32")
+                word = 0
+                if (cy + 1) * (_U * 4) <= dims[j][2]:  # all 16 sf values exist: plain loads off one base address
+                    for u in T.unroll(4):
+                        bits = T.alloc_var("int32")
+                        bits = T.reinterpret(E[g, rb, (cy * _U + k) * 4 + u], "int32")
+                        bad = bad | (bits & T.int32(_NOT_EXPONENT))
+                        word = word | T.shift_left(T.shift_right(bits, 23) & 255, 8 * u)
+                else:  # the last column block: bytes past C are 0
+                    for u in T.unroll(4):
+                        jc = (cy * _U + k) * 4 + u
+                        if jc < dims[j][2]:
                             bits = T.alloc_var("int32")
-                            bits = T.reinterpret(E[g, rb, (cy * _U + k) * 4 + u], "int32")
+                            bits = T.reinterpret(E[g, rb, jc], "int32")
                             bad = bad | (bits & T.int32(_NOT_EXPONENT))
                             word = word | T.shift_left(T.shift_right(bits, 23) & 255, 8 * u)
-                    else:  # the last column block: bytes past C are 0
-                        for u in T.unroll(4):
-                            j = (cy * _U + k) * 4 + u
-                            if j < C:
-                                bits = T.alloc_var("int32")
-                                bits = T.reinterpret(E[g, rb, j], "int32")
-                                bad = bad | (bits & T.int32(_NOT_EXPONENT))
-                                word = word | T.shift_left(T.shift_right(bits, 23) & 255, 8 * u)
-                    if cy * _U + k < W:
-                        # one 16-byte store: nvcc splits a plain int4 store of this broadcast word into four
-                        # 4-byte ones (partial sectors); streaming (evict-first): outputs are written once
-                        T.call_extern("void", "__stcs",
-                                      T.call_extern("handle", "(int4*)", T.address_of(Y[g, cy * _U + k, r0])),
-                                      T.call_extern("handle", "make_int4", word, word, word, word))
-                # quant.md 5.13: sign and mantissa bits must be 0 (every sf element is read by some thread)
-                T.call_extern("void", "device_assert", bad == 0)
+                if cy * _U + k < dims[j][3]:
+                    # one 16-byte store: nvcc splits a plain int4 store of this broadcast word into four
+                    # 4-byte ones (partial sectors); streaming (evict-first): outputs are written once
+                    T.call_extern("void", "__stcs",
+                                  T.call_extern("handle", "(int4*)", T.address_of(Y[g, cy * _U + k, r0])),
+                                  T.call_extern("handle", "make_int4", word, word, word, word))
+            # quant.md 5.13: sign and mantissa bits must be 0 (every sf element is read by some thread)
+            T.call_extern("void", "device_assert", bad == 0)
+
+    if jobs == 1:
+        @T.prim_func
+        def weight_sf(E0: params[0], Y0: params[1]):
+            T.assume(dims[0][4] % (_W * 32) == 0)
+            T.assume(dims[0][5] % _W == 0)
+            with T.Kernel(total, threads=_THREADS) as blk:
+                tx = T.get_thread_binding()
+                job(E0, Y0, blk, tx, 0)
+    elif jobs == 2:
+        @T.prim_func
+        def weight_sf(E0: params[0], Y0: params[1], E1: params[2], Y1: params[3]):
+            T.assume(dims[0][4] % (_W * 32) == 0)
+            T.assume(dims[0][5] % _W == 0)
+            T.assume(dims[1][4] % (_W * 32) == 0)
+            T.assume(dims[1][5] % _W == 0)
+            with T.Kernel(total, threads=_THREADS) as blk:
+                tx = T.get_thread_binding()
+                if blk < first[1]:
+                    job(E0, Y0, blk, tx, 0)
+                else:
+                    job(E1, Y1, blk - first[1], tx, 1)
+    else:
+        @T.prim_func
+        def weight_sf(E0: params[0], Y0: params[1], E1: params[2], Y1: params[3], E2: params[4], Y2: params[5],
+                      E3: params[6], Y3: params[7]):
+            T.assume(dims[0][4] % (_W * 32) == 0)
+            T.assume(dims[0][5] % _W == 0)
+            T.assume(dims[1][4] % (_W * 32) == 0)
+            T.assume(dims[1][5] % _W == 0)
+            T.assume(dims[2][4] % (_W * 32) == 0)
+            T.assume(dims[2][5] % _W == 0)
+            T.assume(dims[3][4] % (_W * 32) == 0)
+            T.assume(dims[3][5] % _W == 0)
+            with T.Kernel(total, threads=_THREADS) as blk:
+                tx = T.get_thread_binding()
+                if blk < first[1]:
+                    job(E0, Y0, blk, tx, 0)
+                elif blk < first[2]:
+                    job(E1, Y1, blk - first[1], tx, 1)
+                elif blk < first[3]:
+                    job(E2, Y2, blk - first[2], tx, 2)
+                else:
+                    job(E3, Y3, blk - first[3], tx, 3)
 
     return weight_sf
 
 
+_JOBS = (4, 2, 1)  # outputs per launch: the launcher takes the largest that fits the outputs left
+
+
 def _configs() -> list[tuple]:
-    """Every config: the block sizes of quant.md 5.13 (sizes and strides are symbolic)."""
-    return [(32,), (128,)]
+    """Every config: the block sizes of quant.md 5.13 times the outputs per launch (sizes and strides are
+    symbolic)."""
+    return [(bs, n) for bs in (32, 128) for n in _JOBS]
 
 
 _jit.register("batched_transpose_weight_sf", weight_sf_kernel, _configs)
@@ -104,13 +172,12 @@ def batched_transpose_weight_sf_launch(sf: list, block_size: int, transpose_sf1s
     ``torch._assert_async``: four more launches per weight)."""
     if not sf:
         return []
-    fn = _jit.get("batched_transpose_weight_sf", (block_size,))
     outs = list(outs) if outs is not None else [None] * len(sf)
     shapes = [_storage_shapes(s, block_size) for s in sf]
     sizes = [(-(-a[0] * a[1] * a[2] // 8) * 8, -(-b[0] * b[1] * b[2] // 8) * 8) for a, b in shapes]  # 32-byte aligned
     need = sum(a + b for (a, b), o in zip(sizes, outs) if o is None)
     pool = torch.empty((need,), dtype=torch.int32, device=sf[0].device) if need else None
-    result, off = [], 0
+    result, off, jobs = [], 0, []
     for s, t1, o, (sh0, sh1), (n0, n1) in zip(sf, transpose_sf1s, outs, shapes, sizes):
         batched = s.dim() == 3
         if o is None:
@@ -124,9 +191,13 @@ def batched_transpose_weight_sf_launch(sf: list, block_size: int, transpose_sf1s
             pair = (o[0], o[1])
         e = s if batched else s.unsqueeze(0)
         if e.numel():  # the value rule is checked by the kernel itself (device_assert: no extra launches)
-            fn(e, st0)
-            fn(e.transpose(1, 2), st1)
+            jobs += [e, st0, e.transpose(1, 2), st1]
         result.append(pair)
+    i = 0
+    while i < len(jobs):  # up to 4 outputs per launch (the outputs are disjoint: any grouping is exact)
+        n = next(k for k in _JOBS if 2 * k <= len(jobs) - i)
+        _jit.get("batched_transpose_weight_sf", (block_size, n))(*jobs[i:i + 2 * n])
+        i += 2 * n
     return result
 
 
