@@ -540,3 +540,26 @@ def test_fwd_pcc_deterministic_batch_invariant_graph_and_compile():
     got = torch.compile(f, fullgraph=True)(x)
     assert_equal(got[0], a[0])
     assert_equal(got[1], a[1])
+
+
+# ---- performance knobs: the alternatives a bench sweep may switch to still build ----
+
+_KNOB_CASES = (
+    # (module constant, alternative value, kernel, config): the bench configs of quant.md 7.2-7.3
+    ("_BWD_ROW_THREADS", 32, "swiglu_bwd_ptc", K._bwd_ptc_cfg(7168, 128, True, None)),   # one warp per row
+    ("_BWD_ROW_THREADS", 64, "swiglu_bwd_ptc", K._bwd_ptc_cfg(2560, 32, False, 0.5)),   # 2 warps per row
+    ("_FWD_PTC_DEPTH", 1, "swiglu_fwd_ptc",
+     K._fwd_ptc_cfg("bfloat16", 3584, 128, True, True, False, True, False, 0.5, False)),
+    ("_PCC_CHANNEL_MAJOR", False, "swiglu_fwd_pcc", K._pcc_cfg(7168, 128, True, True, None)),
+)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("knob,value,name,cfg", _KNOB_CASES, ids=lambda v: str(v))
+def test_knob_alternatives_build_for_sm90(knob, value, name, cfg, monkeypatch):
+    assert cfg in _jit.registered()[name]
+    monkeypatch.setattr(K, knob, value)
+    src = _jit.compile_kernel(name, cfg, "sm_90", export=False).get_kernel_source()
+    assert "__global__" in src and "expf(" in src and "__expf" not in src
+    if knob == "_BWD_ROW_THREADS" and value == 32:  # one warp per row: no shared-memory row sum
+        assert "__syncthreads" not in src
