@@ -139,10 +139,15 @@ def default_warps(x_dtype: str, fmt: str, bm: int, mode: str) -> int:
     e2m1 cast from bf16 with 32-row blocks runs 4-warp CTAs (up to 6 per SM at 80 registers), like the
     per-token e2m1 cast that went 83% -> 89-90% of the copy ceiling from 256- to 128/64-thread CTAs."""
     if x_dtype == "bfloat16" and fmt == "e2m1" and mode == "cast" and bm == 32:
-        return 4
+        return E2M1_32_WARPS
     return 8
 
 
+# Knobs (edit here to sweep: the source is part of the kernel cache key). CAST_PIPE: bf16 e4m3 128x128 cast and
+# sf-only as persistent band walks (1) or one CTA per tile (0); E2M1_32_WARPS: warps per CTA of the bf16 e2m1
+# cast with 32-row blocks (4 or 8); PIPE_CTAS: CTAs per SM the persistent grid targets.
+CAST_PIPE = 1
+E2M1_32_WARPS = 4
 PIPE_CTAS = 1
 # per_block_cast_lossless with 128-row output blocks: persistent band walk (1) or one CTA per tile (0)
 LOSSLESS_PIPE = 1
@@ -154,7 +159,7 @@ def default_pipe(x_dtype: str, fmt: str, bm: int, mode: str) -> int:
     """1: persistent CTAs with the next band prefetched, 0: one CTA per tile; a knob for the memory-bound
     128-row-block e4m3 cast and sf-only (a block's maximum needs all 128 rows before any store)."""
     if x_dtype == "bfloat16" and fmt == "e4m3" and bm == 128 and mode in ("cast", "sf_only"):
-        return 1
+        return CAST_PIPE
     return 0
 
 
