@@ -31,6 +31,7 @@ _M = F.FMT_MAX["e4m3"]
 _CLAMP = F.CLAMP_MIN["e4m3"]
 _BT = 256          # norm_backward threads per CTA (the NP = 256 CTAs are all resident: 2 per SM)
 _FWD_BLOCKS = 6    # bf16 norm_forward CTAs (rows) resident per SM: <= 80 registers, no spills
+_FWD_BLOCKS_QUANT = 8  # the quantizing bf16 forward: <= 64 registers (it needs 72 unconstrained: 7 per SM)
 _RB = 32           # weight-gradient reduce: partial rows loaded per batch (_NP % _RB == 0)
 _RT = 64           # weight-gradient reduce: threads per CTA (112 CTAs at H = 7168)
 _BWD_L2_AHEAD = 1  # norm_backward: rows per CTA prefetched into L2 beyond the one loaded into registers
@@ -124,7 +125,7 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
             T.assume(BS % 16 == 0)
         with T.Kernel(Tn, B, threads=_THREADS) as (t, b):
             if x_dtype == "bfloat16":
-                T.annotate_min_blocks_per_sm(_FWD_BLOCKS)  # registers for 6 rows per SM: more loads in flight
+                T.annotate_min_blocks_per_sm(_FWD_BLOCKS_QUANT if quant else _FWD_BLOCKS)  # rows per SM: loads in flight
             if words:
                 T.import_source(_CUDA_HELPERS)
             tx = T.get_thread_binding()
