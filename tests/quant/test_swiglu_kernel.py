@@ -550,6 +550,8 @@ _KNOB_CASES = (
     ("_BWD_ROW_THREADS", 64, "swiglu_bwd_ptc", K._bwd_ptc_cfg(2560, 32, False, 0.5)),   # 2 warps per row
     ("_FWD_PTC_DEPTH", 1, "swiglu_fwd_ptc",
      K._fwd_ptc_cfg("bfloat16", 3584, 128, True, True, False, True, False, 0.5, False)),
+    ("_FWD_PTC_ROW_THREADS", 64, "swiglu_fwd_ptc",
+     K._fwd_ptc_cfg("bfloat16", 3584, 128, True, True, False, True, False, 0.5, False)),   # 2 warps per row
     ("_PCC_CHANNEL_MAJOR", False, "swiglu_fwd_pcc", K._pcc_cfg(7168, 128, True, True, None)),
 )
 

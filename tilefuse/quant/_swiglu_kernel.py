@@ -154,6 +154,10 @@ def _stage_bytes(T, eb, g0: int, gps: int, lanes_per_group: int, team: int):
 # npc == 128: chunks whose loads are in flight ahead of the one being processed (1: the next chunk only;
 # 2: ~8 more registers, still <= 72 so that the bench shape's 1648 two-warp CTAs stay resident at once)
 _FWD_PTC_DEPTH = 2
+# lanes per row (at most) where groups stay inside a warp (npc == 128, sf not packed): 32 = one warp per row
+# (the bench shape: 1648 two-row CTAs, one wave, 14 serial chunks per warp); 64 = two warps per row (3296
+# one-row CTAs, ~1.8 waves, 7 chunks per warp)
+_FWD_PTC_ROW_THREADS = 32
 
 
 def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, sf_layout: str, weighted: bool,
@@ -169,11 +173,13 @@ def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, s
     eb_x = 2 if x_dtype == "bfloat16" else 4
     E = 16 // eb_x                     # elements per chunk (one 16-byte vector)
     nch = hidden // E                  # chunks per row
-    L = _team(nch)
-    C = nch // L                       # chunks per lane
-    threads = 64                       # small CTAs: at the bench shape (3296 rows, 2 per CTA) every SM gets 12-13
-    BM = threads // L                  # rows per CTA
     per_chunk = npc != hidden          # npc == 128: each chunk quantized on its own
+    # teams wider than a warp only where nothing crosses warps (per-chunk groups, no packed-word gather)
+    wide = per_chunk and sf_layout != "col_packed"
+    L = _team_cap(nch, _FWD_PTC_ROW_THREADS if wide else 32)
+    C = nch // L                       # chunks per lane
+    threads = max(64, L)               # small CTAs: at the bench shape (3296 rows, 2 per CTA) every SM gets 12-13
+    BM = threads // L                  # rows per CTA
     Lg = npc // E if per_chunk else L  # lanes per group (a chunk-group) or the whole team
     assert Lg <= L and L % Lg == 0
     ng = hidden // npc
