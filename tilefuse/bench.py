@@ -22,29 +22,36 @@ from typing import Callable, NamedTuple
 import torch
 
 _L2_ROTATE_BYTES = 512 << 20
-_SLEEP_CYCLES = 200_000  # ~100 µs of GPU time queued ahead of each timed batch
+_SLEEP_CYCLES = 2_000_000  # ~1 ms of GPU time queued ahead of each timed batch (doubled while too short)
 
 
 def median_us(fn: Callable[[int], object], n_sets: int, warmup: int = 5, iters: int = 30,
               calls: int = 10) -> float:
     """Median µs per call: each sample times ``calls`` back-to-back calls between one pair of CUDA events,
-    call ``i`` using input set ``i % n_sets``. A short device-side sleep is queued before the start event,
-    so the host enqueues the calls while the GPU is still busy: host launch and allocation time stay out of
-    the figure unless they exceed the kernel time (then the GPU waits on the host and it shows)."""
+    call ``i`` using input set ``i % n_sets``. A device-side sleep is queued before the start event, so the
+    host enqueues all the calls while the GPU is still asleep and the events time the kernels back to back:
+    host launch, validation and allocation time stay out of the figure. If the GPU reached the start event
+    before the host had enqueued the last call (the sleep was shorter than the host's work), the sample is
+    discarded and the sleep doubled."""
     for i in range(warmup):
         fn(i % n_sets)
     torch.cuda.synchronize()
     times = []
     k = 0
-    for _ in range(iters):
+    sleep = _SLEEP_CYCLES
+    while len(times) < iters:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(_SLEEP_CYCLES)
+        torch.cuda._sleep(sleep)
         start.record()
         for _ in range(calls):
             fn(k % n_sets)
             k += 1
+        late = start.query()  # the GPU already passed the start: it may have waited for the host
         end.record()
         end.synchronize()
+        if late and sleep < 64 * _SLEEP_CYCLES:
+            sleep *= 2
+            continue
         times.append(start.elapsed_time(end) * 1e3 / calls)
     return statistics.median(times)
 
