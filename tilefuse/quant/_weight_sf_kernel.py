@@ -159,6 +159,18 @@ def _views(storage: torch.Tensor, batched: bool, transpose_sf1: bool, which: int
     return view if batched else view[0]
 
 
+def _pool_views(pool: torch.Tensor, shape: tuple, off: int, batched: bool, transposed: bool):
+    """(storage, returned view) of a ``(G, W, N)`` block at word ``off`` of the pool: the same tensors as
+    ``pool[off:off + G W N].view(shape)`` and :func:`_views` of it (sf0: ``transposed`` False)."""
+    g, w, n = shape
+    storage = pool.as_strided(shape, (w * n, n, 1), off)
+    if transposed:
+        view = storage if batched else pool.as_strided((w, n), (n, 1), off)
+    else:
+        view = pool.as_strided((g, n, w), (w * n, 1, n), off) if batched else pool.as_strided((n, w), (1, n), off)
+    return storage, view
+
+
 def _as_storage(out: torch.Tensor, shape: tuple, batched: bool, transposed: bool) -> torch.Tensor:
     """The ``(G, W, N)`` storage of a caller's output tensor (validated by the public op)."""
     t = out if batched else out.unsqueeze(0)
@@ -181,10 +193,11 @@ def batched_transpose_weight_sf_launch(sf: list, block_size: int, transpose_sf1s
     for s, t1, o, (sh0, sh1), (n0, n1) in zip(sf, transpose_sf1s, outs, shapes, sizes):
         batched = s.dim() == 3
         if o is None:
-            st0 = pool[off:off + sh0[0] * sh0[1] * sh0[2]].view(sh0)
-            st1 = pool[off + n0:off + n0 + sh1[0] * sh1[1] * sh1[2]].view(sh1)
+            # one as_strided per tensor (host time: slicing, view, transpose and indexing cost a few µs each)
+            st0, v0 = _pool_views(pool, sh0, off, batched, False)
+            st1, v1 = _pool_views(pool, sh1, off + n0, batched, t1)
             off += n0 + n1
-            pair = (_views(st0, batched, t1, 0), _views(st1, batched, t1, 1))
+            pair = (v0, v1)
         else:
             st0 = _as_storage(o[0], sh0, batched, False)
             st1 = _as_storage(o[1], sh1, batched, t1)
