@@ -25,10 +25,8 @@ import ctypes
 import hashlib
 import importlib
 import importlib.util
-import inspect
 import os
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -64,8 +62,24 @@ _PASS_CONFIGS = {"tl.enable_fast_math": False}
 
 
 def register(name: str, factory: Callable, configs: Callable[[], Iterable[tuple]]) -> None:
-    """Record a kernel factory and a callable listing its static configs (tuples of factory args)."""
+    """Record a kernel factory and a callable listing its static configs (tuples of factory args). The
+    source digest of its module (part of the cache key) is taken now, while the module is being imported,
+    so the key describes the code this process runs even if the file is edited later."""
     _FACTORIES[name] = (factory, configs)
+    _module_digest(factory.__module__)
+
+
+def _module_digest(mod: str) -> str:
+    """sha256 prefix of TileLang's version, the kernel module's source and the shared helper modules'."""
+    digest = _DIGESTS.get(mod)
+    if digest is None:
+        h = hashlib.sha256(_tilelang_version().encode())
+        for m in (mod, *SHARED_KERNEL_MODULES):
+            spec = importlib.util.find_spec(m)
+            with open(spec.origin, "rb") as f:
+                h.update(f.read())
+        digest = _DIGESTS[mod] = h.hexdigest()[:16]
+    return digest
 
 
 def registered() -> dict[str, list[tuple]]:
@@ -125,15 +139,7 @@ def _tilelang_version() -> str:
 
 def _lib_path(name: str, config: tuple, arch: str) -> str:
     """Where the exported library of ``name`` at ``config`` for ``arch`` lives in tilefuse's disk cache."""
-    mod = _FACTORIES[name][0].__module__
-    digest = _DIGESTS.get(mod)
-    if digest is None:
-        h = hashlib.sha256(_tilelang_version().encode())
-        for m in (mod, *SHARED_KERNEL_MODULES):
-            importlib.import_module(m)
-            with open(inspect.getsourcefile(sys.modules[m]), "rb") as f:
-                h.update(f.read())
-        digest = _DIGESTS[mod] = h.hexdigest()[:16]
+    digest = _module_digest(_FACTORIES[name][0].__module__)
     key = hashlib.sha256(repr((name, config, arch, sorted(_PASS_CONFIGS.items()), digest)).encode()).hexdigest()
     return os.path.join(_cache_dir(), f"{name}-{arch}-{key[:24]}.so")
 
