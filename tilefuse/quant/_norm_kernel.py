@@ -42,7 +42,8 @@ _NPC = 32          # quant.md 5.11: the quantizing op casts with 32-channel grou
 # ALU instructions). Exact: a bf16 is the high half of its binary32 value.
 _CUDA_HELPERS = """
 template <typename T> __device__ __forceinline__ float nf_bf16(const T* v, int i) {
-  const unsigned w = reinterpret_cast<const unsigned*>(v)[i >> 1];
+  unsigned w;  // memcpy: no type-punned load (aliasing-safe); it becomes a register move once unrolled
+  memcpy(&w, reinterpret_cast<const char*>(v) + 4 * (i >> 1), 4);
   return __uint_as_float((i & 1) ? (w & 0xFFFF0000u) : (w << 16)); }
 __device__ __forceinline__ void nf_prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" : : "l"(p)); }
