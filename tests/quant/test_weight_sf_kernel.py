@@ -134,6 +134,26 @@ def test_weight_sf_gpu(bs):
         assert_equal(a1, b1)
 
 
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs", [32, 128])
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_weight_sf_launch_groups_gpu(bs, n):
+    """1, 2, 3 and 5 weights: launches of 2 outputs, 4, 4 + 2 and 4 + 4 + 2 (every job's CTA range of a
+    launch decoded right: each output equals the reference, padding bytes included)."""
+    g = torch.Generator(device="cuda").manual_seed(100 * bs + n)
+    pick = [(3, 4096 // bs, 7168 // bs), (7168 // bs, 2048 // bs), (2, 384 // bs, 128 // bs), (128 // bs, 640 // bs),
+            (5, 256 // bs, 1152 // bs)]
+    sf = [_pow2_sf(s, g) for s in pick[:n]]
+    flags = [True, False, True, False, True][:n]
+    _poison()
+    got = WS.batched_transpose_weight_sf_launch(sf, bs, flags, None)
+    for (a0, a1), (b0, b1) in zip(got, ref_wsf(sf, bs, flags)):
+        for a, b in ((a0, b0), (a1, b1)):
+            assert a.shape == b.shape and a.stride() == b.stride()
+            assert_equal(a, b)
+
+
 def _adversarial(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """Rows: all zero; -0 and subnormal-scale values; values at and beyond the format max; random."""
     t = x.size(0)

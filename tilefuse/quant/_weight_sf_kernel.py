@@ -8,7 +8,7 @@ storage row (the same source row block, since ``bs >= 32``) and writes them with
 ``_U`` consecutive storage rows ``c`` (their 16 sf values share one source row: one base address), all sf
 a CTA writes 16 KB. All sizes and input strides are symbolic, so one build per block size (and outputs per
 launch) serves every weight. One launch converts up to 4 outputs (both of two weights: the bench's call is one
-launch instead of four); the launcher groups a call's outputs 4, 2 or 1 at a time.
+launch instead of four); the launcher groups a call's outputs 4 or 2 at a time (a weight gives 2).
 """
 
 import torch
@@ -134,7 +134,7 @@ def weight_sf_kernel(block_size: int, jobs: int = 1):
     return weight_sf
 
 
-_JOBS = (4, 2, 1)  # outputs per launch: the launcher takes the largest that fits the outputs left
+_JOBS = (4, 2)  # outputs per launch: the launcher takes the largest that fits (a weight gives 2 outputs)
 
 
 def _configs() -> list[tuple]:
