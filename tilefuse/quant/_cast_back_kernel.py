@@ -14,11 +14,9 @@ Scale factors are read through symbolic strides, so row-major, TMA-aligned colum
 unit-stride view work with one binary; int32 sf are packed UE8M0 words (block ``4w + u`` in byte ``u``,
 decoded as ``byte << 23``).
 
-Tiling: a thread owns ``unroll`` chunks of ``V`` consecutive elements of one row, ``TX`` chunks apart; a chunk
-is one 16-byte data load (e4m3: 16 values, e2m1: 32; e5m6: 32 codes in three 16-byte loads) and 2-8 16-byte
-stores, consecutive lanes on consecutive chunks (see ``_tile``). Rows that are not whole wide chunks use
-narrow chunks (one 16-byte store, a 2-8 byte load). No shared memory, no reductions: deterministic and
-batch-invariant.
+Tiling: a thread owns ``U`` chunks of ``V`` consecutive elements of one row (16-byte data loads for e4m3 and
+e2m1, three 4-byte words for e5m6), consecutive threads take consecutive chunks of the flattened
+``(T, H / V)`` chunk grid. No shared memory, no reductions: deterministic and batch-invariant.
 """
 
 import torch
@@ -26,47 +24,15 @@ import torch
 from tilefuse import _jit
 
 _THREADS = 256
-# A chunk is the V elements of one 16-byte data load (e4m3: 16, e2m1: 32; e5m6: 32 codes = three 16-byte
-# loads) when the row is whole chunks, written as 2-8 16-byte stores; consecutive lanes take consecutive
-# chunks, so loads are full 512-byte warp runs and the stores of one chunk together cover a contiguous run.
-# Narrow fallback (rows that are not whole wide chunks): one 16-byte store per chunk (8 bf16 / 4 fp32).
-_WIDE = {"e4m3": 16, "e2m1": 32, "e5m6": 32}
+# Output bytes per thread: chunks are one 16-byte store each, consecutive threads take consecutive chunks (so
+# every warp store covers 512 contiguous bytes) and a thread keeps _UNROLL chunks, _THREADS apart, in flight.
+_UNROLL = 8
+# elements per chunk: one 16-byte store (8 bf16 / 4 fp32); e5m6 keeps whole groups of 8 codes (3 words)
 _CHUNK = {"bf16": 8, "fp32": 4}
-_TARGET_LOADS = 8  # 16-byte loads per thread, all issued before any is decoded (128 bytes in flight)
-_MAX_LOADS = 12
-_UNPACK_BYTES = 16  # unpack: data bytes per chunk (one load; 4, 8 or 16)
-_UNPACK_UNROLL = 4  # unpack: 16-byte chunks per thread (64 bytes in flight, 256 threads: 16 KB per CTA)
 
 
-def _chunk(dfmt: str, out: str, hidden: int) -> int:
-    if hidden % _WIDE[dfmt] == 0:
-        return _WIDE[dfmt]
+def _chunk(dfmt: str, out: str) -> int:
     return 8 if dfmt == "e5m6" else _CHUNK[out]
-
-
-def _loads_per_chunk(dfmt: str, V: int) -> int:
-    """16-byte loads per chunk (0: the chunk's data is narrower than one 16-byte load)."""
-    nbytes = {"e4m3": V, "e2m1": V // 2, "e5m6": V * 3 // 2}[dfmt]
-    return nbytes // 16 if nbytes % 16 == 0 else 0
-
-
-def _tile(cpr: int, lpc: int) -> tuple[int, int, bool]:
-    """(TX lanes per row, chunks per thread, masked): TX whole warps (up to 256 threads) and TX * unroll
-    dividing the row's chunk count (no masking, CTAs span whole rows or equal row slices), with the most
-    16-byte loads per thread up to _TARGET_LOADS (at most _MAX_LOADS), then the widest TX."""
-    lpc = max(lpc, 1)
-    best = None
-    for tx in range(32, _THREADS + 1, 32):
-        for u in range(1, _MAX_LOADS // lpc + 1):
-            if cpr % (tx * u) == 0:
-                key = (min(u * lpc, _TARGET_LOADS), -(u * lpc), tx)
-                if best is None or key > best[0]:
-                    best = (key, tx, u)
-    if best is not None:
-        return best[1], best[2], False
-    return 32, max(1, min(_TARGET_LOADS // lpc, -(-cpr // 32))), True
-
-
 _OUT_TL = {"bf16": "bfloat16", "fp32": "float32"}
 _OUT_TORCH = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -164,7 +130,7 @@ def cast_back_kernel(dfmt: str, out: str, hidden: int, bm: int, bk: int, sf_pack
     sf are packed UE8M0 int32 (else fp32). Token count, data row stride and sf strides are symbolic."""
     import tilelang.language as T
 
-    V = _chunk(dfmt, out, hidden)
+    V = _chunk(dfmt, out)
     assert hidden % V == 0, (dfmt, hidden)
     cpr = hidden // V  # chunks per row
     if dfmt == "e4m3":
@@ -172,22 +138,27 @@ def cast_back_kernel(dfmt: str, out: str, hidden: int, bm: int, bk: int, sf_pack
     elif dfmt == "e2m1":
         d_dtype, d_width, d_per_chunk = "uint8", hidden // 2, V // 2
     else:  # three int32 words per group of 8 codes
-        d_dtype, d_width, d_per_chunk = "int32", hidden * 3 // 8, V * 3 // 8
-    lpc = _loads_per_chunk(dfmt, V)
-    l_vec = d_per_chunk // lpc if lpc else d_per_chunk  # elements per load instruction
+        d_dtype, d_width, d_per_chunk = "int32", hidden * 3 // 8, 3
     o_dtype = _OUT_TL[out]
     o_vec = 8 if out == "bf16" else 4  # elements per 16-byte store
     nbk = -(-hidden // bk)
     sf_w = -(-nbk // 4) if sf_packed else nbk
     per_chunk_sf = bk % V == 0  # every element of a chunk shares one sf
     # CTA tile: TY rows by TX * unroll chunks. Thread (ty, tx) does chunks tx, tx + TX, ... of one row: TX is
-    # whole warps (every warp load covers 512 contiguous bytes, the stores of a chunk a contiguous run), the
-    # row address and sf row are computed once and every chunk's data, sf and output address is a constant
-    # offset from them (no per-chunk division or 64-bit multiply). See _tile.
-    TX, unroll, need_mask = _tile(cpr, lpc)
-    TY = max(1, _THREADS // TX)
+    # whole warps (every warp store covers 512 contiguous bytes), the row address and sf row are computed
+    # once and every chunk's data, sf and output address is a constant offset from them (no per-chunk
+    # division or 64-bit multiply). unroll: a divisor of the row's TX-wide columns near 8 (no masking), or
+    # up to 8 with masked chunks past the row.
+    TX = next((w for w in (128, 64, 32) if cpr % w == 0), 32)
+    TY = _THREADS // TX
+    n_tx = -(-cpr // TX)
+    target = _UNROLL * o_vec // V  # 8 stores (128 output bytes) per thread
+    unroll = max(d for d in range(1, min(target, n_tx) + 1) if n_tx % d == 0)
+    if unroll < 4:
+        unroll = min(target, n_tx)
+    need_mask = cpr % (TX * unroll) != 0
     kb_step = TX * V // bk if (TX * V) % bk == 0 else None  # sf column step between a thread's chunks
-    py_groups, py_range_8 = tuple(range(V // 8)), tuple(range(8))
+    py_range_v = tuple(range(V))
 
     Tn, S, NBM, SF0, SF1 = T.dynamic("num_tokens, data_row_stride, sf_rows, sf_stride0, sf_stride1")
 
@@ -213,9 +184,7 @@ def cast_back_kernel(dfmt: str, out: str, hidden: int, bm: int, bk: int, sf_pack
     def cast_back(X: x_param, SF: sf_param, Y: y_param):
         if dfmt != "e5m6":  # the launcher guarantees 16-byte aligned rows for the chunk's vector load
             T.assume(S % 16 == 0)
-        elif lpc:
-            T.assume(S % 4 == 0)
-        with T.Kernel(T.ceildiv(cpr, TX * unroll), T.ceildiv(Tn, TY), threads=TX * TY) as (bx, by):
+        with T.Kernel(T.ceildiv(cpr, TX * unroll), T.ceildiv(Tn, TY), threads=_THREADS) as (bx, by):
             tid = T.get_thread_binding()
             tx = tid % TX
             row = by * TY + tid // TX
@@ -227,10 +196,8 @@ def cast_back_kernel(dfmt: str, out: str, hidden: int, bm: int, bk: int, sf_pack
             if row < Tn:
                 for u in T.unroll(unroll):
                     if in_row(cc0 + u * TX):
-                        for p in T.unroll(d_per_chunk // l_vec):
-                            for v in T.vectorized(l_vec):
-                                raw[u * d_per_chunk + p * l_vec + v] = X[row, (cc0 + u * TX) * d_per_chunk
-                                                                         + p * l_vec + v]
+                        for v in T.vectorized(d_per_chunk):
+                            raw[u * d_per_chunk + v] = X[row, (cc0 + u * TX) * d_per_chunk + v]
                 for u in T.unroll(unroll):
                     col0 = (cc0 + u * TX) * V
                     if in_row(cc0 + u * TX):
@@ -244,12 +211,10 @@ def cast_back_kernel(dfmt: str, out: str, hidden: int, bm: int, bk: int, sf_pack
                                 for v, e in enumerate(_decode_e2m1_x4(x16)):
                                     val[u * V + 4 * q + v] = e
                         if dfmt == "e5m6":
-                            for g in py_groups:  # groups of 8 codes in 3 words (a Python tuple)
-                                w = u * d_per_chunk + 3 * g
-                                vals = _e5m6_values(T.cast(raw[w], "uint32"), T.cast(raw[w + 1], "uint32"),
-                                                    T.cast(raw[w + 2], "uint32"))
-                                for v in py_range_8:  # a Python tuple: expanded while building
-                                    val[u * V + 8 * g + v] = vals[v]
+                            vals = _e5m6_values(T.cast(raw[u * 3], "uint32"), T.cast(raw[u * 3 + 1], "uint32"),
+                                                T.cast(raw[u * 3 + 2], "uint32"))
+                            for v in py_range_v:  # a Python tuple: expanded while building
+                                val[u * V + v] = vals[v]
                         if per_chunk_sf:
                             s[0] = sf_of(SF, row // bm, chunk_kb(cc0, u))
                             for v in T.unroll(V):
@@ -267,16 +232,15 @@ def cast_back_kernel(dfmt: str, out: str, hidden: int, bm: int, bk: int, sf_pack
 
 def unpack_e2m1_kernel(out_dtype: str):
     """Factory: a flat packed-FP4 byte buffer of symbolic length ``N`` -> ``2N`` values of ``out_dtype``
-    (quant.md 1.2: byte ``k`` gives elements ``2k`` (low nibble) and ``2k + 1``). A chunk is one 16-byte load
-    (``_UNPACK_BYTES``) and ``2B / o_vec`` 16-byte stores; consecutive threads take consecutive chunks, so
-    loads are coalesced across a warp and the stores of a chunk cover a contiguous run, and a thread keeps
-    ``_UNPACK_UNROLL`` chunks (``_THREADS`` apart) in flight. A chunk past the last whole one is done
-    element by element."""
+    (quant.md 1.2: byte ``k`` gives elements ``2k`` (low nibble) and ``2k + 1``). A chunk is one 16-byte
+    store (``B`` = 2 bytes in for fp32, 4 for 16-bit outputs); consecutive threads take consecutive chunks, so
+    loads and stores are coalesced across a warp, and a thread keeps ``_UNROLL`` chunks (``_THREADS`` apart)
+    in flight. A chunk past the last whole one is done element by element."""
     import tilelang.language as T
 
     o_vec = 16 // {"float32": 4, "bfloat16": 2, "float16": 2}[out_dtype]
-    B = _UNPACK_BYTES  # bytes per chunk: one B-byte load, 2 * B // o_vec 16-byte stores
-    U = _UNPACK_UNROLL
+    B = o_vec // 2
+    U = _UNROLL
     N = T.dynamic("num_bytes")
 
     x_param = T.Tensor((N,), "uint8")
@@ -287,7 +251,7 @@ def unpack_e2m1_kernel(out_dtype: str):
         with T.Kernel(T.ceildiv(N, _THREADS * B * U), threads=_THREADS) as bx:
             tx = T.get_thread_binding()
             raw = T.alloc_local((U * B,), "uint8")
-            res = T.alloc_local((U * 2 * B,), out_dtype)
+            res = T.alloc_local((2 * B,), out_dtype)
             if (bx + 1) * (U * _THREADS * B) <= N:  # every CTA but the last: no bounds checks
                 for u in T.unroll(U):
                     for v in T.vectorized(B):
@@ -298,10 +262,9 @@ def unpack_e2m1_kernel(out_dtype: str):
                         x16 = (T.cast(raw[u * B + 2 * q], "uint32")
                                | T.shift_left(T.cast(raw[u * B + 2 * q + 1], "uint32"), 8))
                         for v, e in enumerate(_decode_e2m1_x4(x16)):
-                            res[u * 2 * B + 4 * q + v] = T.cast(e, out_dtype)
-                    for p in T.unroll(2 * B // o_vec):
-                        for v in T.vectorized(o_vec):
-                            Y[2 * b0 + p * o_vec + v] = res[u * 2 * B + p * o_vec + v]
+                            res[4 * q + v] = T.cast(e, out_dtype)
+                    for v in T.vectorized(o_vec):
+                        Y[2 * b0 + v] = res[v]
             else:
                 for u in T.unroll(U):
                     b0 = ((bx * U + u) * _THREADS + tx) * B
@@ -315,10 +278,9 @@ def unpack_e2m1_kernel(out_dtype: str):
                             x16 = (T.cast(raw[u * B + 2 * q], "uint32")
                                    | T.shift_left(T.cast(raw[u * B + 2 * q + 1], "uint32"), 8))
                             for v, e in enumerate(_decode_e2m1_x4(x16)):
-                                res[u * 2 * B + 4 * q + v] = T.cast(e, out_dtype)
-                        for p in T.unroll(2 * B // o_vec):
-                            for v in T.vectorized(o_vec):
-                                Y[2 * b0 + p * o_vec + v] = res[u * 2 * B + p * o_vec + v]
+                                res[4 * q + v] = T.cast(e, out_dtype)
+                        for v in T.vectorized(o_vec):
+                            Y[2 * b0 + v] = res[v]
                     elif b0 < N:
                         for v in T.serial(2 * B):
                             if b0 + v // 2 < N:
@@ -377,10 +339,10 @@ def _hidden(data: torch.Tensor, dfmt: str) -> int:
 
 def _kernel_data(data: torch.Tensor, dfmt: str) -> torch.Tensor:
     """The data as the kernel reads it (fp8 / uint8 bytes / int32 words), with 16-byte aligned rows (pointer
-    and row stride; e5m6: 4-byte unless its chunks are 16-byte loads), else a contiguous copy."""
+    and row stride; 4-byte for e5m6 words), else a contiguous copy."""
     if dfmt == "e2m1":
         data = data.view(torch.uint8)
-    align = 16 if dfmt != "e5m6" or _loads_per_chunk(dfmt, _chunk(dfmt, "bf16", _hidden(data, dfmt))) else 4
+    align = 4 if dfmt == "e5m6" else 16
     if (data.stride(1) != 1 or data.data_ptr() % align
             or (data.size(0) > 1 and data.stride(0) % align)):
         data = data.contiguous()
@@ -400,7 +362,7 @@ def cast_back_launch(data: torch.Tensor, sf: torch.Tensor, fmt: str, x_block_siz
     fn = _jit.get("cast_back", (dfmt, fmt, hidden, bm, bk, sf.dtype == torch.int32))
     data = _kernel_data(data, dfmt)
     # the kernel numbers chunks in int32: inputs beyond 2^31 chunks go in row slices (whole sf row blocks)
-    step = max(bm, (2 ** 31 - 1) // (hidden // _chunk(dfmt, fmt, hidden)) // bm * bm)
+    step = max(bm, (2 ** 31 - 1) // (hidden // _chunk(dfmt, fmt)) // bm * bm)
     for r0 in range(0, t, step):
         fn(data[r0:r0 + step], sf[r0 // bm:], out[r0:r0 + step])
     return out
@@ -418,7 +380,7 @@ def unpack_e2m1_launch(x: torch.Tensor, out_dtype: torch.dtype = torch.float32) 
     out = torch.empty(shape, dtype=k_dtype, device=x.device)
     if x.numel() > 0:
         flat = x.contiguous().view(torch.uint8).view(-1)
-        if flat.data_ptr() % max(4, _UNPACK_BYTES):
+        if flat.data_ptr() % 4:
             flat = flat.clone()
         fn = _jit.get("unpack_from_e2m1fn_x2", (_UNPACK_DTYPES[k_dtype],))
         flat_out = out.view(-1)

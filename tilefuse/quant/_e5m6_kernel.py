@@ -25,23 +25,13 @@ _TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _MAX_PER_THREAD = 64
 
 
-_EXACT_TILING = False  # knob (off: measured tiling); on: a lane count that divides the row's groups
-
-
 def _tiling(hidden: int) -> tuple[int, int, int] | None:
     """(L threads per row, NG groups of 8 per thread, R rows per CTA), or None for widths beyond 65536.
 
-    With ``_EXACT_TILING``, a row of ``g8`` groups that a warp multiple ``128 <= L <= 256`` divides into
-    4..8 groups per thread takes the fewest groups per thread (7168: 224 lanes x 4 groups, one row per
-    CTA, where 256 x 4 left half the lanes' last group empty; 128 x 7 needed 122 registers). Otherwise L is a
-    power of two >= 32 giving each thread about four groups (32 values), so a row is a whole number of
-    warps; small rows share a CTA (R * L >= 128 threads).
+    L is a power of two >= 32 giving each thread about four groups (32 values), so a row is a whole number
+    of warps; small rows share a CTA (R * L >= 128 threads).
     """
     g8 = hidden // 8
-    if _EXACT_TILING:
-        for ng in (4, 5, 6, 7, 8):
-            if g8 % ng == 0 and (g8 // ng) % 32 == 0 and 128 <= g8 // ng <= 256:
-                return g8 // ng, ng, 1
     lanes = 32
     while lanes < 1024 and lanes * 4 < g8:
         lanes *= 2
