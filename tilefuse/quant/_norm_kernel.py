@@ -34,7 +34,7 @@ _FWD_BLOCKS = 6    # bf16 norm_forward CTAs (rows) resident per SM: <= 80 regist
 _FWD_BLOCKS_QUANT = 8  # the quantizing bf16 forward: <= 64 registers (it needs 72 unconstrained: 7 per SM)
 _RB = 32           # weight-gradient reduce: partial rows loaded per batch (_NP % _RB == 0)
 _RT = 64           # weight-gradient reduce: threads per CTA (112 CTAs at H = 7168)
-_BWD_L2_AHEAD = 1  # norm_backward: rows per CTA prefetched into L2 beyond the one loaded into registers
+_BWD_L2_AHEAD = 0  # norm_backward: rows per CTA prefetched into L2 beyond the one loaded into registers
 _NPC = 32          # quant.md 5.11: the quantizing op casts with 32-channel groups
 
 # bf16 -> binary32 from the 32-bit register word holding elements 2k (low half) and 2k + 1 (high half): one

@@ -30,20 +30,25 @@ _TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float8_
 _DEFAULT_TILE = (256, 4)  # (threads per CTA, vectors per thread[, most lanes per pair]); see ``_tiling``
 
 
-def default_tile(x_dtype: str, fmt: str, round_sf: bool, mode: str, prequant: bool) -> tuple:
+def default_tile(x_dtype: str, fmt: str, round_sf: bool, mode: str, prequant: bool, npc: int) -> tuple:
     """The tile of a static config, from the H200 sweeps in docs/BENCHMARKS.md (8192 x 7168, npc 128):
 
     - e4m3 with power-of-two sf or given sf: 448 threads, 2 vectors each: 28 slots of 16 lanes, so a CTA
       covers whole 56-group rows (7168 channels) and reads them as one contiguous run; 94.9-95.0% of the copy
       ceiling for bf16 (row or column-major packed sf) against 90.8-91.4% at (256, 4), 99.3% for fp32;
-    - e2m1: 64 threads, 4 vectors, 8 lanes per pair (2 chunks each): 90.2% (88.9% at 128 threads, 82-86% at 96,
-      192 or 16 lanes, 83.1% at (256, 4) with the same code: small CTAs, many per SM);
-    - otherwise (256, 4): e4m3 with IEEE-divided sf measured 90.1% there and 89.3% at (448, 2).
+    - e2m1: 64 threads, 4 vectors, 8 lanes per pair (2 chunks each): 90.2% at 11:59 and 91.5% at 12:26 (88.9% at
+      128 threads, 82-86% at 96, 192 or 16 lanes, 83.1% at (256, 4) with the same code: small CTAs, many per SM);
+    - bf16 e4m3 with IEEE-divided sf (npc 128): the same 448 x 2 row walk along each row with registers capped
+      for 4 CTAs per SM: 95.5% against 90.6% at (256, 4) and 89.3% at (448, 2) uncapped (12:26 sweep); fp32
+      inputs keep (256, 4) (the 32-register cap spills there: 47.7%);
+    - otherwise (256, 4).
     """
     if fmt == "e2m1" and not prequant:
         return (64, 4, 8)
     if fmt == "e4m3" and not prequant and (round_sf or mode == "precomputed"):
         return (448, 2)
+    if fmt == "e4m3" and x_dtype == "bfloat16" and mode == "cast" and npc == 128:
+        return (448, 2, 16, 0, 4)
     return _DEFAULT_TILE
 
 
@@ -102,7 +107,7 @@ def per_token_cast_kernel(x_dtype: str, fmt: str, hidden: int, npc: int, round_s
     E = min(vp * per_byte, npc)                     # logical elements per vector
     vp = E // per_byte
     if tile is None:
-        tile = default_tile(x_dtype, fmt, round_sf, mode, prequant)
+        tile = default_tile(x_dtype, fmt, round_sf, mode, prequant, npc)
     L, C = _lanes(npc, E, tile[2] if len(tile) > 2 else 32)
     threads, per_thread = tile[:2]
     threads = max(threads, L)

@@ -542,7 +542,7 @@ _PCC_MIN_BLOCKS = 4  # <= 64 registers (5: 48 registers with ~20 spill instructi
 # launch order: True = blockIdx.x walks the channel blocks of one 128-token tile first, so the CTAs running at
 # once read whole 2H-wide rows between them (long contiguous DRAM runs; the input is 4x the output); False =
 # token tiles first (each CTA reads 128-byte pieces of 128 rows while its neighbours read other rows)
-_PCC_CHANNEL_MAJOR = True
+_PCC_CHANNEL_MAJOR = False
 
 
 def swiglu_fwd_pcc_kernel(hidden: int, npt: int, round_sf: bool, transpose: bool, clamp_bits: int | None):
