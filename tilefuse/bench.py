@@ -472,6 +472,19 @@ def host_overhead(iters: int = 2000) -> list[dict]:
     return [{"group": group, "call": name, "us": us} for (group, name, _), us in zip(everything, times)]
 
 
+def host_overhead_table(rows: list[dict]) -> list[str]:
+    """The markdown lines of :func:`host_overhead`'s rows, each with its ratio to the group's two baselines."""
+    lines = ["| sf layout | call at one row | µs per call | vs bare call | vs allocating bare call |",
+             "| --- | --- | ---: | ---: | ---: |"]
+    for r in rows:
+        same = [o for o in rows if o["group"] == r["group"]]
+        bare = next(o["us"] for o in same if o["call"].startswith("bare TileLang kernel call (JIT"))
+        alloc = next((o["us"] for o in same if "allocating" in o["call"]), None)
+        vs_alloc = f"{r['us'] / alloc:.2f}x" if alloc else "-"
+        lines.append(f"| {r['group']} | {r['call']} | {r['us']:.2f} | {r['us'] / bare:.2f}x | {vs_alloc} |")
+    return lines
+
+
 _COLD = """
 import time, sys
 t0 = time.perf_counter()
@@ -636,14 +649,7 @@ def main(argv: list[str]) -> int:
         _plot(result, args.plot)
     if args.host_overhead:
         result["host_overhead"] = host_overhead()
-        print("\n| sf layout | call at one row | µs per call | vs bare call | vs allocating bare call |")
-        print("| --- | --- | ---: | ---: | ---: |")
-        for r in result["host_overhead"]:
-            same = [o for o in result["host_overhead"] if o["group"] == r["group"]]
-            bare = next(o["us"] for o in same if o["call"].startswith("bare TileLang kernel call (JIT"))
-            alloc = next((o["us"] for o in same if "allocating" in o["call"]), None)
-            vs_alloc = f"{r['us'] / alloc:.2f}x" if alloc else "-"
-            print(f"| {r['group']} | {r['call']} | {r['us']:.2f} | {r['us'] / bare:.2f}x | {vs_alloc} |")
+        print("\n" + "\n".join(host_overhead_table(result["host_overhead"])))
         _save(result, args.json)
     if args.cold_start:
         result["cold_start"] = cold_start()

@@ -32,14 +32,9 @@ def main(path: str) -> int:
     for r in d["rows"]:
         print(f"| {r['op']} | {r['shape']} | {r['us']:.1f} | {r['gbs']:.0f} | {r['pct_ceiling']:.1f} | {target(r)} |")
     if d.get("host_overhead"):
-        print("\n| sf layout | call at one row | µs per call | vs bare call | vs allocating bare call |")
-        print("| --- | --- | ---: | ---: | ---: |")
-        for r in d["host_overhead"]:
-            same = [o for o in d["host_overhead"] if o["group"] == r["group"]]
-            bare = next(o["us"] for o in same if o["call"].startswith("bare TileLang kernel call (JIT"))
-            alloc = next((o["us"] for o in same if "allocating" in o["call"]), None)
-            vs_alloc = f"{r['us'] / alloc:.2f}x" if alloc else "-"
-            print(f"| {r['group']} | {r['call']} | {r['us']:.2f} | {r['us'] / bare:.2f}x | {vs_alloc} |")
+        from tilefuse.bench import host_overhead_table
+
+        print("\n" + "\n".join(host_overhead_table(d["host_overhead"])))
     if d.get("cold_start"):
         print(f"\nCold start: {d['cold_start']}")
     if d.get("tile_sweep"):
