@@ -402,6 +402,8 @@ def run_bench(ops: list[str] | None, with_compile: bool = True) -> dict:
             except Exception as exc:  # torch.compile of a reference may fail; report, keep going
                 row["compile_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
         rows.append(row)
+        print(f"  {name} | {shape} | {us:.1f} us | {row['pct_ceiling']:.1f}%"
+              + (f" | torch.compile {row['compile_us']:.1f} us" if "compile_us" in row else ""), flush=True)
         del sets, first, outs
         torch.cuda.empty_cache()
     return {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "copy_ceiling_gbs": ceiling,

@@ -4,7 +4,8 @@
 # A kernel cache packed here by tools/pack_kernel_cache.sh (.gpu/kcache.tar.xz) is unpacked first, so the
 # device compiles only what changed since. Env: T_BENCH, T_TEST (step limits, seconds), OPS (bench ops),
 # BENCH_ARGS (extra bench flags), TESTS (test paths, default the whole tier; "none" skips the tests),
-# PRECOMPILE=1 (compile every registered config missing from the cache first; T_COMPILE limits it).
+# PRECOMPILE=1 (compile every registered config missing from the cache first; T_COMPILE limits it),
+# COMPILE_REF=1 (also time torch.compile of each reference: minutes of compiling).
 set -o pipefail
 OUT=${OUT:-logs}; mkdir -p "$OUT"
 export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-/tmp/tlcache}
@@ -17,7 +18,8 @@ if [ -n "${PRECOMPILE:-}" ]; then  # compile what the packed cache lacks, 16 at 
   timeout ${T_COMPILE:-300} python3 -m tilefuse precompile --jobs 16 2>&1 | grep -E "^compiled|^FAILED" | tee "$OUT/precompile.log"
 fi
 if [ "${OPS:-}" != "none" ]; then
-  timeout ${T_BENCH:-240} python3 -m tilefuse bench ${OPS:+--ops $OPS} --no-compile-ref ${BENCH_ARGS:-} \
+  timeout ${T_BENCH:-240} python3 -m tilefuse bench ${OPS:+--ops $OPS} $([ -z "${COMPILE_REF:-}" ] && echo --no-compile-ref) \
+    ${BENCH_ARGS:-} \
     --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -60
 fi
 if [ "${TESTS:-}" != "none" ]; then
