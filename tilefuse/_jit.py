@@ -21,12 +21,14 @@ config in parallel, with or without a GPU.
 from __future__ import annotations
 
 import argparse
+import ast
 import ctypes
 import hashlib
 import importlib
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -64,9 +66,30 @@ _PASS_CONFIGS = {"tl.enable_fast_math": False}
 def register(name: str, factory: Callable, configs: Callable[[], Iterable[tuple]]) -> None:
     """Record a kernel factory and a callable listing its static configs (tuples of factory args). The
     source digest of its module (part of the cache key) is taken now, while the module is being imported,
-    so the key describes the code this process runs even if the file is edited later."""
+    so the key describes the code this process runs even if the file is edited later. Tuning overrides of
+    the module's constants (``TILEFUSE_KNOBS``, see ``knobs``) are applied now too, and are part of the key."""
     _FACTORIES[name] = (factory, configs)
+    module = sys.modules.get(factory.__module__)
+    for attr, value in knobs(factory.__module__).items():
+        if module is None or not hasattr(module, attr):
+            raise ValueError(f"TILEFUSE_KNOBS: {factory.__module__} has no constant {attr}")
+        setattr(module, attr, value)
     _module_digest(factory.__module__)
+
+
+def knobs(mod: str) -> dict:
+    """Overrides of kernel module ``mod``'s tuning constants from the environment, for benchmark sweeps:
+    ``TILEFUSE_KNOBS="tilefuse.quant._per_block_cast_kernel.CAST_PIPE=2;<module>.<NAME>=<python literal>"``.
+    A knob must only change how a kernel is tiled or scheduled, never its results (the GPU tier runs with
+    the defaults). Empty unless set."""
+    text = os.environ.get("TILEFUSE_KNOBS", "")
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(";"))):
+        target, _, value = item.partition("=")
+        owner, _, attr = target.strip().rpartition(".")
+        if owner == mod:
+            out[attr] = ast.literal_eval(value.strip())
+    return out
 
 
 def _module_digest(mod: str) -> str:
@@ -74,6 +97,7 @@ def _module_digest(mod: str) -> str:
     digest = _DIGESTS.get(mod)
     if digest is None:
         h = hashlib.sha256(_tilelang_version().encode())
+        h.update(repr(sorted(knobs(mod).items())).encode())
         for m in (mod, *SHARED_KERNEL_MODULES):
             spec = importlib.util.find_spec(m)
             with open(spec.origin, "rb") as f:
@@ -258,12 +282,19 @@ def precompile_main(argv: list[str]) -> int:
     parser.add_argument("--arch", default=None, help="target arch, e.g. sm_90 (default: current GPU, else sm_90)")
     parser.add_argument("--jobs", type=int, default=max(1, min(8, os.cpu_count() or 1)), help="parallel compiles")
     parser.add_argument("--list", action="store_true", help="list the configs and exit")
+    parser.add_argument("--bench", action="store_true",
+                        help="only the configs the bench rows launch (of the bench ops named by --ops)")
     parser.add_argument("--force", action="store_true",
                         help="also recompile configs whose library is already in tilefuse's disk cache")
     args = parser.parse_args(argv)
 
-    work = [(name, cfg) for name, cfgs in registered().items() for cfg in cfgs
-            if not args.ops or any(name.startswith(o) for o in args.ops)]
+    if args.bench:
+        from tilefuse.bench import bench_configs
+
+        work = bench_configs(args.ops)
+    else:
+        work = [(name, cfg) for name, cfgs in registered().items() for cfg in cfgs
+                if not args.ops or any(name.startswith(o) for o in args.ops)]
     if args.list:
         for name, cfg in work:
             print(name, cfg)

@@ -380,6 +380,58 @@ def list_cases(scale: float = 1.0, ops: list[str] | None = None) -> list[dict]:
     return rows
 
 
+def bench_configs(ops: list[str] | None = None) -> list[tuple[str, tuple]]:
+    """The ``(kernel, static config)`` pairs the bench rows launch, found without a GPU: each case runs on fake
+    CUDA tensors (shapes only) with ``_jit.get`` replaced by a recorder, so ``precompile --bench`` can build
+    exactly those (e.g. for a ``TILEFUSE_KNOBS`` variant) on a machine without a GPU."""
+    import warnings
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tilefuse import _jit
+
+    seen: dict[tuple[str, tuple], None] = {}
+    real_get, real_getitem = _jit.get, torch.Tensor.__getitem__
+
+    def getitem(t, index):
+        """Basic indexing (ints, unit-step slices) as select/narrow: Python indexing of a fake CUDA tensor
+        asks for a CUDA device guard, which a CPU-only torch lacks."""
+        if not isinstance(index, tuple):
+            index = (index,)
+        if not all(isinstance(i, int) or (isinstance(i, slice) and i.step in (None, 1)) for i in index):
+            return real_getitem(t, index)
+        dim = 0
+        for i in index:
+            if isinstance(i, int):
+                t = t.select(dim, i)
+            else:
+                start, stop, _ = i.indices(t.size(dim))
+                t = t.narrow(dim, start, max(0, stop - start))
+                dim += 1
+        return t
+
+    def record(name, config):
+        seen[(name, config)] = None
+        return lambda *args: None
+
+    _jit.get, torch.Tensor.__getitem__ = record, getitem
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # data_ptr() of a fake tensor (the launchers' alignment checks)
+            for case in _cases():
+                if ops and not any(o in (case.name, _area(case.name)) for o in ops):
+                    continue
+                try:
+                    with FakeTensorMode(allow_non_fake_inputs=True):
+                        case.run(*case.make("cuda", 1.0)[1])
+                except Exception as exc:  # a launcher step fake CUDA tensors cannot take: say which case
+                    raise RuntimeError(f"bench_configs: the {case.name} case failed on fake CUDA tensors: "
+                                       f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        _jit.get, torch.Tensor.__getitem__ = real_get, real_getitem
+    return list(seen)
+
+
 def run_bench(ops: list[str] | None, with_compile: bool = True) -> dict:
     ceiling = copy_ceiling_gbs()
     rows = []

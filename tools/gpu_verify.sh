@@ -5,7 +5,9 @@
 # device compiles only what changed since. Env: T_BENCH, T_TEST (step limits, seconds), OPS (bench ops),
 # BENCH_ARGS (extra bench flags), TESTS (test paths, default the whole tier; "none" skips the tests),
 # PRECOMPILE=1 (compile every registered config missing from the cache first; T_COMPILE limits it),
-# COMPILE_REF=1 (also time torch.compile of each reference: minutes of compiling).
+# COMPILE_REF=1 (also time torch.compile of each reference: minutes of compiling),
+# VARIANTS=FILE (after the bench: for each line "OPS|KNOBS", the bench of OPS again with TILEFUSE_KNOBS=KNOBS;
+# pack those kernels first with VARIANTS=FILE bash tools/pack_kernel_cache.sh; T_VARIANT limits each).
 set -o pipefail
 OUT=${OUT:-logs}; mkdir -p "$OUT"
 export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-/tmp/tlcache}
@@ -21,6 +23,15 @@ if [ "${OPS:-}" != "none" ]; then
   timeout ${T_BENCH:-240} python3 -m tilefuse bench ${OPS:+--ops $OPS} $([ -z "${COMPILE_REF:-}" ] && echo --no-compile-ref) \
     ${BENCH_ARGS:-} \
     --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -60
+fi
+if [ -n "${VARIANTS:-}" ]; then
+  n=0
+  while IFS='|' read -r vops vknobs; do
+    case "$vops" in ''|'#'*) continue ;; esac
+    n=$((n + 1)); echo "## variant $n: $vops | $vknobs" | tee -a "$OUT/variants.log"
+    TILEFUSE_KNOBS="$vknobs" timeout ${T_VARIANT:-90} python3 -m tilefuse bench --ops $vops --no-compile-ref \
+      --json "$OUT/variant-$n.json" 2>&1 | grep -E "^  " | tee -a "$OUT/variants.log"
+  done < "$VARIANTS"
 fi
 if [ "${TESTS:-}" != "none" ]; then
   timeout ${T_TEST:-300} python3 -m pytest -m gpu -n 8 -q -p no:randomly ${TESTS:-tests} 2>&1 | tee "$OUT/gpu.log" \

@@ -261,11 +261,11 @@ def e5m6_cast_launch(x: torch.Tensor, num_per_channels: int, use_tma_aligned_col
     if use_tma_aligned_col_major_sf and use_packed_ue8m0:
         layout = "col_packed"
         store = torch.empty((1, pad), dtype=torch.int32, device=dev)
-        out_sf, sf_arg = store[:, :t].t(), store.view(torch.uint8).view(1, pad, 4)
+        out_sf, sf_arg = store.narrow(1, 0, t).t(), store.view(torch.uint8).view(1, pad, 4)
     elif use_tma_aligned_col_major_sf:
         layout = "col"
         store = torch.empty((1, pad), dtype=torch.float32, device=dev)
-        out_sf, sf_arg = store[:, :t].t(), store
+        out_sf, sf_arg = store.narrow(1, 0, t).t(), store
     else:
         layout = "row"
         out_sf = sf_arg = torch.empty((t, 1), dtype=torch.float32, device=dev)

@@ -589,9 +589,9 @@ def _alloc_sf(t: int, hidden: int, bm: int, bk: int, layout: str, device) -> tup
         return sf, sf
     if layout == "col":
         store = torch.empty((nbk, pad), dtype=torch.float32, device=device)
-        return store[:, :nbm].t(), store
+        return store.narrow(1, 0, nbm).t(), store
     store = torch.empty((cdiv(nbk, 4), pad), dtype=torch.int32, device=device)
-    return store[:, :nbm].t(), store.view(torch.uint8).view(store.size(0), pad, 4)
+    return store.narrow(1, 0, nbm).t(), store.view(torch.uint8).view(store.size(0), pad, 4)
 
 
 def _alloc_out(t: int, hidden: int, fmt: str, device) -> tuple[torch.Tensor, torch.Tensor]:
