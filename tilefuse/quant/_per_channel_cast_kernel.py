@@ -28,6 +28,13 @@ Arithmetic is the spec's, in binary32 with IEEE division (fast-math off; round_s
 from ``_tl.pow2_sf_exponent``, equal to the exponent of ``fl(a / 448)`` rounded up for every binary32
 ``a >= 1e-4``: checked in numpy); maxima use ``fmaxf``, which ignores NaN like the reference (1.7); pairs use
 order B: ``narrow((data * sf_in) * sf_inv)`` (1.6).
+
+Knobs (``TILEFUSE_KNOBS``, non-transposed path only; the defaults give the geometry above, generated source
+unchanged): ``CAST_CL`` channel lanes (CTA = 8 * CAST_CL channels, CAST_CL * 128 / CAST_RPT threads; a warp's
+row lanes reduce by xor-shuffles, the block's warps through shared memory), ``CAST_RPT`` rows per thread,
+``MIN_WARPS`` / ``PAIR_MIN_WARPS`` the launch bounds in warps per SM, ``CAST_REMAT`` widen a plain input twice
+(for the max, then for the store) instead of holding 64 binary32 values (80 registers instead of 96). None
+changes a value: maxima are order-free and the widening is exact.
 """
 import torch
 
@@ -37,13 +44,30 @@ from tilefuse.quant._tl import pow2_from_exponent, pow2_inverse_from_exponent, p
 
 _BM = 128        # rows per CTA (one 128-row block, or four 32-row blocks)
 _C = 8           # channels per thread
-_RPT = 8         # rows per thread
-_CL = 8          # channel lanes per CTA row
-_BC = _C * _CL   # channels per CTA (64)
-_THREADS = _CL * (_BM // _RPT)  # 128
-_MIN_BLOCKS = 5  # __launch_bounds__(128, 5): <= 102 registers (96, no spills) -> 5 CTAs = 20 warps per SM
+_RPT = 8         # rows per thread of the transposed path (and the launcher's row alignment: T_out % 8)
+_CL = 8          # channel lanes per CTA row of the transposed path
+_BC = _C * _CL   # channels per CTA of the transposed path (64)
+_THREADS = _CL * (_BM // _RPT)  # 128 (transposed path)
+_MIN_BLOCKS = 5  # transposed path: __launch_bounds__(128, 5): <= 102 registers -> 5 CTAs = 20 warps per SM
+
+# Tuning knobs (TILEFUSE_KNOBS; read when a kernel is built; they change tiling/occupancy only, never a value).
+# The defaults are the measured, tested geometry: 128 threads x (8 rows x 8 channels), 5 CTAs per SM.
+CAST_CL = 8      # channel lanes per CTA row of the non-transposed path (4, 8, 16, 32): CTA = 8 * CAST_CL channels
+CAST_RPT = 8     # rows per thread of the non-transposed path (4 or 8): threads = CAST_CL * 128 / CAST_RPT
+CAST_REMAT = False  # non-transposed plain input: widen the raw input again for the store instead of holding
+                   # the thread's 64 binary32 values across the reduction (fewer registers: more CTAs per SM)
+MIN_WARPS = 20   # non-transposed path: __launch_bounds__(threads, MIN_WARPS // warps per CTA) (20: (128, 5): 96
+                 # registers, no spills, 5 CTAs = 20 warps per SM; 16: (128, 4): 104 registers, 4 CTAs per SM)
+PAIR_MIN_WARPS = None  # pre-quantized pairs: MIN_WARPS of their own (None: MIN_WARPS; they spill at <= 72 registers)
 _PAIR_NPC = 128  # per-token block width of a pre-quantized input (quant.md 3.10)
 _TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float8_e4m3fn: "pair"}
+
+
+def _tree_max(T, vals):
+    """Pairwise max tree ((v0, v1), (v2, v3)), ...: the default 4 warps give the committed expression."""
+    while len(vals) > 1:
+        vals = [T.max(vals[i], vals[i + 1]) for i in range(0, len(vals), 2)]
+    return vals[0]
 
 
 def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, transpose: bool, gather: bool):
@@ -63,7 +87,18 @@ def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, 
     clamp = CLAMP_MIN["e4m3"]
     pair = x_kind == "pair"
     raw_dtype = "float8_e4m3fn" if pair else x_kind
-    warps_per_block = npt // (_RPT * 4)  # 1 (npt 32) or 4 (npt 128)
+    # geometry: the transposed path is fixed (its shared tile assumes 8 x 8); the other reads the knobs
+    CL, RPT = (_CL, _RPT) if transpose else (CAST_CL, CAST_RPT)
+    assert CL in (4, 8, 16, 32) and RPT in (4, 8)
+    BC = _C * CL                      # channels per CTA
+    THREADS = CL * (_BM // RPT)       # threads per CTA
+    NW = THREADS // 32                # warps per CTA
+    RLW = 32 // CL                    # row lanes per warp
+    warps_per_block = npt // (RLW * RPT)  # default: 1 (npt 32) or 4 (npt 128)
+    assert warps_per_block >= 1, "a warp spans more rows than one block"
+    remat = CAST_REMAT and not pair and not transpose  # widen bf16/fp32 twice instead of keeping 64 fp32
+    min_warps = MIN_WARPS if not pair or PAIR_MIN_WARPS is None else PAIR_MIN_WARPS
+    min_blocks = _MIN_BLOCKS if transpose else max(1, min_warps // NW)
 
     Tn, NBM, Tin = T.dynamic("num_tokens, num_row_blocks, num_in_tokens")
     Ts = Tin if gather else Tn  # rows of the input
@@ -77,43 +112,43 @@ def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, 
 
     @T.macro
     def body(X, S, P, Y, SF):
-        with T.Kernel(T.ceildiv(hidden, _BC), T.ceildiv(Tn, _BM), threads=_THREADS) as (bx, by):
-            T.annotate_min_blocks_per_sm(_MIN_BLOCKS)
+        with T.Kernel(T.ceildiv(hidden, BC), T.ceildiv(Tn, _BM), threads=THREADS) as (bx, by):
+            T.annotate_min_blocks_per_sm(min_blocks)
             tx = T.get_thread_binding()
-            cl = tx % _CL
-            rl = tx // _CL
+            cl = tx % CL
+            rl = tx // CL
             w = tx // 32
-            row0 = by * _BM + rl * _RPT
-            col0 = bx * _BC + cl * _C
+            row0 = by * _BM + rl * RPT
+            col0 = bx * BC + cl * _C
             live = T.And(row0 < Tn, col0 < hidden)  # all 8 rows (Tn % 8 == 0) and all 8 channels
-            xr = T.alloc_local((_RPT * _C,), raw_dtype)
-            xl = T.alloc_local((_RPT * _C,), "float32")
-            sl = T.alloc_local((_RPT,), "float32")
-            pl = T.alloc_local((_RPT,), "int32")
+            xr = T.alloc_local((RPT * _C,), raw_dtype)
+            xl = T.alloc_local((RPT * _C,), "float32")
+            sl = T.alloc_local((RPT,), "float32")
+            pl = T.alloc_local((RPT,), "int32")
             am = T.alloc_local((_C,), "float32")
             inv = T.alloc_local((_C,), "float32")
             sfl = T.alloc_local((_C,), "float32")
-            red = T.alloc_shared((4, _BC), "float32")
+            red = T.alloc_shared((NW, BC), "float32")
             yb = T.alloc_local((_C,), "float8_e4m3fn")
-            xt = T.alloc_local((_RPT,), "float32")
+            xt = T.alloc_local((RPT,), "float32")
             if transpose:
-                ys = T.alloc_shared((_BC, _BM), "float8_e4m3fn")  # the CTA's transposed e4m3 tile (8 KB)
+                ys = T.alloc_shared((BC, _BM), "float8_e4m3fn")  # the CTA's transposed e4m3 tile (8 KB)
             # 1. issue every load of the thread before any use (8 independent vector loads in flight);
             # missing rows (past Tn, other channel tiles, negative gather entries) read +0 (pairs: sf 0 too)
-            for i in T.unroll(_RPT * _C):
+            for i in T.unroll(RPT * _C):
                 xr[i] = T.cast(0, raw_dtype)
             if pair:
-                for j in T.unroll(_RPT):
+                for j in T.unroll(RPT):
                     sl[j] = T.float32(0.0)
             if gather:
-                for j in T.unroll(_RPT):
+                for j in T.unroll(RPT):
                     pl[j] = -1
                 if live:
-                    for j in T.vectorized(_RPT):
+                    for j in T.vectorized(RPT):
                         pl[j] = P[row0 + j]
-                for j in T.unroll(_RPT):
+                for j in T.unroll(RPT):
                     pl[j] = T.min(pl[j], Tin - 1)  # clamp like the reference's gather (int32: Tin < 2^31)
-                for j in T.unroll(_RPT):
+                for j in T.unroll(RPT):
                     if pl[j] >= 0:
                         for v in T.vectorized(_C):
                             xr[j * _C + v] = X[pl[j], col0 + v]
@@ -121,38 +156,46 @@ def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, 
                             sl[j] = S[pl[j], col0 // _PAIR_NPC]
             else:
                 if live:
-                    for j in T.unroll(_RPT):
+                    for j in T.unroll(RPT):
                         for v in T.vectorized(_C):
                             xr[j * _C + v] = X[row0 + j, col0 + v]
                         if pair:
                             sl[j] = S[row0 + j, col0 // _PAIR_NPC]
             # 2. binary32 values (pairs: data * sf_in) and block maxima: registers (8 rows), xor-shuffles over
             # the warp's 4 row lanes, then (npt 128) the CTA's 4 warps through shared memory
-            for j in T.unroll(_RPT):
+            for j in T.unroll(RPT):
                 if pair:  # e4m3 pairs -> binary32 pairs (one F2FP + two HADD2.F32), then * sf_in
                     for v in T.vectorized(_C):
                         xl[j * _C + v] = T.cast(xr[j * _C + v], "float32")
                     for v in T.unroll(_C):
                         xl[j * _C + v] = xl[j * _C + v] * sl[j]
-                else:
+                elif not remat:
                     for v in T.unroll(_C):
                         xl[j * _C + v] = T.cast(xr[j * _C + v], "float32")
             for v in T.unroll(_C):
                 am[v] = T.float32(0.0)
-            for j in T.unroll(_RPT):
+            for j in T.unroll(RPT):
                 for v in T.unroll(_C):
-                    am[v] = T.max(am[v], T.abs(xl[j * _C + v]))
+                    if remat:
+                        am[v] = T.max(am[v], T.abs(T.cast(xr[j * _C + v], "float32")))
+                    else:
+                        am[v] = T.max(am[v], T.abs(xl[j * _C + v]))
             for v in T.unroll(_C):
-                am[v] = T.max(am[v], T.shfl_xor(am[v], 8))
-                am[v] = T.max(am[v], T.shfl_xor(am[v], 16))
+                # xor offsets CL, 2 CL, ... < 32 over the warp's row lanes (default 8, 16)
+                if RLW >= 2:
+                    am[v] = T.max(am[v], T.shfl_xor(am[v], CL))
+                if RLW >= 4:
+                    am[v] = T.max(am[v], T.shfl_xor(am[v], CL * 2))
+                if RLW >= 8:
+                    am[v] = T.max(am[v], T.shfl_xor(am[v], CL * 4))
             if warps_per_block > 1:
-                if rl % 4 == 0:
+                if rl % RLW == 0:
                     for v in T.unroll(_C):
                         red[w, cl * _C + v] = am[v]
                 T.sync_threads()
+                w0 = (w // warps_per_block) * warps_per_block  # first warp of this thread's block
                 for v in T.unroll(_C):
-                    am[v] = T.max(T.max(red[0, cl * _C + v], red[1, cl * _C + v]),
-                                  T.max(red[2, cl * _C + v], red[3, cl * _C + v]))
+                    am[v] = _tree_max(T, [red[w0 + k, cl * _C + v] for k in range(warps_per_block)])
             # 3. scale pair per channel (quant.md 1.4); one thread per block and 8 channels stores the sf
             for v in T.unroll(_C):
                 a = T.max(am[v], T.float32(clamp))
@@ -167,23 +210,27 @@ def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, 
                     sfl[v] = a / T.float32(M)
                     inv[v] = T.float32(M) / a
             if live:
-                if rl % (npt // _RPT) == 0:
+                if rl % (npt // RPT) == 0:
                     for v in T.vectorized(_C):
                         SF[row0 // npt, col0 + v] = sfl[v]
                 # 4. narrowed data (satfinite E4M3): one 8-byte store per row, or (transposed) 8 rows of a
                 # channel into the shared tile, 16-byte chunks XOR-swizzled by the channel lane (conflict-free)
                 if transpose:
                     for v in T.unroll(_C):
-                        for j in T.unroll(_RPT):  # a register transpose: contiguous operands for packed F2FP
+                        for j in T.unroll(RPT):  # a register transpose: contiguous operands for packed F2FP
                             xt[j] = xl[j * _C + v] * inv[v]
-                        for j in T.vectorized(_RPT):
+                        for j in T.vectorized(RPT):
                             yb[j] = T.cast(xt[j], "float8_e4m3fn")
-                        for j in T.vectorized(_RPT):
-                            ys[cl * _C + v, T.bitwise_xor(rl // 2, cl) * 16 + (rl % 2) * _RPT + j] = yb[j]
+                        for j in T.vectorized(RPT):
+                            ys[cl * _C + v, T.bitwise_xor(rl // 2, cl) * 16 + (rl % 2) * RPT + j] = yb[j]
                 else:
-                    for j in T.unroll(_RPT):
-                        for v in T.vectorized(_C):
-                            yb[v] = T.cast(xl[j * _C + v] * inv[v], "float8_e4m3fn")
+                    for j in T.unroll(RPT):
+                        if remat:  # the same exact widening of the same input, done again
+                            for v in T.vectorized(_C):
+                                yb[v] = T.cast(T.cast(xr[j * _C + v], "float32") * inv[v], "float8_e4m3fn")
+                        else:
+                            for v in T.vectorized(_C):
+                                yb[v] = T.cast(xl[j * _C + v] * inv[v], "float8_e4m3fn")
                         for v in T.vectorized(_C):
                             Y[row0 + j, col0 + v] = yb[v]
             if transpose:
@@ -192,11 +239,11 @@ def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, 
                 # hidden are skipped whole
                 T.sync_threads()
                 for k in T.unroll(_BC * _BM // 16 // _THREADS):
-                    ch = (tx + k * _THREADS) // 8
-                    rc = (tx + k * _THREADS) % 8
-                    if T.And(bx * _BC + ch < hidden, by * _BM + rc * 16 < Tn):
+                    ch = (tx + k * THREADS) // 8
+                    rc = (tx + k * THREADS) % 8
+                    if T.And(bx * BC + ch < hidden, by * _BM + rc * 16 < Tn):
                         for j in T.vectorized(16):
-                            Y[bx * _BC + ch, by * _BM + rc * 16 + j] = ys[ch, T.bitwise_xor(rc, ch // _C) * 16 + j]
+                            Y[bx * BC + ch, by * _BM + rc * 16 + j] = ys[ch, T.bitwise_xor(rc, ch // _C) * 16 + j]
 
     if pair and gather:
         @T.prim_func
