@@ -23,16 +23,54 @@ import torch
 
 from tilefuse import _jit
 
-_THREADS = 256
-# Output bytes per thread: chunks are one 16-byte store each, consecutive threads take consecutive chunks (so
-# every warp store covers 512 contiguous bytes) and a thread keeps _UNROLL chunks, _THREADS apart, in flight.
-_UNROLL = 8
-# elements per chunk: one 16-byte store (8 bf16 / 4 fp32); e5m6 keeps whole groups of 8 codes (3 words)
-_CHUNK = {"bf16": 8, "fp32": 4}
+# ---- tuning knobs (TILEFUSE_KNOBS; read when a kernel is built, defaults = the measured baseline) ----
+# Row-tile path (default). Output bytes per thread: chunks are one 16-byte store each, consecutive threads take
+# consecutive chunks (so every warp store covers 512 contiguous bytes) and a thread keeps UNROLL chunks, TX
+# apart, in flight.
+THREADS = 256
+UNROLL = 8
+# elements per chunk of e4m3 / e2m1 data: one 16-byte store (8 bf16 / 4 fp32) by default; a multiple of the
+# store width makes a chunk one wider data load written as several 16-byte stores (e5m6 keeps 8 codes)
+CHUNK_BF16 = 8
+CHUNK_FP32 = 4
+CHUNK_E5M6 = 8  # codes per e5m6 chunk: 8 (three 4-byte loads) or a multiple of 32 (16-byte loads)
+ROW_LANES = 0  # lanes per row, TX (whole warps); 0: the widest of 128 / 64 / 32 that divides the row's chunks
+# Flat path (the 10:53 layout, off by default): a thread owns FLAT_UNROLL chunks of one 16-byte data load each
+# (e4m3 16 values, e2m1 FLAT_CHUNK_E2M1, e5m6 8 codes), consecutive threads on consecutive chunks of the
+# flattened (T, H / V) grid, FLAT_THREADS apart.
+FLAT_E4M3 = False
+FLAT_E2M1 = False
+FLAT_E5M6 = False
+FLAT_THREADS = 256
+FLAT_UNROLL = 2  # chunks per thread (1 when a chunk is more than 64 output bytes)
+FLAT_CHUNK_E2M1 = 32
+# unpack_from_e2m1fn_x2: UNPACK_BYTES data bytes per chunk (0: one 16-byte store's worth), UNPACK_UNROLL
+# chunks per thread, UNPACK_THREADS apart
+UNPACK_THREADS = 256
+UNPACK_UNROLL = 8
+UNPACK_BYTES = 0
 
 
-def _chunk(dfmt: str, out: str) -> int:
-    return 8 if dfmt == "e5m6" else _CHUNK[out]
+def _flat(dfmt: str) -> bool:
+    return {"e4m3": FLAT_E4M3, "e2m1": FLAT_E2M1, "e5m6": FLAT_E5M6}[dfmt]
+
+
+def _chunk(dfmt: str, out: str, hidden: int) -> int:
+    """Elements per chunk of the path the knobs select (a knob's chunk that does not divide the row falls
+    back to the default: 8 e5m6 codes, one 16-byte store of e4m3 / e2m1 values)."""
+    base = 8 if dfmt == "e5m6" else {"bf16": 8, "fp32": 4}[out]
+    if _flat(dfmt):
+        v = {"e4m3": 16, "e2m1": FLAT_CHUNK_E2M1, "e5m6": 8}[dfmt]
+    else:
+        v = CHUNK_E5M6 if dfmt == "e5m6" else {"bf16": CHUNK_BF16, "fp32": CHUNK_FP32}[out]
+    return v if hidden % v == 0 else base
+
+
+def _wide_e5m6(dfmt: str, out: str, hidden: int) -> bool:
+    """Whether an e5m6 chunk is read as 16-byte loads (row-tile path, CHUNK_E5M6 a multiple of 32)."""
+    return dfmt == "e5m6" and not _flat(dfmt) and _chunk(dfmt, out, hidden) % 32 == 0
+
+
 _OUT_TL = {"bf16": "bfloat16", "fp32": "float32"}
 _OUT_TORCH = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -124,13 +162,108 @@ def _e5m6_codes(w0, w1, w2):
             T.shift_left(w1 & 0xF, 8) | srl(w2, 24), T.shift_right(w2, 12) & 0xFFF, w2 & 0xFFF)
 
 
+def _sf_value(SF, rb, kb, sf_packed: bool):
+    """The binary32 sf of block ``(rb, kb)``: an fp32 element, or byte ``kb % 4`` of packed UE8M0 word
+    ``kb // 4`` as ``byte << 23``."""
+    import tilelang.language as T
+
+    if sf_packed:
+        word = SF[rb, kb // 4]
+        return T.reinterpret(T.shift_left(T.shift_right(word, (kb % 4) * 8) & 255, 23), "float32")
+    return SF[rb, kb]
+
+
+def _cast_back_flat(dfmt: str, out: str, hidden: int, bm: int, bk: int, sf_packed: bool):
+    """The flat layout (knobs FLAT_*; the 10:53 layout with today's exact decoders): chunks of one 16-byte
+    data load (e4m3 16 values, e2m1 FLAT_CHUNK_E2M1, e5m6 8 codes in three words) numbered over the flattened
+    ``(T, H / V)`` grid; thread ``tx`` of CTA ``bx`` does chunks ``bx * NT * U + u * NT + tx`` (all loads
+    first), each written as ``V / o_vec`` 16-byte stores. Same values as the row-tile path: each output is
+    ``cast(decode(x) * sf)`` with the same decoder expressions."""
+    import tilelang.language as T
+
+    V = _chunk(dfmt, out, hidden)
+    assert hidden % V == 0, (dfmt, hidden)
+    cpr = hidden // V
+    if dfmt == "e4m3":
+        d_dtype, d_width, d_per_chunk = "float8_e4m3fn", hidden, V
+    elif dfmt == "e2m1":
+        d_dtype, d_width, d_per_chunk = "uint8", hidden // 2, V // 2
+    else:
+        d_dtype, d_width, d_per_chunk = "int32", hidden * 3 // 8, 3
+    o_dtype = _OUT_TL[out]
+    o_vec = 8 if out == "bf16" else 4
+    assert V % o_vec == 0 and (dfmt != "e2m1" or V % 4 == 0), (dfmt, out, V)
+    nbk = -(-hidden // bk)
+    sf_w = -(-nbk // 4) if sf_packed else nbk
+    per_chunk_sf = bk % V == 0
+    NT = FLAT_THREADS
+    U = FLAT_UNROLL if V * (2 if out == "bf16" else 4) <= 64 else 1
+    per_cta = NT * U
+    py_range_v = tuple(range(V))
+
+    Tn, S, NBM, SF0, SF1 = T.dynamic("num_tokens, data_row_stride, sf_rows, sf_stride0, sf_stride1")
+    x_param = T.StridedTensor((Tn, d_width), (S, 1), d_dtype)
+    sf_param = T.StridedTensor((NBM, sf_w), (SF0, SF1), "int32" if sf_packed else "float32")
+    y_param = T.Tensor((Tn, hidden), o_dtype)
+
+    @T.prim_func
+    def cast_back(X: x_param, SF: sf_param, Y: y_param):
+        if dfmt != "e5m6":  # the launcher guarantees 16-byte aligned rows for the chunk's vector load
+            T.assume(S % 16 == 0)
+        with T.Kernel(T.ceildiv(Tn * cpr, per_cta), threads=NT) as bx:
+            tx = T.get_thread_binding()
+            raw = T.alloc_local((U * d_per_chunk,), d_dtype)
+            val = T.alloc_local((U * V,), "float32")
+            res = T.alloc_local((U * V,), o_dtype)
+            s = T.alloc_local((1,), "float32")
+            for u in T.unroll(U):
+                c = bx * per_cta + u * NT + tx
+                if c < Tn * cpr:
+                    for v in T.vectorized(d_per_chunk):
+                        raw[u * d_per_chunk + v] = X[c // cpr, (c % cpr) * d_per_chunk + v]
+            for u in T.unroll(U):
+                c = bx * per_cta + u * NT + tx
+                row = c // cpr
+                col0 = (c % cpr) * V
+                if c < Tn * cpr:
+                    if dfmt == "e4m3":
+                        for v in T.unroll(V):
+                            val[u * V + v] = T.cast(raw[u * d_per_chunk + v], "float32")
+                    elif dfmt == "e2m1":
+                        for q in range(V // 4):  # two bytes -> four values
+                            x16 = (T.cast(raw[u * d_per_chunk + 2 * q], "uint32")
+                                   | T.shift_left(T.cast(raw[u * d_per_chunk + 2 * q + 1], "uint32"), 8))
+                            for v, e in enumerate(_decode_e2m1_x4(x16)):
+                                val[u * V + 4 * q + v] = e
+                    if dfmt == "e5m6":
+                        vals = _e5m6_values(T.cast(raw[u * 3], "uint32"), T.cast(raw[u * 3 + 1], "uint32"),
+                                            T.cast(raw[u * 3 + 2], "uint32"))
+                        for v in py_range_v:  # a Python tuple: expanded while building
+                            val[u * V + v] = vals[v]
+                    if per_chunk_sf:
+                        s[0] = _sf_value(SF, row // bm, col0 // bk, sf_packed)
+                        for v in T.unroll(V):
+                            res[u * V + v] = T.cast(val[u * V + v] * s[0], o_dtype)
+                    else:
+                        for v in T.unroll(V):
+                            res[u * V + v] = T.cast(val[u * V + v] * _sf_value(SF, row // bm, (col0 + v) // bk,
+                                                                                sf_packed), o_dtype)
+                    for p in T.unroll(V // o_vec):
+                        for v in T.vectorized(o_vec):
+                            Y[row, col0 + p * o_vec + v] = res[u * V + p * o_vec + v]
+
+    return cast_back
+
+
 def cast_back_kernel(dfmt: str, out: str, hidden: int, bm: int, bk: int, sf_packed: bool):
     """Factory for one static config: data format ``dfmt`` ("e4m3" | "e2m1" | "e5m6"), ``out`` ("bf16" |
     "fp32"), logical ``hidden`` (a multiple of the chunk: 16 / 32 / 8), block ``(bm, bk)``, and whether the
     sf are packed UE8M0 int32 (else fp32). Token count, data row stride and sf strides are symbolic."""
     import tilelang.language as T
 
-    V = _chunk(dfmt, out)
+    if _flat(dfmt):
+        return _cast_back_flat(dfmt, out, hidden, bm, bk, sf_packed)
+    V = _chunk(dfmt, out, hidden)
     assert hidden % V == 0, (dfmt, hidden)
     cpr = hidden // V  # chunks per row
     if dfmt == "e4m3":
@@ -138,7 +271,12 @@ def cast_back_kernel(dfmt: str, out: str, hidden: int, bm: int, bk: int, sf_pack
     elif dfmt == "e2m1":
         d_dtype, d_width, d_per_chunk = "uint8", hidden // 2, V // 2
     else:  # three int32 words per group of 8 codes
-        d_dtype, d_width, d_per_chunk = "int32", hidden * 3 // 8, 3
+        d_dtype, d_width, d_per_chunk = "int32", hidden * 3 // 8, V * 3 // 8
+    wide5 = _wide_e5m6(dfmt, out, hidden)  # e5m6 chunk data as 16-byte (4-word) loads
+    py_groups, py_range_8 = tuple(range(V // 8)), tuple(range(8))
+
+    def word(u, k):  # word k of chunk u's e5m6 data
+        return u * d_per_chunk + k if k else u * d_per_chunk
     o_dtype = _OUT_TL[out]
     o_vec = 8 if out == "bf16" else 4  # elements per 16-byte store
     nbk = -(-hidden // bk)
@@ -149,16 +287,17 @@ def cast_back_kernel(dfmt: str, out: str, hidden: int, bm: int, bk: int, sf_pack
     # once and every chunk's data, sf and output address is a constant offset from them (no per-chunk
     # division or 64-bit multiply). unroll: a divisor of the row's TX-wide columns near 8 (no masking), or
     # up to 8 with masked chunks past the row.
-    TX = next((w for w in (128, 64, 32) if cpr % w == 0), 32)
-    TY = _THREADS // TX
+    threads = THREADS
+    TX = ROW_LANES or next((w for w in (128, 64, 32) if cpr % w == 0 and w <= threads), 32)
+    assert TX % 32 == 0 and threads % TX == 0, (TX, threads)
+    TY = threads // TX
     n_tx = -(-cpr // TX)
-    target = _UNROLL * o_vec // V  # 8 stores (128 output bytes) per thread
+    target = max(1, UNROLL * o_vec // V)  # 8 stores (128 output bytes) per thread
     unroll = max(d for d in range(1, min(target, n_tx) + 1) if n_tx % d == 0)
     if unroll < 4:
         unroll = min(target, n_tx)
     need_mask = cpr % (TX * unroll) != 0
     kb_step = TX * V // bk if (TX * V) % bk == 0 else None  # sf column step between a thread's chunks
-    py_range_v = tuple(range(V))
 
     Tn, S, NBM, SF0, SF1 = T.dynamic("num_tokens, data_row_stride, sf_rows, sf_stride0, sf_stride1")
 
@@ -184,7 +323,9 @@ def cast_back_kernel(dfmt: str, out: str, hidden: int, bm: int, bk: int, sf_pack
     def cast_back(X: x_param, SF: sf_param, Y: y_param):
         if dfmt != "e5m6":  # the launcher guarantees 16-byte aligned rows for the chunk's vector load
             T.assume(S % 16 == 0)
-        with T.Kernel(T.ceildiv(cpr, TX * unroll), T.ceildiv(Tn, TY), threads=_THREADS) as (bx, by):
+        elif wide5:  # and 16-byte aligned e5m6 rows (S in words)
+            T.assume(S % 4 == 0)
+        with T.Kernel(T.ceildiv(cpr, TX * unroll), T.ceildiv(Tn, TY), threads=threads) as (bx, by):
             tid = T.get_thread_binding()
             tx = tid % TX
             row = by * TY + tid // TX
@@ -196,8 +337,14 @@ def cast_back_kernel(dfmt: str, out: str, hidden: int, bm: int, bk: int, sf_pack
             if row < Tn:
                 for u in T.unroll(unroll):
                     if in_row(cc0 + u * TX):
-                        for v in T.vectorized(d_per_chunk):
-                            raw[u * d_per_chunk + v] = X[row, (cc0 + u * TX) * d_per_chunk + v]
+                        if wide5:
+                            for p in T.unroll(d_per_chunk // 4):
+                                for v in T.vectorized(4):
+                                    raw[u * d_per_chunk + p * 4 + v] = X[row, (cc0 + u * TX) * d_per_chunk
+                                                                         + p * 4 + v]
+                        else:
+                            for v in T.vectorized(d_per_chunk):
+                                raw[u * d_per_chunk + v] = X[row, (cc0 + u * TX) * d_per_chunk + v]
                 for u in T.unroll(unroll):
                     col0 = (cc0 + u * TX) * V
                     if in_row(cc0 + u * TX):
@@ -211,10 +358,10 @@ def cast_back_kernel(dfmt: str, out: str, hidden: int, bm: int, bk: int, sf_pack
                                 for v, e in enumerate(_decode_e2m1_x4(x16)):
                                     val[u * V + 4 * q + v] = e
                         if dfmt == "e5m6":
-                            vals = _e5m6_values(T.cast(raw[u * 3], "uint32"), T.cast(raw[u * 3 + 1], "uint32"),
-                                                T.cast(raw[u * 3 + 2], "uint32"))
-                            for v in py_range_v:  # a Python tuple: expanded while building
-                                val[u * V + v] = vals[v]
+                            for g in py_groups:  # groups of 8 codes in three words (a Python tuple)
+                                vals = _e5m6_values(*(T.cast(raw[word(u, 3 * g + k)], "uint32") for k in range(3)))
+                                for v in py_range_8:  # a Python tuple: expanded while building
+                                    val[u * V + 8 * g + v] = vals[v]
                         if per_chunk_sf:
                             s[0] = sf_of(SF, row // bm, chunk_kb(cc0, u))
                             for v in T.unroll(V):
@@ -234,13 +381,15 @@ def unpack_e2m1_kernel(out_dtype: str):
     """Factory: a flat packed-FP4 byte buffer of symbolic length ``N`` -> ``2N`` values of ``out_dtype``
     (quant.md 1.2: byte ``k`` gives elements ``2k`` (low nibble) and ``2k + 1``). A chunk is one 16-byte
     store (``B`` = 2 bytes in for fp32, 4 for 16-bit outputs); consecutive threads take consecutive chunks, so
-    loads and stores are coalesced across a warp, and a thread keeps ``_UNROLL`` chunks (``_THREADS`` apart)
+    loads and stores are coalesced across a warp, and a thread keeps ``UNPACK_UNROLL`` chunks (``UNPACK_THREADS`` apart)
     in flight. A chunk past the last whole one is done element by element."""
     import tilelang.language as T
 
     o_vec = 16 // {"float32": 4, "bfloat16": 2, "float16": 2}[out_dtype]
-    B = o_vec // 2
-    U = _UNROLL
+    B = UNPACK_BYTES or o_vec // 2  # bytes per chunk: one B-byte load, 2 * B // o_vec 16-byte stores
+    assert B % 2 == 0 and (2 * B) % o_vec == 0 and B <= 16, B
+    U = UNPACK_UNROLL
+    NT = UNPACK_THREADS
     N = T.dynamic("num_bytes")
 
     x_param = T.Tensor((N,), "uint8")
@@ -248,39 +397,49 @@ def unpack_e2m1_kernel(out_dtype: str):
 
     @T.prim_func
     def unpack_e2m1(X: x_param, Y: y_param):
-        with T.Kernel(T.ceildiv(N, _THREADS * B * U), threads=_THREADS) as bx:
+        with T.Kernel(T.ceildiv(N, NT * B * U), threads=NT) as bx:
             tx = T.get_thread_binding()
             raw = T.alloc_local((U * B,), "uint8")
             res = T.alloc_local((2 * B,), out_dtype)
-            if (bx + 1) * (U * _THREADS * B) <= N:  # every CTA but the last: no bounds checks
+            if (bx + 1) * (U * NT * B) <= N:  # every CTA but the last: no bounds checks
                 for u in T.unroll(U):
                     for v in T.vectorized(B):
-                        raw[u * B + v] = X[((bx * U + u) * _THREADS + tx) * B + v]
+                        raw[u * B + v] = X[((bx * U + u) * NT + tx) * B + v]
                 for u in T.unroll(U):
-                    b0 = ((bx * U + u) * _THREADS + tx) * B
+                    b0 = ((bx * U + u) * NT + tx) * B
                     for q in range(B // 2):  # two bytes -> four values
                         x16 = (T.cast(raw[u * B + 2 * q], "uint32")
                                | T.shift_left(T.cast(raw[u * B + 2 * q + 1], "uint32"), 8))
                         for v, e in enumerate(_decode_e2m1_x4(x16)):
                             res[4 * q + v] = T.cast(e, out_dtype)
-                    for v in T.vectorized(o_vec):
-                        Y[2 * b0 + v] = res[v]
+                    if 2 * B == o_vec:
+                        for v in T.vectorized(o_vec):
+                            Y[2 * b0 + v] = res[v]
+                    else:
+                        for p in T.unroll(2 * B // o_vec):
+                            for v in T.vectorized(o_vec):
+                                Y[2 * b0 + p * o_vec + v] = res[p * o_vec + v]
             else:
                 for u in T.unroll(U):
-                    b0 = ((bx * U + u) * _THREADS + tx) * B
+                    b0 = ((bx * U + u) * NT + tx) * B
                     if b0 + B <= N:
                         for v in T.vectorized(B):
                             raw[u * B + v] = X[b0 + v]
                 for u in T.unroll(U):
-                    b0 = ((bx * U + u) * _THREADS + tx) * B
+                    b0 = ((bx * U + u) * NT + tx) * B
                     if b0 + B <= N:
                         for q in range(B // 2):  # two bytes -> four values
                             x16 = (T.cast(raw[u * B + 2 * q], "uint32")
                                    | T.shift_left(T.cast(raw[u * B + 2 * q + 1], "uint32"), 8))
                             for v, e in enumerate(_decode_e2m1_x4(x16)):
                                 res[4 * q + v] = T.cast(e, out_dtype)
-                        for v in T.vectorized(o_vec):
-                            Y[2 * b0 + v] = res[v]
+                        if 2 * B == o_vec:
+                            for v in T.vectorized(o_vec):
+                                Y[2 * b0 + v] = res[v]
+                        else:
+                            for p in T.unroll(2 * B // o_vec):
+                                for v in T.vectorized(o_vec):
+                                    Y[2 * b0 + p * o_vec + v] = res[p * o_vec + v]
                     elif b0 < N:
                         for v in T.serial(2 * B):
                             if b0 + v // 2 < N:
@@ -342,7 +501,7 @@ def _kernel_data(data: torch.Tensor, dfmt: str) -> torch.Tensor:
     and row stride; 4-byte for e5m6 words), else a contiguous copy."""
     if dfmt == "e2m1":
         data = data.view(torch.uint8)
-    align = 4 if dfmt == "e5m6" else 16
+    align = 16 if dfmt != "e5m6" or _wide_e5m6(dfmt, "bf16", _hidden(data, dfmt)) else 4
     if (data.stride(1) != 1 or data.data_ptr() % align
             or (data.size(0) > 1 and data.stride(0) % align)):
         data = data.contiguous()
@@ -362,7 +521,7 @@ def cast_back_launch(data: torch.Tensor, sf: torch.Tensor, fmt: str, x_block_siz
     fn = _jit.get("cast_back", (dfmt, fmt, hidden, bm, bk, sf.dtype == torch.int32))
     data = _kernel_data(data, dfmt)
     # the kernel numbers chunks in int32: inputs beyond 2^31 chunks go in row slices (whole sf row blocks)
-    step = max(bm, (2 ** 31 - 1) // (hidden // _chunk(dfmt, fmt)) // bm * bm)
+    step = max(bm, (2 ** 31 - 1) // (hidden // _chunk(dfmt, fmt, hidden)) // bm * bm)
     for r0 in range(0, t, step):
         fn(data[r0:r0 + step], sf[r0 // bm:], out[r0:r0 + step])
     return out
@@ -380,7 +539,7 @@ def unpack_e2m1_launch(x: torch.Tensor, out_dtype: torch.dtype = torch.float32) 
     out = torch.empty(shape, dtype=k_dtype, device=x.device)
     if x.numel() > 0:
         flat = x.contiguous().view(torch.uint8).view(-1)
-        if flat.data_ptr() % 4:
+        if flat.data_ptr() % max(4, UNPACK_BYTES):  # the kernel's B-byte loads (B <= 4 by default)
             flat = flat.clone()
         fn = _jit.get("unpack_from_e2m1fn_x2", (_UNPACK_DTYPES[k_dtype],))
         flat_out = out.view(-1)
