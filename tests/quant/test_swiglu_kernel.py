@@ -546,13 +546,19 @@ def test_fwd_pcc_deterministic_batch_invariant_graph_and_compile():
 
 _KNOB_CASES = (
     # (module constant, alternative value, kernel, config): the bench configs of quant.md 7.2-7.3
-    ("_BWD_ROW_THREADS", 32, "swiglu_bwd_ptc", K._bwd_ptc_cfg(7168, 128, True, None)),   # one warp per row
-    ("_BWD_ROW_THREADS", 64, "swiglu_bwd_ptc", K._bwd_ptc_cfg(2560, 32, False, 0.5)),   # 2 warps per row
-    ("_FWD_PTC_DEPTH", 1, "swiglu_fwd_ptc",
+    ("BWD_ROW_THREADS", 32, "swiglu_bwd_ptc", K._bwd_ptc_cfg(7168, 128, True, None)),   # one warp per row
+    ("BWD_ROW_THREADS", 64, "swiglu_bwd_ptc", K._bwd_ptc_cfg(2560, 32, False, 0.5)),   # 2 warps per row
+    ("FWD_PTC_DEPTH", 1, "swiglu_fwd_ptc",
      K._fwd_ptc_cfg("bfloat16", 3584, 128, True, True, False, True, False, 0.5, False)),
-    ("_FWD_PTC_ROW_THREADS", 64, "swiglu_fwd_ptc",
+    ("FWD_PTC_ROW_THREADS", 64, "swiglu_fwd_ptc",
      K._fwd_ptc_cfg("bfloat16", 3584, 128, True, True, False, True, False, 0.5, False)),   # 2 warps per row
-    ("_PCC_CHANNEL_MAJOR", False, "swiglu_fwd_pcc", K._pcc_cfg(7168, 128, True, True, None)),
+    ("PCC_CHANNEL_MAJOR", False, "swiglu_fwd_pcc", K._pcc_cfg(7168, 128, True, True, None)),
+    ("BWD_SF_AHEAD", 2, "swiglu_bwd_ptc", K._bwd_ptc_cfg(7168, 128, True, None)),   # sf by shuffles, 1 register
+    ("BWD_SF_AHEAD", 2, "swiglu_bwd_ptc", K._bwd_ptc_cfg(2560, 32, False, 0.5)),    # 3 registers of sf per lane
+    ("BWD_SF_AHEAD", 1, "swiglu_bwd_ptc", K._bwd_ptc_cfg(2048, 128, True, None)),   # sf with the chunk's data
+    ("BWD_VEC", 16, "swiglu_bwd_ptc", K._bwd_ptc_cfg(2560, 32, False, 0.5)),        # 16-byte e4m3 vectors
+    ("PCC_BH", 128, "swiglu_fwd_pcc", K._pcc_cfg(7168, 128, True, True, None)),    # 512-thread CTAs
+    ("PCC_BH", 32, "swiglu_fwd_pcc", K._pcc_cfg(576, 32, True, True, None)),       # 128-thread CTAs
 )
 
 
@@ -563,5 +569,5 @@ def test_knob_alternatives_build_for_sm90(knob, value, name, cfg, monkeypatch):
     monkeypatch.setattr(K, knob, value)
     src = _jit.compile_kernel(name, cfg, "sm_90", export=False).get_kernel_source()
     assert "__global__" in src and "expf(" in src and "__expf" not in src
-    if knob == "_BWD_ROW_THREADS" and value == 32:  # one warp per row: no shared-memory row sum
+    if knob == "BWD_ROW_THREADS" and value == 32:  # one warp per row: no shared-memory row sum
         assert "__syncthreads" not in src

@@ -24,6 +24,10 @@ keeps per-element branches (the division slow-path checks) out of the hot loops,
 chains of a chunk overlap instead of running one after another. The tiling never depends on the token
 count: results are deterministic and batch-invariant. Clamp constants are baked into the static config as
 binary32 bit patterns.
+
+Tuning knobs (module constants read by the factories, overridable through ``TILEFUSE_KNOBS``; tiling and
+scheduling only, never the arithmetic): FWD_PTC_DEPTH, FWD_PTC_ROW_THREADS; BWD_MIN_BLOCKS, BWD_THREADS,
+BWD_DEPTH, BWD_ROW_THREADS, BWD_VEC, BWD_SF_AHEAD; PCC_BH, PCC_MIN_BLOCKS, PCC_CHANNEL_MAJOR.
 """
 
 import struct
@@ -153,11 +157,11 @@ def _stage_bytes(T, eb, g0: int, gps: int, lanes_per_group: int, team: int):
 
 # npc == 128: chunks whose loads are in flight ahead of the one being processed (1: the next chunk only;
 # 2: ~8 more registers, still <= 72 so that the bench shape's 1648 two-warp CTAs stay resident at once)
-_FWD_PTC_DEPTH = 2
+FWD_PTC_DEPTH = 2
 # lanes per row (at most) where groups stay inside a warp (npc == 128, sf not packed): 32 = one warp per row
 # (the bench shape: 1648 two-row CTAs, one wave, 14 serial chunks per warp); 64 = two warps per row (3296
 # one-row CTAs, ~1.8 waves, 7 chunks per warp)
-_FWD_PTC_ROW_THREADS = 32
+FWD_PTC_ROW_THREADS = 32
 
 
 def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, sf_layout: str, weighted: bool,
@@ -176,7 +180,7 @@ def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, s
     per_chunk = npc != hidden          # npc == 128: each chunk quantized on its own
     # teams wider than a warp only where nothing crosses warps (per-chunk groups, no packed-word gather)
     wide = per_chunk and sf_layout != "col_packed"
-    L = _team_cap(nch, _FWD_PTC_ROW_THREADS if wide else 32)
+    L = _team_cap(nch, FWD_PTC_ROW_THREADS if wide else 32)
     C = nch // L                       # chunks per lane
     threads = max(64, L)               # small CTAs: at the bench shape (3296 rows, 2 per CTA) every SM gets 12-13
     BM = threads // L                  # rows per CTA
@@ -188,9 +192,9 @@ def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, s
     gps = L * E // npc if per_chunk else 1  # groups per stage
     # npc == 128: chunk c + D's loads are issued before chunk c is processed (registers stay bounded); npc == H
     # needs the whole row first
-    # (_FWD_PTC_DEPTH chunks ahead: each warp walks its row chunk by chunk, so the loads in flight per warp, not
+    # (FWD_PTC_DEPTH chunks ahead: each warp walks its row chunk by chunk, so the loads in flight per warp, not
     # the issue rate, bound it when the whole grid is resident at once)
-    D = _FWD_PTC_DEPTH
+    D = FWD_PTC_DEPTH
     first_loads = list(range(min(D, C))) if per_chunk else list(range(C))
     next_loads = [[si + D] if per_chunk and si + D < C else [] for si in range(len(stages))]
 
@@ -326,15 +330,26 @@ def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, s
 
 # ---- 3.13: backward + per-token cast ----
 
-_BWD_MIN_BLOCKS = 8   # <= 65536 / (threads * this) registers per thread (8 at 128 threads: 64)
-_BWD_THREADS = 128    # 4 rows (warps) per CTA
-_BWD_DEPTH = 1        # chunks whose loads are in flight ahead of the one being computed
+BWD_MIN_BLOCKS = 8   # <= 65536 / (threads * this) registers per thread (8 at 128 threads: 64)
+BWD_THREADS = 128    # 4 rows (warps) per CTA
+BWD_DEPTH = 1        # chunks whose loads are in flight ahead of the one being computed
 # lanes per row (at most; a power of two dividing H / 8): 32 = one warp walks a row in H / 256 serial chunks
 # (all 4096 bench rows in flight at once, each stream advancing 256-512 bytes per step: poor DRAM locality);
 # 128 = the CTA's 4 warps share one row (H / 1024 chunks each, 2 KB contiguous per stream and step, rows done
 # in launch order); the weight-gradient row sum then adds the per-warp sums through shared memory in a fixed
 # order (deterministic; the sum order is free within quant.md 6.3's tolerance)
-_BWD_ROW_THREADS = 128
+BWD_ROW_THREADS = 128
+# gate/up column pairs per lane and chunk: 8 = 8-byte e4m3 loads and 8-byte e4m3 stores (the measured kernel);
+# 16 = 16-byte e4m3 loads/stores and 32-byte bf16 ones (half the memory instructions, twice the registers per
+# chunk; npc / 16 lanes per group). Falls back to 8 where 16 does not divide npc.
+BWD_VEC = 8
+# when a chunk's two input sf values are loaded: 0 = at the start of its compute step (the measured kernel: the
+# warp then waits for them, an L1/L2 round trip per chunk and a DRAM one for each new 128-byte sf line);
+# 1 = with the chunk's data, BWD_DEPTH steps ahead (2 * (depth + 1) more live registers: pair with a
+# BWD_MIN_BLOCKS below 8; ptxas sinks them back towards their use at 80 registers); 2 = every sf value a warp
+# needs for its whole row loaded up front, spread one per lane (28 values at the bench shape: 1 register),
+# then 2 shuffles per chunk (no barrier, so the loads stay ahead of the data; teams of >= 32 lanes, else 0)
+BWD_SF_AHEAD = 0
 
 
 def _team_cap(n_chunks: int, cap: int) -> int:
@@ -348,22 +363,27 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
     """Factory for one static config of ``swiglu_backward_and_per_token_cast``: H (data is e4m3 (T, 2H) with
     row-major fp32 sf (T, 2H / npc)), npc in {32, 128}, round_sf, binary32 clamp bits or None.
 
-    Lane ``q`` of a row's team (``L`` consecutive threads, up to ``_BWD_ROW_THREADS``) holds chunks of 8
+    Lane ``q`` of a row's team (``L`` consecutive threads, up to ``BWD_ROW_THREADS``) holds chunks of 8
     gate/up column pairs at ``c*L*8 + q*8``; a ``dx`` (or ``dy``) group is ``npc / 8`` adjacent lanes (one warp). ``WG`` (fp32, flat (T*K,)) must be zero-filled by the caller: the
     kernel writes the row sums only (at ``pos_to_token_topk[row]`` where ``token_topk_to_pos`` is not -1).
     """
     import tilelang.language as T
 
-    E = 8
+    E = BWD_VEC if BWD_VEC in (8, 16) and npc % BWD_VEC == 0 else 8
     nch = hidden // E
-    threads = _BWD_THREADS
-    L = _team_cap(nch, min(_BWD_ROW_THREADS, threads))  # lanes of a row's team (consecutive threads)
+    threads = BWD_THREADS
+    L = _team_cap(nch, min(BWD_ROW_THREADS, threads))  # lanes of a row's team (consecutive threads)
     LW = min(L, 32)   # team lanes inside one warp
     WPR = L // LW     # warps per row
     C = nch // L
     Lg = npc // E
     assert Lg <= LW
-    depth = _BWD_DEPTH
+    depth = BWD_DEPTH
+    sf_ahead = BWD_SF_AHEAD == 1
+    sf_shuffle = BWD_SF_AHEAD == 2 and L >= 32  # (a warp inside one row's team)
+    GW = 32 // Lg          # sf groups per half that a warp's lanes cover in one chunk (sf_shuffle)
+    GPC = L * E // npc     # sf groups per half that a chunk of the team covers
+    NR = -(-2 * C * GW // 32)  # registers per lane holding the warp's input sf (sf_shuffle)
     BM = threads // L
     ngh = hidden // npc  # groups per half row
 
@@ -383,7 +403,7 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
             tx = T.get_thread_binding()
             q = tx % L
             row = bx * BM + tx // L
-            T.annotate_min_blocks_per_sm(_BWD_MIN_BLOCKS)  # <= 64 registers: 8 CTAs (32 rows) per SM at once
+            T.annotate_min_blocks_per_sm(BWD_MIN_BLOCKS)  # <= 64 registers: 8 CTAs (32 rows) per SM at once
             ok = row < Tn
             rs = T.min(row, Tn - 1)
             dl = T.alloc_local((C, E), "float8_e4m3fn")
@@ -407,6 +427,10 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
             ss = T.alloc_local((E,), "float32")   # s = 1 / t
             qs = T.alloc_local((E,), "float32")   # x / t
             sfv = T.alloc_local((2,), "float32")  # the chunk's input sf (gate, up)
+            if sf_ahead:  # every chunk's input sf, loaded with its data
+                sfa = T.alloc_local((C, 2), "float32")
+            if sf_shuffle:  # this warp's share of its row's input sf, one value per lane and register
+                sfr = T.alloc_local((NR,), "float32")
             red = T.alloc_shared((threads // 32,), "float32")  # per-warp row sums (WPR > 1)
             tt = T.alloc_local((1,), "int32")
             p = T.if_then_else(ok, P2T[rs], -1)
@@ -414,6 +438,14 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
             # the weight-gradient slot test, read now rather than after the row
             tt[0] = T.if_then_else(T.And(p >= 0, p < NW), TT2P[T.max(T.min(p, NW - 1), 0)], -1)
             acc[0] = T.float32(0.0)
+            if sf_shuffle:  # value v = (half * C + chunk) * GW + j: column half*ngh + chunk*GPC + (warp in row)*GW + j
+                for k in T.unroll(NR):
+                    v = k * 32 + tx % 32
+                    hv = v // (C * GW)
+                    cv = v // GW % C
+                    sfr[k] = T.if_then_else(T.And(ok, v < 2 * C * GW),
+                                            SFI[rs, T.min(hv * ngh + cv * GPC + (q // 32) * GW + v % GW,
+                                                          2 * ngh - 1)], T.float32(1.0))
 
             for c2 in T.unroll(C + depth):  # loads of chunk c2 are in flight while chunk c2 - depth computes
                 if c2 < C:
@@ -432,15 +464,28 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
                             dr[c2, v] = T.cast(0, "float8_e4m3fn")
                         for v in T.vectorized(E):
                             gb[c2, v] = T.cast(0, "bfloat16")
+                    if sf_ahead:
+                        sfa[c2, 0] = T.if_then_else(ok, SFI[rs, lcol // npc], T.float32(1.0))
+                        sfa[c2, 1] = T.if_then_else(ok, SFI[rs, ngh + lcol // npc], T.float32(1.0))
                 if c2 >= depth:
                     c = c2 - depth
                     col = c * (L * E) + q * E
                     # (read here, not with the chunk's data: 128 -> 35 spill instructions at 64 registers;
                     # 15 of 16 chunks hit L1)
-                    sfv[0] = T.if_then_else(ok, SFI[rs, col // npc], T.float32(1.0))
-                    sfv[1] = T.if_then_else(ok, SFI[rs, ngh + col // npc], T.float32(1.0))
-                    sfx = sfv[0]
-                    sfy = sfv[1]
+                    if sf_ahead:
+                        sfx = sfa[c, 0]
+                        sfy = sfa[c, 1]
+                    elif sf_shuffle:
+                        for hh in T.unroll(2):
+                            v0 = (hh * C + c) * GW  # a multiple of GW: the chunk's GW values share a register
+                            sfv[hh] = T.shfl_sync(sfr[v0 // 32], v0 % 32 + (tx % 32) // Lg, 32)
+                        sfx = sfv[0]
+                        sfy = sfv[1]
+                    else:
+                        sfv[0] = T.if_then_else(ok, SFI[rs, col // npc], T.float32(1.0))
+                        sfv[1] = T.if_then_else(ok, SFI[rs, ngh + col // npc], T.float32(1.0))
+                        sfx = sfv[0]
+                        sfy = sfv[1]
                     am[0] = T.float32(0.0)
                     am[1] = T.float32(0.0)
                     for v in T.vectorized(E):  # e4m3 pairs -> float2
@@ -449,12 +494,12 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
                         yf[v] = T.cast(dr[c, v], "float32")
                     if fast_div:
                         # one check per chunk: every |x| in {0} U [2^-29, 28] (e4m3 magnitudes are <= 448, and
-                        # >= 2^-9 unless 0) and no NaN (the sum of the e4m3 values, at most 8 * 448 in
+                        # >= 2^-9 unless 0) and no NaN (the sum of the E e4m3 values, at most E * 448 in
                         # magnitude, is NaN iff one is; `probe == probe` would be folded away by the simplifier)
                         # (written as the slow-path test with explicit isnan: the simplifier rewrites !(a <= b)
                         # as b < a, which is false for NaN)
                         slow = T.Or(_outside(T, sfx, _f32(T, 0x35800000), _f32(T, 0x3D800000)),
-                                    _outside(T, _buffer_sum(xf, E), T.float32(-4096.0), T.float32(4096.0)))
+                                    _outside(T, _buffer_sum(xf, E), T.float32(-512.0 * E), T.float32(512.0 * E)))
                     for e in T.unroll(E):
                         xv = xf[e] * sfx
                         yv = yf[e] * sfy
@@ -537,12 +582,18 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
 
 # ---- 3.14: forward + per-channel cast (+ transpose) ----
 
-_PCC_BT, _PCC_BH, _PCC_THREADS = 128, 64, 256  # tokens x channels per CTA
-_PCC_MIN_BLOCKS = 4  # <= 64 registers (5: 48 registers with ~20 spill instructions, 40 warps/SM)
+_PCC_BT = 128  # tokens per CTA (= the largest npt; T % 128 == 0)
+# channels per CTA (knob: 32, 64 or 128; the CTA has 4 * PCC_BH threads so that phase 2 keeps 4 token quarters of
+# 32 tokens per channel; a hidden size it does not divide falls back to 64). 128: each CTA reads 256-byte pieces
+# of l and r per row (twice the contiguous run of 64) with the same per-thread work and registers
+PCC_BH = 64
+# CTAs per SM asked of the compiler at 64 channels per CTA (256 threads): 4 = <= 64 registers (5: 48 registers
+# with ~20 spill instructions, 40 warps/SM); scaled by 64 / BH for other tile widths so the register cap is the same
+PCC_MIN_BLOCKS = 4
 # launch order: True = blockIdx.x walks the channel blocks of one 128-token tile first, so the CTAs running at
 # once read whole 2H-wide rows between them (long contiguous DRAM runs; the input is 4x the output); False =
 # token tiles first (each CTA reads 128-byte pieces of 128 rows while its neighbours read other rows)
-_PCC_CHANNEL_MAJOR = False
+PCC_CHANNEL_MAJOR = False
 
 
 def swiglu_fwd_pcc_kernel(hidden: int, npt: int, round_sf: bool, transpose: bool, clamp_bits: int | None):
@@ -557,22 +608,25 @@ def swiglu_fwd_pcc_kernel(hidden: int, npt: int, round_sf: bool, transpose: bool
     """
     import tilelang.language as T
 
-    BT, BH, threads = _PCC_BT, _PCC_BH, _PCC_THREADS
+    BT = _PCC_BT
+    BH = PCC_BH if PCC_BH in (32, 64, 128) and hidden % PCC_BH == 0 else 64
+    threads = 4 * BH
+    min_blocks = max(1, PCC_MIN_BLOCKS * 64 // BH)
     NCH = BH // 8          # 8-channel chunks per tile row
     RS = threads // NCH    # row slots
     RPT = BT // RS         # rows per thread in phase 1
     TQ = BT // (threads // BH)  # tokens per thread in phase 2 (32)
     Tn = T.dynamic("num_tokens")
     y_shape = (hidden, Tn) if transpose else (Tn, hidden)
-    grid = (hidden // BH, Tn // BT) if _PCC_CHANNEL_MAJOR else (Tn // BT, hidden // BH)
+    grid = (hidden // BH, Tn // BT) if PCC_CHANNEL_MAJOR else (Tn // BT, hidden // BH)
 
     @T.prim_func
     def swiglu_fwd_pcc(X: T.Tensor((Tn, 2 * hidden), "bfloat16"), Y: T.Tensor(y_shape, "float8_e4m3fn"),
                        SF: T.Tensor((Tn // npt, hidden), "float32")):
         T.assume(Tn % BT == 0)
         with T.Kernel(*grid, threads=threads) as (b0, b1):
-            bx, by = (b1, b0) if _PCC_CHANNEL_MAJOR else (b0, b1)  # token tile, channel block
-            T.annotate_min_blocks_per_sm(_PCC_MIN_BLOCKS)
+            bx, by = (b1, b0) if PCC_CHANNEL_MAJOR else (b0, b1)  # token tile, channel block
+            T.annotate_min_blocks_per_sm(min_blocks)
             tx = T.get_thread_binding()
             A = T.alloc_shared((BT, BH), "bfloat16")
             red = T.alloc_shared((threads // BH, BH), "float32")
