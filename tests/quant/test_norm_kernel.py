@@ -322,3 +322,63 @@ def test_forward_cast_nan_inf_gpu(fill, col, round_sf, packed):
     if packed:
         got, want = clear_unused_sf(got, h, 32), clear_unused_sf(want, h, 32)
     assert_equal(got, want)
+
+
+# Knob variants (TILEFUSE_KNOBS sweeps, module doc of _jit.knobs): each must give the default's bits exactly.
+KNOB_VARIANTS = [
+    {"BWD_RSTD_AHEAD": True},
+    {"BWD_RSTD_AHEAD": True, "BWD_L2_AHEAD": 1},
+    {"BWD_RSTD_AHEAD": True, "BWD_L2_AHEAD": 2, "BWD_L2_BULK": True, "BWD_UNIT_SCALE": True,
+     "RED_BATCH": 128, "RED_THREADS": 32},
+    {"FWD_UNIT_SCALE": True, "FWD_BLOCKS": 7, "FWD_BLOCKS_QUANT": 7},
+]
+
+
+def _bits(t):
+    if t is None:
+        return None
+    t = t.contiguous()
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]).cpu()
+
+
+def _knob_outputs(x, w, dy, rstd, rg, scale):
+    fwd = K.norm_forward_launch(x, w, 1e-6, None, scale)[0]
+    q = K.norm_forward_launch(x, w, 1e-6, None, scale, quant=True, use_tma_aligned_col_major_sf=True,
+                              round_sf=True, use_packed_ue8m0=True)
+    bwd = K.norm_backward_launch(dy, x, w, rstd, rg, scale, w.clone())
+    return [_bits(t) for t in (fwd, q[0], q[1], *bwd)]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", KNOB_VARIANTS, ids=str)
+@pytest.mark.parametrize("scale", (1.0, 0.75))
+@pytest.mark.parametrize("has_rg", (False, True))
+def test_knob_variants_bit_identical_gpu(knobs, scale, has_rg, monkeypatch):
+    """The kernels built with a knob variant (compiled here, outside the caches) give the default's bits,
+    NaN and inf inputs included."""
+    import tilelang
+
+    dtype, h, t = torch.bfloat16, 7168, 1001
+    x, _, w = _inputs(t, h, dtype, residual=False)
+    dy = torch.randn((t, h), device="cuda").to(dtype)
+    rg = torch.randn((t, h), device="cuda").to(dtype) if has_rg else None
+    rstd = torch.rand((t,), device="cuda") + 0.5
+    x[3, 5], x[700, 9] = float("nan"), float("inf")
+    dy[5, 11], dy[300, 4000] = float("nan"), -float("inf")
+    want = _knob_outputs(x, w, dy, rstd, rg, scale)
+    for name, value in knobs.items():
+        monkeypatch.setattr(K, name, value)
+    built = {}
+
+    def get(name, cfg):
+        if (name, cfg) not in built:
+            built[name, cfg] = tilelang.compile(_jit._FACTORIES[name][0](*cfg),
+                                                target={"kind": "cuda", "arch": _jit.current_arch()},
+                                                execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS))
+        return built[name, cfg]
+
+    monkeypatch.setattr(K._jit, "get", get)
+    got = _knob_outputs(x, w, dy, rstd, rg, scale)
+    for i, (g, e) in enumerate(zip(got, want)):
+        assert torch.equal(g, e), f"output {i}"

@@ -25,16 +25,30 @@ from tilefuse import formats as F
 from tilefuse.quant import _tl
 
 _TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
-_THREADS = 128
-_NP = 256          # partial weight-gradient buffers of norm_backward (fixed: results never depend on the GPU)
+_THREADS = 128     # forward threads per CTA: fixes the order of the row sum of squares (not a knob)
+_NP = 256          # partial weight-gradient buffers of norm_backward (fixed: results never depend on the GPU;
+                   # it fixes which rows each partial sums: not a knob)
 _M = F.FMT_MAX["e4m3"]
 _CLAMP = F.CLAMP_MIN["e4m3"]
-_BT = 256          # norm_backward threads per CTA (the NP = 256 CTAs are all resident: 2 per SM)
-_FWD_BLOCKS = 6    # bf16 norm_forward CTAs (rows) resident per SM: <= 80 registers, no spills
-_FWD_BLOCKS_QUANT = 8  # the quantizing bf16 forward: <= 64 registers (it needs 72 unconstrained: 7 per SM)
-_RB = 32           # weight-gradient reduce: partial rows loaded per batch (_NP % _RB == 0)
-_RT = 64           # weight-gradient reduce: threads per CTA (112 CTAs at H = 7168)
-_BWD_L2_AHEAD = 0  # norm_backward: rows per CTA prefetched into L2 beyond the one loaded into registers
+_BT = 256          # norm_backward threads per CTA (the NP = 256 CTAs are all resident: 2 per SM); it fixes the
+                   # order of the row reduction A, so dx's bits: not a knob
+
+# Knobs (TILEFUSE_KNOBS, read when a kernel is built): scheduling only, never the arithmetic order.
+FWD_BLOCKS = 6    # bf16 norm_forward CTAs (rows) resident per SM: <= 80 registers, no spills
+FWD_BLOCKS_QUANT = 8  # the quantizing bf16 forward: <= 64 registers (it needs 72 unconstrained: 7 per SM)
+RED_BATCH = 32     # weight-gradient reduce: partial rows loaded per batch (_NP % RED_BATCH == 0); the sum is
+                   # in order p whatever the batch
+RED_THREADS = 64   # weight-gradient reduce: threads per CTA (112 CTAs at H = 7168)
+BWD_L2_AHEAD = 0   # norm_backward: rows per CTA prefetched into L2 beyond the one loaded into registers
+BWD_L2_BULK = False  # with BWD_L2_AHEAD: thread 0 prefetches each row of x and dy with one TMA bulk L2 prefetch
+                     # (cp.async.bulk.prefetch.L2, 14 KB, rows k + 2 .. k + 1 + AHEAD) instead of every thread
+                     # prefetching its 16-byte vectors
+FWD_UNIT_SCALE = False  # norm_forward(_and_per_token_cast): a copy of the kernel for out_scale == 1 without the
+                        # multiplication of w by it per element (exact: see make_body)
+BWD_UNIT_SCALE = False  # norm_backward: a second copy of the kernel body for out_scale == 1 (the bench and the
+                        # common case), without the two multiplications by it per element (exact: see make_body)
+BWD_RSTD_AHEAD = False  # norm_backward: load the next row's rstd one row ahead with its x and dy (not at the
+                        # top of the row, where its DRAM latency is exposed once per row)
 _NPC = 32          # quant.md 5.11: the quantizing op casts with 32-channel groups
 
 # bf16 -> binary32 from the 32-bit register word holding elements 2k (low half) and 2k + 1 (high half): one
@@ -47,6 +61,8 @@ template <typename T> __device__ __forceinline__ float nf_bf16(const T* v, int i
   return __uint_as_float((i & 1) ? (w & 0xFFFF0000u) : (w << 16)); }
 __device__ __forceinline__ void nf_prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" : : "l"(p)); }
+__device__ __forceinline__ void nf_bulk_prefetch_l2(const void* p, unsigned bytes) {  // sm_90 TMA: one row
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" : : "l"(p), "r"(bytes)); }
 """
 
 
@@ -108,27 +124,14 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
     rstd_p = T.Tensor((B, Tn), "float32") if with_rstd else dummy("float32")
     mega_p = T.StridedTensor((hidden // 128, MR), (ML, 1), "int32") if mega_bm else dummy("int32")
 
-    @T.prim_func
-    def norm_forward(X: x_p, W: w_p, Res: r_p, ResOut: ro_p, Out: o_p, SF: sf_p, Bf: bf_p, Rstd: rstd_p,
-                     Mega: mega_p, eps: T.float32, out_scale: T.float32):
-        # quant.md 5.11: non-last strides are multiples of 16 elements (the launcher zeroes those of size-1 dims)
-        T.assume(XB % 16 == 0)
-        T.assume(XS % 16 == 0)
-        if has_residual:
-            T.assume(RB % 16 == 0)
-            T.assume(RS % 16 == 0)
-            T.assume(OB % 16 == 0)
-            T.assume(OS % 16 == 0)
-        T.assume(QB % 16 == 0)
-        T.assume(QS % 16 == 0)
-        if with_bf16:
-            T.assume(BB % 16 == 0)
-            T.assume(BS % 16 == 0)
-        with T.Kernel(Tn, B, threads=_THREADS) as (t, b):
-            if x_dtype == "bfloat16":
-                T.annotate_min_blocks_per_sm(_FWD_BLOCKS_QUANT if quant else _FWD_BLOCKS)  # rows per SM: loads in flight
-            if words:
-                T.import_source(_CUDA_HELPERS)
+    def make_body(unit: bool):
+        """The kernel body; ``unit``: a copy for ``out_scale == 1`` that skips the multiplication by it
+        (``v * 1`` is ``v``; the product it feeds canonicalizes NaNs the same way: bit-identical)."""
+        def scale(v, s):
+            return v if unit else v * s
+
+        @T.macro
+        def body(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale, t, b):
             tx = T.get_thread_binding()
             io = T.alloc_local((C, E), x_dtype)   # h = round(x + res) in x.dtype: binary32 values are float(io)
             red = T.alloc_shared((NW,), "float32")
@@ -180,10 +183,10 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
                         for e in T.vectorized(E):
                             ww[e] = W[col + e]
                         for e in T.unroll(E):
-                            of[e] = (f32(io, c, e) * rstd) * (f32(ww, e) * out_scale)
+                            of[e] = (f32(io, c, e) * rstd) * scale(f32(ww, e), out_scale)
                     else:
                         for e in T.unroll(E):
-                            of[e] = (f32(io, c, e) * rstd) * out_scale
+                            of[e] = scale(f32(io, c, e) * rstd, out_scale)
                 else:
                     for e in T.unroll(E):
                         of[e] = T.float32(0.0)
@@ -247,6 +250,40 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
                         for e in T.vectorized(E):
                             Out[b, t, col + e] = qb[e]
 
+        return body
+
+    body_gen = make_body(False)
+    body_unit = make_body(True) if FWD_UNIT_SCALE else None
+
+    @T.prim_func
+    def norm_forward(X: x_p, W: w_p, Res: r_p, ResOut: ro_p, Out: o_p, SF: sf_p, Bf: bf_p, Rstd: rstd_p,
+                     Mega: mega_p, eps: T.float32, out_scale: T.float32):
+        # quant.md 5.11: non-last strides are multiples of 16 elements (the launcher zeroes those of size-1 dims)
+        T.assume(XB % 16 == 0)
+        T.assume(XS % 16 == 0)
+        if has_residual:
+            T.assume(RB % 16 == 0)
+            T.assume(RS % 16 == 0)
+            T.assume(OB % 16 == 0)
+            T.assume(OS % 16 == 0)
+        T.assume(QB % 16 == 0)
+        T.assume(QS % 16 == 0)
+        if with_bf16:
+            T.assume(BB % 16 == 0)
+            T.assume(BS % 16 == 0)
+        with T.Kernel(Tn, B, threads=_THREADS) as (t, b):
+            if x_dtype == "bfloat16":
+                T.annotate_min_blocks_per_sm(FWD_BLOCKS_QUANT if quant else FWD_BLOCKS)  # rows per SM: loads in flight
+            if words:
+                T.import_source(_CUDA_HELPERS)
+            if FWD_UNIT_SCALE:
+                if out_scale == T.float32(1.0):   # uniform: the copy without the multiplication by out_scale
+                    body_unit(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale, t, b)
+                else:
+                    body_gen(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale, t, b)
+            else:
+                body_gen(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale, t, b)
+
     return norm_forward
 
 
@@ -263,6 +300,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
     TB = _BT if x_dtype == "bfloat16" else 2 * _BT   # 32 elements per thread at H = 7168 (registers: see below)
     C = -(-VPR // TB)
     NW = TB // 32
+    rowbytes = hidden * (2 if x_dtype == "bfloat16" else 4)   # a multiple of 16 (H % 32 == 0)
 
     def f32(buf, *idx):
         return _f32_of(T, x_dtype, buf, *idx)
@@ -277,16 +315,15 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
     dx_p = T.Tensor((Tn, hidden), x_dtype)
     part_p = T.Tensor((_NP, hidden), "float32") if has_weight else T.Tensor((1,), "float32")
 
-    @T.prim_func
-    def norm_backward(DY: dy_p, X: x_p, W: w_p, Rstd: rstd_p, RG: rg_p, DX: dx_p, Part: part_p,
-                      out_scale: T.float32):
-        T.assume(XS % 16 == 0)
-        T.assume(GS % 16 == 0)
-        if has_res_grad:
-            T.assume(RS % 16 == 0)
-        with T.Kernel(_NP, threads=TB) as p:
-            T.annotate_min_blocks_per_sm(2)  # <= 128 registers: two CTAs per SM, so all NP CTAs run at once
-            T.import_source(_CUDA_HELPERS)
+    def make_body(unit: bool):
+        """The kernel body; ``unit``: a copy for ``out_scale == 1`` that skips the multiplications by it
+        (``v * 1`` is ``v``; every value that reaches an output passes another multiplication or fused
+        multiply-add, which canonicalizes NaNs the same way: bit-identical)."""
+        def scale(v, s):
+            return v if unit else v * s
+
+        @T.macro
+        def body(DY, X, W, Rstd, RG, DX, Part, p, out_scale):
             tx = T.get_thread_binding()
             xn = T.alloc_local((C, E), x_dtype)     # the row to reduce next (loaded one iteration ahead)
             dn = T.alloc_local((C, E), x_dtype)
@@ -297,6 +334,12 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
             io = T.alloc_local((E,), x_dtype)
             red = T.alloc_shared((NW,), "float32")
             acc = T.alloc_var("float32")
+            if BWD_RSTD_AHEAD:
+                rn = T.alloc_var("float32")   # the next row's rstd
+                rc = T.alloc_var("float32")   # this row's (rn is reloaded before the dx pass)
+                rn = T.float32(0.0)
+                if p < Tn:
+                    rn = Rstd[p]
             for c in T.unroll(C):
                 col = (c * TB + tx) * E
                 for e in T.unroll(E):
@@ -309,10 +352,27 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                         xn[c, e] = X[p, col + e]
                     for e in T.vectorized(E):
                         dn[c, e] = DY[p, col + e]
+            if BWD_L2_AHEAD > 0 and BWD_L2_BULK:
+                if tx == 0:
+                    for a in T.unroll(1, 1 + BWD_L2_AHEAD):
+                        if p + a * _NP < Tn:
+                            T.call_extern("void", "nf_bulk_prefetch_l2", X.access_ptr("r", offset=(p + a * _NP) * XS), rowbytes)
+                            T.call_extern("void", "nf_bulk_prefetch_l2", DY.access_ptr("r", offset=(p + a * _NP) * GS), rowbytes)
             for k in T.serial(T.ceildiv(Tn, _NP)):
                 row = k * _NP + p
                 if row < Tn:
-                    r = Rstd[row]
+                    if BWD_L2_AHEAD > 0 and BWD_L2_BULK:
+                        # the row BWD_L2_AHEAD + 1 ahead (the ones between are in L2 or on their way)
+                        if T.And(tx == 0, row + (1 + BWD_L2_AHEAD) * _NP < Tn):
+                            T.call_extern("void", "nf_bulk_prefetch_l2",
+                                          X.access_ptr("r", offset=(row + (1 + BWD_L2_AHEAD) * _NP) * XS), rowbytes)
+                            T.call_extern("void", "nf_bulk_prefetch_l2",
+                                          DY.access_ptr("r", offset=(row + (1 + BWD_L2_AHEAD) * _NP) * GS), rowbytes)
+                    if BWD_RSTD_AHEAD:
+                        rc = rn
+                        r = rc
+                    else:
+                        r = Rstd[row]
                     acc = T.float32(0.0)
                     for c in T.unroll(C):
                         col = (c * TB + tx) * E
@@ -324,7 +384,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                                     wl[e] = W[col + e]
                         for e in T.unroll(E):
                             xh = f32(xn, c, e) * r
-                            g = f32(dn, c, e) * out_scale
+                            g = scale(f32(dn, c, e), out_scale)
                             if has_weight:
                                 wacc[c, e] = wacc[c, e] + xh * g
                                 acc = acc + xh * (g * f32(wl, e))
@@ -338,14 +398,17 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                                 xn[c, e] = X[row + _NP, col + e]
                             for e in T.vectorized(E):
                                 dn[c, e] = DY[row + _NP, col + e]
-                    # rows further ahead into L2 (no registers: the DRAM reads of _BWD_L2_AHEAD more rows in
+                    if BWD_RSTD_AHEAD:
+                        if row + _NP < Tn:
+                            rn = Rstd[row + _NP]
+                    # rows further ahead into L2 (no registers: the DRAM reads of BWD_L2_AHEAD more rows in
                     # flight per CTA; their register loads later hit L2)
-                    for a in T.unroll(2, 2 + _BWD_L2_AHEAD):
+                    for a in T.unroll(2, 2 + (0 if BWD_L2_BULK else BWD_L2_AHEAD)):
                         for c in T.unroll(C):
                             col = (c * TB + tx) * E
                             if T.And(col < hidden, row + a * _NP < Tn):
-                                T.call_extern("void", "nf_prefetch_l2", T.address_of(X[row + a * _NP, col]))
-                                T.call_extern("void", "nf_prefetch_l2", T.address_of(DY[row + a * _NP, col]))
+                                T.call_extern("void", "nf_prefetch_l2", X.access_ptr("r", offset=(row + a * _NP) * XS + col))
+                                T.call_extern("void", "nf_prefetch_l2", DY.access_ptr("r", offset=(row + a * _NP) * GS + col))
                     for st in T.unroll(5):
                         acc = acc + T.shfl_xor(acc, T.shift_right(16, st))
                     T.sync_threads()  # the previous row's readers of red are done
@@ -372,7 +435,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                                     rg[e] = RG[row, col + e]
                             for e in T.unroll(E):
                                 xh = f32(xl, e) * r
-                                g = f32(dl, e) * out_scale
+                                g = scale(f32(dl, e), out_scale)
                                 gw = g * f32(wl, e) if has_weight else g
                                 if has_res_grad:
                                     io[e] = T.cast((gw - xh * mean) * r + f32(rg, e), x_dtype)
@@ -387,6 +450,30 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                         for e in T.vectorized(E):
                             Part[p, col + e] = wacc[c, e]
 
+        return body
+
+    body_gen = make_body(False)
+    body_unit = make_body(True) if BWD_UNIT_SCALE else None
+
+    @T.prim_func
+    def norm_backward(DY: dy_p, X: x_p, W: w_p, Rstd: rstd_p, RG: rg_p, DX: dx_p, Part: part_p,
+                      out_scale: T.float32):
+        T.assume(XS % 16 == 0)
+        T.assume(GS % 16 == 0)
+        if has_res_grad:
+            T.assume(RS % 16 == 0)
+        with T.Kernel(_NP, threads=TB) as p:
+            T.annotate_min_blocks_per_sm(2)  # <= 128 registers: two CTAs per SM, so all NP CTAs run at once
+            T.import_source(_CUDA_HELPERS)
+            if BWD_UNIT_SCALE:
+                # a uniform branch: the out_scale == 1 copy skips 2 multiplications per element
+                if out_scale == T.float32(1.0):
+                    body_unit(DY, X, W, Rstd, RG, DX, Part, p, out_scale)
+                else:
+                    body_gen(DY, X, W, Rstd, RG, DX, Part, p, out_scale)
+            else:
+                body_gen(DY, X, W, Rstd, RG, DX, Part, p, out_scale)
+
     return norm_backward
 
 
@@ -396,17 +483,17 @@ def weight_grad_reduce_kernel(wg_dtype: str, hidden: int):
 
     @T.prim_func
     def weight_grad_reduce(Part: T.Tensor((_NP, hidden), "float32"), WG: T.Tensor((hidden,), wg_dtype)):
-        with T.Kernel(T.ceildiv(hidden, _RT), threads=_RT) as bx:
-            j = bx * _RT + T.get_thread_binding()
+        with T.Kernel(T.ceildiv(hidden, RED_THREADS), threads=RED_THREADS) as bx:
+            j = bx * RED_THREADS + T.get_thread_binding()
             if j < hidden:
                 s = T.alloc_var("float32")
-                buf = T.alloc_local((_RB,), "float32")
+                buf = T.alloc_local((RED_BATCH,), "float32")
                 s = T.float32(0.0)
-                # the partials in batches of _RB independent loads (in flight together), added in order p
-                for k in T.serial(_NP // _RB):
-                    for i in T.unroll(_RB):
-                        buf[i] = Part[k * _RB + i, j]
-                    for i in T.unroll(_RB):
+                # the partials in batches of RED_BATCH independent loads (in flight together), added in order p
+                for k in T.serial(_NP // RED_BATCH):
+                    for i in T.unroll(RED_BATCH):
+                        buf[i] = Part[k * RED_BATCH + i, j]
+                    for i in T.unroll(RED_BATCH):
                         s = s + buf[i]
                 WG[j] = T.cast(T.cast(WG[j], "float32") + s, wg_dtype)
 
