@@ -23,15 +23,44 @@ _M = F.FMT_MAX["e5m6"]
 _CLAMP = F.CLAMP_MIN["e5m6"]
 _TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _MAX_PER_THREAD = 64
+# Knob (read when the factory and launcher run; TILEFUSE_KNOBS overrides it for benchmark sweeps, results
+# identical): LANES = threads per row, a multiple of 32 (0: the power-of-two rule below). 7168 (896 groups):
+# 224 lanes x 4 groups (7 warps, no idle lane; 256 lanes leave half the lanes' last group empty), 448 x 2
+# or 896 x 1 (fewer registers per thread, more loads in flight per SM).
+LANES = 0
+# MIN_BLOCKS > 0: __launch_bounds__(threads, MIN_BLOCKS), a register cap of 65536 / (threads * MIN_BLOCKS) (0: none;
+# 256 lanes hold 50 registers: 4 CTAs = 56 KB of loads per SM; 5 fit at <= 48).
+MIN_BLOCKS = 0
+# PACKED_PROLOGUE (bfloat16 input): the row maximum and the NaN/infinity test on the loaded bf16 pairs (abs + max
+# and x * 0 + s in bf16x2: one instruction per two values; max ignores NaN like fmaxf, and bf16 -> fp32 is exact,
+# so the maximum and the test are the same) instead of per-value fp32 FMNMX / FFMA.
+PACKED_PROLOGUE = False
+
+_PACKED_HELPERS = """
+template <typename B> __device__ __forceinline__ unsigned tf_bf16x2_bits(B lo, B hi) {
+  return (unsigned)(*reinterpret_cast<unsigned short*>(&lo)) | ((unsigned)(*reinterpret_cast<unsigned short*>(&hi)) << 16); }
+__device__ __forceinline__ unsigned tf_bf16x2_absmax(unsigned acc, unsigned w) {
+  unsigned a; asm("abs.bf16x2 %0, %1;" : "=r"(a) : "r"(w));
+  unsigned d; asm("max.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(acc), "r"(a)); return d; }
+__device__ __forceinline__ unsigned tf_bf16x2_fma0(unsigned acc, unsigned w) {
+  unsigned d; asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(w), "r"(0u), "r"(acc)); return d; }
+__device__ __forceinline__ float tf_bf16x2_max_f32(unsigned w) {
+  return fmaxf(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u)); }
+__device__ __forceinline__ float tf_bf16x2_sum_f32(unsigned w) {
+  return __uint_as_float(w << 16) + __uint_as_float(w & 0xffff0000u); }
+"""
 
 
 def _tiling(hidden: int) -> tuple[int, int, int] | None:
     """(L threads per row, NG groups of 8 per thread, R rows per CTA), or None for widths beyond 65536.
 
     L is a power of two >= 32 giving each thread about four groups (32 values), so a row is a whole number
-    of warps; small rows share a CTA (R * L >= 128 threads).
+    of warps; small rows share a CTA (R * L >= 128 threads). With the ``LANES`` knob set, L = LANES (a
+    multiple of 32, at most 1024) when that leaves at most 8 groups per thread.
     """
     g8 = hidden // 8
+    if LANES and LANES % 32 == 0 and LANES <= 1024 and -(-g8 // LANES) <= 8:
+        return LANES, -(-g8 // LANES), max(1, 128 // LANES)
     lanes = 32
     while lanes < 1024 and lanes * 4 < g8:
         lanes *= 2
@@ -113,6 +142,7 @@ def e5m6_cast_kernel(x_dtype: str, hidden: int, round_sf: bool, sf_layout: str):
     qpr = words // yvec  # store vectors per row
     n_copy = -(-(R * qpr) // (R * L))
     nwarps = L // 32
+    packed = PACKED_PROLOGUE and x_dtype == "bfloat16"
     Tn, S, P = T.dynamic("num_tokens, x_row_stride, sf_pad")
     if sf_layout == "row":
         sf_param = T.Tensor((Tn, 1), "float32")
@@ -128,6 +158,8 @@ def e5m6_cast_kernel(x_dtype: str, hidden: int, round_sf: bool, sf_layout: str):
     def e5m6_cast(X: x_param, Y: y_param, SF: sf_param):
         T.assume(S % vec == 0)
         with T.Kernel(T.ceildiv(Tn, R), threads=R * L) as bx:
+            if MIN_BLOCKS:
+                T.annotate_min_blocks_per_sm(MIN_BLOCKS)
             tx = T.get_thread_binding()
             lane = tx % L
             row = bx * R + tx // L
@@ -146,15 +178,31 @@ def e5m6_cast_kernel(x_dtype: str, hidden: int, round_sf: bool, sf_layout: str):
                     for p in T.unroll(8 // vec):
                         for v in T.vectorized(vec):
                             raw[j * 8 + p * vec + v] = X[row, (lane + j * L) * 8 + p * vec + v]
-            amax[0] = T.float32(0.0)
-            special[0] = T.float32(0.0)
-            for j in T.unroll(NG):
-                for v in T.unroll(8):
-                    xv[j * 8 + v] = T.cast(raw[j * 8 + v], "float32")
-                    amax[0] = T.max(amax[0], T.abs(xv[j * 8 + v]))
-                    # NaN exactly when one of this thread's values is NaN or infinite (an extern FMA: the
-                    # TIR simplifier would fold a plain x * 0 to 0)
-                    special[0] = T.call_extern("float32", "__fmaf_rn", xv[j * 8 + v], T.float32(0.0), special[0])
+            if packed:
+                T.import_source(_PACKED_HELPERS)
+                acc = T.alloc_local((2,), "uint32")  # |x| maximum and x * 0 sum, bf16x2 lanes
+                acc[0] = T.uint32(0)
+                acc[1] = T.uint32(0)
+                for j in T.unroll(NG):
+                    for p in T.unroll(4):
+                        w = T.call_extern("uint32", "tf_bf16x2_bits", raw[j * 8 + 2 * p], raw[j * 8 + 2 * p + 1])
+                        acc[0] = T.call_extern("uint32", "tf_bf16x2_absmax", acc[0], w)
+                        acc[1] = T.call_extern("uint32", "tf_bf16x2_fma0", acc[1], w)
+                    for v in T.unroll(8):
+                        xv[j * 8 + v] = T.cast(raw[j * 8 + v], "float32")
+                amax[0] = T.call_extern("float32", "tf_bf16x2_max_f32", acc[0])
+                special[0] = T.call_extern("float32", "tf_bf16x2_sum_f32", acc[1])
+            else:
+                amax[0] = T.float32(0.0)
+                special[0] = T.float32(0.0)
+                for j in T.unroll(NG):
+                    for v in T.unroll(8):
+                        xv[j * 8 + v] = T.cast(raw[j * 8 + v], "float32")
+                        amax[0] = T.max(amax[0], T.abs(xv[j * 8 + v]))
+                        # NaN exactly when one of this thread's values is NaN or infinite (an extern FMA: the
+                        # TIR simplifier would fold a plain x * 0 to 0)
+                        special[0] = T.call_extern("float32", "__fmaf_rn", xv[j * 8 + v], T.float32(0.0),
+                                                   special[0])
             for off in (16, 8, 4, 2, 1):  # a Python tuple: unrolled while building
                 amax[0] = T.max(amax[0], T.shfl_xor(amax[0], off))
             if nwarps > 1:

@@ -19,6 +19,14 @@ _THREADS = 256
 _W = 4  # words per 16-byte store
 _NOT_EXPONENT = -0x7F800001  # int32 pattern 0x807FFFFF: sign and mantissa bits
 _U = 4  # words of the storage (output rows c) per thread: 4 16-byte stores, one sf row's loads
+# Knobs (read when the factory runs; TILEFUSE_KNOBS overrides them for benchmark sweeps, results identical):
+# LOADS_FIRST issues all 4 * _U sf loads of a thread before its first store (off: each word's 4 loads follow the
+# previous word's store, which the compiler may not reorder, as Y could alias E: _U dependent memory round
+# trips per CTA); STORE_HINT picks the store intrinsic: 0 "__stcs" (evict-first), 1 "__stcg" (L2 only), 2 "__stwb".
+LOADS_FIRST = False
+STORE_HINT = 0
+_STORE_FNS = ("__stcs", "__stcg", "__stwb")
+MIN_BLOCKS = 0  # > 0: __launch_bounds__(_THREADS, MIN_BLOCKS) (a register cap; 0: none)
 
 
 def weight_sf_kernel(block_size: int, jobs: int = 1):
@@ -58,34 +66,61 @@ def weight_sf_kernel(block_size: int, jobs: int = 1):
         cy = q - g * ncy[j]
         r0 = (bx * _THREADS + tx) * _W
         rb = r0 // block_size
-        if r0 < dims[j][4]:
-            bad = T.alloc_var("int32")
-            bad = 0
-            for k in T.unroll(_U):
-                word = T.alloc_var("int32")
-                word = 0
-                if (cy + 1) * (_U * 4) <= dims[j][2]:  # all 16 sf values exist: plain loads off one base address
+        if LOADS_FIRST:
+            if r0 < dims[j][4]:
+                bad = T.alloc_var("int32")
+                bad = 0
+                vals = T.alloc_local((_U * 4,), "int32")
+                if (cy + 1) * (_U * 4) <= dims[j][2]:  # all sf values exist: plain loads off one base address
+                    for k in T.unroll(_U):
+                        for u in T.unroll(4):
+                            vals[k * 4 + u] = T.reinterpret(E[g, rb, (cy * _U + k) * 4 + u], "int32")
+                else:  # the last column block: values past C read as 0 (their bytes are 0)
+                    for k in T.unroll(_U):
+                        for u in T.unroll(4):
+                            vals[k * 4 + u] = 0
+                            if (cy * _U + k) * 4 + u < dims[j][2]:
+                                vals[k * 4 + u] = T.reinterpret(E[g, rb, (cy * _U + k) * 4 + u], "int32")
+                for k in T.unroll(_U):
+                    word = T.alloc_var("int32")
+                    word = 0
                     for u in T.unroll(4):
-                        bits = T.alloc_var("int32")
-                        bits = T.reinterpret(E[g, rb, (cy * _U + k) * 4 + u], "int32")
-                        bad = bad | (bits & T.int32(_NOT_EXPONENT))
-                        word = word | T.shift_left(T.shift_right(bits, 23) & 255, 8 * u)
-                else:  # the last column block: bytes past C are 0
-                    for u in T.unroll(4):
-                        jc = (cy * _U + k) * 4 + u
-                        if jc < dims[j][2]:
+                        bad = bad | (vals[k * 4 + u] & T.int32(_NOT_EXPONENT))
+                        word = word | T.shift_left(T.shift_right(vals[k * 4 + u], 23) & 255, 8 * u)
+                    if cy * _U + k < dims[j][3]:
+                        T.call_extern("void", _STORE_FNS[STORE_HINT],
+                                      T.call_extern("handle", "(int4*)", T.address_of(Y[g, cy * _U + k, r0])),
+                                      T.call_extern("handle", "make_int4", word, word, word, word))
+                T.call_extern("void", "device_assert", bad == 0)
+        else:
+            if r0 < dims[j][4]:
+                bad = T.alloc_var("int32")
+                bad = 0
+                for k in T.unroll(_U):
+                    word = T.alloc_var("int32")
+                    word = 0
+                    if (cy + 1) * (_U * 4) <= dims[j][2]:  # all 16 sf values exist: plain loads off one base address
+                        for u in T.unroll(4):
                             bits = T.alloc_var("int32")
-                            bits = T.reinterpret(E[g, rb, jc], "int32")
+                            bits = T.reinterpret(E[g, rb, (cy * _U + k) * 4 + u], "int32")
                             bad = bad | (bits & T.int32(_NOT_EXPONENT))
                             word = word | T.shift_left(T.shift_right(bits, 23) & 255, 8 * u)
-                if cy * _U + k < dims[j][3]:
-                    # one 16-byte store: nvcc splits a plain int4 store of this broadcast word into four
-                    # 4-byte ones (partial sectors); streaming (evict-first): outputs are written once
-                    T.call_extern("void", "__stcs",
-                                  T.call_extern("handle", "(int4*)", T.address_of(Y[g, cy * _U + k, r0])),
-                                  T.call_extern("handle", "make_int4", word, word, word, word))
-            # quant.md 5.13: sign and mantissa bits must be 0 (every sf element is read by some thread)
-            T.call_extern("void", "device_assert", bad == 0)
+                    else:  # the last column block: bytes past C are 0
+                        for u in T.unroll(4):
+                            jc = (cy * _U + k) * 4 + u
+                            if jc < dims[j][2]:
+                                bits = T.alloc_var("int32")
+                                bits = T.reinterpret(E[g, rb, jc], "int32")
+                                bad = bad | (bits & T.int32(_NOT_EXPONENT))
+                                word = word | T.shift_left(T.shift_right(bits, 23) & 255, 8 * u)
+                    if cy * _U + k < dims[j][3]:
+                        # one 16-byte store: nvcc splits a plain int4 store of this broadcast word into four
+                        # 4-byte ones (partial sectors); streaming (evict-first): outputs are written once
+                        T.call_extern("void", _STORE_FNS[STORE_HINT],
+                                      T.call_extern("handle", "(int4*)", T.address_of(Y[g, cy * _U + k, r0])),
+                                      T.call_extern("handle", "make_int4", word, word, word, word))
+                # quant.md 5.13: sign and mantissa bits must be 0 (every sf element is read by some thread)
+                T.call_extern("void", "device_assert", bad == 0)
 
     if jobs == 1:
         @T.prim_func
@@ -93,6 +128,8 @@ def weight_sf_kernel(block_size: int, jobs: int = 1):
             T.assume(dims[0][4] % (_W * 32) == 0)
             T.assume(dims[0][5] % _W == 0)
             with T.Kernel(total, threads=_THREADS) as blk:
+                if MIN_BLOCKS:
+                    T.annotate_min_blocks_per_sm(MIN_BLOCKS)
                 tx = T.get_thread_binding()
                 job(E0, Y0, blk, tx, 0)
     elif jobs == 2:
@@ -103,6 +140,8 @@ def weight_sf_kernel(block_size: int, jobs: int = 1):
             T.assume(dims[1][4] % (_W * 32) == 0)
             T.assume(dims[1][5] % _W == 0)
             with T.Kernel(total, threads=_THREADS) as blk:
+                if MIN_BLOCKS:
+                    T.annotate_min_blocks_per_sm(MIN_BLOCKS)
                 tx = T.get_thread_binding()
                 if blk < first[1]:
                     job(E0, Y0, blk, tx, 0)
@@ -121,6 +160,8 @@ def weight_sf_kernel(block_size: int, jobs: int = 1):
             T.assume(dims[3][4] % (_W * 32) == 0)
             T.assume(dims[3][5] % _W == 0)
             with T.Kernel(total, threads=_THREADS) as blk:
+                if MIN_BLOCKS:
+                    T.annotate_min_blocks_per_sm(MIN_BLOCKS)
                 tx = T.get_thread_binding()
                 if blk < first[1]:
                     job(E0, Y0, blk, tx, 0)
