@@ -395,3 +395,47 @@ def test_cast_back_every_code():
     packed = torch.zeros(1, F.align(t, 4), dtype=torch.int32, device="cuda")
     packed[0, :t] = (F.ue8m0_encode(sf[:, 0]).to(torch.int32))
     _check_back(data, packed[:, :t].t(), "fp32")  # col + packed UE8M0 sf
+
+
+# Knob variants (TILEFUSE_KNOBS sweeps, module doc of _jit.knobs): each must give the reference's bits exactly.
+KNOB_VARIANTS = [
+    {"PACKED_PROLOGUE": True},
+    {"MIN_BLOCKS": 5},
+    {"PACKED_PROLOGUE": True, "LANES": 448, "MIN_BLOCKS": 4},
+    {"PACKED_PROLOGUE": True, "LANES": 224, "MIN_BLOCKS": 5},
+    {"LANES": 224, "MIN_BLOCKS": 5},
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", KNOB_VARIANTS, ids=str)
+def test_knob_variants_match_reference(knobs, monkeypatch):
+    """The cast built with a knob variant (compiled here, outside the caches) equals the reference: random
+    rows, the quant.md 6.2 fills (NaN and inf included), NaN/inf rows by hand, both widths and dtypes."""
+    import tilelang
+
+    for name, value in knobs.items():
+        monkeypatch.setattr(K, name, value)
+    built = {}
+
+    def get(name, cfg):
+        if (name, cfg) not in built:
+            built[name, cfg] = tilelang.compile(_jit._FACTORIES[name][0](*cfg),
+                                                target={"kind": "cuda", "arch": _jit.current_arch()},
+                                                execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS))
+        return built[name, cfg]
+
+    monkeypatch.setattr(K._jit, "get", get)
+    hand = torch.ones(64, 7168, device="cuda")
+    hand[1::4, 5] = float("nan")
+    hand[2::4, 7000] = float("-inf")
+    hand[3::4, ::97] = float("nan")
+    hand[3::4, 1] = -0.0
+    for x_dtype in ("bfloat16", "float32"):
+        dtype = DTYPES[x_dtype]
+        for flags in FLAGS:
+            _check(hand.to(dtype), flags)
+            for hidden in (576, 7168):
+                _check(torch.randn(4001, hidden, dtype=dtype, device="cuda"), flags)
+                for kind in QUANT_FILLS:
+                    _check(quant_adversarial(1001, hidden, kind, dtype=dtype, device="cuda"), flags)

@@ -275,3 +275,49 @@ def test_cast_and_cast_back_many_rows_gpu():
     CB.cast_and_cast_back_launch(x, "e4m3", 128, round_sf=True)
     torch.cuda.synchronize()
     assert_equal(x, want)
+
+
+# Knob variants (TILEFUSE_KNOBS sweeps, module doc of _jit.knobs): each must give the reference's bits exactly.
+KNOB_VARIANTS = [
+    {"LOADS_FIRST": True},
+    {"LOADS_FIRST": True, "MIN_BLOCKS": 6},
+    {"LOADS_FIRST": True, "STORE_HINT": 1},
+    {"LOADS_FIRST": True, "_U": 8, "MIN_BLOCKS": 4},
+    {"LOADS_FIRST": True, "_THREADS": 128},
+    {"STORE_HINT": 2},
+]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", KNOB_VARIANTS, ids=str)
+@pytest.mark.parametrize("bs", [32, 128])
+def test_weight_sf_knob_variants_gpu(knobs, bs, monkeypatch):
+    """The kernel built with a knob variant (compiled here, outside the caches) equals the reference, padding
+    bytes included, for 1 to 5 weights (launches of 2 and 4 outputs, partial column blocks)."""
+    import tilelang
+
+    for name, value in knobs.items():
+        monkeypatch.setattr(WS, name, value)
+    built = {}
+
+    def get(name, cfg):
+        if (name, cfg) not in built:
+            built[name, cfg] = tilelang.compile(_jit._FACTORIES[name][0](*cfg),
+                                                target={"kind": "cuda", "arch": _jit.current_arch()},
+                                                execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS))
+        return built[name, cfg]
+
+    monkeypatch.setattr(WS._jit, "get", get)
+    g = torch.Generator(device="cuda").manual_seed(7 * bs)
+    pick = [(3, 4096 // bs, 7168 // bs), (7168 // bs, 2048 // bs), (2, 384 // bs, 128 // bs), (128 // bs, 640 // bs),
+            (5, 256 // bs, 1152 // bs)]
+    for n in (1, 3, 5):
+        sf = [_pow2_sf(s, g) for s in pick[:n]]
+        flags = [True, False, True, False, True][:n]
+        _poison()
+        got = WS.batched_transpose_weight_sf_launch(sf, bs, flags, None)
+        for (a0, a1), (b0, b1) in zip(got, ref_wsf(sf, bs, flags)):
+            for a, b in ((a0, b0), (a1, b1)):
+                assert a.shape == b.shape and a.stride() == b.stride()
+                assert_equal(a, b)
