@@ -218,10 +218,10 @@ def per_token_cast_kernel(x_dtype: str, fmt: str, hidden: int, npc: int, round_s
     @T.macro
     def body(X, SFI, Y, SF):
         with T.Kernel(T.ceildiv(Tn, BM), n_units // GU, threads=threads) as (bx, by):
+            if fmt == "e2m1" and mode != "sf_only":  # before the annotation, which an import placed after drops
+                T.import_source(_tl.CUDA_HELPERS + (_BF16X2_HELPERS if bf16x2 else ""))
             if min_blocks:
                 T.annotate_min_blocks_per_sm(min_blocks)
-            if fmt == "e2m1" and mode != "sf_only":
-                T.import_source(_tl.CUDA_HELPERS + (_BF16X2_HELPERS if bf16x2 else ""))
             tx = T.get_thread_binding()
             q = tx % L
             s = tx // L
