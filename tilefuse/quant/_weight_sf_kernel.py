@@ -27,6 +27,13 @@ LOADS_FIRST = False
 STORE_HINT = 0
 _STORE_FNS = ("__stcs", "__stcg", "__stwb")
 MIN_BLOCKS = 0  # > 0: __launch_bounds__(_THREADS, MIN_BLOCKS) (a register cap; 0: none)
+# INT32_OFFSETS (with LOADS_FIRST): sf element offsets in int32 off the tensor's base pointer (one IMAD each)
+# instead of TileLang's int64 index products (about 8 instructions per load); needs sf tensors of < 2^31 elements.
+INT32_OFFSETS = False
+_LDG_HELPER = """
+template <typename P> __device__ __forceinline__ int tf_wsf_ldg(P p, int off) {
+  return __float_as_int(__ldg(reinterpret_cast<const float*>(p) + off)); }
+"""
 
 
 def weight_sf_kernel(block_size: int, jobs: int = 1):
@@ -38,11 +45,12 @@ def weight_sf_kernel(block_size: int, jobs: int = 1):
     import tilelang.language as T
 
     assert jobs in (1, 2, 4)
-    dims, params = [], []
+    dims, params, strides = [], [], []
     for j in range(jobs):
         d = T.dynamic(f"groups{j} rows{j} cols{j} words{j} out_rows{j} out_stride_g{j}")  # G R C W NR YG
         st = T.dynamic(f"stride_g{j} stride_r{j} stride_c{j}")
         dims.append(d)
+        strides.append(st)
         params.append(T.StridedTensor((d[0], d[1], d[2]), st, "float32"))
         params.append(T.StridedTensor((d[0], d[3], d[4]), (d[5], d[4], 1), "int32"))
     nbx = [T.ceildiv(d[4], _THREADS * _W) for d in dims]
@@ -71,7 +79,22 @@ def weight_sf_kernel(block_size: int, jobs: int = 1):
                 bad = T.alloc_var("int32")
                 bad = 0
                 vals = T.alloc_local((_U * 4,), "int32")
-                if (cy + 1) * (_U * 4) <= dims[j][2]:  # all sf values exist: plain loads off one base address
+                if INT32_OFFSETS:
+                    if j == 0:
+                        T.import_source(_LDG_HELPER)
+                    st = strides[j]
+                    off0 = T.alloc_var("int32")
+                    off0 = g * st[0] + rb * st[1] + (cy * (_U * 4)) * st[2]
+                    if (cy + 1) * (_U * 4) <= dims[j][2]:
+                        for i in T.unroll(_U * 4):
+                            vals[i] = T.call_extern("int32", "tf_wsf_ldg", T.address_of(E[0, 0, 0]), off0 + i * st[2])
+                    else:
+                        for i in T.unroll(_U * 4):
+                            vals[i] = 0
+                            if cy * (_U * 4) + i < dims[j][2]:
+                                vals[i] = T.call_extern("int32", "tf_wsf_ldg", T.address_of(E[0, 0, 0]),
+                                                        off0 + i * st[2])
+                elif (cy + 1) * (_U * 4) <= dims[j][2]:  # all sf values exist: plain loads off one base address
                     for k in T.unroll(_U):
                         for u in T.unroll(4):
                             vals[k * 4 + u] = T.reinterpret(E[g, rb, (cy * _U + k) * 4 + u], "int32")
