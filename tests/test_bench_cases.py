@@ -107,3 +107,18 @@ def test_list_prints_shapes_and_megabytes(capsys):
     out = capsys.readouterr().out
     assert "| per_channel_cast | bf16 8064x7168 npt128 round | 175.2 |" in out
     assert "per_block_cast" not in out
+
+
+def test_bench_configs_are_registered():
+    """The bench's kernel configs, traced on fake CUDA tensors, are all in the static-config registries, so the
+    compile tier builds (and ``precompile`` packs) every kernel the bench launches."""
+    from tilefuse import _jit
+
+    traced = bench.bench_configs()
+    registered = _jit.registered()
+    assert len(traced) > 20
+    missing = [(name, cfg) for name, cfg in traced if cfg not in registered[name]]
+    assert not missing, missing
+    assert {name for name, _ in traced} >= {"per_token_cast", "per_block_cast", "cast_back", "batched_transpose"}
+    assert bench.bench_configs(["per_token_cast"]) and all(
+        name == "per_token_cast" for name, _ in bench.bench_configs(["per_token_cast"]))

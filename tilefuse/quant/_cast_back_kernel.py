@@ -476,6 +476,7 @@ def _configs() -> list[tuple]:
                         cfgs.append((dfmt, out, h, 1, npc, packed))
             if h % 128 == 0:
                 cfgs += [("e4m3", out, h, 128, 1, False), ("e4m3", out, h, 128, 128, False)]
+    cfgs.append(("e5m6", "bf16", 7168, 1, 7168, False))  # the cast_back_e5m6 bench row
     return list(dict.fromkeys(cfgs))
 
 

@@ -640,7 +640,10 @@ def _bench_cast_configs() -> list[tuple]:
             for h in HIDDEN_SIZES for x in ("bfloat16", "float32") for fmt in ("e4m3", "e2m1")
             for col, rnd, packed in FLAG_SETS for bm, bk in BLOCKS] + [
         ("bfloat16", "e4m3", 7168, 128, 128, True, "col_packed", "sf_only"),
-        ("bfloat16", "e4m3", 7168, 128, 128, False, "row", "precomputed")]
+        ("bfloat16", "e4m3", 7168, 128, 128, False, "row", "precomputed"),
+        # inputs of other bench rows: the sf given to the precomputed row, the cast_back row's data
+        ("bfloat16", "e4m3", 7168, 128, 128, False, "row", "sf_only"),
+        ("bfloat16", "e4m3", 7168, 128, 128, False, "row", "cast")]
 
 
 def _lossless_configs() -> list[tuple]:
