@@ -13,9 +13,11 @@ kernel call with preallocated outputs, and ``torch.empty``.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import statistics
+import sys
 import time
 from typing import Callable, NamedTuple
 
@@ -381,9 +383,21 @@ def list_cases(scale: float = 1.0, ops: list[str] | None = None) -> list[dict]:
 
 
 def bench_configs(ops: list[str] | None = None) -> list[tuple[str, tuple]]:
-    """The ``(kernel, static config)`` pairs the bench rows launch, found without a GPU: each case runs on fake
-    CUDA tensors (shapes only) with ``_jit.get`` replaced by a recorder, so ``precompile --bench`` can build
-    exactly those (e.g. for a ``TILEFUSE_KNOBS`` variant) on a machine without a GPU."""
+    """The ``(kernel, static config)`` pairs the bench rows launch, found without a GPU, so ``precompile
+    --bench`` can build exactly those (e.g. for a ``TILEFUSE_KNOBS`` variant). The trace runs in a child
+    process: launchers cache what ``_jit.get`` returned, and the trace's recorder must not stay behind."""
+    import subprocess
+
+    code = "import sys; from tilefuse import bench; print(repr(bench._trace_configs(sys.argv[1:] or None)))"
+    done = subprocess.run([sys.executable, "-c", code, *(ops or [])], capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"bench_configs: the trace failed:\n{done.stderr[-2000:]}")
+    return ast.literal_eval(done.stdout.strip().splitlines()[-1])
+
+
+def _trace_configs(ops: list[str] | None) -> list[tuple[str, tuple]]:
+    """``bench_configs`` in this process: each case runs on fake CUDA tensors (shapes only) with ``_jit.get``
+    replaced by a recorder."""
     import warnings
 
     from torch._subclasses.fake_tensor import FakeTensorMode
