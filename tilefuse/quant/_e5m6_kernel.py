@@ -24,7 +24,8 @@ _CLAMP = F.CLAMP_MIN["e5m6"]
 _TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _MAX_PER_THREAD = 64
 # Knob (read when the factory and launcher run; TILEFUSE_KNOBS overrides it for benchmark sweeps, results
-# identical): LANES = threads per row, a multiple of 32 (0: the power-of-two rule below). 7168 (896 groups):
+# identical): LANES = threads per row, a multiple of 32, for the widths whose 8-value groups it divides (0, other
+# widths: the power-of-two rule below). 7168 (896 groups):
 # 224 lanes x 4 groups (7 warps, no idle lane; 256 lanes leave half the lanes' last group empty), 448 x 2
 # or 896 x 1 (fewer registers per thread, more loads in flight per SM).
 LANES = 0
@@ -56,11 +57,12 @@ def _tiling(hidden: int) -> tuple[int, int, int] | None:
 
     L is a power of two >= 32 giving each thread about four groups (32 values), so a row is a whole number
     of warps; small rows share a CTA (R * L >= 128 threads). With the ``LANES`` knob set, L = LANES (a
-    multiple of 32, at most 1024) when that leaves at most 8 groups per thread.
+    multiple of 32, at most 1024) for the widths whose groups it divides into at most 8 per thread (other widths
+    keep the rule).
     """
     g8 = hidden // 8
-    if LANES and LANES % 32 == 0 and LANES <= 1024 and -(-g8 // LANES) <= 8:
-        return LANES, -(-g8 // LANES), max(1, 128 // LANES)
+    if LANES and LANES % 32 == 0 and LANES <= 1024 and g8 % LANES == 0 and g8 // LANES <= 8:
+        return LANES, g8 // LANES, max(1, 128 // LANES)
     lanes = 32
     while lanes < 1024 and lanes * 4 < g8:
         lanes *= 2
