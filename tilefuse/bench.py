@@ -392,6 +392,9 @@ def bench_configs(ops: list[str] | None = None) -> list[tuple[str, tuple]]:
     done = subprocess.run([sys.executable, "-c", code, *(ops or [])], capture_output=True, text=True, check=False)
     if done.returncode:
         raise RuntimeError(f"bench_configs: the trace failed:\n{done.stderr[-2000:]}")
+    from tilefuse import _jit
+
+    _jit.registered()  # the kernel modules, imported here too: callers look configs up (``_jit._lib_path``)
     return ast.literal_eval(done.stdout.strip().splitlines()[-1])
 
 
