@@ -27,7 +27,7 @@ from tilefuse import _jit
 # Row-tile path (default). Output bytes per thread: chunks are one 16-byte store each, consecutive threads take
 # consecutive chunks (so every warp store covers 512 contiguous bytes) and a thread keeps UNROLL chunks, TX
 # apart, in flight.
-THREADS = 256
+THREADS = 128
 UNROLL = 8
 # elements per chunk of e4m3 / e2m1 data: one 16-byte store (8 bf16 / 4 fp32) by default; a multiple of the
 # store width makes a chunk one wider data load written as several 16-byte stores (e5m6 keeps 8 codes)

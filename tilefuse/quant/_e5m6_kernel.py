@@ -35,7 +35,7 @@ MIN_BLOCKS = 0
 # PACKED_PROLOGUE (bfloat16 input): the row maximum and the NaN/infinity test on the loaded bf16 pairs (abs + max
 # and x * 0 + s in bf16x2: one instruction per two values; max ignores NaN like fmaxf, and bf16 -> fp32 is exact,
 # so the maximum and the test are the same) instead of per-value fp32 FMNMX / FFMA.
-PACKED_PROLOGUE = False
+PACKED_PROLOGUE = True
 
 _PACKED_HELPERS = """
 template <typename B> __device__ __forceinline__ unsigned tf_bf16x2_bits(B lo, B hi) {

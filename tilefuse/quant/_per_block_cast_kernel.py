@@ -146,7 +146,7 @@ def default_warps(x_dtype: str, fmt: str, bm: int, mode: str) -> int:
 # Knobs (edit here to sweep: the source is part of the kernel cache key). CAST_PIPE: bf16 e4m3 128x128 cast and
 # sf-only as persistent band walks (1) or one CTA per tile (0); E2M1_32_WARPS: warps per CTA of the bf16 e2m1
 # cast with 32-row blocks (4 or 8); PIPE_CTAS: CTAs per SM the persistent grid targets.
-CAST_PIPE = 1
+CAST_PIPE = 0
 E2M1_32_WARPS = 4
 # CTAs per SM the bf16 e2m1 32-row-block cast asks nvcc for (its register budget: 65536 / (threads * ctas));
 # 0 = ``_resident_ctas`` with ``_CAST_REGS`` (6 CTAs of 128 threads at 80 registers, 24 warps per SM)
@@ -154,10 +154,10 @@ E2M1_32_CTAS = 0
 # E2M1_F16: the bf16 e2m1 cast with round_sf encodes with the shared packed-binary16 encoder
 # (``_tl.e2m1_pack_of_f16_halves``: two values per FP instruction; exact here since a bf16 value times a power of
 # two has 8 significant bits, as in the per-token e2m1 cast) instead of the binary32 one (0)
-E2M1_F16 = 0
+E2M1_F16 = 1
 PIPE_CTAS = 1
 # per_block_cast_lossless with 128-row output blocks: persistent band walk (1) or one CTA per tile (0)
-LOSSLESS_PIPE = 1
+LOSSLESS_PIPE = 0
 LOSSLESS_PIPE_CTAS = 2
 # PIPE_LINEAR: per_block_cast persistent grids (pipe 1, cast and sf-only): 0 = ``G`` CTAs per 256-channel column,
 # each walking that column's row bands (the measured default: 4 x 28 = 112 CTAs at one per SM, 20 SMs idle, 15-16
@@ -173,7 +173,7 @@ LOSSLESS_SKIP = 0
 # per_block_cast_lossless nibble decode: 0 = each binary16 half taken from the pair word by a uint16 cast /
 # 16-bit shift (nvcc narrows the word's masks per half: 4 LOP3 per nibble pair); 1 = both halves read from the
 # one 32-bit word through PTX ``mov.b32 {lo, hi}`` (2 LOP3 per pair). The same bits and the same exact widening.
-LOSSLESS_DECODE = 0
+LOSSLESS_DECODE = 1
 _LL_HELPERS = """
 __device__ __forceinline__ float tf_pbc_f16_lo(unsigned w) {
   float f; asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, l;}" : "=f"(f) : "r"(w)); return f; }

@@ -51,14 +51,15 @@ _THREADS = _CL * (_BM // _RPT)  # 128 (transposed path)
 _MIN_BLOCKS = 5  # transposed path: __launch_bounds__(128, 5): <= 102 registers -> 5 CTAs = 20 warps per SM
 
 # Tuning knobs (TILEFUSE_KNOBS; read when a kernel is built; they change tiling/occupancy only, never a value).
-# The defaults are the measured, tested geometry: 128 threads x (8 rows x 8 channels), 5 CTAs per SM.
+# Defaults from the H200 knob sweep of 2026-11-29 13:30 (docs/BENCHMARKS.md): 128 threads x (8 rows x 8 channels),
+# the input widened again for the store (80 registers), 7 CTAs per SM (pairs 5).
 CAST_CL = 8      # channel lanes per CTA row of the non-transposed path (4, 8, 16, 32): CTA = 8 * CAST_CL channels
 CAST_RPT = 8     # rows per thread of the non-transposed path (4 or 8): threads = CAST_CL * 128 / CAST_RPT
-CAST_REMAT = False  # non-transposed plain input: widen the raw input again for the store instead of holding
+CAST_REMAT = True  # non-transposed plain input: widen the raw input again for the store instead of holding
                    # the thread's 64 binary32 values across the reduction (fewer registers: more CTAs per SM)
-MIN_WARPS = 20   # non-transposed path: __launch_bounds__(threads, MIN_WARPS // warps per CTA) (20: (128, 5): 96
+MIN_WARPS = 28   # non-transposed path: __launch_bounds__(threads, MIN_WARPS // warps per CTA) (20: (128, 5): 96
                  # registers, no spills, 5 CTAs = 20 warps per SM; 16: (128, 4): 104 registers, 4 CTAs per SM)
-PAIR_MIN_WARPS = None  # pre-quantized pairs: MIN_WARPS of their own (None: MIN_WARPS; they spill at <= 72 registers)
+PAIR_MIN_WARPS = 20  # pre-quantized pairs: MIN_WARPS of their own (None: MIN_WARPS; they spill at <= 72 registers)
 _PAIR_NPC = 128  # per-token block width of a pre-quantized input (quant.md 3.10)
 _TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float8_e4m3fn: "pair"}
 

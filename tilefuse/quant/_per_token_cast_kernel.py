@@ -27,44 +27,6 @@ _MAX = {"e4m3": 448.0, "e2m1": 6.0}
 _CLAMP = {"e4m3": 1e-4, "e2m1": 6.0 * 2.0 ** -126}
 _TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float8_e4m3fn: "float8_e4m3fn",
              torch.int8: "e2m1"}
-# bf16 inputs with power-of-two sf and E2M1 output (``E2M1_BF16X2``): group maxima and the scaling by sf_inv / 2 in
-# packed bf16 arithmetic straight from the loaded words (no per-element binary32 unpacking), then binary16 pairs into
-# ``tf_e2m1_codes_f16x2``. Exact: |x| maxima are exact in any format; a bf16 times a power of two is exact (or below
-# 2^-126, which encodes to code 0 with its sign either way), so the binary16 pairs equal those of the binary32 path.
-_BF16X2_HELPERS = """
-__device__ __forceinline__ unsigned tf_absmax_bf16x8(const void* p, unsigned acc) {
-  // magnitude max of acc and the 8 bf16 at p, lane-wise (signs of the result are meaningless; NaN ignored)
-  const uint4 v = *reinterpret_cast<const uint4*>(p);
-  asm("max.xorsign.abs.bf16x2 %0, %0, %1;" : "+r"(acc) : "r"(v.x));
-  asm("max.xorsign.abs.bf16x2 %0, %0, %1;" : "+r"(acc) : "r"(v.y));
-  asm("max.xorsign.abs.bf16x2 %0, %0, %1;" : "+r"(acc) : "r"(v.z));
-  asm("max.xorsign.abs.bf16x2 %0, %0, %1;" : "+r"(acc) : "r"(v.w));
-  return acc; }
-__device__ __forceinline__ float tf_absmax_f32_of_bf16x2(unsigned w) {
-  return fmaxf(__uint_as_float((w << 16) & 0x7fffffffu), __uint_as_float(w & 0x7fff0000u)); }
-__device__ __forceinline__ unsigned tf_e2m1_pack_bf16x8(const void* p, float half_inv) {
-  // E2M1 nibbles of the 8 bf16 at p times 2 * half_inv (a power of two or 0): element 2k in the low nibble of byte k
-  const uint4 v = *reinterpret_cast<const uint4*>(p);
-  const unsigned b = __float_as_uint(half_inv) >> 16, s = b | (b << 16);
-  unsigned h0, h1, h2, h3;
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(h0) : "r"(v.x), "r"(s));
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(h1) : "r"(v.y), "r"(s));
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(h2) : "r"(v.z), "r"(s));
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(h3) : "r"(v.w), "r"(s));
-  // exact bf16 products -> binary16 pairs (exact while >= 2^-14, else code 0 with the sign either way)
-  h0 = tf_f16x2(__uint_as_float(h0 << 16), __uint_as_float(h0 & 0xffff0000u));
-  h1 = tf_f16x2(__uint_as_float(h1 << 16), __uint_as_float(h1 & 0xffff0000u));
-  h2 = tf_f16x2(__uint_as_float(h2 << 16), __uint_as_float(h2 & 0xffff0000u));
-  h3 = tf_f16x2(__uint_as_float(h3 << 16), __uint_as_float(h3 & 0xffff0000u));
-  const unsigned c0 = tf_e2m1_codes_f16x2(h0), c1 = tf_e2m1_codes_f16x2(h1);
-  const unsigned c2 = tf_e2m1_codes_f16x2(h2), c3 = tf_e2m1_codes_f16x2(h3);
-  const unsigned low = tf_prmt(tf_prmt(c0, c1, 0x0040u), tf_prmt(c2, c3, 0x0040u), 0x5410u);
-  const unsigned high = tf_prmt(tf_prmt(c0, c1, 0x0062u), tf_prmt(c2, c3, 0x0062u), 0x5410u);
-  const unsigned se = tf_prmt(tf_prmt(h0, h1, 0x00D9u), tf_prmt(h2, h3, 0x00D9u), 0x5410u);
-  const unsigned so = tf_prmt(tf_prmt(h0, h1, 0x00FBu), tf_prmt(h2, h3, 0x00FBu), 0x5410u);
-  return (low + high * 16u) | (se & 0x08080808u) | (so & 0x80808080u); }
-"""
-E2M1_BF16X2 = False  # knob: the packed-bf16 path above for the configs it covers (``bf16x2`` in the factory)
 _DEFAULT_TILE = (256, 4)  # (threads per CTA, vectors per thread[, most lanes per pair]); see ``_tiling``
 
 
@@ -161,7 +123,6 @@ def per_token_cast_kernel(x_dtype: str, fmt: str, hidden: int, npc: int, round_s
     min_blocks = tile[4] if len(tile) > 4 else 0     # tile[4]: CTAs per SM the register budget must allow
     guard_cols = partial or ng % UG != 0             # some chunks lie past the last column
     f16_exact = x_dtype == "bfloat16" and round_sf and mode != "precomputed" and E == 8
-    bf16x2 = f16_exact and E2M1_BF16X2 and fmt == "e2m1"  # packed-bf16 maxima and encoder (_BF16X2_HELPERS)
     y_shape_h = hidden // 2 if fmt == "e2m1" else hidden
     y_dtype = "int8" if fmt == "e2m1" else "float8_e4m3fn"
 
@@ -219,7 +180,7 @@ def per_token_cast_kernel(x_dtype: str, fmt: str, hidden: int, npc: int, round_s
     def body(X, SFI, Y, SF):
         with T.Kernel(T.ceildiv(Tn, BM), n_units // GU, threads=threads) as (bx, by):
             if fmt == "e2m1" and mode != "sf_only":  # before the annotation, which an import placed after drops
-                T.import_source(_tl.CUDA_HELPERS + (_BF16X2_HELPERS if bf16x2 else ""))
+                T.import_source(_tl.CUDA_HELPERS)
             if min_blocks:
                 T.annotate_min_blocks_per_sm(min_blocks)
             tx = T.get_thread_binding()
@@ -227,7 +188,6 @@ def per_token_cast_kernel(x_dtype: str, fmt: str, hidden: int, npc: int, round_s
             s = tx // L
             raw = T.alloc_local((R, C, vp), x_store)
             am = T.alloc_local((R,), "float32")
-            amw = T.alloc_local((R,), "uint32")
             inv = T.alloc_local((R,), "float32")
             word = T.alloc_local((RU,), "int32")
             for u in T.unroll(RU):
@@ -252,23 +212,17 @@ def per_token_cast_kernel(x_dtype: str, fmt: str, hidden: int, npc: int, round_s
                 if mode == "precomputed":
                     inv[j] = T.if_then_else(row < Tn, T.float32(1.0) / SF[row, gi], T.float32(1.0))
                 else:
-                    if bf16x2:
-                        amw[j] = T.uint32(0)
-                        for c in T.unroll(C):
-                            amw[j] = T.call_extern("uint32", "tf_absmax_bf16x8", T.address_of(raw[j, c, 0]), amw[j])
-                        am[j] = T.call_extern("float32", "tf_absmax_f32_of_bf16x2", amw[j])
-                    else:
-                        am[j] = T.float32(0.0)
-                        for c in T.unroll(C):
-                            col = gi * npc + c * (L * E) + q * E
-                            for e in T.unroll(E):
-                                xv = value(raw, SFI, j, c, e, row, col)
-                                if prequant:
-                                    ok = row < Tn
-                                    if guard_cols:
-                                        ok = T.And(ok, col < hidden)
-                                    xv = T.if_then_else(ok, xv * sf_in_at(SFI, row, col + e), T.float32(0.0))
-                                am[j] = T.max(am[j], T.abs(xv))
+                    am[j] = T.float32(0.0)
+                    for c in T.unroll(C):
+                        col = gi * npc + c * (L * E) + q * E
+                        for e in T.unroll(E):
+                            xv = value(raw, SFI, j, c, e, row, col)
+                            if prequant:
+                                ok = row < Tn
+                                if guard_cols:
+                                    ok = T.And(ok, col < hidden)
+                                xv = T.if_then_else(ok, xv * sf_in_at(SFI, row, col + e), T.float32(0.0))
+                            am[j] = T.max(am[j], T.abs(xv))
                     for st in T.unroll(L.bit_length() - 1):
                         am[j] = T.max(am[j], T.shfl_xor(am[j], T.shift_right(L // 2, st)))
                     a = T.max(am[j], T.float32(clamp))
@@ -307,27 +261,23 @@ def per_token_cast_kernel(x_dtype: str, fmt: str, hidden: int, npc: int, round_s
                                 for e in T.vectorized(E):
                                     Y[row, col + e] = yb[j, c, e]
                             elif E in (4, 8):  # halves of the scaled values: _tl.e2m1_steps_of_half
-                                if bf16x2:  # packed bf16 straight from the loaded words (_BF16X2_HELPERS)
-                                    word = T.call_extern("uint32", "tf_e2m1_pack_bf16x8", T.address_of(raw[j, c, 0]),
-                                                         inv[j] * T.float32(0.5))
+                                # x * (sf_inv / 2) is exactly half of x * sf_inv while sf_inv / 2 is exact: a
+                                # power of two (round_sf) or sf_inv >= 2^-125; otherwise (and for pre-quantized
+                                # inputs, order A) the product is formed first, then halved
+                                if prequant:
+                                    for e in T.unroll(E):
+                                        xv = value(raw, SFI, j, c, e, row, col)
+                                        hb[e] = xv * (sf_in_at(SFI, row, col + e) * inv[j]) * T.float32(0.5)
+                                elif not round_sf and inv[j] < T.float32(2.0 ** -125):
+                                    for e in T.unroll(E):
+                                        hb[e] = value(raw, SFI, j, c, e, row, col) * inv[j] * T.float32(0.5)
                                 else:
-                                    # x * (sf_inv / 2) is exactly half of x * sf_inv while sf_inv / 2 is exact: a
-                                    # power of two (round_sf) or sf_inv >= 2^-125; otherwise (and for pre-quantized
-                                    # inputs, order A) the product is formed first, then halved
-                                    if prequant:
-                                        for e in T.unroll(E):
-                                            xv = value(raw, SFI, j, c, e, row, col)
-                                            hb[e] = xv * (sf_in_at(SFI, row, col + e) * inv[j]) * T.float32(0.5)
-                                    elif not round_sf and inv[j] < T.float32(2.0 ** -125):
-                                        for e in T.unroll(E):
-                                            hb[e] = value(raw, SFI, j, c, e, row, col) * inv[j] * T.float32(0.5)
-                                    else:
-                                        for e in T.unroll(E):
-                                            hb[e] = value(raw, SFI, j, c, e, row, col) * (inv[j] * T.float32(0.5))
-                                    if f16_exact:  # bf16 data times a power of two: 8 significant bits
-                                        word = _tl.e2m1_pack_of_f16_halves([hb[e] for e in range(E)])
-                                    else:
-                                        word = _tl.e2m1_pack_of_halves([hb[e] for e in range(E)])
+                                    for e in T.unroll(E):
+                                        hb[e] = value(raw, SFI, j, c, e, row, col) * (inv[j] * T.float32(0.5))
+                                if f16_exact:  # bf16 data times a power of two: 8 significant bits
+                                    word = _tl.e2m1_pack_of_f16_halves([hb[e] for e in range(E)])
+                                else:
+                                    word = _tl.e2m1_pack_of_halves([hb[e] for e in range(E)])
                                 store = "tf_store_u32" if E == 8 else "tf_store_u16"
                                 T.call_extern("handle", store, T.address_of(Y[row, col // 2]), word)
                             else:  # other vector widths: product first, then the exact halving

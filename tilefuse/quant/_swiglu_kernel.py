@@ -161,7 +161,7 @@ FWD_PTC_DEPTH = 2
 # lanes per row (at most) where groups stay inside a warp (npc == 128, sf not packed): 32 = one warp per row
 # (the bench shape: 1648 two-row CTAs, one wave, 14 serial chunks per warp); 64 = two warps per row (3296
 # one-row CTAs, ~1.8 waves, 7 chunks per warp)
-FWD_PTC_ROW_THREADS = 32
+FWD_PTC_ROW_THREADS = 64
 
 
 def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, sf_layout: str, weighted: bool,
@@ -330,7 +330,7 @@ def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, s
 
 # ---- 3.13: backward + per-token cast ----
 
-BWD_MIN_BLOCKS = 8   # <= 65536 / (threads * this) registers per thread (8 at 128 threads: 64)
+BWD_MIN_BLOCKS = 6   # <= 65536 / (threads * this) registers per thread (8 at 128 threads: 64)
 BWD_THREADS = 128    # 4 rows (warps) per CTA
 BWD_DEPTH = 1        # chunks whose loads are in flight ahead of the one being computed
 # lanes per row (at most; a power of two dividing H / 8): 32 = one warp walks a row in H / 256 serial chunks

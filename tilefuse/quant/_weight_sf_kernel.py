@@ -23,13 +23,13 @@ _U = 4  # words of the storage (output rows c) per thread: 4 16-byte stores, one
 # LOADS_FIRST issues all 4 * _U sf loads of a thread before its first store (off: each word's 4 loads follow the
 # previous word's store, which the compiler may not reorder, as Y could alias E: _U dependent memory round
 # trips per CTA); STORE_HINT picks the store intrinsic: 0 "__stcs" (evict-first), 1 "__stcg" (L2 only), 2 "__stwb".
-LOADS_FIRST = False
+LOADS_FIRST = True
 STORE_HINT = 0
 _STORE_FNS = ("__stcs", "__stcg", "__stwb")
 MIN_BLOCKS = 0  # > 0: __launch_bounds__(_THREADS, MIN_BLOCKS) (a register cap; 0: none)
 # INT32_OFFSETS (with LOADS_FIRST): sf element offsets in int32 off the tensor's base pointer (one IMAD each)
 # instead of TileLang's int64 index products (about 8 instructions per load); needs sf tensors of < 2^31 elements.
-INT32_OFFSETS = False
+INT32_OFFSETS = True
 _LDG_HELPER = """
 template <typename P> __device__ __forceinline__ int tf_wsf_ldg(P p, int off) {
   return __float_as_int(__ldg(reinterpret_cast<const float*>(p) + off)); }
@@ -248,6 +248,12 @@ def batched_transpose_weight_sf_launch(sf: list, block_size: int, transpose_sf1s
     ``torch._assert_async``: four more launches per weight)."""
     if not sf:
         return []
+    if INT32_OFFSETS:  # the kernel's sf offsets are int32 (never reached in practice: 8 GB of sf per weight)
+        for k, s in enumerate(sf):
+            span = sum((d - 1) * st for d, st in zip(s.shape, s.stride()) if d)
+            if span >= 2 ** 31:
+                raise ValueError(f"batched_transpose_weight_sf: sf[{k}] spans {span + 1} elements; the kernel "
+                                 "indexes an sf tensor with int32 offsets (< 2^31 elements)")
     outs = list(outs) if outs is not None else [None] * len(sf)
     shapes = [_storage_shapes(s, block_size) for s in sf]
     sizes = [(-(-a[0] * a[1] * a[2] // 8) * 8, -(-b[0] * b[1] * b[2] // 8) * 8) for a, b in shapes]  # 32-byte aligned
