@@ -39,3 +39,29 @@ def pytest_runtest_makereport(item, call):
         for key, value in item.user_properties:
             if key == "seed":
                 report.sections.append(("seed", f"torch.manual_seed({value})"))
+
+
+@pytest.fixture
+def knob_kernels(monkeypatch):
+    """``apply(module, knobs)``: set a kernel module's knobs (``_jit.knobs`` names) for this test and route every
+    ``_jit.get`` through kernels compiled here, outside the in-process and disk caches (whose keys hold the
+    module's knob values only as set at import)."""
+    from tilefuse import _jit
+
+    def apply(module, knobs: dict) -> None:
+        import tilelang
+
+        for name, value in knobs.items():
+            monkeypatch.setattr(module, name, value)
+        built = {}
+
+        def get(name, cfg):
+            if (name, cfg) not in built:
+                built[name, cfg] = tilelang.compile(
+                    _jit._FACTORIES[name][0](*cfg), target={"kind": "cuda", "arch": _jit.current_arch()},
+                    execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS))
+            return built[name, cfg]
+
+        monkeypatch.setattr(_jit, "get", get)
+
+    return apply

@@ -409,23 +409,10 @@ KNOB_VARIANTS = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("knobs", KNOB_VARIANTS, ids=str)
-def test_knob_variants_match_reference(knobs, monkeypatch):
+def test_knob_variants_match_reference(knobs, knob_kernels):
     """The cast built with a knob variant (compiled here, outside the caches) equals the reference: random
     rows, the quant.md 6.2 fills (NaN and inf included), NaN/inf rows by hand, both widths and dtypes."""
-    import tilelang
-
-    for name, value in knobs.items():
-        monkeypatch.setattr(K, name, value)
-    built = {}
-
-    def get(name, cfg):
-        if (name, cfg) not in built:
-            built[name, cfg] = tilelang.compile(_jit._FACTORIES[name][0](*cfg),
-                                                target={"kind": "cuda", "arch": _jit.current_arch()},
-                                                execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS))
-        return built[name, cfg]
-
-    monkeypatch.setattr(K._jit, "get", get)
+    knob_kernels(K, knobs)
     hand = torch.ones(64, 7168, device="cuda")
     hand[1::4, 5] = float("nan")
     hand[2::4, 7000] = float("-inf")

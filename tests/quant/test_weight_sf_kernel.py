@@ -293,23 +293,10 @@ KNOB_VARIANTS = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("knobs", KNOB_VARIANTS, ids=str)
 @pytest.mark.parametrize("bs", [32, 128])
-def test_weight_sf_knob_variants_gpu(knobs, bs, monkeypatch):
+def test_weight_sf_knob_variants_gpu(knobs, bs, knob_kernels):
     """The kernel built with a knob variant (compiled here, outside the caches) equals the reference, padding
     bytes included, for 1 to 5 weights (launches of 2 and 4 outputs, partial column blocks)."""
-    import tilelang
-
-    for name, value in knobs.items():
-        monkeypatch.setattr(WS, name, value)
-    built = {}
-
-    def get(name, cfg):
-        if (name, cfg) not in built:
-            built[name, cfg] = tilelang.compile(_jit._FACTORIES[name][0](*cfg),
-                                                target={"kind": "cuda", "arch": _jit.current_arch()},
-                                                execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS))
-        return built[name, cfg]
-
-    monkeypatch.setattr(WS._jit, "get", get)
+    knob_kernels(WS, knobs)
     g = torch.Generator(device="cuda").manual_seed(7 * bs)
     pick = [(3, 4096 // bs, 7168 // bs), (7168 // bs, 2048 // bs), (2, 384 // bs, 128 // bs), (128 // bs, 640 // bs),
             (5, 256 // bs, 1152 // bs)]
