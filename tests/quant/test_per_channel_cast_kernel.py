@@ -404,3 +404,73 @@ def test_fused_gather_from_misaligned_pos_view(role):
     pos = _pos(4001, 301, "cuda")[1:]
     assert pos.data_ptr() % 16 != 0
     _check(x, x_sf, npt, rnd, pos=pos)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Knob variants (TILEFUSE_KNOBS sweeps): each must give the reference's bits exactly
+# ---------------------------------------------------------------------------------------------------------
+
+KNOB_VARIANTS = [
+    {"CAST_PDL": True},
+    {"CAST_PDL": True, "CAST_PDL_TRIGGER": True},
+    {"CAST_CL": 4},
+    {"CAST_CL": 4, "CAST_PDL": True, "CAST_PDL_TRIGGER": True},
+    {"CAST_CL": 4, "CAST_RPT": 4, "MIN_WARPS": 40},
+]
+
+
+def _build_with(knobs, monkeypatch):
+    """Set ``knobs`` on the module and route the launchers to kernels compiled here (outside the caches)."""
+    import tilelang
+
+    for name, value in knobs.items():
+        monkeypatch.setattr(K, name, value)
+    monkeypatch.setattr(K, "_PLANS", {})  # closures built before hold the default kernels
+    built = {}
+
+    def get(name, cfg):
+        if (name, cfg) not in built:
+            built[name, cfg] = tilelang.compile(_jit._FACTORIES[name][0](*cfg),
+                                                target={"kind": "cuda", "arch": _jit.current_arch()},
+                                                execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS))
+        return built[name, cfg]
+
+    monkeypatch.setattr(K._jit, "get", get)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("role", ("cast_bf16", "pair_gather"))
+def test_pdl_knob_waits_before_any_global_access(role, monkeypatch):
+    """CAST_PDL: the grid-dependency wait is the kernel's first statement (before every load and store), so
+    a launch overlapping the previous grid's tail reads and writes nothing early."""
+    import tilelang
+
+    monkeypatch.setattr(K, "CAST_PDL", True)
+    monkeypatch.setattr(K, "CAST_PDL_TRIGGER", True)
+    src = tilelang.compile(K.per_channel_cast_kernel(*CFG[role]), target={"kind": "cuda", "arch": "sm_90"},
+                           execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
+    body = src[src.index("__launch_bounds__"):]
+    wait = body.index("cudaGridDependencySynchronize();")
+    first_global = min(i for i in (body.find(p) for p in ("X +", "D +", "S +", "S[", "P +", "P[", "Y +", "SF +", "SF[")) if i >= 0)
+    assert wait < body.index("cudaTriggerProgrammaticLaunchCompletion();") < first_global
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", KNOB_VARIANTS, ids=str)
+@pytest.mark.parametrize("role", ("cast_bf16", "gather", "pair_gather", "pair"))
+def test_knob_variants_match_reference(knobs, role, monkeypatch):
+    """The non-transposed configs built with a knob variant give the reference's bits (NaN and inf included),
+    twice in a row (a PDL launch behind a PDL launch)."""
+    x_kind, hidden, npt, rnd, transpose, gather = CFG[role]
+    _build_with(knobs, monkeypatch)
+    t_in = 301 if gather else 4096
+    if x_kind == "pair":
+        x, x_sf = _pair(t_in, hidden, "cuda", scale=3.0)
+    else:
+        x, x_sf = _x(t_in, hidden), None
+        x[3, 5], x[200, 9] = float("nan"), float("inf")
+    pos = _pos(4000, t_in, "cuda") if gather else None
+    first = _check(x, x_sf, npt, rnd, transpose, pos)
+    again = K.per_channel_cast_launch(x, x_sf, npt, rnd, transpose, pos)
+    assert_equal(again[0], first[0])
+    assert_equal(again[1], first[1])

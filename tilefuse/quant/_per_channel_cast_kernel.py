@@ -34,7 +34,8 @@ unchanged): ``CAST_CL`` channel lanes (CTA = 8 * CAST_CL channels, CAST_CL * 128
 row lanes reduce by xor-shuffles, the block's warps through shared memory), ``CAST_RPT`` rows per thread,
 ``MIN_WARPS`` / ``PAIR_MIN_WARPS`` the launch bounds in warps per SM, ``CAST_REMAT`` widen a plain input twice
 (for the max, then for the store) instead of holding 64 binary32 values (80 registers instead of 96). None
-changes a value: maxima are order-free and the widening is exact.
+changes a value: maxima are order-free and the widening is exact. ``CAST_PDL`` / ``CAST_PDL_TRIGGER``:
+programmatic dependent launch (the wait comes before every global access; no value changes).
 """
 import torch
 
@@ -60,6 +61,12 @@ CAST_REMAT = True  # non-transposed plain input: widen the raw input again for t
 MIN_WARPS = 28   # non-transposed path: __launch_bounds__(threads, MIN_WARPS // warps per CTA) (20: (128, 5): 96
                  # registers, no spills, 5 CTAs = 20 warps per SM; 16: (128, 4): 104 registers, 4 CTAs per SM)
 PAIR_MIN_WARPS = 20  # pre-quantized pairs: MIN_WARPS of their own (None: MIN_WARPS; they spill at <= 72 registers)
+CAST_PDL = False  # non-transposed path: programmatic dependent launch. The kernel's first statement is
+                  # griddepcontrol.wait (every global access follows the full completion and memory flush of the
+                  # stream's previous grid), and TileLang launches it with programmatic stream serialization, so
+                  # its launch and CTA setup overlap the previous kernel's tail (a fixed cost per call)
+CAST_PDL_TRIGGER = False  # with CAST_PDL: griddepcontrol.launch_dependents right after the wait, so a PDL
+                          # successor's CTAs may launch during this grid's last wave (they wait for its end)
 _PAIR_NPC = 128  # per-token block width of a pre-quantized input (quant.md 3.10)
 _TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float8_e4m3fn: "pair"}
 
@@ -100,6 +107,7 @@ def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, 
     remat = CAST_REMAT and not pair and not transpose  # widen bf16/fp32 twice instead of keeping 64 fp32
     min_warps = MIN_WARPS if not pair or PAIR_MIN_WARPS is None else PAIR_MIN_WARPS
     min_blocks = _MIN_BLOCKS if transpose else max(1, min_warps // NW)
+    pdl = CAST_PDL and not transpose
 
     Tn, NBM, Tin = T.dynamic("num_tokens, num_row_blocks, num_in_tokens")
     Ts = Tin if gather else Tn  # rows of the input
@@ -134,6 +142,10 @@ def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, 
             xt = T.alloc_local((RPT,), "float32")
             if transpose:
                 ys = T.alloc_shared((BC, _BM), "float8_e4m3fn")  # the CTA's transposed e4m3 tile (8 KB)
+            if pdl:  # before any global access: the previous grid has completed and its writes are visible
+                T.pdl_sync()
+                if CAST_PDL_TRIGGER:
+                    T.pdl_trigger()
             # 1. issue every load of the thread before any use (8 independent vector loads in flight);
             # missing rows (past Tn, other channel tiles, negative gather entries) read +0 (pairs: sf 0 too)
             for i in T.unroll(RPT * _C):
