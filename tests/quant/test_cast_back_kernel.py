@@ -77,6 +77,17 @@ def test_unpack_launch_binds(monkeypatch):
     assert len(calls) == 2  # nothing launched for an empty input
 
 
+def test_per_format_knobs_fall_back_to_the_shared_ones(monkeypatch):
+    """E4M3_* / E2M1_* / E5M6_* override THREADS / UNROLL / MIN_BLOCKS for their format only; None (the
+    default) reads the shared knob, so the defaults build the same kernels as before the per-format knobs."""
+    for dfmt in ("e4m3", "e2m1", "e5m6"):
+        for name in ("THREADS", "UNROLL", "MIN_BLOCKS"):
+            assert getattr(K, f"{dfmt.upper()}_{name}") is None
+            assert K._knob(dfmt, name) == getattr(K, name)
+    monkeypatch.setattr(K, "E2M1_THREADS", 64)
+    assert K._knob("e2m1", "THREADS") == 64 and K._knob("e4m3", "THREADS") == K.THREADS == K._knob("e5m6", "THREADS")
+
+
 def test_e2m1_decode_expression_is_exact():
     """The kernel's E2M1 decoding expression, evaluated with C integer semantics, gives the bits of
     ``formats.e2m1_decode`` for all 16 nibbles (including -0.0)."""

@@ -35,6 +35,27 @@ CHUNK_BF16 = 8
 CHUNK_FP32 = 4
 CHUNK_E5M6 = 8  # codes per e5m6 chunk: 8 (three 4-byte loads) or a multiple of 32 (16-byte loads)
 ROW_LANES = 0  # lanes per row, TX (whole warps); 0: the widest of 128 / 64 / 32 that divides the row's chunks
+# MIN_BLOCKS > 0: __launch_bounds__(threads, MIN_BLOCKS) on the row-tile path, a register cap of
+# 65536 / (threads * MIN_BLOCKS) (0: none). E4M3_* / E2M1_* / E5M6_*: one data format's own THREADS / UNROLL /
+# MIN_BLOCKS (None: the shared knob), so one sweep line can time different shapes per format
+MIN_BLOCKS = 0
+E4M3_THREADS = None
+E4M3_UNROLL = None
+E4M3_MIN_BLOCKS = None
+E2M1_THREADS = None
+E2M1_UNROLL = None
+E2M1_MIN_BLOCKS = None
+E5M6_THREADS = None
+E5M6_UNROLL = None
+E5M6_MIN_BLOCKS = None
+
+
+def _knob(dfmt: str, name: str):
+    """Knob ``name`` of the row-tile path for data format ``dfmt``: its per-format override, else the shared one."""
+    v = globals()[f"{dfmt.upper()}_{name}"]
+    return globals()[name] if v is None else v
+
+
 # Flat path (the 10:53 layout, off by default): a thread owns FLAT_UNROLL chunks of one 16-byte data load each
 # (e4m3 16 values, e2m1 FLAT_CHUNK_E2M1, e5m6 8 codes), consecutive threads on consecutive chunks of the
 # flattened (T, H / V) grid, FLAT_THREADS apart.
@@ -49,6 +70,7 @@ FLAT_CHUNK_E2M1 = 32
 UNPACK_THREADS = 256
 UNPACK_UNROLL = 8
 UNPACK_BYTES = 0
+UNPACK_MIN_BLOCKS = 0  # > 0: __launch_bounds__(UNPACK_THREADS, UNPACK_MIN_BLOCKS) (0: none)
 
 
 def _flat(dfmt: str) -> bool:
@@ -287,12 +309,12 @@ def cast_back_kernel(dfmt: str, out: str, hidden: int, bm: int, bk: int, sf_pack
     # once and every chunk's data, sf and output address is a constant offset from them (no per-chunk
     # division or 64-bit multiply). unroll: a divisor of the row's TX-wide columns near 8 (no masking), or
     # up to 8 with masked chunks past the row.
-    threads = THREADS
+    threads, unroll_knob, min_blocks = (_knob(dfmt, k) for k in ("THREADS", "UNROLL", "MIN_BLOCKS"))
     TX = ROW_LANES or next((w for w in (128, 64, 32) if cpr % w == 0 and w <= threads), 32)
     assert TX % 32 == 0 and threads % TX == 0, (TX, threads)
     TY = threads // TX
     n_tx = -(-cpr // TX)
-    target = max(1, UNROLL * o_vec // V)  # 8 stores (128 output bytes) per thread
+    target = max(1, unroll_knob * o_vec // V)  # 8 stores (128 output bytes) per thread
     unroll = max(d for d in range(1, min(target, n_tx) + 1) if n_tx % d == 0)
     if unroll < 4:
         unroll = min(target, n_tx)
@@ -326,6 +348,8 @@ def cast_back_kernel(dfmt: str, out: str, hidden: int, bm: int, bk: int, sf_pack
         elif wide5:  # and 16-byte aligned e5m6 rows (S in words)
             T.assume(S % 4 == 0)
         with T.Kernel(T.ceildiv(cpr, TX * unroll), T.ceildiv(Tn, TY), threads=threads) as (bx, by):
+            if min_blocks:
+                T.annotate_min_blocks_per_sm(min_blocks)
             tid = T.get_thread_binding()
             tx = tid % TX
             row = by * TY + tid // TX
@@ -398,6 +422,8 @@ def unpack_e2m1_kernel(out_dtype: str):
     @T.prim_func
     def unpack_e2m1(X: x_param, Y: y_param):
         with T.Kernel(T.ceildiv(N, NT * B * U), threads=NT) as bx:
+            if UNPACK_MIN_BLOCKS:
+                T.annotate_min_blocks_per_sm(UNPACK_MIN_BLOCKS)
             tx = T.get_thread_binding()
             raw = T.alloc_local((U * B,), "uint8")
             res = T.alloc_local((2 * B,), out_dtype)
