@@ -350,6 +350,12 @@ BWD_VEC = 8
 # needs for its whole row loaded up front, spread one per lane (28 values at the bench shape: 1 register),
 # then 2 shuffles per chunk (no barrier, so the loads stay ahead of the data; teams of >= 32 lanes, else 0)
 BWD_SF_AHEAD = 0
+# chunk loop: False = fully unrolled (the measured kernel: ~4.6k straight-line instructions, ~73 KB of code at the
+# bench shape, so 24 warps per SM at different chunks stream it through the instruction caches); True = a runtime
+# loop over the chunks (~1/C of the code) with BWD_DEPTH + 1 register slots per input that shift down one slot per
+# chunk (2 + 2 + 4 MOVs per slot and chunk); the same loads ahead and the same arithmetic in the same order.
+# Takes BWD_SF_AHEAD as 0.
+BWD_SERIAL = False
 
 
 def _team_cap(n_chunks: int, cap: int) -> int:
@@ -379,8 +385,14 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
     Lg = npc // E
     assert Lg <= LW
     depth = BWD_DEPTH
-    sf_ahead = BWD_SF_AHEAD == 1
-    sf_shuffle = BWD_SF_AHEAD == 2 and L >= 32  # (a warp inside one row's team)
+    serial = bool(BWD_SERIAL)
+    sf_ahead = BWD_SF_AHEAD == 1 and not serial
+    sf_shuffle = BWD_SF_AHEAD == 2 and L >= 32 and not serial  # (a warp inside one row's team)
+    # register slots of the chunk inputs: chunk c in slot c (unrolled), or slots 0..depth (serial: chunk c2 loads
+    # into slot `depth`, chunk c2 - depth computes from slot 0); slot = chunk * slot_c + depth * slot_d
+    NS = depth + 1 if serial else C
+    slot_c, slot_d = (0, 1) if serial else (1, 0)
+    chunk_loop = T.serial if serial else T.unroll
     GW = 32 // Lg          # sf groups per half that a warp's lanes cover in one chunk (sf_shuffle)
     GPC = L * E // npc     # sf groups per half that a chunk of the team covers
     NR = -(-2 * C * GW // 32)  # registers per lane holding the warp's input sf (sf_shuffle)
@@ -406,9 +418,9 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
             T.annotate_min_blocks_per_sm(BWD_MIN_BLOCKS)  # <= 64 registers: 8 CTAs (32 rows) per SM at once
             ok = row < Tn
             rs = T.min(row, Tn - 1)
-            dl = T.alloc_local((C, E), "float8_e4m3fn")
-            dr = T.alloc_local((C, E), "float8_e4m3fn")
-            gb = T.alloc_local((C, E), "bfloat16")
+            dl = T.alloc_local((NS, E), "float8_e4m3fn")
+            dr = T.alloc_local((NS, E), "float8_e4m3fn")
+            gb = T.alloc_local((NS, E), "bfloat16")
             dx = T.alloc_local((E,), "float32")
             dy = T.alloc_local((E,), "float32")
             ob = T.alloc_local((E,), "bfloat16")
@@ -447,28 +459,47 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
                                             SFI[rs, T.min(hv * ngh + cv * GPC + (q // 32) * GW + v % GW,
                                                           2 * ngh - 1)], T.float32(1.0))
 
-            for c2 in T.unroll(C + depth):  # loads of chunk c2 are in flight while chunk c2 - depth computes
+            if serial:  # (slots 1..depth are shifted down before the first load reaches them)
+                for k in T.unroll(NS):
+                    for v in T.vectorized(E):
+                        dl[k, v] = T.cast(0, "float8_e4m3fn")
+                    for v in T.vectorized(E):
+                        dr[k, v] = T.cast(0, "float8_e4m3fn")
+                    for v in T.vectorized(E):
+                        gb[k, v] = T.cast(0, "bfloat16")
+            for c2 in chunk_loop(C + depth):
+                # loads of chunk c2 are in flight while chunk c2 - depth computes
+                if serial:  # shift the slots down: slot 0 now holds chunk c2 - depth
+                    for k in T.unroll(depth):
+                        for v in T.vectorized(E):
+                            dl[k, v] = dl[k + 1, v]
+                        for v in T.vectorized(E):
+                            dr[k, v] = dr[k + 1, v]
+                        for v in T.vectorized(E):
+                            gb[k, v] = gb[k + 1, v]
                 if c2 < C:
                     lcol = c2 * (L * E) + q * E
+                    ls = c2 * slot_c + depth * slot_d
                     if ok:
                         for v in T.vectorized(E):
-                            dl[c2, v] = D[row, lcol + v]
+                            dl[ls, v] = D[row, lcol + v]
                         for v in T.vectorized(E):
-                            dr[c2, v] = D[row, hidden + lcol + v]
+                            dr[ls, v] = D[row, hidden + lcol + v]
                         for v in T.vectorized(E):
-                            gb[c2, v] = G[row, lcol + v]
+                            gb[ls, v] = G[row, lcol + v]
                     else:
                         for v in T.vectorized(E):
-                            dl[c2, v] = T.cast(0, "float8_e4m3fn")
+                            dl[ls, v] = T.cast(0, "float8_e4m3fn")
                         for v in T.vectorized(E):
-                            dr[c2, v] = T.cast(0, "float8_e4m3fn")
+                            dr[ls, v] = T.cast(0, "float8_e4m3fn")
                         for v in T.vectorized(E):
-                            gb[c2, v] = T.cast(0, "bfloat16")
+                            gb[ls, v] = T.cast(0, "bfloat16")
                     if sf_ahead:
                         sfa[c2, 0] = T.if_then_else(ok, SFI[rs, lcol // npc], T.float32(1.0))
                         sfa[c2, 1] = T.if_then_else(ok, SFI[rs, ngh + lcol // npc], T.float32(1.0))
                 if c2 >= depth:
                     c = c2 - depth
+                    cs = c * slot_c  # the chunk's slot (0 when serial)
                     col = c * (L * E) + q * E
                     # (read here, not with the chunk's data: 128 -> 35 spill instructions at 64 registers;
                     # 15 of 16 chunks hit L1)
@@ -489,9 +520,9 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
                     am[0] = T.float32(0.0)
                     am[1] = T.float32(0.0)
                     for v in T.vectorized(E):  # e4m3 pairs -> float2
-                        xf[v] = T.cast(dl[c, v], "float32")
+                        xf[v] = T.cast(dl[cs, v], "float32")
                     for v in T.vectorized(E):
-                        yf[v] = T.cast(dr[c, v], "float32")
+                        yf[v] = T.cast(dr[cs, v], "float32")
                     if fast_div:
                         # one check per chunk: every |x| in {0} U [2^-29, 28] (e4m3 magnitudes are <= 448, and
                         # >= 2^-9 unless 0) and no NaN (the sum of the E e4m3 values, at most E * 448 in
@@ -522,7 +553,7 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
                             ss[e] = T.float32(1.0) / ts[e]
                             qs[e] = xs[e] / ts[e]
                     for e in T.unroll(E):
-                        g = T.cast(gb[c, e], "float32")
+                        g = T.cast(gb[cs, e], "float32")
                         act = qs[e] * ys[e]
                         gws = (g * w[0]) * ss[e]
                         dxe = (gws * ys[e]) * T.fma(xs[e], T.float32(1.0) - ss[e], T.float32(1.0))
@@ -594,6 +625,18 @@ PCC_MIN_BLOCKS = 4
 # once read whole 2H-wide rows between them (long contiguous DRAM runs; the input is 4x the output); False =
 # token tiles first (each CTA reads 128-byte pieces of 128 rows while its neighbours read other rows)
 PCC_CHANNEL_MAJOR = False
+# phase-1 bf16 -> fp32 widening: False = the cast as generated (the measured kernel: the high bf16 of each 32-bit
+# word takes PRMT + SHF, the low one SHF); True = read the 32-bit word and take `w << 16` or `w & 0xffff0000`
+# (one instruction each; the same exact binary32 values, ~32 fewer instructions per thread)
+PCC_BF16_WORDS = False
+
+# half `hi` (0: low, 1: high) of the bf16 pair whose 32-bit word is at `p` (4-byte aligned), as binary32, exactly
+_BF16_WORD_HELPER = """
+__device__ __forceinline__ float tf_sw_bf16_half(const void* p, int hi) {
+  unsigned w = *reinterpret_cast<const unsigned*>(p);
+  return __uint_as_float(hi ? (w & 0xffff0000u) : (w << 16));
+}
+"""
 
 
 def swiglu_fwd_pcc_kernel(hidden: int, npt: int, round_sf: bool, transpose: bool, clamp_bits: int | None):
@@ -619,6 +662,7 @@ def swiglu_fwd_pcc_kernel(hidden: int, npt: int, round_sf: bool, transpose: bool
     Tn = T.dynamic("num_tokens")
     y_shape = (hidden, Tn) if transpose else (Tn, hidden)
     grid = (hidden // BH, Tn // BT) if PCC_CHANNEL_MAJOR else (Tn // BT, hidden // BH)
+    words = bool(PCC_BF16_WORDS)
 
     @T.prim_func
     def swiglu_fwd_pcc(X: T.Tensor((Tn, 2 * hidden), "bfloat16"), Y: T.Tensor(y_shape, "float8_e4m3fn"),
@@ -626,6 +670,8 @@ def swiglu_fwd_pcc_kernel(hidden: int, npt: int, round_sf: bool, transpose: bool
         T.assume(Tn % BT == 0)
         with T.Kernel(*grid, threads=threads) as (b0, b1):
             bx, by = (b1, b0) if PCC_CHANNEL_MAJOR else (b0, b1)  # token tile, channel block
+            if words:  # (before the annotation)
+                T.import_source(_BF16_WORD_HELPER)
             T.annotate_min_blocks_per_sm(min_blocks)
             tx = T.get_thread_binding()
             A = T.alloc_shared((BT, BH), "bfloat16")
@@ -651,8 +697,13 @@ def swiglu_fwd_pcc_kernel(hidden: int, npt: int, round_sf: bool, transpose: bool
                     xr[i, v] = X[t0 + rs + i * RS, hidden + h0 + ch * 8 + v]
             for i in T.unroll(RPT):
                 for e in T.unroll(8):
-                    lc[e], rc[e], tv[e] = _act_parts(T, T.cast(xl[i, e], "float32"), T.cast(xr[i, e], "float32"),
-                                                     clamp_bits)
+                    if words:
+                        lw = T.call_extern("float32", "tf_sw_bf16_half", T.address_of(xl[i, e - e % 2]), e % 2)
+                        rw = T.call_extern("float32", "tf_sw_bf16_half", T.address_of(xr[i, e - e % 2]), e % 2)
+                        lc[e], rc[e], tv[e] = _act_parts(T, lw, rw, clamp_bits)
+                    else:
+                        lc[e], rc[e], tv[e] = _act_parts(T, T.cast(xl[i, e], "float32"),
+                                                         T.cast(xr[i, e], "float32"), clamp_bits)
                     _, qv[e] = _recip_and_quotient(T, lc[e], tv[e])
                 # shared-reciprocal division for the 8 values unless one |l| is large, inf or NaN (redo with /)
                 if _outside(T, _abs_sum(T, lc, 8), T.float32(0.0), T.float32(_FAST_ABS_SUM)):
