@@ -180,6 +180,25 @@ __device__ __forceinline__ float tf_pbc_f16_lo(unsigned w) {
 __device__ __forceinline__ float tf_pbc_f16_hi(unsigned w) {
   float f; asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, h;}" : "=f"(f) : "r"(w)); return f; }
 """
+# LOSSLESS_I32: the input sf loads of per_block_cast_lossless as int32 element offsets off the sf tensor's base
+# pointer (one row offset computed once per thread, then one add per row) instead of TileLang's int64 index products
+# (about 8 integer instructions per load, most of the prologue); needs an sf tensor spanning < 2^31 elements (the
+# launcher checks). LOSSLESS_FULL: when the hidden size is a multiple of the 256-channel tile, CTAs whose 128 rows all
+# exist (every CTA but the last row) take a copy of the body without the per-row bounds predicates (their compares
+# and predicate spills to registers); the last CTA row keeps the checked body. LOSSLESS_CTAS: CTAs per SM the
+# one-CTA-per-tile grid asks nvcc for (its register budget 65536 / (threads * ctas)); 0 = ``_resident_ctas`` with
+# ``_LOSSLESS_REGS`` (3 CTAs of 512 threads at 40 registers). Same values either way.
+LOSSLESS_I32 = 0
+LOSSLESS_FULL = 0
+LOSSLESS_CTAS = 0
+# LOSSLESS_EXP23 (fp32 input sf): the exponents stay in place (``e(b) << 23``: one mask per row where the byte costs a
+# shift and a mask), the block maximum is taken over them (the same order), and the factor's bits are
+# ``max(e(b) << 23 + (141 - E_B) << 23, 0)`` (one add-max per row where the byte form also shifts). Same bits.
+LOSSLESS_EXP23 = 0
+_LL_LDG = """
+template <typename P> __device__ __forceinline__ int tf_pbc_ldg(P p, int off) {
+  return __ldg(reinterpret_cast<const int*>(p) + off); }
+"""
 _SMS = 132  # H200 SMs: sizes the persistent grid only (no value depends on it)
 
 
@@ -225,6 +244,8 @@ def per_block_cast_kernel(x_dtype: str, fmt: str, hidden: int, bm: int, bk: int,
     ncolp = 1 << (ncol - 1).bit_length()  # tile columns of the linear walk: a power of two (shifts, no division)
     e2m1_ctas = E2M1_32_CTAS if (x_dtype == "bfloat16" and fmt == "e2m1" and mode == "cast" and bm == 32) else 0
     assert pipe in (0, 1)
+    # (computed here: an ``or`` inside the traced body became a logical Or, i.e. 1 CTA per SM when E2M1_32_CTAS > 0)
+    cast_blocks = e2m1_ctas or _resident_ctas(cm.threads, _CAST_REGS[mode if mode != "cast" else fmt])
 
     Tn, NBM, P, SS = T.dynamic("num_tokens, num_row_blocks, sf_pad, sf_row_stride")
     # e2m1 from bf16 (issue-bound): the input arrives as int32 words of two elements (the launcher's
@@ -344,8 +365,7 @@ def per_block_cast_kernel(x_dtype: str, fmt: str, hidden: int, bm: int, bk: int,
                 if f16:  # before the annotation below (after it, TileLang dropped the min-blocks bound)
                     _tl.import_cuda_helpers()
                 if x_dtype == "bfloat16":
-                    T.annotate_min_blocks_per_sm(
-                        e2m1_ctas or _resident_ctas(cm.threads, _CAST_REGS[mode if mode != "cast" else fmt]))
+                    T.annotate_min_blocks_per_sm(cast_blocks)
                 tx = T.get_thread_binding()
                 lane = tx % _LANES
                 w = tx // _LANES
@@ -460,6 +480,12 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
         pipe_ctas = LOSSLESS_PIPE_CTAS
     decode = LOSSLESS_DECODE
     skip = LOSSLESS_SKIP
+    i32 = bool(LOSSLESS_I32) and ibm == 1
+    exp23 = bool(LOSSLESS_EXP23) and not sf_in_packed
+    full = bool(LOSSLESS_FULL) and hidden % _TILE_H == 0
+    # (computed here: an ``or`` inside the traced body became a logical Or, i.e. 1 CTA per SM)
+    ll_blocks = LOSSLESS_CTAS or _resident_ctas(cm.threads, _LOSSLESS_REGS)
+    ll_source = (_LL_HELPERS if decode == 1 else "") + (_LL_LDG if i32 else "")  # one import (a second clashes)
     assert pipe in (0, 1)
 
     Tn, NBM, P, NBMI, SI0, SI1 = T.dynamic("num_tokens, num_row_blocks, sf_pad, in_sf_rows, in_sf_s0, in_sf_s1")
@@ -480,6 +506,8 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
         """Biased exponent byte e(b) (quant.md 3.7) of the input block of column ``col`` from its sf word."""
         if sf_in_packed:
             return T.shift_right(word, ((col // ibk) % 4) * 8) & 255
+        if exp23:  # e(b) << 23: the exponent field in place (one mask, no shift)
+            return word & T.int32(0x7F800000)
         return T.shift_right(word, 23) & 255
 
     def fp4_pair(word, k: int):
@@ -499,21 +527,53 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
                                                                              T.cast(half, "uint16")))
                      for half in (bits, T.shift_right(bits, T.uint32(16))))
 
-    @T.macro
-    def load_ll(D, SFI, dl, el, row0, col0):
-        """8 rows of 8 nibbles and their input sf words (all loads first: nothing waits on one before the last
-        is issued); missing rows/channels count as e = 0."""
-        for j in T.unroll(_RPT):
-            if T.And(row0 + j < Tn, col0 < hidden):
-                dl[j] = D[row0 + j, col0 // _C]
-                el[j] = in_sf_word(SFI, row0 + j, col0)
-            else:
-                dl[j] = 0
-                el[j] = 0
+    def sf_offset(row0, col0):
+        """int32 element offset of row ``row0``'s input sf word of column ``col0`` (LOSSLESS_I32, ibm = 1)."""
+        if not i32:
+            return 0
+        return row0 * SI0 + ((col0 // ibk) // 4 if sf_in_packed else col0 // ibk) * SI1
+
+    def sf_load(SFI, off0, row0, j: int, col0):
+        """Input sf word of row ``row0 + j`` (``off0``: row0's int32 element offset, LOSSLESS_I32)."""
+        if i32:
+            return T.call_extern("int32", "tf_pbc_ldg", T.address_of(SFI[0, 0]), off0 + j * SI0)
+        return in_sf_word(SFI, row0 + j, col0)
 
     @T.macro
-    def process_ll(Y, SF, dl, el, mx, tmp, red, row0, col0, w, lane):
-        """Exponents, block maxima E_B, sf and stores of the rows loaded into ``dl`` / ``el``."""
+    def load_ll(D, SFI, dl, el, row0, col0, off0, checked: bool = True):
+        """8 rows of 8 nibbles and their input sf words (all loads first: nothing waits on one before the last
+        is issued); missing rows/channels count as e = 0 (``checked`` False: all rows and channels exist)."""
+        for j in T.unroll(_RPT):
+            if checked:
+                if T.And(row0 + j < Tn, col0 < hidden):
+                    dl[j] = D[row0 + j, col0 // _C]
+                    el[j] = sf_load(SFI, off0, row0, j, col0)
+                else:
+                    dl[j] = 0
+                    el[j] = 0
+            else:
+                dl[j] = D[row0 + j, col0 // _C]
+                el[j] = sf_load(SFI, off0, row0, j, col0)
+
+    @T.macro
+    def encode_row(Y, dl, el, mx, tmp, row0, col0, j: int):
+        # 2^(e(b) - E_B + 14) from its exponent bits (0 below 2^-126: the product is then far below
+        # e4m3's smallest subnormal and rounds to +-0, as with the unscaled factor)
+        if exp23:  # el[j] = e(b) << 23: the same bits, max((141 - E_B) << 23 + e(b) << 23, 0) (|141 + e - E_B| < 256)
+            factor = T.reinterpret(T.max(el[j] + T.shift_left(141 - mx[j * nb // _RPT], 23), 0), "float32")
+        else:
+            factor = T.reinterpret(T.shift_left(T.max(141 + el[j] - mx[j * nb // _RPT], 0), 23), "float32")
+        for k in _statically(_C // 2):
+            lo, hi = fp4_pair(dl[j], k)  # nibbles k and k + 4
+            tmp[k] = lo * factor
+            tmp[k + _C // 2] = hi * factor
+        for v in T.vectorized(_C):
+            Y[row0 + j, col0 + v] = T.cast(tmp[v], "float8_e4m3fn")
+
+    @T.macro
+    def process_ll(Y, SF, dl, el, mx, tmp, red, row0, col0, w, lane, checked: bool = True):
+        """Exponents, block maxima E_B, sf and stores of the rows loaded into ``dl`` / ``el`` (``checked``
+        False: all rows and channels exist)."""
         for j in T.unroll(_RPT):
             # torch strides are never negative (``SI1 == -1`` never holds), but nvcc cannot know it: the
             # select makes the data words live before the block reduction's barrier, so nvcc does not sink
@@ -525,30 +585,33 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
             mx[j * nb // _RPT] = T.max(mx[j * nb // _RPT], el[j])
         cm.block_max(mx, w, lane, red)
         for n in T.unroll(nb):
-            mx[n] = T.max(mx[n] - 6, 0)  # E_B
-            if T.And(T.And(lane % lanes_per_block == 0, w % cm.wb == 0),
-                     T.And(row0 + n * obm < Tn, col0 < hidden)):
-                cm.store_sf(SF, (row0 + n * obm) // obm, col0 // obk,
-                            T.reinterpret(T.shift_left(mx[n], 23), "float32"), mx[n])
+            if exp23:
+                mx[n] = T.max(T.shift_right(mx[n], 23) - 6, 0)  # E_B (the maximum was of e(b) << 23)
+            else:
+                mx[n] = T.max(mx[n] - 6, 0)  # E_B
+            if checked:
+                if T.And(T.And(lane % lanes_per_block == 0, w % cm.wb == 0),
+                         T.And(row0 + n * obm < Tn, col0 < hidden)):
+                    cm.store_sf(SF, (row0 + n * obm) // obm, col0 // obk,
+                                T.reinterpret(T.shift_left(mx[n], 23), "float32"), mx[n])
+            else:
+                if T.And(lane % lanes_per_block == 0, w % cm.wb == 0):
+                    cm.store_sf(SF, (row0 + n * obm) // obm, col0 // obk,
+                                T.reinterpret(T.shift_left(mx[n], 23), "float32"), mx[n])
         for j in T.unroll(_RPT):
-            if T.And(row0 + j < Tn, col0 < hidden):
-                # 2^(e(b) - E_B + 14) from its exponent bits (0 below 2^-126: the product is then far below
-                # e4m3's smallest subnormal and rounds to +-0, as with the unscaled factor)
-                factor = T.reinterpret(T.shift_left(T.max(141 + el[j] - mx[j * nb // _RPT], 0), 23), "float32")
-                for k in _statically(_C // 2):
-                    lo, hi = fp4_pair(dl[j], k)  # nibbles k and k + 4
-                    tmp[k] = lo * factor
-                    tmp[k + _C // 2] = hi * factor
-                for v in T.vectorized(_C):
-                    Y[row0 + j, col0 + v] = T.cast(tmp[v], "float8_e4m3fn")
+            if checked:
+                if T.And(row0 + j < Tn, col0 < hidden):
+                    encode_row(Y, dl, el, mx, tmp, row0, col0, j)
+            else:
+                encode_row(Y, dl, el, mx, tmp, row0, col0, j)
 
     @T.macro
     def body(D, SFI, Y, SF):
         if pipe == 0:
             with T.Kernel(T.ceildiv(hidden, _TILE_H), T.ceildiv(Tn, rows_per_cta), threads=cm.threads) as (bx, by):
-                if decode == 1:  # before the annotation (after it, TileLang dropped the min-blocks bound)
-                    T.import_source(_LL_HELPERS)
-                T.annotate_min_blocks_per_sm(_resident_ctas(cm.threads, _LOSSLESS_REGS))
+                if decode == 1 or i32:  # before the annotation (after it, TileLang dropped the min-blocks bound)
+                    T.import_source(ll_source)
+                T.annotate_min_blocks_per_sm(ll_blocks)
                 tx = T.get_thread_binding()
                 lane = tx % _LANES
                 w = tx // _LANES
@@ -559,14 +622,23 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
                 mx = T.alloc_local((nb,), "int32")
                 red = T.alloc_shared((W * _LANES,), "int32")
                 tmp = T.alloc_local((_C,), "float32")
-                load_ll(D, SFI, dl, el, row0, col0)
-                process_ll(Y, SF, dl, el, mx, tmp, red, row0, col0, w, lane)
+                off0 = sf_offset(row0, col0)
+                if full:
+                    if (by + 1) * rows_per_cta <= Tn:
+                        load_ll(D, SFI, dl, el, row0, col0, off0, False)
+                        process_ll(Y, SF, dl, el, mx, tmp, red, row0, col0, w, lane, False)
+                    else:
+                        load_ll(D, SFI, dl, el, row0, col0, off0)
+                        process_ll(Y, SF, dl, el, mx, tmp, red, row0, col0, w, lane)
+                else:
+                    load_ll(D, SFI, dl, el, row0, col0, off0)
+                    process_ll(Y, SF, dl, el, mx, tmp, red, row0, col0, w, lane)
         else:
             # persistent CTAs walking row bands with the next band's loads in flight, as in per_block_cast
             G = max(1, (_SMS * pipe_ctas) // ncol)
             with T.Kernel(ncol, G, threads=cm.threads) as (bx, by):
-                if decode == 1:
-                    T.import_source(_LL_HELPERS)
+                if decode == 1 or i32:
+                    T.import_source(ll_source)
                 T.annotate_min_blocks_per_sm(pipe_ctas)
                 tx = T.get_thread_binding()
                 lane = tx % _LANES
@@ -580,10 +652,12 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
                 ra = T.alloc_shared((W * _LANES,), "int32")
                 rb = T.alloc_shared((W * _LANES,), "int32")
                 tmp = T.alloc_local((_C,), "float32")
-                load_ll(D, SFI, da, ea, by * rows_per_cta + w * _RPT, col0)
+                load_ll(D, SFI, da, ea, by * rows_per_cta + w * _RPT, col0,
+                        sf_offset(by * rows_per_cta + w * _RPT, col0))
                 for it in T.serial(T.ceildiv(T.ceildiv(Tn, rows_per_cta), 2 * G)):
                     r0 = (by + 2 * it * G) * rows_per_cta + w * _RPT
-                    load_ll(D, SFI, db, eb, r0 + G * rows_per_cta, col0)
+                    load_ll(D, SFI, db, eb, r0 + G * rows_per_cta, col0,
+                            sf_offset(r0 + G * rows_per_cta, col0))
                     if skip:
                         # the band's first row decides for the whole CTA; a skipped band keeps the barrier (the
                         # bands before and after it use the same shared reduction buffer)
@@ -593,7 +667,8 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
                             T.sync_threads()
                     else:
                         process_ll(Y, SF, da, ea, mx, tmp, ra, r0, col0, w, lane)
-                    load_ll(D, SFI, da, ea, r0 + 2 * G * rows_per_cta, col0)
+                    load_ll(D, SFI, da, ea, r0 + 2 * G * rows_per_cta, col0,
+                            sf_offset(r0 + 2 * G * rows_per_cta, col0))
                     if skip:
                         if (by + (2 * it + 1) * G) * rows_per_cta < Tn:
                             process_ll(Y, SF, db, eb, mx, tmp, rb, r0 + G * rows_per_cta, col0, w, lane)
@@ -748,6 +823,11 @@ def per_block_cast_lossless_launch(data: torch.Tensor, sf_in: torch.Tensor, x_bl
     out = torch.empty((t, hidden), dtype=torch.float8_e4m3fn, device=data.device)
     out_sf, sf_arg = _alloc_sf(t, hidden, obm, obk, layout, data.device)
     if data.numel() > 0:  # zero tokens or zero channels: empty outputs, no launch
+        if LOSSLESS_I32 and ibm == 1:  # the kernel's input sf offsets are int32 (8 GB of sf: never in practice)
+            span = sum((d - 1) * st for d, st in zip(sf_in.shape, sf_in.stride()) if d)
+            if span >= 2 ** 31:
+                raise ValueError(f"per_block_cast_lossless: the input sf spans {span + 1} elements; the kernel "
+                                 "indexes it with int32 offsets (< 2^31 elements)")
         cfg = (hidden, ibm, ibk, obm, obk, sf_in.dtype == torch.int32, layout)
         words = _aligned(data, 4).view(torch.int32)
         _jit.get("per_block_cast_lossless", cfg)(words, sf_in, out, sf_arg)
