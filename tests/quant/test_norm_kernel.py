@@ -35,6 +35,22 @@ def test_builds_for_sm90(name, cfg):
     assert "__global__" in src and "use_fast_math" not in src
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("cfg", [("bfloat16", 7168, True, True), ("bfloat16", 576, False, False)], ids=str)
+def test_backward_staged_builds_for_sm90(stages, cfg, monkeypatch):
+    """BWD_STAGES: the cp.async shared-memory ring builds (bf16), with no barrier in the row loop beyond the
+    reduction's two."""
+    import tilelang
+
+    monkeypatch.setattr(K, "BWD_STAGES", stages)
+    src = tilelang.compile(K.norm_backward_kernel(*cfg), target={"kind": "cuda", "arch": "sm_90"},
+                           execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
+    assert f"nf_cp_wait<{stages - 1}>" in src and "nf_cp16(" in src
+    loop = src[src.index("for (int k = 0;"):]
+    assert loop.count("__syncthreads()") == 2
+
+
 def test_fake_shapes_cpu():
     """Output allocation of the launcher's helpers (no kernel): sf layouts of 2-D and 3-D inputs."""
     x = torch.empty((7, 576))
@@ -332,6 +348,9 @@ KNOB_VARIANTS = [
     {"BWD_RSTD_AHEAD": True, "BWD_L2_AHEAD": 1, "BWD_L2_BULK": True, "BWD_UNIT_SCALE": True,
      "RED_BATCH": 128, "RED_THREADS": 32},
     {"FWD_UNIT_SCALE": True, "FWD_BLOCKS": 7, "FWD_BLOCKS_QUANT": 7},
+    {"BWD_STAGES": 2},
+    {"BWD_STAGES": 3},
+    {"BWD_STAGES": 3, "BWD_UNIT_SCALE": True, "RED_BATCH": 128, "RED_THREADS": 32},
 ]
 
 

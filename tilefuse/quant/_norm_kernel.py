@@ -49,6 +49,10 @@ BWD_UNIT_SCALE = False  # norm_backward: a second copy of the kernel body for ou
                         # common case), without the two multiplications by it per element (exact: see make_body)
 BWD_RSTD_AHEAD = False  # norm_backward: load the next row's rstd one row ahead with its x and dy (not at the
                         # top of the row, where its DRAM latency is exposed once per row)
+BWD_STAGES = 0     # norm_backward: 0 = rows loaded into registers one row ahead (the default); S >= 2 = an S-stage
+                   # shared-memory ring filled by per-thread cp.async (each thread copies and later reads only its
+                   # own 16-byte vectors: no barrier), S - 1 rows of x, dy and rstd in flight per CTA (bf16 only,
+                   # when 2 CTAs of S stages fit in shared memory; else the default path). Same arithmetic.
 _NPC = 32          # quant.md 5.11: the quantizing op casts with 32-channel groups
 
 # bf16 -> binary32 from the 32-bit register word holding elements 2k (low half) and 2k + 1 (high half): one
@@ -63,6 +67,16 @@ __device__ __forceinline__ void nf_prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" : : "l"(p)); }
 __device__ __forceinline__ void nf_bulk_prefetch_l2(const void* p, unsigned bytes) {  // sm_90 TMA: one row
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" : : "l"(p), "r"(bytes)); }
+// cp.async to a shared-window address given as base + byte offset (the base taken once: the copies are private to
+// the issuing thread, which alone reads them back, so no barrier is needed)
+__device__ __forceinline__ unsigned nf_smem_addr(const void* s) { return (unsigned)__cvta_generic_to_shared(s); }
+__device__ __forceinline__ void nf_cp16(unsigned base, int off, const void* g) {  // 16 bytes, bypassing L1
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" : : "r"(base + off), "l"(g) : "memory"); }
+__device__ __forceinline__ void nf_cp4(unsigned base, int off, const void* g) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" : : "r"(base + off), "l"(g) : "memory"); }
+__device__ __forceinline__ void nf_cp_commit() { asm volatile("cp.async.commit_group;" : : : "memory"); }
+template <int N> __device__ __forceinline__ void nf_cp_wait() {
+  asm volatile("cp.async.wait_group %0;" : : "n"(N) : "memory"); }
 """
 
 
@@ -452,8 +466,137 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
 
         return body
 
-    body_gen = make_body(False)
-    body_unit = make_body(True) if BWD_UNIT_SCALE else None
+    def make_staged_body(unit: bool):
+        """BWD_STAGES >= 2: the same per-row arithmetic as ``make_body`` (each thread owns the same columns and
+        computes the same expressions in the same order); x, dy and rstd come from an ST-stage shared ring that
+        per-thread cp.async fills ST - 1 rows ahead, and the dx pass reads the row from shared memory again."""
+        def scale(v, s):
+            return v if unit else v * s
+
+        @T.macro
+        def body(DY, X, W, Rstd, RG, DX, Part, p, out_scale):
+            tx = T.get_thread_binding()
+            xs = T.alloc_shared((ST, hidden), x_dtype)
+            ds = T.alloc_shared((ST, hidden), x_dtype)
+            rs = T.alloc_shared((ST, TB), "float32")   # each thread its own copy of the row's rstd
+            wacc = T.alloc_local((C, E), "float32")
+            wl = T.alloc_local((E,), x_dtype)
+            xl = T.alloc_local((E,), x_dtype)
+            dl = T.alloc_local((E,), x_dtype)
+            io = T.alloc_local((E,), x_dtype)
+            red = T.alloc_shared((NW,), "float32")
+            acc = T.alloc_var("float32")
+            xb = T.alloc_var("uint32")   # shared-window addresses of the rings
+            db = T.alloc_var("uint32")
+            rb = T.alloc_var("uint32")
+            xb = T.call_extern("uint32", "nf_smem_addr", xs.access_ptr("w"))
+            db = T.call_extern("uint32", "nf_smem_addr", ds.access_ptr("w"))
+            rb = T.call_extern("uint32", "nf_smem_addr", rs.access_ptr("w"))
+            for c in T.unroll(C):
+                for e in T.unroll(E):
+                    wacc[c, e] = T.float32(0.0)
+            for a in T.unroll(ST - 1):   # prologue: rows p + a NP, a < ST - 1, into stage a
+                if p + a * _NP < Tn:
+                    T.call_extern("void", "nf_cp4", rb, (a * TB + tx) * 4, Rstd.access_ptr("r", offset=p + a * _NP))
+                    for c in T.unroll(C):
+                        col = (c * TB + tx) * E
+                        if col < hidden:
+                            T.call_extern("void", "nf_cp16", xb, (a * hidden + col) * 2,
+                                          X.access_ptr("r", offset=(p + a * _NP) * XS + col))
+                            T.call_extern("void", "nf_cp16", db, (a * hidden + col) * 2,
+                                          DY.access_ptr("r", offset=(p + a * _NP) * GS + col))
+                T.call_extern("void", "nf_cp_commit")
+            for k in T.serial(T.ceildiv(Tn, _NP)):
+                row = k * _NP + p
+                if row < Tn:
+                    nxt = row + (ST - 1) * _NP
+                    sn = (k + ST - 1) % ST
+                    if nxt < Tn:   # the row ST - 1 ahead into the stage the previous row left
+                        T.call_extern("void", "nf_cp4", rb, (sn * TB + tx) * 4, Rstd.access_ptr("r", offset=nxt))
+                        for c in T.unroll(C):
+                            col = (c * TB + tx) * E
+                            if col < hidden:
+                                T.call_extern("void", "nf_cp16", xb, (sn * hidden + col) * 2,
+                                              X.access_ptr("r", offset=nxt * XS + col))
+                                T.call_extern("void", "nf_cp16", db, (sn * hidden + col) * 2,
+                                              DY.access_ptr("r", offset=nxt * GS + col))
+                    T.call_extern("void", "nf_cp_commit")
+                    T.call_extern("void", f"nf_cp_wait<{ST - 1}>")   # this row's group (this thread's copies)
+                    s = k % ST
+                    r = rs[s, tx]
+                    acc = T.float32(0.0)
+                    for c in T.unroll(C):
+                        col = (c * TB + tx) * E
+                        for e in T.vectorized(E):
+                            wl[e] = T.cast(1, x_dtype)
+                            xl[e] = T.cast(0, x_dtype)
+                            dl[e] = T.cast(0, x_dtype)
+                        if col < hidden:
+                            if has_weight:
+                                for e in T.vectorized(E):
+                                    wl[e] = W[col + e]
+                            for e in T.vectorized(E):
+                                xl[e] = xs[s, col + e]
+                            for e in T.vectorized(E):
+                                dl[e] = ds[s, col + e]
+                        for e in T.unroll(E):
+                            xh = f32(xl, e) * r
+                            g = scale(f32(dl, e), out_scale)
+                            if has_weight:
+                                wacc[c, e] = wacc[c, e] + xh * g
+                                acc = acc + xh * (g * f32(wl, e))
+                            else:
+                                acc = acc + xh * g
+                    for st in T.unroll(5):
+                        acc = acc + T.shfl_xor(acc, T.shift_right(16, st))
+                    T.sync_threads()  # the previous row's readers of red are done
+                    if tx % 32 == 0:
+                        red[tx // 32] = acc
+                    T.sync_threads()
+                    acc = red[0]
+                    for i in T.unroll(1, NW):
+                        acc = acc + red[i]
+                    mean = acc / T.float32(hidden)
+                    for c in T.unroll(C):
+                        col = (c * TB + tx) * E
+                        if col < hidden:
+                            for e in T.vectorized(E):
+                                xl[e] = xs[s, col + e]
+                            for e in T.vectorized(E):
+                                dl[e] = ds[s, col + e]
+                            if has_weight:
+                                for e in T.vectorized(E):
+                                    wl[e] = W[col + e]
+                            if has_res_grad:
+                                rg = T.alloc_local((E,), x_dtype)
+                                for e in T.vectorized(E):
+                                    rg[e] = RG[row, col + e]
+                            for e in T.unroll(E):
+                                xh = f32(xl, e) * r
+                                g = scale(f32(dl, e), out_scale)
+                                gw = g * f32(wl, e) if has_weight else g
+                                if has_res_grad:
+                                    io[e] = T.cast((gw - xh * mean) * r + f32(rg, e), x_dtype)
+                                else:
+                                    io[e] = T.cast((gw - xh * mean) * r, x_dtype)
+                            for e in T.vectorized(E):
+                                DX[row, col + e] = io[e]
+            T.call_extern("void", "nf_cp_wait<0>")   # no copy outlives the CTA
+            if has_weight:
+                for c in T.unroll(C):
+                    col = (c * TB + tx) * E
+                    if col < hidden:
+                        for e in T.vectorized(E):
+                            Part[p, col + e] = wacc[c, e]
+
+        return body
+
+    ST = BWD_STAGES if x_dtype == "bfloat16" else 0
+    if ST == 1 or 2 * (ST * (2 * rowbytes + 4 * TB) + 64) > 225 * 1024:
+        ST = 0   # 2 CTAs of ST stages do not fit in an SM's shared memory (or no ring): the register path
+    mk = make_staged_body if ST else make_body
+    body_gen = mk(False)
+    body_unit = mk(True) if BWD_UNIT_SCALE else None
 
     @T.prim_func
     def norm_backward(DY: dy_p, X: x_p, W: w_p, Rstd: rstd_p, RG: rg_p, DX: dx_p, Part: part_p,
