@@ -51,6 +51,22 @@ def test_backward_staged_builds_for_sm90(stages, cfg, monkeypatch):
     assert loop.count("__syncthreads()") == 2
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("stages,ctas,blocks", [(2, 924, 7), (3, 528, 4)])
+@pytest.mark.parametrize("cfg", [("bfloat16", 7168, True, False, True, "col_packed", True, False, False, 0),
+                                 ("bfloat16", 7168, True, False, False, "row", False, False, True, 0)], ids=str)
+def test_forward_staged_builds_for_sm90(stages, ctas, blocks, cfg, monkeypatch):
+    """FWD_STAGES(_QUANT): the persistent cp.async ring builds (bf16, no residual)."""
+    import tilelang
+
+    for name, value in (("FWD_STAGES", stages), ("FWD_STAGES_QUANT", stages), ("FWD_PERSIST_CTAS", ctas),
+                        ("FWD_PERSIST_BLOCKS", blocks)):
+        monkeypatch.setattr(K, name, value)
+    src = tilelang.compile(K.norm_forward_kernel(*cfg), target={"kind": "cuda", "arch": "sm_90"},
+                           execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
+    assert f"nf_cp_wait<{stages - 1}>" in src and "nf_cp16(" in src and f"__launch_bounds__(128, {blocks})" in src
+
+
 def test_fake_shapes_cpu():
     """Output allocation of the launcher's helpers (no kernel): sf layouts of 2-D and 3-D inputs."""
     x = torch.empty((7, 576))
@@ -348,6 +364,8 @@ KNOB_VARIANTS = [
     {"BWD_RSTD_AHEAD": True, "BWD_L2_AHEAD": 1, "BWD_L2_BULK": True, "BWD_UNIT_SCALE": True,
      "RED_BATCH": 128, "RED_THREADS": 32},
     {"FWD_UNIT_SCALE": True, "FWD_BLOCKS": 7, "FWD_BLOCKS_QUANT": 7},
+    {"FWD_STAGES": 2, "FWD_STAGES_QUANT": 2, "FWD_PERSIST_CTAS": 924, "FWD_PERSIST_BLOCKS": 7},
+    {"FWD_STAGES": 3, "FWD_STAGES_QUANT": 3, "FWD_PERSIST_CTAS": 100, "FWD_PERSIST_BLOCKS": 4},
     {"BWD_STAGES": 2},
     {"BWD_STAGES": 3},
     {"BWD_STAGES": 3, "BWD_UNIT_SCALE": True, "RED_BATCH": 128, "RED_THREADS": 32},

@@ -49,6 +49,14 @@ BWD_UNIT_SCALE = False  # norm_backward: a second copy of the kernel body for ou
                         # common case), without the two multiplications by it per element (exact: see make_body)
 BWD_RSTD_AHEAD = False  # norm_backward: load the next row's rstd one row ahead with its x and dy (not at the
                         # top of the row, where its DRAM latency is exposed once per row)
+FWD_STAGES = 0     # bf16 norm_forward without residual (FWD_STAGES_QUANT: the quantizing forward): 0 = one CTA per row
+                   # (the default); S >= 2 = a persistent grid of
+                   # FWD_PERSIST_CTAS CTAs, CTA i walking rows i, i + grid, ..., x loaded S - 1 rows ahead into an
+                   # S-stage shared ring by per-thread cp.async (each thread reads back only its own vectors). Same
+                   # arithmetic per row (same thread -> column map, same reduction order)
+FWD_STAGES_QUANT = 0
+FWD_PERSIST_CTAS = 528   # with FWD_STAGES: the grid (4 CTAs per SM on 132 SMs; 2 CTAs of 128 threads per SMSP)
+FWD_PERSIST_BLOCKS = 4   # with FWD_STAGES: CTAs per SM the register cap allows (annotate_min_blocks_per_sm)
 BWD_STAGES = 0     # norm_backward: 0 = rows loaded into registers one row ahead (the default); S >= 2 = an S-stage
                    # shared-memory ring filled by per-thread cp.async (each thread copies and later reads only its
                    # own 16-byte vectors: no barrier), S - 1 rows of x, dy and rstd in flight per CTA (bf16 only,
@@ -145,7 +153,7 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
             return v if unit else v * s
 
         @T.macro
-        def body(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale, t, b):
+        def body(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale, t, b, Xsh, s):
             tx = T.get_thread_binding()
             io = T.alloc_local((C, E), x_dtype)   # h = round(x + res) in x.dtype: binary32 values are float(io)
             red = T.alloc_shared((NW,), "float32")
@@ -155,8 +163,12 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
             for c in T.unroll(C):
                 col = (c * _THREADS + tx) * E
                 if col < hidden:
-                    for e in T.vectorized(E):
-                        io[c, e] = X[b, t, col + e]
+                    if FS:
+                        for e in T.vectorized(E):
+                            io[c, e] = Xsh[s, col + e]
+                    else:
+                        for e in T.vectorized(E):
+                            io[c, e] = X[b, t, col + e]
                     if has_residual:
                         rr = T.alloc_local((E,), x_dtype)
                         for e in T.vectorized(E):
@@ -266,8 +278,23 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
 
         return body
 
+    FS = (FWD_STAGES_QUANT if quant else FWD_STAGES) if (x_dtype == "bfloat16" and not has_residual) else 0
+    NCTA = FWD_PERSIST_CTAS
+    rowb = hidden * 2
+    if FS == 1 or FWD_PERSIST_BLOCKS * (FS * rowb + 128 + 1024) > 228 * 1024:   # 1 KB reserved per CTA
+        FS = 0   # no ring, or FWD_PERSIST_BLOCKS CTAs of FS stages do not fit in an SM's shared memory
     body_gen = make_body(False)
     body_unit = make_body(True) if FWD_UNIT_SCALE else None
+
+    @T.macro
+    def run_body(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale, t, b, Xsh, s):
+        if FWD_UNIT_SCALE:
+            if out_scale == T.float32(1.0):   # uniform: the copy without the multiplication by out_scale
+                body_unit(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale, t, b, Xsh, s)
+            else:
+                body_gen(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale, t, b, Xsh, s)
+        else:
+            body_gen(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale, t, b, Xsh, s)
 
     @T.prim_func
     def norm_forward(X: x_p, W: w_p, Res: r_p, ResOut: ro_p, Out: o_p, SF: sf_p, Bf: bf_p, Rstd: rstd_p,
@@ -285,18 +312,55 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
         if with_bf16:
             T.assume(BB % 16 == 0)
             T.assume(BS % 16 == 0)
-        with T.Kernel(Tn, B, threads=_THREADS) as (t, b):
-            if x_dtype == "bfloat16":
-                T.annotate_min_blocks_per_sm(FWD_BLOCKS_QUANT if quant else FWD_BLOCKS)  # rows per SM: loads in flight
-            if words:
+        if FS:
+            with T.Kernel(NCTA, threads=_THREADS) as i:
+                T.annotate_min_blocks_per_sm(FWD_PERSIST_BLOCKS)
                 T.import_source(_CUDA_HELPERS)
-            if FWD_UNIT_SCALE:
-                if out_scale == T.float32(1.0):   # uniform: the copy without the multiplication by out_scale
-                    body_unit(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale, t, b)
-                else:
-                    body_gen(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale, t, b)
-            else:
-                body_gen(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale, t, b)
+                tx = T.get_thread_binding()
+                xs = T.alloc_shared((FS, hidden), x_dtype)
+                xb = T.alloc_var("uint32")
+                xb = T.call_extern("uint32", "nf_smem_addr", xs.access_ptr("w"))
+                rt = T.alloc_var("int32")   # (b, t) of this row and of the row loaded ahead: one division each
+                rb = T.alloc_var("int32")
+                nt = T.alloc_var("int32")
+                nb = T.alloc_var("int32")
+                nrows = B * Tn
+                for a in T.unroll(FS - 1):   # prologue: rows i + a NCTA into stage a
+                    if i + a * NCTA < nrows:
+                        nb = T.truncdiv(i + a * NCTA, Tn)
+                        nt = i + a * NCTA - nb * Tn
+                        for c in T.unroll(C):
+                            col = (c * _THREADS + tx) * E
+                            if col < hidden:
+                                T.call_extern("void", "nf_cp16", xb, (a * hidden + col) * 2, X.access_ptr(
+                                    "r", offset=nb * XB + nt * XS + col))
+                    T.call_extern("void", "nf_cp_commit")
+                for k in T.serial(T.ceildiv(nrows, NCTA)):
+                    r = k * NCTA + i
+                    if r < nrows:
+                        nxt = r + (FS - 1) * NCTA
+                        sn = (k + FS - 1) % FS
+                        if nxt < nrows:
+                            nb = T.truncdiv(nxt, Tn)
+                            nt = nxt - nb * Tn
+                            for c in T.unroll(C):
+                                col = (c * _THREADS + tx) * E
+                                if col < hidden:
+                                    T.call_extern("void", "nf_cp16", xb, (sn * hidden + col) * 2, X.access_ptr(
+                                        "r", offset=nb * XB + nt * XS + col))
+                        T.call_extern("void", "nf_cp_commit")
+                        T.call_extern("void", f"nf_cp_wait<{FS - 1}>")
+                        rb = T.truncdiv(r, Tn)
+                        rt = r - rb * Tn
+                        run_body(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale, rt, rb, xs, k % FS)
+                T.call_extern("void", "nf_cp_wait<0>")
+        else:
+            with T.Kernel(Tn, B, threads=_THREADS) as (t, b):
+                if x_dtype == "bfloat16":
+                    T.annotate_min_blocks_per_sm(FWD_BLOCKS_QUANT if quant else FWD_BLOCKS)  # rows per SM: loads in flight
+                if words:
+                    T.import_source(_CUDA_HELPERS)
+                run_body(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale, t, b, X, 0)
 
     return norm_forward
 
@@ -592,7 +656,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
         return body
 
     ST = BWD_STAGES if x_dtype == "bfloat16" else 0
-    if ST == 1 or 2 * (ST * (2 * rowbytes + 4 * TB) + 64) > 225 * 1024:
+    if ST == 1 or 2 * (ST * (2 * rowbytes + 4 * TB) + 128 + 1024) > 228 * 1024:   # 1 KB reserved per CTA
         ST = 0   # 2 CTAs of ST stages do not fit in an SM's shared memory (or no ring): the register path
     mk = make_staged_body if ST else make_body
     body_gen = mk(False)
