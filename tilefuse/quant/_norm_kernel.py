@@ -325,6 +325,9 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
                 nt = T.alloc_var("int32")
                 nb = T.alloc_var("int32")
                 nrows = B * Tn
+                if nrows > 0:   # (b, t) of row i; (nb, nt) of the row FS - 1 ahead; both advance NCTA rows per row
+                    rb = T.truncdiv(i, Tn)
+                    rt = i - rb * Tn
                 for a in T.unroll(FS - 1):   # prologue: rows i + a NCTA into stage a
                     if i + a * NCTA < nrows:
                         nb = T.truncdiv(i + a * NCTA, Tn)
@@ -335,14 +338,15 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
                                 T.call_extern("void", "nf_cp16", xb, (a * hidden + col) * 2, X.access_ptr(
                                     "r", offset=nb * XB + nt * XS + col))
                     T.call_extern("void", "nf_cp_commit")
+                if nrows > 0:
+                    nb = T.truncdiv(i + (FS - 1) * NCTA, Tn)
+                    nt = i + (FS - 1) * NCTA - nb * Tn
                 for k in T.serial(T.ceildiv(nrows, NCTA)):
                     r = k * NCTA + i
                     if r < nrows:
                         nxt = r + (FS - 1) * NCTA
                         sn = (k + FS - 1) % FS
                         if nxt < nrows:
-                            nb = T.truncdiv(nxt, Tn)
-                            nt = nxt - nb * Tn
                             for c in T.unroll(C):
                                 col = (c * _THREADS + tx) * E
                                 if col < hidden:
@@ -350,9 +354,16 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
                                         "r", offset=nb * XB + nt * XS + col))
                         T.call_extern("void", "nf_cp_commit")
                         T.call_extern("void", f"nf_cp_wait<{FS - 1}>")
-                        rb = T.truncdiv(r, Tn)
-                        rt = r - rb * Tn
                         run_body(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale, rt, rb, xs, k % FS)
+                        # the next rows: t + NCTA, carried into b past the batch's end (a division only then)
+                        rt = rt + NCTA
+                        if rt >= Tn:
+                            rb = rb + T.truncdiv(rt, Tn)
+                            rt = rt - T.truncdiv(rt, Tn) * Tn
+                        nt = nt + NCTA
+                        if nt >= Tn:
+                            nb = nb + T.truncdiv(nt, Tn)
+                            nt = nt - T.truncdiv(nt, Tn) * Tn
                 T.call_extern("void", "nf_cp_wait<0>")
         else:
             with T.Kernel(Tn, B, threads=_THREADS) as (t, b):
