@@ -27,6 +27,11 @@ from tilefuse import _jit
 # Row-tile path (default). Output bytes per thread: chunks are one 16-byte store each, consecutive threads take
 # consecutive chunks (so every warp store covers 512 contiguous bytes) and a thread keeps UNROLL chunks, TX
 # apart, in flight.
+# PDL: programmatic dependent launch. Each kernel's first statement waits for the stream's previous grid
+# (griddepcontrol.wait: it has completed and its writes are visible before any global access here), and TileLang
+# then launches the kernel with programmatic stream serialization, so its launch and CTA setup overlap the previous
+# kernel's tail: a fixed cost per call saved (about 1.3 us on the H200 for per_channel_cast). Results unchanged.
+PDL = True
 THREADS = 128
 UNROLL = 8
 # elements per chunk of e4m3 / e2m1 data: one 16-byte store (8 bf16 / 4 fp32) by default; a multiple of the
@@ -233,6 +238,8 @@ def _cast_back_flat(dfmt: str, out: str, hidden: int, bm: int, bk: int, sf_packe
         if dfmt != "e5m6":  # the launcher guarantees 16-byte aligned rows for the chunk's vector load
             T.assume(S % 16 == 0)
         with T.Kernel(T.ceildiv(Tn * cpr, per_cta), threads=NT) as bx:
+            if PDL:
+                T.pdl_sync()
             tx = T.get_thread_binding()
             raw = T.alloc_local((U * d_per_chunk,), d_dtype)
             val = T.alloc_local((U * V,), "float32")
@@ -350,6 +357,8 @@ def cast_back_kernel(dfmt: str, out: str, hidden: int, bm: int, bk: int, sf_pack
         with T.Kernel(T.ceildiv(cpr, TX * unroll), T.ceildiv(Tn, TY), threads=threads) as (bx, by):
             if min_blocks:
                 T.annotate_min_blocks_per_sm(min_blocks)
+            if PDL:
+                T.pdl_sync()
             tid = T.get_thread_binding()
             tx = tid % TX
             row = by * TY + tid // TX
@@ -424,6 +433,8 @@ def unpack_e2m1_kernel(out_dtype: str):
         with T.Kernel(T.ceildiv(N, NT * B * U), threads=NT) as bx:
             if UNPACK_MIN_BLOCKS:
                 T.annotate_min_blocks_per_sm(UNPACK_MIN_BLOCKS)
+            if PDL:
+                T.pdl_sync()
             tx = T.get_thread_binding()
             raw = T.alloc_local((U * B,), "uint8")
             res = T.alloc_local((2 * B,), out_dtype)

@@ -34,6 +34,7 @@ _BT = 256          # norm_backward threads per CTA (the NP = 256 CTAs are all re
                    # order of the row reduction A, so dx's bits: not a knob
 
 # Knobs (TILEFUSE_KNOBS, read when a kernel is built): scheduling only, never the arithmetic order.
+FWD_PDL = True  # one-CTA-per-row forward: programmatic dependent launch (see _per_token_cast_kernel.PDL)
 FWD_BLOCKS = 6    # bf16 norm_forward CTAs (rows) resident per SM: <= 80 registers, no spills
 FWD_BLOCKS_QUANT = 8  # the quantizing bf16 forward: <= 64 registers (it needs 72 unconstrained: 7 per SM)
 RED_BATCH = 32     # weight-gradient reduce: partial rows loaded per batch (_NP % RED_BATCH == 0); the sum is
@@ -371,6 +372,8 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
                     T.annotate_min_blocks_per_sm(FWD_BLOCKS_QUANT if quant else FWD_BLOCKS)  # rows per SM: loads in flight
                 if words:
                     T.import_source(_CUDA_HELPERS)
+                if FWD_PDL:
+                    T.pdl_sync()
                 run_body(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale, t, b, X, 0)
 
     return norm_forward

@@ -61,7 +61,7 @@ CAST_REMAT = True  # non-transposed plain input: widen the raw input again for t
 MIN_WARPS = 28   # non-transposed path: __launch_bounds__(threads, MIN_WARPS // warps per CTA) (20: (128, 5): 96
                  # registers, no spills, 5 CTAs = 20 warps per SM; 16: (128, 4): 104 registers, 4 CTAs per SM)
 PAIR_MIN_WARPS = 20  # pre-quantized pairs: MIN_WARPS of their own (None: MIN_WARPS; they spill at <= 72 registers)
-CAST_PDL = False  # non-transposed path: programmatic dependent launch. The kernel's first statement is
+CAST_PDL = True  # non-transposed path: programmatic dependent launch. The kernel's first statement is
                   # griddepcontrol.wait (every global access follows the full completion and memory flush of the
                   # stream's previous grid), and TileLang launches it with programmatic stream serialization, so
                   # its launch and CTA setup overlap the previous kernel's tail (a fixed cost per call)

@@ -27,6 +27,11 @@ _MAX = {"e4m3": 448.0, "e2m1": 6.0}
 _CLAMP = {"e4m3": 1e-4, "e2m1": 6.0 * 2.0 ** -126}
 _TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float8_e4m3fn: "float8_e4m3fn",
              torch.int8: "e2m1"}
+# PDL: programmatic dependent launch. Each kernel's first statement waits for the stream's previous grid
+# (griddepcontrol.wait: it has completed and its writes are visible before any global access here), and TileLang
+# then launches the kernel with programmatic stream serialization, so its launch and CTA setup overlap the previous
+# kernel's tail: a fixed cost per call saved (about 1.3 us on the H200 for per_channel_cast). Results unchanged.
+PDL = True
 _DEFAULT_TILE = (256, 4)  # (threads per CTA, vectors per thread[, most lanes per pair]); see ``_tiling``
 
 
@@ -183,6 +188,8 @@ def per_token_cast_kernel(x_dtype: str, fmt: str, hidden: int, npc: int, round_s
                 T.import_source(_tl.CUDA_HELPERS)
             if min_blocks:
                 T.annotate_min_blocks_per_sm(min_blocks)
+            if PDL:
+                T.pdl_sync()
             tx = T.get_thread_binding()
             q = tx % L
             s = tx // L

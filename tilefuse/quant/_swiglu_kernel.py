@@ -624,6 +624,7 @@ PCC_MIN_BLOCKS = 4
 # launch order: True = blockIdx.x walks the channel blocks of one 128-token tile first, so the CTAs running at
 # once read whole 2H-wide rows between them (long contiguous DRAM runs; the input is 4x the output); False =
 # token tiles first (each CTA reads 128-byte pieces of 128 rows while its neighbours read other rows)
+PCC_PDL = True  # programmatic dependent launch (see _per_token_cast_kernel.PDL): wait for the previous grid first
 PCC_CHANNEL_MAJOR = False
 # phase-1 bf16 -> fp32 widening: False = the cast as generated (the measured kernel: the high bf16 of each 32-bit
 # word takes PRMT + SHF, the low one SHF); True = read the 32-bit word and take `w << 16` or `w & 0xffff0000`
@@ -673,6 +674,8 @@ def swiglu_fwd_pcc_kernel(hidden: int, npt: int, round_sf: bool, transpose: bool
             if words:  # (before the annotation)
                 T.import_source(_BF16_WORD_HELPER)
             T.annotate_min_blocks_per_sm(min_blocks)
+            if PCC_PDL:
+                T.pdl_sync()
             tx = T.get_thread_binding()
             A = T.alloc_shared((BT, BH), "bfloat16")
             red = T.alloc_shared((threads // BH, BH), "float32")
