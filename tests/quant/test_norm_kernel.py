@@ -396,10 +396,9 @@ def _knob_outputs(x, w, dy, rstd, rg, scale):
 @pytest.mark.gpu
 @pytest.mark.parametrize("knobs", KNOB_VARIANTS, ids=str)
 @pytest.mark.parametrize("scale,has_rg", [(1.0, False), (0.75, True)])
-def test_knob_variants_bit_identical_gpu(knobs, scale, has_rg, monkeypatch):
+def test_knob_variants_bit_identical_gpu(knobs, scale, has_rg, knob_kernels):
     """The kernels built with a knob variant (compiled here, outside the caches) give the default's bits,
     NaN and inf inputs included."""
-    import tilelang
 
     dtype, h, t = torch.bfloat16, 7168, 1001
     x, _, w = _inputs(t, h, dtype, residual=False)
@@ -409,18 +408,7 @@ def test_knob_variants_bit_identical_gpu(knobs, scale, has_rg, monkeypatch):
     x[3, 5], x[700, 9] = float("nan"), float("inf")
     dy[5, 11], dy[300, 4000] = float("nan"), -float("inf")
     want = _knob_outputs(x, w, dy, rstd, rg, scale)
-    for name, value in knobs.items():
-        monkeypatch.setattr(K, name, value)
-    built = {}
-
-    def get(name, cfg):
-        if (name, cfg) not in built:
-            built[name, cfg] = tilelang.compile(_jit._FACTORIES[name][0](*cfg),
-                                                target={"kind": "cuda", "arch": _jit.current_arch()},
-                                                execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS))
-        return built[name, cfg]
-
-    monkeypatch.setattr(K._jit, "get", get)
+    knob_kernels(K, knobs)
     got = _knob_outputs(x, w, dy, rstd, rg, scale)
     for i, (g, e) in enumerate(zip(got, want)):
         assert torch.equal(g, e), f"output {i}"

@@ -419,25 +419,6 @@ KNOB_VARIANTS = [
 ]
 
 
-def _build_with(knobs, monkeypatch):
-    """Set ``knobs`` on the module and route the launchers to kernels compiled here (outside the caches)."""
-    import tilelang
-
-    for name, value in knobs.items():
-        monkeypatch.setattr(K, name, value)
-    monkeypatch.setattr(K, "_PLANS", {})  # closures built before hold the default kernels
-    built = {}
-
-    def get(name, cfg):
-        if (name, cfg) not in built:
-            built[name, cfg] = tilelang.compile(_jit._FACTORIES[name][0](*cfg),
-                                                target={"kind": "cuda", "arch": _jit.current_arch()},
-                                                execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS))
-        return built[name, cfg]
-
-    monkeypatch.setattr(K._jit, "get", get)
-
-
 @pytest.mark.compile
 @pytest.mark.parametrize("role", ("cast_bf16", "pair_gather"))
 def test_pdl_knob_waits_before_any_global_access(role, monkeypatch):
@@ -458,11 +439,11 @@ def test_pdl_knob_waits_before_any_global_access(role, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("knobs", KNOB_VARIANTS, ids=str)
 @pytest.mark.parametrize("role", ("cast_bf16", "gather", "pair_gather", "pair"))
-def test_knob_variants_match_reference(knobs, role, monkeypatch):
+def test_knob_variants_match_reference(knobs, role, knob_kernels):
     """The non-transposed configs built with a knob variant give the reference's bits (NaN and inf included),
     twice in a row (a PDL launch behind a PDL launch)."""
     x_kind, hidden, npt, rnd, transpose, gather = CFG[role]
-    _build_with(knobs, monkeypatch)
+    knob_kernels(K, knobs)
     t_in = 301 if gather else 4096
     if x_kind == "pair":
         x, x_sf = _pair(t_in, hidden, "cuda", scale=3.0)
