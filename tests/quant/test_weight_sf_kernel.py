@@ -141,7 +141,12 @@ def test_weight_sf_gpu(bs):
 def test_weight_sf_launch_groups_gpu(bs, n):
     """1, 2, 3 and 5 weights: launches of 2 outputs, 4, 4 + 2 and 4 + 4 + 2 (every job's CTA range of a
     launch decoded right: each output equals the reference, padding bytes included)."""
-    g = torch.Generator(device="cuda").manual_seed(100 * bs + n)
+    _check_weights(bs, n, torch.Generator(device="cuda").manual_seed(100 * bs + n))
+
+
+def _check_weights(bs: int, n: int, g: torch.Generator) -> None:
+    """The first ``n`` of five weights' sf (batched and not, partial column blocks) through the launcher, each
+    output against the reference: shape, strides and every byte (padding included; outputs poisoned first)."""
     pick = [(3, 4096 // bs, 7168 // bs), (7168 // bs, 2048 // bs), (2, 384 // bs, 128 // bs), (128 // bs, 640 // bs),
             (5, 256 // bs, 1152 // bs)]
     sf = [_pow2_sf(s, g) for s in pick[:n]]
@@ -298,14 +303,5 @@ def test_weight_sf_knob_variants_gpu(knobs, bs, knob_kernels):
     bytes included, for 1 to 5 weights (launches of 2 and 4 outputs, partial column blocks)."""
     knob_kernels(WS, knobs)
     g = torch.Generator(device="cuda").manual_seed(7 * bs)
-    pick = [(3, 4096 // bs, 7168 // bs), (7168 // bs, 2048 // bs), (2, 384 // bs, 128 // bs), (128 // bs, 640 // bs),
-            (5, 256 // bs, 1152 // bs)]
     for n in (1, 3, 5):
-        sf = [_pow2_sf(s, g) for s in pick[:n]]
-        flags = [True, False, True, False, True][:n]
-        _poison()
-        got = WS.batched_transpose_weight_sf_launch(sf, bs, flags, None)
-        for (a0, a1), (b0, b1) in zip(got, ref_wsf(sf, bs, flags)):
-            for a, b in ((a0, b0), (a1, b1)):
-                assert a.shape == b.shape and a.stride() == b.stride()
-                assert_equal(a, b)
+        _check_weights(bs, n, g)
