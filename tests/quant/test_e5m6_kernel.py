@@ -399,11 +399,7 @@ def test_cast_back_every_code():
 
 # Knob variants (TILEFUSE_KNOBS sweeps, module doc of _jit.knobs): each must give the reference's bits exactly.
 KNOB_VARIANTS = [
-    {"PACKED_PROLOGUE": True},
     {"MIN_BLOCKS": 5},
-    {"PACKED_PROLOGUE": True, "LANES": 448, "MIN_BLOCKS": 4},
-    {"PACKED_PROLOGUE": True, "LANES": 224, "MIN_BLOCKS": 5},
-    {"LANES": 224, "MIN_BLOCKS": 5},
 ]
 
 
