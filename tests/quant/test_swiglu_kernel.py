@@ -552,13 +552,6 @@ _KNOB_CASES = (
      K._fwd_ptc_cfg("bfloat16", 3584, 128, True, True, False, True, False, 0.5, False)),
     ("FWD_PTC_ROW_THREADS", 64, "swiglu_fwd_ptc",
      K._fwd_ptc_cfg("bfloat16", 3584, 128, True, True, False, True, False, 0.5, False)),   # 2 warps per row
-    ("PCC_CHANNEL_MAJOR", False, "swiglu_fwd_pcc", K._pcc_cfg(7168, 128, True, True, None)),
-    ("BWD_SF_AHEAD", 2, "swiglu_bwd_ptc", K._bwd_ptc_cfg(7168, 128, True, None)),   # sf by shuffles, 1 register
-    ("BWD_SF_AHEAD", 2, "swiglu_bwd_ptc", K._bwd_ptc_cfg(2560, 32, False, 0.5)),    # 3 registers of sf per lane
-    ("BWD_SF_AHEAD", 1, "swiglu_bwd_ptc", K._bwd_ptc_cfg(2048, 128, True, None)),   # sf with the chunk's data
-    ("BWD_VEC", 16, "swiglu_bwd_ptc", K._bwd_ptc_cfg(2560, 32, False, 0.5)),        # 16-byte e4m3 vectors
-    ("PCC_BH", 128, "swiglu_fwd_pcc", K._pcc_cfg(7168, 128, True, True, None)),    # 512-thread CTAs
-    ("PCC_BH", 32, "swiglu_fwd_pcc", K._pcc_cfg(576, 32, True, True, None)),       # 128-thread CTAs
 )
 
 

@@ -27,7 +27,7 @@ binary32 bit patterns.
 
 Tuning knobs (module constants read by the factories, overridable through ``TILEFUSE_KNOBS``; tiling and
 scheduling only, never the arithmetic): FWD_PTC_DEPTH, FWD_PTC_ROW_THREADS; BWD_MIN_BLOCKS, BWD_THREADS,
-BWD_DEPTH, BWD_ROW_THREADS, BWD_VEC, BWD_SF_AHEAD; PCC_BH, PCC_MIN_BLOCKS, PCC_CHANNEL_MAJOR.
+BWD_DEPTH, BWD_ROW_THREADS; PCC_MIN_BLOCKS, PCC_PDL.
 """
 
 import struct
@@ -339,23 +339,7 @@ BWD_DEPTH = 1        # chunks whose loads are in flight ahead of the one being c
 # in launch order); the weight-gradient row sum then adds the per-warp sums through shared memory in a fixed
 # order (deterministic; the sum order is free within quant.md 6.3's tolerance)
 BWD_ROW_THREADS = 128
-# gate/up column pairs per lane and chunk: 8 = 8-byte e4m3 loads and 8-byte e4m3 stores (the measured kernel);
-# 16 = 16-byte e4m3 loads/stores and 32-byte bf16 ones (half the memory instructions, twice the registers per
-# chunk; npc / 16 lanes per group). Falls back to 8 where 16 does not divide npc.
-BWD_VEC = 8
-# when a chunk's two input sf values are loaded: 0 = at the start of its compute step (the measured kernel: the
-# warp then waits for them, an L1/L2 round trip per chunk and a DRAM one for each new 128-byte sf line);
-# 1 = with the chunk's data, BWD_DEPTH steps ahead (2 * (depth + 1) more live registers: pair with a
-# BWD_MIN_BLOCKS below 8; ptxas sinks them back towards their use at 80 registers); 2 = every sf value a warp
-# needs for its whole row loaded up front, spread one per lane (28 values at the bench shape: 1 register),
-# then 2 shuffles per chunk (no barrier, so the loads stay ahead of the data; teams of >= 32 lanes, else 0)
-BWD_SF_AHEAD = 0
-# chunk loop: False = fully unrolled (the measured kernel: ~4.6k straight-line instructions, ~73 KB of code at the
-# bench shape, so 24 warps per SM at different chunks stream it through the instruction caches); True = a runtime
-# loop over the chunks (~1/C of the code) with BWD_DEPTH + 1 register slots per input that shift down one slot per
-# chunk (2 + 2 + 4 MOVs per slot and chunk); the same loads ahead and the same arithmetic in the same order.
-# Takes BWD_SF_AHEAD as 0.
-BWD_SERIAL = False
+_BWD_VEC = 8  # gate/up column pairs per lane and chunk: 8-byte e4m3 loads and stores
 
 
 def _team_cap(n_chunks: int, cap: int) -> int:
@@ -375,7 +359,7 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
     """
     import tilelang.language as T
 
-    E = BWD_VEC if BWD_VEC in (8, 16) and npc % BWD_VEC == 0 else 8
+    E = _BWD_VEC
     nch = hidden // E
     threads = BWD_THREADS
     L = _team_cap(nch, min(BWD_ROW_THREADS, threads))  # lanes of a row's team (consecutive threads)
@@ -385,17 +369,7 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
     Lg = npc // E
     assert Lg <= LW
     depth = BWD_DEPTH
-    serial = bool(BWD_SERIAL)
-    sf_ahead = BWD_SF_AHEAD == 1 and not serial
-    sf_shuffle = BWD_SF_AHEAD == 2 and L >= 32 and not serial  # (a warp inside one row's team)
-    # register slots of the chunk inputs: chunk c in slot c (unrolled), or slots 0..depth (serial: chunk c2 loads
-    # into slot `depth`, chunk c2 - depth computes from slot 0); slot = chunk * slot_c + depth * slot_d
-    NS = depth + 1 if serial else C
-    slot_c, slot_d = (0, 1) if serial else (1, 0)
-    chunk_loop = T.serial if serial else T.unroll
-    GW = 32 // Lg          # sf groups per half that a warp's lanes cover in one chunk (sf_shuffle)
-    GPC = L * E // npc     # sf groups per half that a chunk of the team covers
-    NR = -(-2 * C * GW // 32)  # registers per lane holding the warp's input sf (sf_shuffle)
+    NS = C  # register slots of the chunk inputs: chunk c in slot c (the chunk loop is fully unrolled)
     BM = threads // L
     ngh = hidden // npc  # groups per half row
 
@@ -439,10 +413,6 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
             ss = T.alloc_local((E,), "float32")   # s = 1 / t
             qs = T.alloc_local((E,), "float32")   # x / t
             sfv = T.alloc_local((2,), "float32")  # the chunk's input sf (gate, up)
-            if sf_ahead:  # every chunk's input sf, loaded with its data
-                sfa = T.alloc_local((C, 2), "float32")
-            if sf_shuffle:  # this warp's share of its row's input sf, one value per lane and register
-                sfr = T.alloc_local((NR,), "float32")
             red = T.alloc_shared((threads // 32,), "float32")  # per-warp row sums (WPR > 1)
             tt = T.alloc_local((1,), "int32")
             p = T.if_then_else(ok, P2T[rs], -1)
@@ -450,36 +420,11 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
             # the weight-gradient slot test, read now rather than after the row
             tt[0] = T.if_then_else(T.And(p >= 0, p < NW), TT2P[T.max(T.min(p, NW - 1), 0)], -1)
             acc[0] = T.float32(0.0)
-            if sf_shuffle:  # value v = (half * C + chunk) * GW + j: column half*ngh + chunk*GPC + (warp in row)*GW + j
-                for k in T.unroll(NR):
-                    v = k * 32 + tx % 32
-                    hv = v // (C * GW)
-                    cv = v // GW % C
-                    sfr[k] = T.if_then_else(T.And(ok, v < 2 * C * GW),
-                                            SFI[rs, T.min(hv * ngh + cv * GPC + (q // 32) * GW + v % GW,
-                                                          2 * ngh - 1)], T.float32(1.0))
-
-            if serial:  # (slots 1..depth are shifted down before the first load reaches them)
-                for k in T.unroll(NS):
-                    for v in T.vectorized(E):
-                        dl[k, v] = T.cast(0, "float8_e4m3fn")
-                    for v in T.vectorized(E):
-                        dr[k, v] = T.cast(0, "float8_e4m3fn")
-                    for v in T.vectorized(E):
-                        gb[k, v] = T.cast(0, "bfloat16")
-            for c2 in chunk_loop(C + depth):
+            for c2 in T.unroll(C + depth):
                 # loads of chunk c2 are in flight while chunk c2 - depth computes
-                if serial:  # shift the slots down: slot 0 now holds chunk c2 - depth
-                    for k in T.unroll(depth):
-                        for v in T.vectorized(E):
-                            dl[k, v] = dl[k + 1, v]
-                        for v in T.vectorized(E):
-                            dr[k, v] = dr[k + 1, v]
-                        for v in T.vectorized(E):
-                            gb[k, v] = gb[k + 1, v]
                 if c2 < C:
                     lcol = c2 * (L * E) + q * E
-                    ls = c2 * slot_c + depth * slot_d
+                    ls = c2  # the chunk's slot
                     if ok:
                         for v in T.vectorized(E):
                             dl[ls, v] = D[row, lcol + v]
@@ -494,29 +439,17 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
                             dr[ls, v] = T.cast(0, "float8_e4m3fn")
                         for v in T.vectorized(E):
                             gb[ls, v] = T.cast(0, "bfloat16")
-                    if sf_ahead:
-                        sfa[c2, 0] = T.if_then_else(ok, SFI[rs, lcol // npc], T.float32(1.0))
-                        sfa[c2, 1] = T.if_then_else(ok, SFI[rs, ngh + lcol // npc], T.float32(1.0))
                 if c2 >= depth:
                     c = c2 - depth
-                    cs = c * slot_c  # the chunk's slot (0 when serial)
+                    cs = c  # the chunk's slot
                     col = c * (L * E) + q * E
-                    # (read here, not with the chunk's data: 128 -> 35 spill instructions at 64 registers;
-                    # 15 of 16 chunks hit L1)
-                    if sf_ahead:
-                        sfx = sfa[c, 0]
-                        sfy = sfa[c, 1]
-                    elif sf_shuffle:
-                        for hh in T.unroll(2):
-                            v0 = (hh * C + c) * GW  # a multiple of GW: the chunk's GW values share a register
-                            sfv[hh] = T.shfl_sync(sfr[v0 // 32], v0 % 32 + (tx % 32) // Lg, 32)
-                        sfx = sfv[0]
-                        sfy = sfv[1]
-                    else:
-                        sfv[0] = T.if_then_else(ok, SFI[rs, col // npc], T.float32(1.0))
-                        sfv[1] = T.if_then_else(ok, SFI[rs, ngh + col // npc], T.float32(1.0))
-                        sfx = sfv[0]
-                        sfy = sfv[1]
+                    # the chunk's input sf, read here, not with the chunk's data: 128 -> 35 spill instructions at
+                    # 64 registers; 15 of 16 chunks hit L1 (a BWD_SF_AHEAD knob loading them with the data, or
+                    # for the whole row up front with shuffles per chunk, lost on the H200)
+                    sfv[0] = T.if_then_else(ok, SFI[rs, col // npc], T.float32(1.0))
+                    sfv[1] = T.if_then_else(ok, SFI[rs, ngh + col // npc], T.float32(1.0))
+                    sfx = sfv[0]
+                    sfy = sfv[1]
                     am[0] = T.float32(0.0)
                     am[1] = T.float32(0.0)
                     for v in T.vectorized(E):  # e4m3 pairs -> float2
@@ -614,30 +547,13 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
 # ---- 3.14: forward + per-channel cast (+ transpose) ----
 
 _PCC_BT = 128  # tokens per CTA (= the largest npt; T % 128 == 0)
-# channels per CTA (knob: 32, 64 or 128; the CTA has 4 * PCC_BH threads so that phase 2 keeps 4 token quarters of
-# 32 tokens per channel; a hidden size it does not divide falls back to 64). 128: each CTA reads 256-byte pieces
-# of l and r per row (twice the contiguous run of 64) with the same per-thread work and registers
-PCC_BH = 64
-# CTAs per SM asked of the compiler at 64 channels per CTA (256 threads): 4 = <= 64 registers (5: 48 registers
-# with ~20 spill instructions, 40 warps/SM); scaled by 64 / BH for other tile widths so the register cap is the same
+# channels per CTA; the CTA has 4 * 64 threads so that phase 2 keeps 4 token quarters of 32 tokens per channel.
+# CTAs run in token-tile-major launch order (blockIdx.x = token tile)
+_PCC_BH = 64
+# CTAs per SM asked of the compiler (256 threads): 4 = <= 64 registers (5: 48 registers with ~20 spill
+# instructions, 40 warps/SM)
 PCC_MIN_BLOCKS = 4
-# launch order: True = blockIdx.x walks the channel blocks of one 128-token tile first, so the CTAs running at
-# once read whole 2H-wide rows between them (long contiguous DRAM runs; the input is 4x the output); False =
-# token tiles first (each CTA reads 128-byte pieces of 128 rows while its neighbours read other rows)
 PCC_PDL = True  # programmatic dependent launch (see _per_token_cast_kernel.PDL): wait for the previous grid first
-PCC_CHANNEL_MAJOR = False
-# phase-1 bf16 -> fp32 widening: False = the cast as generated (the measured kernel: the high bf16 of each 32-bit
-# word takes PRMT + SHF, the low one SHF); True = read the 32-bit word and take `w << 16` or `w & 0xffff0000`
-# (one instruction each; the same exact binary32 values, ~32 fewer instructions per thread)
-PCC_BF16_WORDS = False
-
-# half `hi` (0: low, 1: high) of the bf16 pair whose 32-bit word is at `p` (4-byte aligned), as binary32, exactly
-_BF16_WORD_HELPER = """
-__device__ __forceinline__ float tf_sw_bf16_half(const void* p, int hi) {
-  unsigned w = *reinterpret_cast<const unsigned*>(p);
-  return __uint_as_float(hi ? (w & 0xffff0000u) : (w << 16));
-}
-"""
 
 
 def swiglu_fwd_pcc_kernel(hidden: int, npt: int, round_sf: bool, transpose: bool, clamp_bits: int | None):
@@ -653,26 +569,22 @@ def swiglu_fwd_pcc_kernel(hidden: int, npt: int, round_sf: bool, transpose: bool
     import tilelang.language as T
 
     BT = _PCC_BT
-    BH = PCC_BH if PCC_BH in (32, 64, 128) and hidden % PCC_BH == 0 else 64
+    BH = _PCC_BH
     threads = 4 * BH
-    min_blocks = max(1, PCC_MIN_BLOCKS * 64 // BH)
+    min_blocks = max(1, PCC_MIN_BLOCKS)
     NCH = BH // 8          # 8-channel chunks per tile row
     RS = threads // NCH    # row slots
     RPT = BT // RS         # rows per thread in phase 1
     TQ = BT // (threads // BH)  # tokens per thread in phase 2 (32)
     Tn = T.dynamic("num_tokens")
     y_shape = (hidden, Tn) if transpose else (Tn, hidden)
-    grid = (hidden // BH, Tn // BT) if PCC_CHANNEL_MAJOR else (Tn // BT, hidden // BH)
-    words = bool(PCC_BF16_WORDS)
+    grid = (Tn // BT, hidden // BH)
 
     @T.prim_func
     def swiglu_fwd_pcc(X: T.Tensor((Tn, 2 * hidden), "bfloat16"), Y: T.Tensor(y_shape, "float8_e4m3fn"),
                        SF: T.Tensor((Tn // npt, hidden), "float32")):
         T.assume(Tn % BT == 0)
-        with T.Kernel(*grid, threads=threads) as (b0, b1):
-            bx, by = (b1, b0) if PCC_CHANNEL_MAJOR else (b0, b1)  # token tile, channel block
-            if words:  # (before the annotation)
-                T.import_source(_BF16_WORD_HELPER)
+        with T.Kernel(*grid, threads=threads) as (bx, by):  # token tile, channel block
             T.annotate_min_blocks_per_sm(min_blocks)
             if PCC_PDL:
                 T.pdl_sync()
@@ -700,13 +612,8 @@ def swiglu_fwd_pcc_kernel(hidden: int, npt: int, round_sf: bool, transpose: bool
                     xr[i, v] = X[t0 + rs + i * RS, hidden + h0 + ch * 8 + v]
             for i in T.unroll(RPT):
                 for e in T.unroll(8):
-                    if words:
-                        lw = T.call_extern("float32", "tf_sw_bf16_half", T.address_of(xl[i, e - e % 2]), e % 2)
-                        rw = T.call_extern("float32", "tf_sw_bf16_half", T.address_of(xr[i, e - e % 2]), e % 2)
-                        lc[e], rc[e], tv[e] = _act_parts(T, lw, rw, clamp_bits)
-                    else:
-                        lc[e], rc[e], tv[e] = _act_parts(T, T.cast(xl[i, e], "float32"),
-                                                         T.cast(xr[i, e], "float32"), clamp_bits)
+                    lc[e], rc[e], tv[e] = _act_parts(T, T.cast(xl[i, e], "float32"), T.cast(xr[i, e], "float32"),
+                                                     clamp_bits)
                     _, qv[e] = _recip_and_quotient(T, lc[e], tv[e])
                 # shared-reciprocal division for the 8 values unless one |l| is large, inf or NaN (redo with /)
                 if _outside(T, _abs_sum(T, lc, 8), T.float32(0.0), T.float32(_FAST_ABS_SUM)):
