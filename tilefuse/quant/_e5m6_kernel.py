@@ -23,19 +23,10 @@ _M = F.FMT_MAX["e5m6"]
 _CLAMP = F.CLAMP_MIN["e5m6"]
 _TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _MAX_PER_THREAD = 64
-# Knob (read when the factory and launcher run; TILEFUSE_KNOBS overrides it for benchmark sweeps, results
-# identical): LANES = threads per row, a multiple of 32, for the widths whose 8-value groups it divides (0, other
-# widths: the power-of-two rule below). 7168 (896 groups):
-# 224 lanes x 4 groups (7 warps, no idle lane; 256 lanes leave half the lanes' last group empty), 448 x 2
-# or 896 x 1 (fewer registers per thread, more loads in flight per SM).
-LANES = 0
+# Knob (read when the factory runs; TILEFUSE_KNOBS overrides it for benchmark sweeps, results identical):
 # MIN_BLOCKS > 0: __launch_bounds__(threads, MIN_BLOCKS), a register cap of 65536 / (threads * MIN_BLOCKS) (0: none;
 # 256 lanes hold 50 registers: 4 CTAs = 56 KB of loads per SM; 5 fit at <= 48).
 MIN_BLOCKS = 0
-# PACKED_PROLOGUE (bfloat16 input): the row maximum and the NaN/infinity test on the loaded bf16 pairs (abs + max
-# and x * 0 + s in bf16x2: one instruction per two values; max ignores NaN like fmaxf, and bf16 -> fp32 is exact,
-# so the maximum and the test are the same) instead of per-value fp32 FMNMX / FFMA.
-PACKED_PROLOGUE = True
 
 _PACKED_HELPERS = """
 template <typename B> __device__ __forceinline__ unsigned tf_bf16x2_bits(B lo, B hi) {
@@ -56,13 +47,9 @@ def _tiling(hidden: int) -> tuple[int, int, int] | None:
     """(L threads per row, NG groups of 8 per thread, R rows per CTA), or None for widths beyond 65536.
 
     L is a power of two >= 32 giving each thread about four groups (32 values), so a row is a whole number
-    of warps; small rows share a CTA (R * L >= 128 threads). With the ``LANES`` knob set, L = LANES (a
-    multiple of 32, at most 1024) for the widths whose groups it divides into at most 8 per thread (other widths
-    keep the rule).
+    of warps; small rows share a CTA (R * L >= 128 threads).
     """
     g8 = hidden // 8
-    if LANES and LANES % 32 == 0 and LANES <= 1024 and g8 % LANES == 0 and g8 // LANES <= 8:
-        return LANES, g8 // LANES, max(1, 128 // LANES)
     lanes = 32
     while lanes < 1024 and lanes * 4 < g8:
         lanes *= 2
@@ -144,7 +131,10 @@ def e5m6_cast_kernel(x_dtype: str, hidden: int, round_sf: bool, sf_layout: str):
     qpr = words // yvec  # store vectors per row
     n_copy = -(-(R * qpr) // (R * L))
     nwarps = L // 32
-    packed = PACKED_PROLOGUE and x_dtype == "bfloat16"
+    # bfloat16 input: the row maximum and the NaN/infinity test on the loaded bf16 pairs (abs + max and x * 0 + s
+    # in bf16x2: one instruction per two values; max ignores NaN like fmaxf, and bf16 -> fp32 is exact, so the
+    # maximum and the test are those of the fp32 values); float32 input: per-value fp32 FMNMX / FFMA.
+    packed = x_dtype == "bfloat16"
     Tn, S, P = T.dynamic("num_tokens, x_row_stride, sf_pad")
     if sf_layout == "row":
         sf_param = T.Tensor((Tn, 1), "float32")

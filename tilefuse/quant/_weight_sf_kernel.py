@@ -19,17 +19,12 @@ _THREADS = 256
 _W = 4  # words per 16-byte store
 _NOT_EXPONENT = -0x7F800001  # int32 pattern 0x807FFFFF: sign and mantissa bits
 _U = 4  # words of the storage (output rows c) per thread: 4 16-byte stores, one sf row's loads
-# Knobs (read when the factory runs; TILEFUSE_KNOBS overrides them for benchmark sweeps, results identical):
-# LOADS_FIRST issues all 4 * _U sf loads of a thread before its first store (off: each word's 4 loads follow the
-# previous word's store, which the compiler may not reorder, as Y could alias E: _U dependent memory round
-# trips per CTA); STORE_HINT picks the store intrinsic: 0 "__stcs" (evict-first), 1 "__stcg" (L2 only), 2 "__stwb".
-LOADS_FIRST = True
-STORE_HINT = 0
-_STORE_FNS = ("__stcs", "__stcg", "__stwb")
+# Knob (read when the factory runs; TILEFUSE_KNOBS overrides it for benchmark sweeps, results identical):
 MIN_BLOCKS = 0  # > 0: __launch_bounds__(_THREADS, MIN_BLOCKS) (a register cap; 0: none)
-# INT32_OFFSETS (with LOADS_FIRST): sf element offsets in int32 off the tensor's base pointer (one IMAD each)
-# instead of TileLang's int64 index products (about 8 instructions per load); needs sf tensors of < 2^31 elements.
-INT32_OFFSETS = True
+# A thread issues all 4 * _U sf loads before its first store (a store may not be moved above a later load, as Y
+# could alias E), with sf element offsets in int32 off the tensor's base pointer (one IMAD each, instead of
+# TileLang's int64 index products: about 8 instructions per load; the launcher checks that every sf tensor spans
+# < 2^31 elements).
 _LDG_HELPER = """
 template <typename P> __device__ __forceinline__ int tf_wsf_ldg(P p, int off) {
   return __float_as_int(__ldg(reinterpret_cast<const float*>(p) + off)); }
@@ -74,76 +69,38 @@ def weight_sf_kernel(block_size: int, jobs: int = 1):
         cy = q - g * ncy[j]
         r0 = (bx * _THREADS + tx) * _W
         rb = r0 // block_size
-        if LOADS_FIRST:
-            if r0 < dims[j][4]:
-                bad = T.alloc_var("int32")
-                bad = 0
-                vals = T.alloc_local((_U * 4,), "int32")
-                if INT32_OFFSETS:
-                    if j == 0:
-                        T.import_source(_LDG_HELPER)
-                    st = strides[j]
-                    off0 = T.alloc_var("int32")
-                    off0 = g * st[0] + rb * st[1] + (cy * (_U * 4)) * st[2]
-                    if (cy + 1) * (_U * 4) <= dims[j][2]:
-                        for i in T.unroll(_U * 4):
-                            vals[i] = T.call_extern("int32", "tf_wsf_ldg", T.address_of(E[0, 0, 0]), off0 + i * st[2])
-                    else:
-                        for i in T.unroll(_U * 4):
-                            vals[i] = 0
-                            if cy * (_U * 4) + i < dims[j][2]:
-                                vals[i] = T.call_extern("int32", "tf_wsf_ldg", T.address_of(E[0, 0, 0]),
-                                                        off0 + i * st[2])
-                elif (cy + 1) * (_U * 4) <= dims[j][2]:  # all sf values exist: plain loads off one base address
-                    for k in T.unroll(_U):
-                        for u in T.unroll(4):
-                            vals[k * 4 + u] = T.reinterpret(E[g, rb, (cy * _U + k) * 4 + u], "int32")
-                else:  # the last column block: values past C read as 0 (their bytes are 0)
-                    for k in T.unroll(_U):
-                        for u in T.unroll(4):
-                            vals[k * 4 + u] = 0
-                            if (cy * _U + k) * 4 + u < dims[j][2]:
-                                vals[k * 4 + u] = T.reinterpret(E[g, rb, (cy * _U + k) * 4 + u], "int32")
-                for k in T.unroll(_U):
-                    word = T.alloc_var("int32")
-                    word = 0
-                    for u in T.unroll(4):
-                        bad = bad | (vals[k * 4 + u] & T.int32(_NOT_EXPONENT))
-                        word = word | T.shift_left(T.shift_right(vals[k * 4 + u], 23) & 255, 8 * u)
-                    if cy * _U + k < dims[j][3]:
-                        T.call_extern("void", _STORE_FNS[STORE_HINT],
-                                      T.call_extern("handle", "(int4*)", T.address_of(Y[g, cy * _U + k, r0])),
-                                      T.call_extern("handle", "make_int4", word, word, word, word))
-                T.call_extern("void", "device_assert", bad == 0)
-        else:
-            if r0 < dims[j][4]:
-                bad = T.alloc_var("int32")
-                bad = 0
-                for k in T.unroll(_U):
-                    word = T.alloc_var("int32")
-                    word = 0
-                    if (cy + 1) * (_U * 4) <= dims[j][2]:  # all 16 sf values exist: plain loads off one base address
-                        for u in T.unroll(4):
-                            bits = T.alloc_var("int32")
-                            bits = T.reinterpret(E[g, rb, (cy * _U + k) * 4 + u], "int32")
-                            bad = bad | (bits & T.int32(_NOT_EXPONENT))
-                            word = word | T.shift_left(T.shift_right(bits, 23) & 255, 8 * u)
-                    else:  # the last column block: bytes past C are 0
-                        for u in T.unroll(4):
-                            jc = (cy * _U + k) * 4 + u
-                            if jc < dims[j][2]:
-                                bits = T.alloc_var("int32")
-                                bits = T.reinterpret(E[g, rb, jc], "int32")
-                                bad = bad | (bits & T.int32(_NOT_EXPONENT))
-                                word = word | T.shift_left(T.shift_right(bits, 23) & 255, 8 * u)
-                    if cy * _U + k < dims[j][3]:
-                        # one 16-byte store: nvcc splits a plain int4 store of this broadcast word into four
-                        # 4-byte ones (partial sectors); streaming (evict-first): outputs are written once
-                        T.call_extern("void", _STORE_FNS[STORE_HINT],
-                                      T.call_extern("handle", "(int4*)", T.address_of(Y[g, cy * _U + k, r0])),
-                                      T.call_extern("handle", "make_int4", word, word, word, word))
-                # quant.md 5.13: sign and mantissa bits must be 0 (every sf element is read by some thread)
-                T.call_extern("void", "device_assert", bad == 0)
+        if r0 < dims[j][4]:
+            bad = T.alloc_var("int32")
+            bad = 0
+            vals = T.alloc_local((_U * 4,), "int32")
+            if j == 0:
+                T.import_source(_LDG_HELPER)
+            st = strides[j]
+            off0 = T.alloc_var("int32")
+            off0 = g * st[0] + rb * st[1] + (cy * (_U * 4)) * st[2]
+            if (cy + 1) * (_U * 4) <= dims[j][2]:  # all sf values exist
+                for i in T.unroll(_U * 4):
+                    vals[i] = T.call_extern("int32", "tf_wsf_ldg", T.address_of(E[0, 0, 0]), off0 + i * st[2])
+            else:  # the last column block: values past C read as 0 (their bytes are 0)
+                for i in T.unroll(_U * 4):
+                    vals[i] = 0
+                    if cy * (_U * 4) + i < dims[j][2]:
+                        vals[i] = T.call_extern("int32", "tf_wsf_ldg", T.address_of(E[0, 0, 0]),
+                                                off0 + i * st[2])
+            for k in T.unroll(_U):
+                word = T.alloc_var("int32")
+                word = 0
+                for u in T.unroll(4):
+                    bad = bad | (vals[k * 4 + u] & T.int32(_NOT_EXPONENT))
+                    word = word | T.shift_left(T.shift_right(vals[k * 4 + u], 23) & 255, 8 * u)
+                if cy * _U + k < dims[j][3]:
+                    # one 16-byte store: nvcc splits a plain int4 store of this broadcast word into four
+                    # 4-byte ones (partial sectors); streaming (evict-first): outputs are written once
+                    T.call_extern("void", "__stcs",
+                                  T.call_extern("handle", "(int4*)", T.address_of(Y[g, cy * _U + k, r0])),
+                                  T.call_extern("handle", "make_int4", word, word, word, word))
+            # quant.md 5.13: sign and mantissa bits must be 0 (every sf element is read by some thread)
+            T.call_extern("void", "device_assert", bad == 0)
 
     if jobs == 1:
         @T.prim_func
@@ -248,12 +205,11 @@ def batched_transpose_weight_sf_launch(sf: list, block_size: int, transpose_sf1s
     ``torch._assert_async``: four more launches per weight)."""
     if not sf:
         return []
-    if INT32_OFFSETS:  # the kernel's sf offsets are int32 (never reached in practice: 8 GB of sf per weight)
-        for k, s in enumerate(sf):
-            span = sum((d - 1) * st for d, st in zip(s.shape, s.stride()) if d)
-            if span >= 2 ** 31:
-                raise ValueError(f"batched_transpose_weight_sf: sf[{k}] spans {span + 1} elements; the kernel "
-                                 "indexes an sf tensor with int32 offsets (< 2^31 elements)")
+    for k, s in enumerate(sf):  # the kernel's sf offsets are int32 (never reached in practice: 8 GB of sf per weight)
+        span = sum((d - 1) * st for d, st in zip(s.shape, s.stride()) if d)
+        if span >= 2 ** 31:
+            raise ValueError(f"batched_transpose_weight_sf: sf[{k}] spans {span + 1} elements; the kernel "
+                             "indexes an sf tensor with int32 offsets (< 2^31 elements)")
     outs = list(outs) if outs is not None else [None] * len(sf)
     shapes = [_storage_shapes(s, block_size) for s in sf]
     sizes = [(-(-a[0] * a[1] * a[2] // 8) * 8, -(-b[0] * b[1] * b[2] // 8) * 8) for a, b in shapes]  # 32-byte aligned
