@@ -40,24 +40,6 @@ FWD_BLOCKS_QUANT = 8  # the quantizing bf16 forward: <= 64 registers (it needs 7
 RED_BATCH = 32     # weight-gradient reduce: partial rows loaded per batch (_NP % RED_BATCH == 0); the sum is
                    # in order p whatever the batch
 RED_THREADS = 64   # weight-gradient reduce: threads per CTA (112 CTAs at H = 7168)
-BWD_L2_AHEAD = 0   # norm_backward: rows per CTA prefetched into L2 beyond the one loaded into registers
-BWD_L2_BULK = False  # with BWD_L2_AHEAD: thread 0 prefetches each row of x and dy with one TMA bulk L2 prefetch
-                     # (cp.async.bulk.prefetch.L2, 14 KB, rows k + 2 .. k + 1 + AHEAD) instead of every thread
-                     # prefetching its 16-byte vectors
-FWD_UNIT_SCALE = False  # norm_forward(_and_per_token_cast): a copy of the kernel for out_scale == 1 without the
-                        # multiplication of w by it per element (exact: see make_body)
-BWD_UNIT_SCALE = False  # norm_backward: a second copy of the kernel body for out_scale == 1 (the bench and the
-                        # common case), without the two multiplications by it per element (exact: see make_body)
-BWD_RSTD_AHEAD = False  # norm_backward: load the next row's rstd one row ahead with its x and dy (not at the
-                        # top of the row, where its DRAM latency is exposed once per row)
-FWD_STAGES = 0     # bf16 norm_forward without residual (FWD_STAGES_QUANT: the quantizing forward): 0 = one CTA per row
-                   # (the default); S >= 2 = a persistent grid of
-                   # FWD_PERSIST_CTAS CTAs, CTA i walking rows i, i + grid, ..., x loaded S - 1 rows ahead into an
-                   # S-stage shared ring by per-thread cp.async (each thread reads back only its own vectors). Same
-                   # arithmetic per row (same thread -> column map, same reduction order)
-FWD_STAGES_QUANT = 0
-FWD_PERSIST_CTAS = 528   # with FWD_STAGES: the grid (4 CTAs per SM on 132 SMs; 2 CTAs of 128 threads per SMSP)
-FWD_PERSIST_BLOCKS = 4   # with FWD_STAGES: CTAs per SM the register cap allows (annotate_min_blocks_per_sm)
 BWD_STAGES = 0     # norm_backward: 0 = rows loaded into registers one row ahead (the default); S >= 2 = an S-stage
                    # shared-memory ring filled by per-thread cp.async (each thread copies and later reads only its
                    # own 16-byte vectors: no barrier), S - 1 rows of x, dy and rstd in flight per CTA (bf16 only,
@@ -66,7 +48,9 @@ _NPC = 32          # quant.md 5.11: the quantizing op casts with 32-channel grou
 
 # bf16 -> binary32 from the 32-bit register word holding elements 2k (low half) and 2k + 1 (high half): one
 # shift or one AND per element (TileLang's own conversion extracts the high half with PRMT, then shifts: two
-# ALU instructions). Exact: a bf16 is the high half of its binary32 value.
+# ALU instructions). Exact: a bf16 is the high half of its binary32 value. The two L2-prefetch helpers are no
+# longer called (their knobs were removed) but stay: this text is part of the generated source of every kernel
+# that imports it.
 _CUDA_HELPERS = """
 template <typename T> __device__ __forceinline__ float nf_bf16(const T* v, int i) {
   unsigned w;  // memcpy: no type-punned load (aliasing-safe); it becomes a register move once unrolled
@@ -147,155 +131,126 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
     rstd_p = T.Tensor((B, Tn), "float32") if with_rstd else dummy("float32")
     mega_p = T.StridedTensor((hidden // 128, MR), (ML, 1), "int32") if mega_bm else dummy("int32")
 
-    def make_body(unit: bool):
-        """The kernel body; ``unit``: a copy for ``out_scale == 1`` that skips the multiplication by it
-        (``v * 1`` is ``v``; the product it feeds canonicalizes NaNs the same way: bit-identical)."""
-        def scale(v, s):
-            return v if unit else v * s
-
-        @T.macro
-        def body(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale, t, b, Xsh, s):
-            tx = T.get_thread_binding()
-            io = T.alloc_local((C, E), x_dtype)   # h = round(x + res) in x.dtype: binary32 values are float(io)
-            red = T.alloc_shared((NW,), "float32")
-            acc = T.alloc_var("float32")
-            # 1. h = x (+ residual, rounded to x.dtype and written to residual_out); sum of squares
-            acc = T.float32(0.0)
-            for c in T.unroll(C):
-                col = (c * _THREADS + tx) * E
-                if col < hidden:
-                    if FS:
-                        for e in T.vectorized(E):
-                            io[c, e] = Xsh[s, col + e]
-                    else:
-                        for e in T.vectorized(E):
-                            io[c, e] = X[b, t, col + e]
-                    if has_residual:
-                        rr = T.alloc_local((E,), x_dtype)
-                        for e in T.vectorized(E):
-                            rr[e] = Res[b, t, col + e]
-                        for e in T.vectorized(E):
-                            io[c, e] = T.cast(T.cast(io[c, e], "float32") + T.cast(rr[e], "float32"), x_dtype)
-                        for e in T.vectorized(E):
-                            ResOut[b, t, col + e] = io[c, e]
-                else:
-                    for e in T.vectorized(E):
-                        io[c, e] = T.cast(0, x_dtype)
-            for c in T.unroll(C):
-                for e in T.unroll(E):
-                    hv = f32(io, c, e)
-                    acc = acc + hv * hv
-            for st in T.unroll(5):
-                acc = acc + T.shfl_xor(acc, T.shift_right(16, st))
-            if tx % 32 == 0:
-                red[tx // 32] = acc
-            T.sync_threads()
-            acc = red[0]
-            for i in T.unroll(1, NW):
-                acc = acc + red[i]
-            rstd = T.rsqrt(acc / T.float32(hidden) + eps)
-            if with_rstd:
-                if tx == 0:
-                    Rstd[b, t] = rstd
-            # 2. per vector: o = round((h * rstd) * (w * out_scale)); the quantizing op then casts o exactly as
-            #    per_token_cast(o, 'e4m3', 32) (its 32-channel group: L lanes of this vector index)
-            for c in T.unroll(C):
-                col = (c * _THREADS + tx) * E
-                g = col // _NPC
-                of = T.alloc_local((E,), "float32")
-                ob = T.alloc_local((E,), x_dtype)
-                if col < hidden:
-                    if has_weight:
-                        ww = T.alloc_local((E,), x_dtype)
-                        for e in T.vectorized(E):
-                            ww[e] = W[col + e]
-                        for e in T.unroll(E):
-                            of[e] = (f32(io, c, e) * rstd) * scale(f32(ww, e), out_scale)
-                    else:
-                        for e in T.unroll(E):
-                            of[e] = scale(f32(io, c, e) * rstd, out_scale)
-                else:
-                    for e in T.unroll(E):
-                        of[e] = T.float32(0.0)
-                for e in T.vectorized(E):
-                    ob[e] = T.cast(of[e], x_dtype)
-                if with_bf16:
-                    if col < hidden:
-                        bb = T.alloc_local((E,), "bfloat16")
-                        for e in T.vectorized(E):
-                            bb[e] = T.cast(ob[e], "bfloat16")
-                        for e in T.vectorized(E):
-                            Bf[b, t, col + e] = bb[e]
-                if not quant:
-                    if col < hidden:
-                        for e in T.vectorized(E):
-                            Out[b, t, col + e] = ob[e]
-                else:
-                    am = T.alloc_var("float32")
-                    am = T.float32(0.0)
-                    for e in T.unroll(E):
-                        of[e] = f32(ob, e)
-                        am = T.max(am, T.abs(of[e]))
-                    for st in T.unroll(L.bit_length() - 1):
-                        am = T.max(am, T.shfl_xor(am, T.shift_right(L // 2, st)))
-                    a = T.max(am, T.float32(_CLAMP))
-                    inv = T.alloc_var("float32")
-                    eb = T.alloc_var("int32")
-                    if round_sf:
-                        # division-free 2^ceil(log2(a / M)); the clamp keeps a >= M 2^-126; an infinite amax
-                        # gives eb = 255, sf = inf and sf_inv = 0 (quant.md 1.7)
-                        eb = _tl.pow2_sf_exponent(a, _M)
-                        inv = _tl.pow2_inverse_from_exponent(eb)
-                        sf = _tl.pow2_from_exponent(eb)
-                    else:
-                        eb = 0
-                        sf = a / T.float32(_M)
-                        inv = T.float32(_M) / a
-                    if packed or mega_bm:
-                        # bytes of groups 4k..4k+3 (lanes L apart); groups past ng give 0 bytes
-                        byte = T.if_then_else(col < hidden, eb, 0)
-                        word = (byte | T.shift_left(T.shfl_down(byte, L), 8) | T.shift_left(T.shfl_down(byte, 2 * L), 16)
-                                | T.shift_left(T.shfl_down(byte, 3 * L), 24))
-                        lead = T.And(col < hidden, T.And(tx % L == 0, g % 4 == 0))
-                        if packed:
-                            if lead:
-                                SF[b, t, g // 4] = word
-                        if mega_bm:
-                            if lead:
-                                i = t % mega_bm
-                                mrow = ((t // mega_bm) * (-(-mega_bm // 128) * 128) + (i // 128) * 128
-                                        + (i % 32) * 4 + (i % 128) // 32)
-                                Mega[g // 4, mrow] = word
-                    if not packed:
-                        if T.And(col < hidden, tx % L == 0):
-                            SF[b, t, g] = sf
-                    if col < hidden:
-                        # the E4M3 conversion saturates finite values to +-448 and keeps NaN
-                        qb = T.alloc_local((E,), "float8_e4m3fn")
-                        for e in T.vectorized(E):
-                            qb[e] = T.cast(of[e] * inv, "float8_e4m3fn")
-                        for e in T.vectorized(E):
-                            Out[b, t, col + e] = qb[e]
-
-        return body
-
-    FS = (FWD_STAGES_QUANT if quant else FWD_STAGES) if (x_dtype == "bfloat16" and not has_residual) else 0
-    NCTA = FWD_PERSIST_CTAS
-    rowb = hidden * 2
-    if FS == 1 or FWD_PERSIST_BLOCKS * (FS * rowb + 128 + 1024) > 228 * 1024:   # 1 KB reserved per CTA
-        FS = 0   # no ring, or FWD_PERSIST_BLOCKS CTAs of FS stages do not fit in an SM's shared memory
-    body_gen = make_body(False)
-    body_unit = make_body(True) if FWD_UNIT_SCALE else None
-
+    # the kernel body: row (b, t)
     @T.macro
-    def run_body(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale, t, b, Xsh, s):
-        if FWD_UNIT_SCALE:
-            if out_scale == T.float32(1.0):   # uniform: the copy without the multiplication by out_scale
-                body_unit(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale, t, b, Xsh, s)
+    def body(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale, t, b):
+        tx = T.get_thread_binding()
+        io = T.alloc_local((C, E), x_dtype)   # h = round(x + res) in x.dtype: binary32 values are float(io)
+        red = T.alloc_shared((NW,), "float32")
+        acc = T.alloc_var("float32")
+        # 1. h = x (+ residual, rounded to x.dtype and written to residual_out); sum of squares
+        acc = T.float32(0.0)
+        for c in T.unroll(C):
+            col = (c * _THREADS + tx) * E
+            if col < hidden:
+                for e in T.vectorized(E):
+                    io[c, e] = X[b, t, col + e]
+                if has_residual:
+                    rr = T.alloc_local((E,), x_dtype)
+                    for e in T.vectorized(E):
+                        rr[e] = Res[b, t, col + e]
+                    for e in T.vectorized(E):
+                        io[c, e] = T.cast(T.cast(io[c, e], "float32") + T.cast(rr[e], "float32"), x_dtype)
+                    for e in T.vectorized(E):
+                        ResOut[b, t, col + e] = io[c, e]
             else:
-                body_gen(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale, t, b, Xsh, s)
-        else:
-            body_gen(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale, t, b, Xsh, s)
+                for e in T.vectorized(E):
+                    io[c, e] = T.cast(0, x_dtype)
+        for c in T.unroll(C):
+            for e in T.unroll(E):
+                hv = f32(io, c, e)
+                acc = acc + hv * hv
+        for st in T.unroll(5):
+            acc = acc + T.shfl_xor(acc, T.shift_right(16, st))
+        if tx % 32 == 0:
+            red[tx // 32] = acc
+        T.sync_threads()
+        acc = red[0]
+        for i in T.unroll(1, NW):
+            acc = acc + red[i]
+        rstd = T.rsqrt(acc / T.float32(hidden) + eps)
+        if with_rstd:
+            if tx == 0:
+                Rstd[b, t] = rstd
+        # 2. per vector: o = round((h * rstd) * (w * out_scale)); the quantizing op then casts o exactly as
+        #    per_token_cast(o, 'e4m3', 32) (its 32-channel group: L lanes of this vector index)
+        for c in T.unroll(C):
+            col = (c * _THREADS + tx) * E
+            g = col // _NPC
+            of = T.alloc_local((E,), "float32")
+            ob = T.alloc_local((E,), x_dtype)
+            if col < hidden:
+                if has_weight:
+                    ww = T.alloc_local((E,), x_dtype)
+                    for e in T.vectorized(E):
+                        ww[e] = W[col + e]
+                    for e in T.unroll(E):
+                        of[e] = (f32(io, c, e) * rstd) * (f32(ww, e) * out_scale)
+                else:
+                    for e in T.unroll(E):
+                        of[e] = (f32(io, c, e) * rstd) * out_scale
+            else:
+                for e in T.unroll(E):
+                    of[e] = T.float32(0.0)
+            for e in T.vectorized(E):
+                ob[e] = T.cast(of[e], x_dtype)
+            if with_bf16:
+                if col < hidden:
+                    bb = T.alloc_local((E,), "bfloat16")
+                    for e in T.vectorized(E):
+                        bb[e] = T.cast(ob[e], "bfloat16")
+                    for e in T.vectorized(E):
+                        Bf[b, t, col + e] = bb[e]
+            if not quant:
+                if col < hidden:
+                    for e in T.vectorized(E):
+                        Out[b, t, col + e] = ob[e]
+            else:
+                am = T.alloc_var("float32")
+                am = T.float32(0.0)
+                for e in T.unroll(E):
+                    of[e] = f32(ob, e)
+                    am = T.max(am, T.abs(of[e]))
+                for st in T.unroll(L.bit_length() - 1):
+                    am = T.max(am, T.shfl_xor(am, T.shift_right(L // 2, st)))
+                a = T.max(am, T.float32(_CLAMP))
+                inv = T.alloc_var("float32")
+                eb = T.alloc_var("int32")
+                if round_sf:
+                    # division-free 2^ceil(log2(a / M)); the clamp keeps a >= M 2^-126; an infinite amax
+                    # gives eb = 255, sf = inf and sf_inv = 0 (quant.md 1.7)
+                    eb = _tl.pow2_sf_exponent(a, _M)
+                    inv = _tl.pow2_inverse_from_exponent(eb)
+                    sf = _tl.pow2_from_exponent(eb)
+                else:
+                    eb = 0
+                    sf = a / T.float32(_M)
+                    inv = T.float32(_M) / a
+                if packed or mega_bm:
+                    # bytes of groups 4k..4k+3 (lanes L apart); groups past ng give 0 bytes
+                    byte = T.if_then_else(col < hidden, eb, 0)
+                    word = (byte | T.shift_left(T.shfl_down(byte, L), 8) | T.shift_left(T.shfl_down(byte, 2 * L), 16)
+                            | T.shift_left(T.shfl_down(byte, 3 * L), 24))
+                    lead = T.And(col < hidden, T.And(tx % L == 0, g % 4 == 0))
+                    if packed:
+                        if lead:
+                            SF[b, t, g // 4] = word
+                    if mega_bm:
+                        if lead:
+                            i = t % mega_bm
+                            mrow = ((t // mega_bm) * (-(-mega_bm // 128) * 128) + (i // 128) * 128
+                                    + (i % 32) * 4 + (i % 128) // 32)
+                            Mega[g // 4, mrow] = word
+                if not packed:
+                    if T.And(col < hidden, tx % L == 0):
+                        SF[b, t, g] = sf
+                if col < hidden:
+                    # the E4M3 conversion saturates finite values to +-448 and keeps NaN
+                    qb = T.alloc_local((E,), "float8_e4m3fn")
+                    for e in T.vectorized(E):
+                        qb[e] = T.cast(of[e] * inv, "float8_e4m3fn")
+                    for e in T.vectorized(E):
+                        Out[b, t, col + e] = qb[e]
 
     @T.prim_func
     def norm_forward(X: x_p, W: w_p, Res: r_p, ResOut: ro_p, Out: o_p, SF: sf_p, Bf: bf_p, Rstd: rstd_p,
@@ -313,68 +268,14 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
         if with_bf16:
             T.assume(BB % 16 == 0)
             T.assume(BS % 16 == 0)
-        if FS:
-            with T.Kernel(NCTA, threads=_THREADS) as i:
-                T.annotate_min_blocks_per_sm(FWD_PERSIST_BLOCKS)
+        with T.Kernel(Tn, B, threads=_THREADS) as (t, b):
+            if x_dtype == "bfloat16":
+                T.annotate_min_blocks_per_sm(FWD_BLOCKS_QUANT if quant else FWD_BLOCKS)  # rows per SM: loads in flight
+            if words:
                 T.import_source(_CUDA_HELPERS)
-                tx = T.get_thread_binding()
-                xs = T.alloc_shared((FS, hidden), x_dtype)
-                xb = T.alloc_var("uint32")
-                xb = T.call_extern("uint32", "nf_smem_addr", xs.access_ptr("w"))
-                rt = T.alloc_var("int32")   # (b, t) of this row and of the row loaded ahead: one division each
-                rb = T.alloc_var("int32")
-                nt = T.alloc_var("int32")
-                nb = T.alloc_var("int32")
-                nrows = B * Tn
-                if nrows > 0:   # (b, t) of row i; (nb, nt) of the row FS - 1 ahead; both advance NCTA rows per row
-                    rb = T.truncdiv(i, Tn)
-                    rt = i - rb * Tn
-                for a in T.unroll(FS - 1):   # prologue: rows i + a NCTA into stage a
-                    if i + a * NCTA < nrows:
-                        nb = T.truncdiv(i + a * NCTA, Tn)
-                        nt = i + a * NCTA - nb * Tn
-                        for c in T.unroll(C):
-                            col = (c * _THREADS + tx) * E
-                            if col < hidden:
-                                T.call_extern("void", "nf_cp16", xb, (a * hidden + col) * 2, X.access_ptr(
-                                    "r", offset=nb * XB + nt * XS + col))
-                    T.call_extern("void", "nf_cp_commit")
-                if nrows > 0:
-                    nb = T.truncdiv(i + (FS - 1) * NCTA, Tn)
-                    nt = i + (FS - 1) * NCTA - nb * Tn
-                for k in T.serial(T.ceildiv(nrows, NCTA)):
-                    r = k * NCTA + i
-                    if r < nrows:
-                        nxt = r + (FS - 1) * NCTA
-                        sn = (k + FS - 1) % FS
-                        if nxt < nrows:
-                            for c in T.unroll(C):
-                                col = (c * _THREADS + tx) * E
-                                if col < hidden:
-                                    T.call_extern("void", "nf_cp16", xb, (sn * hidden + col) * 2, X.access_ptr(
-                                        "r", offset=nb * XB + nt * XS + col))
-                        T.call_extern("void", "nf_cp_commit")
-                        T.call_extern("void", f"nf_cp_wait<{FS - 1}>")
-                        run_body(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale, rt, rb, xs, k % FS)
-                        # the next rows: t + NCTA, carried into b past the batch's end (a division only then)
-                        rt = rt + NCTA
-                        if rt >= Tn:
-                            rb = rb + T.truncdiv(rt, Tn)
-                            rt = rt - T.truncdiv(rt, Tn) * Tn
-                        nt = nt + NCTA
-                        if nt >= Tn:
-                            nb = nb + T.truncdiv(nt, Tn)
-                            nt = nt - T.truncdiv(nt, Tn) * Tn
-                T.call_extern("void", "nf_cp_wait<0>")
-        else:
-            with T.Kernel(Tn, B, threads=_THREADS) as (t, b):
-                if x_dtype == "bfloat16":
-                    T.annotate_min_blocks_per_sm(FWD_BLOCKS_QUANT if quant else FWD_BLOCKS)  # rows per SM: loads in flight
-                if words:
-                    T.import_source(_CUDA_HELPERS)
-                if FWD_PDL:
-                    T.pdl_sync()
-                run_body(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale, t, b, X, 0)
+            if FWD_PDL:
+                T.pdl_sync()
+            body(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale, t, b)
 
     return norm_forward
 
@@ -407,13 +308,8 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
     dx_p = T.Tensor((Tn, hidden), x_dtype)
     part_p = T.Tensor((_NP, hidden), "float32") if has_weight else T.Tensor((1,), "float32")
 
-    def make_body(unit: bool):
-        """The kernel body; ``unit``: a copy for ``out_scale == 1`` that skips the multiplications by it
-        (``v * 1`` is ``v``; every value that reaches an output passes another multiplication or fused
-        multiply-add, which canonicalizes NaNs the same way: bit-identical)."""
-        def scale(v, s):
-            return v if unit else v * s
-
+    def make_body():
+        """The kernel body: rows in registers, loaded one row ahead."""
         @T.macro
         def body(DY, X, W, Rstd, RG, DX, Part, p, out_scale):
             tx = T.get_thread_binding()
@@ -426,12 +322,6 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
             io = T.alloc_local((E,), x_dtype)
             red = T.alloc_shared((NW,), "float32")
             acc = T.alloc_var("float32")
-            if BWD_RSTD_AHEAD:
-                rn = T.alloc_var("float32")   # the next row's rstd
-                rc = T.alloc_var("float32")   # this row's (rn is reloaded before the dx pass)
-                rn = T.float32(0.0)
-                if p < Tn:
-                    rn = Rstd[p]
             for c in T.unroll(C):
                 col = (c * TB + tx) * E
                 for e in T.unroll(E):
@@ -444,27 +334,10 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                         xn[c, e] = X[p, col + e]
                     for e in T.vectorized(E):
                         dn[c, e] = DY[p, col + e]
-            if BWD_L2_AHEAD > 0 and BWD_L2_BULK:
-                if tx == 0:
-                    for a in T.unroll(1, 1 + BWD_L2_AHEAD):
-                        if p + a * _NP < Tn:
-                            T.call_extern("void", "nf_bulk_prefetch_l2", X.access_ptr("r", offset=(p + a * _NP) * XS), rowbytes)
-                            T.call_extern("void", "nf_bulk_prefetch_l2", DY.access_ptr("r", offset=(p + a * _NP) * GS), rowbytes)
             for k in T.serial(T.ceildiv(Tn, _NP)):
                 row = k * _NP + p
                 if row < Tn:
-                    if BWD_L2_AHEAD > 0 and BWD_L2_BULK:
-                        # the row BWD_L2_AHEAD + 1 ahead (the ones between are in L2 or on their way)
-                        if T.And(tx == 0, row + (1 + BWD_L2_AHEAD) * _NP < Tn):
-                            T.call_extern("void", "nf_bulk_prefetch_l2",
-                                          X.access_ptr("r", offset=(row + (1 + BWD_L2_AHEAD) * _NP) * XS), rowbytes)
-                            T.call_extern("void", "nf_bulk_prefetch_l2",
-                                          DY.access_ptr("r", offset=(row + (1 + BWD_L2_AHEAD) * _NP) * GS), rowbytes)
-                    if BWD_RSTD_AHEAD:
-                        rc = rn
-                        r = rc
-                    else:
-                        r = Rstd[row]
+                    r = Rstd[row]
                     acc = T.float32(0.0)
                     for c in T.unroll(C):
                         col = (c * TB + tx) * E
@@ -476,7 +349,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                                     wl[e] = W[col + e]
                         for e in T.unroll(E):
                             xh = f32(xn, c, e) * r
-                            g = scale(f32(dn, c, e), out_scale)
+                            g = f32(dn, c, e) * out_scale
                             if has_weight:
                                 wacc[c, e] = wacc[c, e] + xh * g
                                 acc = acc + xh * (g * f32(wl, e))
@@ -490,17 +363,6 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                                 xn[c, e] = X[row + _NP, col + e]
                             for e in T.vectorized(E):
                                 dn[c, e] = DY[row + _NP, col + e]
-                    if BWD_RSTD_AHEAD:
-                        if row + _NP < Tn:
-                            rn = Rstd[row + _NP]
-                    # rows further ahead into L2 (no registers: the DRAM reads of BWD_L2_AHEAD more rows in
-                    # flight per CTA; their register loads later hit L2)
-                    for a in T.unroll(2, 2 + (0 if BWD_L2_BULK else BWD_L2_AHEAD)):
-                        for c in T.unroll(C):
-                            col = (c * TB + tx) * E
-                            if T.And(col < hidden, row + a * _NP < Tn):
-                                T.call_extern("void", "nf_prefetch_l2", X.access_ptr("r", offset=(row + a * _NP) * XS + col))
-                                T.call_extern("void", "nf_prefetch_l2", DY.access_ptr("r", offset=(row + a * _NP) * GS + col))
                     for st in T.unroll(5):
                         acc = acc + T.shfl_xor(acc, T.shift_right(16, st))
                     T.sync_threads()  # the previous row's readers of red are done
@@ -527,7 +389,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                                     rg[e] = RG[row, col + e]
                             for e in T.unroll(E):
                                 xh = f32(xl, e) * r
-                                g = scale(f32(dl, e), out_scale)
+                                g = f32(dl, e) * out_scale
                                 gw = g * f32(wl, e) if has_weight else g
                                 if has_res_grad:
                                     io[e] = T.cast((gw - xh * mean) * r + f32(rg, e), x_dtype)
@@ -544,13 +406,10 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
 
         return body
 
-    def make_staged_body(unit: bool):
+    def make_staged_body():
         """BWD_STAGES >= 2: the same per-row arithmetic as ``make_body`` (each thread owns the same columns and
         computes the same expressions in the same order); x, dy and rstd come from an ST-stage shared ring that
         per-thread cp.async fills ST - 1 rows ahead, and the dx pass reads the row from shared memory again."""
-        def scale(v, s):
-            return v if unit else v * s
-
         @T.macro
         def body(DY, X, W, Rstd, RG, DX, Part, p, out_scale):
             tx = T.get_thread_binding()
@@ -619,7 +478,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                                 dl[e] = ds[s, col + e]
                         for e in T.unroll(E):
                             xh = f32(xl, e) * r
-                            g = scale(f32(dl, e), out_scale)
+                            g = f32(dl, e) * out_scale
                             if has_weight:
                                 wacc[c, e] = wacc[c, e] + xh * g
                                 acc = acc + xh * (g * f32(wl, e))
@@ -651,7 +510,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                                     rg[e] = RG[row, col + e]
                             for e in T.unroll(E):
                                 xh = f32(xl, e) * r
-                                g = scale(f32(dl, e), out_scale)
+                                g = f32(dl, e) * out_scale
                                 gw = g * f32(wl, e) if has_weight else g
                                 if has_res_grad:
                                     io[e] = T.cast((gw - xh * mean) * r + f32(rg, e), x_dtype)
@@ -672,9 +531,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
     ST = BWD_STAGES if x_dtype == "bfloat16" else 0
     if ST == 1 or 2 * (ST * (2 * rowbytes + 4 * TB) + 128 + 1024) > 228 * 1024:   # 1 KB reserved per CTA
         ST = 0   # 2 CTAs of ST stages do not fit in an SM's shared memory (or no ring): the register path
-    mk = make_staged_body if ST else make_body
-    body_gen = mk(False)
-    body_unit = mk(True) if BWD_UNIT_SCALE else None
+    body = (make_staged_body if ST else make_body)()
 
     @T.prim_func
     def norm_backward(DY: dy_p, X: x_p, W: w_p, Rstd: rstd_p, RG: rg_p, DX: dx_p, Part: part_p,
@@ -686,14 +543,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
         with T.Kernel(_NP, threads=TB) as p:
             T.annotate_min_blocks_per_sm(2)  # <= 128 registers: two CTAs per SM, so all NP CTAs run at once
             T.import_source(_CUDA_HELPERS)
-            if BWD_UNIT_SCALE:
-                # a uniform branch: the out_scale == 1 copy skips 2 multiplications per element
-                if out_scale == T.float32(1.0):
-                    body_unit(DY, X, W, Rstd, RG, DX, Part, p, out_scale)
-                else:
-                    body_gen(DY, X, W, Rstd, RG, DX, Part, p, out_scale)
-            else:
-                body_gen(DY, X, W, Rstd, RG, DX, Part, p, out_scale)
+            body(DY, X, W, Rstd, RG, DX, Part, p, out_scale)
 
     return norm_backward
 
