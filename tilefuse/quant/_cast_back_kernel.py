@@ -14,9 +14,10 @@ Scale factors are read through symbolic strides, so row-major, TMA-aligned colum
 unit-stride view work with one binary; int32 sf are packed UE8M0 words (block ``4w + u`` in byte ``u``,
 decoded as ``byte << 23``).
 
-Tiling: a thread owns ``U`` chunks of ``V`` consecutive elements of one row (16-byte data loads for e4m3 and
-e2m1, three 4-byte words for e5m6), consecutive threads take consecutive chunks of the flattened
-``(T, H / V)`` chunk grid. No shared memory, no reductions: deterministic and batch-invariant.
+Tiling: a chunk is ``V`` consecutive elements of one row written as one 16-byte store (one 2-8 byte data load
+for e4m3 and e2m1, three 4-byte words of 8 codes for e5m6); a CTA covers ``TY`` rows by ``TX * unroll`` chunks
+and a thread keeps ``unroll`` chunks of its row, ``TX`` apart, in flight (``cast_back_kernel``). No shared
+memory, no reductions: deterministic and batch-invariant.
 """
 
 import torch
@@ -24,9 +25,8 @@ import torch
 from tilefuse import _jit
 
 # ---- tuning knobs (TILEFUSE_KNOBS; read when a kernel is built, defaults = the measured baseline) ----
-# Row-tile path (default). Output bytes per thread: chunks are one 16-byte store each, consecutive threads take
-# consecutive chunks (so every warp store covers 512 contiguous bytes) and a thread keeps UNROLL chunks, TX
-# apart, in flight.
+# Row tile: chunks are one 16-byte store each, consecutive threads take consecutive chunks (so every warp store
+# covers 512 contiguous bytes) and a thread keeps UNROLL chunks, TX apart, in flight.
 # PDL: programmatic dependent launch. Each kernel's first statement waits for the stream's previous grid
 # (griddepcontrol.wait: it has completed and its writes are visible before any global access here), and TileLang
 # then launches the kernel with programmatic stream serialization, so its launch and CTA setup overlap the previous
@@ -38,9 +38,8 @@ UNROLL = 8
 # store width makes a chunk one wider data load written as several 16-byte stores (e5m6 keeps 8 codes)
 CHUNK_BF16 = 8
 CHUNK_FP32 = 4
-CHUNK_E5M6 = 8  # codes per e5m6 chunk: 8 (three 4-byte loads) or a multiple of 32 (16-byte loads)
 ROW_LANES = 0  # lanes per row, TX (whole warps); 0: the widest of 128 / 64 / 32 that divides the row's chunks
-# MIN_BLOCKS > 0: __launch_bounds__(threads, MIN_BLOCKS) on the row-tile path, a register cap of
+# MIN_BLOCKS > 0: __launch_bounds__(threads, MIN_BLOCKS), a register cap of
 # 65536 / (threads * MIN_BLOCKS) (0: none). E4M3_* / E2M1_* / E5M6_*: one data format's own THREADS / UNROLL /
 # MIN_BLOCKS (None: the shared knob), so one sweep line can time different shapes per format
 MIN_BLOCKS = 0
@@ -56,46 +55,25 @@ E5M6_MIN_BLOCKS = None
 
 
 def _knob(dfmt: str, name: str):
-    """Knob ``name`` of the row-tile path for data format ``dfmt``: its per-format override, else the shared one."""
+    """Knob ``name`` of the cast-back for data format ``dfmt``: its per-format override, else the shared one."""
     v = globals()[f"{dfmt.upper()}_{name}"]
     return globals()[name] if v is None else v
 
 
-# Flat path (the 10:53 layout, off by default): a thread owns FLAT_UNROLL chunks of one 16-byte data load each
-# (e4m3 16 values, e2m1 FLAT_CHUNK_E2M1, e5m6 8 codes), consecutive threads on consecutive chunks of the
-# flattened (T, H / V) grid, FLAT_THREADS apart.
-FLAT_E4M3 = False
-FLAT_E2M1 = False
-FLAT_E5M6 = False
-FLAT_THREADS = 256
-FLAT_UNROLL = 2  # chunks per thread (1 when a chunk is more than 64 output bytes)
-FLAT_CHUNK_E2M1 = 32
-# unpack_from_e2m1fn_x2: UNPACK_BYTES data bytes per chunk (0: one 16-byte store's worth), UNPACK_UNROLL
-# chunks per thread, UNPACK_THREADS apart
+# unpack_from_e2m1fn_x2: a chunk is one 16-byte store's worth of data bytes, UNPACK_UNROLL chunks per thread,
+# UNPACK_THREADS apart
 UNPACK_THREADS = 256
 UNPACK_UNROLL = 8
-UNPACK_BYTES = 0
 UNPACK_MIN_BLOCKS = 0  # > 0: __launch_bounds__(UNPACK_THREADS, UNPACK_MIN_BLOCKS) (0: none)
 
 
-def _flat(dfmt: str) -> bool:
-    return {"e4m3": FLAT_E4M3, "e2m1": FLAT_E2M1, "e5m6": FLAT_E5M6}[dfmt]
-
-
 def _chunk(dfmt: str, out: str, hidden: int) -> int:
-    """Elements per chunk of the path the knobs select (a knob's chunk that does not divide the row falls
-    back to the default: 8 e5m6 codes, one 16-byte store of e4m3 / e2m1 values)."""
-    base = 8 if dfmt == "e5m6" else {"bf16": 8, "fp32": 4}[out]
-    if _flat(dfmt):
-        v = {"e4m3": 16, "e2m1": FLAT_CHUNK_E2M1, "e5m6": 8}[dfmt]
-    else:
-        v = CHUNK_E5M6 if dfmt == "e5m6" else {"bf16": CHUNK_BF16, "fp32": CHUNK_FP32}[out]
-    return v if hidden % v == 0 else base
-
-
-def _wide_e5m6(dfmt: str, out: str, hidden: int) -> bool:
-    """Whether an e5m6 chunk is read as 16-byte loads (row-tile path, CHUNK_E5M6 a multiple of 32)."""
-    return dfmt == "e5m6" and not _flat(dfmt) and _chunk(dfmt, out, hidden) % 32 == 0
+    """Elements per chunk: 8 e5m6 codes (three 4-byte words), CHUNK_BF16 / CHUNK_FP32 e4m3 / e2m1 values (a
+    knob's chunk that does not divide the row falls back to the default, one 16-byte store)."""
+    if dfmt == "e5m6":
+        return 8
+    v = {"bf16": CHUNK_BF16, "fp32": CHUNK_FP32}[out]
+    return v if hidden % v == 0 else {"bf16": 8, "fp32": 4}[out]
 
 
 _OUT_TL = {"bf16": "bfloat16", "fp32": "float32"}
@@ -189,109 +167,12 @@ def _e5m6_codes(w0, w1, w2):
             T.shift_left(w1 & 0xF, 8) | srl(w2, 24), T.shift_right(w2, 12) & 0xFFF, w2 & 0xFFF)
 
 
-def _sf_value(SF, rb, kb, sf_packed: bool):
-    """The binary32 sf of block ``(rb, kb)``: an fp32 element, or byte ``kb % 4`` of packed UE8M0 word
-    ``kb // 4`` as ``byte << 23``."""
-    import tilelang.language as T
-
-    if sf_packed:
-        word = SF[rb, kb // 4]
-        return T.reinterpret(T.shift_left(T.shift_right(word, (kb % 4) * 8) & 255, 23), "float32")
-    return SF[rb, kb]
-
-
-def _cast_back_flat(dfmt: str, out: str, hidden: int, bm: int, bk: int, sf_packed: bool):
-    """The flat layout (knobs FLAT_*; the 10:53 layout with today's exact decoders): chunks of one 16-byte
-    data load (e4m3 16 values, e2m1 FLAT_CHUNK_E2M1, e5m6 8 codes in three words) numbered over the flattened
-    ``(T, H / V)`` grid; thread ``tx`` of CTA ``bx`` does chunks ``bx * NT * U + u * NT + tx`` (all loads
-    first), each written as ``V / o_vec`` 16-byte stores. Same values as the row-tile path: each output is
-    ``cast(decode(x) * sf)`` with the same decoder expressions."""
-    import tilelang.language as T
-
-    V = _chunk(dfmt, out, hidden)
-    assert hidden % V == 0, (dfmt, hidden)
-    cpr = hidden // V
-    if dfmt == "e4m3":
-        d_dtype, d_width, d_per_chunk = "float8_e4m3fn", hidden, V
-    elif dfmt == "e2m1":
-        d_dtype, d_width, d_per_chunk = "uint8", hidden // 2, V // 2
-    else:
-        d_dtype, d_width, d_per_chunk = "int32", hidden * 3 // 8, 3
-    o_dtype = _OUT_TL[out]
-    o_vec = 8 if out == "bf16" else 4
-    assert V % o_vec == 0 and (dfmt != "e2m1" or V % 4 == 0), (dfmt, out, V)
-    nbk = -(-hidden // bk)
-    sf_w = -(-nbk // 4) if sf_packed else nbk
-    per_chunk_sf = bk % V == 0
-    NT = FLAT_THREADS
-    U = FLAT_UNROLL if V * (2 if out == "bf16" else 4) <= 64 else 1
-    per_cta = NT * U
-    py_range_v = tuple(range(V))
-
-    Tn, S, NBM, SF0, SF1 = T.dynamic("num_tokens, data_row_stride, sf_rows, sf_stride0, sf_stride1")
-    x_param = T.StridedTensor((Tn, d_width), (S, 1), d_dtype)
-    sf_param = T.StridedTensor((NBM, sf_w), (SF0, SF1), "int32" if sf_packed else "float32")
-    y_param = T.Tensor((Tn, hidden), o_dtype)
-
-    @T.prim_func
-    def cast_back(X: x_param, SF: sf_param, Y: y_param):
-        if dfmt != "e5m6":  # the launcher guarantees 16-byte aligned rows for the chunk's vector load
-            T.assume(S % 16 == 0)
-        with T.Kernel(T.ceildiv(Tn * cpr, per_cta), threads=NT) as bx:
-            if PDL:
-                T.pdl_sync()
-            tx = T.get_thread_binding()
-            raw = T.alloc_local((U * d_per_chunk,), d_dtype)
-            val = T.alloc_local((U * V,), "float32")
-            res = T.alloc_local((U * V,), o_dtype)
-            s = T.alloc_local((1,), "float32")
-            for u in T.unroll(U):
-                c = bx * per_cta + u * NT + tx
-                if c < Tn * cpr:
-                    for v in T.vectorized(d_per_chunk):
-                        raw[u * d_per_chunk + v] = X[c // cpr, (c % cpr) * d_per_chunk + v]
-            for u in T.unroll(U):
-                c = bx * per_cta + u * NT + tx
-                row = c // cpr
-                col0 = (c % cpr) * V
-                if c < Tn * cpr:
-                    if dfmt == "e4m3":
-                        for v in T.unroll(V):
-                            val[u * V + v] = T.cast(raw[u * d_per_chunk + v], "float32")
-                    elif dfmt == "e2m1":
-                        for q in range(V // 4):  # two bytes -> four values
-                            x16 = (T.cast(raw[u * d_per_chunk + 2 * q], "uint32")
-                                   | T.shift_left(T.cast(raw[u * d_per_chunk + 2 * q + 1], "uint32"), 8))
-                            for v, e in enumerate(_decode_e2m1_x4(x16)):
-                                val[u * V + 4 * q + v] = e
-                    if dfmt == "e5m6":
-                        vals = _e5m6_values(T.cast(raw[u * 3], "uint32"), T.cast(raw[u * 3 + 1], "uint32"),
-                                            T.cast(raw[u * 3 + 2], "uint32"))
-                        for v in py_range_v:  # a Python tuple: expanded while building
-                            val[u * V + v] = vals[v]
-                    if per_chunk_sf:
-                        s[0] = _sf_value(SF, row // bm, col0 // bk, sf_packed)
-                        for v in T.unroll(V):
-                            res[u * V + v] = T.cast(val[u * V + v] * s[0], o_dtype)
-                    else:
-                        for v in T.unroll(V):
-                            res[u * V + v] = T.cast(val[u * V + v] * _sf_value(SF, row // bm, (col0 + v) // bk,
-                                                                                sf_packed), o_dtype)
-                    for p in T.unroll(V // o_vec):
-                        for v in T.vectorized(o_vec):
-                            Y[row, col0 + p * o_vec + v] = res[u * V + p * o_vec + v]
-
-    return cast_back
-
-
 def cast_back_kernel(dfmt: str, out: str, hidden: int, bm: int, bk: int, sf_packed: bool):
     """Factory for one static config: data format ``dfmt`` ("e4m3" | "e2m1" | "e5m6"), ``out`` ("bf16" |
-    "fp32"), logical ``hidden`` (a multiple of the chunk: 16 / 32 / 8), block ``(bm, bk)``, and whether the
+    "fp32"), logical ``hidden`` (a multiple of the chunk, ``_chunk``), block ``(bm, bk)``, and whether the
     sf are packed UE8M0 int32 (else fp32). Token count, data row stride and sf strides are symbolic."""
     import tilelang.language as T
 
-    if _flat(dfmt):
-        return _cast_back_flat(dfmt, out, hidden, bm, bk, sf_packed)
     V = _chunk(dfmt, out, hidden)
     assert hidden % V == 0, (dfmt, hidden)
     cpr = hidden // V  # chunks per row
@@ -299,13 +180,9 @@ def cast_back_kernel(dfmt: str, out: str, hidden: int, bm: int, bk: int, sf_pack
         d_dtype, d_width, d_per_chunk = "float8_e4m3fn", hidden, V
     elif dfmt == "e2m1":
         d_dtype, d_width, d_per_chunk = "uint8", hidden // 2, V // 2
-    else:  # three int32 words per group of 8 codes
-        d_dtype, d_width, d_per_chunk = "int32", hidden * 3 // 8, V * 3 // 8
-    wide5 = _wide_e5m6(dfmt, out, hidden)  # e5m6 chunk data as 16-byte (4-word) loads
-    py_groups, py_range_8 = tuple(range(V // 8)), tuple(range(8))
-
-    def word(u, k):  # word k of chunk u's e5m6 data
-        return u * d_per_chunk + k if k else u * d_per_chunk
+    else:  # three int32 words per chunk of 8 codes
+        d_dtype, d_width, d_per_chunk = "int32", hidden * 3 // 8, 3
+    py_range_8 = tuple(range(8))
     o_dtype = _OUT_TL[out]
     o_vec = 8 if out == "bf16" else 4  # elements per 16-byte store
     nbk = -(-hidden // bk)
@@ -352,8 +229,6 @@ def cast_back_kernel(dfmt: str, out: str, hidden: int, bm: int, bk: int, sf_pack
     def cast_back(X: x_param, SF: sf_param, Y: y_param):
         if dfmt != "e5m6":  # the launcher guarantees 16-byte aligned rows for the chunk's vector load
             T.assume(S % 16 == 0)
-        elif wide5:  # and 16-byte aligned e5m6 rows (S in words)
-            T.assume(S % 4 == 0)
         with T.Kernel(T.ceildiv(cpr, TX * unroll), T.ceildiv(Tn, TY), threads=threads) as (bx, by):
             if min_blocks:
                 T.annotate_min_blocks_per_sm(min_blocks)
@@ -370,14 +245,8 @@ def cast_back_kernel(dfmt: str, out: str, hidden: int, bm: int, bk: int, sf_pack
             if row < Tn:
                 for u in T.unroll(unroll):
                     if in_row(cc0 + u * TX):
-                        if wide5:
-                            for p in T.unroll(d_per_chunk // 4):
-                                for v in T.vectorized(4):
-                                    raw[u * d_per_chunk + p * 4 + v] = X[row, (cc0 + u * TX) * d_per_chunk
-                                                                         + p * 4 + v]
-                        else:
-                            for v in T.vectorized(d_per_chunk):
-                                raw[u * d_per_chunk + v] = X[row, (cc0 + u * TX) * d_per_chunk + v]
+                        for v in T.vectorized(d_per_chunk):
+                            raw[u * d_per_chunk + v] = X[row, (cc0 + u * TX) * d_per_chunk + v]
                 for u in T.unroll(unroll):
                     col0 = (cc0 + u * TX) * V
                     if in_row(cc0 + u * TX):
@@ -391,10 +260,10 @@ def cast_back_kernel(dfmt: str, out: str, hidden: int, bm: int, bk: int, sf_pack
                                 for v, e in enumerate(_decode_e2m1_x4(x16)):
                                     val[u * V + 4 * q + v] = e
                         if dfmt == "e5m6":
-                            for g in py_groups:  # groups of 8 codes in three words (a Python tuple)
-                                vals = _e5m6_values(*(T.cast(raw[word(u, 3 * g + k)], "uint32") for k in range(3)))
-                                for v in py_range_8:  # a Python tuple: expanded while building
-                                    val[u * V + 8 * g + v] = vals[v]
+                            vals = _e5m6_values(T.cast(raw[u * 3], "uint32"), T.cast(raw[u * 3 + 1], "uint32"),
+                                                T.cast(raw[u * 3 + 2], "uint32"))
+                            for v in py_range_8:  # a Python tuple: expanded while building
+                                val[u * V + v] = vals[v]
                         if per_chunk_sf:
                             s[0] = sf_of(SF, row // bm, chunk_kb(cc0, u))
                             for v in T.unroll(V):
@@ -419,8 +288,7 @@ def unpack_e2m1_kernel(out_dtype: str):
     import tilelang.language as T
 
     o_vec = 16 // {"float32": 4, "bfloat16": 2, "float16": 2}[out_dtype]
-    B = UNPACK_BYTES or o_vec // 2  # bytes per chunk: one B-byte load, 2 * B // o_vec 16-byte stores
-    assert B % 2 == 0 and (2 * B) % o_vec == 0 and B <= 16, B
+    B = o_vec // 2  # bytes per chunk: one B-byte load, one 16-byte store
     U = UNPACK_UNROLL
     NT = UNPACK_THREADS
     N = T.dynamic("num_bytes")
@@ -449,13 +317,8 @@ def unpack_e2m1_kernel(out_dtype: str):
                                | T.shift_left(T.cast(raw[u * B + 2 * q + 1], "uint32"), 8))
                         for v, e in enumerate(_decode_e2m1_x4(x16)):
                             res[4 * q + v] = T.cast(e, out_dtype)
-                    if 2 * B == o_vec:
-                        for v in T.vectorized(o_vec):
-                            Y[2 * b0 + v] = res[v]
-                    else:
-                        for p in T.unroll(2 * B // o_vec):
-                            for v in T.vectorized(o_vec):
-                                Y[2 * b0 + p * o_vec + v] = res[p * o_vec + v]
+                    for v in T.vectorized(o_vec):
+                        Y[2 * b0 + v] = res[v]
             else:
                 for u in T.unroll(U):
                     b0 = ((bx * U + u) * NT + tx) * B
@@ -470,13 +333,8 @@ def unpack_e2m1_kernel(out_dtype: str):
                                    | T.shift_left(T.cast(raw[u * B + 2 * q + 1], "uint32"), 8))
                             for v, e in enumerate(_decode_e2m1_x4(x16)):
                                 res[4 * q + v] = T.cast(e, out_dtype)
-                        if 2 * B == o_vec:
-                            for v in T.vectorized(o_vec):
-                                Y[2 * b0 + v] = res[v]
-                        else:
-                            for p in T.unroll(2 * B // o_vec):
-                                for v in T.vectorized(o_vec):
-                                    Y[2 * b0 + p * o_vec + v] = res[p * o_vec + v]
+                        for v in T.vectorized(o_vec):
+                            Y[2 * b0 + v] = res[v]
                     elif b0 < N:
                         for v in T.serial(2 * B):
                             if b0 + v // 2 < N:
@@ -539,7 +397,7 @@ def _kernel_data(data: torch.Tensor, dfmt: str) -> torch.Tensor:
     and row stride; 4-byte for e5m6 words), else a contiguous copy."""
     if dfmt == "e2m1":
         data = data.view(torch.uint8)
-    align = 16 if dfmt != "e5m6" or _wide_e5m6(dfmt, "bf16", _hidden(data, dfmt)) else 4
+    align = 16 if dfmt != "e5m6" else 4
     if (data.stride(1) != 1 or data.data_ptr() % align
             or (data.size(0) > 1 and data.stride(0) % align)):
         data = data.contiguous()
@@ -577,7 +435,7 @@ def unpack_e2m1_launch(x: torch.Tensor, out_dtype: torch.dtype = torch.float32) 
     out = torch.empty(shape, dtype=k_dtype, device=x.device)
     if x.numel() > 0:
         flat = x.contiguous().view(torch.uint8).view(-1)
-        if flat.data_ptr() % max(4, UNPACK_BYTES):  # the kernel's B-byte loads (B <= 4 by default)
+        if flat.data_ptr() % 4:  # the kernel's B-byte loads (B = 2 or 4)
             flat = flat.clone()
         fn = _jit.get("unpack_from_e2m1fn_x2", (_UNPACK_DTYPES[k_dtype],))
         flat_out = out.view(-1)
