@@ -13,11 +13,8 @@ Geometry: a thread owns ``8 rows x 8 channels`` (per row one 16-byte bf16 / 32-b
 vector load and one 8-byte e4m3 / 4-byte e2m1 store); a warp's 32 lanes cover 256 consecutive channels;
 warps stack along rows. A block's maximum is a register reduction over the thread's rows, an xor-shuffle
 over the ``bk / 8`` lanes of the block and, for blocks taller than 8 rows, a max over the block's warps
-through shared memory. Memory-bound configs with 128-row blocks (bf16 e4m3 cast / sf-only, lossless with
-128-row output blocks) instead run persistent CTAs, ``G`` per 256-channel column, each walking row bands
-``by, by + G, ...`` with the next band's loads issued before the current band's reduction barrier and stores
-(``default_pipe``, ``LOSSLESS_PIPE``; 0 restores one CTA per tile). No atomics, and no value depends on the
-tiling (a block's maximum is the same max over the same elements): results are deterministic and
+through shared memory. One CTA per tile of ``8 W`` rows x 256 channels. No atomics, and no value depends on
+the tiling (a block's maximum is the same max over the same elements): results are deterministic and
 batch-invariant. Arithmetic is the spec's, in binary32 with IEEE division (fast-math off);
 maxima use ``fmaxf``, which ignores NaN like the reference (1.7).
 """
@@ -143,37 +140,17 @@ def default_warps(x_dtype: str, fmt: str, bm: int, mode: str) -> int:
     return 8
 
 
-# Knobs (edit here to sweep: the source is part of the kernel cache key). CAST_PIPE: bf16 e4m3 128x128 cast and
-# sf-only as persistent band walks (1) or one CTA per tile (0); E2M1_32_WARPS: warps per CTA of the bf16 e2m1
-# cast with 32-row blocks (4 or 8); PIPE_CTAS: CTAs per SM the persistent grid targets.
-CAST_PIPE = 0
+# Knobs (edit here to sweep: the source is part of the kernel cache key). E2M1_32_WARPS: warps per CTA of the bf16
+# e2m1 cast with 32-row blocks (4 or 8).
 E2M1_32_WARPS = 4
 # CTAs per SM the bf16 e2m1 32-row-block cast asks nvcc for (its register budget: 65536 / (threads * ctas));
 # 0 = ``_resident_ctas`` with ``_CAST_REGS`` (6 CTAs of 128 threads at 80 registers, 24 warps per SM)
 E2M1_32_CTAS = 0
-# E2M1_F16: the bf16 e2m1 cast with round_sf encodes with the shared packed-binary16 encoder
-# (``_tl.e2m1_pack_of_f16_halves``: two values per FP instruction; exact here since a bf16 value times a power of
-# two has 8 significant bits, as in the per-token e2m1 cast) instead of the binary32 one (0)
-E2M1_F16 = 1
-PIPE_CTAS = 1
-# per_block_cast_lossless with 128-row output blocks: persistent band walk (1) or one CTA per tile (0)
-LOSSLESS_PIPE = 0
-LOSSLESS_PIPE_CTAS = 2
-# PIPE_LINEAR: per_block_cast persistent grids (pipe 1, cast and sf-only): 0 = ``G`` CTAs per 256-channel column,
-# each walking that column's row bands (the measured default: 4 x 28 = 112 CTAs at one per SM, 20 SMs idle, 15-16
-# tiles each); 1 = ``_SMS * PIPE_CTAS`` CTAs walking the tiles in row-band-major order (tile t = band * ncolp +
-# column, ncolp = ncol rounded up to a power of two so the walk needs shifts, not 64-bit divisions; CTA b takes
-# tiles b, b + NC, ..., skipping the padding columns): 13-14 of the 1764 tiles of 8001 x 7168 per SM. Same values.
-PIPE_LINEAR = 0
-# LOSSLESS_SKIP: per_block_cast_lossless's band walks (LOSSLESS_PIPE) process every band slot (0: bands past the
-# end read nothing but still run the decode and reduction) or skip the processing of bands past the end, keeping
-# its barrier (1). At 8001 rows G = 9 CTAs per column walk 8 slots each, the last past the end: 1/8 of the
-# issue-bound work of every CTA.
-LOSSLESS_SKIP = 0
-# per_block_cast_lossless nibble decode: 0 = each binary16 half taken from the pair word by a uint16 cast /
-# 16-bit shift (nvcc narrows the word's masks per half: 4 LOP3 per nibble pair); 1 = both halves read from the
-# one 32-bit word through PTX ``mov.b32 {lo, hi}`` (2 LOP3 per pair). The same bits and the same exact widening.
-LOSSLESS_DECODE = 1
+# The bf16 e2m1 cast with round_sf encodes with the shared packed-binary16 encoder (``_tl.e2m1_pack_of_f16_halves``:
+# two values per FP instruction; exact there since a bf16 value times a power of two has 8 significant bits, as in
+# the per-token e2m1 cast); the other e2m1 casts use the binary32 one.
+# per_block_cast_lossless nibble decode: both binary16 halves are read from the one 32-bit pair word through PTX
+# ``mov.b32 {lo, hi}`` (2 LOP3 per nibble pair), then widened exactly.
 _LL_HELPERS = """
 __device__ __forceinline__ float tf_pbc_f16_lo(unsigned w) {
   float f; asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, l;}" : "=f"(f) : "r"(w)); return f; }
@@ -199,20 +176,10 @@ _LL_LDG = """
 template <typename P> __device__ __forceinline__ int tf_pbc_ldg(P p, int off) {
   return __ldg(reinterpret_cast<const int*>(p) + off); }
 """
-_SMS = 132  # H200 SMs: sizes the persistent grid only (no value depends on it)
-
-
-def default_pipe(x_dtype: str, fmt: str, bm: int, mode: str) -> int:
-    """1: persistent CTAs with the next band prefetched, 0: one CTA per tile; a knob for the memory-bound
-    128-row-block e4m3 cast and sf-only (a block's maximum needs all 128 rows before any store)."""
-    if x_dtype == "bfloat16" and fmt == "e4m3" and bm == 128 and mode in ("cast", "sf_only"):
-        return CAST_PIPE
-    return 0
 
 
 def per_block_cast_kernel(x_dtype: str, fmt: str, hidden: int, bm: int, bk: int, round_sf: bool, sf_layout: str,
-                          mode: str, warps: int | None = None, pipe: int | None = None,
-                          pipe_ctas: int | None = None):
+                          mode: str, warps: int | None = None):
     """Factory for one static config of the per-block casts (quant.md 3.6).
 
     x_dtype: "bfloat16" | "float32". fmt: "e4m3" | "e2m1". sf_layout: "row" | "col" | "col_packed".
@@ -220,9 +187,6 @@ def per_block_cast_kernel(x_dtype: str, fmt: str, hidden: int, bm: int, bk: int,
     e2m1 data is written as int32 words of 8 nibbles (element 8k+v in bits 4v..4v+3 of word k): the packed
     int8 container ``(T, H/2)`` viewed as int32 ``(T, H/8)``.
     warps: warps per CTA for blocks shorter than 128 rows (None: ``default_warps``); it changes no value.
-    pipe: 0 = one CTA per tile; 1 = persistent CTAs walking row bands, the next band's loads in flight during
-    the current band's reduction and stores (None: ``default_pipe``); pipe_ctas: the CTAs per SM its grid and
-    register budget target (None: ``PIPE_CTAS``). Neither changes any value.
     """
     import tilelang.language as T
 
@@ -234,16 +198,9 @@ def per_block_cast_kernel(x_dtype: str, fmt: str, hidden: int, bm: int, bk: int,
     nb, W, rows_per_cta = cm.nb, cm.W, cm.rows_per_cta
     lanes_per_block = bk // _C
     nbk = cdiv(hidden, bk)
-    ncol = cdiv(hidden, _TILE_H)
-    if pipe is None:
-        pipe = default_pipe(x_dtype, fmt, bm, mode)
-    if pipe_ctas is None:
-        pipe_ctas = PIPE_CTAS
-    linear = PIPE_LINEAR
-    f16 = bool(E2M1_F16) and _packed_input(x_dtype, fmt) and round_sf and mode == "cast" and pipe == 0
-    ncolp = 1 << (ncol - 1).bit_length()  # tile columns of the linear walk: a power of two (shifts, no division)
+    # packed-binary16 e2m1 encoder (exact for bf16 input with a power-of-two sf), else the binary32 one
+    f16 = _packed_input(x_dtype, fmt) and round_sf and mode == "cast"
     e2m1_ctas = E2M1_32_CTAS if (x_dtype == "bfloat16" and fmt == "e2m1" and mode == "cast" and bm == 32) else 0
-    assert pipe in (0, 1)
     # (computed here: an ``or`` inside the traced body became a logical Or, i.e. 1 CTA per SM when E2M1_32_CTAS > 0)
     cast_blocks = e2m1_ctas or _resident_ctas(cm.threads, _CAST_REGS[mode if mode != "cast" else fmt])
 
@@ -259,12 +216,6 @@ def per_block_cast_kernel(x_dtype: str, fmt: str, hidden: int, bm: int, bk: int,
                else T.Tensor((Tn, hidden // 8), "int32"))
     sf_param = (T.StridedTensor((NBM, nbk), (SS, 1), "float32") if mode == "precomputed"
                 else cm.sf_param(T, sf_layout, NBM, P, nbk))
-
-    def col_ok(col0):
-        """Whether a thread's 8 channels from ``col0`` (a multiple of 8; hidden a multiple of 64) exist. The
-        linear band walk writes it ``col0 + 8 <= hidden`` (the same truth value), from which TileLang proves
-        the 16-byte accesses in bounds though its tile columns run past ``ncol``."""
-        return col0 + _C <= hidden if linear else col0 < hidden
 
     def elem(xr, j, v: int):
         """Exact binary32 value of channel v (a Python int: the half is chosen while tracing) of row j."""
@@ -309,7 +260,7 @@ def per_block_cast_kernel(x_dtype: str, fmt: str, hidden: int, bm: int, bk: int,
     def load_rows(X, xr, row0, col0):
         # load 8 rows x 8 channels; rows past the end and channels past hidden read as 0 (never the max)
         for j in T.unroll(_RPT):
-            if T.And(row0 + j < Tn, col_ok(col0)):
+            if T.And(row0 + j < Tn, col0 < hidden):
                 for v in T.vectorized(wpr):
                     xr[j * wpr + v] = X[row0 + j, col0 * wpr // _C + v]
             else:
@@ -345,11 +296,11 @@ def per_block_cast_kernel(x_dtype: str, fmt: str, hidden: int, bm: int, bk: int,
                     eb = 0
                     sf = a / T.float32(M)
                     inv[n] = T.float32(M) / a
-                if T.And(T.And(lane % lanes_per_block == 0, w % cm.wb == 0), T.And(row0 < Tn, col_ok(col0))):
+                if T.And(T.And(lane % lanes_per_block == 0, w % cm.wb == 0), T.And(row0 < Tn, col0 < hidden)):
                     cm.store_sf(SF, row0 // bm, cb, sf, eb)
         if mode != "sf_only":
             for j in T.unroll(_RPT):
-                if T.And(row0 + j < Tn, col_ok(col0)):
+                if T.And(row0 + j < Tn, col0 < hidden):
                     if fmt == "e4m3":
                         assert not packed
                         for v in T.vectorized(_C):
@@ -360,87 +311,23 @@ def per_block_cast_kernel(x_dtype: str, fmt: str, hidden: int, bm: int, bk: int,
 
     @T.macro
     def body(X, Y, SF):
-        if pipe == 0:
-            with T.Kernel(T.ceildiv(hidden, _TILE_H), T.ceildiv(Tn, rows_per_cta), threads=cm.threads) as (bx, by):
-                if f16:  # before the annotation below (after it, TileLang dropped the min-blocks bound)
-                    _tl.import_cuda_helpers()
-                if x_dtype == "bfloat16":
-                    T.annotate_min_blocks_per_sm(cast_blocks)
-                tx = T.get_thread_binding()
-                lane = tx % _LANES
-                w = tx // _LANES
-                row0 = by * rows_per_cta + w * _RPT
-                col0 = bx * _TILE_H + lane * _C
-                # raw input words (bf16 kept 2 per register: half the registers), widened on use
-                xr = T.alloc_local((_RPT * wpr,), "int32" if packed else x_dtype)
-                inv = T.alloc_local((nb,), "float32")
-                am = T.alloc_local((nb,), "float32")
-                red = T.alloc_shared((W * _LANES,), "float32")
-                load_rows(X, xr, row0, col0)
-                process(Y, SF, xr, row0, col0, inv, am, red, w, lane)
-        elif linear:
-            # persistent CTAs, NC = ``_SMS * pipe_ctas`` of them: CTA b takes tiles b, b + NC, ... in row-band-major
-            # order (band t // ncolp, column t % ncolp), with the next tile's loads in flight as below. Tiles past
-            # the last band read 0 and store nothing; tiles of the padding columns (ncol <= column < ncolp, the
-            # same for the whole CTA) read nothing and skip the processing, but not its barrier: without it the
-            # tiles before and after, which use the same shared reduction buffer, would have only one barrier
-            # between them (a warp could overwrite its partial maximum while another still reads it). Same values.
-            NC = _SMS * pipe_ctas
-            with T.Kernel(NC, threads=cm.threads) as bx:
-                T.annotate_min_blocks_per_sm(pipe_ctas)
-                tx = T.get_thread_binding()
-                lane = tx % _LANES
-                w = tx // _LANES
-                xa = T.alloc_local((_RPT * wpr,), "int32" if packed else x_dtype)
-                xb = T.alloc_local((_RPT * wpr,), "int32" if packed else x_dtype)
-                inv = T.alloc_local((nb,), "float32")
-                am = T.alloc_local((nb,), "float32")
-                ra = T.alloc_shared((W * _LANES,), "float32")
-                rb = T.alloc_shared((W * _LANES,), "float32")
-                load_rows(X, xa, (bx // ncolp) * rows_per_cta + w * _RPT, (bx % ncolp) * _TILE_H + lane * _C)
-                for it in T.serial(T.ceildiv(T.ceildiv(Tn, rows_per_cta) * ncolp, 2 * NC)):
-                    t0 = bx + 2 * it * NC
-                    t1 = t0 + NC
-                    t2 = t0 + 2 * NC
-                    load_rows(X, xb, (t1 // ncolp) * rows_per_cta + w * _RPT, (t1 % ncolp) * _TILE_H + lane * _C)
-                    if t0 % ncolp < ncol:
-                        process(Y, SF, xa, (t0 // ncolp) * rows_per_cta + w * _RPT,
-                                (t0 % ncolp) * _TILE_H + lane * _C, inv, am, ra, w, lane)
-                    else:
-                        T.sync_threads()
-                    load_rows(X, xa, (t2 // ncolp) * rows_per_cta + w * _RPT, (t2 % ncolp) * _TILE_H + lane * _C)
-                    if t1 % ncolp < ncol:
-                        process(Y, SF, xb, (t1 // ncolp) * rows_per_cta + w * _RPT,
-                                (t1 % ncolp) * _TILE_H + lane * _C, inv, am, rb, w, lane)
-                    else:
-                        T.sync_threads()
-        else:
-            # persistent CTAs: ``G`` per 256-channel column (about ``pipe_ctas`` per SM on 132 SMs), CTA (bx, by)
-            # walking row bands by, by + G, ... of column bx (G adjacent bands of full rows in flight at once).
-            # The next band's loads are issued before the current band's block reduction (its barrier) and
-            # stores: two register buffers used in turn, and two shared reduction buffers (a warp writing one for
-            # band i + 1 cannot overtake a warp still reading it for band i - 1: both sit between the same two
-            # barriers). Bands past the end read 0 and store nothing. Same values as pipe 0.
-            G = max(1, (_SMS * pipe_ctas) // ncol)
-            with T.Kernel(ncol, G, threads=cm.threads) as (bx, by):
-                T.annotate_min_blocks_per_sm(pipe_ctas)
-                tx = T.get_thread_binding()
-                lane = tx % _LANES
-                w = tx // _LANES
-                col0 = bx * _TILE_H + lane * _C
-                xa = T.alloc_local((_RPT * wpr,), "int32" if packed else x_dtype)
-                xb = T.alloc_local((_RPT * wpr,), "int32" if packed else x_dtype)
-                inv = T.alloc_local((nb,), "float32")
-                am = T.alloc_local((nb,), "float32")
-                ra = T.alloc_shared((W * _LANES,), "float32")
-                rb = T.alloc_shared((W * _LANES,), "float32")
-                load_rows(X, xa, by * rows_per_cta + w * _RPT, col0)
-                for it in T.serial(T.ceildiv(T.ceildiv(Tn, rows_per_cta), 2 * G)):
-                    r0 = (by + 2 * it * G) * rows_per_cta + w * _RPT
-                    load_rows(X, xb, r0 + G * rows_per_cta, col0)
-                    process(Y, SF, xa, r0, col0, inv, am, ra, w, lane)
-                    load_rows(X, xa, r0 + 2 * G * rows_per_cta, col0)
-                    process(Y, SF, xb, r0 + G * rows_per_cta, col0, inv, am, rb, w, lane)
+        with T.Kernel(T.ceildiv(hidden, _TILE_H), T.ceildiv(Tn, rows_per_cta), threads=cm.threads) as (bx, by):
+            if f16:  # before the annotation below (after it, TileLang dropped the min-blocks bound)
+                _tl.import_cuda_helpers()
+            if x_dtype == "bfloat16":
+                T.annotate_min_blocks_per_sm(cast_blocks)
+            tx = T.get_thread_binding()
+            lane = tx % _LANES
+            w = tx // _LANES
+            row0 = by * rows_per_cta + w * _RPT
+            col0 = bx * _TILE_H + lane * _C
+            # raw input words (bf16 kept 2 per register: half the registers), widened on use
+            xr = T.alloc_local((_RPT * wpr,), "int32" if packed else x_dtype)
+            inv = T.alloc_local((nb,), "float32")
+            am = T.alloc_local((nb,), "float32")
+            red = T.alloc_shared((W * _LANES,), "float32")
+            load_rows(X, xr, row0, col0)
+            process(Y, SF, xr, row0, col0, inv, am, red, w, lane)
 
     if mode == "sf_only":
         @T.prim_func
@@ -454,7 +341,7 @@ def per_block_cast_kernel(x_dtype: str, fmt: str, hidden: int, bm: int, bk: int,
 
 
 def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, obk: int, sf_in_packed: bool,
-                                   sf_layout: str, pipe: int | None = None, pipe_ctas: int | None = None):
+                                   sf_layout: str):
     """Factory for one static config of ``per_block_cast_lossless`` (quant.md 3.7).
 
     Inputs: the packed e2m1 data viewed as int32 ``(T, H/8)`` words (element 8k+v in bits 4v..4v+3 of word
@@ -473,20 +360,12 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
     lanes_per_block = obk // _C
     nbk = cdiv(hidden, obk)
     nbki = cdiv(hidden, ibk)
-    ncol = cdiv(hidden, _TILE_H)
-    if pipe is None:
-        pipe = LOSSLESS_PIPE if obm == 128 else 0
-    if pipe_ctas is None:
-        pipe_ctas = LOSSLESS_PIPE_CTAS
-    decode = LOSSLESS_DECODE
-    skip = LOSSLESS_SKIP
     i32 = bool(LOSSLESS_I32) and ibm == 1
     exp23 = bool(LOSSLESS_EXP23) and not sf_in_packed
     full = bool(LOSSLESS_FULL) and hidden % _TILE_H == 0
     # (computed here: an ``or`` inside the traced body became a logical Or, i.e. 1 CTA per SM)
     ll_blocks = LOSSLESS_CTAS or _resident_ctas(cm.threads, _LOSSLESS_REGS)
-    ll_source = (_LL_HELPERS if decode == 1 else "") + (_LL_LDG if i32 else "")  # one import (a second clashes)
-    assert pipe in (0, 1)
+    ll_source = _LL_HELPERS + (_LL_LDG if i32 else "")  # one import (a second clashes)
 
     Tn, NBM, P, NBMI, SI0, SI1 = T.dynamic("num_tokens, num_row_blocks, sf_pad, in_sf_rows, in_sf_s0, in_sf_s1")
     d_param = T.Tensor((Tn, hidden // 8), "int32")
@@ -521,11 +400,7 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
         mag = T.shift_left(u, T.uint32(9 - 4 * k)) if k < 3 else T.shift_right(u, T.uint32(4 * k - 9))
         sign = T.shift_left(u, T.uint32(12 - 4 * k))
         bits = (mag & T.uint32(0x0E000E00)) | (sign & T.uint32(0x80008000))
-        if decode == 1:
-            return (T.call_extern("float32", "tf_pbc_f16_lo", bits), T.call_extern("float32", "tf_pbc_f16_hi", bits))
-        return tuple(T.call_extern("float32", "__half2float", T.call_extern("float16", "__ushort_as_half",
-                                                                             T.cast(half, "uint16")))
-                     for half in (bits, T.shift_right(bits, T.uint32(16))))
+        return (T.call_extern("float32", "tf_pbc_f16_lo", bits), T.call_extern("float32", "tf_pbc_f16_hi", bits))
 
     def sf_offset(row0, col0):
         """int32 element offset of row ``row0``'s input sf word of column ``col0`` (LOSSLESS_I32, ibm = 1)."""
@@ -607,75 +482,30 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
 
     @T.macro
     def body(D, SFI, Y, SF):
-        if pipe == 0:
-            with T.Kernel(T.ceildiv(hidden, _TILE_H), T.ceildiv(Tn, rows_per_cta), threads=cm.threads) as (bx, by):
-                if decode == 1 or i32:  # before the annotation (after it, TileLang dropped the min-blocks bound)
-                    T.import_source(ll_source)
-                T.annotate_min_blocks_per_sm(ll_blocks)
-                tx = T.get_thread_binding()
-                lane = tx % _LANES
-                w = tx // _LANES
-                row0 = by * rows_per_cta + w * _RPT
-                col0 = bx * _TILE_H + lane * _C
-                dl = T.alloc_local((_RPT,), "int32")
-                el = T.alloc_local((_RPT,), "int32")
-                mx = T.alloc_local((nb,), "int32")
-                red = T.alloc_shared((W * _LANES,), "int32")
-                tmp = T.alloc_local((_C,), "float32")
-                off0 = sf_offset(row0, col0)
-                if full:
-                    if (by + 1) * rows_per_cta <= Tn:
-                        load_ll(D, SFI, dl, el, row0, col0, off0, False)
-                        process_ll(Y, SF, dl, el, mx, tmp, red, row0, col0, w, lane, False)
-                    else:
-                        load_ll(D, SFI, dl, el, row0, col0, off0)
-                        process_ll(Y, SF, dl, el, mx, tmp, red, row0, col0, w, lane)
+        with T.Kernel(T.ceildiv(hidden, _TILE_H), T.ceildiv(Tn, rows_per_cta), threads=cm.threads) as (bx, by):
+            T.import_source(ll_source)  # before the annotation (after it, TileLang dropped the min-blocks bound)
+            T.annotate_min_blocks_per_sm(ll_blocks)
+            tx = T.get_thread_binding()
+            lane = tx % _LANES
+            w = tx // _LANES
+            row0 = by * rows_per_cta + w * _RPT
+            col0 = bx * _TILE_H + lane * _C
+            dl = T.alloc_local((_RPT,), "int32")
+            el = T.alloc_local((_RPT,), "int32")
+            mx = T.alloc_local((nb,), "int32")
+            red = T.alloc_shared((W * _LANES,), "int32")
+            tmp = T.alloc_local((_C,), "float32")
+            off0 = sf_offset(row0, col0)
+            if full:
+                if (by + 1) * rows_per_cta <= Tn:
+                    load_ll(D, SFI, dl, el, row0, col0, off0, False)
+                    process_ll(Y, SF, dl, el, mx, tmp, red, row0, col0, w, lane, False)
                 else:
                     load_ll(D, SFI, dl, el, row0, col0, off0)
                     process_ll(Y, SF, dl, el, mx, tmp, red, row0, col0, w, lane)
-        else:
-            # persistent CTAs walking row bands with the next band's loads in flight, as in per_block_cast
-            G = max(1, (_SMS * pipe_ctas) // ncol)
-            with T.Kernel(ncol, G, threads=cm.threads) as (bx, by):
-                if decode == 1 or i32:
-                    T.import_source(ll_source)
-                T.annotate_min_blocks_per_sm(pipe_ctas)
-                tx = T.get_thread_binding()
-                lane = tx % _LANES
-                w = tx // _LANES
-                col0 = bx * _TILE_H + lane * _C
-                da = T.alloc_local((_RPT,), "int32")
-                ea = T.alloc_local((_RPT,), "int32")
-                db = T.alloc_local((_RPT,), "int32")
-                eb = T.alloc_local((_RPT,), "int32")
-                mx = T.alloc_local((nb,), "int32")
-                ra = T.alloc_shared((W * _LANES,), "int32")
-                rb = T.alloc_shared((W * _LANES,), "int32")
-                tmp = T.alloc_local((_C,), "float32")
-                load_ll(D, SFI, da, ea, by * rows_per_cta + w * _RPT, col0,
-                        sf_offset(by * rows_per_cta + w * _RPT, col0))
-                for it in T.serial(T.ceildiv(T.ceildiv(Tn, rows_per_cta), 2 * G)):
-                    r0 = (by + 2 * it * G) * rows_per_cta + w * _RPT
-                    load_ll(D, SFI, db, eb, r0 + G * rows_per_cta, col0,
-                            sf_offset(r0 + G * rows_per_cta, col0))
-                    if skip:
-                        # the band's first row decides for the whole CTA; a skipped band keeps the barrier (the
-                        # bands before and after it use the same shared reduction buffer)
-                        if (by + 2 * it * G) * rows_per_cta < Tn:
-                            process_ll(Y, SF, da, ea, mx, tmp, ra, r0, col0, w, lane)
-                        else:
-                            T.sync_threads()
-                    else:
-                        process_ll(Y, SF, da, ea, mx, tmp, ra, r0, col0, w, lane)
-                    load_ll(D, SFI, da, ea, r0 + 2 * G * rows_per_cta, col0,
-                            sf_offset(r0 + 2 * G * rows_per_cta, col0))
-                    if skip:
-                        if (by + (2 * it + 1) * G) * rows_per_cta < Tn:
-                            process_ll(Y, SF, db, eb, mx, tmp, rb, r0 + G * rows_per_cta, col0, w, lane)
-                        else:
-                            T.sync_threads()
-                    else:
-                        process_ll(Y, SF, db, eb, mx, tmp, rb, r0 + G * rows_per_cta, col0, w, lane)
+            else:
+                load_ll(D, SFI, dl, el, row0, col0, off0)
+                process_ll(Y, SF, dl, el, mx, tmp, red, row0, col0, w, lane)
 
     @T.prim_func
     def per_block_cast_lossless(D: d_param, SFI: sfi_param, Y: y_param, SF: sf_param):
