@@ -10,8 +10,8 @@ _MOD = "tilefuse.quant._per_block_cast_kernel"
 
 
 def test_knobs_parse_only_the_named_module(monkeypatch):
-    monkeypatch.setenv("TILEFUSE_KNOBS", f"{_MOD}.CAST_PIPE=2; tilefuse.quant._norm_kernel._RB=(1, 2) ;")
-    assert _jit.knobs(_MOD) == {"CAST_PIPE": 2}
+    monkeypatch.setenv("TILEFUSE_KNOBS", f"{_MOD}.E2M1_32_WARPS=2; tilefuse.quant._norm_kernel._RB=(1, 2) ;")
+    assert _jit.knobs(_MOD) == {"E2M1_32_WARPS": 2}
     assert _jit.knobs("tilefuse.quant._norm_kernel") == {"_RB": (1, 2)}
     assert _jit.knobs("tilefuse.quant._swiglu_kernel") == {}
     monkeypatch.delenv("TILEFUSE_KNOBS")
@@ -20,7 +20,7 @@ def test_knobs_parse_only_the_named_module(monkeypatch):
 
 def _probe(knobs: str | None) -> subprocess.CompletedProcess:
     code = (f"import tilefuse.quant._per_block_cast_kernel as K; from tilefuse import _jit; "
-            f"print(K.CAST_PIPE, _jit._module_digest('{_MOD}'))")
+            f"print(K.E2M1_32_WARPS, _jit._module_digest('{_MOD}'))")
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)}
     if knobs is not None:
         env["TILEFUSE_KNOBS"] = knobs
@@ -28,7 +28,7 @@ def _probe(knobs: str | None) -> subprocess.CompletedProcess:
 
 
 def test_a_knob_sets_the_constant_and_changes_the_cache_key():
-    base, tuned = _probe(None), _probe(f"{_MOD}.CAST_PIPE=7")
+    base, tuned = _probe(None), _probe(f"{_MOD}.E2M1_32_WARPS=7")
     assert base.returncode == 0 and tuned.returncode == 0, base.stderr + tuned.stderr
     (pipe0, digest0), (pipe1, digest1) = base.stdout.split(), tuned.stdout.split()
     assert pipe1 == "7" and pipe0 != "7"

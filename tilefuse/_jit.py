@@ -78,7 +78,7 @@ def register(name: str, factory: Callable, configs: Callable[[], Iterable[tuple]
 
 def knobs(mod: str) -> dict:
     """Overrides of kernel module ``mod``'s tuning constants from the environment, for benchmark sweeps:
-    ``TILEFUSE_KNOBS="tilefuse.quant._per_block_cast_kernel.CAST_PIPE=2;<module>.<NAME>=<python literal>"``.
+    ``TILEFUSE_KNOBS="tilefuse.quant._cast_back_kernel.THREADS=64;<module>.<NAME>=<python literal>"``.
     A knob must only change how a kernel is tiled or scheduled, never its results (the GPU tier runs with
     the defaults). Empty unless set."""
     text = os.environ.get("TILEFUSE_KNOBS", "")
