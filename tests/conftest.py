@@ -16,6 +16,8 @@ def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_compile = pytest.mark.skip(reason="needs TileLang and nvcc")
     for item in items:
+        if "knob_kernels" in getattr(item, "fixturenames", ()):  # compiles its kernels on the device: slow
+            item.add_marker(pytest.mark.knobs)
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
         if "compile" in item.keywords and not (HAS_TILELANG and HAS_NVCC):
