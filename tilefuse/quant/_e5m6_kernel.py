@@ -296,19 +296,19 @@ def e5m6_cast_launch(x: torch.Tensor, num_per_channels: int, use_tma_aligned_col
     if _tiling(hidden) is None:  # a width no CTA tiling fits (far beyond the spec's sizes): the reference
         from tilefuse.reference.quant import cast_to_e5m6
         return cast_to_e5m6(x, num_per_channels, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
-    out = torch.empty((t, hidden * 3 // 2), dtype=torch.uint8, device=dev)
+    out = torch.empty(t, hidden * 3 // 2, dtype=torch.uint8, device=dev)
     pad = F.align(t, 4)
     if use_tma_aligned_col_major_sf and use_packed_ue8m0:
         layout = "col_packed"
-        store = torch.empty((1, pad), dtype=torch.int32, device=dev)
+        store = torch.empty(1, pad, dtype=torch.int32, device=dev)
         out_sf, sf_arg = store.narrow(1, 0, t).t(), store.view(torch.uint8).view(1, pad, 4)
     elif use_tma_aligned_col_major_sf:
         layout = "col"
-        store = torch.empty((1, pad), dtype=torch.float32, device=dev)
+        store = torch.empty(1, pad, dtype=torch.float32, device=dev)
         out_sf, sf_arg = store.narrow(1, 0, t).t(), store
     else:
         layout = "row"
-        out_sf = sf_arg = torch.empty((t, 1), dtype=torch.float32, device=dev)
+        out_sf = sf_arg = torch.empty(t, 1, dtype=torch.float32, device=dev)
     if t > 0:
         vec = 16 // x.element_size()
         cfg = (_TL_DTYPE[x.dtype], hidden, round_sf, layout)

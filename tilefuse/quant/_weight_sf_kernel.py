@@ -214,7 +214,7 @@ def batched_transpose_weight_sf_launch(sf: list, block_size: int, transpose_sf1s
     shapes = [_storage_shapes(s, block_size) for s in sf]
     sizes = [(-(-a[0] * a[1] * a[2] // 8) * 8, -(-b[0] * b[1] * b[2] // 8) * 8) for a, b in shapes]  # 32-byte aligned
     need = sum(a + b for (a, b), o in zip(sizes, outs) if o is None)
-    pool = torch.empty((need,), dtype=torch.int32, device=sf[0].device) if need else None
+    pool = torch.empty(need, dtype=torch.int32, device=sf[0].device) if need else None
     result, off, jobs = [], 0, []
     for s, t1, o, (sh0, sh1), (n0, n1) in zip(sf, transpose_sf1s, outs, shapes, sizes):
         batched = s.dim() == 3

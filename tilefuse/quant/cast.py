@@ -139,18 +139,18 @@ def _per_token_checks(op: str, x, fmt: str, npc, x_block_size, *, allow_pair: bo
 # Per-token casts (sections 3.1-3.4)
 # ---------------------------------------------------------------------------------------------------------
 
-# Eager CUDA calls with a plain tensor skip the checks once the same facts passed them: the key holds all
-# the checks read (x's dtype, rank, hidden size, inner stride and the other arguments; the token count and
-# row stride are free), and maps to the kernel's launch closure.
+# Eager CUDA calls with a plain 2-D tensor skip the checks once the same facts passed them: the key holds all
+# the checks read (x's dtype, strides, hidden size and the other arguments; the token count is free: one entry
+# per row stride), and maps to the kernel's launch closure.
 _VALIDATED: dict[tuple, object] = {}
+_is_compiling = torch.compiler.is_compiling  # one lookup fewer per call (dynamo knows the function itself)
 
 
 def _eager_key(op: str, x, fmt, npc, x_block_size, col, round_sf, packed) -> tuple | None:
-    """The cache key of an eager call on a plain CUDA tensor, or None where the cache does not apply."""
-    if (type(x) is torch.Tensor and x.is_cuda and x_block_size is None and type(fmt) is str and type(npc) is int
-            and not torch.compiler.is_compiling()):
-        shape = x.shape  # the token count (shape[0]) stays out of the key; the row stride is in (one entry each)
-        return op, x.dtype, len(shape), shape[-1], x.stride(), fmt, npc, col, round_sf, packed
+    """The cache key of an eager call on a plain 2-D CUDA tensor, or None where the cache does not apply."""
+    if (type(x) is torch.Tensor and x.is_cuda and x.ndim == 2 and x_block_size is None and type(fmt) is str
+            and type(npc) is int and not _is_compiling()):
+        return op, x.dtype, x.stride(), x.shape[1], fmt, npc, col, round_sf, packed
     return None
 
 
@@ -172,7 +172,7 @@ def per_token_cast(x, fmt: str, num_per_channels: int, x_block_size: Sequence[in
     op = "per_token_cast"
     key = _eager_key(op, x, fmt, num_per_channels, x_block_size, use_tma_aligned_col_major_sf, round_sf,
                      use_packed_ue8m0)
-    launch = _VALIDATED.get(key) if key else None
+    launch = _VALIDATED.get(key)  # a None key has no entry
     if launch is not None:
         return launch(x)
     _check.choice(op, "fmt", fmt, ("e4m3", "e2m1", "e5m6"))
@@ -199,7 +199,7 @@ def per_token_cast_with_sf_only(x, fmt: str, num_per_channels: int, x_block_size
     op = "per_token_cast_with_sf_only"
     key = _eager_key(op, x, fmt, num_per_channels, x_block_size, use_tma_aligned_col_major_sf, round_sf,
                      use_packed_ue8m0)
-    launch = _VALIDATED.get(key) if key else None
+    launch = _VALIDATED.get(key)  # a None key has no entry
     if launch is not None:
         return launch(x)
     _per_token_checks(op, x, fmt, num_per_channels, x_block_size, allow_pair=False)

@@ -131,7 +131,7 @@ def batched_transpose_launch(x: torch.Tensor) -> torch.Tensor:
     the cost of one copy.
     """
     b, m, n = x.shape
-    out = torch.empty((b, n, m), dtype=x.dtype, device=x.device)
+    out = torch.empty(b, n, m, dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
     size = x.element_size()
