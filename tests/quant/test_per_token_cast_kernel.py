@@ -409,3 +409,6 @@ def test_public_op_validation_cache():
         quant.per_token_cast(x, "e4m3", 128.0, None, False, True, False)
     with pytest.raises(ValueError, match="num_per_channels"):
         quant.per_token_cast(x[:, :1024], "e4m3", 2048, None, False, True, False)
+    for bad_rank in (x[0, 0], x[0], x.view(1, 4001, 2048)):  # 0-d, 1-d, 3-d: never the cached 2-d launch
+        with pytest.raises(ValueError, match="x must"):
+            quant.per_token_cast(bad_rank, "e4m3", 128, None, False, True, False)

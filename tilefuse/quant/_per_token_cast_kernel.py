@@ -397,8 +397,7 @@ def _plan(x_dtype: torch.dtype, phys: int, x_sf_dtype, fmt: str, npc: int, x_blo
 
     if mode == "cast" and not prequant:  # the hot paths: no branch on the static config, no helper calls
         if layout == "row":
-            def launch(x: torch.Tensor, x_sf=None, sf=None):
-                t = x.shape[0]
+            def launch(x: torch.Tensor, t: int, x_sf=None, sf=None):
                 dev = x.device
                 out = empty_strided((t, y_shape_h), y_strides, dtype=y_dtype, device=dev)
                 out_sf = empty_strided((t, ng), sf_strides, dtype=torch.float32, device=dev)
@@ -408,8 +407,7 @@ def _plan(x_dtype: torch.dtype, phys: int, x_sf_dtype, fmt: str, npc: int, x_blo
                     (fn if fn is not None else kernel())(x, out, out_sf)
                 return out, out_sf
         else:
-            def launch(x: torch.Tensor, x_sf=None, sf=None):
-                t = x.shape[0]
+            def launch(x: torch.Tensor, t: int, x_sf=None, sf=None):
                 dev = x.device
                 out = empty_strided((t, y_shape_h), y_strides, dtype=y_dtype, device=dev)
                 out_sf = empty_strided((t, sf_cols), (1, (t + 3) & ~3), dtype=sf_dtype, device=dev)
@@ -421,8 +419,7 @@ def _plan(x_dtype: torch.dtype, phys: int, x_sf_dtype, fmt: str, npc: int, x_blo
 
         return launch
 
-    def launch(x: torch.Tensor, x_sf: torch.Tensor | None = None, sf: torch.Tensor | None = None):
-        t = x.shape[0]
+    def launch(x: torch.Tensor, t: int, x_sf: torch.Tensor | None = None, sf: torch.Tensor | None = None):
         out = empty_strided((t, y_shape_h), y_strides, dtype=y_dtype, device=x.device) if mode != "sf_only" else None
         out_sf = sf if mode == "precomputed" else new_sf(x, t)
         if t:
@@ -444,9 +441,9 @@ def _plan(x_dtype: torch.dtype, phys: int, x_sf_dtype, fmt: str, npc: int, x_blo
 def launcher(x_dtype: torch.dtype, phys: int, x_sf_dtype, fmt: str, num_per_channels: int, x_block_size=None,
              use_tma_aligned_col_major_sf: bool = False, round_sf: bool = False, use_packed_ue8m0: bool = False,
              mode: str = "cast"):
-    """The cached launch closure ``launch(x, x_sf=None, sf=None)`` of one static config: ``x_dtype`` and the
-    physical row length ``phys`` of the input, the pre-quantized sf dtype (None for plain inputs), and the
-    op's arguments. The public ops keep it per validated argument set and call it directly."""
+    """The cached launch closure ``launch(x, t, x_sf=None, sf=None)`` (``t`` is ``x.shape[0]``, which the
+    caller has read) of one static config: ``x_dtype`` and the physical row length ``phys`` of the input, the
+    pre-quantized sf dtype (None for plain inputs), and the op's arguments. The public ops keep it per validated argument set and call it directly."""
     key = (x_dtype, phys, x_sf_dtype, fmt, num_per_channels, None if x_block_size is None else tuple(x_block_size),
            use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0, mode)
     launch = _PLANS.get(key)
@@ -465,7 +462,7 @@ def per_token_cast_launch(x: torch.Tensor, x_sf: torch.Tensor | None, fmt: str, 
     "precomputed" (with an inner-contiguous fp32 ``sf``) returns ``out``.
     """
     return launcher(x.dtype, x.shape[1], None if x_sf is None else x_sf.dtype, fmt, num_per_channels, x_block_size,
-                    use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0, mode)(x, x_sf, sf)
+                    use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0, mode)(x, x.shape[0], x_sf, sf)
 
 
 # ---- torch.library registration (torch.compile / fake tensors) ----
