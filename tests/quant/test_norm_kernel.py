@@ -87,6 +87,19 @@ def test_backward_wg_assign_launches(assign, monkeypatch):
     assert torch.equal(wg, torch.zeros(h, dtype=torch.bfloat16))
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("tile", [16, 32])
+@pytest.mark.parametrize("cfg", [("bfloat16", 576), ("float32", 7168, True)], ids=str)
+def test_reduce_tile_builds_for_sm90(tile, cfg, monkeypatch):
+    """RED_TILE: the shared-memory tile reduce builds; its column sum is one loop in order p."""
+    import tilelang
+
+    monkeypatch.setattr(K, "RED_TILE", tile)
+    src = tilelang.compile(K.weight_grad_reduce_kernel(*cfg), target={"kind": "cuda", "arch": "sm_90"},
+                           execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
+    assert "__syncthreads()" in src and "s = (s + tile[" in src
+
+
 def test_fake_shapes_cpu():
     """Output allocation of the launcher's helpers (no kernel): sf layouts of 2-D and 3-D inputs."""
     x = torch.empty((7, 576))
@@ -387,6 +400,8 @@ KNOB_VARIANTS = [
     {"BWD_STAGES": 3, "BWD_PIPE": True, "BWD_W_SMEM": True, "WG_ASSIGN": True, "RED_PDL": True, "BWD_PDL": True,
      "BWD_TRIGGER": True, "RED_BATCH": 128, "RED_THREADS": 32},
     {"BWD_STAGES": 2, "WG_ASSIGN": True, "RED_PDL": True, "BWD_PDL": True},
+    {"RED_TILE": 16},
+    {"BWD_STAGES": 3, "BWD_PIPE": True, "WG_ASSIGN": True, "RED_TILE": 32, "RED_PDL": True},
     {"FWD_W_AHEAD": True},
 ]
 

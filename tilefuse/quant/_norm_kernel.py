@@ -44,6 +44,10 @@ FWD_BLOCKS_QUANT = 8  # the quantizing bf16 forward: <= 64 registers (it needs 7
 RED_BATCH = 32     # weight-gradient reduce: partial rows loaded per batch (_NP % RED_BATCH == 0); the sum is
                    # in order p whatever the batch
 RED_THREADS = 64   # weight-gradient reduce: threads per CTA (112 CTAs at H = 7168)
+RED_TILE = 0       # weight-gradient reduce: 0 = the batched per-thread loads above; W (16 or 32) = one CTA of 256
+                   # threads per W columns loads the whole (NP, W) fp32 tile into shared memory at once (16-byte
+                   # loads, W / 4 per thread: one round trip instead of NP / RED_BATCH), then W threads add their
+                   # column in order p = 0 .. NP-1 (the same additions as the default)
 BWD_STAGES = 0     # norm_backward: 0 = rows loaded into registers one row ahead (the default); S >= 2 = an S-stage
                    # shared-memory ring filled by per-thread cp.async (each thread copies and later reads only its
                    # own 16-byte vectors: no barrier), S - 1 rows of x, dy and rstd in flight per CTA (bf16 only,
@@ -752,6 +756,9 @@ def weight_grad_reduce_kernel(wg_dtype: str, hidden: int, assign: bool = False):
     ``assign`` (WG_ASSIGN, a new buffer): ``WG[j] = round(s)``, the same bits as adding s to a zeroed buffer."""
     import tilelang.language as T
 
+    if RED_TILE:
+        return _weight_grad_reduce_tile(wg_dtype, hidden, assign)
+
     @T.prim_func
     def weight_grad_reduce(Part: T.Tensor((_NP, hidden), "float32"), WG: T.Tensor((hidden,), wg_dtype)):
         with T.Kernel(T.ceildiv(hidden, RED_THREADS), threads=RED_THREADS) as bx:
@@ -768,6 +775,44 @@ def weight_grad_reduce_kernel(wg_dtype: str, hidden: int, assign: bool = False):
                         buf[i] = Part[k * RED_BATCH + i, j]
                     for i in T.unroll(RED_BATCH):
                         s = s + buf[i]
+                if assign:
+                    WG[j] = T.cast(s, wg_dtype)
+                else:
+                    WG[j] = T.cast(T.cast(WG[j], "float32") + s, wg_dtype)
+
+    return weight_grad_reduce
+
+
+def _weight_grad_reduce_tile(wg_dtype: str, hidden: int, assign: bool):
+    """RED_TILE: the reduce with the (NP, W) tile of partials staged in shared memory by one round of loads."""
+    import tilelang.language as T
+
+    CW, NT = RED_TILE, 256
+    VR = CW // 4                  # 16-byte vectors per partial row of the tile
+    PER = _NP * VR // NT          # vectors per thread
+    assert CW in (16, 32) and hidden % 16 == 0 and _NP % 32 == 0
+
+    @T.prim_func
+    def weight_grad_reduce(Part: T.Tensor((_NP, hidden), "float32"), WG: T.Tensor((hidden,), wg_dtype)):
+        with T.Kernel(T.ceildiv(hidden, CW), threads=NT) as bx:
+            if RED_PDL:
+                T.pdl_sync()
+            tx = T.get_thread_binding()
+            tile = T.alloc_shared((_NP, CW), "float32")
+            for i in T.unroll(PER):
+                v = i * NT + tx
+                col = bx * CW + (v % VR) * 4
+                if col < hidden:
+                    for e in T.vectorized(4):
+                        tile[v // VR, (v % VR) * 4 + e] = Part[v // VR, col + e]
+            T.sync_threads()
+            j = bx * CW + tx
+            if T.And(tx < CW, j < hidden):
+                s = T.alloc_var("float32")
+                s = T.float32(0.0)
+                for k in T.serial(_NP // 32):   # in order p
+                    for i in T.unroll(32):
+                        s = s + tile[k * 32 + i, tx]
                 if assign:
                     WG[j] = T.cast(s, wg_dtype)
                 else:
