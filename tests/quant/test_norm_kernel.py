@@ -51,6 +51,55 @@ def test_backward_staged_builds_for_sm90(stages, cfg, monkeypatch):
     assert loop.count("__syncthreads()") == 2
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("w_smem", [False, True])
+@pytest.mark.parametrize("cfg", [("bfloat16", 7168, True, True), ("bfloat16", 576, False, False)], ids=str)
+def test_backward_pipe_builds_for_sm90(w_smem, cfg, monkeypatch):
+    """BWD_PIPE (with BWD_STAGES = 3): one barrier per row, one row in flight, the same per-element expressions as
+    the staged body (FFMA contraction included: the same FMUL/FFMA counts are checked on the GPU tier's bits)."""
+    import tilelang
+
+    monkeypatch.setattr(K, "BWD_STAGES", 3)
+    monkeypatch.setattr(K, "BWD_PIPE", True)
+    monkeypatch.setattr(K, "BWD_W_SMEM", w_smem)
+    src = tilelang.compile(K.norm_backward_kernel(*cfg), target={"kind": "cuda", "arch": "sm_90"},
+                           execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
+    assert "nf_cp_wait<1>" in src and "nf_cp16(" in src
+    loop = src[src.index("for (int k = 0;"):]
+    assert loop.count("__syncthreads()") == 1
+    assert "(gw - (xh_1 * am)) * rp" in src or not cfg[2]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("assign", [False, True])
+def test_backward_wg_assign_launches(assign, monkeypatch):
+    """WG_ASSIGN: a new weight_grad is left uninitialized and the reduce runs in its assigning config; a given
+    buffer still accumulates; T = 0 returns zeros."""
+    monkeypatch.setattr(K, "WG_ASSIGN", assign)
+    calls = fake_jit(monkeypatch)
+    h = 576
+    x, dy, w, rstd = torch.randn(3, h).bfloat16(), torch.randn(3, h).bfloat16(), torch.randn(h).bfloat16(), torch.rand(3)
+    K.norm_backward_launch(dy, x, w, rstd)
+    K.norm_backward_launch(dy, x, w, rstd, weight_grad=torch.zeros(h))
+    assert [c.cfg for c in calls if c.name == "norm_weight_grad_reduce"] == [
+        ("bfloat16", h, True) if assign else ("bfloat16", h), ("float32", h)]
+    _, wg = K.norm_backward_launch(dy[:0], x[:0], w, rstd[:0])
+    assert torch.equal(wg, torch.zeros(h, dtype=torch.bfloat16))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("tile", [16, 32])
+@pytest.mark.parametrize("cfg", [("bfloat16", 576), ("float32", 7168, True)], ids=str)
+def test_reduce_tile_builds_for_sm90(tile, cfg, monkeypatch):
+    """RED_TILE: the shared-memory tile reduce builds; its column sum is one loop in order p."""
+    import tilelang
+
+    monkeypatch.setattr(K, "RED_TILE", tile)
+    src = tilelang.compile(K.weight_grad_reduce_kernel(*cfg), target={"kind": "cuda", "arch": "sm_90"},
+                           execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
+    assert "__syncthreads()" in src and "s = (s + tile[" in src
+
+
 def test_fake_shapes_cpu():
     """Output allocation of the launcher's helpers (no kernel): sf layouts of 2-D and 3-D inputs."""
     x = torch.empty((7, 576))
@@ -347,6 +396,13 @@ KNOB_VARIANTS = [
     {"BWD_STAGES": 2},
     {"BWD_STAGES": 3},
     {"BWD_STAGES": 3, "RED_BATCH": 128, "RED_THREADS": 32},
+    {"BWD_STAGES": 3, "BWD_PIPE": True},
+    {"BWD_STAGES": 3, "BWD_PIPE": True, "BWD_W_SMEM": True, "WG_ASSIGN": True, "RED_PDL": True, "BWD_PDL": True,
+     "BWD_TRIGGER": True, "RED_BATCH": 128, "RED_THREADS": 32},
+    {"BWD_STAGES": 2, "WG_ASSIGN": True, "RED_PDL": True, "BWD_PDL": True},
+    {"RED_TILE": 16},
+    {"BWD_STAGES": 3, "BWD_PIPE": True, "WG_ASSIGN": True, "RED_TILE": 32, "RED_PDL": True},
+    {"FWD_W_AHEAD": True},
 ]
 
 
@@ -362,6 +418,7 @@ def _knob_outputs(x, w, dy, rstd, rg, scale):
     q = K.norm_forward_launch(x, w, 1e-6, None, scale, quant=True, use_tma_aligned_col_major_sf=True,
                               round_sf=True, use_packed_ue8m0=True)
     bwd = K.norm_backward_launch(dy, x, w, rstd, rg, scale, w.clone())
+    bwd = (*bwd, K.norm_backward_launch(dy, x, w, rstd, rg, scale)[1])   # a new weight_grad (WG_ASSIGN)
     # 3-D (4 batches of 250 rows)
     x3 = x[:1000].view(4, 250, -1)
     fwd3 = K.norm_forward_launch(x3, w, 1e-6, None, scale)[0]

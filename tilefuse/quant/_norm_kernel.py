@@ -35,15 +35,39 @@ _BT = 256          # norm_backward threads per CTA (the NP = 256 CTAs are all re
 
 # Knobs (TILEFUSE_KNOBS, read when a kernel is built): scheduling only, never the arithmetic order.
 FWD_PDL = True  # one-CTA-per-row forward: programmatic dependent launch (see _per_token_cast_kernel.PDL)
+FWD_W_AHEAD = False  # forward: the weight vector of column block c + 1 is loaded before block c's math and stores
+                     # (block 0's before the row reduction). With FWD_PDL the pointers are not __restrict__, so the
+                     # compiler cannot hoist a weight load above the previous block's output stores: each block
+                     # otherwise waits a full load latency after the barrier. Same arithmetic.
 FWD_BLOCKS = 6    # bf16 norm_forward CTAs (rows) resident per SM: <= 80 registers, no spills
 FWD_BLOCKS_QUANT = 8  # the quantizing bf16 forward: <= 64 registers (it needs 72 unconstrained: 7 per SM)
 RED_BATCH = 32     # weight-gradient reduce: partial rows loaded per batch (_NP % RED_BATCH == 0); the sum is
                    # in order p whatever the batch
 RED_THREADS = 64   # weight-gradient reduce: threads per CTA (112 CTAs at H = 7168)
+RED_TILE = 0       # weight-gradient reduce: 0 = the batched per-thread loads above; W (16 or 32) = one CTA of 256
+                   # threads per W columns loads the whole (NP, W) fp32 tile into shared memory at once (16-byte
+                   # loads, W / 4 per thread: one round trip instead of NP / RED_BATCH), then W threads add their
+                   # column in order p = 0 .. NP-1 (the same additions as the default)
 BWD_STAGES = 0     # norm_backward: 0 = rows loaded into registers one row ahead (the default); S >= 2 = an S-stage
                    # shared-memory ring filled by per-thread cp.async (each thread copies and later reads only its
                    # own 16-byte vectors: no barrier), S - 1 rows of x, dy and rstd in flight per CTA (bf16 only,
                    # when 2 CTAs of S stages fit in shared memory; else the default path). Same arithmetic.
+BWD_PIPE = False   # norm_backward with BWD_STAGES == 3 only: software-pipelined rows. Iteration k reduces row k (its
+                   # warp sums go to one of two red slots, by parity) and writes dx of row k - 1 (its A read from the
+                   # other slot), the butterfly of row k interleaved with that dx pass: one barrier per row instead of
+                   # two, and row k's reduction latency overlaps row k - 1's dx work. Row k + 1 is in flight (stage
+                   # (k + 1) % 3; stage (k - 1) % 3 still holds row k - 1 for its dx pass). Same per-row arithmetic.
+BWD_W_SMEM = False  # with BWD_PIPE: the weight copied once into shared memory (each thread its own vectors, by
+                    # cp.async with row p's group), both passes read it there instead of from L1 (the ring leaves
+                    # little L1; an LDS has a shorter latency). 2 CTAs x (3 stages + the weight) still fit an SM.
+BWD_PDL = False    # norm_backward: programmatic dependent launch (griddepcontrol.wait before any global access)
+RED_PDL = False    # weight-gradient reduce: programmatic dependent launch (it waits for the dx kernel's partials)
+BWD_TRIGGER = False  # norm_backward: launch the dependent grid (the reduce, with RED_PDL) at the start instead of at
+                     # exit: its CTAs wait resident for the partials (griddepcontrol.wait waits for the whole grid)
+WG_ASSIGN = False  # norm_backward without a given weight_grad: allocate it uninitialized (no zero-fill kernel) and
+                   # let the reduce store round(s) instead of round(float(0) + s). Exact: s is an FADD chain started
+                   # at +0.0, so it is never -0.0 and its NaN is already the canonical one; +0.0 + s == s bitwise.
+                   # T = 0 still returns a zeroed buffer.
 _NPC = 32          # quant.md 5.11: the quantizing op casts with 32-channel groups
 
 # bf16 -> binary32 from the 32-bit register word holding elements 2k (low half) and 2k + 1 (high half): one
@@ -101,6 +125,7 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
     assert not mega_bm or (quant and round_sf and hidden % 128 == 0)
     packed = quant and sf_layout in ("col_packed", "row_packed")
     words = quant and x_dtype == "bfloat16"   # bf16 -> binary32 through the word helpers (the cast variants)
+    W_AHEAD = FWD_W_AHEAD and has_weight
 
     def f32(buf, *idx):
         return _f32_of(T, x_dtype if words else "float32", buf, *idx)
@@ -138,6 +163,7 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
         io = T.alloc_local((C, E), x_dtype)   # h = round(x + res) in x.dtype: binary32 values are float(io)
         red = T.alloc_shared((NW,), "float32")
         acc = T.alloc_var("float32")
+        wn = T.alloc_local((E,), x_dtype)     # FWD_W_AHEAD: the next block's weight vector
         # 1. h = x (+ residual, rounded to x.dtype and written to residual_out); sum of squares
         acc = T.float32(0.0)
         for c in T.unroll(C):
@@ -156,6 +182,10 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
             else:
                 for e in T.vectorized(E):
                     io[c, e] = T.cast(0, x_dtype)
+        if W_AHEAD:
+            if tx * E < hidden:
+                for e in T.vectorized(E):
+                    wn[e] = W[tx * E + e]
         for c in T.unroll(C):
             for e in T.unroll(E):
                 hv = f32(io, c, e)
@@ -182,8 +212,15 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
             if col < hidden:
                 if has_weight:
                     ww = T.alloc_local((E,), x_dtype)
-                    for e in T.vectorized(E):
-                        ww[e] = W[col + e]
+                    if W_AHEAD:
+                        for e in T.vectorized(E):
+                            ww[e] = wn[e]
+                        if T.And(c + 1 < C, col + _THREADS * E < hidden):
+                            for e in T.vectorized(E):
+                                wn[e] = W[col + _THREADS * E + e]
+                    else:
+                        for e in T.vectorized(E):
+                            ww[e] = W[col + e]
                     for e in T.unroll(E):
                         of[e] = (f32(io, c, e) * rstd) * (f32(ww, e) * out_scale)
                 else:
@@ -528,10 +565,171 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
 
         return body
 
+    def make_pipe_body():
+        """BWD_PIPE (ST == 3): the staged body's per-row arithmetic, software-pipelined by one row. Iteration k
+        (k = 0 .. ceil(T / NP)): issue row k + 1 into stage (k + 1) % 3; reduce row k (pass 1: wacc and the thread
+        sum); write dx of row k - 1 (stage (k - 1) % 3, its A from red slot (k - 1) % 2), the five butterfly steps
+        of row k interleaved between its column blocks; store row k's warp sums into red slot k % 2; one barrier.
+        Slot k % 2 was last read in iteration k - 1, before that iteration's barrier; the ring stages are private
+        per thread (each thread copies and reads only its own vectors and its own rstd copy)."""
+        CF = VPR // TB   # column blocks inside the row for every thread
+        WS = BWD_W_SMEM and has_weight
+
+        def wsrc(W, ws, col, e):
+            return ws[col + e] if WS else W[col + e]
+
+        @T.macro
+        def body(DY, X, W, Rstd, RG, DX, Part, p, out_scale):
+            tx = T.get_thread_binding()
+            xs = T.alloc_shared((ST, hidden), x_dtype)
+            ds = T.alloc_shared((ST, hidden), x_dtype)
+            rs = T.alloc_shared((ST, TB), "float32")   # each thread its own copy of the row's rstd
+            ws = T.alloc_shared((hidden if WS else E,), x_dtype)
+            wacc = T.alloc_local((C, E), "float32")
+            wl = T.alloc_local((E,), x_dtype)
+            xl = T.alloc_local((E,), x_dtype)
+            dl = T.alloc_local((E,), x_dtype)
+            io = T.alloc_local((E,), x_dtype)
+            red = T.alloc_shared((2, NW), "float32")
+            acc = T.alloc_var("float32")
+            am = T.alloc_var("float32")
+            xb = T.alloc_var("uint32")   # shared-window addresses of the rings
+            db = T.alloc_var("uint32")
+            rb = T.alloc_var("uint32")
+            xb = T.call_extern("uint32", "nf_smem_addr", xs.access_ptr("w"))
+            db = T.call_extern("uint32", "nf_smem_addr", ds.access_ptr("w"))
+            rb = T.call_extern("uint32", "nf_smem_addr", rs.access_ptr("w"))
+            if WS:   # the weight, once: each thread copies the vectors it reads
+                wb = T.alloc_var("uint32")
+                wb = T.call_extern("uint32", "nf_smem_addr", ws.access_ptr("w"))
+                for c in T.unroll(C):
+                    col = (c * TB + tx) * E
+                    if col < hidden:
+                        T.call_extern("void", "nf_cp16", wb, col * 2, W.access_ptr("r", offset=col))
+            acc = T.float32(0.0)
+            for c in T.unroll(C):
+                for e in T.unroll(E):
+                    wacc[c, e] = T.float32(0.0)
+            if p < Tn:   # prologue: row p into stage 0
+                T.call_extern("void", "nf_cp4", rb, tx * 4, Rstd.access_ptr("r", offset=p))
+                for c in T.unroll(C):
+                    col = (c * TB + tx) * E
+                    if col < hidden:
+                        T.call_extern("void", "nf_cp16", xb, col * 2, X.access_ptr("r", offset=p * XS + col))
+                        T.call_extern("void", "nf_cp16", db, col * 2, DY.access_ptr("r", offset=p * GS + col))
+            T.call_extern("void", "nf_cp_commit")
+            for k in T.serial(T.ceildiv(Tn, _NP) + 1):
+                row = k * _NP + p
+                nxt = row + _NP
+                sn = (k + 1) % ST
+                if nxt < Tn:   # row k + 1 into the stage row k - 2 left
+                    T.call_extern("void", "nf_cp4", rb, (sn * TB + tx) * 4, Rstd.access_ptr("r", offset=nxt))
+                    for c in T.unroll(C):
+                        col = (c * TB + tx) * E
+                        if col < hidden:
+                            T.call_extern("void", "nf_cp16", xb, (sn * hidden + col) * 2,
+                                          X.access_ptr("r", offset=nxt * XS + col))
+                            T.call_extern("void", "nf_cp16", db, (sn * hidden + col) * 2,
+                                          DY.access_ptr("r", offset=nxt * GS + col))
+                T.call_extern("void", "nf_cp_commit")
+                T.call_extern("void", "nf_cp_wait<1>")   # row k's group (this thread's copies)
+                # pass 1 of row k
+                if row < Tn:
+                    s = k % ST
+                    r = rs[s, tx]
+                    acc = T.float32(0.0)
+                    for c in T.unroll(C):
+                        col = (c * TB + tx) * E
+                        if c < CF:   # a block every thread fills: no defaults, no predicate
+                            if has_weight:
+                                for e in T.vectorized(E):
+                                    wl[e] = wsrc(W, ws, col, e)
+                            else:
+                                for e in T.vectorized(E):
+                                    wl[e] = T.cast(1, x_dtype)
+                            for e in T.vectorized(E):
+                                xl[e] = xs[s, col + e]
+                            for e in T.vectorized(E):
+                                dl[e] = ds[s, col + e]
+                        else:        # the tail block: lanes past the row compute on zeros, as the other bodies
+                            for e in T.vectorized(E):
+                                wl[e] = T.cast(1, x_dtype)
+                                xl[e] = T.cast(0, x_dtype)
+                                dl[e] = T.cast(0, x_dtype)
+                            if col < hidden:
+                                if has_weight:
+                                    for e in T.vectorized(E):
+                                        wl[e] = wsrc(W, ws, col, e)
+                                for e in T.vectorized(E):
+                                    xl[e] = xs[s, col + e]
+                                for e in T.vectorized(E):
+                                    dl[e] = ds[s, col + e]
+                        for e in T.unroll(E):
+                            xh = f32(xl, e) * r
+                            g = f32(dl, e) * out_scale
+                            if has_weight:
+                                wacc[c, e] = wacc[c, e] + xh * g
+                                acc = acc + xh * (g * f32(wl, e))
+                            else:
+                                acc = acc + xh * g
+                # dx of row k - 1 (A from red slot (k - 1) % 2), row k's butterfly steps between its column blocks
+                prev = row - _NP
+                on = T.And(k > 0, prev < Tn)
+                sp = (k + ST - 1) % ST
+                rp = T.alloc_var("float32")
+                am = T.float32(0.0)
+                rp = T.float32(0.0)
+                if on:
+                    am = red[(k + 1) % 2, 0]
+                    for i in T.unroll(1, NW):
+                        am = am + red[(k + 1) % 2, i]
+                    am = am / T.float32(hidden)
+                    rp = rs[sp, tx]
+                for c in T.unroll(max(C, 5)):
+                    if c < 5:
+                        acc = acc + T.shfl_xor(acc, T.shift_right(16, c))
+                    if c < C:
+                        col = (c * TB + tx) * E
+                        if T.And(on, T.Or(c < CF, col < hidden)):
+                            for e in T.vectorized(E):
+                                xl[e] = xs[sp, col + e]
+                            for e in T.vectorized(E):
+                                dl[e] = ds[sp, col + e]
+                            if has_weight:
+                                for e in T.vectorized(E):
+                                    wl[e] = wsrc(W, ws, col, e)
+                            if has_res_grad:
+                                rg = T.alloc_local((E,), x_dtype)
+                                for e in T.vectorized(E):
+                                    rg[e] = RG[prev, col + e]
+                            for e in T.unroll(E):
+                                xh = f32(xl, e) * rp
+                                g = f32(dl, e) * out_scale
+                                gw = g * f32(wl, e) if has_weight else g
+                                if has_res_grad:
+                                    io[e] = T.cast((gw - xh * am) * rp + f32(rg, e), x_dtype)
+                                else:
+                                    io[e] = T.cast((gw - xh * am) * rp, x_dtype)
+                            for e in T.vectorized(E):
+                                DX[prev, col + e] = io[e]
+                if T.And(row < Tn, tx % 32 == 0):
+                    red[k % 2, tx // 32] = acc
+                T.sync_threads()
+            T.call_extern("void", "nf_cp_wait<0>")   # no copy outlives the CTA
+            if has_weight:
+                for c in T.unroll(C):
+                    col = (c * TB + tx) * E
+                    if col < hidden:
+                        for e in T.vectorized(E):
+                            Part[p, col + e] = wacc[c, e]
+
+        return body
+
     ST = BWD_STAGES if x_dtype == "bfloat16" else 0
-    if ST == 1 or 2 * (ST * (2 * rowbytes + 4 * TB) + 128 + 1024) > 228 * 1024:   # 1 KB reserved per CTA
+    wbytes = rowbytes if (BWD_PIPE and BWD_W_SMEM and has_weight and ST == 3) else 0
+    if ST == 1 or 2 * (ST * (2 * rowbytes + 4 * TB) + wbytes + 128 + 1024) > 228 * 1024:   # 1 KB reserved per CTA
         ST = 0   # 2 CTAs of ST stages do not fit in an SM's shared memory (or no ring): the register path
-    body = (make_staged_body if ST else make_body)()
+    body = ((make_pipe_body if BWD_PIPE and ST == 3 else make_staged_body) if ST else make_body)()
 
     @T.prim_func
     def norm_backward(DY: dy_p, X: x_p, W: w_p, Rstd: rstd_p, RG: rg_p, DX: dx_p, Part: part_p,
@@ -543,18 +741,29 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
         with T.Kernel(_NP, threads=TB) as p:
             T.annotate_min_blocks_per_sm(2)  # <= 128 registers: two CTAs per SM, so all NP CTAs run at once
             T.import_source(_CUDA_HELPERS)
+            if BWD_PDL:
+                T.pdl_sync()
+            if BWD_TRIGGER:
+                T.pdl_trigger()
             body(DY, X, W, Rstd, RG, DX, Part, p, out_scale)
 
     return norm_backward
 
 
-def weight_grad_reduce_kernel(wg_dtype: str, hidden: int):
-    """Factory: ``WG[j] = round(float(WG[j]) + sum_{p = 0 .. NP-1} Part[p, j])`` (the sum in order p)."""
+def weight_grad_reduce_kernel(wg_dtype: str, hidden: int, assign: bool = False):
+    """Factory: ``WG[j] = round(float(WG[j]) + sum_{p = 0 .. NP-1} Part[p, j])`` (the sum in order p).
+
+    ``assign`` (WG_ASSIGN, a new buffer): ``WG[j] = round(s)``, the same bits as adding s to a zeroed buffer."""
     import tilelang.language as T
+
+    if RED_TILE:
+        return _weight_grad_reduce_tile(wg_dtype, hidden, assign)
 
     @T.prim_func
     def weight_grad_reduce(Part: T.Tensor((_NP, hidden), "float32"), WG: T.Tensor((hidden,), wg_dtype)):
         with T.Kernel(T.ceildiv(hidden, RED_THREADS), threads=RED_THREADS) as bx:
+            if RED_PDL:
+                T.pdl_sync()
             j = bx * RED_THREADS + T.get_thread_binding()
             if j < hidden:
                 s = T.alloc_var("float32")
@@ -566,7 +775,48 @@ def weight_grad_reduce_kernel(wg_dtype: str, hidden: int):
                         buf[i] = Part[k * RED_BATCH + i, j]
                     for i in T.unroll(RED_BATCH):
                         s = s + buf[i]
-                WG[j] = T.cast(T.cast(WG[j], "float32") + s, wg_dtype)
+                if assign:
+                    WG[j] = T.cast(s, wg_dtype)
+                else:
+                    WG[j] = T.cast(T.cast(WG[j], "float32") + s, wg_dtype)
+
+    return weight_grad_reduce
+
+
+def _weight_grad_reduce_tile(wg_dtype: str, hidden: int, assign: bool):
+    """RED_TILE: the reduce with the (NP, W) tile of partials staged in shared memory by one round of loads."""
+    import tilelang.language as T
+
+    CW, NT = RED_TILE, 256
+    VR = CW // 4                  # 16-byte vectors per partial row of the tile
+    PER = _NP * VR // NT          # vectors per thread
+    assert CW in (16, 32) and hidden % 16 == 0 and _NP % 32 == 0
+
+    @T.prim_func
+    def weight_grad_reduce(Part: T.Tensor((_NP, hidden), "float32"), WG: T.Tensor((hidden,), wg_dtype)):
+        with T.Kernel(T.ceildiv(hidden, CW), threads=NT) as bx:
+            if RED_PDL:
+                T.pdl_sync()
+            tx = T.get_thread_binding()
+            tile = T.alloc_shared((_NP, CW), "float32")
+            for i in T.unroll(PER):
+                v = i * NT + tx
+                col = bx * CW + (v % VR) * 4
+                if col < hidden:
+                    for e in T.vectorized(4):
+                        tile[v // VR, (v % VR) * 4 + e] = Part[v // VR, col + e]
+            T.sync_threads()
+            j = bx * CW + tx
+            if T.And(tx < CW, j < hidden):
+                s = T.alloc_var("float32")
+                s = T.float32(0.0)
+                for k in T.serial(_NP // 32):   # in order p
+                    for i in T.unroll(32):
+                        s = s + tile[k * 32 + i, tx]
+                if assign:
+                    WG[j] = T.cast(s, wg_dtype)
+                else:
+                    WG[j] = T.cast(T.cast(WG[j], "float32") + s, wg_dtype)
 
     return weight_grad_reduce
 
@@ -609,7 +859,8 @@ def _backward_configs() -> list[tuple]:
 _jit.register("norm_forward", norm_forward_kernel, _forward_configs)
 _jit.register("norm_backward", norm_backward_kernel, _backward_configs)
 _jit.register("norm_weight_grad_reduce", weight_grad_reduce_kernel,
-              lambda: [(d, h) for d in ("bfloat16", "float32") for h in (7168,)])
+              lambda: [(d, h) for d in ("bfloat16", "float32") for h in (7168,)]
+              + ([(d, h, True) for d in ("bfloat16", "float32") for h in (7168,)] if WG_ASSIGN else []))
 
 _DUMMY: dict[tuple, torch.Tensor] = {}
 
@@ -716,8 +967,10 @@ def norm_backward_launch(out_grad, x, weight, rstd, residual_out_grad=None, out_
     t, hidden = x.shape
     dev = x.device
     x_grad = torch.empty((t, hidden), dtype=x.dtype, device=dev)
+    assign = False
     if weight is not None and weight_grad is None:
-        weight_grad = torch.zeros((hidden,), dtype=weight.dtype, device=dev)
+        assign = WG_ASSIGN and t > 0   # the reduce stores round(s): no zero fill (knob WG_ASSIGN)
+        weight_grad = (torch.empty if assign else torch.zeros)((hidden,), dtype=weight.dtype, device=dev)
     if t == 0:
         return x_grad, weight_grad
     has_w, has_rg = weight is not None, residual_out_grad is not None
@@ -731,7 +984,8 @@ def norm_backward_launch(out_grad, x, weight, rstd, residual_out_grad=None, out_
     fn(rows(out_grad), rows(x), weight if has_w else _dummy(x.dtype, dev), rstd,
        rows(residual_out_grad) if has_rg else _dummy(x.dtype, dev), x_grad, part, float(out_scale))
     if has_w:
-        _jit.get("norm_weight_grad_reduce", (_TL_DTYPE[weight_grad.dtype], hidden))(part, weight_grad)
+        cfg = (_TL_DTYPE[weight_grad.dtype], hidden) + ((True,) if assign else ())
+        _jit.get("norm_weight_grad_reduce", cfg)(part, weight_grad)
     return x_grad, weight_grad
 
 
