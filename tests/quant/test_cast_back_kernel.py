@@ -350,3 +350,81 @@ def test_unpack_uint8_and_strided_input():
     assert_equal(K.unpack_e2m1_launch(view, torch.float32), _unpack_ref(view, torch.float32))
     every = torch.arange(256, dtype=torch.uint8, device="cuda")  # every byte
     assert_equal(K.unpack_e2m1_launch(every, torch.bfloat16), _unpack_ref(every, torch.bfloat16))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# knob variants (TILEFUSE_KNOBS sweeps, module doc of _jit.knobs): each must give the reference's bits exactly
+# ---------------------------------------------------------------------------------------------------------
+
+KNOB_VARIANTS = [
+    {"SF_HOIST": True},
+    {"SF_HOIST": True, "E4M3_MIN_BLOCKS": 16, "E2M1_MIN_BLOCKS": 16, "E5M6_MIN_BLOCKS": 12},
+    {"SF_HOIST": True, "STORE_HINT": 1, "UNPACK_STORE_HINT": 1, "UNPACK_MIN_BLOCKS": 8},
+    {"SF_HOIST": True, "STORE_HINT": 2, "UNPACK_STORE_HINT": 2},
+]
+
+
+def _build_with(monkeypatch, knobs, name, cfg):
+    """CUDA source of ``name`` at ``cfg`` built with ``knobs`` set (outside tilefuse's caches)."""
+    import tilelang
+
+    for k, v in knobs.items():
+        monkeypatch.setattr(K, k, v)
+    factory = K.cast_back_kernel if name == "cast_back" else K.unpack_e2m1_kernel
+    return tilelang.compile(factory(*cfg), target={"kind": "cuda", "arch": "sm_90"}, execution_backend="tvm_ffi",
+                            pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("knobs", KNOB_VARIANTS, ids=str)
+def test_knob_variants_build(monkeypatch, knobs):
+    """The bench configs, a masked one (576 channels: chunks past the row) and a per-element sf one build with each
+    variant; hinted stores go through the helper, and a hoisted sf leaves no sf load between the stores."""
+    pytest.importorskip("tilelang")
+    for cfg in (("e4m3", "bf16", 7168, 1, 128, True), ("e2m1", "fp32", 576, 1, 128, True),
+                ("e4m3", "fp32", 2048, 128, 1, False), ("e5m6", "bf16", 7168, 1, 7168, False)):
+        src = _build_with(monkeypatch, knobs, "cast_back", cfg)
+        if knobs.get("STORE_HINT"):
+            assert K._STORE_FN[knobs["STORE_HINT"]] + "(" in src
+    src = _build_with(monkeypatch, knobs, "unpack_from_e2m1fn_x2", ("float32",))
+    if knobs.get("UNPACK_STORE_HINT"):
+        assert K._STORE_FN[knobs["UNPACK_STORE_HINT"]] + "(" in src
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", KNOB_VARIANTS, ids=str)
+def test_knob_variants_match_reference(knobs, knob_kernels):
+    """The kernels built with a knob variant (compiled here, outside the caches) equal the reference: per token
+    (every sf layout, T = 0/1/7/4001/8192, masked 576-channel rows, one group per row), per block, random codes
+    and scales, the quant.md 6.2 fills (NaN and inf included), strided data, E5M6 and the unpack."""
+    knob_kernels(K, knobs)
+    for fmt in ("e4m3", "e2m1"):
+        for out in ("bf16", "fp32"):
+            for flags in FLAGS:
+                for t in TOKENS:
+                    test_per_token_matches_reference(t, fmt, out, flags)
+            test_one_group_per_row(fmt, out)
+        test_random_codes_and_scales(fmt)
+        test_strided_data_equals_contiguous(fmt)
+        for flags in FLAGS:
+            for kind in QUANT_FILLS:
+                test_adversarial_fills(kind, fmt, flags)
+    for t in (1, 7, 4001):
+        for block in ((128, 1), (128, 128)):
+            for out in ("bf16", "fp32"):
+                test_block_matches_reference(t, block, True, out)
+    test_block_col_packed_sf()
+    test_e2m1_block_32()
+    for t in (1, 7, 4001):  # E5M6 (quant.md 2.3): the cast_back_e5m6 bench config and a masked one
+        for hidden in (576, 7168):
+            x = torch.randn(t, hidden, dtype=torch.bfloat16, device="cuda")
+            data, sf = R.cast_to_e5m6(x, hidden, False, True, False)
+            _poison()
+            got = K.cast_back_cuda((data, sf), "bf16", (1, hidden), "e5m6")
+            torch.cuda.synchronize()
+            assert_equal(got, R.cast_back_from_e5m6((data, sf), "bf16", (1, hidden)))
+    for shape in ((1,), (3, 5, 7), (4001, 1024), (8001, 3584)):
+        test_unpack_matches_reference(shape, torch.float32)
+        test_unpack_matches_reference(shape, torch.bfloat16)
+    for n in (1, 2, 3, 5, 255, 256 * 2 * 8 + 3, 256 * 4 * 8 * 3 + 1):
+        test_unpack_ragged_lengths(n)

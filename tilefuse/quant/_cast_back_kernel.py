@@ -66,6 +66,27 @@ UNPACK_THREADS = 256
 UNPACK_UNROLL = 8
 UNPACK_MIN_BLOCKS = 0  # > 0: __launch_bounds__(UNPACK_THREADS, UNPACK_MIN_BLOCKS) (0: none)
 
+# SF_HOIST: load every sf a thread needs into registers before its data loads (configs with one sf per chunk).
+# By default each chunk's sf load sits between the previous chunk's store and its own multiply, and nvcc keeps it
+# there (Y may alias SF): a chain of `unroll` dependent L2 round trips per thread. Results unchanged.
+SF_HOIST = False
+# Output stores of cast_back (STORE_HINT) and unpack (UNPACK_STORE_HINT), one 16-byte store each:
+# 0 plain st.global; 1: st.global.cs (__stcs: streaming, STG.E.EF); 2: st.global.L1::no_allocate with an L2
+# evict-first cache policy (createpolicy + .L2::cache_hint, STG.E.NA). Outputs are written once, never re-read here.
+STORE_HINT = 0
+UNPACK_STORE_HINT = 0
+_STORE_FN = {1: "tf_cb_st_cs", 2: "tf_cb_st_ef"}
+_STORE_HELPERS = r"""
+__device__ __forceinline__ void tf_cb_st_cs(void* p, const void* v) {
+  __stcs(reinterpret_cast<float4*>(p), *reinterpret_cast<const float4*>(v)); }
+__device__ __forceinline__ void tf_cb_st_ef(void* p, const void* v) {
+  const uint4 w = *reinterpret_cast<const uint4*>(v);
+  unsigned long long pol;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  asm volatile("st.global.L1::no_allocate.L2::cache_hint.v4.b32 [%0], {%1, %2, %3, %4}, %5;"
+               :: "l"(p), "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w), "l"(pol)); }
+"""
+
 
 def _chunk(dfmt: str, out: str, hidden: int) -> int:
     """Elements per chunk: 8 e5m6 codes (three 4-byte words), CHUNK_BF16 / CHUNK_FP32 e4m3 / e2m1 values (a
@@ -204,6 +225,10 @@ def cast_back_kernel(dfmt: str, out: str, hidden: int, bm: int, bk: int, sf_pack
         unroll = min(target, n_tx)
     need_mask = cpr % (TX * unroll) != 0
     kb_step = TX * V // bk if (TX * V) % bk == 0 else None  # sf column step between a thread's chunks
+    hoist = bool(SF_HOIST) and per_chunk_sf
+    store_fn = _STORE_FN[STORE_HINT] if STORE_HINT else None
+    hinted = store_fn is not None
+    n_sf = 1 if kb_step == 0 else unroll  # sf values a thread holds (one when every chunk shares it)
 
     Tn, S, NBM, SF0, SF1 = T.dynamic("num_tokens, data_row_stride, sf_rows, sf_stride0, sf_stride1")
 
@@ -242,7 +267,15 @@ def cast_back_kernel(dfmt: str, out: str, hidden: int, bm: int, bk: int, sf_pack
             val = T.alloc_local((unroll * V,), "float32")
             res = T.alloc_local((unroll * V,), o_dtype)
             s = T.alloc_local((1,), "float32")
+            if hoist:
+                sfv = T.alloc_local((n_sf,), "float32")
+            if hinted:
+                T.import_source(_STORE_HELPERS)
             if row < Tn:
+                if hoist:
+                    for u in T.unroll(n_sf):
+                        if in_row(cc0 + u * TX):
+                            sfv[u] = sf_of(SF, row // bm, chunk_kb(cc0, u))
                 for u in T.unroll(unroll):
                     if in_row(cc0 + u * TX):
                         for v in T.vectorized(d_per_chunk):
@@ -264,7 +297,10 @@ def cast_back_kernel(dfmt: str, out: str, hidden: int, bm: int, bk: int, sf_pack
                                                 T.cast(raw[u * 3 + 2], "uint32"))
                             for v in py_range_8:  # a Python tuple: expanded while building
                                 val[u * V + v] = vals[v]
-                        if per_chunk_sf:
+                        if hoist:
+                            for v in T.unroll(V):
+                                res[u * V + v] = T.cast(val[u * V + v] * sfv[u if n_sf > 1 else 0], o_dtype)
+                        elif per_chunk_sf:
                             s[0] = sf_of(SF, row // bm, chunk_kb(cc0, u))
                             for v in T.unroll(V):
                                 res[u * V + v] = T.cast(val[u * V + v] * s[0], o_dtype)
@@ -273,8 +309,12 @@ def cast_back_kernel(dfmt: str, out: str, hidden: int, bm: int, bk: int, sf_pack
                                 res[u * V + v] = T.cast(val[u * V + v] * sf_of(SF, row // bm, (col0 + v) // bk),
                                                         o_dtype)
                         for p in T.unroll(V // o_vec):
-                            for v in T.vectorized(o_vec):
-                                Y[row, col0 + p * o_vec + v] = res[u * V + p * o_vec + v]
+                            if hinted:
+                                T.call_extern("handle", store_fn, T.address_of(Y[row, col0 + p * o_vec]),
+                                              T.address_of(res[u * V + p * o_vec]))
+                            else:
+                                for v in T.vectorized(o_vec):
+                                    Y[row, col0 + p * o_vec + v] = res[u * V + p * o_vec + v]
 
     return cast_back
 
@@ -292,6 +332,8 @@ def unpack_e2m1_kernel(out_dtype: str):
     U = UNPACK_UNROLL
     NT = UNPACK_THREADS
     N = T.dynamic("num_bytes")
+    store_fn = _STORE_FN[UNPACK_STORE_HINT] if UNPACK_STORE_HINT else None
+    hinted = store_fn is not None
 
     x_param = T.Tensor((N,), "uint8")
     y_param = T.Tensor((2 * N,), out_dtype)
@@ -304,6 +346,8 @@ def unpack_e2m1_kernel(out_dtype: str):
             if PDL:
                 T.pdl_sync()
             tx = T.get_thread_binding()
+            if hinted:
+                T.import_source(_STORE_HELPERS)
             raw = T.alloc_local((U * B,), "uint8")
             res = T.alloc_local((2 * B,), out_dtype)
             if (bx + 1) * (U * NT * B) <= N:  # every CTA but the last: no bounds checks
@@ -317,8 +361,12 @@ def unpack_e2m1_kernel(out_dtype: str):
                                | T.shift_left(T.cast(raw[u * B + 2 * q + 1], "uint32"), 8))
                         for v, e in enumerate(_decode_e2m1_x4(x16)):
                             res[4 * q + v] = T.cast(e, out_dtype)
-                    for v in T.vectorized(o_vec):
-                        Y[2 * b0 + v] = res[v]
+                    if hinted:
+                        T.call_extern("handle", store_fn, T.address_of(Y[2 * b0]),
+                                      T.address_of(res[0]))
+                    else:
+                        for v in T.vectorized(o_vec):
+                            Y[2 * b0 + v] = res[v]
             else:
                 for u in T.unroll(U):
                     b0 = ((bx * U + u) * NT + tx) * B
