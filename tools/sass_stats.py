@@ -107,7 +107,8 @@ def main(argv: list[str]) -> int:
         counts[cls] = counts.get(cls, 0) + 1
         ops[op.split(".")[0]] = ops.get(op.split(".")[0], 0) + 1
     regs = re.search(r"REG:(\d+)", res)
-    spills = sum(1 for ln in main_path if ln.split()[0] in ("LDL", "STL") or " LDL" in ln or " STL" in ln)
+    # local-memory loads/stores with any width suffix (LDL.64, STL.128), predicated or not
+    spills = sum(1 for ln in main_path if re.match(r"(@!?U?P\w+\s+)?(LDL|STL)(\.|\s|$)", ln))
     total = sum(counts.values())
     print(f"registers {regs.group(1) if regs else '?'}, local-memory instructions {spills}, "
           f"main path {total} instructions ({len(lines)} in all)")
