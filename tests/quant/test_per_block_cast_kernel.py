@@ -605,8 +605,8 @@ def test_lossless_cuda_graph_replay_equals_eager():
 
 # Knob variants of per_block_cast_lossless (TILEFUSE_KNOBS sweeps): each must give the default kernel's bits.
 LOSSLESS_KNOB_VARIANTS = [
-    {"LOSSLESS_PRMT": 1},
     {"LOSSLESS_PRMT": 1, "LOSSLESS_I32": 1, "LOSSLESS_FULL": 1, "LOSSLESS_EXP23": 1, "LOSSLESS_CTAS": 4},
+    {"LOSSLESS_PRMT": 1, "LOSSLESS_C16": 1, "LOSSLESS_I32": 1, "LOSSLESS_FULL": 1, "LOSSLESS_EXP23": 1},
 ]
 
 
@@ -626,11 +626,12 @@ def _wide_exponent_input(t, hidden, packed, lo=0, hi=254):
 @pytest.mark.gpu
 @pytest.mark.parametrize("knobs", LOSSLESS_KNOB_VARIANTS, ids=str)
 def test_lossless_knob_variants(knobs, knob_kernels):
-    """A lossless knob variant (compiled here, outside the caches) equals the reference on the spec's inputs
-    (tails: T = 1, 7, 4001 and a partial last CTA row, H = 576 / 2048 / 7168, strided fp32 sf, adversarial
-    exponent ranges), and the default kernel's bits where the precondition fails (the fallback path)."""
+    """A lossless knob variant (compiled here, outside the caches; H = 576 and 7168 only, to bound the compile
+    time) equals the reference on the spec's inputs (tails: T = 1, 7, 4001 and a partial last CTA row, strided
+    fp32 sf, adversarial exponent ranges), and the default kernel's bits where the precondition fails (the
+    fallback path)."""
     wide = []
-    for t, hidden in ((4001, 576), (2 * 33 * 128 + 77, 2048)):
+    for t, hidden in ((4001, 576), (4 * 9 * 128 + 5, 7168)):
         for packed in (False, True):
             data, sf_in = _wide_exponent_input(t, hidden, packed)
             for out_block in K.LOSSLESS_OUT_BLOCKS:
@@ -643,7 +644,7 @@ def test_lossless_knob_variants(knobs, knob_kernels):
         out, sf = K.per_block_cast_lossless_launch(data, sf_in, (1, 32), out_block, col, pk)
         assert_equal(out, w_out)
         assert_equal(clear_unused_sf(sf, hidden, out_block[1]), clear_unused_sf(w_sf, hidden, out_block[1]))
-    for t, hidden in ((1, 576), (7, 7168), (4001, 576), (4 * 9 * 128 + 5, 7168), (2 * 33 * 128 + 77, 2048)):
+    for t, hidden in ((1, 576), (7, 7168), (4001, 576), (4 * 9 * 128 + 5, 7168)):
         for packed in (False, True):
             data, sf_in = _lossless_input(t, hidden, packed)
             for out_block in K.LOSSLESS_OUT_BLOCKS:
