@@ -601,3 +601,60 @@ def test_lossless_cuda_graph_replay_equals_eager():
     torch.cuda.synchronize()
     assert_equal(captured[0], eager[0])
     assert_equal(clear_unused_sf(captured[1], 7168, 128), clear_unused_sf(eager[1], 7168, 128))
+
+
+# Knob variants of per_block_cast_lossless (TILEFUSE_KNOBS sweeps): each must give the default kernel's bits.
+LOSSLESS_KNOB_VARIANTS = [
+    {"LOSSLESS_PRMT": 1, "LOSSLESS_I32": 1, "LOSSLESS_FULL": 1, "LOSSLESS_EXP23": 1, "LOSSLESS_CTAS": 4},
+    {"LOSSLESS_PRMT": 1, "LOSSLESS_C16": 1, "LOSSLESS_I32": 1, "LOSSLESS_FULL": 1, "LOSSLESS_EXP23": 1},
+]
+
+
+def _wide_exponent_input(t, hidden, packed, lo=0, hi=254):
+    """Random nibbles (every code, -0 included) with input exponents drawn from [lo, hi]: wider than the spec's
+    precondition (12 values), so some rows have e(b) - E_B < -5 (the reference raises there)."""
+    data = torch.randint(-128, 128, (t, hidden // 2), device="cuda", dtype=torch.int8)
+    ebytes = torch.randint(lo, hi + 1, (t, hidden // 32), device="cuda", dtype=torch.int64)
+    if packed:
+        words = torch.nn.functional.pad(ebytes, (0, 4 * cdiv(hidden // 32, 4) - hidden // 32))
+        words = (words.view(t, -1, 4) << torch.tensor([0, 8, 16, 24], device="cuda")).sum(-1)
+        words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+        return data, words.t().contiguous().t()
+    return data, (ebytes << 23).to(torch.int32).view(torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", LOSSLESS_KNOB_VARIANTS, ids=str)
+def test_lossless_knob_variants(knobs, knob_kernels):
+    """A lossless knob variant (compiled here, outside the caches; H = 576 and 7168 only, to bound the compile
+    time) equals the reference on the spec's inputs (tails: T = 1, 7, 4001 and a partial last CTA row, strided
+    fp32 sf, adversarial exponent ranges), and the default kernel's bits where the precondition fails (the
+    fallback path)."""
+    wide = []
+    for t, hidden in ((4001, 576), (4 * 9 * 128 + 5, 7168)):
+        for packed in (False, True):
+            data, sf_in = _wide_exponent_input(t, hidden, packed)
+            for out_block in K.LOSSLESS_OUT_BLOCKS:
+                layout = "col_packed" if packed else "row"
+                col, pk = LAYOUT_FLAGS[layout]
+                want = K.per_block_cast_lossless_launch(data, sf_in, (1, 32), out_block, col, pk)
+                wide.append((data, sf_in, hidden, out_block, col, pk, want))
+    knob_kernels(K, knobs)
+    for data, sf_in, hidden, out_block, col, pk, (w_out, w_sf) in wide:
+        out, sf = K.per_block_cast_lossless_launch(data, sf_in, (1, 32), out_block, col, pk)
+        assert_equal(out, w_out)
+        assert_equal(clear_unused_sf(sf, hidden, out_block[1]), clear_unused_sf(w_sf, hidden, out_block[1]))
+    for t, hidden in ((1, 576), (7, 7168), (4001, 576), (4 * 9 * 128 + 5, 7168)):
+        for packed in (False, True):
+            data, sf_in = _lossless_input(t, hidden, packed)
+            for out_block in K.LOSSLESS_OUT_BLOCKS:
+                _check_lossless(data, sf_in, out_block, "col_packed" if packed else "row")
+    data, sf_in = _lossless_input(4001, 576, False)
+    _check_lossless(data, sf_in.t().contiguous().t(), (1, 128), "row")
+    _check_lossless(data, sf_in, (128, 128), "col_packed")
+    for exp_range in ((0, 6), (0, 11), (100, 111), (243, 254)):
+        for packed in (False, True):
+            data, sf_in = _wide_exponent_input(4001, 576, packed, *exp_range)
+            data[::5] = 0
+            for out_block in K.LOSSLESS_OUT_BLOCKS:
+                _check_lossless(data, sf_in, out_block, "col_packed" if packed else "row")

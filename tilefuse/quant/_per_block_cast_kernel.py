@@ -84,13 +84,13 @@ def _layout(col: bool, packed: bool) -> str:
 class _Common:
     """Kernel pieces shared by both factories for block shape ``(bm, bk)`` and sf layout ``sf_layout``."""
 
-    def __init__(self, T, bm: int, bk: int, sf_layout: str, warps: int = 8):
-        assert 8 <= bk <= _TILE_H and bk & (bk - 1) == 0
+    def __init__(self, T, bm: int, bk: int, sf_layout: str, warps: int = 8, chunk: int = _C):
+        assert chunk <= bk <= _TILE_H and bk & (bk - 1) == 0
         self.nb, self.wb, self.W = _geometry(bm, warps)
         self.rows_per_cta = _RPT * self.W
         self.threads = _LANES * self.W
         nb, wb = self.nb, self.wb
-        log2_lanes = (bk // _C).bit_length() - 1
+        log2_lanes = (bk // chunk).bit_length() - 1
 
         @T.macro
         def block_max(vals, w, lane, red):
@@ -172,6 +172,44 @@ LOSSLESS_CTAS = 0
 # shift and a mask), the block maximum is taken over them (the same order), and the factor's bits are
 # ``max(e(b) << 23 + (141 - E_B) << 23, 0)`` (one add-max per row where the byte form also shifts). Same bits.
 LOSSLESS_EXP23 = 0
+# LOSSLESS_PRMT: the e4m3 bytes straight from the nibbles, in the integer pipe, with no float. With d = e(b) - E_B in
+# [-5, 6] every product fp4 * 2^d is an e4m3 normal (or +-0), whose bits are the d = 0 byte of the nibble's magnitude
+# plus d << 3 (the exponent field; a zero magnitude stays 0) with the nibble's sign on top: a per-row 8-entry byte
+# table (two words built by two IMADs) indexed by the 3-bit magnitudes through two byte permutes per word, the signs
+# gathered by two more permutes from the word and the word shifted by 4. A thread whose rows all have d >= -5 (d <= 6
+# always holds) takes that path; one with a smaller d (the spec's device-assertion case, rounded) takes the float
+# path unchanged. Same bits.
+LOSSLESS_PRMT = 0
+_LL_PRMT = """
+__device__ __forceinline__ unsigned tf_pbc_prmt(unsigned a, unsigned b, unsigned c) {
+  unsigned d; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c)); return d; }
+__device__ __forceinline__ void tf_pbc_ll_row(void* y, int w, int d) {
+  unsigned u = (unsigned)w, du = (unsigned)d;
+  unsigned lo = 0x3C383000u + du * 0x08080800u, hi = 0x4C484440u + du * 0x08080808u;
+  unsigned m = u & 0x77777777u, u4 = u << 4;
+  unsigned t0 = tf_pbc_prmt(lo, hi, m), t1 = tf_pbc_prmt(lo, hi, __umulhi(m, 0x10000u));
+  unsigned s0 = tf_pbc_prmt(u, u4, 0x1504u), s1 = tf_pbc_prmt(u, u4, 0x3726u);
+  uint2 o; o.x = t0 | (s0 & 0x80808080u); o.y = t1 | (s1 & 0x80808080u);
+  *reinterpret_cast<uint2*>(y) = o; }
+"""
+# LOSSLESS_C16: a thread of per_block_cast_lossless owns 16 channels of its 8 rows (one 8-byte load and one 16-byte
+# store per row, the same input sf word for both halves) instead of 8: half the sf loads, block-max work and address
+# arithmetic per element, twice the bytes per memory instruction; CTAs cover 512 channels. Applies when the input and
+# output blocks are at least 16 channels wide (the tested (1, 32) -> all output blocks). Same values.
+LOSSLESS_C16 = 0
+_LL_PRMT2 = """
+__device__ __forceinline__ void tf_pbc_ll_row2(void* y, int w0, int w1, int d) {
+  unsigned du = (unsigned)d;
+  unsigned lo = 0x3C383000u + du * 0x08080800u, hi = 0x4C484440u + du * 0x08080808u;
+  unsigned u = (unsigned)w0, v = (unsigned)w1;
+  unsigned m = u & 0x77777777u, u4 = u << 4, n = v & 0x77777777u, v4 = v << 4;
+  uint4 o;
+  o.x = tf_pbc_prmt(lo, hi, m) | (tf_pbc_prmt(u, u4, 0x1504u) & 0x80808080u);
+  o.y = tf_pbc_prmt(lo, hi, __umulhi(m, 0x10000u)) | (tf_pbc_prmt(u, u4, 0x3726u) & 0x80808080u);
+  o.z = tf_pbc_prmt(lo, hi, n) | (tf_pbc_prmt(v, v4, 0x1504u) & 0x80808080u);
+  o.w = tf_pbc_prmt(lo, hi, __umulhi(n, 0x10000u)) | (tf_pbc_prmt(v, v4, 0x3726u) & 0x80808080u);
+  *reinterpret_cast<uint4*>(y) = o; }
+"""
 _LL_LDG = """
 template <typename P> __device__ __forceinline__ int tf_pbc_ldg(P p, int off) {
   return __ldg(reinterpret_cast<const int*>(p) + off); }
@@ -355,17 +393,23 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
 
     assert hidden % 32 == 0 and sf_layout in _LAYOUTS
     assert ibk >= _C and obk % ibk == 0 and obm % ibm == 0
-    cm = _Common(T, obm, obk, sf_layout)
+    c16 = bool(LOSSLESS_C16) and ibk >= 16
+    C = 16 if c16 else _C  # channels per thread (LOSSLESS_C16)
+    wpt = C // 8  # data words per row of a thread
+    tile_h = C * _LANES  # channels per CTA
+    cm = _Common(T, obm, obk, sf_layout, chunk=C) if c16 else _Common(T, obm, obk, sf_layout)
     nb, W, rows_per_cta = cm.nb, cm.W, cm.rows_per_cta
-    lanes_per_block = obk // _C
+    lanes_per_block = obk // C
     nbk = cdiv(hidden, obk)
     nbki = cdiv(hidden, ibk)
     i32 = bool(LOSSLESS_I32) and ibm == 1
     exp23 = bool(LOSSLESS_EXP23) and not sf_in_packed
-    full = bool(LOSSLESS_FULL) and hidden % _TILE_H == 0
+    full = bool(LOSSLESS_FULL) and hidden % tile_h == 0
+    prmt = bool(LOSSLESS_PRMT)
     # (computed here: an ``or`` inside the traced body became a logical Or, i.e. 1 CTA per SM)
     ll_blocks = LOSSLESS_CTAS or _resident_ctas(cm.threads, _LOSSLESS_REGS)
-    ll_source = _LL_HELPERS + (_LL_LDG if i32 else "")  # one import (a second clashes)
+    ll_source = (_LL_HELPERS + (_LL_LDG if i32 else "") + (_LL_PRMT if prmt else "")
+                 + (_LL_PRMT2 if prmt and c16 else ""))  # one import (a second clashes)
 
     Tn, NBM, P, NBMI, SI0, SI1 = T.dynamic("num_tokens, num_row_blocks, sf_pad, in_sf_rows, in_sf_s0, in_sf_s1")
     d_param = T.Tensor((Tn, hidden // 8), "int32")
@@ -415,19 +459,31 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
         return in_sf_word(SFI, row0 + j, col0)
 
     @T.macro
+    def load_words(D, dl, row0, col0, j: int):
+        if c16:
+            for q in T.vectorized(wpt):
+                dl[j * wpt + q] = D[row0 + j, col0 // _C + q]
+        else:
+            dl[j] = D[row0 + j, col0 // _C]
+
+    @T.macro
     def load_ll(D, SFI, dl, el, row0, col0, off0, checked: bool = True):
         """8 rows of 8 nibbles and their input sf words (all loads first: nothing waits on one before the last
         is issued); missing rows/channels count as e = 0 (``checked`` False: all rows and channels exist)."""
         for j in T.unroll(_RPT):
             if checked:
                 if T.And(row0 + j < Tn, col0 < hidden):
-                    dl[j] = D[row0 + j, col0 // _C]
+                    load_words(D, dl, row0, col0, j)
                     el[j] = sf_load(SFI, off0, row0, j, col0)
                 else:
-                    dl[j] = 0
+                    if c16:
+                        for q in T.vectorized(wpt):
+                            dl[j * wpt + q] = 0
+                    else:
+                        dl[j] = 0
                     el[j] = 0
             else:
-                dl[j] = D[row0 + j, col0 // _C]
+                load_words(D, dl, row0, col0, j)
                 el[j] = sf_load(SFI, off0, row0, j, col0)
 
     @T.macro
@@ -438,12 +494,36 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
             factor = T.reinterpret(T.max(el[j] + T.shift_left(141 - mx[j * nb // _RPT], 23), 0), "float32")
         else:
             factor = T.reinterpret(T.shift_left(T.max(141 + el[j] - mx[j * nb // _RPT], 0), 23), "float32")
-        for k in _statically(_C // 2):
-            lo, hi = fp4_pair(dl[j], k)  # nibbles k and k + 4
-            tmp[k] = lo * factor
-            tmp[k + _C // 2] = hi * factor
-        for v in T.vectorized(_C):
+        for q in _statically(wpt):
+            for k in _statically(_C // 2):
+                lo, hi = fp4_pair(dl[j * wpt + q] if c16 else dl[j], k)  # nibbles k and k + 4
+                tmp[q * _C + k] = lo * factor
+                tmp[q * _C + k + _C // 2] = hi * factor
+        for v in T.vectorized(C):
             Y[row0 + j, col0 + v] = T.cast(tmp[v], "float8_e4m3fn")
+
+    @T.macro
+    def encode_rows(Y, dl, el, mx, tmp, row0, col0, checked: bool):
+        for j in T.unroll(_RPT):
+            if checked:
+                if T.And(row0 + j < Tn, col0 < hidden):
+                    encode_row(Y, dl, el, mx, tmp, row0, col0, j)
+            else:
+                encode_row(Y, dl, el, mx, tmp, row0, col0, j)
+
+    def ll_byte(e):
+        """e(b) as a byte from ``el`` (which holds ``e(b) << 23`` under LOSSLESS_EXP23)."""
+        return T.shift_right(e, 23) if exp23 else e
+
+    @T.macro
+    def encode_row_prmt(Y, dl, el, mx, row0, col0, j: int):
+        # LOSSLESS_PRMT: the 8 e4m3 bytes of row j from its nibbles and d = e(b) - E_B (in [-5, 6] here)
+        if c16:
+            T.call_extern("handle", "tf_pbc_ll_row2", T.address_of(Y[row0 + j, col0]), dl[j * wpt], dl[j * wpt + 1],
+                          ll_byte(el[j]) - mx[j * nb // _RPT])
+        else:
+            T.call_extern("handle", "tf_pbc_ll_row", T.address_of(Y[row0 + j, col0]), dl[j],
+                          ll_byte(el[j]) - mx[j * nb // _RPT])
 
     @T.macro
     def process_ll(Y, SF, dl, el, mx, tmp, red, row0, col0, w, lane, checked: bool = True):
@@ -453,7 +533,7 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
             # torch strides are never negative (``SI1 == -1`` never holds), but nvcc cannot know it: the
             # select makes the data words live before the block reduction's barrier, so nvcc does not sink
             # their loads past it (a second DRAM round trip per CTA)
-            el[j] = T.max(in_exponent(el[j], col0), T.if_then_else(SI1 == -1, dl[j], 0))
+            el[j] = T.max(in_exponent(el[j], col0), T.if_then_else(SI1 == -1, dl[j * wpt] if c16 else dl[j], 0))
         for n in T.unroll(nb):
             mx[n] = 0
         for j in T.unroll(_RPT):
@@ -473,28 +553,45 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
                 if T.And(lane % lanes_per_block == 0, w % cm.wb == 0):
                     cm.store_sf(SF, (row0 + n * obm) // obm, col0 // obk,
                                 T.reinterpret(T.shift_left(mx[n], 23), "float32"), mx[n])
-        for j in T.unroll(_RPT):
-            if checked:
-                if T.And(row0 + j < Tn, col0 < hidden):
-                    encode_row(Y, dl, el, mx, tmp, row0, col0, j)
+        if prmt:
+            # the smallest d of the thread's rows (missing rows and channels do not count)
+            dmin = T.int32(6)
+            for n in _statically(nb):
+                emin = T.int32(255)
+                for j in _statically(_RPT):
+                    if j * nb // _RPT == n:
+                        e = ll_byte(el[j])
+                        if checked:
+                            e = T.if_then_else(T.And(row0 + j < Tn, col0 < hidden), e, 255)
+                        emin = T.min(emin, e)
+                dmin = T.min(dmin, emin - mx[n])
+            if dmin >= -5:
+                for j in T.unroll(_RPT):
+                    if checked:
+                        if T.And(row0 + j < Tn, col0 < hidden):
+                            encode_row_prmt(Y, dl, el, mx, row0, col0, j)
+                    else:
+                        encode_row_prmt(Y, dl, el, mx, row0, col0, j)
             else:
-                encode_row(Y, dl, el, mx, tmp, row0, col0, j)
+                encode_rows(Y, dl, el, mx, tmp, row0, col0, checked)
+        else:
+            encode_rows(Y, dl, el, mx, tmp, row0, col0, checked)
 
     @T.macro
     def body(D, SFI, Y, SF):
-        with T.Kernel(T.ceildiv(hidden, _TILE_H), T.ceildiv(Tn, rows_per_cta), threads=cm.threads) as (bx, by):
+        with T.Kernel(T.ceildiv(hidden, tile_h), T.ceildiv(Tn, rows_per_cta), threads=cm.threads) as (bx, by):
             T.import_source(ll_source)  # before the annotation (after it, TileLang dropped the min-blocks bound)
             T.annotate_min_blocks_per_sm(ll_blocks)
             tx = T.get_thread_binding()
             lane = tx % _LANES
             w = tx // _LANES
             row0 = by * rows_per_cta + w * _RPT
-            col0 = bx * _TILE_H + lane * _C
-            dl = T.alloc_local((_RPT,), "int32")
+            col0 = bx * tile_h + lane * C
+            dl = T.alloc_local((_RPT * wpt,), "int32")
             el = T.alloc_local((_RPT,), "int32")
             mx = T.alloc_local((nb,), "int32")
             red = T.alloc_shared((W * _LANES,), "int32")
-            tmp = T.alloc_local((_C,), "float32")
+            tmp = T.alloc_local((C,), "float32")
             off0 = sf_offset(row0, col0)
             if full:
                 if (by + 1) * rows_per_cta <= Tn:
