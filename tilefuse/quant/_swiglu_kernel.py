@@ -27,7 +27,8 @@ binary32 bit patterns.
 
 Tuning knobs (module constants read by the factories, overridable through ``TILEFUSE_KNOBS``; tiling and
 scheduling only, never the arithmetic): FWD_PTC_DEPTH, FWD_PTC_ROW_THREADS; BWD_MIN_BLOCKS, BWD_THREADS,
-BWD_DEPTH, BWD_ROW_THREADS; PCC_MIN_BLOCKS, PCC_PDL.
+BWD_DEPTH, BWD_ROW_THREADS, BWD_ROW_WARPS, BWD_PDL, BWD_PDL_TRIGGER, BWD_SF_PREFETCH; PCC_MIN_BLOCKS, PCC_PDL,
+PCC_PDL_TRIGGER, PCC_GROUP, PCC_PERSIST.
 """
 
 import struct
@@ -747,7 +748,6 @@ def swiglu_fwd_pcc_kernel(hidden: int, npt: int, round_sf: bool, transpose: bool
             am = T.alloc_local((1,), "float32")
             crd = T.alloc_local((4,), "int32")  # (token tile, channel block) of this tile and the next (int32)
             NT = Tn // BT
-
             ntiles = NT * NCB
             ch = tx % NCH
             rs = tx // NCH
