@@ -552,6 +552,16 @@ _KNOB_CASES = (
      K._fwd_ptc_cfg("bfloat16", 3584, 128, True, True, False, True, False, 0.5, False)),
     ("FWD_PTC_ROW_THREADS", 64, "swiglu_fwd_ptc",
      K._fwd_ptc_cfg("bfloat16", 3584, 128, True, True, False, True, False, 0.5, False)),   # 2 warps per row
+    ("BWD_ROW_WARPS", 7, "swiglu_bwd_ptc", K._bwd_ptc_cfg(7168, 128, True, None)),   # 224-thread row CTAs
+    ("BWD_ROW_WARPS", 7, "swiglu_bwd_ptc", K._bwd_ptc_cfg(2048, 32, True, 0.5)),     # not covered: default team
+    ("BWD_PDL", True, "swiglu_bwd_ptc", K._bwd_ptc_cfg(7168, 128, True, None)),
+    ("BWD_SF_PREFETCH", True, "swiglu_bwd_ptc", K._bwd_ptc_cfg(7168, 128, True, None)),
+    ("PCC_PDL_TRIGGER", True, "swiglu_fwd_pcc", K._pcc_cfg(7168, 128, True, True, None)),
+    ("PCC_GROUP", 21, "swiglu_fwd_pcc", K._pcc_cfg(7168, 128, True, True, None)),
+    ("PCC_GROUP", 9, "swiglu_fwd_pcc", K._pcc_cfg(576, 128, True, False, 10.0)),
+    ("PCC_PERSIST", 528, "swiglu_fwd_pcc", K._pcc_cfg(7168, 128, True, True, None)),
+    ("PCC_PERSIST", 5, "swiglu_fwd_pcc", K._pcc_cfg(576, 32, True, True, None)),
+    ("PCC_PERSIST", 396, "swiglu_fwd_pcc", K._pcc_cfg(576, 128, True, False, 10.0)),
 )
 
 
@@ -564,3 +574,107 @@ def test_knob_alternatives_build_for_sm90(knob, value, name, cfg, monkeypatch):
     assert "__global__" in src and "expf(" in src and "__expf" not in src
     if knob == "BWD_ROW_THREADS" and value == 32:  # one warp per row: no shared-memory row sum
         assert "__syncthreads" not in src
+
+
+# knob combinations of the round-3 variants (module constants: TILEFUSE_KNOBS names without the module prefix)
+BWD_KNOB_VARIANTS = (
+    {"BWD_ROW_WARPS": 7, "BWD_MIN_BLOCKS": 4, "BWD_PDL": True, "BWD_PDL_TRIGGER": True, "BWD_SF_PREFETCH": True},
+    {"BWD_PDL": True, "BWD_PDL_TRIGGER": True, "BWD_SF_PREFETCH": True},
+)
+PCC_KNOB_VARIANTS = ({"PCC_GROUP": 21, "PCC_PDL_TRIGGER": True}, {"PCC_GROUP": 9},
+                     {"PCC_PERSIST": 528, "PCC_PDL_TRIGGER": True},
+                     {"PCC_PERSIST": 5})  # 5 CTAs: several tiles each, some one tile fewer
+
+
+def _knob_source(monkeypatch, knobs, name, cfg):
+    import tilelang
+
+    for k, v in knobs.items():
+        monkeypatch.setattr(K, k, v)
+    return tilelang.compile(_jit._FACTORIES[name][0](*cfg), target={"kind": "cuda", "arch": "sm_90"},
+                            execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("knobs", BWD_KNOB_VARIANTS, ids=str)
+def test_bwd_knob_variants_source(knobs, monkeypatch):
+    """The PDL wait precedes every global access; 7 warps per row gives 224-thread CTAs at H = 7168 only; the
+    sf prefetch is an L1 prefetch."""
+    _jit.registered()
+    src = _knob_source(monkeypatch, knobs, "swiglu_bwd_ptc", K._bwd_ptc_cfg(7168, 128, True, None))
+    head = src[src.index("__launch_bounds__"):]
+    threads = 224 if knobs.get("BWD_ROW_WARPS") == 7 else 128
+    assert head.startswith(f"__launch_bounds__({threads}, {knobs.get('BWD_MIN_BLOCKS', K.BWD_MIN_BLOCKS)})")
+    body = head[head.index("{"):]  # past the parameter list
+    wait = body.index("cudaGridDependencySynchronize();")
+    first_global = min(i for i in (body.find(p) for p in ("P2T[", "W[", "TT2P[", "D +", "SFI", "G +")) if i >= 0)
+    assert wait < body.index("cudaTriggerProgrammaticLaunchCompletion();") < first_global
+    assert "prefetch.global.L1" in src and "swg_prefetch_l1(" in body
+
+
+@pytest.mark.compile
+def test_pcc_group_launch_order_source(monkeypatch):
+    """PCC_GROUP: a 3-D grid (token tile in group, channel block, group); CTAs past the last token tile exit."""
+    _jit.registered()
+    src = _knob_source(monkeypatch, PCC_KNOB_VARIANTS[0], "swiglu_fwd_pcc", K._pcc_cfg(7168, 128, True, True, None))
+    assert "blockIdx.z) * 21) + ((int)blockIdx.x)) < (num_tokens >> 7)" in src
+    body = src[src.index("__launch_bounds__"):]
+    assert body.index("cudaGridDependencySynchronize();") < body.index(
+        "cudaTriggerProgrammaticLaunchCompletion();") < body.index("X +")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", BWD_KNOB_VARIANTS, ids=str)
+@pytest.mark.parametrize("t", (1, 7, 4001))
+@pytest.mark.parametrize("case", ((7168, 128, True, None), (7168, 128, False, 10.0), (2560, 32, False, 0.5)),
+                         ids=str)
+def test_bwd_knob_variants_match_reference(knobs, t, case, knob_kernels):
+    """Round-3 backward knob variants give the reference's bits (weight_grad within 6.3), twice in a row."""
+    knob_kernels(K, knobs)
+    inputs = _bwd_inputs(t, case[0], case[1])
+    first = _bwd_check(case, *inputs)
+    again = K.swiglu_bwd_ptc_launch(*inputs, case[1], case[2], case[3])
+    for a, b in zip(again, first):
+        assert_equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fill", ("nan", "inf"))
+def test_bwd_knob_variant_nan_inf(fill, knob_kernels):
+    """quant.md 1.7 through the first backward variant (the default's NaN/inf test, bench config)."""
+    knob_kernels(K, BWD_KNOB_VARIANTS[0])
+    test_bwd_ptc_nan_inf((7168, 128, True, None), fill)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", PCC_KNOB_VARIANTS, ids=str)
+@pytest.mark.parametrize("t", (128, 4096, 8192))
+@pytest.mark.parametrize("case", PCC_CASES, ids=str)
+def test_pcc_knob_variants_match_reference(knobs, t, case, knob_kernels):
+    """PCC_GROUP (a last group with fewer token tiles than G when G does not divide T / 128) and the PDL
+    trigger give the reference's bits, twice in a row."""
+    knob_kernels(K, knobs)
+    x = torch.randn(t, 2 * case[0], dtype=torch.bfloat16, device="cuda") * 2
+    first = _pcc_check(case, x)
+    again = K.swiglu_fwd_pcc_launch(x, case[1], case[2], not case[3], case[4])
+    assert_equal(again[0], first[0])
+    assert_equal(again[1], first[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fill", ("nan", "inf"))
+def test_pcc_knob_variant_nan_inf(fill, knob_kernels):
+    """quant.md 1.7 through the first per-channel variant (the default's NaN/inf test)."""
+    knob_kernels(K, PCC_KNOB_VARIANTS[0])
+    test_fwd_pcc_nan_inf((7168, 128, True, True, None), fill)  # 256 tokens: 2 of a group's 21 tiles
+
+
+@pytest.mark.compile
+def test_pcc_persist_source(monkeypatch):
+    """PCC_PERSIST: 16-byte loads of the next tile issued between phase 1 and phase 2, no bounds-check branches
+    around the loads and the transposed 16-byte stores."""
+    _jit.registered()
+    src = _knob_source(monkeypatch, {"PCC_PERSIST": 528}, "swiglu_fwd_pcc", K._pcc_cfg(7168, 128, True, True, None))
+    body = src[src.index("for (int k = 0;"):]
+    assert body.count("*(uint4*)(xl + ") == 1 and body.count("*(uint4*)(xr + ") == 1
+    assert "*(fp8_e4_16_t*)(Y + " in body and "if (0 <=" not in body
