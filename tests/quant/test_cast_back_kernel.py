@@ -356,11 +356,11 @@ def test_unpack_uint8_and_strided_input():
 # knob variants (TILEFUSE_KNOBS sweeps, module doc of _jit.knobs): each must give the reference's bits exactly
 # ---------------------------------------------------------------------------------------------------------
 
-KNOB_VARIANTS = [
-    {"SF_HOIST": True},
-    {"SF_HOIST": True, "E4M3_MIN_BLOCKS": 16, "E2M1_MIN_BLOCKS": 16, "E5M6_MIN_BLOCKS": 12},
-    {"SF_HOIST": True, "STORE_HINT": 1, "UNPACK_STORE_HINT": 1, "UNPACK_MIN_BLOCKS": 8},
-    {"SF_HOIST": True, "STORE_HINT": 2, "UNPACK_STORE_HINT": 2},
+KNOB_VARIANTS = [  # the defaults are SF_HOIST=True, UNPACK_STORE_HINT=2
+    {"SF_HOIST": False, "UNPACK_STORE_HINT": 0},
+    {"E4M3_MIN_BLOCKS": 16, "E2M1_MIN_BLOCKS": 16, "E5M6_MIN_BLOCKS": 12},
+    {"STORE_HINT": 1, "UNPACK_STORE_HINT": 1, "UNPACK_MIN_BLOCKS": 8},
+    {"STORE_HINT": 2, "E2M1_STORE_HINT": 1},
 ]
 
 
@@ -384,11 +384,15 @@ def test_knob_variants_build(monkeypatch, knobs):
     for cfg in (("e4m3", "bf16", 7168, 1, 128, True), ("e2m1", "fp32", 576, 1, 128, True),
                 ("e4m3", "fp32", 2048, 128, 1, False), ("e5m6", "bf16", 7168, 1, 7168, False)):
         src = _build_with(monkeypatch, knobs, "cast_back", cfg)
-        if knobs.get("STORE_HINT"):
-            assert K._STORE_FN[knobs["STORE_HINT"]] + "(" in src
+        hint = knobs.get(f"{cfg[0].upper()}_STORE_HINT", knobs.get("STORE_HINT"))
+        if hint:
+            assert K._STORE_FN[hint] + "(" in src
     src = _build_with(monkeypatch, knobs, "unpack_from_e2m1fn_x2", ("float32",))
-    if knobs.get("UNPACK_STORE_HINT"):
-        assert K._STORE_FN[knobs["UNPACK_STORE_HINT"]] + "(" in src
+    unpack_hint = knobs.get("UNPACK_STORE_HINT", K.UNPACK_STORE_HINT)
+    if unpack_hint:
+        assert K._STORE_FN[unpack_hint] + "(" in src
+    else:
+        assert not any(fn + "(" in src for fn in K._STORE_FN.values())
 
 
 @pytest.mark.gpu

@@ -604,9 +604,10 @@ def test_lossless_cuda_graph_replay_equals_eager():
 
 
 # Knob variants of per_block_cast_lossless (TILEFUSE_KNOBS sweeps): each must give the default kernel's bits.
-LOSSLESS_KNOB_VARIANTS = [
-    {"LOSSLESS_PRMT": 1, "LOSSLESS_I32": 1, "LOSSLESS_FULL": 1, "LOSSLESS_EXP23": 1, "LOSSLESS_CTAS": 4},
-    {"LOSSLESS_PRMT": 1, "LOSSLESS_C16": 1, "LOSSLESS_I32": 1, "LOSSLESS_FULL": 1, "LOSSLESS_EXP23": 1},
+LOSSLESS_KNOB_VARIANTS = [  # the defaults: LOSSLESS_PRMT, _I32, _FULL, _EXP23 on
+    {"LOSSLESS_PRMT": 0, "LOSSLESS_I32": 0, "LOSSLESS_FULL": 0, "LOSSLESS_EXP23": 0},  # the float path alone
+    {"LOSSLESS_CTAS": 4},
+    {"LOSSLESS_C16": 1},
 ]
 
 

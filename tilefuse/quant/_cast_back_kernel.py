@@ -52,6 +52,9 @@ E2M1_MIN_BLOCKS = None
 E5M6_THREADS = None
 E5M6_UNROLL = None
 E5M6_MIN_BLOCKS = None
+E4M3_STORE_HINT = None
+E2M1_STORE_HINT = None
+E5M6_STORE_HINT = None
 
 
 def _knob(dfmt: str, name: str):
@@ -69,12 +72,12 @@ UNPACK_MIN_BLOCKS = 0  # > 0: __launch_bounds__(UNPACK_THREADS, UNPACK_MIN_BLOCK
 # SF_HOIST: load every sf a thread needs into registers before its data loads (configs with one sf per chunk).
 # By default each chunk's sf load sits between the previous chunk's store and its own multiply, and nvcc keeps it
 # there (Y may alias SF): a chain of `unroll` dependent L2 round trips per thread. Results unchanged.
-SF_HOIST = False
+SF_HOIST = True
 # Output stores of cast_back (STORE_HINT) and unpack (UNPACK_STORE_HINT), one 16-byte store each:
-# 0 plain st.global; 1: st.global.cs (__stcs: streaming, STG.E.EF); 2: st.global.L1::no_allocate with an L2
+# (per data format: <FMT>_STORE_HINT, None = STORE_HINT) 0 plain st.global; 1: st.global.cs (__stcs: streaming, STG.E.EF); 2: st.global.L1::no_allocate with an L2
 # evict-first cache policy (createpolicy + .L2::cache_hint, STG.E.NA). Outputs are written once, never re-read here.
 STORE_HINT = 0
-UNPACK_STORE_HINT = 0
+UNPACK_STORE_HINT = 2
 _STORE_FN = {1: "tf_cb_st_cs", 2: "tf_cb_st_ef"}
 _STORE_HELPERS = r"""
 __device__ __forceinline__ void tf_cb_st_cs(void* p, const void* v) {
@@ -226,7 +229,8 @@ def cast_back_kernel(dfmt: str, out: str, hidden: int, bm: int, bk: int, sf_pack
     need_mask = cpr % (TX * unroll) != 0
     kb_step = TX * V // bk if (TX * V) % bk == 0 else None  # sf column step between a thread's chunks
     hoist = bool(SF_HOIST) and per_chunk_sf
-    store_fn = _STORE_FN[STORE_HINT] if STORE_HINT else None
+    store_hint = _knob(dfmt, "STORE_HINT")
+    store_fn = _STORE_FN[store_hint] if store_hint else None
     hinted = store_fn is not None
     n_sf = 1 if kb_step == 0 else unroll  # sf values a thread holds (one when every chunk shares it)
 

@@ -165,13 +165,13 @@ __device__ __forceinline__ float tf_pbc_f16_hi(unsigned w) {
 # and predicate spills to registers); the last CTA row keeps the checked body. LOSSLESS_CTAS: CTAs per SM the
 # one-CTA-per-tile grid asks nvcc for (its register budget 65536 / (threads * ctas)); 0 = ``_resident_ctas`` with
 # ``_LOSSLESS_REGS`` (3 CTAs of 512 threads at 40 registers). Same values either way.
-LOSSLESS_I32 = 0
-LOSSLESS_FULL = 0
+LOSSLESS_I32 = 1
+LOSSLESS_FULL = 1
 LOSSLESS_CTAS = 0
 # LOSSLESS_EXP23 (fp32 input sf): the exponents stay in place (``e(b) << 23``: one mask per row where the byte costs a
 # shift and a mask), the block maximum is taken over them (the same order), and the factor's bits are
 # ``max(e(b) << 23 + (141 - E_B) << 23, 0)`` (one add-max per row where the byte form also shifts). Same bits.
-LOSSLESS_EXP23 = 0
+LOSSLESS_EXP23 = 1
 # LOSSLESS_PRMT: the e4m3 bytes straight from the nibbles, in the integer pipe, with no float. With d = e(b) - E_B in
 # [-5, 6] every product fp4 * 2^d is an e4m3 normal (or +-0), whose bits are the d = 0 byte of the nibble's magnitude
 # plus d << 3 (the exponent field; a zero magnitude stays 0) with the nibble's sign on top: a per-row 8-entry byte
@@ -179,7 +179,7 @@ LOSSLESS_EXP23 = 0
 # gathered by two more permutes from the word and the word shifted by 4. A thread whose rows all have d >= -5 (d <= 6
 # always holds) takes that path; one with a smaller d (the spec's device-assertion case, rounded) takes the float
 # path unchanged. Same bits.
-LOSSLESS_PRMT = 0
+LOSSLESS_PRMT = 1
 _LL_PRMT = """
 __device__ __forceinline__ unsigned tf_pbc_prmt(unsigned a, unsigned b, unsigned c) {
   unsigned d; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c)); return d; }
