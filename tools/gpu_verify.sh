@@ -4,7 +4,8 @@
 # A kernel cache packed here by tools/pack_kernel_cache.sh (.gpu/kcache.tar.xz) is unpacked first, so the
 # device compiles only what changed since. Env: T_BENCH, T_TEST (step limits, seconds), OPS (bench ops),
 # BENCH_ARGS (extra bench flags), TESTS (test paths, default the whole tier; "none" skips the tests; the
-# knob-variant tests, which compile on the device, run second under T_KNOB_TEST unless SKIP_KNOB_TESTS=1),
+# knob-variant tests, which compile on the device, run second under T_KNOB_TEST with KNOB_WORKERS pytest workers
+# unless SKIP_KNOB_TESTS=1; KNOB_ONLY=1 runs only them),
 # PRECOMPILE=1 (compile every registered config missing from the cache first; T_COMPILE limits it),
 # COMPILE_REF=1 (also time torch.compile of each reference: minutes of compiling),
 # VARIANTS=FILE (after the bench: for each line "OPS|KNOBS", the bench of OPS again with TILEFUSE_KNOBS=KNOBS;
@@ -35,10 +36,12 @@ if [ -n "${VARIANTS:-}" ]; then
   done < "$VARIANTS"
 fi
 if [ "${TESTS:-}" != "none" ]; then  # the knob-variant tests compile on the device: run them after the rest
-  timeout ${T_TEST:-300} python3 -m pytest -m "gpu and not knobs" -n 8 -q -p no:randomly ${TESTS:-tests} 2>&1 \
-    | tee "$OUT/gpu.log" | grep -E "passed|failed|FAILED|ERROR" | tail -40
+  if [ -z "${KNOB_ONLY:-}" ]; then
+    timeout ${T_TEST:-300} python3 -m pytest -m "gpu and not knobs" -n 8 -q -p no:randomly ${TESTS:-tests} 2>&1 \
+      | tee "$OUT/gpu.log" | grep -E "passed|failed|FAILED|ERROR" | tail -40
+  fi
   if [ -z "${SKIP_KNOB_TESTS:-}" ]; then
-    timeout ${T_KNOB_TEST:-300} python3 -m pytest -m "gpu and knobs" -n 8 -q -p no:randomly ${TESTS:-tests} 2>&1 \
+    timeout ${T_KNOB_TEST:-300} python3 -m pytest -m "gpu and knobs" -n ${KNOB_WORKERS:-8} -q -p no:randomly ${TESTS:-tests} 2>&1 \
       | tee "$OUT/gpu_knobs.log" | grep -E "passed|failed|FAILED|ERROR" | tail -20
   fi
 fi
