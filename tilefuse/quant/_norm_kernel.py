@@ -71,6 +71,9 @@ WG_ASSIGN = True   # norm_backward without a given weight_grad: allocate it unin
 BWD_CP_ROW = False  # with BWD_PIPE: a row's cp.async copies issued by one helper from two row pointers computed once
                     # (x + row * x_st + tx * E, dy likewise), the column blocks as constant offsets (the default
                     # recomputes a 64-bit address per copy: ~100 SASS instructions per row per warp). Same copies.
+BWD_TAIL1 = False  # with BWD_PIPE: in pass 1 a thread whose tail column block lies past the row adds the zero lanes'
+                   # term (0 * rstd) * ((0 * out_scale) * 1) once instead of computing E lanes of it (+-0 or NaN:
+                   # adding it again changes nothing, so the same bits); its weight-gradient lanes are never stored
 FWD_UNIT = False   # forward ops: a second static config for out_scale == 1.0 (picked by the launcher): o = round((h *
                    # rstd) * w) without the product w * out_scale (one FMUL per element fewer; h * rstd without a
                    # weight). Exact: w * 1.0f == w (no fast math), and h * rstd is an FMUL (NaN canonical as before).
@@ -125,6 +128,15 @@ template <int CF, int STEP> __device__ __forceinline__ void nf_cp_row(unsigned x
     nf_cp16i<CF * STEP>(xs + off, xg);
     nf_cp16i<CF * STEP>(ds + off, dg);
   } }
+"""
+
+
+# BWD_TAIL1: acc plus one zero lane's term of pass 1 (x = dy = 0, w = 1), as the per-lane code computes it
+_TAIL_HELPER = """
+template <bool SCALE, bool WEIGHT> __device__ __forceinline__ float nf_zero_lanes(float acc, float r, float os) {
+  float xh = 0.0f * r;
+  float g = SCALE ? 0.0f * os : 0.0f;
+  return WEIGHT ? acc + xh * (g * 1.0f) : acc + xh * g; }
 """
 
 
@@ -613,6 +625,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
         CF = VPR // TB   # column blocks inside the row for every thread
         WS = BWD_W_SMEM and has_weight
         CPR = bool(BWD_CP_ROW)
+        TAIL1 = bool(BWD_TAIL1)
 
         def wsrc(W, ws, col, e):
             return ws[col + e] if WS else W[col + e]
@@ -689,25 +702,10 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                     s = k % ST
                     r = rs[s, tx]
                     acc = T.float32(0.0)
-                    for c in T.unroll(C):
-                        col = (c * TB + tx) * E
-                        if c < CF:   # a block every thread fills: no defaults, no predicate
-                            if has_weight:
-                                for e in T.vectorized(E):
-                                    wl[e] = wsrc(W, ws, col, e)
-                            else:
-                                for e in T.vectorized(E):
-                                    wl[e] = T.cast(1, x_dtype)
-                            for e in T.vectorized(E):
-                                xl[e] = xs[s, col + e]
-                            for e in T.vectorized(E):
-                                dl[e] = ds[s, col + e]
-                        else:        # the tail block: lanes past the row compute on zeros, as the other bodies
-                            for e in T.vectorized(E):
-                                wl[e] = T.cast(1, x_dtype)
-                                xl[e] = T.cast(0, x_dtype)
-                                dl[e] = T.cast(0, x_dtype)
-                            if col < hidden:
+                    if TAIL1:   # BWD_TAIL1: a thread's lanes past the row in one FFMA
+                        for c in T.unroll(C):
+                            col = (c * TB + tx) * E
+                            if T.Or(c < CF, col < hidden):
                                 if has_weight:
                                     for e in T.vectorized(E):
                                         wl[e] = wsrc(W, ws, col, e)
@@ -715,14 +713,53 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                                     xl[e] = xs[s, col + e]
                                 for e in T.vectorized(E):
                                     dl[e] = ds[s, col + e]
-                        for e in T.unroll(E):
-                            xh = f32(xl, e) * r
-                            g = scaled(f32(dl, e), out_scale)
-                            if has_weight:
-                                wacc[c, e] = wacc[c, e] + xh * g
-                                acc = acc + xh * (g * f32(wl, e))
-                            else:
-                                acc = acc + xh * g
+                                for e in T.unroll(E):
+                                    xh = f32(xl, e) * r
+                                    g = scaled(f32(dl, e), out_scale)
+                                    if has_weight:
+                                        wacc[c, e] = wacc[c, e] + xh * g
+                                        acc = acc + xh * (g * f32(wl, e))
+                                    else:
+                                        acc = acc + xh * g
+                            else:   # E lanes of x = dy = 0, w = 1: the same term E times; acc + t + t == acc + t
+                                # t = +-0 or NaN: acc + t is idempotent (CUDA helper: TIR would fold 0 * r)
+                                acc = T.call_extern("float32", f"nf_zero_lanes<{str(not unit).lower()}, "
+                                                    f"{str(bool(has_weight)).lower()}>", acc, r, out_scale)
+                    else:
+                        for c in T.unroll(C):
+                            col = (c * TB + tx) * E
+                            if c < CF:   # a block every thread fills: no defaults, no predicate
+                                if has_weight:
+                                    for e in T.vectorized(E):
+                                        wl[e] = wsrc(W, ws, col, e)
+                                else:
+                                    for e in T.vectorized(E):
+                                        wl[e] = T.cast(1, x_dtype)
+                                for e in T.vectorized(E):
+                                    xl[e] = xs[s, col + e]
+                                for e in T.vectorized(E):
+                                    dl[e] = ds[s, col + e]
+                            else:        # the tail block: lanes past the row compute on zeros, as the other bodies
+                                for e in T.vectorized(E):
+                                    wl[e] = T.cast(1, x_dtype)
+                                    xl[e] = T.cast(0, x_dtype)
+                                    dl[e] = T.cast(0, x_dtype)
+                                if col < hidden:
+                                    if has_weight:
+                                        for e in T.vectorized(E):
+                                            wl[e] = wsrc(W, ws, col, e)
+                                    for e in T.vectorized(E):
+                                        xl[e] = xs[s, col + e]
+                                    for e in T.vectorized(E):
+                                        dl[e] = ds[s, col + e]
+                            for e in T.unroll(E):
+                                xh = f32(xl, e) * r
+                                g = scaled(f32(dl, e), out_scale)
+                                if has_weight:
+                                    wacc[c, e] = wacc[c, e] + xh * g
+                                    acc = acc + xh * (g * f32(wl, e))
+                                else:
+                                    acc = acc + xh * g
                 # dx of row k - 1 (A from red slot (k - 1) % 2), row k's butterfly steps between its column blocks
                 prev = row - _NP
                 on = T.And(k > 0, prev < Tn)
@@ -791,7 +828,8 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
             T.assume(RS % 16 == 0)
         with T.Kernel(_NP, threads=TB) as p:
             T.annotate_min_blocks_per_sm(2)  # <= 128 registers: two CTAs per SM, so all NP CTAs run at once
-            T.import_source(_CUDA_HELPERS + (_CP_ROW_HELPER if BWD_CP_ROW and BWD_PIPE and ST == 3 else ""))
+            T.import_source(_CUDA_HELPERS + (_CP_ROW_HELPER if BWD_CP_ROW and BWD_PIPE and ST == 3 else "")
+                            + (_TAIL_HELPER if BWD_TAIL1 and BWD_PIPE and ST == 3 else ""))
             if BWD_PDL:
                 T.pdl_sync()
             if BWD_TRIGGER:
