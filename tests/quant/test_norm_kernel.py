@@ -74,7 +74,8 @@ def test_backward_pipe_builds_for_sm90(w_smem, cfg, monkeypatch):
 @pytest.mark.compile
 @pytest.mark.parametrize("cfg", [("bfloat16", 7168, True, True), ("bfloat16", 576, False, False),
                                  ("bfloat16", 7168, True, False, True), ("float32", 7168, True, True, True)], ids=str)
-def test_backward_cp_row_unit_builds_for_sm90(cfg, monkeypatch):
+@pytest.mark.parametrize("fuse", [False, True])
+def test_backward_cp_row_unit_builds_for_sm90(cfg, fuse, monkeypatch):
     """BWD_CP_ROW (the pipelined body's copies through nf_cp_row: per row one rstd copy and one row call), BWD_TAIL1
     and the BWD_UNIT config (no product by out_scale; the general config keeps it) build."""
     import tilelang
@@ -82,6 +83,7 @@ def test_backward_cp_row_unit_builds_for_sm90(cfg, monkeypatch):
     monkeypatch.setattr(K, "BWD_CP_ROW", True)
     monkeypatch.setattr(K, "BWD_UNIT", True)
     monkeypatch.setattr(K, "BWD_TAIL1", True)
+    monkeypatch.setattr(K, "BWD_FUSE", fuse)
     src = tilelang.compile(K.norm_backward_kernel(*cfg), target={"kind": "cuda", "arch": "sm_90"},
                            execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
     unit = len(cfg) > 4
@@ -466,6 +468,7 @@ KNOB_VARIANTS = [  # the defaults: BWD_STAGES=3, BWD_PIPE, WG_ASSIGN, RED_TILE=3
     {"WG_ASSIGN": False, "RED_PDL": False},
     {"BWD_CP_ROW": True, "BWD_UNIT": True, "FWD_UNIT": True, "BWD_TAIL1": True},
     {"BWD_TAIL1": True},
+    {"BWD_FUSE": True, "BWD_CP_ROW": True, "BWD_UNIT": True},
 ]
 
 
@@ -516,7 +519,8 @@ def test_knob_variants_bit_identical_gpu(knobs, scale, has_rg, knob_kernels):
 @pytest.mark.gpu
 @pytest.mark.parametrize("h,has_w", [(7168, True), (576, False)])
 @pytest.mark.parametrize("scale", [1.0, 0.75, float("inf")])
-def test_backward_tail1_nonfinite_rstd_gpu(h, has_w, scale, knob_kernels):
+@pytest.mark.parametrize("fuse", [False, True])
+def test_backward_tail1_nonfinite_rstd_gpu(h, has_w, scale, fuse, knob_kernels):
     """BWD_TAIL1 (+ BWD_UNIT, BWD_CP_ROW): the zero lanes' single term gives the default's bits also where it is
     NaN (rstd or out_scale infinite or NaN) and where a row's sum is a signed zero."""
     t = 777
@@ -529,7 +533,7 @@ def test_backward_tail1_nonfinite_rstd_gpu(h, has_w, scale, knob_kernels):
     dy[6] = -dy[6].abs()
     x[6] = x[6].abs() * 1e-30   # products that round to -0
     want = [_bits(v) for v in K.norm_backward_launch(dy, x, w, rstd, None, scale)]
-    knob_kernels(K, {"BWD_TAIL1": True, "BWD_UNIT": True, "BWD_CP_ROW": True})
+    knob_kernels(K, {"BWD_TAIL1": True, "BWD_UNIT": True, "BWD_CP_ROW": True, "BWD_FUSE": fuse})
     got = [_bits(v) for v in K.norm_backward_launch(dy, x, w, rstd, None, scale)]
     for i, (g, e) in enumerate(zip(got, want)):
         assert (g is None and e is None) or torch.equal(g, e), f"output {i}"

@@ -74,6 +74,9 @@ BWD_CP_ROW = False  # with BWD_PIPE: a row's cp.async copies issued by one helpe
 BWD_TAIL1 = False  # with BWD_PIPE: in pass 1 a thread whose tail column block lies past the row adds the zero lanes'
                    # term (0 * rstd) * ((0 * out_scale) * 1) once instead of computing E lanes of it (+-0 or NaN:
                    # adding it again changes nothing, so the same bits); its weight-gradient lanes are never stored
+BWD_FUSE = False   # with BWD_PIPE: one loop over the column blocks does pass 1 of row k and then the dx of row k - 1
+                   # on the same weight vector (one weight load and unpack per block instead of two), then the
+                   # butterfly; the zero lanes as BWD_TAIL1. The same per-row arithmetic in the same order.
 FWD_UNIT = False   # forward ops: a second static config for out_scale == 1.0 (picked by the launcher): o = round((h *
                    # rstd) * w) without the product w * out_scale (one FMUL per element fewer; h * rstd without a
                    # weight). Exact: w * 1.0f == w (no fast math), and h * rstd is an FMUL (NaN canonical as before).
@@ -626,6 +629,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
         WS = BWD_W_SMEM and has_weight
         CPR = bool(BWD_CP_ROW)
         TAIL1 = bool(BWD_TAIL1)
+        FUSE = bool(BWD_FUSE)
 
         def wsrc(W, ws, col, e):
             return ws[col + e] if WS else W[col + e]
@@ -642,6 +646,8 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
             xl = T.alloc_local((E,), x_dtype)
             dl = T.alloc_local((E,), x_dtype)
             io = T.alloc_local((E,), x_dtype)
+            x2 = T.alloc_local((E if FUSE else 1,), x_dtype)   # BWD_FUSE: row k - 1's vectors
+            d2 = T.alloc_local((E if FUSE else 1,), x_dtype)
             red = T.alloc_shared((2, NW), "float32")
             acc = T.alloc_var("float32")
             am = T.alloc_var("float32")
@@ -697,18 +703,33 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                                           DY.access_ptr("r", offset=nxt * GS + col))
                 T.call_extern("void", "nf_cp_commit")
                 T.call_extern("void", "nf_cp_wait<1>")   # row k's group (this thread's copies)
-                # pass 1 of row k
-                if row < Tn:
+                if FUSE:   # BWD_FUSE: per column block, pass 1 of row k then the dx of row k - 1 (one weight load)
+                    cur = row < Tn
+                    prev = row - _NP
+                    on = T.And(k > 0, prev < Tn)
                     s = k % ST
-                    r = rs[s, tx]
+                    sp = (k + ST - 1) % ST
+                    r = T.alloc_var("float32")
+                    rp = T.alloc_var("float32")
+                    r = T.float32(0.0)
+                    am = T.float32(0.0)
+                    rp = T.float32(0.0)
+                    if cur:
+                        r = rs[s, tx]
+                    if on:
+                        am = red[(k + 1) % 2, 0]
+                        for i in T.unroll(1, NW):
+                            am = am + red[(k + 1) % 2, i]
+                        am = am / T.float32(hidden)
+                        rp = rs[sp, tx]
                     acc = T.float32(0.0)
-                    if TAIL1:   # BWD_TAIL1: a thread's lanes past the row in one FFMA
-                        for c in T.unroll(C):
-                            col = (c * TB + tx) * E
-                            if T.Or(c < CF, col < hidden):
-                                if has_weight:
-                                    for e in T.vectorized(E):
-                                        wl[e] = wsrc(W, ws, col, e)
+                    for c in T.unroll(C):
+                        col = (c * TB + tx) * E
+                        if T.Or(c < CF, col < hidden):
+                            if has_weight:
+                                for e in T.vectorized(E):
+                                    wl[e] = wsrc(W, ws, col, e)
+                            if cur:
                                 for e in T.vectorized(E):
                                     xl[e] = xs[s, col + e]
                                 for e in T.vectorized(E):
@@ -721,30 +742,43 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                                         acc = acc + xh * (g * f32(wl, e))
                                     else:
                                         acc = acc + xh * g
-                            else:   # E lanes of x = dy = 0, w = 1: the same term E times; acc + t + t == acc + t
-                                # t = +-0 or NaN: acc + t is idempotent (CUDA helper: TIR would fold 0 * r)
-                                acc = T.call_extern("float32", f"nf_zero_lanes<{str(not unit).lower()}, "
-                                                    f"{str(bool(has_weight)).lower()}>", acc, r, out_scale)
-                    else:
-                        for c in T.unroll(C):
-                            col = (c * TB + tx) * E
-                            if c < CF:   # a block every thread fills: no defaults, no predicate
-                                if has_weight:
+                            if on:
+                                for e in T.vectorized(E):
+                                    x2[e] = xs[sp, col + e]
+                                for e in T.vectorized(E):
+                                    d2[e] = ds[sp, col + e]
+                                if has_res_grad:
+                                    rg = T.alloc_local((E,), x_dtype)
                                     for e in T.vectorized(E):
-                                        wl[e] = wsrc(W, ws, col, e)
-                                else:
-                                    for e in T.vectorized(E):
-                                        wl[e] = T.cast(1, x_dtype)
+                                        rg[e] = RG[prev, col + e]
+                                for e in T.unroll(E):
+                                    xh = f32(x2, e) * rp
+                                    g = scaled(f32(d2, e), out_scale)
+                                    gw = g * f32(wl, e) if has_weight else g
+                                    if has_res_grad:
+                                        io[e] = T.cast((gw - xh * am) * rp + f32(rg, e), x_dtype)
+                                    else:
+                                        io[e] = T.cast((gw - xh * am) * rp, x_dtype)
                                 for e in T.vectorized(E):
-                                    xl[e] = xs[s, col + e]
-                                for e in T.vectorized(E):
-                                    dl[e] = ds[s, col + e]
-                            else:        # the tail block: lanes past the row compute on zeros, as the other bodies
-                                for e in T.vectorized(E):
-                                    wl[e] = T.cast(1, x_dtype)
-                                    xl[e] = T.cast(0, x_dtype)
-                                    dl[e] = T.cast(0, x_dtype)
-                                if col < hidden:
+                                    DX[prev, col + e] = io[e]
+                        elif cur:   # the zero lanes' term once (as BWD_TAIL1)
+                            acc = T.call_extern("float32", f"nf_zero_lanes<{str(not unit).lower()}, "
+                                                f"{str(bool(has_weight)).lower()}>", acc, r, out_scale)
+                    for st in T.unroll(5):
+                        acc = acc + T.shfl_xor(acc, T.shift_right(16, st))
+                    if T.And(cur, tx % 32 == 0):
+                        red[k % 2, tx // 32] = acc
+                    T.sync_threads()
+                else:
+                    # pass 1 of row k
+                    if row < Tn:
+                        s = k % ST
+                        r = rs[s, tx]
+                        acc = T.float32(0.0)
+                        if TAIL1:   # BWD_TAIL1: a thread's lanes past the row in one FFMA
+                            for c in T.unroll(C):
+                                col = (c * TB + tx) * E
+                                if T.Or(c < CF, col < hidden):
                                     if has_weight:
                                         for e in T.vectorized(E):
                                             wl[e] = wsrc(W, ws, col, e)
@@ -752,57 +786,96 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                                         xl[e] = xs[s, col + e]
                                     for e in T.vectorized(E):
                                         dl[e] = ds[s, col + e]
-                            for e in T.unroll(E):
-                                xh = f32(xl, e) * r
-                                g = scaled(f32(dl, e), out_scale)
+                                    for e in T.unroll(E):
+                                        xh = f32(xl, e) * r
+                                        g = scaled(f32(dl, e), out_scale)
+                                        if has_weight:
+                                            wacc[c, e] = wacc[c, e] + xh * g
+                                            acc = acc + xh * (g * f32(wl, e))
+                                        else:
+                                            acc = acc + xh * g
+                                else:   # E lanes of x = dy = 0, w = 1: the same term E times; acc + t + t == acc + t
+                                    # t = +-0 or NaN: acc + t is idempotent (CUDA helper: TIR would fold 0 * r)
+                                    acc = T.call_extern("float32", f"nf_zero_lanes<{str(not unit).lower()}, "
+                                                        f"{str(bool(has_weight)).lower()}>", acc, r, out_scale)
+                        else:
+                            for c in T.unroll(C):
+                                col = (c * TB + tx) * E
+                                if c < CF:   # a block every thread fills: no defaults, no predicate
+                                    if has_weight:
+                                        for e in T.vectorized(E):
+                                            wl[e] = wsrc(W, ws, col, e)
+                                    else:
+                                        for e in T.vectorized(E):
+                                            wl[e] = T.cast(1, x_dtype)
+                                    for e in T.vectorized(E):
+                                        xl[e] = xs[s, col + e]
+                                    for e in T.vectorized(E):
+                                        dl[e] = ds[s, col + e]
+                                else:        # the tail block: lanes past the row compute on zeros, as the other bodies
+                                    for e in T.vectorized(E):
+                                        wl[e] = T.cast(1, x_dtype)
+                                        xl[e] = T.cast(0, x_dtype)
+                                        dl[e] = T.cast(0, x_dtype)
+                                    if col < hidden:
+                                        if has_weight:
+                                            for e in T.vectorized(E):
+                                                wl[e] = wsrc(W, ws, col, e)
+                                        for e in T.vectorized(E):
+                                            xl[e] = xs[s, col + e]
+                                        for e in T.vectorized(E):
+                                            dl[e] = ds[s, col + e]
+                                for e in T.unroll(E):
+                                    xh = f32(xl, e) * r
+                                    g = scaled(f32(dl, e), out_scale)
+                                    if has_weight:
+                                        wacc[c, e] = wacc[c, e] + xh * g
+                                        acc = acc + xh * (g * f32(wl, e))
+                                    else:
+                                        acc = acc + xh * g
+                    # dx of row k - 1 (A from red slot (k - 1) % 2), row k's butterfly steps between its column blocks
+                    prev = row - _NP
+                    on = T.And(k > 0, prev < Tn)
+                    sp = (k + ST - 1) % ST
+                    rp = T.alloc_var("float32")
+                    am = T.float32(0.0)
+                    rp = T.float32(0.0)
+                    if on:
+                        am = red[(k + 1) % 2, 0]
+                        for i in T.unroll(1, NW):
+                            am = am + red[(k + 1) % 2, i]
+                        am = am / T.float32(hidden)
+                        rp = rs[sp, tx]
+                    for c in T.unroll(max(C, 5)):
+                        if c < 5:
+                            acc = acc + T.shfl_xor(acc, T.shift_right(16, c))
+                        if c < C:
+                            col = (c * TB + tx) * E
+                            if T.And(on, T.Or(c < CF, col < hidden)):
+                                for e in T.vectorized(E):
+                                    xl[e] = xs[sp, col + e]
+                                for e in T.vectorized(E):
+                                    dl[e] = ds[sp, col + e]
                                 if has_weight:
-                                    wacc[c, e] = wacc[c, e] + xh * g
-                                    acc = acc + xh * (g * f32(wl, e))
-                                else:
-                                    acc = acc + xh * g
-                # dx of row k - 1 (A from red slot (k - 1) % 2), row k's butterfly steps between its column blocks
-                prev = row - _NP
-                on = T.And(k > 0, prev < Tn)
-                sp = (k + ST - 1) % ST
-                rp = T.alloc_var("float32")
-                am = T.float32(0.0)
-                rp = T.float32(0.0)
-                if on:
-                    am = red[(k + 1) % 2, 0]
-                    for i in T.unroll(1, NW):
-                        am = am + red[(k + 1) % 2, i]
-                    am = am / T.float32(hidden)
-                    rp = rs[sp, tx]
-                for c in T.unroll(max(C, 5)):
-                    if c < 5:
-                        acc = acc + T.shfl_xor(acc, T.shift_right(16, c))
-                    if c < C:
-                        col = (c * TB + tx) * E
-                        if T.And(on, T.Or(c < CF, col < hidden)):
-                            for e in T.vectorized(E):
-                                xl[e] = xs[sp, col + e]
-                            for e in T.vectorized(E):
-                                dl[e] = ds[sp, col + e]
-                            if has_weight:
-                                for e in T.vectorized(E):
-                                    wl[e] = wsrc(W, ws, col, e)
-                            if has_res_grad:
-                                rg = T.alloc_local((E,), x_dtype)
-                                for e in T.vectorized(E):
-                                    rg[e] = RG[prev, col + e]
-                            for e in T.unroll(E):
-                                xh = f32(xl, e) * rp
-                                g = scaled(f32(dl, e), out_scale)
-                                gw = g * f32(wl, e) if has_weight else g
+                                    for e in T.vectorized(E):
+                                        wl[e] = wsrc(W, ws, col, e)
                                 if has_res_grad:
-                                    io[e] = T.cast((gw - xh * am) * rp + f32(rg, e), x_dtype)
-                                else:
-                                    io[e] = T.cast((gw - xh * am) * rp, x_dtype)
-                            for e in T.vectorized(E):
-                                DX[prev, col + e] = io[e]
-                if T.And(row < Tn, tx % 32 == 0):
-                    red[k % 2, tx // 32] = acc
-                T.sync_threads()
+                                    rg = T.alloc_local((E,), x_dtype)
+                                    for e in T.vectorized(E):
+                                        rg[e] = RG[prev, col + e]
+                                for e in T.unroll(E):
+                                    xh = f32(xl, e) * rp
+                                    g = scaled(f32(dl, e), out_scale)
+                                    gw = g * f32(wl, e) if has_weight else g
+                                    if has_res_grad:
+                                        io[e] = T.cast((gw - xh * am) * rp + f32(rg, e), x_dtype)
+                                    else:
+                                        io[e] = T.cast((gw - xh * am) * rp, x_dtype)
+                                for e in T.vectorized(E):
+                                    DX[prev, col + e] = io[e]
+                    if T.And(row < Tn, tx % 32 == 0):
+                        red[k % 2, tx // 32] = acc
+                    T.sync_threads()
             T.call_extern("void", "nf_cp_wait<0>")   # no copy outlives the CTA
             if has_weight:
                 for c in T.unroll(C):
@@ -829,7 +902,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
         with T.Kernel(_NP, threads=TB) as p:
             T.annotate_min_blocks_per_sm(2)  # <= 128 registers: two CTAs per SM, so all NP CTAs run at once
             T.import_source(_CUDA_HELPERS + (_CP_ROW_HELPER if BWD_CP_ROW and BWD_PIPE and ST == 3 else "")
-                            + (_TAIL_HELPER if BWD_TAIL1 and BWD_PIPE and ST == 3 else ""))
+                            + (_TAIL_HELPER if (BWD_TAIL1 or BWD_FUSE) and BWD_PIPE and ST == 3 else ""))
             if BWD_PDL:
                 T.pdl_sync()
             if BWD_TRIGGER:
