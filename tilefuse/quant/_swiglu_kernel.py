@@ -27,7 +27,8 @@ binary32 bit patterns.
 
 Tuning knobs (module constants read by the factories, overridable through ``TILEFUSE_KNOBS``; tiling and
 scheduling only, never the arithmetic): FWD_PTC_DEPTH, FWD_PTC_ROW_THREADS; BWD_MIN_BLOCKS, BWD_THREADS,
-BWD_DEPTH, BWD_ROW_THREADS, BWD_ROW_WARPS, BWD_PDL, BWD_PDL_TRIGGER, BWD_SF_PREFETCH; PCC_MIN_BLOCKS, PCC_PDL,
+BWD_DEPTH, BWD_ROW_THREADS, BWD_ROW_WARPS, BWD_PDL, BWD_PDL_TRIGGER, BWD_SF_PREFETCH, BWD_WG_ZERO,
+BWD_WG_STAGE, BWD_STORE_HINT; PCC_MIN_BLOCKS, PCC_PDL,
 PCC_PDL_TRIGGER, PCC_GROUP, PCC_PERSIST.
 """
 
@@ -410,8 +411,9 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
     row-major fp32 sf (T, 2H / npc)), npc in {32, 128}, round_sf, binary32 clamp bits or None.
 
     Lane ``q`` of a row's team (``L`` consecutive threads, up to ``BWD_ROW_THREADS``) holds chunks of 8
-    gate/up column pairs at ``c*L*8 + q*8``; a ``dx`` (or ``dy``) group is ``npc / 8`` adjacent lanes (one warp). ``WG`` (fp32, flat (T*K,)) must be zero-filled by the caller: the
-    kernel writes the row sums only (at ``pos_to_token_topk[row]`` where ``token_topk_to_pos`` is not -1).
+    gate/up column pairs at ``c*L*8 + q*8``; a ``dx`` (or ``dy``) group is ``npc / 8`` adjacent lanes (one warp). ``WG`` (fp32, flat (T*K,)) must be zero-filled by the caller
+    (unless BWD_WG_ZERO: then the kernel stores the zeros where ``token_topk_to_pos`` is -1): the kernel writes the
+    row sums only (at ``pos_to_token_topk[row]`` where ``token_topk_to_pos`` is not -1).
     """
     import tilelang.language as T
 
@@ -665,13 +667,15 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
             if T.And(T.And(ok, q == 0), T.And(p >= 0, p < NW)):
                 if tt[0] != -1:
                     WG[p] = acc[0]
-            if BWD_WG_ZERO:  # +0.0 wherever token_topk_to_pos is -1 (grid-stride over the NW entries)
-                nthr = T.cast(T.ceildiv(Tn, BM), "int64") * threads
-                gt = T.cast(bx, "int64") * threads + tx
-                if gt < T.cast(NW, "int64"):  # (the trip count's division only in the threads that store)
-                    for k in T.serial(T.ceildiv(T.cast(NW, "int64") - gt, nthr)):
-                        if TT2P[gt + k * nthr] == -1:
-                            WG[gt + k * nthr] = T.float32(0.0)
+            if BWD_WG_ZERO:  # +0.0 wherever token_topk_to_pos is -1: CTA b takes the threads-wide slices b, b + grid, ...
+                nb = T.ceildiv(NW, threads)  # slices of WG (int32: weight.numel() < 2^31 - 1024)
+                G = T.ceildiv(Tn, BM)
+                if bx < nb:  # (the trip count's division only where there is a slice)
+                    for k in T.serial(T.ceildiv(nb - bx, G)):
+                        i = (bx + k * G) * threads + tx
+                        if i < NW:
+                            if TT2P[i] == -1:
+                                WG[i] = T.float32(0.0)
 
     return swiglu_bwd_ptc
 
