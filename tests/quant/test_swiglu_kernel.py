@@ -556,6 +556,11 @@ _KNOB_CASES = (
     ("BWD_ROW_WARPS", 7, "swiglu_bwd_ptc", K._bwd_ptc_cfg(2048, 32, True, 0.5)),     # not covered: default team
     ("BWD_PDL", True, "swiglu_bwd_ptc", K._bwd_ptc_cfg(7168, 128, True, None)),
     ("BWD_SF_PREFETCH", True, "swiglu_bwd_ptc", K._bwd_ptc_cfg(7168, 128, True, None)),
+    ("BWD_WG_ZERO", True, "swiglu_bwd_ptc", K._bwd_ptc_cfg(7168, 128, True, None)),
+    ("BWD_WG_ZERO", True, "swiglu_bwd_ptc", K._bwd_ptc_cfg(2560, 32, False, 0.5)),     # 2 rows per CTA
+    ("BWD_WG_STAGE", True, "swiglu_bwd_ptc", K._bwd_ptc_cfg(7168, 128, True, None)),   # no ROW_WARPS: a no-op
+    ("BWD_STORE_HINT", 1, "swiglu_bwd_ptc", K._bwd_ptc_cfg(7168, 128, True, None)),
+    ("BWD_STORE_HINT", 2, "swiglu_bwd_ptc", K._bwd_ptc_cfg(2560, 32, False, 0.5)),
     ("PCC_PDL_TRIGGER", True, "swiglu_fwd_pcc", K._pcc_cfg(7168, 128, True, True, None)),
     ("PCC_GROUP", 21, "swiglu_fwd_pcc", K._pcc_cfg(7168, 128, True, True, None)),
     ("PCC_GROUP", 9, "swiglu_fwd_pcc", K._pcc_cfg(576, 128, True, False, 10.0)),
@@ -580,6 +585,16 @@ def test_knob_alternatives_build_for_sm90(knob, value, name, cfg, monkeypatch):
 BWD_KNOB_VARIANTS = (
     {"BWD_ROW_WARPS": 7, "BWD_MIN_BLOCKS": 4, "BWD_PDL": True, "BWD_PDL_TRIGGER": True, "BWD_SF_PREFETCH": True},
     {"BWD_PDL": True, "BWD_PDL_TRIGGER": True, "BWD_SF_PREFETCH": True},
+)
+# round 4: the kernel zero-fills weight_grad itself; the weight-gradient sum staged in shared memory (the default's
+# order under any BWD_ROW_WARPS tiling); evict-first output stores
+_R4 = {"BWD_WG_ZERO": True, "BWD_PDL": True, "BWD_PDL_TRIGGER": True}
+BWD_R4_VARIANTS = (
+    dict(_R4),
+    {"BWD_ROW_WARPS": 14, "BWD_MIN_BLOCKS": 2, "BWD_WG_STAGE": True, **_R4},
+    {"BWD_ROW_WARPS": 7, "BWD_MIN_BLOCKS": 4, "BWD_WG_STAGE": True, **_R4},
+    {"BWD_ROW_WARPS": 14, "BWD_MIN_BLOCKS": 2, "BWD_WG_STAGE": True, "BWD_STORE_HINT": 2, **_R4},
+    {"BWD_STORE_HINT": 2, **_R4},
 )
 PCC_KNOB_VARIANTS = ({"PCC_GROUP": 21, "PCC_PDL_TRIGGER": True}, {"PCC_GROUP": 9},
                      {"PCC_PERSIST": 528, "PCC_PDL_TRIGGER": True},
@@ -613,6 +628,53 @@ def test_bwd_knob_variants_source(knobs, monkeypatch):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("knobs", BWD_R4_VARIANTS, ids=str)
+def test_bwd_r4_variants_source(knobs, monkeypatch):
+    """Round-4 variants: the zero stores guarded by token_topk_to_pos == -1; the staged row sum (ROW_WARPS) is
+    read back by the default team's 128 lanes, 7 chunks of 8 FMAs each in the default's order; hinted stores."""
+    _jit.registered()
+    src = _knob_source(monkeypatch, knobs, "swiglu_bwd_ptc", K._bwd_ptc_cfg(7168, 128, True, None))
+    threads = 32 * knobs.get("BWD_ROW_WARPS", 4)
+    assert f"__launch_bounds__({threads}, {knobs.get('BWD_MIN_BLOCKS', K.BWD_MIN_BLOCKS)})" in src
+    assert "] == -1) {" in src and "= 0x0p+0f" in src
+    if knobs.get("BWD_WG_STAGE"):
+        assert "act_s" in src and "if (((int)threadIdx.x) < 128) {" in src and "c0 < 7;" in src
+        assert "acc[0] = (acc[0] + (((float)gv[" in src
+    else:
+        assert "act_s" not in src
+    if knobs.get("BWD_STORE_HINT") == 2:
+        assert src.count("swg_st16_ef((") == 3 and src.count("swg_st8_ef((") == 2
+
+
+@pytest.mark.compile
+def test_bwd_wg_zero_launcher_allocates_uninitialized(monkeypatch):
+    """BWD_WG_ZERO: no zero-fill ahead of the kernel (torch.empty), except T = 0 (no launch: zeros)."""
+    calls = []
+
+    def fake_get(name, cfg):
+        return lambda *args: calls.append((name, cfg))
+
+    monkeypatch.setattr(_jit, "get", fake_get)
+    monkeypatch.setattr(K, "BWD_WG_ZERO", True)
+    made = []
+    real_empty, real_zeros = torch.empty, torch.zeros
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: made.append("empty") or real_empty(*a, **k))
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: made.append("zeros") or real_zeros(*a, **k))
+    for t in (3, 0):
+        data = real_zeros((t, 512), dtype=torch.float8_e4m3fn)
+        sf = real_zeros((t, 4), dtype=torch.float32)
+        grad = real_zeros((t, 256), dtype=torch.bfloat16)
+        weight = real_zeros((4, 2), dtype=torch.float32)
+        p2t = real_zeros((t,), dtype=torch.int32)
+        tt2p = real_zeros((4, 2), dtype=torch.int32)
+        made.clear()
+        wg = K.swiglu_bwd_ptc_launch(data, sf, grad, weight, p2t, tt2p, 128, True)[4]
+        assert made == (["empty"] if t else ["zeros"])
+        if not t:
+            assert not bool(wg.any())
+
+
+@pytest.mark.compile
 def test_pcc_group_launch_order_source(monkeypatch):
     """PCC_GROUP: a 3-D grid (token tile in group, channel block, group); CTAs past the last token tile exit."""
     _jit.registered()
@@ -636,6 +698,31 @@ def test_bwd_knob_variants_match_reference(knobs, t, case, knob_kernels):
     again = K.swiglu_bwd_ptc_launch(*inputs, case[1], case[2], case[3])
     for a, b in zip(again, first):
         assert_equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", BWD_R4_VARIANTS, ids=str)
+@pytest.mark.parametrize("t", (1, 7, 4001))
+@pytest.mark.parametrize("case", ((7168, 128, True, None), (7168, 128, False, 10.0), (2560, 32, False, 0.5)),
+                         ids=str)
+def test_bwd_r4_variants_bitwise_equal_default(knobs, t, case, knob_kernels):
+    """Round-4 variants: every output bit-identical to the default kernel's, weight_grad included (the staged
+    sum keeps the default's order; the kernel's own zeros land where token_topk_to_pos is -1), on a weight_grad
+    buffer that starts as garbage (the caching allocator's poisoned blocks)."""
+    inputs = _bwd_inputs(t, case[0], case[1])
+    want = K.swiglu_bwd_ptc_launch(*inputs, case[1], case[2], case[3])
+    knob_kernels(K, knobs)
+    got = _bwd_check(case, *inputs)
+    for a, b in zip(got, want):
+        assert_equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fill", ("nan", "inf"))
+def test_bwd_r4_variant_nan_inf(fill, knob_kernels):
+    """quant.md 1.7 through the staged-sum variant (bench config)."""
+    knob_kernels(K, BWD_R4_VARIANTS[1])
+    test_bwd_ptc_nan_inf((7168, 128, True, None), fill)
 
 
 @pytest.mark.gpu

@@ -27,7 +27,8 @@ binary32 bit patterns.
 
 Tuning knobs (module constants read by the factories, overridable through ``TILEFUSE_KNOBS``; tiling and
 scheduling only, never the arithmetic): FWD_PTC_DEPTH, FWD_PTC_ROW_THREADS; BWD_MIN_BLOCKS, BWD_THREADS,
-BWD_DEPTH, BWD_ROW_THREADS, BWD_ROW_WARPS, BWD_PDL, BWD_PDL_TRIGGER, BWD_SF_PREFETCH; PCC_MIN_BLOCKS, PCC_PDL,
+BWD_DEPTH, BWD_ROW_THREADS, BWD_ROW_WARPS, BWD_PDL, BWD_PDL_TRIGGER, BWD_SF_PREFETCH, BWD_WG_ZERO,
+BWD_WG_STAGE, BWD_STORE_HINT; PCC_MIN_BLOCKS, PCC_PDL,
 PCC_PDL_TRIGGER, PCC_GROUP, PCC_PERSIST.
 """
 
@@ -356,8 +357,45 @@ BWD_PDL_TRIGGER = False
 # sf when it computes, a dependent load that otherwise misses L1 on each new line (an SF_AHEAD knob that loaded
 # the values themselves with the data cost registers and lost)
 BWD_SF_PREFETCH = False
+# no zero-fill kernel ahead of the launch (the launcher allocates weight_grad uninitialized): the kernel itself
+# stores +0.0 at every (t, k) whose token_topk_to_pos is -1 (grid-stride over the NW entries, after each CTA's
+# row), and the rows store their sums as today (only where token_topk_to_pos is not -1: the two sets are disjoint,
+# no race). Every entry quant.md 3.13 defines keeps its bits; an entry reached by neither rule (token_topk_to_pos
+# not -1 but no row points at it: an inconsistent map) is left as allocated instead of 0 (undefined in 3.13).
+BWD_WG_ZERO = False
+# with BWD_ROW_WARPS (one CTA per row, C chunks per lane): the weight-gradient row sum in the default's order,
+# whatever the tiling. Each thread stages its unweighted act (binary32) and g (bf16) in shared memory (6 bytes per
+# column pair); after a barrier the default team's lanes (threads 0 .. L0-1, L0 = the default's 128) run the
+# default lane's FMA chain (its chunks in order, 8 pairs each), butterfly and per-warp sum in the same order:
+# weight_grad bit-identical to the default kernel
+BWD_WG_STAGE = False
+# output stores (OUT, x_grad: 16 bytes; x_grad_fp8: 8 bytes per lane and chunk): 0 plain st.global; 1
+# st.global.cs (streaming); 2 st.global.L1::no_allocate with an L2 evict-first cache policy. Written once, never
+# re-read here (quant/_cast_back_kernel.py's UNPACK_STORE_HINT=2 won on the write-heavy unpack)
+BWD_STORE_HINT = 0
+_BWD_SUM_LANES = 128  # the default team width (BWD_ROW_THREADS and BWD_THREADS at their defaults): WG_STAGE's order
 _BWD_HELPERS = """
 __device__ __forceinline__ void swg_prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" : : "l"(p)); }
+"""
+_BWD_STORE_HELPERS = r"""
+__device__ __forceinline__ void swg_st16_cs(void* p, const void* v) {
+  const uint4 w = *reinterpret_cast<const uint4*>(v);
+  asm volatile("st.global.cs.v4.b32 [%0], {%1, %2, %3, %4};" :: "l"(p), "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w)); }
+__device__ __forceinline__ void swg_st8_cs(void* p, const void* v) {
+  const uint2 w = *reinterpret_cast<const uint2*>(v);
+  asm volatile("st.global.cs.v2.b32 [%0], {%1, %2};" :: "l"(p), "r"(w.x), "r"(w.y)); }
+__device__ __forceinline__ unsigned long long swg_ef_policy() {
+  unsigned long long pol;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  return pol; }
+__device__ __forceinline__ void swg_st16_ef(void* p, const void* v) {
+  const uint4 w = *reinterpret_cast<const uint4*>(v);
+  asm volatile("st.global.L1::no_allocate.L2::cache_hint.v4.b32 [%0], {%1, %2, %3, %4}, %5;"
+               :: "l"(p), "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w), "l"(swg_ef_policy())); }
+__device__ __forceinline__ void swg_st8_ef(void* p, const void* v) {
+  const uint2 w = *reinterpret_cast<const uint2*>(v);
+  asm volatile("st.global.L1::no_allocate.L2::cache_hint.v2.b32 [%0], {%1, %2}, %3;"
+               :: "l"(p), "r"(w.x), "r"(w.y), "l"(swg_ef_policy())); }
 """
 
 
@@ -373,8 +411,9 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
     row-major fp32 sf (T, 2H / npc)), npc in {32, 128}, round_sf, binary32 clamp bits or None.
 
     Lane ``q`` of a row's team (``L`` consecutive threads, up to ``BWD_ROW_THREADS``) holds chunks of 8
-    gate/up column pairs at ``c*L*8 + q*8``; a ``dx`` (or ``dy``) group is ``npc / 8`` adjacent lanes (one warp). ``WG`` (fp32, flat (T*K,)) must be zero-filled by the caller: the
-    kernel writes the row sums only (at ``pos_to_token_topk[row]`` where ``token_topk_to_pos`` is not -1).
+    gate/up column pairs at ``c*L*8 + q*8``; a ``dx`` (or ``dy``) group is ``npc / 8`` adjacent lanes (one warp). ``WG`` (fp32, flat (T*K,)) must be zero-filled by the caller
+    (unless BWD_WG_ZERO: then the kernel stores the zeros where ``token_topk_to_pos`` is -1): the kernel writes the
+    row sums only (at ``pos_to_token_topk[row]`` where ``token_topk_to_pos`` is not -1).
     """
     import tilelang.language as T
 
@@ -393,6 +432,13 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
     NS = C  # register slots of the chunk inputs: chunk c in slot c (the chunk loop is fully unrolled)
     BM = threads // L
     ngh = hidden // npc  # groups per half row
+    # BWD_WG_STAGE: the default team (L0 lanes, C0 chunks each) sums the staged act * g in its own order
+    L0 = _team_cap(nch, _BWD_SUM_LANES)
+    stage = BWD_WG_STAGE and BM == 1 and L != L0 and L % 32 == 0 and L0 % 32 == 0 and L0 <= L
+    LW0 = min(L0, 32)
+    WPR0 = L0 // LW0
+    C0 = nch // L0
+    store_fn = {1: ("swg_st16_cs", "swg_st8_cs"), 2: ("swg_st16_ef", "swg_st8_ef")}.get(BWD_STORE_HINT)
 
     Tn, NW = T.dynamic("num_tokens, num_weights")
     # shared-reciprocal division (see _recip_and_quotient): the clamped x must stay in its range; a clamp c
@@ -413,6 +459,8 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
             T.annotate_min_blocks_per_sm(BWD_MIN_BLOCKS)  # <= 64 registers: 8 CTAs (32 rows) per SM at once
             if BWD_SF_PREFETCH:
                 T.import_source(_BWD_HELPERS)
+            if store_fn is not None:
+                T.import_source(_BWD_STORE_HELPERS)
             if BWD_PDL:  # before any global access: the previous grid has completed and its writes are visible
                 T.pdl_sync()
                 if BWD_PDL_TRIGGER:
@@ -441,6 +489,13 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
             qs = T.alloc_local((E,), "float32")   # x / t
             sfv = T.alloc_local((2,), "float32")  # the chunk's input sf (gate, up)
             red = T.alloc_shared((threads // 32,), "float32")  # per-warp row sums (WPR > 1)
+            if stage:
+                # act by column pair: unit u = col / 8, 16-byte halves of the 32 units of a warp side by side
+                # (conflict-free 16-byte accesses for writers and for the default team's readers)
+                act_s = T.alloc_shared((nch * E,), "float32")
+                g_s = T.alloc_shared((nch * E,), "bfloat16")
+                av = T.alloc_local((E,), "float32")
+                gv = T.alloc_local((E,), "bfloat16")
             tt = T.alloc_local((1,), "int32")
             p = T.if_then_else(ok, P2T[rs], -1)
             w[0] = T.if_then_else(p >= 0, W[T.min(p, NW - 1)], T.float32(0.0))
@@ -532,7 +587,10 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
                         dx[e] = dxe
                         dy[e] = dye
                         ob[e] = T.cast(act * w[0], "bfloat16")
-                        acc[0] = acc[0] + g * act
+                        if stage:
+                            av[e] = act
+                        else:
+                            acc[0] = acc[0] + g * act
                         am[0] = T.max(am[0], T.abs(dx[e]))
                         am[1] = T.max(am[1], T.abs(dy[e]))
                     for st in T.unroll(Lg.bit_length() - 1):  # group maxima: butterfly over Lg lanes
@@ -548,30 +606,76 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
                         qx[e] = T.cast(dx[e] * inv_x, "float8_e4m3fn")
                     for e in T.vectorized(E):
                         qy[e] = T.cast(dy[e] * inv_y, "float8_e4m3fn")
+                    if stage:
+                        u = c * L + q
+                        for hh in T.unroll(2):
+                            for e in T.vectorized(4):
+                                act_s[(u // 32) * 256 + hh * 128 + (u % 32) * 4 + e] = av[hh * 4 + e]
+                        for e in T.vectorized(E):
+                            g_s[u * E + e] = gb[cs, e]
                     if ok:
-                        for e in T.vectorized(E):
-                            OUT[row, col + e] = ob[e]
-                        for e in T.vectorized(E):
-                            XG[row, col + e] = xb[e]
-                        for e in T.vectorized(E):
-                            XG[row, hidden + col + e] = yb[e]
-                        for e in T.vectorized(E):
-                            Q[row, col + e] = qx[e]
-                        for e in T.vectorized(E):
-                            Q[row, hidden + col + e] = qy[e]
+                        if store_fn is not None:
+                            T.call_extern("handle", store_fn[0], T.address_of(OUT[row, col]), T.address_of(ob[0]))
+                            T.call_extern("handle", store_fn[0], T.address_of(XG[row, col]), T.address_of(xb[0]))
+                            T.call_extern("handle", store_fn[0], T.address_of(XG[row, hidden + col]),
+                                          T.address_of(yb[0]))
+                            T.call_extern("handle", store_fn[1], T.address_of(Q[row, col]), T.address_of(qx[0]))
+                            T.call_extern("handle", store_fn[1], T.address_of(Q[row, hidden + col]),
+                                          T.address_of(qy[0]))
+                        else:
+                            for e in T.vectorized(E):
+                                OUT[row, col + e] = ob[e]
+                            for e in T.vectorized(E):
+                                XG[row, col + e] = xb[e]
+                            for e in T.vectorized(E):
+                                XG[row, hidden + col + e] = yb[e]
+                            for e in T.vectorized(E):
+                                Q[row, col + e] = qx[e]
+                            for e in T.vectorized(E):
+                                Q[row, hidden + col + e] = qy[e]
                         if q % Lg == 0:
                             QSF[row, col // npc] = sf_x
                             QSF[row, ngh + col // npc] = sf_y
-            for st in T.unroll(LW.bit_length() - 1):  # row sum of g * act: fixed butterfly over the warp's lanes
-                acc[0] = acc[0] + T.shfl_xor(acc[0], T.shift_right(LW // 2, st))
-            if WPR > 1:  # then the row's warps in order (every thread reaches the barrier)
-                if tx % 32 == 0:
-                    red[tx // 32] = acc[0]
+            if stage:  # the default team's order: lane q0 < L0 walks its C0 chunks, then butterfly, warps in order
                 T.sync_threads()
-                acc[0] = _shared_sum(red, (tx // L) * WPR, WPR)
+                if tx < L0:
+                    for c0 in T.unroll(C0):
+                        u0 = c0 * L0 + tx
+                        for hh in T.unroll(2):
+                            for e in T.vectorized(4):
+                                av[hh * 4 + e] = act_s[(u0 // 32) * 256 + hh * 128 + (u0 % 32) * 4 + e]
+                        for e in T.vectorized(E):
+                            gv[e] = g_s[u0 * E + e]
+                        for e in T.unroll(E):
+                            acc[0] = acc[0] + T.cast(gv[e], "float32") * av[e]
+                    for st in T.unroll(LW0.bit_length() - 1):
+                        acc[0] = acc[0] + T.shfl_xor(acc[0], T.shift_right(LW0 // 2, st))
+                    if WPR0 > 1:
+                        if tx % 32 == 0:
+                            red[tx // 32] = acc[0]
+                if WPR0 > 1:
+                    T.sync_threads()
+                    acc[0] = _shared_sum(red, 0, WPR0)
+            else:
+                for st in T.unroll(LW.bit_length() - 1):  # row sum of g * act: fixed butterfly over the warp's lanes
+                    acc[0] = acc[0] + T.shfl_xor(acc[0], T.shift_right(LW // 2, st))
+                if WPR > 1:  # then the row's warps in order (every thread reaches the barrier)
+                    if tx % 32 == 0:
+                        red[tx // 32] = acc[0]
+                    T.sync_threads()
+                    acc[0] = _shared_sum(red, (tx // L) * WPR, WPR)
             if T.And(T.And(ok, q == 0), T.And(p >= 0, p < NW)):
                 if tt[0] != -1:
                     WG[p] = acc[0]
+            if BWD_WG_ZERO:  # +0.0 wherever token_topk_to_pos is -1: CTA b takes the threads-wide slices b, b + grid, ...
+                nb = T.ceildiv(NW, threads)  # slices of WG (int32: weight.numel() < 2^31 - 1024)
+                G = T.ceildiv(Tn, BM)
+                if bx < nb:  # (the trip count's division only where there is a slice)
+                    for k in T.serial(T.ceildiv(nb - bx, G)):
+                        i = (bx + k * G) * threads + tx
+                        if i < NW:
+                            if TT2P[i] == -1:
+                                WG[i] = T.float32(0.0)
 
     return swiglu_bwd_ptc
 
@@ -992,7 +1096,9 @@ def swiglu_bwd_ptc_launch(data: torch.Tensor, sf: torch.Tensor, grad_out: torch.
     q = data.new_empty((t, width), dtype=torch.float8_e4m3fn)
     q_sf = data.new_empty((t, width // num_per_channels), dtype=torch.float32)
     x_grad = data.new_empty((t, width), dtype=torch.bfloat16)
-    weight_grad = torch.zeros(weight.shape, dtype=torch.float32, device=data.device)
+    # BWD_WG_ZERO: the kernel stores the zeros itself (no fill kernel); T = 0 still returns a zeroed buffer
+    new_wg = torch.empty if BWD_WG_ZERO and t and weight.numel() else torch.zeros
+    weight_grad = new_wg(weight.shape, dtype=torch.float32, device=data.device)
     if t and weight.numel():
         cfg = _bwd_ptc_cfg(hidden, num_per_channels, round_sf, swiglu_clamp_value)
         _jit.get("swiglu_bwd_ptc", cfg)(_aligned(data), sf, _aligned(grad_out.contiguous()), weight.reshape(-1),
