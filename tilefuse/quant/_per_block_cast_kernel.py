@@ -84,11 +84,11 @@ def _layout(col: bool, packed: bool) -> str:
 class _Common:
     """Kernel pieces shared by both factories for block shape ``(bm, bk)`` and sf layout ``sf_layout``."""
 
-    def __init__(self, T, bm: int, bk: int, sf_layout: str, warps: int = 8, chunk: int = _C):
-        assert chunk <= bk <= _TILE_H and bk & (bk - 1) == 0
+    def __init__(self, T, bm: int, bk: int, sf_layout: str, warps: int = 8, chunk: int = _C, lanes: int = _LANES):
+        assert chunk <= bk <= _TILE_H and bk & (bk - 1) == 0 and bk <= chunk * lanes
         self.nb, self.wb, self.W = _geometry(bm, warps)
         self.rows_per_cta = _RPT * self.W
-        self.threads = _LANES * self.W
+        self.threads = lanes * self.W
         nb, wb = self.nb, self.wb
         log2_lanes = (bk // chunk).bit_length() - 1
 
@@ -101,10 +101,10 @@ class _Common:
                 for n in T.unroll(nb):
                     vals[n] = T.max(vals[n], T.shfl_xor(vals[n], T.shift_left(1, s)))
             if wb > 1:
-                red[w * _LANES + lane] = vals[0]
+                red[w * lanes + lane] = vals[0]
                 T.sync_threads()
                 for k in T.unroll(wb):
-                    vals[0] = T.max(vals[0], red[((w // wb) * wb + k) * _LANES + lane])
+                    vals[0] = T.max(vals[0], red[((w // wb) * wb + k) * lanes + lane])
 
         @T.macro
         def store_sf(SF, rb, cb, sf_value, byte_value):
@@ -210,6 +210,46 @@ __device__ __forceinline__ void tf_pbc_ll_row2(void* y, int w0, int w1, int d) {
   o.w = tf_pbc_prmt(lo, hi, __umulhi(n, 0x10000u)) | (tf_pbc_prmt(v, v4, 0x3726u) & 0x80808080u);
   *reinterpret_cast<uint4*>(y) = o; }
 """
+# LOSSLESS_LANES: lanes along channels of one 8-row group of per_block_cast_lossless (32: a warp is one group, a CTA
+# covers 256 channels). 16 or 8: a warp holds 2 or 4 row groups side by side and a CTA covers 128 or 64 channels of
+# the same rows, with 1/2 or 1/4 the threads (256 or 128 for 128-row blocks): twice or four times as many CTAs, each
+# half or a quarter as long (a shorter tail wave, a barrier over fewer warps), with as many resident threads per SM
+# (CTAs per SM from ``_LOSSLESS_REGS`` with no cap, unless LOSSLESS_CTAS). A warp's row access is then 2 or 4 rows of
+# 64 or 32 bytes (whole sectors). Applies when the output block is at most ``LANES * 8`` channels wide (else 32).
+# Each block's maximum is over the same elements: same values.
+LOSSLESS_LANES = 32
+# LOSSLESS_STORE_HINT: the e4m3 row stores of the byte-permute path (LOSSLESS_PRMT) 0: plain st.global;
+# 1: st.global.cs (streaming); 2: st.global.L1::no_allocate with an L2 evict-first policy. The output is written
+# once and never re-read here. Same bytes.
+LOSSLESS_STORE_HINT = 0
+_LL_ST = {
+    1: "__stcs(reinterpret_cast<uint2*>(y), o); }",
+    2: ("unsigned long long pol; asm(\"createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\" : \"=l\"(pol));\n"
+        "  asm volatile(\"st.global.L1::no_allocate.L2::cache_hint.v2.b32 [%0], {%1, %2}, %3;\"\n"
+        "               :: \"l\"(y), \"r\"(o.x), \"r\"(o.y), \"l\"(pol)); }"),
+}
+_LL_ST2 = {
+    1: "__stcs(reinterpret_cast<uint4*>(y), o); }",
+    2: ("unsigned long long pol; asm(\"createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\" : \"=l\"(pol));\n"
+        "  asm volatile(\"st.global.L1::no_allocate.L2::cache_hint.v4.b32 [%0], {%1, %2, %3, %4}, %5;\"\n"
+        "               :: \"l\"(y), \"r\"(o.x), \"r\"(o.y), \"r\"(o.z), \"r\"(o.w), \"l\"(pol)); }"),
+}
+# LOSSLESS_LOAD_HINT: the packed data word loads of per_block_cast_lossless (8 channels per thread) 0: TileLang's
+# plain load; 1: ld.global.nc.L1::no_allocate (read-only, not kept in L1: each word is read once); 2: the same with an
+# L2 evict-first cache policy. Same words.
+LOSSLESS_LOAD_HINT = 0
+_LL_LDD = {
+    1: """
+__device__ __forceinline__ int tf_pbc_ldd(const void* p) {
+  int v; asm volatile("ld.global.nc.L1::no_allocate.b32 %0, [%1];" : "=r"(v) : "l"(p)); return v; }
+""",
+    2: """
+__device__ __forceinline__ int tf_pbc_ldd(const void* p) {
+  unsigned long long pol; asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  int v; asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.b32 %0, [%1], %2;" : "=r"(v) : "l"(p), "l"(pol));
+  return v; }
+""",
+}
 _LL_LDG = """
 template <typename P> __device__ __forceinline__ int tf_pbc_ldg(P p, int off) {
   return __ldg(reinterpret_cast<const int*>(p) + off); }
@@ -396,8 +436,12 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
     c16 = bool(LOSSLESS_C16) and ibk >= 16
     C = 16 if c16 else _C  # channels per thread (LOSSLESS_C16)
     wpt = C // 8  # data words per row of a thread
-    tile_h = C * _LANES  # channels per CTA
-    cm = _Common(T, obm, obk, sf_layout, chunk=C) if c16 else _Common(T, obm, obk, sf_layout)
+    lanes = LOSSLESS_LANES if LOSSLESS_LANES in (8, 16) and obk <= C * LOSSLESS_LANES else _LANES
+    tile_h = C * lanes  # channels per CTA
+    if lanes != _LANES:
+        cm = _Common(T, obm, obk, sf_layout, chunk=C, lanes=lanes)
+    else:
+        cm = _Common(T, obm, obk, sf_layout, chunk=C) if c16 else _Common(T, obm, obk, sf_layout)
     nb, W, rows_per_cta = cm.nb, cm.W, cm.rows_per_cta
     lanes_per_block = obk // C
     nbk = cdiv(hidden, obk)
@@ -408,8 +452,17 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
     prmt = bool(LOSSLESS_PRMT)
     # (computed here: an ``or`` inside the traced body became a logical Or, i.e. 1 CTA per SM)
     ll_blocks = LOSSLESS_CTAS or _resident_ctas(cm.threads, _LOSSLESS_REGS)
-    ll_source = (_LL_HELPERS + (_LL_LDG if i32 else "") + (_LL_PRMT if prmt else "")
-                 + (_LL_PRMT2 if prmt and c16 else ""))  # one import (a second clashes)
+    if lanes != _LANES and not LOSSLESS_CTAS:  # as many resident threads as 512-thread CTAs at _LOSSLESS_REGS
+        ll_blocks = min(65536 // (cm.threads * _LOSSLESS_REGS), 2048 // cm.threads)
+    ll_prmt, ll_prmt2 = _LL_PRMT, _LL_PRMT2
+    if LOSSLESS_STORE_HINT in _LL_ST:
+        ll_prmt = ll_prmt.replace("*reinterpret_cast<uint2*>(y) = o; }", _LL_ST[LOSSLESS_STORE_HINT])
+        ll_prmt2 = ll_prmt2.replace("*reinterpret_cast<uint4*>(y) = o; }", _LL_ST2[LOSSLESS_STORE_HINT])
+    ldd = LOSSLESS_LOAD_HINT if LOSSLESS_LOAD_HINT in _LL_LDD and not c16 else 0
+    ll_source = (_LL_HELPERS + (_LL_LDG if i32 else "") + (ll_prmt if prmt else "")
+                 + (ll_prmt2 if prmt and c16 else ""))  # one import (a second clashes)
+    if ldd:
+        ll_source += _LL_LDD[ldd]
 
     Tn, NBM, P, NBMI, SI0, SI1 = T.dynamic("num_tokens, num_row_blocks, sf_pad, in_sf_rows, in_sf_s0, in_sf_s1")
     d_param = T.Tensor((Tn, hidden // 8), "int32")
@@ -463,6 +516,8 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
         if c16:
             for q in T.vectorized(wpt):
                 dl[j * wpt + q] = D[row0 + j, col0 // _C + q]
+        elif ldd:  # LOSSLESS_LOAD_HINT
+            dl[j] = T.call_extern("int32", "tf_pbc_ldd", T.address_of(D[row0 + j, col0 // _C]))
         else:
             dl[j] = D[row0 + j, col0 // _C]
 
@@ -583,14 +638,14 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
             T.import_source(ll_source)  # before the annotation (after it, TileLang dropped the min-blocks bound)
             T.annotate_min_blocks_per_sm(ll_blocks)
             tx = T.get_thread_binding()
-            lane = tx % _LANES
-            w = tx // _LANES
+            lane = tx % lanes  # lane of the thread's row group (LOSSLESS_LANES)
+            w = tx // lanes  # the thread's row group (its warp when lanes = 32)
             row0 = by * rows_per_cta + w * _RPT
             col0 = bx * tile_h + lane * C
             dl = T.alloc_local((_RPT * wpt,), "int32")
             el = T.alloc_local((_RPT,), "int32")
             mx = T.alloc_local((nb,), "int32")
-            red = T.alloc_shared((W * _LANES,), "int32")
+            red = T.alloc_shared((W * lanes,), "int32")
             tmp = T.alloc_local((C,), "float32")
             off0 = sf_offset(row0, col0)
             if full:
