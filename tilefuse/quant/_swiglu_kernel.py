@@ -346,12 +346,13 @@ _BWD_VEC = 8  # gate/up column pairs per lane and chunk: 8-byte e4m3 loads and s
 # 32 * this, one CTA of 32 * this threads owns a row (H = 7168 and 7: 224 threads, 4 chunks per lane instead of 7,
 # so a CTA's life is ~4/7 as long and the last wave's idle tail shrinks; 4096 rows over 3-4 CTAs/SM); other H
 # keep the default team
-BWD_ROW_WARPS = 0
+BWD_ROW_WARPS = 14
+BWD_ROW_WARPS_MIN_BLOCKS = 2  # CTAs per SM asked of nvcc for the BWD_ROW_WARPS tiling (448 threads: 2, 28 warps)
 # programmatic dependent launch (see _per_token_cast_kernel.PDL): griddepcontrol.wait before any global access,
 # so the launch and CTA setup overlap the previous grid's tail; BWD_PDL_TRIGGER also lets a PDL successor's
 # CTAs launch right after that wait (they wait for this grid's end themselves)
-BWD_PDL = False
-BWD_PDL_TRIGGER = False
+BWD_PDL = True
+BWD_PDL_TRIGGER = True
 # the row's input sf (2H / npc binary32, 448 bytes at the bench shape) prefetched into L1 at the start
 # (prefetch.global.L1 from lanes 0..4, one per 128-byte line it may touch, no register held): each chunk reads its
 # sf when it computes, a dependent load that otherwise misses L1 on each new line (an SF_AHEAD knob that loaded
@@ -362,13 +363,13 @@ BWD_SF_PREFETCH = False
 # row), and the rows store their sums as today (only where token_topk_to_pos is not -1: the two sets are disjoint,
 # no race). Every entry quant.md 3.13 defines keeps its bits; an entry reached by neither rule (token_topk_to_pos
 # not -1 but no row points at it: an inconsistent map) is left as allocated instead of 0 (undefined in 3.13).
-BWD_WG_ZERO = False
+BWD_WG_ZERO = True
 # with BWD_ROW_WARPS (one CTA per row, C chunks per lane): the weight-gradient row sum in the default's order,
 # whatever the tiling. Each thread stages its unweighted act (binary32) and g (bf16) in shared memory (6 bytes per
 # column pair); after a barrier the default team's lanes (threads 0 .. L0-1, L0 = the default's 128) run the
 # default lane's FMA chain (its chunks in order, 8 pairs each), butterfly and per-warp sum in the same order:
 # weight_grad bit-identical to the default kernel
-BWD_WG_STAGE = False
+BWD_WG_STAGE = True
 # output stores (OUT, x_grad: 16 bytes; x_grad_fp8: 8 bytes per lane and chunk): 0 plain st.global; 1
 # st.global.cs (streaming); 2 st.global.L1::no_allocate with an L2 evict-first cache policy. Written once, never
 # re-read here (quant/_cast_back_kernel.py's UNPACK_STORE_HINT=2 won on the write-heavy unpack)
@@ -421,8 +422,10 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
     nch = hidden // E
     threads = BWD_THREADS
     L = _team_cap(nch, min(BWD_ROW_THREADS, threads))  # lanes of a row's team (consecutive threads)
-    if BWD_ROW_WARPS > 0 and nch % (32 * BWD_ROW_WARPS) == 0:  # one CTA per row, any number of warps
+    row_tiling = BWD_ROW_WARPS > 0 and nch % (32 * BWD_ROW_WARPS) == 0
+    if row_tiling:  # one CTA per row, any number of warps
         L = threads = 32 * BWD_ROW_WARPS
+    min_blocks = BWD_ROW_WARPS_MIN_BLOCKS if row_tiling else BWD_MIN_BLOCKS
     LW = min(L, 32)   # team lanes inside one warp
     WPR = L // LW     # warps per row
     C = nch // L
@@ -456,7 +459,7 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
             tx = T.get_thread_binding()
             q = tx % L
             row = bx * BM + tx // L
-            T.annotate_min_blocks_per_sm(BWD_MIN_BLOCKS)  # <= 64 registers: 8 CTAs (32 rows) per SM at once
+            T.annotate_min_blocks_per_sm(min_blocks)  # default tiling: <= 80 registers, 6 CTAs (24 rows) per SM
             if BWD_SF_PREFETCH:
                 T.import_source(_BWD_HELPERS)
             if store_fn is not None:
