@@ -53,88 +53,20 @@ def test_backward_staged_builds_for_sm90(stages, cfg, monkeypatch):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("w_smem", [False, True])
 @pytest.mark.parametrize("cfg", [("bfloat16", 7168, True, True), ("bfloat16", 576, False, False)], ids=str)
-def test_backward_pipe_builds_for_sm90(w_smem, cfg, monkeypatch):
+def test_backward_pipe_builds_for_sm90(cfg, monkeypatch):
     """BWD_PIPE (with BWD_STAGES = 3): one barrier per row, one row in flight, the same per-element expressions as
     the staged body (FFMA contraction included: the same FMUL/FFMA counts are checked on the GPU tier's bits)."""
     import tilelang
 
     monkeypatch.setattr(K, "BWD_STAGES", 3)
     monkeypatch.setattr(K, "BWD_PIPE", True)
-    monkeypatch.setattr(K, "BWD_W_SMEM", w_smem)
     src = tilelang.compile(K.norm_backward_kernel(*cfg), target={"kind": "cuda", "arch": "sm_90"},
                            execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
     assert "nf_cp_wait<1>" in src and "nf_cp16(" in src
     loop = src[src.index("for (int k = 0;"):]
     assert loop.count("__syncthreads()") == 1
     assert "(gw - (xh_1 * am)) * rp" in src or not cfg[2]
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("cfg", [("bfloat16", 7168, True, True), ("bfloat16", 576, False, False),
-                                 ("bfloat16", 7168, True, False, True), ("float32", 7168, True, True, True)], ids=str)
-@pytest.mark.parametrize("fuse", [False, True])
-def test_backward_cp_row_unit_builds_for_sm90(cfg, fuse, monkeypatch):
-    """BWD_CP_ROW (the pipelined body's copies through nf_cp_row: per row one rstd copy and one row call), BWD_TAIL1
-    and the BWD_UNIT config (no product by out_scale; the general config keeps it) build."""
-    import tilelang
-
-    monkeypatch.setattr(K, "BWD_CP_ROW", True)
-    monkeypatch.setattr(K, "BWD_UNIT", True)
-    monkeypatch.setattr(K, "BWD_TAIL1", True)
-    monkeypatch.setattr(K, "BWD_FUSE", fuse)
-    src = tilelang.compile(K.norm_backward_kernel(*cfg), target={"kind": "cuda", "arch": "sm_90"},
-                           execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
-    unit = len(cfg) > 4
-    assert ("* out_scale)" in src) != unit
-    if cfg[0] == "bfloat16":
-        loop = src[src.index("for (int k = 0;"):]
-        assert loop.count("nf_cp_row<") == 1 and "nf_cp16(" not in loop and loop.count("__syncthreads()") == 1
-        assert loop.count("nf_zero_lanes<") == 1   # BWD_TAIL1: the zero lanes' term is not folded away by TIR
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("unit", [False, True])
-def test_backward_unit_launches(unit, monkeypatch):
-    """BWD_UNIT: out_scale == 1.0 picks the unit config, any other scale the general one."""
-    monkeypatch.setattr(K, "BWD_UNIT", unit)
-    calls = fake_jit(monkeypatch)
-    h = 576
-    x, dy, w, rstd = torch.randn(3, h).bfloat16(), torch.randn(3, h).bfloat16(), torch.randn(h).bfloat16(), torch.rand(3)
-    K.norm_backward_launch(dy, x, w, rstd, None, 1.0)
-    K.norm_backward_launch(dy, x, w, rstd, None, 0.75)
-    assert [c.cfg for c in calls if c.name == "norm_backward"] == [
-        ("bfloat16", h, True, False) + ((True,) if unit else ()), ("bfloat16", h, True, False)]
-    assert any(len(c) == 5 for c in K._backward_configs()) == unit   # the unit configs are registered too
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("unit", [False, True])
-def test_forward_unit_launches(unit, monkeypatch):
-    """FWD_UNIT: out_scale == 1.0 picks the unit config (both forward ops), any other scale the general one; the
-    unit config has no product by out_scale."""
-    monkeypatch.setattr(K, "FWD_UNIT", unit)
-    calls = fake_jit(monkeypatch)
-    x, w = torch.randn(3, 576).bfloat16(), torch.randn(576).bfloat16()
-    K.norm_forward_launch(x, w, 1e-6, None, 1.0)
-    K.norm_forward_launch(x, w, 1e-6, None, 1.0, quant=True, use_tma_aligned_col_major_sf=True, round_sf=True,
-                          use_packed_ue8m0=True)
-    K.norm_forward_launch(x, w, 1e-6, None, 0.5)
-    got = [c.cfg for c in calls if c.name == "norm_forward"]
-    assert [len(c) for c in got] == ([11, 11, 10] if unit else [10, 10, 10])
-    assert any(len(c) == 11 for c in K._forward_configs()) == unit
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("cfg", [("bfloat16", 7168, True, False, True, "col_packed", True, False, False, 0, True),
-                                 ("float32", 576, False, False, False, "row", False, False, True, 0, True)], ids=str)
-def test_forward_unit_builds_for_sm90(cfg):
-    import tilelang
-
-    src = tilelang.compile(K.norm_forward_kernel(*cfg), target={"kind": "cuda", "arch": "sm_90"},
-                           execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
-    assert "* out_scale" not in src
 
 
 @pytest.mark.compile
@@ -463,12 +395,9 @@ KNOB_VARIANTS = [  # the defaults: BWD_STAGES=3, BWD_PIPE, WG_ASSIGN, RED_TILE=3
     {"FWD_BLOCKS": 7, "FWD_BLOCKS_QUANT": 7},
     {"BWD_STAGES": 2},
     {"BWD_PIPE": False},
-    {"BWD_W_SMEM": True, "BWD_PDL": True, "BWD_TRIGGER": True},
+    {"BWD_PDL": True, "BWD_TRIGGER": True},
     {"RED_TILE": 16},
     {"WG_ASSIGN": False, "RED_PDL": False},
-    {"BWD_CP_ROW": True, "BWD_UNIT": True, "FWD_UNIT": True, "BWD_TAIL1": True},
-    {"BWD_TAIL1": True},
-    {"BWD_FUSE": True, "BWD_CP_ROW": True, "BWD_UNIT": True},
 ]
 
 
@@ -513,27 +442,3 @@ def test_knob_variants_bit_identical_gpu(knobs, scale, has_rg, knob_kernels):
     got = _knob_outputs(x, w, dy, rstd, rg, scale)
     for i, (g, e) in enumerate(zip(got, want)):
         assert torch.equal(g, e), f"output {i}"
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("h,has_w", [(7168, True), (576, False)])
-@pytest.mark.parametrize("scale", [1.0, 0.75, float("inf")])
-@pytest.mark.parametrize("fuse", [False, True])
-def test_backward_tail1_nonfinite_rstd_gpu(h, has_w, scale, fuse, knob_kernels):
-    """BWD_TAIL1 (+ BWD_UNIT, BWD_CP_ROW): the zero lanes' single term gives the default's bits also where it is
-    NaN (rstd or out_scale infinite or NaN) and where a row's sum is a signed zero."""
-    t = 777
-    x = torch.randn((t, h), device="cuda").bfloat16()
-    dy = torch.randn((t, h), device="cuda").bfloat16()
-    w = torch.randn((h,), device="cuda").bfloat16() if has_w else None
-    rstd = torch.rand((t,), device="cuda") + 0.5
-    rstd[1], rstd[2], rstd[3], rstd[4] = float("inf"), -float("inf"), float("nan"), 0.0
-    x[5].zero_()
-    dy[6] = -dy[6].abs()
-    x[6] = x[6].abs() * 1e-30   # products that round to -0
-    want = [_bits(v) for v in K.norm_backward_launch(dy, x, w, rstd, None, scale)]
-    knob_kernels(K, {"BWD_TAIL1": True, "BWD_UNIT": True, "BWD_CP_ROW": True, "BWD_FUSE": fuse})
-    got = [_bits(v) for v in K.norm_backward_launch(dy, x, w, rstd, None, scale)]
-    for i, (g, e) in enumerate(zip(got, want)):
-        assert (g is None and e is None) or torch.equal(g, e), f"output {i}"

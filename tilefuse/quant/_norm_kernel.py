@@ -57,9 +57,6 @@ BWD_PIPE = True    # norm_backward with BWD_STAGES == 3 only: software-pipelined
                    # other slot), the butterfly of row k interleaved with that dx pass: one barrier per row instead of
                    # two, and row k's reduction latency overlaps row k - 1's dx work. Row k + 1 is in flight (stage
                    # (k + 1) % 3; stage (k - 1) % 3 still holds row k - 1 for its dx pass). Same per-row arithmetic.
-BWD_W_SMEM = False  # with BWD_PIPE: the weight copied once into shared memory (each thread its own vectors, by
-                    # cp.async with row p's group), both passes read it there instead of from L1 (the ring leaves
-                    # little L1; an LDS has a shorter latency). 2 CTAs x (3 stages + the weight) still fit an SM.
 BWD_PDL = False    # norm_backward: programmatic dependent launch (griddepcontrol.wait before any global access)
 RED_PDL = True     # weight-gradient reduce: programmatic dependent launch (it waits for the dx kernel's partials)
 BWD_TRIGGER = False  # norm_backward: launch the dependent grid (the reduce, with RED_PDL) at the start instead of at
@@ -68,22 +65,6 @@ WG_ASSIGN = True   # norm_backward without a given weight_grad: allocate it unin
                    # let the reduce store round(s) instead of round(float(0) + s). Exact: s is an FADD chain started
                    # at +0.0, so it is never -0.0 and its NaN is already the canonical one; +0.0 + s == s bitwise.
                    # T = 0 still returns a zeroed buffer.
-BWD_CP_ROW = False  # with BWD_PIPE: a row's cp.async copies issued by one helper from two row pointers computed once
-                    # (x + row * x_st + tx * E, dy likewise), the column blocks as constant offsets (the default
-                    # recomputes a 64-bit address per copy: ~100 SASS instructions per row per warp). Same copies.
-BWD_TAIL1 = False  # with BWD_PIPE: in pass 1 a thread whose tail column block lies past the row adds the zero lanes'
-                   # term (0 * rstd) * ((0 * out_scale) * 1) once instead of computing E lanes of it (+-0 or NaN:
-                   # adding it again changes nothing, so the same bits); its weight-gradient lanes are never stored
-BWD_FUSE = False   # with BWD_PIPE: one loop over the column blocks does pass 1 of row k and then the dx of row k - 1
-                   # on the same weight vector (one weight load and unpack per block instead of two), then the
-                   # butterfly; the zero lanes as BWD_TAIL1. The same per-row arithmetic in the same order.
-FWD_UNIT = False   # forward ops: a second static config for out_scale == 1.0 (picked by the launcher): o = round((h *
-                   # rstd) * w) without the product w * out_scale (one FMUL per element fewer; h * rstd without a
-                   # weight). Exact: w * 1.0f == w (no fast math), and h * rstd is an FMUL (NaN canonical as before).
-BWD_UNIT = False   # norm_backward: a second static config for out_scale == 1.0 (picked by the launcher) that uses
-                   # g = dy instead of dy * out_scale (two FMULs per element fewer). Exact: x * 1.0f == x for every
-                   # non-NaN binary32 (no fast math: no flush), and every output takes g through at least one more
-                   # FMUL/FFMA, so a NaN comes out canonical as before.
 _NPC = 32          # quant.md 5.11: the quantizing op casts with 32-channel groups
 
 # bf16 -> binary32 from the 32-bit register word holding elements 2k (low half) and 2k + 1 (high half): one
@@ -112,37 +93,6 @@ template <int N> __device__ __forceinline__ void nf_cp_wait() {
   asm volatile("cp.async.wait_group %0;" : : "n"(N) : "memory"); }
 """
 
-# BWD_CP_ROW: one row's copies (CF full column blocks, plus the tail block where `tail`), STEP bytes apart in
-# shared memory and in global memory alike (a column block is TB vectors of 16 bytes)
-_CP_ROW_HELPER = """
-template <int OFF> __device__ __forceinline__ void nf_cp16i(unsigned s, const void* g) {  // both + OFF bytes
-  asm volatile("cp.async.cg.shared.global [%0+%2], [%1+%2], 16;" : : "r"(s), "l"(g), "n"(OFF) : "memory"); }
-template <int C, int CF, int STEP> __device__ __forceinline__ void nf_cp_blocks(unsigned xs, unsigned ds,
-                                                                              const void* xg, const void* dg) {
-  if constexpr (C < CF) {
-    nf_cp16i<C * STEP>(xs, xg);
-    nf_cp16i<C * STEP>(ds, dg);
-    nf_cp_blocks<C + 1, CF, STEP>(xs, ds, xg, dg);
-  } }
-template <int CF, int STEP> __device__ __forceinline__ void nf_cp_row(unsigned xs, unsigned ds, int off,
-                                                                       const void* xg, const void* dg, bool tail) {
-  nf_cp_blocks<0, CF, STEP>(xs + off, ds + off, xg, dg);
-  if (tail) {
-    nf_cp16i<CF * STEP>(xs + off, xg);
-    nf_cp16i<CF * STEP>(ds + off, dg);
-  } }
-"""
-
-
-# BWD_TAIL1: acc plus one zero lane's term of pass 1 (x = dy = 0, w = 1), as the per-lane code computes it
-_TAIL_HELPER = """
-template <bool SCALE, bool WEIGHT> __device__ __forceinline__ float nf_zero_lanes(float acc, float r, float os) {
-  float xh = 0.0f * r;
-  float g = SCALE ? 0.0f * os : 0.0f;
-  return WEIGHT ? acc + xh * (g * 1.0f) : acc + xh * g; }
-"""
-
-
 def _f32_of(T, x_dtype: str, buf, *idx):
     """binary32 value of element ``buf[idx]`` of a local array of 16-byte vectors (the last index: the
     element within its vector, a constant once unrolled): bf16 through the word helper, fp32 as is."""
@@ -153,13 +103,11 @@ def _f32_of(T, x_dtype: str, buf, *idx):
 
 
 def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residual: bool, quant: bool,
-                        sf_layout: str, round_sf: bool, with_bf16: bool, with_rstd: bool, mega_bm: int = 0,
-                        unit: bool = False):
+                        sf_layout: str, round_sf: bool, with_bf16: bool, with_rstd: bool, mega_bm: int = 0):
     """Factory for one static config (see module doc).
 
     sf_layout: "row" | "row_packed" | "col" | "col_packed" (ignored unless ``quant``). ``mega_bm`` > 0 adds the mega-MoE sf
-    output with that block M (quant.md 5.11; needs round_sf and hidden % 128 == 0). ``unit`` (FWD_UNIT): the config
-    for ``out_scale == 1.0`` (no product by it)."""
+    output with that block M (quant.md 5.11; needs round_sf and hidden % 128 == 0)."""
     import tilelang.language as T
 
     E = 16 // (2 if x_dtype == "bfloat16" else 4)   # elements per 16-byte vector
@@ -270,10 +218,10 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
                         for e in T.vectorized(E):
                             ww[e] = W[col + e]
                     for e in T.unroll(E):
-                        of[e] = (f32(io, c, e) * rstd) * (f32(ww, e) if unit else f32(ww, e) * out_scale)
+                        of[e] = (f32(io, c, e) * rstd) * (f32(ww, e) * out_scale)
                 else:
                     for e in T.unroll(E):
-                        of[e] = (f32(io, c, e) * rstd) if unit else (f32(io, c, e) * rstd) * out_scale
+                        of[e] = (f32(io, c, e) * rstd) * out_scale
             else:
                 for e in T.unroll(E):
                     of[e] = T.float32(0.0)
@@ -365,10 +313,8 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
     return norm_forward
 
 
-def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_grad: bool, unit: bool = False):
+def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_grad: bool):
     """Factory: ``dx`` per row and the per-CTA partial weight gradients ``(NP, hidden)`` fp32 (module doc).
-
-    ``unit`` (BWD_UNIT): the config for ``out_scale == 1.0``, where ``g = dy`` replaces ``dy * out_scale``.
 
     Registers hold only the weight-gradient accumulators and one row of x and dy: the row is loaded one
     iteration ahead (its loads are in flight during the previous row's reduction and dx), and the dx pass
@@ -385,8 +331,6 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
     def f32(buf, *idx):
         return _f32_of(T, x_dtype, buf, *idx)
 
-    def scaled(v, out_scale):   # g = dy * out_scale (dy itself in the unit config: the same binary32 value)
-        return v if unit else v * out_scale
     Tn = T.dynamic("num_tokens")
     XS, GS, RS = T.dynamic("x_st, dy_st, rg_st")
 
@@ -439,7 +383,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                                     wl[e] = W[col + e]
                         for e in T.unroll(E):
                             xh = f32(xn, c, e) * r
-                            g = scaled(f32(dn, c, e), out_scale)
+                            g = f32(dn, c, e) * out_scale
                             if has_weight:
                                 wacc[c, e] = wacc[c, e] + xh * g
                                 acc = acc + xh * (g * f32(wl, e))
@@ -479,7 +423,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                                     rg[e] = RG[row, col + e]
                             for e in T.unroll(E):
                                 xh = f32(xl, e) * r
-                                g = scaled(f32(dl, e), out_scale)
+                                g = f32(dl, e) * out_scale
                                 gw = g * f32(wl, e) if has_weight else g
                                 if has_res_grad:
                                     io[e] = T.cast((gw - xh * mean) * r + f32(rg, e), x_dtype)
@@ -568,7 +512,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                                 dl[e] = ds[s, col + e]
                         for e in T.unroll(E):
                             xh = f32(xl, e) * r
-                            g = scaled(f32(dl, e), out_scale)
+                            g = f32(dl, e) * out_scale
                             if has_weight:
                                 wacc[c, e] = wacc[c, e] + xh * g
                                 acc = acc + xh * (g * f32(wl, e))
@@ -600,7 +544,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                                     rg[e] = RG[row, col + e]
                             for e in T.unroll(E):
                                 xh = f32(xl, e) * r
-                                g = scaled(f32(dl, e), out_scale)
+                                g = f32(dl, e) * out_scale
                                 gw = g * f32(wl, e) if has_weight else g
                                 if has_res_grad:
                                     io[e] = T.cast((gw - xh * mean) * r + f32(rg, e), x_dtype)
@@ -626,13 +570,6 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
         Slot k % 2 was last read in iteration k - 1, before that iteration's barrier; the ring stages are private
         per thread (each thread copies and reads only its own vectors and its own rstd copy)."""
         CF = VPR // TB   # column blocks inside the row for every thread
-        WS = BWD_W_SMEM and has_weight
-        CPR = bool(BWD_CP_ROW)
-        TAIL1 = bool(BWD_TAIL1)
-        FUSE = bool(BWD_FUSE)
-
-        def wsrc(W, ws, col, e):
-            return ws[col + e] if WS else W[col + e]
 
         @T.macro
         def body(DY, X, W, Rstd, RG, DX, Part, p, out_scale):
@@ -640,14 +577,11 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
             xs = T.alloc_shared((ST, hidden), x_dtype)
             ds = T.alloc_shared((ST, hidden), x_dtype)
             rs = T.alloc_shared((ST, TB), "float32")   # each thread its own copy of the row's rstd
-            ws = T.alloc_shared((hidden if WS else E,), x_dtype)
             wacc = T.alloc_local((C, E), "float32")
             wl = T.alloc_local((E,), x_dtype)
             xl = T.alloc_local((E,), x_dtype)
             dl = T.alloc_local((E,), x_dtype)
             io = T.alloc_local((E,), x_dtype)
-            x2 = T.alloc_local((E if FUSE else 1,), x_dtype)   # BWD_FUSE: row k - 1's vectors
-            d2 = T.alloc_local((E if FUSE else 1,), x_dtype)
             red = T.alloc_shared((2, NW), "float32")
             acc = T.alloc_var("float32")
             am = T.alloc_var("float32")
@@ -657,24 +591,11 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
             xb = T.call_extern("uint32", "nf_smem_addr", xs.access_ptr("w"))
             db = T.call_extern("uint32", "nf_smem_addr", ds.access_ptr("w"))
             rb = T.call_extern("uint32", "nf_smem_addr", rs.access_ptr("w"))
-            if WS:   # the weight, once: each thread copies the vectors it reads
-                wb = T.alloc_var("uint32")
-                wb = T.call_extern("uint32", "nf_smem_addr", ws.access_ptr("w"))
-                for c in T.unroll(C):
-                    col = (c * TB + tx) * E
-                    if col < hidden:
-                        T.call_extern("void", "nf_cp16", wb, col * 2, W.access_ptr("r", offset=col))
             acc = T.float32(0.0)
             for c in T.unroll(C):
                 for e in T.unroll(E):
                     wacc[c, e] = T.float32(0.0)
-            if CPR:
-                if p < Tn:   # prologue (BWD_CP_ROW)
-                    T.call_extern("void", "nf_cp4", rb, tx * 4, Rstd.access_ptr("r", offset=p))
-                    T.call_extern("void", f"nf_cp_row<{CF}, {TB * 16}>", xb, db, tx * 16,
-                                  X.access_ptr("r", offset=p * XS + tx * E),
-                                  DY.access_ptr("r", offset=p * GS + tx * E), (CF * TB + tx) * E < hidden)
-            elif p < Tn:   # prologue: row p into stage 0
+            if p < Tn:   # prologue: row p into stage 0
                 T.call_extern("void", "nf_cp4", rb, tx * 4, Rstd.access_ptr("r", offset=p))
                 for c in T.unroll(C):
                     col = (c * TB + tx) * E
@@ -686,13 +607,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                 row = k * _NP + p
                 nxt = row + _NP
                 sn = (k + 1) % ST
-                if CPR:
-                    if nxt < Tn:   # BWD_CP_ROW: the same copies from two row pointers
-                        T.call_extern("void", "nf_cp4", rb, (sn * TB + tx) * 4, Rstd.access_ptr("r", offset=nxt))
-                        T.call_extern("void", f"nf_cp_row<{CF}, {TB * 16}>", xb, db, (sn * hidden + tx * E) * 2,
-                                      X.access_ptr("r", offset=nxt * XS + tx * E),
-                                      DY.access_ptr("r", offset=nxt * GS + tx * E), (CF * TB + tx) * E < hidden)
-                elif nxt < Tn:   # row k + 1 into the stage row k - 2 left
+                if nxt < Tn:   # row k + 1 into the stage row k - 2 left
                     T.call_extern("void", "nf_cp4", rb, (sn * TB + tx) * 4, Rstd.access_ptr("r", offset=nxt))
                     for c in T.unroll(C):
                         col = (c * TB + tx) * E
@@ -703,179 +618,88 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                                           DY.access_ptr("r", offset=nxt * GS + col))
                 T.call_extern("void", "nf_cp_commit")
                 T.call_extern("void", "nf_cp_wait<1>")   # row k's group (this thread's copies)
-                if FUSE:   # BWD_FUSE: per column block, pass 1 of row k then the dx of row k - 1 (one weight load)
-                    cur = row < Tn
-                    prev = row - _NP
-                    on = T.And(k > 0, prev < Tn)
+                # pass 1 of row k
+                if row < Tn:
                     s = k % ST
-                    sp = (k + ST - 1) % ST
-                    r = T.alloc_var("float32")
-                    rp = T.alloc_var("float32")
-                    r = T.float32(0.0)
-                    am = T.float32(0.0)
-                    rp = T.float32(0.0)
-                    if cur:
-                        r = rs[s, tx]
-                    if on:
-                        am = red[(k + 1) % 2, 0]
-                        for i in T.unroll(1, NW):
-                            am = am + red[(k + 1) % 2, i]
-                        am = am / T.float32(hidden)
-                        rp = rs[sp, tx]
+                    r = rs[s, tx]
                     acc = T.float32(0.0)
                     for c in T.unroll(C):
                         col = (c * TB + tx) * E
-                        if T.Or(c < CF, col < hidden):
+                        if c < CF:   # a block every thread fills: no defaults, no predicate
                             if has_weight:
                                 for e in T.vectorized(E):
-                                    wl[e] = wsrc(W, ws, col, e)
-                            if cur:
+                                    wl[e] = W[col + e]
+                            else:
+                                for e in T.vectorized(E):
+                                    wl[e] = T.cast(1, x_dtype)
+                            for e in T.vectorized(E):
+                                xl[e] = xs[s, col + e]
+                            for e in T.vectorized(E):
+                                dl[e] = ds[s, col + e]
+                        else:        # the tail block: lanes past the row compute on zeros, as the other bodies
+                            for e in T.vectorized(E):
+                                wl[e] = T.cast(1, x_dtype)
+                                xl[e] = T.cast(0, x_dtype)
+                                dl[e] = T.cast(0, x_dtype)
+                            if col < hidden:
+                                if has_weight:
+                                    for e in T.vectorized(E):
+                                        wl[e] = W[col + e]
                                 for e in T.vectorized(E):
                                     xl[e] = xs[s, col + e]
                                 for e in T.vectorized(E):
                                     dl[e] = ds[s, col + e]
-                                for e in T.unroll(E):
-                                    xh = f32(xl, e) * r
-                                    g = scaled(f32(dl, e), out_scale)
-                                    if has_weight:
-                                        wacc[c, e] = wacc[c, e] + xh * g
-                                        acc = acc + xh * (g * f32(wl, e))
-                                    else:
-                                        acc = acc + xh * g
-                            if on:
+                        for e in T.unroll(E):
+                            xh = f32(xl, e) * r
+                            g = f32(dl, e) * out_scale
+                            if has_weight:
+                                wacc[c, e] = wacc[c, e] + xh * g
+                                acc = acc + xh * (g * f32(wl, e))
+                            else:
+                                acc = acc + xh * g
+                # dx of row k - 1 (A from red slot (k - 1) % 2), row k's butterfly steps between its column blocks
+                prev = row - _NP
+                on = T.And(k > 0, prev < Tn)
+                sp = (k + ST - 1) % ST
+                rp = T.alloc_var("float32")
+                am = T.float32(0.0)
+                rp = T.float32(0.0)
+                if on:
+                    am = red[(k + 1) % 2, 0]
+                    for i in T.unroll(1, NW):
+                        am = am + red[(k + 1) % 2, i]
+                    am = am / T.float32(hidden)
+                    rp = rs[sp, tx]
+                for c in T.unroll(max(C, 5)):
+                    if c < 5:
+                        acc = acc + T.shfl_xor(acc, T.shift_right(16, c))
+                    if c < C:
+                        col = (c * TB + tx) * E
+                        if T.And(on, T.Or(c < CF, col < hidden)):
+                            for e in T.vectorized(E):
+                                xl[e] = xs[sp, col + e]
+                            for e in T.vectorized(E):
+                                dl[e] = ds[sp, col + e]
+                            if has_weight:
                                 for e in T.vectorized(E):
-                                    x2[e] = xs[sp, col + e]
+                                    wl[e] = W[col + e]
+                            if has_res_grad:
+                                rg = T.alloc_local((E,), x_dtype)
                                 for e in T.vectorized(E):
-                                    d2[e] = ds[sp, col + e]
+                                    rg[e] = RG[prev, col + e]
+                            for e in T.unroll(E):
+                                xh = f32(xl, e) * rp
+                                g = f32(dl, e) * out_scale
+                                gw = g * f32(wl, e) if has_weight else g
                                 if has_res_grad:
-                                    rg = T.alloc_local((E,), x_dtype)
-                                    for e in T.vectorized(E):
-                                        rg[e] = RG[prev, col + e]
-                                for e in T.unroll(E):
-                                    xh = f32(x2, e) * rp
-                                    g = scaled(f32(d2, e), out_scale)
-                                    gw = g * f32(wl, e) if has_weight else g
-                                    if has_res_grad:
-                                        io[e] = T.cast((gw - xh * am) * rp + f32(rg, e), x_dtype)
-                                    else:
-                                        io[e] = T.cast((gw - xh * am) * rp, x_dtype)
-                                for e in T.vectorized(E):
-                                    DX[prev, col + e] = io[e]
-                        elif cur:   # the zero lanes' term once (as BWD_TAIL1)
-                            acc = T.call_extern("float32", f"nf_zero_lanes<{str(not unit).lower()}, "
-                                                f"{str(bool(has_weight)).lower()}>", acc, r, out_scale)
-                    for st in T.unroll(5):
-                        acc = acc + T.shfl_xor(acc, T.shift_right(16, st))
-                    if T.And(cur, tx % 32 == 0):
-                        red[k % 2, tx // 32] = acc
-                    T.sync_threads()
-                else:
-                    # pass 1 of row k
-                    if row < Tn:
-                        s = k % ST
-                        r = rs[s, tx]
-                        acc = T.float32(0.0)
-                        if TAIL1:   # BWD_TAIL1: a thread's lanes past the row in one FFMA
-                            for c in T.unroll(C):
-                                col = (c * TB + tx) * E
-                                if T.Or(c < CF, col < hidden):
-                                    if has_weight:
-                                        for e in T.vectorized(E):
-                                            wl[e] = wsrc(W, ws, col, e)
-                                    for e in T.vectorized(E):
-                                        xl[e] = xs[s, col + e]
-                                    for e in T.vectorized(E):
-                                        dl[e] = ds[s, col + e]
-                                    for e in T.unroll(E):
-                                        xh = f32(xl, e) * r
-                                        g = scaled(f32(dl, e), out_scale)
-                                        if has_weight:
-                                            wacc[c, e] = wacc[c, e] + xh * g
-                                            acc = acc + xh * (g * f32(wl, e))
-                                        else:
-                                            acc = acc + xh * g
-                                else:   # E lanes of x = dy = 0, w = 1: the same term E times; acc + t + t == acc + t
-                                    # t = +-0 or NaN: acc + t is idempotent (CUDA helper: TIR would fold 0 * r)
-                                    acc = T.call_extern("float32", f"nf_zero_lanes<{str(not unit).lower()}, "
-                                                        f"{str(bool(has_weight)).lower()}>", acc, r, out_scale)
-                        else:
-                            for c in T.unroll(C):
-                                col = (c * TB + tx) * E
-                                if c < CF:   # a block every thread fills: no defaults, no predicate
-                                    if has_weight:
-                                        for e in T.vectorized(E):
-                                            wl[e] = wsrc(W, ws, col, e)
-                                    else:
-                                        for e in T.vectorized(E):
-                                            wl[e] = T.cast(1, x_dtype)
-                                    for e in T.vectorized(E):
-                                        xl[e] = xs[s, col + e]
-                                    for e in T.vectorized(E):
-                                        dl[e] = ds[s, col + e]
-                                else:        # the tail block: lanes past the row compute on zeros, as the other bodies
-                                    for e in T.vectorized(E):
-                                        wl[e] = T.cast(1, x_dtype)
-                                        xl[e] = T.cast(0, x_dtype)
-                                        dl[e] = T.cast(0, x_dtype)
-                                    if col < hidden:
-                                        if has_weight:
-                                            for e in T.vectorized(E):
-                                                wl[e] = wsrc(W, ws, col, e)
-                                        for e in T.vectorized(E):
-                                            xl[e] = xs[s, col + e]
-                                        for e in T.vectorized(E):
-                                            dl[e] = ds[s, col + e]
-                                for e in T.unroll(E):
-                                    xh = f32(xl, e) * r
-                                    g = scaled(f32(dl, e), out_scale)
-                                    if has_weight:
-                                        wacc[c, e] = wacc[c, e] + xh * g
-                                        acc = acc + xh * (g * f32(wl, e))
-                                    else:
-                                        acc = acc + xh * g
-                    # dx of row k - 1 (A from red slot (k - 1) % 2), row k's butterfly steps between its column blocks
-                    prev = row - _NP
-                    on = T.And(k > 0, prev < Tn)
-                    sp = (k + ST - 1) % ST
-                    rp = T.alloc_var("float32")
-                    am = T.float32(0.0)
-                    rp = T.float32(0.0)
-                    if on:
-                        am = red[(k + 1) % 2, 0]
-                        for i in T.unroll(1, NW):
-                            am = am + red[(k + 1) % 2, i]
-                        am = am / T.float32(hidden)
-                        rp = rs[sp, tx]
-                    for c in T.unroll(max(C, 5)):
-                        if c < 5:
-                            acc = acc + T.shfl_xor(acc, T.shift_right(16, c))
-                        if c < C:
-                            col = (c * TB + tx) * E
-                            if T.And(on, T.Or(c < CF, col < hidden)):
-                                for e in T.vectorized(E):
-                                    xl[e] = xs[sp, col + e]
-                                for e in T.vectorized(E):
-                                    dl[e] = ds[sp, col + e]
-                                if has_weight:
-                                    for e in T.vectorized(E):
-                                        wl[e] = wsrc(W, ws, col, e)
-                                if has_res_grad:
-                                    rg = T.alloc_local((E,), x_dtype)
-                                    for e in T.vectorized(E):
-                                        rg[e] = RG[prev, col + e]
-                                for e in T.unroll(E):
-                                    xh = f32(xl, e) * rp
-                                    g = scaled(f32(dl, e), out_scale)
-                                    gw = g * f32(wl, e) if has_weight else g
-                                    if has_res_grad:
-                                        io[e] = T.cast((gw - xh * am) * rp + f32(rg, e), x_dtype)
-                                    else:
-                                        io[e] = T.cast((gw - xh * am) * rp, x_dtype)
-                                for e in T.vectorized(E):
-                                    DX[prev, col + e] = io[e]
-                    if T.And(row < Tn, tx % 32 == 0):
-                        red[k % 2, tx // 32] = acc
-                    T.sync_threads()
+                                    io[e] = T.cast((gw - xh * am) * rp + f32(rg, e), x_dtype)
+                                else:
+                                    io[e] = T.cast((gw - xh * am) * rp, x_dtype)
+                            for e in T.vectorized(E):
+                                DX[prev, col + e] = io[e]
+                if T.And(row < Tn, tx % 32 == 0):
+                    red[k % 2, tx // 32] = acc
+                T.sync_threads()
             T.call_extern("void", "nf_cp_wait<0>")   # no copy outlives the CTA
             if has_weight:
                 for c in T.unroll(C):
@@ -887,8 +711,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
         return body
 
     ST = BWD_STAGES if x_dtype == "bfloat16" else 0
-    wbytes = rowbytes if (BWD_PIPE and BWD_W_SMEM and has_weight and ST == 3) else 0
-    if ST == 1 or 2 * (ST * (2 * rowbytes + 4 * TB) + wbytes + 128 + 1024) > 228 * 1024:   # 1 KB reserved per CTA
+    if ST == 1 or 2 * (ST * (2 * rowbytes + 4 * TB) + 128 + 1024) > 228 * 1024:   # 1 KB reserved per CTA
         ST = 0   # 2 CTAs of ST stages do not fit in an SM's shared memory (or no ring): the register path
     body = ((make_pipe_body if BWD_PIPE and ST == 3 else make_staged_body) if ST else make_body)()
 
@@ -901,8 +724,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
             T.assume(RS % 16 == 0)
         with T.Kernel(_NP, threads=TB) as p:
             T.annotate_min_blocks_per_sm(2)  # <= 128 registers: two CTAs per SM, so all NP CTAs run at once
-            T.import_source(_CUDA_HELPERS + (_CP_ROW_HELPER if BWD_CP_ROW and BWD_PIPE and ST == 3 else "")
-                            + (_TAIL_HELPER if (BWD_TAIL1 or BWD_FUSE) and BWD_PIPE and ST == 3 else ""))
+            T.import_source(_CUDA_HELPERS)
             if BWD_PDL:
                 T.pdl_sync()
             if BWD_TRIGGER:
@@ -1011,13 +833,11 @@ _BENCH_BACKWARD = [("bfloat16", 7168, True, False)]
 
 
 def _forward_configs() -> list[tuple]:
-    cfgs = test_forward_configs() + [c for c in _BENCH_FORWARD if c not in test_forward_configs()]
-    return cfgs + ([c + (True,) for c in cfgs] if FWD_UNIT else [])   # FWD_UNIT: the out_scale == 1.0 configs
+    return test_forward_configs() + [c for c in _BENCH_FORWARD if c not in test_forward_configs()]
 
 
 def _backward_configs() -> list[tuple]:
-    cfgs = test_backward_configs() + [c for c in _BENCH_BACKWARD if c not in test_backward_configs()]
-    return cfgs + ([c + (True,) for c in cfgs] if BWD_UNIT else [])   # BWD_UNIT: the out_scale == 1.0 configs
+    return test_backward_configs() + [c for c in _BENCH_BACKWARD if c not in test_backward_configs()]
 
 
 _jit.register("norm_forward", norm_forward_kernel, _forward_configs)
@@ -1093,8 +913,6 @@ def norm_forward_launch(x, weight, eps, residual=None, out_scale=1.0, out=None, 
     mega = bool(mega_moe_sf is not None)
     cfg = (_TL_DTYPE[x.dtype], x.size(-1), weight is not None, has_res, quant, layout, round_sf,
            with_out_bf16, with_rstd, mega_moe_block_m if mega else 0)
-    if FWD_UNIT and float(out_scale) == 1.0:   # the config without the out_scale products (knob FWD_UNIT)
-        cfg += (True,)
     fn = _jit.get("norm_forward", cfg)
     dev = x.device
     if mega:
@@ -1140,8 +958,7 @@ def norm_backward_launch(out_grad, x, weight, rstd, residual_out_grad=None, out_
     if t == 0:
         return x_grad, weight_grad
     has_w, has_rg = weight is not None, residual_out_grad is not None
-    unit = BWD_UNIT and float(out_scale) == 1.0   # the config without the out_scale products (knob BWD_UNIT)
-    fn = _jit.get("norm_backward", (_TL_DTYPE[x.dtype], hidden, has_w, has_rg) + ((True,) if unit else ()))
+    fn = _jit.get("norm_backward", (_TL_DTYPE[x.dtype], hidden, has_w, has_rg))
     part = torch.empty((_NP, hidden), dtype=torch.float32, device=dev) if has_w else _dummy(torch.float32, dev)
 
     def rows(a):
