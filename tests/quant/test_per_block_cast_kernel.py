@@ -607,48 +607,7 @@ def test_lossless_cuda_graph_replay_equals_eager():
 LOSSLESS_KNOB_VARIANTS = [  # the defaults: LOSSLESS_PRMT, _I32, _FULL, _EXP23 on
     {"LOSSLESS_PRMT": 0, "LOSSLESS_I32": 0, "LOSSLESS_FULL": 0, "LOSSLESS_EXP23": 0},  # the float path alone
     {"LOSSLESS_CTAS": 4},
-    {"LOSSLESS_C16": 1},
-    {"LOSSLESS_LANES": 16},
-    {"LOSSLESS_LANES": 8},
-    {"LOSSLESS_LANES": 16, "LOSSLESS_PRMT": 0, "LOSSLESS_FULL": 0},  # the float path, checked body, 2 groups a warp
-    {"LOSSLESS_LANES": 16, "LOSSLESS_C16": 1, "LOSSLESS_CTAS": 8},
-    {"LOSSLESS_STORE_HINT": 1, "LOSSLESS_LOAD_HINT": 1},
-    {"LOSSLESS_LANES": 16, "LOSSLESS_STORE_HINT": 2, "LOSSLESS_LOAD_HINT": 2},
 ]
-
-
-def _build_lossless_with(monkeypatch, knobs, cfg):
-    """CUDA source of per_block_cast_lossless at ``cfg`` built with ``knobs`` set (outside tilefuse's caches)."""
-    import tilelang
-
-    for k, v in knobs.items():
-        monkeypatch.setattr(K, k, v)
-    return tilelang.compile(K.per_block_cast_lossless_kernel(*cfg), target={"kind": "cuda", "arch": "sm_90"},
-                            execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("knobs", [k for k in LOSSLESS_KNOB_VARIANTS if "LOSSLESS_LANES" in k
-                                   or "LOSSLESS_STORE_HINT" in k], ids=str)
-def test_lossless_knob_variants_build(monkeypatch, knobs):
-    """The bench config and a masked one (576 channels: a partial CTA tile) build with each new variant: row groups
-    of LOSSLESS_LANES lanes (CTAs of ``lanes / 32`` the threads, as many threads per SM), hinted stores and loads."""
-    pytest.importorskip("tilelang")
-    lanes = knobs.get("LOSSLESS_LANES", 32)
-    for cfg in ((7168, 1, 32, 128, 128, False, "col_packed"), (576, 1, 32, 32, 32, True, "row")):
-        src = _build_lossless_with(monkeypatch, knobs, cfg)
-        c = 16 if knobs.get("LOSSLESS_C16") else 8
-        eff = lanes if cfg[4] <= c * lanes else 32
-        threads = eff * (16 if cfg[3] == 128 else 8)
-        assert f"__launch_bounds__({threads}, " in src
-        if "LOSSLESS_CTAS" not in knobs and eff != 32:
-            assert f"__launch_bounds__({threads}, {min(65536 // (threads * 40), 2048 // threads)})" in src
-        if knobs.get("LOSSLESS_STORE_HINT") == 1:
-            assert "__stcs(" in src
-        if knobs.get("LOSSLESS_STORE_HINT") == 2 or knobs.get("LOSSLESS_LOAD_HINT") == 2:
-            assert "L2::evict_first" in src
-        if knobs.get("LOSSLESS_LOAD_HINT") and not knobs.get("LOSSLESS_C16"):
-            assert "tf_pbc_ldd(" in src
 
 
 def _wide_exponent_input(t, hidden, packed, lo=0, hi=254):

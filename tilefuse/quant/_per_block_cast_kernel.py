@@ -84,13 +84,13 @@ def _layout(col: bool, packed: bool) -> str:
 class _Common:
     """Kernel pieces shared by both factories for block shape ``(bm, bk)`` and sf layout ``sf_layout``."""
 
-    def __init__(self, T, bm: int, bk: int, sf_layout: str, warps: int = 8, chunk: int = _C, lanes: int = _LANES):
-        assert chunk <= bk <= _TILE_H and bk & (bk - 1) == 0 and bk <= chunk * lanes
+    def __init__(self, T, bm: int, bk: int, sf_layout: str, warps: int = 8):
+        assert _C <= bk <= _TILE_H and bk & (bk - 1) == 0
         self.nb, self.wb, self.W = _geometry(bm, warps)
         self.rows_per_cta = _RPT * self.W
-        self.threads = lanes * self.W
+        self.threads = _LANES * self.W
         nb, wb = self.nb, self.wb
-        log2_lanes = (bk // chunk).bit_length() - 1
+        log2_lanes = (bk // _C).bit_length() - 1
 
         @T.macro
         def block_max(vals, w, lane, red):
@@ -101,10 +101,10 @@ class _Common:
                 for n in T.unroll(nb):
                     vals[n] = T.max(vals[n], T.shfl_xor(vals[n], T.shift_left(1, s)))
             if wb > 1:
-                red[w * lanes + lane] = vals[0]
+                red[w * _LANES + lane] = vals[0]
                 T.sync_threads()
                 for k in T.unroll(wb):
-                    vals[0] = T.max(vals[0], red[((w // wb) * wb + k) * lanes + lane])
+                    vals[0] = T.max(vals[0], red[((w // wb) * wb + k) * _LANES + lane])
 
         @T.macro
         def store_sf(SF, rb, cb, sf_value, byte_value):
@@ -192,64 +192,6 @@ __device__ __forceinline__ void tf_pbc_ll_row(void* y, int w, int d) {
   uint2 o; o.x = t0 | (s0 & 0x80808080u); o.y = t1 | (s1 & 0x80808080u);
   *reinterpret_cast<uint2*>(y) = o; }
 """
-# LOSSLESS_C16: a thread of per_block_cast_lossless owns 16 channels of its 8 rows (one 8-byte load and one 16-byte
-# store per row, the same input sf word for both halves) instead of 8: half the sf loads, block-max work and address
-# arithmetic per element, twice the bytes per memory instruction; CTAs cover 512 channels. Applies when the input and
-# output blocks are at least 16 channels wide (the tested (1, 32) -> all output blocks). Same values.
-LOSSLESS_C16 = 0
-_LL_PRMT2 = """
-__device__ __forceinline__ void tf_pbc_ll_row2(void* y, int w0, int w1, int d) {
-  unsigned du = (unsigned)d;
-  unsigned lo = 0x3C383000u + du * 0x08080800u, hi = 0x4C484440u + du * 0x08080808u;
-  unsigned u = (unsigned)w0, v = (unsigned)w1;
-  unsigned m = u & 0x77777777u, u4 = u << 4, n = v & 0x77777777u, v4 = v << 4;
-  uint4 o;
-  o.x = tf_pbc_prmt(lo, hi, m) | (tf_pbc_prmt(u, u4, 0x1504u) & 0x80808080u);
-  o.y = tf_pbc_prmt(lo, hi, __umulhi(m, 0x10000u)) | (tf_pbc_prmt(u, u4, 0x3726u) & 0x80808080u);
-  o.z = tf_pbc_prmt(lo, hi, n) | (tf_pbc_prmt(v, v4, 0x1504u) & 0x80808080u);
-  o.w = tf_pbc_prmt(lo, hi, __umulhi(n, 0x10000u)) | (tf_pbc_prmt(v, v4, 0x3726u) & 0x80808080u);
-  *reinterpret_cast<uint4*>(y) = o; }
-"""
-# LOSSLESS_LANES: lanes along channels of one 8-row group of per_block_cast_lossless (32: a warp is one group, a CTA
-# covers 256 channels). 16 or 8: a warp holds 2 or 4 row groups side by side and a CTA covers 128 or 64 channels of
-# the same rows, with 1/2 or 1/4 the threads (256 or 128 for 128-row blocks): twice or four times as many CTAs, each
-# half or a quarter as long (a shorter tail wave, a barrier over fewer warps), with as many resident threads per SM
-# (CTAs per SM from ``_LOSSLESS_REGS`` with no cap, unless LOSSLESS_CTAS). A warp's row access is then 2 or 4 rows of
-# 64 or 32 bytes (whole sectors). Applies when the output block is at most ``LANES * 8`` channels wide (else 32).
-# Each block's maximum is over the same elements: same values.
-LOSSLESS_LANES = 32
-# LOSSLESS_STORE_HINT: the e4m3 row stores of the byte-permute path (LOSSLESS_PRMT) 0: plain st.global;
-# 1: st.global.cs (streaming); 2: st.global.L1::no_allocate with an L2 evict-first policy. The output is written
-# once and never re-read here. Same bytes.
-LOSSLESS_STORE_HINT = 0
-_LL_ST = {
-    1: "__stcs(reinterpret_cast<uint2*>(y), o); }",
-    2: ("unsigned long long pol; asm(\"createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\" : \"=l\"(pol));\n"
-        "  asm volatile(\"st.global.L1::no_allocate.L2::cache_hint.v2.b32 [%0], {%1, %2}, %3;\"\n"
-        "               :: \"l\"(y), \"r\"(o.x), \"r\"(o.y), \"l\"(pol)); }"),
-}
-_LL_ST2 = {
-    1: "__stcs(reinterpret_cast<uint4*>(y), o); }",
-    2: ("unsigned long long pol; asm(\"createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\" : \"=l\"(pol));\n"
-        "  asm volatile(\"st.global.L1::no_allocate.L2::cache_hint.v4.b32 [%0], {%1, %2, %3, %4}, %5;\"\n"
-        "               :: \"l\"(y), \"r\"(o.x), \"r\"(o.y), \"r\"(o.z), \"r\"(o.w), \"l\"(pol)); }"),
-}
-# LOSSLESS_LOAD_HINT: the packed data word loads of per_block_cast_lossless (8 channels per thread) 0: TileLang's
-# plain load; 1: ld.global.nc.L1::no_allocate (read-only, not kept in L1: each word is read once); 2: the same with an
-# L2 evict-first cache policy. Same words.
-LOSSLESS_LOAD_HINT = 0
-_LL_LDD = {
-    1: """
-__device__ __forceinline__ int tf_pbc_ldd(const void* p) {
-  int v; asm volatile("ld.global.nc.L1::no_allocate.b32 %0, [%1];" : "=r"(v) : "l"(p)); return v; }
-""",
-    2: """
-__device__ __forceinline__ int tf_pbc_ldd(const void* p) {
-  unsigned long long pol; asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-  int v; asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.b32 %0, [%1], %2;" : "=r"(v) : "l"(p), "l"(pol));
-  return v; }
-""",
-}
 _LL_LDG = """
 template <typename P> __device__ __forceinline__ int tf_pbc_ldg(P p, int off) {
   return __ldg(reinterpret_cast<const int*>(p) + off); }
@@ -433,36 +375,18 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
 
     assert hidden % 32 == 0 and sf_layout in _LAYOUTS
     assert ibk >= _C and obk % ibk == 0 and obm % ibm == 0
-    c16 = bool(LOSSLESS_C16) and ibk >= 16
-    C = 16 if c16 else _C  # channels per thread (LOSSLESS_C16)
-    wpt = C // 8  # data words per row of a thread
-    lanes = LOSSLESS_LANES if LOSSLESS_LANES in (8, 16) and obk <= C * LOSSLESS_LANES else _LANES
-    tile_h = C * lanes  # channels per CTA
-    if lanes != _LANES:
-        cm = _Common(T, obm, obk, sf_layout, chunk=C, lanes=lanes)
-    else:
-        cm = _Common(T, obm, obk, sf_layout, chunk=C) if c16 else _Common(T, obm, obk, sf_layout)
+    cm = _Common(T, obm, obk, sf_layout)
     nb, W, rows_per_cta = cm.nb, cm.W, cm.rows_per_cta
-    lanes_per_block = obk // C
+    lanes_per_block = obk // _C
     nbk = cdiv(hidden, obk)
     nbki = cdiv(hidden, ibk)
     i32 = bool(LOSSLESS_I32) and ibm == 1
     exp23 = bool(LOSSLESS_EXP23) and not sf_in_packed
-    full = bool(LOSSLESS_FULL) and hidden % tile_h == 0
+    full = bool(LOSSLESS_FULL) and hidden % _TILE_H == 0
     prmt = bool(LOSSLESS_PRMT)
     # (computed here: an ``or`` inside the traced body became a logical Or, i.e. 1 CTA per SM)
     ll_blocks = LOSSLESS_CTAS or _resident_ctas(cm.threads, _LOSSLESS_REGS)
-    if lanes != _LANES and not LOSSLESS_CTAS:  # as many resident threads as 512-thread CTAs at _LOSSLESS_REGS
-        ll_blocks = min(65536 // (cm.threads * _LOSSLESS_REGS), 2048 // cm.threads)
-    ll_prmt, ll_prmt2 = _LL_PRMT, _LL_PRMT2
-    if LOSSLESS_STORE_HINT in _LL_ST:
-        ll_prmt = ll_prmt.replace("*reinterpret_cast<uint2*>(y) = o; }", _LL_ST[LOSSLESS_STORE_HINT])
-        ll_prmt2 = ll_prmt2.replace("*reinterpret_cast<uint4*>(y) = o; }", _LL_ST2[LOSSLESS_STORE_HINT])
-    ldd = LOSSLESS_LOAD_HINT if LOSSLESS_LOAD_HINT in _LL_LDD and not c16 else 0
-    ll_source = (_LL_HELPERS + (_LL_LDG if i32 else "") + (ll_prmt if prmt else "")
-                 + (ll_prmt2 if prmt and c16 else ""))  # one import (a second clashes)
-    if ldd:
-        ll_source += _LL_LDD[ldd]
+    ll_source = _LL_HELPERS + (_LL_LDG if i32 else "") + (_LL_PRMT if prmt else "")  # one import (a second clashes)
 
     Tn, NBM, P, NBMI, SI0, SI1 = T.dynamic("num_tokens, num_row_blocks, sf_pad, in_sf_rows, in_sf_s0, in_sf_s1")
     d_param = T.Tensor((Tn, hidden // 8), "int32")
@@ -512,33 +436,19 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
         return in_sf_word(SFI, row0 + j, col0)
 
     @T.macro
-    def load_words(D, dl, row0, col0, j: int):
-        if c16:
-            for q in T.vectorized(wpt):
-                dl[j * wpt + q] = D[row0 + j, col0 // _C + q]
-        elif ldd:  # LOSSLESS_LOAD_HINT
-            dl[j] = T.call_extern("int32", "tf_pbc_ldd", T.address_of(D[row0 + j, col0 // _C]))
-        else:
-            dl[j] = D[row0 + j, col0 // _C]
-
-    @T.macro
     def load_ll(D, SFI, dl, el, row0, col0, off0, checked: bool = True):
         """8 rows of 8 nibbles and their input sf words (all loads first: nothing waits on one before the last
         is issued); missing rows/channels count as e = 0 (``checked`` False: all rows and channels exist)."""
         for j in T.unroll(_RPT):
             if checked:
                 if T.And(row0 + j < Tn, col0 < hidden):
-                    load_words(D, dl, row0, col0, j)
+                    dl[j] = D[row0 + j, col0 // _C]
                     el[j] = sf_load(SFI, off0, row0, j, col0)
                 else:
-                    if c16:
-                        for q in T.vectorized(wpt):
-                            dl[j * wpt + q] = 0
-                    else:
-                        dl[j] = 0
+                    dl[j] = 0
                     el[j] = 0
             else:
-                load_words(D, dl, row0, col0, j)
+                dl[j] = D[row0 + j, col0 // _C]
                 el[j] = sf_load(SFI, off0, row0, j, col0)
 
     @T.macro
@@ -549,12 +459,11 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
             factor = T.reinterpret(T.max(el[j] + T.shift_left(141 - mx[j * nb // _RPT], 23), 0), "float32")
         else:
             factor = T.reinterpret(T.shift_left(T.max(141 + el[j] - mx[j * nb // _RPT], 0), 23), "float32")
-        for q in _statically(wpt):
-            for k in _statically(_C // 2):
-                lo, hi = fp4_pair(dl[j * wpt + q] if c16 else dl[j], k)  # nibbles k and k + 4
-                tmp[q * _C + k] = lo * factor
-                tmp[q * _C + k + _C // 2] = hi * factor
-        for v in T.vectorized(C):
+        for k in _statically(_C // 2):
+            lo, hi = fp4_pair(dl[j], k)  # nibbles k and k + 4
+            tmp[k] = lo * factor
+            tmp[k + _C // 2] = hi * factor
+        for v in T.vectorized(_C):
             Y[row0 + j, col0 + v] = T.cast(tmp[v], "float8_e4m3fn")
 
     @T.macro
@@ -573,12 +482,8 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
     @T.macro
     def encode_row_prmt(Y, dl, el, mx, row0, col0, j: int):
         # LOSSLESS_PRMT: the 8 e4m3 bytes of row j from its nibbles and d = e(b) - E_B (in [-5, 6] here)
-        if c16:
-            T.call_extern("handle", "tf_pbc_ll_row2", T.address_of(Y[row0 + j, col0]), dl[j * wpt], dl[j * wpt + 1],
-                          ll_byte(el[j]) - mx[j * nb // _RPT])
-        else:
-            T.call_extern("handle", "tf_pbc_ll_row", T.address_of(Y[row0 + j, col0]), dl[j],
-                          ll_byte(el[j]) - mx[j * nb // _RPT])
+        T.call_extern("handle", "tf_pbc_ll_row", T.address_of(Y[row0 + j, col0]), dl[j],
+                      ll_byte(el[j]) - mx[j * nb // _RPT])
 
     @T.macro
     def process_ll(Y, SF, dl, el, mx, tmp, red, row0, col0, w, lane, checked: bool = True):
@@ -588,7 +493,7 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
             # torch strides are never negative (``SI1 == -1`` never holds), but nvcc cannot know it: the
             # select makes the data words live before the block reduction's barrier, so nvcc does not sink
             # their loads past it (a second DRAM round trip per CTA)
-            el[j] = T.max(in_exponent(el[j], col0), T.if_then_else(SI1 == -1, dl[j * wpt] if c16 else dl[j], 0))
+            el[j] = T.max(in_exponent(el[j], col0), T.if_then_else(SI1 == -1, dl[j], 0))
         for n in T.unroll(nb):
             mx[n] = 0
         for j in T.unroll(_RPT):
@@ -634,19 +539,19 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
 
     @T.macro
     def body(D, SFI, Y, SF):
-        with T.Kernel(T.ceildiv(hidden, tile_h), T.ceildiv(Tn, rows_per_cta), threads=cm.threads) as (bx, by):
+        with T.Kernel(T.ceildiv(hidden, _TILE_H), T.ceildiv(Tn, rows_per_cta), threads=cm.threads) as (bx, by):
             T.import_source(ll_source)  # before the annotation (after it, TileLang dropped the min-blocks bound)
             T.annotate_min_blocks_per_sm(ll_blocks)
             tx = T.get_thread_binding()
-            lane = tx % lanes  # lane of the thread's row group (LOSSLESS_LANES)
-            w = tx // lanes  # the thread's row group (its warp when lanes = 32)
+            lane = tx % _LANES
+            w = tx // _LANES
             row0 = by * rows_per_cta + w * _RPT
-            col0 = bx * tile_h + lane * C
-            dl = T.alloc_local((_RPT * wpt,), "int32")
+            col0 = bx * _TILE_H + lane * _C
+            dl = T.alloc_local((_RPT,), "int32")
             el = T.alloc_local((_RPT,), "int32")
             mx = T.alloc_local((nb,), "int32")
-            red = T.alloc_shared((W * lanes,), "int32")
-            tmp = T.alloc_local((C,), "float32")
+            red = T.alloc_shared((W * _LANES,), "int32")
+            tmp = T.alloc_local((_C,), "float32")
             off0 = sf_offset(row0, col0)
             if full:
                 if (by + 1) * rows_per_cta <= Tn:
