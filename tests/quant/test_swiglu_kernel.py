@@ -556,18 +556,9 @@ _KNOB_CASES = (
     ("BWD_ROW_WARPS", 7, "swiglu_bwd_ptc", K._bwd_ptc_cfg(2048, 32, True, 0.5)),     # not covered: default team
     ("BWD_PDL", False, "swiglu_bwd_ptc", K._bwd_ptc_cfg(7168, 128, True, None)),
     ("BWD_ROW_WARPS", 0, "swiglu_bwd_ptc", K._bwd_ptc_cfg(7168, 128, True, None)),   # the 128-thread team
-    ("BWD_SF_PREFETCH", True, "swiglu_bwd_ptc", K._bwd_ptc_cfg(7168, 128, True, None)),
     ("BWD_WG_ZERO", False, "swiglu_bwd_ptc", K._bwd_ptc_cfg(7168, 128, True, None)),
     ("BWD_WG_ZERO", False, "swiglu_bwd_ptc", K._bwd_ptc_cfg(2560, 32, False, 0.5)),    # 2 rows per CTA
     ("BWD_WG_STAGE", False, "swiglu_bwd_ptc", K._bwd_ptc_cfg(7168, 128, True, None)),  # row-CTA sum order
-    ("BWD_STORE_HINT", 1, "swiglu_bwd_ptc", K._bwd_ptc_cfg(7168, 128, True, None)),
-    ("BWD_STORE_HINT", 2, "swiglu_bwd_ptc", K._bwd_ptc_cfg(2560, 32, False, 0.5)),
-    ("PCC_PDL_TRIGGER", True, "swiglu_fwd_pcc", K._pcc_cfg(7168, 128, True, True, None)),
-    ("PCC_GROUP", 21, "swiglu_fwd_pcc", K._pcc_cfg(7168, 128, True, True, None)),
-    ("PCC_GROUP", 9, "swiglu_fwd_pcc", K._pcc_cfg(576, 128, True, False, 10.0)),
-    ("PCC_PERSIST", 528, "swiglu_fwd_pcc", K._pcc_cfg(7168, 128, True, True, None)),
-    ("PCC_PERSIST", 5, "swiglu_fwd_pcc", K._pcc_cfg(576, 32, True, True, None)),
-    ("PCC_PERSIST", 396, "swiglu_fwd_pcc", K._pcc_cfg(576, 128, True, False, 10.0)),
 )
 
 
@@ -586,22 +577,16 @@ def test_knob_alternatives_build_for_sm90(knob, value, name, cfg, monkeypatch):
 # BWD_WG_ZERO, BWD_PDL, BWD_PDL_TRIGGER. Knob combinations from there (TILEFUSE_KNOBS names without the module prefix).
 # Round 3's row tilings without the staged sum (weight_grad in another fixed order: the reference's tolerance)
 BWD_KNOB_VARIANTS = (
-    {"BWD_ROW_WARPS": 7, "BWD_ROW_WARPS_MIN_BLOCKS": 4, "BWD_WG_STAGE": False, "BWD_WG_ZERO": False,
-     "BWD_SF_PREFETCH": True},
-    {"BWD_ROW_WARPS": 0, "BWD_WG_ZERO": False, "BWD_SF_PREFETCH": True},
+    {"BWD_ROW_WARPS": 7, "BWD_ROW_WARPS_MIN_BLOCKS": 4, "BWD_WG_STAGE": False, "BWD_WG_ZERO": False},
+    {"BWD_ROW_WARPS": 0, "BWD_WG_ZERO": False},
 )
 # bit-identical to the defaults: the round-3 defaults themselves, the 128-thread team with the round-4 knobs, the
-# 7-warp row CTAs with the staged sum, evict-first output stores
+# 7-warp row CTAs with the staged sum
 BWD_R4_VARIANTS = (
     {"BWD_ROW_WARPS": 0, "BWD_WG_STAGE": False, "BWD_WG_ZERO": False, "BWD_PDL": False, "BWD_PDL_TRIGGER": False},
     {"BWD_ROW_WARPS": 0},
     {"BWD_ROW_WARPS": 7, "BWD_ROW_WARPS_MIN_BLOCKS": 4},
-    {"BWD_STORE_HINT": 2},
-    {"BWD_ROW_WARPS": 0, "BWD_STORE_HINT": 2},
 )
-PCC_KNOB_VARIANTS = ({"PCC_GROUP": 21, "PCC_PDL_TRIGGER": True}, {"PCC_GROUP": 9},
-                     {"PCC_PERSIST": 528, "PCC_PDL_TRIGGER": True},
-                     {"PCC_PERSIST": 5})  # 5 CTAs: several tiles each, some one tile fewer
 
 
 def _knob_source(monkeypatch, knobs, name, cfg):
@@ -625,8 +610,7 @@ def _bwd_launch_bounds(knobs: dict, hidden: int = 7168) -> str:
 @pytest.mark.compile
 @pytest.mark.parametrize("knobs", BWD_KNOB_VARIANTS, ids=str)
 def test_bwd_knob_variants_source(knobs, monkeypatch):
-    """The PDL wait precedes every global access; 7 warps per row gives 224-thread CTAs at H = 7168 only; the
-    sf prefetch is an L1 prefetch."""
+    """The PDL wait precedes every global access; 7 warps per row gives 224-thread CTAs at H = 7168 only."""
     _jit.registered()
     bounds = _bwd_launch_bounds(knobs)
     src = _knob_source(monkeypatch, knobs, "swiglu_bwd_ptc", K._bwd_ptc_cfg(7168, 128, True, None))
@@ -636,14 +620,13 @@ def test_bwd_knob_variants_source(knobs, monkeypatch):
     wait = body.index("cudaGridDependencySynchronize();")
     first_global = min(i for i in (body.find(p) for p in ("P2T[", "W[", "TT2P[", "D +", "SFI", "G +")) if i >= 0)
     assert wait < body.index("cudaTriggerProgrammaticLaunchCompletion();") < first_global
-    assert "prefetch.global.L1" in src and "swg_prefetch_l1(" in body
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("knobs", BWD_R4_VARIANTS, ids=str)
 def test_bwd_r4_variants_source(knobs, monkeypatch):
     """Round-4 variants: the zero stores guarded by token_topk_to_pos == -1; the staged row sum (ROW_WARPS) is
-    read back by the default team's 128 lanes, 7 chunks of 8 FMAs each in the default's order; hinted stores."""
+    read back by the default team's 128 lanes, 7 chunks of 8 FMAs each in the default's order."""
     _jit.registered()
     eff = {**{k: getattr(K, k) for k in ("BWD_ROW_WARPS", "BWD_WG_STAGE", "BWD_WG_ZERO")}, **knobs}
     bounds = _bwd_launch_bounds(knobs)
@@ -655,8 +638,6 @@ def test_bwd_r4_variants_source(knobs, monkeypatch):
         assert "acc[0] = (acc[0] + (((float)gv[" in src
     else:
         assert "act_s" not in src
-    if knobs.get("BWD_STORE_HINT") == 2:
-        assert src.count("swg_st16_ef((") == 3 and src.count("swg_st8_ef((") == 2
 
 
 @pytest.mark.compile
@@ -685,17 +666,6 @@ def test_bwd_wg_zero_launcher_allocates_uninitialized(monkeypatch):
         assert made == (["empty"] if t else ["zeros"])
         if not t:
             assert not bool(wg.any())
-
-
-@pytest.mark.compile
-def test_pcc_group_launch_order_source(monkeypatch):
-    """PCC_GROUP: a 3-D grid (token tile in group, channel block, group); CTAs past the last token tile exit."""
-    _jit.registered()
-    src = _knob_source(monkeypatch, PCC_KNOB_VARIANTS[0], "swiglu_fwd_pcc", K._pcc_cfg(7168, 128, True, True, None))
-    assert "blockIdx.z) * 21) + ((int)blockIdx.x)) < (num_tokens >> 7)" in src
-    body = src[src.index("__launch_bounds__"):]
-    assert body.index("cudaGridDependencySynchronize();") < body.index(
-        "cudaTriggerProgrammaticLaunchCompletion();") < body.index("X +")
 
 
 @pytest.mark.gpu
@@ -744,37 +714,3 @@ def test_bwd_knob_variant_nan_inf(fill, knob_kernels):
     """quant.md 1.7 through the first backward variant (the default's NaN/inf test, bench config)."""
     knob_kernels(K, BWD_KNOB_VARIANTS[0])
     test_bwd_ptc_nan_inf((7168, 128, True, None), fill)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("knobs", PCC_KNOB_VARIANTS, ids=str)
-@pytest.mark.parametrize("t", (128, 4096, 8192))
-@pytest.mark.parametrize("case", PCC_CASES, ids=str)
-def test_pcc_knob_variants_match_reference(knobs, t, case, knob_kernels):
-    """PCC_GROUP (a last group with fewer token tiles than G when G does not divide T / 128) and the PDL
-    trigger give the reference's bits, twice in a row."""
-    knob_kernels(K, knobs)
-    x = torch.randn(t, 2 * case[0], dtype=torch.bfloat16, device="cuda") * 2
-    first = _pcc_check(case, x)
-    again = K.swiglu_fwd_pcc_launch(x, case[1], case[2], not case[3], case[4])
-    assert_equal(again[0], first[0])
-    assert_equal(again[1], first[1])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fill", ("nan", "inf"))
-def test_pcc_knob_variant_nan_inf(fill, knob_kernels):
-    """quant.md 1.7 through the first per-channel variant (the default's NaN/inf test)."""
-    knob_kernels(K, PCC_KNOB_VARIANTS[0])
-    test_fwd_pcc_nan_inf((7168, 128, True, True, None), fill)  # 256 tokens: 2 of a group's 21 tiles
-
-
-@pytest.mark.compile
-def test_pcc_persist_source(monkeypatch):
-    """PCC_PERSIST: 16-byte loads of the next tile issued between phase 1 and phase 2, no bounds-check branches
-    around the loads and the transposed 16-byte stores."""
-    _jit.registered()
-    src = _knob_source(monkeypatch, {"PCC_PERSIST": 528}, "swiglu_fwd_pcc", K._pcc_cfg(7168, 128, True, True, None))
-    body = src[src.index("for (int k = 0;"):]
-    assert body.count("*(uint4*)(xl + ") == 1 and body.count("*(uint4*)(xr + ") == 1
-    assert "*(fp8_e4_16_t*)(Y + " in body and "if (0 <=" not in body
