@@ -668,11 +668,14 @@ def test_bwd_wg_zero_launcher_allocates_uninitialized(monkeypatch):
             assert not bool(wg.any())
 
 
+# (hidden, num_per_channels, round_sf, clamp) of the backward knob-variant GPU tests
+_BWD_KNOB_CASES = ((7168, 128, True, None), (7168, 128, False, 10.0), (2560, 32, False, 0.5))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("knobs", BWD_KNOB_VARIANTS, ids=str)
 @pytest.mark.parametrize("t", (1, 7, 4001))
-@pytest.mark.parametrize("case", ((7168, 128, True, None), (7168, 128, False, 10.0), (2560, 32, False, 0.5)),
-                         ids=str)
+@pytest.mark.parametrize("case", _BWD_KNOB_CASES, ids=str)
 def test_bwd_knob_variants_match_reference(knobs, t, case, knob_kernels):
     """Round-3 backward knob variants give the reference's bits (weight_grad within 6.3), twice in a row."""
     knob_kernels(K, knobs)
@@ -686,8 +689,7 @@ def test_bwd_knob_variants_match_reference(knobs, t, case, knob_kernels):
 @pytest.mark.gpu
 @pytest.mark.parametrize("knobs", BWD_R4_VARIANTS, ids=str)
 @pytest.mark.parametrize("t", (1, 7, 4001))
-@pytest.mark.parametrize("case", ((7168, 128, True, None), (7168, 128, False, 10.0), (2560, 32, False, 0.5)),
-                         ids=str)
+@pytest.mark.parametrize("case", _BWD_KNOB_CASES, ids=str)
 def test_bwd_r4_variants_bitwise_equal_default(knobs, t, case, knob_kernels):
     """Round-4 variants: every output bit-identical to the default kernel's, weight_grad included (the staged
     sum keeps the default's order; the kernel's own zeros land where token_topk_to_pos is -1), on a weight_grad
