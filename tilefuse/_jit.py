@@ -285,6 +285,8 @@ def precompile_main(argv: list[str]) -> int:
                         help="only the configs the bench rows launch (of the bench ops named by --ops)")
     parser.add_argument("--force", action="store_true",
                         help="also recompile configs whose library is already in tilefuse's disk cache")
+    parser.add_argument("--no-native", action="store_true",
+                        help="skip building the native launch extension (tilefuse._native) for this host")
     args = parser.parse_args(argv)
 
     if args.bench:
@@ -308,4 +310,11 @@ def precompile_main(argv: list[str]) -> int:
           f"{time.perf_counter() - start:.1f} s ({cached} already in the disk cache)")
     for (name, cfg), exc in failures:
         print(f"FAILED {name} {cfg}: {exc}")
+    if not args.no_native:
+        from tilefuse import _native
+
+        start = time.perf_counter()
+        mod = _native.module()
+        print(f"native launcher: {'ready' if mod is not None else 'unavailable'} "
+              f"({time.perf_counter() - start:.1f} s){'' if mod is not None else ': ' + str(_native.error())}")
     return 1 if failures else 0

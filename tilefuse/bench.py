@@ -534,6 +534,9 @@ def host_overhead(iters: int = 2000) -> list[dict]:
             calls["bare TileLang kernel call allocating its outputs (JITKernel, out_idx)"] = lambda: alloc(x)
         calls["tilefuse launcher (per_token_cast_launch: allocation + launch)"] = (
             lambda col=col: Q.per_token_cast_launch(x, None, "e4m3", 128, None, col, True, col))
+        py_plan = Q._plan(x.dtype, 7168, None, "e4m3", 128, None, col, True, col, "cast", native=False)
+        calls["its Python launch path (torch.empty_strided x2 + TVM-FFI call; TILEFUSE_NATIVE=0)"] = (
+            lambda py_plan=py_plan: py_plan(x, 1))
         calls["tilefuse.quant.per_token_cast (public op: validation + launcher)"] = (
             lambda col=col: quant.per_token_cast(x, "e4m3", 128, None, col, True, col))
         calls["torch.ops.tilefuse.per_token_cast (custom op)"] = (
@@ -568,7 +571,8 @@ out, sf = q.per_token_cast(x, "e4m3", 128, None, True, True, True); torch.cuda.s
 t3 = time.perf_counter()
 ref = q.per_token_cast(x.cpu(), "e4m3", 128, None, True, True, True)
 ok = torch.equal(out.cpu().view(torch.uint8), ref[0].view(torch.uint8))
-print(f"{t1 - t0:.3f} {t2 - t1:.3f} {t3 - t2:.3f} {ok} {'tilelang' in sys.modules}")
+from tilefuse import _native
+print(f"{t1 - t0:.3f} {t2 - t1:.3f} {t3 - t2:.3f} {ok} {'tilelang' in sys.modules} {_native.module() is not None}")
 """
 
 
@@ -584,11 +588,11 @@ def cold_start() -> dict:
     per_token_cast(x, "e4m3", 128, None, True, True, True)  # make sure this config is in the disk cache
     res = subprocess.run([sys.executable, "-c", _COLD], capture_output=True, text=True, timeout=120)
     fields = res.stdout.split()
-    if res.returncode or len(fields) != 5:
+    if res.returncode or len(fields) != 6:
         return {"error": (res.stdout + res.stderr)[-500:]}
     return {"torch_and_cuda_init_s": float(fields[0]), "import_tilefuse_s": float(fields[1]),
             "first_call_s": float(fields[2]), "equals_reference": fields[3] == "True",
-            "imported_tilelang": fields[4] == "True"}
+            "imported_tilelang": fields[4] == "True", "native_launcher": fields[5] == "True"}
 
 
 def _sweep_cases(only: str | None = None) -> list[tuple]:
@@ -719,8 +723,12 @@ def main(argv: list[str]) -> int:
     if args.plot:
         _plot(result, args.plot)
     if args.host_overhead:
+        from tilefuse import _native
+
         result["host_overhead"] = host_overhead()
+        result["native_launcher"] = _native.module() is not None
         print("\n" + "\n".join(host_overhead_table(result["host_overhead"])))
+        print("native launcher:", "on" if result["native_launcher"] else f"off ({_native.error()})")
         _save(result, args.json)
     if args.cold_start:
         result["cold_start"] = cold_start()

@@ -18,8 +18,11 @@ if [ -f .gpu/kcache.tar.xz ]; then
   echo "kernel cache: $(ls "$TILELANG_CACHE_DIR/tilefuse" | wc -l) libraries"
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; date -u +%FT%TZ
+# the native launch extension (tilefuse._native) for this host's torch: built once, before anything times
+python3 -c "import time; from tilefuse import _native as n; t = time.time(); m = n.module(); \
+print('native launcher:', 'ready' if m else n.error(), '(%.1f s)' % (time.time() - t))" 2>&1 | tail -3 | tee "$OUT/native.log"
 if [ -n "${PRECOMPILE:-}" ]; then  # compile what the packed cache lacks, 16 at a time
-  timeout ${T_COMPILE:-300} python3 -m tilefuse precompile --jobs 16 2>&1 | grep -E "^compiled|^FAILED" | tee "$OUT/precompile.log"
+  timeout ${T_COMPILE:-300} python3 -m tilefuse precompile --jobs 16 2>&1 | grep -E "^compiled|^FAILED|^native" | tee "$OUT/precompile.log"
 fi
 if [ "${OPS:-}" != "none" ]; then
   timeout ${T_BENCH:-240} python3 -m tilefuse bench ${OPS:+--ops $OPS} $([ -z "${COMPILE_REF:-}" ] && echo --no-compile-ref) \

@@ -160,7 +160,7 @@ def cast_and_cast_back_launch(x: torch.Tensor, fmt: str, num_per_channels: int, 
     fn = _jit.get("per_token_cast_and_cast_back", cfg)
     vec = 16 // x.element_size()
     if x.data_ptr() % 16 or (t > 1 and x.stride(0) % vec):
-        y = x.contiguous()
+        y = x.clone(memory_format=torch.contiguous_format)  # aligned even where x is contiguous
         fn(y)
         x.copy_(y)
     else:

@@ -283,7 +283,7 @@ _jit.register("per_token_cast_to_e5m6", e5m6_cast_kernel, _configs)
 def _aligned_rows(x: torch.Tensor, vec: int) -> torch.Tensor:
     """``x`` when its rows start on ``vec``-element (16-byte) boundaries (pointer and stride), else a copy."""
     if x.stride(-1) != 1 or x.data_ptr() % 16 or (x.size(0) > 1 and x.stride(0) % vec):
-        return x.contiguous()
+        return x.clone(memory_format=torch.contiguous_format)  # aligned even where x is contiguous
     return x
 
 

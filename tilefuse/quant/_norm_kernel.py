@@ -866,7 +866,7 @@ def _rows3(t: torch.Tensor) -> torch.Tensor:
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
-    return t if t.data_ptr() % 16 == 0 else t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
 def _sf_alloc(x: torch.Tensor, col: bool, packed: bool) -> torch.Tensor:

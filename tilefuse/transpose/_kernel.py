@@ -137,7 +137,7 @@ def batched_transpose_launch(x: torch.Tensor) -> torch.Tensor:
     size = x.element_size()
     if (x.data_ptr() % 16 or (x.stride(1) * size) % 16 or (b > 1 and x.stride(0) != m * x.stride(1))
             or x.stride(2) != 1):
-        x = x.contiguous()
+        x = x.clone(memory_format=torch.contiguous_format)  # aligned even where x is contiguous
     _jit.get("batched_transpose", (size,))(x.view(torch.int32), out.view(torch.int32))
     return out
 

@@ -1,0 +1,168 @@
+"""The native launch plans (``tilefuse._native``).
+
+Compile tier (a host compiler, torch and tvm_ffi headers; no GPU): the extension builds; each plan hands
+the kernel exactly the tensors it returns (shapes, strides, dtypes as DLPack types equal to torch's own
+export), copies rows the kernel cannot read in place, skips the launch at zero rows, and raises the
+kernel's error. The kernel here is a Python function behind TVM-FFI that records what it receives.
+GPU tier: the public ops on the native plan equal the Python launch path bitwise (outputs poisoned), and
+their outputs are ordinary caching-allocator tensors (``record_stream`` takes them).
+"""
+import pytest
+import torch
+
+from tilefuse import _native
+
+pytestmark = []
+
+
+@pytest.fixture(scope="module")
+def native():
+    mod = _native.module()
+    assert mod is not None, _native.error()
+    return mod
+
+
+def _recorder():
+    import tvm_ffi
+
+    seen = []
+
+    def kernel(*args):
+        seen.append([(tuple(a.shape), tuple(a.strides), str(a.dtype)) for a in args])
+
+    return tvm_ffi.convert(kernel), seen
+
+
+def _desc(t: torch.Tensor):
+    return (tuple(t.shape), tuple(t.stride()), str(t.dtype).replace("torch.", ""))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn,
+                                   torch.float8_e5m2, torch.int8, torch.uint8, torch.int16, torch.int32,
+                                   torch.int64, torch.bool], ids=str)
+def test_dlpack_dtype_matches_torch_export(native, dtype):
+    import tvm_ffi
+
+    d = tvm_ffi.from_dlpack(torch.empty(2, dtype=dtype)).dtype
+    assert native.dl_dtype_code(dtype) == (d.type_code, d.bits, d.lanes)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("t", [0, 1, 5, 8])
+@pytest.mark.parametrize("outs", [
+    [(7168, torch.float8_e4m3fn, False), (56, torch.float32, False)],
+    [(3584, torch.int8, False), (14, torch.int32, True)],
+    [(56, torch.float32, True)],
+    [(64, torch.uint8, False), (2, torch.float32, True), (1, torch.int32, False)],
+], ids=["e4m3-row", "e2m1-col-packed", "sf-only-col", "three"])
+def test_plan_allocates_and_launches(native, t, outs):
+    fn, seen = _recorder()
+    plan = _native.plan(fn, 16, 8, outs)
+    x = torch.randn(t, 7168).to(torch.bfloat16)
+    got = plan(x, t)
+    got = got if isinstance(got, tuple) else (got,)
+    assert len(got) == len(outs)
+    for y, (cols, dtype, col) in zip(got, outs):
+        assert y.shape == (t, cols) and y.dtype == dtype and y.device == x.device
+        assert y.stride() == ((1, (t + 3) // 4 * 4) if col else (cols, 1))
+        assert y.untyped_storage().data_ptr() == y.data_ptr()  # its own allocation, not a view of another
+    if t == 0:
+        assert seen == []
+    else:
+        assert seen == [[_desc(x)] + [_desc(y) for y in got]]
+    again = plan(x, t)
+    again = again if isinstance(again, tuple) else (again,)
+    if t:
+        assert all(a.data_ptr() != b.data_ptr() for a, b in zip(got, again))  # fresh outputs per call
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("width,offset,in_place", [(7168, 0, True), (7168 + 64, 0, True), (7168 + 3, 0, False),
+                                                   (7168 + 64, 8, True), (7168 + 64, 3, False)], ids=str)
+def test_plan_copies_rows_the_kernel_cannot_read(native, width, offset, in_place):
+    """Row stride a multiple of 8 elements and a 16-byte aligned start pass as they are; others are copied."""
+    fn, seen = _recorder()
+    plan = _native.plan(fn, 16, 8, [(56, torch.float32, False)])
+    base = torch.randn(3, width + 8).to(torch.bfloat16)
+    x = base[:, offset:offset + 7168]
+    plan(x, 3)
+    assert seen[0][0] == ((3, 7168), (x.stride(0) if in_place else 7168, 1), "bfloat16")
+    seen.clear()
+    plan(x[:1], 1)  # one row: any row stride, the start alignment still counts
+    assert seen[0][0] == ((1, 7168), (x.stride(0) if (offset * 2) % 16 == 0 else 7168, 1), "bfloat16")
+
+
+@pytest.mark.compile
+def test_plan_raises_the_kernel_error(native):
+    import tvm_ffi
+
+    def kernel(*args):
+        raise ValueError("kernel says no")
+
+    plan = _native.plan(tvm_ffi.convert(kernel), 16, 8, [(4, torch.float32, False)])
+    with pytest.raises(Exception, match="kernel says no"):
+        plan(torch.zeros(2, 64, dtype=torch.bfloat16), 2)
+
+
+@pytest.mark.compile
+def test_plan_declines_non_ffi_kernels_and_bad_outputs(native):
+    assert _native.plan(lambda *a: None, 16, 8, [(4, torch.float32, False)]) is None
+    fn, _ = _recorder()
+    with pytest.raises(ValueError, match="1 to 3 outputs"):
+        _native.plan(fn, 16, 8, [(4, torch.float32, False)] * 4)
+
+
+def test_disabled_or_unbuildable_falls_back(monkeypatch):
+    """TILEFUSE_NATIVE=0, or a failing build, gives no plan (the launchers keep their Python path)."""
+    monkeypatch.setattr(_native, "_STATE", {})
+    monkeypatch.setenv("TILEFUSE_NATIVE", "0")
+    assert _native.module() is None and _native.plan(object(), 16, 8, [(4, torch.float32, False)]) is None
+    monkeypatch.setattr(_native, "_STATE", {})
+    monkeypatch.delenv("TILEFUSE_NATIVE")
+
+    def broken(path=None):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(_native, "build", broken)
+    with pytest.warns(RuntimeWarning, match="no compiler here"):
+        assert _native.module() is None
+    assert "no compiler here" in _native.error()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["e4m3", "e2m1"])
+@pytest.mark.parametrize("flags", [(False, False, False), (False, True, False), (True, False, False),
+                                   (True, True, True)], ids=str)
+@pytest.mark.parametrize("t", [1, 7, 4001])
+def test_native_equals_python_launch_path(native, fmt, flags, t):
+    from tilefuse.quant import _per_token_cast_kernel as K
+
+    col, round_sf, packed = flags
+    x = (torch.randn(t, 7168 + 64, device="cuda") * 3).to(torch.bfloat16)[:, :7168]
+    for mode in ("cast", "sf_only"):
+        key = (x.dtype, 7168, None, fmt, 128, None, col, round_sf, packed, mode)
+        fast, slow = K._plan(*key), K._plan(*key, native=False)
+        assert type(fast).__module__ == "tilefuse_native"
+        got, want = fast(x, t), slow(x, t)
+        got, want = (got, want) if mode == "cast" else ((got,), (want,))
+        for a, b in zip(got, want):
+            assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.gpu
+def test_native_outputs_take_record_stream(native):
+    """The outputs come from torch's caching allocator: record_stream keeps a side stream's use safe."""
+    from tilefuse.quant import per_token_cast
+
+    x = torch.randn(64, 7168, device="cuda").to(torch.bfloat16)
+    out, sf = per_token_cast(x, "e4m3", 128)
+    side = torch.cuda.Stream()
+    out.record_stream(side)
+    sf.record_stream(side)
+    with torch.cuda.stream(side):
+        y = out.float().sum()
+    torch.cuda.synchronize()
+    ref = per_token_cast(x.cpu(), "e4m3", 128)[0].float().sum()
+    assert torch.equal(y.cpu(), ref)

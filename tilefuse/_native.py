@@ -1,0 +1,138 @@
+"""Native launch plans: a kernel's output allocation and launch in one C++ call (``_native.cc``).
+
+An eager call of a quant op at one row spends most of its host time in two ``torch.empty_strided`` calls
+and the TVM-FFI call's argument conversion. A :func:`plan` does both in C++ through ATen and the TVM-FFI C
+API: the outputs are ordinary torch tensors from the caching allocator, the kernel launches on torch's
+current stream. The extension is built on first use with the host compiler against the installed torch,
+Python and tvm_ffi headers (about 20 s), cached next to the kernel libraries (``_jit._cache_dir()``) and
+keyed by its source and those versions; ``python -m tilefuse precompile`` builds it too. Where it cannot be
+built (no compiler, no headers) or ``TILEFUSE_NATIVE=0``, :func:`plan` returns None and the launchers keep
+their Python path, which computes the same outputs.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import warnings
+
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_native.cc")
+_NAME = "tilefuse_native"
+_LOCK = threading.Lock()
+_STATE: dict = {}  # "module": the loaded extension or None once tried; "error": why it is None
+
+
+def enabled() -> bool:
+    return os.environ.get("TILEFUSE_NATIVE", "1") != "0"
+
+
+def _flags() -> tuple[list[str], list[str]]:
+    """Include paths and link flags for the installed torch, Python and tvm_ffi."""
+    import torch
+    import tvm_ffi.libinfo
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    inc = include_paths() + tvm_ffi.libinfo.include_paths() + [sysconfig.get_paths()["include"]]
+    libs = library_paths() + [os.path.dirname(tvm_ffi.libinfo.find_libtvm_ffi())]
+    cflags = [f"-I{p}" for p in inc] + [
+        "-O2", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden", "-w",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        f"-DTORCH_EXTENSION_NAME={_NAME}", "-DTORCH_API_INCLUDE_EXTENSION_H",
+    ]
+    ldflags = [f"-L{p}" for p in libs] + [f"-Wl,-rpath,{p}" for p in libs] + [
+        "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python", "-ltvm_ffi"]
+    return cflags, ldflags
+
+
+def lib_path() -> str:
+    """Where the built extension lives: keyed by its source and the versions it binds."""
+    import torch
+    import tvm_ffi
+
+    from ._jit import _cache_dir
+
+    with open(_SOURCE, "rb") as f:
+        src = f.read()
+    # not _flags(): importing torch.utils.cpp_extension costs a cold start more than the rest of a first call
+    key = hashlib.sha256(repr((src, torch.__version__, torch._C._GLIBCXX_USE_CXX11_ABI, sys.version,
+                               tvm_ffi.__version__)).encode())
+    return os.path.join(_cache_dir(), f"{_NAME}-{key.hexdigest()[:24]}.so")
+
+
+def build(path: str | None = None) -> str:
+    """Compile the extension to ``path`` (default :func:`lib_path`) unless it is there; returns the path.
+    Concurrent builders (pytest workers) wait on a file lock and reuse the first one's library."""
+    import fcntl
+
+    path = path or lib_path()
+    if os.path.exists(path):
+        return path
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(path):
+            return path
+        cflags, ldflags = _flags()
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+        os.close(fd)
+        try:
+            cmd = [os.environ.get("CXX", "c++"), _SOURCE, "-o", tmp, *cflags, *ldflags]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"building {_SOURCE} failed:\n{proc.stderr[-2000:]}")
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return path
+
+
+def module():
+    """The loaded extension, built on first use; None when disabled or when it cannot be built or loaded
+    (the reason is in ``error()`` and was warned once)."""
+    if "module" in _STATE:
+        return _STATE["module"]
+    with _LOCK:
+        if "module" not in _STATE:
+            mod = None
+            if enabled():
+                try:
+                    import torch  # noqa: F401  (the extension links libtorch_python)
+
+                    path = build()
+                    loader = importlib.machinery.ExtensionFileLoader(_NAME, path)
+                    spec = importlib.util.spec_from_file_location(_NAME, path, loader=loader)
+                    mod = importlib.util.module_from_spec(spec)
+                    loader.exec_module(mod)
+                except Exception as exc:  # no compiler or headers: the Python launch path serves
+                    _STATE["error"] = f"{type(exc).__name__}: {str(exc)[:1500]}"
+                    warnings.warn(f"tilefuse: native launcher unavailable, using the Python launch path "
+                                  f"({_STATE['error']})", RuntimeWarning, stacklevel=2)
+                    mod = None
+            _STATE["module"] = mod
+    return _STATE["module"]
+
+
+def error() -> str | None:
+    return _STATE.get("error")
+
+
+def plan(fn, align_bytes: int, row_multiple: int, outputs) -> object | None:
+    """A callable ``plan(x, t)``: allocates ``outputs`` -- ``[(cols, dtype, col_major), ...]``, each
+    ``(t, cols)``, row-major or column-major with the column stride rounded up to 4 rows -- copies ``x``
+    to contiguous rows where ``x.data_ptr() % align_bytes`` or (for t > 1) ``x.stride(0) % row_multiple``,
+    and launches ``fn(x, outputs...)`` when t > 0; returns the output, or a tuple of them. None when the
+    extension is unavailable or ``fn`` is not a TVM-FFI function (a stand-in recorder, say)."""
+    if type(fn).__module__ != "tvm_ffi.core" or not hasattr(fn, "__chandle__"):
+        return None
+    mod = module()
+    if mod is None:
+        return None
+    cols, dtypes, col_major = zip(*outputs)
+    return mod.Plan(fn, align_bytes, row_multiple, list(cols), list(dtypes), list(col_major))
