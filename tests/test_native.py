@@ -148,21 +148,28 @@ def test_native_equals_python_launch_path(native, fmt, flags, t):
         got, want = (got, want) if mode == "cast" else ((got,), (want,))
         for a, b in zip(got, want):
             assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
-            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+            assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 @pytest.mark.gpu
 def test_native_outputs_take_record_stream(native):
-    """The outputs come from torch's caching allocator: record_stream keeps a side stream's use safe."""
-    from tilefuse.quant import per_token_cast
+    """The outputs come from torch's caching allocator, so record_stream holds their memory for a side
+    stream: freed while the side stream still has work on it, the block is not handed out again (a tensor
+    wrapped from foreign memory would ignore record_stream and be reused at once)."""
+    from tilefuse.quant import _per_token_cast_kernel as K, per_token_cast
 
     x = torch.randn(64, 7168, device="cuda").to(torch.bfloat16)
+    assert type(K.launcher(x.dtype, 7168, None, "e4m3", 128)).__module__ == "tilefuse_native"
     out, sf = per_token_cast(x, "e4m3", 128)
     side = torch.cuda.Stream()
-    out.record_stream(side)
-    sf.record_stream(side)
+    side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        y = out.float().sum()
+        torch.cuda._sleep(200_000_000)  # keeps the side stream busy well past the allocation below
+        seen = out.view(torch.uint8).clone()
+    out.record_stream(side)
+    ptr, nbytes = out.data_ptr(), out.numel()
+    del out
+    again = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    assert again.data_ptr() != ptr
     torch.cuda.synchronize()
-    ref = per_token_cast(x.cpu(), "e4m3", 128)[0].float().sum()
-    assert torch.equal(y.cpu(), ref)
+    assert torch.equal(seen.cpu(), per_token_cast(x.cpu(), "e4m3", 128)[0].view(torch.uint8))

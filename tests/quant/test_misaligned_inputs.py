@@ -38,7 +38,7 @@ OPS = {  # name -> (op, row counts); registered static configs only (the GPU tie
     "per_token_cast e2m1 col packed": (lambda x: q.per_token_cast(x, "e2m1", 128, None, True, True, True),
                                        (1, 7, 256)),
     "per_token_cast_with_sf_only": (lambda x: q.per_token_cast_with_sf_only(x, "e4m3", 128), (1, 7, 256)),
-    "per_token_cast_to_e5m6": (lambda x: q.per_token_cast_to_e5m6(x, 128, round_sf=True), (1, 7, 256)),
+    "per_token_cast_to_e5m6": (lambda x: q.per_token_cast_to_e5m6(x, H, round_sf=True), (1, 7, 256)),
     "norm_forward": (lambda x: q.norm_forward(x, torch.linspace(0.5, 1.5, H, device="cuda").to(x.dtype), 1e-6),
                      (1, 7, 256)),
     "transpose": (lambda x: tr.transpose(x), (64, 128)),
