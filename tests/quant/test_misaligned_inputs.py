@@ -41,6 +41,11 @@ OPS = {  # name -> (op, row counts); registered static configs only (the GPU tie
     "per_token_cast_to_e5m6": (lambda x: q.per_token_cast_to_e5m6(x, H, round_sf=True), (1, 7, 256)),
     "norm_forward": (lambda x: q.norm_forward(x, torch.linspace(0.5, 1.5, H, device="cuda").to(x.dtype), 1e-6),
                      (1, 7, 256)),
+    "per_block_cast": (lambda x: q.per_block_cast(x, "e4m3", (128, 128), True, True, True), (1, 7, 256)),
+    "per_channel_cast": (lambda x: q.per_channel_cast(x, "e4m3", 128), (128, 256)),
+    "per_channel_cast_and_transpose": (lambda x: q.per_channel_cast_and_transpose(x, "e4m3", 128), (128,)),
+    "norm_backward": (lambda x: q.norm_backward(x, x, torch.linspace(0.5, 1.5, H, device="cuda").to(x.dtype),
+                                                torch.full((x.shape[0],), 0.5, device="cuda")), (1, 7, 256)),
     "transpose": (lambda x: tr.transpose(x), (64, 128)),
     "batched_transpose": (lambda x: tr.batched_transpose(x.view(1, *x.shape)), (64,)),
 }
@@ -65,3 +70,26 @@ def test_per_token_cast_and_cast_back_misaligned_in_place(t):
     q.per_token_cast_and_cast_back(y, "e4m3", 128, round_sf=True)
     torch.cuda.synchronize()
     assert torch.equal(x, y)
+
+
+def _misaligned_copy(t: torch.Tensor) -> torch.Tensor:
+    """The same values at a data pointer 1 byte past a 16-byte boundary (a contiguous view)."""
+    flat = torch.empty(t.numel() * t.element_size() + 1, dtype=torch.uint8, device=t.device)
+    out = flat[1:].view(t.dtype).view(t.shape) if t.element_size() == 1 else None
+    if out is None:  # wider elements: an element-sized offset
+        flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+        out = flat[1:].view(t.shape)
+    out.copy_(t)
+    assert out.is_contiguous() and out.data_ptr() % 16
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 7, 256])
+@pytest.mark.parametrize("fmt", ["e4m3", "e2m1"])
+def test_per_token_cast_back_misaligned_data(fmt, t):
+    x = (torch.randn(t, H, device="cuda") * 3).to(torch.bfloat16)
+    data, sf = q.per_token_cast(x, fmt, 128)
+    got = q.per_token_cast_back((_misaligned_copy(data), sf), "bf16", 128)
+    torch.cuda.synchronize()
+    _same(got, q.per_token_cast_back((data, sf), "bf16", 128))
