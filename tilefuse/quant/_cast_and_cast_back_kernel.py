@@ -12,7 +12,7 @@ butterfly never diverges. No shared memory, no atomics, no dependence on T: dete
 """
 import torch
 
-from tilefuse import _jit
+from tilefuse import _jit, _ops
 from tilefuse import formats as F
 from tilefuse.quant import _tl
 from tilefuse.quant._cast_back_kernel import _decode_e2m1  # fp32 of an E2M1 nibble (bit assembly)
@@ -167,7 +167,7 @@ def cast_and_cast_back_launch(x: torch.Tensor, fmt: str, num_per_channels: int, 
         fn(x)
 
 
-@torch.library.custom_op("tilefuse::per_token_cast_and_cast_back", mutates_args=("x",), device_types="cuda")
+@_ops.kernel_op("tilefuse::per_token_cast_and_cast_back", mutates_args=("x",), device_types="cuda")
 def _cast_and_cast_back_op(x: torch.Tensor, fmt: str, num_per_channels: int, round_sf: bool,
                            use_e4m3_sf: bool) -> None:
     cast_and_cast_back_launch(x, fmt, num_per_channels, round_sf, use_e4m3_sf)

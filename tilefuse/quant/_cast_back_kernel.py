@@ -22,7 +22,7 @@ memory, no reductions: deterministic and batch-invariant.
 
 import torch
 
-from tilefuse import _jit
+from tilefuse import _jit, _ops
 
 # ---- tuning knobs (TILEFUSE_KNOBS; read when a kernel is built, defaults = the measured baseline) ----
 # Row tile: chunks are one 16-byte store each, consecutive threads take consecutive chunks (so every warp store
@@ -499,7 +499,7 @@ def unpack_e2m1_launch(x: torch.Tensor, out_dtype: torch.dtype = torch.float32) 
 
 # ---- torch.library registration (torch.compile / fake tensors) ----
 
-@torch.library.custom_op("tilefuse::cast_back", mutates_args=(), device_types="cuda")
+@_ops.kernel_op("tilefuse::cast_back", mutates_args=(), device_types="cuda")
 def _cast_back_op(data: torch.Tensor, sf: torch.Tensor, fmt: str, x_block_size: list[int],
                   x_special_fmt: str | None) -> torch.Tensor:
     return cast_back_launch(data, sf, fmt, x_block_size, x_special_fmt)
@@ -510,7 +510,7 @@ def _(data, sf, fmt, x_block_size, x_special_fmt):
     return data.new_empty((data.size(0), _hidden(data, _dfmt(data, x_special_fmt))), dtype=_OUT_TORCH[fmt])
 
 
-@torch.library.custom_op("tilefuse::unpack_from_e2m1fn_x2", mutates_args=(), device_types="cuda")
+@_ops.kernel_op("tilefuse::unpack_from_e2m1fn_x2", mutates_args=(), device_types="cuda")
 def _unpack_op(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     return unpack_e2m1_launch(x, out_dtype)
 

@@ -15,7 +15,7 @@ warps (max is exact in any order). Nothing depends on the token count: determini
 """
 import torch
 
-from tilefuse import _jit
+from tilefuse import _jit, _ops
 from tilefuse import formats as F
 from tilefuse.quant import _cast_back_kernel as CB
 
@@ -318,7 +318,7 @@ def e5m6_cast_launch(x: torch.Tensor, num_per_channels: int, use_tma_aligned_col
 
 # ---- torch.library registration (torch.compile / fake tensors) ----
 
-@torch.library.custom_op("tilefuse::per_token_cast_to_e5m6", mutates_args=(), device_types="cuda")
+@_ops.kernel_op("tilefuse::per_token_cast_to_e5m6", mutates_args=(), device_types="cuda")
 def _e5m6_op(x: torch.Tensor, num_per_channels: int, use_tma_aligned_col_major_sf: bool, round_sf: bool,
              use_packed_ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
     out, sf = e5m6_cast_launch(x, num_per_channels, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)

@@ -20,7 +20,7 @@ signature. ``eps`` and ``out_scale`` are binary32 scalar arguments.
 
 import torch
 
-from tilefuse import _jit
+from tilefuse import _jit, _ops
 from tilefuse import formats as F
 from tilefuse.quant import _tl
 
@@ -975,7 +975,7 @@ def norm_backward_launch(out_grad, x, weight, rstd, residual_out_grad=None, out_
 
 # ---- torch.library registration (torch.compile / fake tensors) ----
 
-@torch.library.custom_op("tilefuse::norm_forward", mutates_args=(), device_types="cuda")
+@_ops.kernel_op("tilefuse::norm_forward", mutates_args=(), device_types="cuda")
 def _norm_forward_op(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None,
                      out_scale: float, with_rstd: bool) -> list[torch.Tensor]:
     """[out, rstd?, residual_out?] (the optional ones present per with_rstd / residual)."""
@@ -991,7 +991,7 @@ def _(x, weight, eps, residual, out_scale, with_rstd):
     return [t for t in res if t is not None]
 
 
-@torch.library.custom_op("tilefuse::norm_forward_and_per_token_cast", mutates_args=(), device_types="cuda")
+@_ops.kernel_op("tilefuse::norm_forward_and_per_token_cast", mutates_args=(), device_types="cuda")
 def _norm_cast_op(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None,
                   out_scale: float, use_tma_aligned_col_major_sf: bool, round_sf: bool, use_packed_ue8m0: bool,
                   with_out_bf16: bool, with_rstd: bool) -> list[torch.Tensor]:
@@ -1014,7 +1014,7 @@ def _(x, weight, eps, residual, out_scale, use_tma_aligned_col_major_sf, round_s
     return [t for t in res if t is not None]
 
 
-@torch.library.custom_op("tilefuse::norm_backward", mutates_args=(), device_types="cuda")
+@_ops.kernel_op("tilefuse::norm_backward", mutates_args=(), device_types="cuda")
 def _norm_backward_op(out_grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor,
                       residual_out_grad: torch.Tensor | None, out_scale: float) -> list[torch.Tensor]:
     """[x_grad, weight_grad?]."""

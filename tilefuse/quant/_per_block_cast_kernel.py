@@ -20,7 +20,7 @@ maxima use ``fmaxf``, which ignores NaN like the reference (1.7).
 """
 import torch
 
-from tilefuse import _jit
+from tilefuse import _jit, _ops
 from tilefuse.formats import CLAMP_MIN, FMT_MAX, cdiv
 from tilefuse.quant import _tl
 
@@ -750,7 +750,7 @@ def _fake_out(x: torch.Tensor, t, hidden: int, fmt: str) -> torch.Tensor:
     return x.new_empty((t, hidden), dtype=torch.float8_e4m3fn)
 
 
-@torch.library.custom_op("tilefuse::per_block_cast", mutates_args=(), device_types="cuda")
+@_ops.kernel_op("tilefuse::per_block_cast", mutates_args=(), device_types="cuda")
 def _per_block_cast_op(x: torch.Tensor, fmt: str, block_size: list[int], use_tma_aligned_col_major_sf: bool,
                        round_sf: bool, use_packed_ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
     out, out_sf = per_block_cast_launch(x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
@@ -764,7 +764,7 @@ def _(x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8
             _fake_sf(x, t, h, block_size[0], block_size[1], use_tma_aligned_col_major_sf, use_packed_ue8m0))
 
 
-@torch.library.custom_op("tilefuse::per_block_cast_with_sf_only", mutates_args=(), device_types="cuda")
+@_ops.kernel_op("tilefuse::per_block_cast_with_sf_only", mutates_args=(), device_types="cuda")
 def _per_block_sf_only_op(x: torch.Tensor, fmt: str, block_size: list[int], use_tma_aligned_col_major_sf: bool,
                           round_sf: bool, use_packed_ue8m0: bool) -> torch.Tensor:
     return per_block_cast_launch(x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0,
@@ -777,7 +777,7 @@ def _(x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8
     return _fake_sf(x, t, h, block_size[0], block_size[1], use_tma_aligned_col_major_sf, use_packed_ue8m0)
 
 
-@torch.library.custom_op("tilefuse::per_block_cast_with_precomputed_sf", mutates_args=(), device_types="cuda")
+@_ops.kernel_op("tilefuse::per_block_cast_with_precomputed_sf", mutates_args=(), device_types="cuda")
 def _per_block_precomputed_op(x: torch.Tensor, fmt: str, block_size: list[int], sf: torch.Tensor) -> torch.Tensor:
     return per_block_cast_launch(x, fmt, block_size, mode="precomputed", sf=sf)
 
@@ -788,7 +788,7 @@ def _(x, fmt, block_size, sf):
     return _fake_out(x, t, h, fmt)
 
 
-@torch.library.custom_op("tilefuse::per_block_cast_lossless", mutates_args=(), device_types="cuda")
+@_ops.kernel_op("tilefuse::per_block_cast_lossless", mutates_args=(), device_types="cuda")
 def _per_block_lossless_op(data: torch.Tensor, sf_in: torch.Tensor, x_block_size: list[int],
                            out_block_size: list[int], use_tma_aligned_col_major_sf: bool,
                            use_packed_ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:

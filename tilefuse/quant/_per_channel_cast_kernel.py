@@ -39,7 +39,7 @@ programmatic dependent launch (the wait comes before every global access; no val
 """
 import torch
 
-from tilefuse import _jit
+from tilefuse import _jit, _ops
 from tilefuse.formats import CLAMP_MIN, FMT_MAX
 from tilefuse.quant._tl import pow2_from_exponent, pow2_inverse_from_exponent, pow2_sf_exponent
 
@@ -416,7 +416,7 @@ def _fake(x: torch.Tensor, t_out, npt: int, transpose: bool):
             x.new_empty(((t_out + npt - 1) // npt, hidden), dtype=torch.float32))
 
 
-@torch.library.custom_op("tilefuse::per_channel_cast", mutates_args=(), device_types="cuda")
+@_ops.kernel_op("tilefuse::per_channel_cast", mutates_args=(), device_types="cuda")
 def _per_channel_cast_op(x: torch.Tensor, num_per_tokens: int, round_sf: bool,
                          transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:
     out, out_sf = per_channel_cast_launch(x, None, num_per_tokens, round_sf, transpose)
@@ -428,7 +428,7 @@ def _(x, num_per_tokens, round_sf, transpose):
     return _fake(x, x.size(0), num_per_tokens, transpose)
 
 
-@torch.library.custom_op("tilefuse::per_channel_cast_fused", mutates_args=(), device_types="cuda")
+@_ops.kernel_op("tilefuse::per_channel_cast_fused", mutates_args=(), device_types="cuda")
 def _per_channel_cast_fused_op(x: torch.Tensor, x_sf: torch.Tensor | None, pos_to_token: torch.Tensor | None,
                                round_sf: bool) -> tuple[torch.Tensor, torch.Tensor]:
     out, out_sf = per_channel_cast_launch(x, x_sf, 128, round_sf, False, pos_to_token)

@@ -20,7 +20,7 @@ pre-quantized inputs use order A: ``narrow(data * (sf_in * sf_inv))``.
 
 import torch
 
-from tilefuse import _jit, _native
+from tilefuse import _jit, _native, _ops
 from tilefuse.quant import _tl
 
 _MAX = {"e4m3": 448.0, "e2m1": 6.0}
@@ -501,7 +501,7 @@ def _hidden(x: torch.Tensor) -> int:
     return x.size(1) * (2 if x.dtype == torch.int8 else 1)
 
 
-@torch.library.custom_op("tilefuse::per_token_cast", mutates_args=(), device_types="cuda")
+@_ops.kernel_op("tilefuse::per_token_cast", mutates_args=(), device_types="cuda")
 def _per_token_cast_op(x: torch.Tensor, x_sf: torch.Tensor | None, fmt: str, num_per_channels: int,
                        x_block_size: list[int] | None, use_tma_aligned_col_major_sf: bool, round_sf: bool,
                        use_packed_ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -516,7 +516,7 @@ def _(x, x_sf, fmt, num_per_channels, x_block_size, use_tma_aligned_col_major_sf
     return _fake_out(x, h, fmt), _fake_sf(x, h, num_per_channels, use_tma_aligned_col_major_sf, use_packed_ue8m0)
 
 
-@torch.library.custom_op("tilefuse::per_token_cast_with_sf_only", mutates_args=(), device_types="cuda")
+@_ops.kernel_op("tilefuse::per_token_cast_with_sf_only", mutates_args=(), device_types="cuda")
 def _sf_only_op(x: torch.Tensor, fmt: str, num_per_channels: int, use_tma_aligned_col_major_sf: bool,
                 round_sf: bool, use_packed_ue8m0: bool) -> torch.Tensor:
     return per_token_cast_launch(x, None, fmt, num_per_channels, None, use_tma_aligned_col_major_sf, round_sf,
@@ -528,7 +528,7 @@ def _(x, fmt, num_per_channels, use_tma_aligned_col_major_sf, round_sf, use_pack
     return _fake_sf(x, _hidden(x), num_per_channels, use_tma_aligned_col_major_sf, use_packed_ue8m0)
 
 
-@torch.library.custom_op("tilefuse::per_token_cast_with_precomputed_sf", mutates_args=(), device_types="cuda")
+@_ops.kernel_op("tilefuse::per_token_cast_with_precomputed_sf", mutates_args=(), device_types="cuda")
 def _precomputed_op(x: torch.Tensor, fmt: str, num_per_channels: int, sf: torch.Tensor) -> torch.Tensor:
     return per_token_cast_launch(x, None, fmt, num_per_channels, mode="precomputed", sf=sf)
 

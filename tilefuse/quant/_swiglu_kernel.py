@@ -35,7 +35,7 @@ import struct
 
 import torch
 
-from tilefuse import _jit
+from tilefuse import _jit, _ops
 from tilefuse import formats as F
 from tilefuse.quant import _tl
 
@@ -949,7 +949,7 @@ def swiglu_fwd_pcc_launch(x: torch.Tensor, num_per_tokens: int, round_sf: bool =
 
 # ---- torch.library registration (torch.compile / fake tensors) ----
 
-@torch.library.custom_op("tilefuse::swiglu_forward_and_per_token_cast", mutates_args=("clamped_count",),
+@_ops.kernel_op("tilefuse::swiglu_forward_and_per_token_cast", mutates_args=("clamped_count",),
                          device_types="cuda")
 def _fwd_ptc_op(x: torch.Tensor, num_per_channels: int, pos_to_token_topk: torch.Tensor | None,
                 topk_weights: torch.Tensor | None, pos_to_expert: torch.Tensor | None,
@@ -984,7 +984,7 @@ def swiglu_forward_and_per_token_cast_cuda(x, fmt, num_per_channels, pos_to_toke
     return swiglu_fwd_ptc_launch(*args)
 
 
-@torch.library.custom_op("tilefuse::swiglu_backward_and_per_token_cast", mutates_args=(), device_types="cuda")
+@_ops.kernel_op("tilefuse::swiglu_backward_and_per_token_cast", mutates_args=(), device_types="cuda")
 def _bwd_ptc_op(data: torch.Tensor, sf: torch.Tensor, grad_out: torch.Tensor, weight: torch.Tensor,
                 pos_to_token_topk: torch.Tensor, token_topk_to_pos: torch.Tensor, num_per_channels: int,
                 round_sf: bool, swiglu_clamp_value: float | None
@@ -1019,7 +1019,7 @@ def swiglu_backward_and_per_token_cast_cuda(x, grad_out, weight, pos_to_token_to
     return out, (q, q_sf), x_grad, weight_grad
 
 
-@torch.library.custom_op("tilefuse::swiglu_forward_and_per_channel_cast_and_transpose", mutates_args=(),
+@_ops.kernel_op("tilefuse::swiglu_forward_and_per_channel_cast_and_transpose", mutates_args=(),
                          device_types="cuda")
 def _fwd_pcc_op(x: torch.Tensor, num_per_tokens: int, round_sf: bool, without_transpose: bool,
                 swiglu_clamp_value: float | None) -> tuple[torch.Tensor, torch.Tensor]:

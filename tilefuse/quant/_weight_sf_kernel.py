@@ -13,7 +13,7 @@ launch instead of four); the launcher groups a call's outputs 4 or 2 at a time (
 
 import torch
 
-from tilefuse import _jit
+from tilefuse import _jit, _ops
 
 _THREADS = 256
 _W = 4  # words per 16-byte store
@@ -240,7 +240,7 @@ def batched_transpose_weight_sf_launch(sf: list, block_size: int, transpose_sf1s
     return result
 
 
-@torch.library.custom_op("tilefuse::batched_transpose_weight_sf", mutates_args=(), device_types="cuda")
+@_ops.kernel_op("tilefuse::batched_transpose_weight_sf", mutates_args=(), device_types="cuda")
 def _weight_sf_op(sf: list[torch.Tensor], block_size: int, transpose_sf1s: list[bool]) -> list[torch.Tensor]:
     out = batched_transpose_weight_sf_launch(sf, block_size, transpose_sf1s, None)
     return [t.clone() for pair in out for t in pair]  # custom ops may not return views of one another

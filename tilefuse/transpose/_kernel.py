@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from tilefuse import _jit
+from tilefuse import _jit, _ops
 
 # (BM, BN, threads, m_major) per element size, the fastest of tools/transpose_sweep.py on the H200
 # (2026-11-29, B=8 8192x7168: bf16 94%, e4m3 92%, fp32 99% of the copy ceiling). m_major puts the M tiles
@@ -147,7 +147,7 @@ def transpose_launch(x: torch.Tensor) -> torch.Tensor:
     return batched_transpose_launch(x.unsqueeze(0))[0]
 
 
-@torch.library.custom_op("tilefuse::batched_transpose", mutates_args=(), device_types="cuda")
+@_ops.kernel_op("tilefuse::batched_transpose", mutates_args=(), device_types="cuda")
 def _batched_transpose_op(x: torch.Tensor) -> torch.Tensor:
     return batched_transpose_launch(x)
 
