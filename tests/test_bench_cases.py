@@ -122,3 +122,17 @@ def test_bench_configs_are_registered():
     assert {name for name, _ in traced} >= {"per_token_cast", "per_block_cast", "cast_back", "batched_transpose"}
     assert bench.bench_configs(["per_token_cast"]) and all(
         name == "per_token_cast" for name, _ in bench.bench_configs(["per_token_cast"]))
+
+
+def test_host_overhead_table_ratios_per_group():
+    """Ratios are to the same group's bare call (and allocating bare call); a group without one shows '-'."""
+    from tilefuse.bench import host_overhead_table
+
+    rows = [{"group": "row", "call": "bare TileLang kernel call (JITKernel, preallocated outputs)", "us": 8.0},
+            {"group": "row", "call": "bare TileLang kernel call allocating its outputs (JITKernel, out_idx)",
+             "us": 16.0},
+            {"group": "row", "call": "tilefuse.quant.per_token_cast (public op)", "us": 10.0},
+            {"group": "other public ops", "call": "norm_forward (weight)", "us": 12.0}]
+    lines = host_overhead_table(rows)
+    assert lines[4] == "| row | tilefuse.quant.per_token_cast (public op) | 10.00 | 1.25x | 0.62x |"
+    assert lines[5] == "| other public ops | norm_forward (weight) | 12.00 | - | - |"

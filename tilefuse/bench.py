@@ -502,7 +502,8 @@ def _interleaved_call_us(calls: list, batch: int = 200, rounds: int = 11) -> lis
 
 
 def host_overhead(iters: int = 2000) -> list[dict]:
-    """Median wall µs per call at one row (7168 bf16 channels -> e4m3), for two sf layouts. Each group has
+    """Median wall µs per call at one row (7168 bf16 channels -> e4m3), for two sf layouts, and of six other
+    public ops at one row (their bench rows' configs; group "other public ops", no baseline). Each layout group has
     two baselines: the bare TileLang call with preallocated outputs, and TileLang's own allocating call
     (``out_idx``: the kernel returns its outputs), which does what the public op does minus validation; the
     latter exists for the row-major layout only (TileLang allocates plain contiguous outputs). All calls are
@@ -542,6 +543,22 @@ def host_overhead(iters: int = 2000) -> list[dict]:
         calls["torch.ops.tilefuse.per_token_cast (custom op)"] = (
             lambda col=col: torch.ops.tilefuse.per_token_cast(x, None, "e4m3", 128, None, col, True, col))
         everything += [(group, name, fn) for name, fn in calls.items()]
+    # other public ops at one row, at their bench rows' static configs (no target: where the host time goes)
+    w = torch.randn(7168, device="cuda").to(torch.bfloat16)
+    ptc_pair = quant.per_token_cast(x, "e4m3", 128, None, True, True, True)
+    pbc_pair = quant.per_block_cast(x, "e4m3", (128, 128))
+    others = {
+        "per_block_cast e4m3 128x128 col round ue8m0": lambda: quant.per_block_cast(x, "e4m3", (128, 128), True, True,
+                                                                                    True),
+        "per_token_cast_back e4m3 npc128 col round ue8m0 -> bf16": lambda: quant.per_token_cast_back(ptc_pair, "bf16",
+                                                                                                     128),
+        "cast_back e4m3 block128x128 -> bf16": lambda: quant.cast_back(pbc_pair, "bf16", (128, 128)),
+        "per_token_cast_to_e5m6 npc=H col round ue8m0": lambda: quant.per_token_cast_to_e5m6(x, 7168, True, True, True),
+        "norm_forward (weight)": lambda: quant.norm_forward(x, w, 1e-6),
+        "norm_forward_and_per_token_cast e4m3 npc32 col round ue8m0": lambda: quant.norm_forward_and_per_token_cast(
+            x, w, 1e-6, "e4m3", 32, None, 1.0, True, True, True),
+    }
+    everything += [("other public ops", name, fn) for name, fn in others.items()]
     times = _interleaved_call_us([fn for _, _, fn in everything], batch=max(1, iters // 10))
     return [{"group": group, "call": name, "us": us} for (group, name, _), us in zip(everything, times)]
 
@@ -552,10 +569,11 @@ def host_overhead_table(rows: list[dict]) -> list[str]:
              "| --- | --- | ---: | ---: | ---: |"]
     for r in rows:
         same = [o for o in rows if o["group"] == r["group"]]
-        bare = next(o["us"] for o in same if o["call"].startswith("bare TileLang kernel call (JIT"))
+        bare = next((o["us"] for o in same if o["call"].startswith("bare TileLang kernel call (JIT")), None)
         alloc = next((o["us"] for o in same if "allocating" in o["call"]), None)
+        vs_bare = f"{r['us'] / bare:.2f}x" if bare else "-"
         vs_alloc = f"{r['us'] / alloc:.2f}x" if alloc else "-"
-        lines.append(f"| {r['group']} | {r['call']} | {r['us']:.2f} | {r['us'] / bare:.2f}x | {vs_alloc} |")
+        lines.append(f"| {r['group']} | {r['call']} | {r['us']:.2f} | {vs_bare} | {vs_alloc} |")
     return lines
 
 
