@@ -58,7 +58,7 @@ def test_dlpack_dtype_matches_torch_export(native, dtype):
 ], ids=["e4m3-row", "e2m1-col-packed", "sf-only-col", "three"])
 def test_plan_allocates_and_launches(native, t, outs):
     fn, seen = _recorder()
-    plan = _native.plan(fn, 16, 8, outs)
+    plan = _native.plan(fn, torch.bfloat16, 16, 8, outs)
     x = torch.randn(t, 7168).to(torch.bfloat16)
     got = plan(x, t)
     got = got if isinstance(got, tuple) else (got,)
@@ -83,7 +83,7 @@ def test_plan_allocates_and_launches(native, t, outs):
 def test_plan_copies_rows_the_kernel_cannot_read(native, width, offset, in_place):
     """Row stride a multiple of 8 elements and a 16-byte aligned start pass as they are; others are copied."""
     fn, seen = _recorder()
-    plan = _native.plan(fn, 16, 8, [(56, torch.float32, False)])
+    plan = _native.plan(fn, torch.bfloat16, 16, 8, [(56, torch.float32, False)])
     base = torch.randn(3, width + 8).to(torch.bfloat16)
     x = base[:, offset:offset + 7168]
     plan(x, 3)
@@ -100,24 +100,24 @@ def test_plan_raises_the_kernel_error(native):
     def kernel(*args):
         raise ValueError("kernel says no")
 
-    plan = _native.plan(tvm_ffi.convert(kernel), 16, 8, [(4, torch.float32, False)])
+    plan = _native.plan(tvm_ffi.convert(kernel), torch.bfloat16, 16, 8, [(4, torch.float32, False)])
     with pytest.raises(Exception, match="kernel says no"):
         plan(torch.zeros(2, 64, dtype=torch.bfloat16), 2)
 
 
 @pytest.mark.compile
 def test_plan_declines_non_ffi_kernels_and_bad_outputs(native):
-    assert _native.plan(lambda *a: None, 16, 8, [(4, torch.float32, False)]) is None
+    assert _native.plan(lambda *a: None, torch.bfloat16, 16, 8, [(4, torch.float32, False)]) is None
     fn, _ = _recorder()
     with pytest.raises(ValueError, match="1 to 3 outputs"):
-        _native.plan(fn, 16, 8, [(4, torch.float32, False)] * 4)
+        _native.plan(fn, torch.bfloat16, 16, 8, [(4, torch.float32, False)] * 4)
 
 
 def test_disabled_or_unbuildable_falls_back(monkeypatch):
     """TILEFUSE_NATIVE=0, or a failing build, gives no plan (the launchers keep their Python path)."""
     monkeypatch.setattr(_native, "_STATE", {})
     monkeypatch.setenv("TILEFUSE_NATIVE", "0")
-    assert _native.module() is None and _native.plan(object(), 16, 8, [(4, torch.float32, False)]) is None
+    assert _native.module() is None and _native.plan(object(), torch.bfloat16, 16, 8, [(4, torch.float32, False)]) is None
     monkeypatch.setattr(_native, "_STATE", {})
     monkeypatch.delenv("TILEFUSE_NATIVE")
 
@@ -173,3 +173,56 @@ def test_native_outputs_take_record_stream(native):
     assert again.data_ptr() != ptr
     torch.cuda.synchronize()
     assert torch.equal(seen.cpu(), per_token_cast(x.cpu(), "e4m3", 128)[0].view(torch.uint8))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("t", [1, 7, 130])
+@pytest.mark.parametrize("x_dtype,fmt", [(torch.bfloat16, "e4m3"), (torch.bfloat16, "e2m1"), (torch.float32, "e2m1")],
+                         ids=str)
+@pytest.mark.parametrize("block", [(32, 128), (128, 128), (32, 32)], ids=str)
+@pytest.mark.parametrize("flags", [(False, False, False), (True, True, False), (True, True, True)], ids=str)
+@pytest.mark.parametrize("mode", ["cast", "sf_only"])
+def test_per_block_plan_matches_python_launch(native, monkeypatch, t, x_dtype, fmt, block, flags, mode):
+    """per_block_cast's native plan hands the kernel the same tensors as its Python path (storage views,
+    int32 words of e2m1 outputs and of bf16 inputs, (words, pad, 4) bytes of packed sf) and returns the same
+    layouts."""
+    from tilefuse import _jit
+    from tilefuse.quant import _per_block_cast_kernel as KB
+
+    fn, seen = _recorder()
+    monkeypatch.setattr(_jit, "get", lambda name, cfg: fn)
+    monkeypatch.setattr(KB, "_PLANS", {})
+    x = torch.randn(t, 512).to(x_dtype)
+    got = KB.per_block_cast_launch(x, fmt, block, *flags, mode=mode)
+    assert type(KB._PLANS[next(iter(KB._PLANS))]).__module__ == "tilefuse_native"
+    monkeypatch.setattr(KB, "native_launcher", lambda *a: None)
+    want = KB.per_block_cast_launch(x, fmt, block, *flags, mode=mode)
+    assert len(seen) == 2 and seen[0] == seen[1]
+    got, want = (got, want) if mode == "cast" else ((got,), (want,))
+    assert [_desc(g) for g in got] == [_desc(w) for w in want]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,block,flags,sf_only", [  # registered static configs (the packed kernel cache)
+    ("e4m3", (128, 128), (True, True, True), True), ("e4m3", (128, 128), (False, False, False), True),
+    ("e2m1", (32, 32), (False, True, False), False), ("e2m1", (128, 128), (True, True, True), False),
+    ("e4m3", (32, 32), (True, True, True), False)], ids=str)
+@pytest.mark.parametrize("t", [1, 7, 4001])
+def test_per_block_native_equals_python_launch_path(native, monkeypatch, fmt, block, flags, sf_only, t):
+    """The public per_block_cast (and its sf-only twin) on the native plan equal the Python launch path bitwise,
+    strides included (outputs poisoned: the tier's allocator fill)."""
+    from tilefuse import quant as q
+    from tilefuse.quant import _per_block_cast_kernel as KB
+
+    x = (torch.randn(t, 7168, device="cuda") * 3).to(torch.bfloat16)
+    got = list(q.per_block_cast(x, fmt, block, *flags))
+    if sf_only:
+        got.append(q.per_block_cast_with_sf_only(x, fmt, block, *flags))
+    assert any(type(p).__module__ == "tilefuse_native" for p in KB._PLANS.values())
+    monkeypatch.setattr(KB, "native_launcher", lambda *a: None)
+    want = list(KB.per_block_cast_launch(x, fmt, block, *flags))
+    if sf_only:
+        want.append(KB.per_block_cast_launch(x, fmt, block, *flags, mode="sf_only"))
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))

@@ -12,6 +12,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 #include <tvm/ffi/c_api.h>
 #include <tvm/ffi/error.h>
@@ -57,22 +58,70 @@ DLTensor dl_view(const at::Tensor& t) {
   return d;
 }
 
-// One output: (t, cols) of `dtype`, row-major, or column-major with the column stride rounded up to a
-// multiple of 4 rows (the TMA-aligned sf layout of quant.md 1.5).
+// One output of t rows: `rows` = ceil(t / row_div) by `cols` of `dtype`, in one of three layouts --
+//   kRow        contiguous;
+//   kColTight   column-major, column stride rounded up to 4 rows, minimal storage (torch.empty_strided);
+//   kColStorage a contiguous (cols, align(rows, 4)) storage returned as its transposed view of `rows` rows
+//               (the TMA-aligned sf layout of quant.md 1.5; the padding rows exist in memory) --
+// and handed to the kernel as one of: kSame (the returned tensor), kStorage (the kColStorage storage),
+// kStorageBytes (that int32 storage as (cols, pad, 4) bytes), kWords (a kRow tensor reinterpreted as
+// `kdtype`, its last dimension rescaled).
+enum Layout : int { kRow = 0, kColTight = 1, kColStorage = 2 };
+enum KView : int { kSame = 0, kStorage = 1, kStorageBytes = 2, kWords = 3 };
+
 struct Out {
   int64_t cols;
   at::ScalarType dtype;
-  bool col_major;
+  int layout;
+  int64_t row_div;
+  int kview;
+  at::ScalarType kdtype;
+};
+
+// The kernel's view of a tensor: a DLTensor with its own shape and strides (up to 3 dims).
+struct KernelArg {
+  DLTensor dl;
+  int64_t shape[3];
+  int64_t strides[3];
+  void point(const at::Tensor& t) {
+    dl = dl_view(t);
+    for (int i = 0; i < dl.ndim; ++i) {
+      shape[i] = dl.shape[i];
+      strides[i] = dl.strides[i];
+    }
+    dl.shape = shape;
+    dl.strides = strides;
+  }
+  void words(const at::Tensor& t, at::ScalarType kdtype) {  // row-major t as kdtype elements
+    point(t);
+    const int64_t num = t.element_size(), den = c10::elementSize(kdtype);
+    dl.dtype = dl_dtype(kdtype);
+    shape[dl.ndim - 1] = shape[dl.ndim - 1] * num / den;
+    for (int i = 0; i < dl.ndim - 1; ++i) strides[i] = strides[i] * num / den;
+  }
 };
 
 class Plan {
  public:
-  Plan(py::object fn, int64_t align_bytes, int64_t row_multiple, std::vector<int64_t> cols,
-       std::vector<at::ScalarType> dtypes, std::vector<bool> col_major)
-      : fn_(std::move(fn)), align_(align_bytes), vp_(row_multiple) {
-    if (cols.size() != dtypes.size() || cols.size() != col_major.size() || cols.empty() || cols.size() > 3)
-      throw std::invalid_argument("tilefuse native launch: 1 to 3 outputs, each with cols, dtype, layout");
-    for (size_t i = 0; i < cols.size(); ++i) outs_.push_back({cols[i], dtypes[i], col_major[i]});
+  // outs: (cols, dtype, layout, row_div, kview, kdtype) per output; x_kdtype: the dtype the kernel reads x
+  // as (x's own dtype, or a wider word type whose size divides the row bytes)
+  Plan(py::object fn, int64_t align_bytes, int64_t row_multiple, std::vector<py::tuple> outs,
+       at::ScalarType x_kdtype)
+      : fn_(std::move(fn)), align_(align_bytes), vp_(row_multiple), x_kdtype_(x_kdtype) {
+    if (outs.empty() || outs.size() > 3)
+      throw std::invalid_argument("tilefuse native launch: 1 to 3 outputs");
+    for (const py::tuple& o : outs) {
+      if (o.size() != 6) throw std::invalid_argument("tilefuse native launch: an output is "
+                                                     "(cols, dtype, layout, row_div, kview, kdtype)");
+      Out d{o[0].cast<int64_t>(), o[1].cast<at::ScalarType>(), o[2].cast<int>(), o[3].cast<int64_t>(),
+            o[4].cast<int>(), o[5].cast<at::ScalarType>()};
+      const bool col = d.layout == kColTight || d.layout == kColStorage;
+      if (d.layout < kRow || d.layout > kColStorage || d.row_div < 1 || d.kview < kSame || d.kview > kWords ||
+          ((d.kview == kStorage || d.kview == kStorageBytes) && d.layout != kColStorage) ||
+          (d.kview == kStorageBytes && d.dtype != at::kInt) || (d.kview == kWords && col))
+        throw std::invalid_argument("tilefuse native launch: inconsistent output layout / kernel view");
+      outs_.push_back(d);
+    }
     handle_ = reinterpret_cast<void*>(fn_.attr("__chandle__")().cast<uintptr_t>());
   }
 
@@ -80,14 +129,18 @@ class Plan {
   // current stream. Returns the output tensor, or a tuple of them.
   py::object operator()(at::Tensor x, int64_t t) const {
     at::TensorOptions opts = x.options();
-    at::Tensor y[3];
+    at::Tensor y[3], store[3];
     const size_t n = outs_.size();
     for (size_t i = 0; i < n; ++i) {
       const Out& o = outs_[i];
-      if (o.col_major) {
-        y[i] = at::empty_strided({t, o.cols}, {1, (t + 3) & ~int64_t(3)}, opts.dtype(o.dtype));
+      const int64_t rows = (t + o.row_div - 1) / o.row_div, pad = (rows + 3) & ~int64_t(3);
+      if (o.layout == kColTight) {
+        y[i] = at::empty_strided({rows, o.cols}, {1, pad}, opts.dtype(o.dtype));
+      } else if (o.layout == kColStorage) {
+        store[i] = at::empty({o.cols, pad}, opts.dtype(o.dtype));
+        y[i] = store[i].as_strided({rows, o.cols}, {1, pad});
       } else {
-        y[i] = at::empty({t, o.cols}, opts.dtype(o.dtype));
+        y[i] = at::empty({rows, o.cols}, opts.dtype(o.dtype));
       }
     }
     if (t > 0) {
@@ -96,7 +149,32 @@ class Plan {
         // return a misaligned contiguous x itself)
         x = x.clone(at::MemoryFormat::Contiguous);
       }
-      launch(x, y, n);
+      KernelArg args[4];
+      if (x_kdtype_ == x.scalar_type()) {
+        args[0].point(x);
+      } else {
+        args[0].words(x, x_kdtype_);
+      }
+      for (size_t i = 0; i < n; ++i) {
+        const Out& o = outs_[i];
+        KernelArg& a = args[i + 1];
+        if (o.kview == kStorage) {
+          a.point(store[i]);
+        } else if (o.kview == kStorageBytes) {  // int32 (cols, pad) storage as (cols, pad, 4) bytes
+          a.point(store[i]);
+          a.dl.dtype = dl_dtype(at::kByte);
+          a.dl.ndim = 3;
+          a.shape[2] = 4;
+          a.strides[2] = 1;
+          a.strides[1] = 4;
+          a.strides[0] = a.shape[1] * 4;
+        } else if (o.kview == kWords) {
+          a.words(y[i], o.kdtype);
+        } else {
+          a.point(y[i]);
+        }
+      }
+      launch(args, n + 1, x);
     }
     if (n == 1) return py::cast(y[0]);
     if (n == 2) return py::make_tuple(y[0], y[1]);
@@ -104,15 +182,12 @@ class Plan {
   }
 
  private:
-  void launch(const at::Tensor& x, const at::Tensor* y, size_t n) const {
-    DLTensor dl[4];
+  void launch(KernelArg* a, size_t nargs, const at::Tensor& x) const {
     TVMFFIAny args[4];
-    dl[0] = dl_view(x);
-    for (size_t i = 0; i < n; ++i) dl[i + 1] = dl_view(y[i]);
-    for (size_t i = 0; i <= n; ++i) {
+    for (size_t i = 0; i < nargs; ++i) {
       args[i].type_index = kTVMFFIDLTensorPtr;
       args[i].zero_padding = 0;
-      args[i].v_ptr = &dl[i];
+      args[i].v_ptr = &a[i].dl;
     }
     TVMFFIAny result;
     result.type_index = kTVMFFINone;
@@ -126,7 +201,7 @@ class Plan {
       if (TVMFFIEnvSetStream(kDLCUDA, dev, s.native_handle(), &prev) != 0)
         throw ::tvm::ffi::details::MoveFromSafeCallRaised();
     }
-    int rc = TVMFFIFunctionCall(handle_, args, static_cast<int32_t>(n + 1), &result);
+    int rc = TVMFFIFunctionCall(handle_, args, static_cast<int32_t>(nargs), &result);
     if (cuda) TVMFFIEnvSetStream(kDLCUDA, dev, prev, nullptr);
     if (rc != 0) throw ::tvm::ffi::details::MoveFromSafeCallRaised();
     if (result.type_index >= kTVMFFIStaticObjectBegin) TVMFFIObjectDecRef(result.v_obj);
@@ -135,6 +210,7 @@ class Plan {
   py::object fn_;  // keeps the TVM-FFI function (and its module) alive
   void* handle_ = nullptr;
   int64_t align_, vp_;
+  at::ScalarType x_kdtype_;
   std::vector<Out> outs_;
 };
 
@@ -143,10 +219,8 @@ class Plan {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "tilefuse native launch plans (allocation + TileLang kernel launch in one call)";
   py::class_<Plan>(m, "Plan")
-      .def(py::init<py::object, int64_t, int64_t, std::vector<int64_t>, std::vector<at::ScalarType>,
-                    std::vector<bool>>(),
-           py::arg("fn"), py::arg("align_bytes"), py::arg("row_multiple"), py::arg("cols"), py::arg("dtypes"),
-           py::arg("col_major"))
+      .def(py::init<py::object, int64_t, int64_t, std::vector<py::tuple>, at::ScalarType>(), py::arg("fn"),
+           py::arg("align_bytes"), py::arg("row_multiple"), py::arg("outs"), py::arg("x_kdtype"))
       .def("__call__", &Plan::operator(), py::arg("x"), py::arg("t"));
   m.def("dl_dtype_code", [](at::ScalarType s) {
     DLDataType d = dl_dtype(s);

@@ -123,16 +123,24 @@ def error() -> str | None:
     return _STATE.get("error")
 
 
-def plan(fn, align_bytes: int, row_multiple: int, outputs) -> object | None:
-    """A callable ``plan(x, t)``: allocates ``outputs`` -- ``[(cols, dtype, col_major), ...]``, each
-    ``(t, cols)``, row-major or column-major with the column stride rounded up to 4 rows -- copies ``x``
-    to contiguous rows where ``x.data_ptr() % align_bytes`` or (for t > 1) ``x.stride(0) % row_multiple``,
-    and launches ``fn(x, outputs...)`` when t > 0; returns the output, or a tuple of them. None when the
+# output layouts and kernel views of ``plan`` (see _native.cc)
+ROW, COL_TIGHT, COL_STORAGE = 0, 1, 2
+SAME, STORAGE, STORAGE_BYTES, WORDS = 0, 1, 2, 3
+
+
+def plan(fn, x_dtype, align_bytes: int, row_multiple: int, outputs, x_kdtype=None) -> object | None:
+    """A callable ``plan(x, t)`` for inputs of ``x_dtype``: allocates ``outputs``, copies ``x`` to contiguous
+    rows where ``x.data_ptr() % align_bytes`` or (for t > 1) ``x.stride(0) % row_multiple``, and launches
+    ``fn(x, outputs...)`` when t > 0 (the kernel reads x as ``x_kdtype`` words when given); returns the
+    output, or a tuple of them. Each output is ``(cols, dtype, col_major)`` -- ``(t, cols)``, row-major or
+    column-major with the column stride rounded up to 4 rows (minimal storage) -- or the full
+    ``(cols, dtype, layout, row_div, kview, kdtype)`` of ``_native.cc`` (``ceil(t / row_div)`` rows; layout
+    ROW / COL_TIGHT / COL_STORAGE; the kernel gets SAME / STORAGE / STORAGE_BYTES / WORDS). None when the
     extension is unavailable or ``fn`` is not a TVM-FFI function (a stand-in recorder, say)."""
     if type(fn).__module__ != "tvm_ffi.core" or not hasattr(fn, "__chandle__"):
         return None
     mod = module()
     if mod is None:
         return None
-    cols, dtypes, col_major = zip(*outputs)
-    return mod.Plan(fn, align_bytes, row_multiple, list(cols), list(dtypes), list(col_major))
+    outs = [o if len(o) == 6 else (o[0], o[1], COL_TIGHT if o[2] else ROW, 1, SAME, o[1]) for o in outputs]
+    return mod.Plan(fn, align_bytes, row_multiple, [tuple(o) for o in outs], x_kdtype or x_dtype)

@@ -20,7 +20,7 @@ maxima use ``fmaxf``, which ignores NaN like the reference (1.7).
 """
 import torch
 
-from tilefuse import _jit, _ops
+from tilefuse import _jit, _native, _ops
 from tilefuse.formats import CLAMP_MIN, FMT_MAX, cdiv
 from tilefuse.quant import _tl
 
@@ -668,10 +668,39 @@ def _alloc_out(t: int, hidden: int, fmt: str, device) -> tuple[torch.Tensor, tor
     return out, (out.view(torch.int32) if hidden else out)  # hidden 0: nothing is launched
 
 
+_PLANS: dict[tuple, object] = {}
+
+
+def native_launcher(x_dtype: torch.dtype, hidden: int, fmt: str, bm: int, bk: int, round_sf: bool, layout: str,
+                    mode: str):
+    """The native launch plan ``plan(x, t)`` of one "cast" / "sf_only" config (``tilefuse._native``: the
+    outputs of ``_alloc_out`` / ``_alloc_sf`` and the kernel's views of them, the launch, in one C++ call),
+    built once; None where the extension is unavailable (the Python path below serves)."""
+    key = (x_dtype, hidden, fmt, bm, bk, round_sf, layout, mode)
+    plan = _PLANS.get(key)
+    if plan is None:
+        cfg = (_TL_DTYPE[x_dtype], fmt, hidden, bm, bk, bool(round_sf), layout, mode)
+        nbk = cdiv(hidden, bk)
+        N = _native
+        if layout == "row":
+            outs = [(nbk, torch.float32, N.ROW, bm, N.SAME, torch.float32)]
+        elif layout == "col":
+            outs = [(nbk, torch.float32, N.COL_STORAGE, bm, N.STORAGE, torch.float32)]
+        else:
+            outs = [(cdiv(nbk, 4), torch.int32, N.COL_STORAGE, bm, N.STORAGE_BYTES, torch.int32)]
+        if mode == "cast":
+            outs.insert(0, (hidden, torch.float8_e4m3fn, N.ROW, 1, N.SAME, torch.float8_e4m3fn) if fmt == "e4m3"
+                        else (hidden // 2, torch.int8, N.ROW, 1, N.WORDS, torch.int32))
+        x_k = torch.int32 if _packed_input(cfg[0], fmt) else x_dtype
+        plan = _native.plan(_jit.get("per_block_cast", cfg), x_dtype, 16, 1, outs, x_k) if hidden else None
+        _PLANS[key] = plan = plan if plan is not None else False
+    return plan or None
+
+
 def per_block_cast_launch(x: torch.Tensor, fmt: str, block_size, use_tma_aligned_col_major_sf: bool = False,
                           round_sf: bool = False, use_packed_ue8m0: bool = False, mode: str = "cast",
                           sf: torch.Tensor | None = None):
-    """Allocate the outputs and launch (quant.md 3.6). Validates nothing: the public op does.
+    """Allocate the outputs and launch (quant.md 3.6). Validates nothing: the public op does (x contiguous).
 
     mode "cast" returns ``(out, out_sf)``, "sf_only" returns ``out_sf``, "precomputed" (row-major fp32
     ``sf`` of the block grid) returns ``out``.
@@ -680,6 +709,10 @@ def per_block_cast_launch(x: torch.Tensor, fmt: str, block_size, use_tma_aligned
     bm, bk = (int(b) for b in block_size)
     dev = x.device
     layout = "row" if mode == "precomputed" else _layout(use_tma_aligned_col_major_sf, use_packed_ue8m0)
+    if mode != "precomputed" and x.numel() > 0:  # (empty inputs: nothing is compiled, loaded or launched)
+        plan = native_launcher(x.dtype, hidden, fmt, bm, bk, bool(round_sf), layout, mode)
+        if plan is not None:
+            return plan(x, t)
     out = y_arg = out_sf = sf_arg = None
     if mode != "sf_only":
         out, y_arg = _alloc_out(t, hidden, fmt, dev)

@@ -402,7 +402,7 @@ def _plan(x_dtype: torch.dtype, phys: int, x_sf_dtype, fmt: str, npc: int, x_blo
         outs = [(sf_cols, sf_dtype, layout != "row")]
         if mode == "cast":
             outs.insert(0, (y_shape_h, y_dtype, False))
-        native = _native.plan(kernel(), align, vp, outs)
+        native = _native.plan(kernel(), x_dtype, align, vp, outs)
         if native is not None:
             return native
     if mode == "cast" and not prequant:  # the hot paths: no branch on the static config, no helper calls

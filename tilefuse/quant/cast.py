@@ -265,14 +265,42 @@ def _per_block_checks(op: str, x, fmt: str, block_size) -> tuple[int, int, int, 
     return T, H, bm, bk
 
 
+def _block_key(op: str, x, fmt, block_size, col, round_sf, packed) -> tuple | None:
+    """The _VALIDATED key of an eager per_block_cast call on a contiguous-by-strides 2-D CUDA tensor (row
+    stride = hidden: contiguous at every token count) with a tuple block_size; None for any other call."""
+    if (type(x) is torch.Tensor and x.is_cuda and type(block_size) is tuple and type(fmt) is str
+            and not _is_compiling()):
+        shape = x.shape
+        if len(shape) == 2 and x.stride() == (shape[1], 1):
+            return (op, x.dtype, shape[1], fmt, block_size, col, round_sf, packed)
+    return None
+
+
+def _block_plan(key: tuple, x, fmt: str, H: int, bm: int, bk: int, col, round_sf, packed, mode: str):
+    """Record and return the native plan of a checked per_block_cast call (None: take the launcher)."""
+    if key is None or x.numel() == 0:
+        return None
+    launch = KB.native_launcher(x.dtype, H, fmt, bm, bk, bool(round_sf), KB._layout(col, packed), mode)
+    if launch is not None:
+        _VALIDATED[key] = launch
+    return launch
+
+
 @public("quant", path="kernel")
 def per_block_cast(x: torch.Tensor, fmt: str, block_size: Sequence[int], use_tma_aligned_col_major_sf: bool = False,
                    round_sf: bool = False, use_packed_ue8m0: bool = False):
     """One scale per ``block_size`` block of a contiguous bf16/fp32 ``(T, H)`` (section 3.6) -> (out, out_sf)."""
     op = "per_block_cast"
-    _per_block_checks(op, x, fmt, block_size)
+    key = _block_key(op, x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
+    launch = _VALIDATED.get(key) if key is not None else None
+    if launch is not None:  # the same facts passed the checks before (the token count is free)
+        return launch(x, x.shape[0])
+    T, H, bm, bk = _per_block_checks(op, x, fmt, block_size)
     _flags(op, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
     if x.is_cuda:
+        launch = _block_plan(key, x, fmt, H, bm, bk, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0, "cast")
+        if launch is not None:
+            return launch(x, T)
         return KB.per_block_cast_cuda(x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
     return R.cast(x, fmt, tuple(block_size), round_sf=round_sf,
                   use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, use_packed_ue8m0=use_packed_ue8m0)
@@ -284,9 +312,17 @@ def per_block_cast_with_sf_only(x: torch.Tensor, fmt: str, block_size: Sequence[
                                 use_packed_ue8m0: bool = False) -> torch.Tensor:
     """Only the sf of ``per_block_cast`` (section 3.6)."""
     op = "per_block_cast_with_sf_only"
-    _per_block_checks(op, x, fmt, block_size)
+    key = _block_key(op, x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
+    launch = _VALIDATED.get(key) if key is not None else None
+    if launch is not None:
+        return launch(x, x.shape[0])
+    T, H, bm, bk = _per_block_checks(op, x, fmt, block_size)
     _flags(op, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
     if x.is_cuda:
+        launch = _block_plan(key, x, fmt, H, bm, bk, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0,
+                             "sf_only")
+        if launch is not None:
+            return launch(x, T)
         return KB.per_block_cast_with_sf_only_cuda(x, fmt, block_size, use_tma_aligned_col_major_sf, round_sf,
                                                    use_packed_ue8m0)
     return R.cast(x, fmt, tuple(block_size), round_sf=round_sf,
