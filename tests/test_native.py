@@ -226,3 +226,42 @@ def test_per_block_native_equals_python_launch_path(native, monkeypatch, fmt, bl
     for a, b in zip(got, want):
         assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
         assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("t", [1, 7, 130])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("flags", [(False, False, False), (True, True, False), (True, True, True)], ids=str)
+def test_e5m6_plan_matches_python_launch(native, monkeypatch, t, x_dtype, flags):
+    """per_token_cast_to_e5m6's native plan hands the kernel the Python path's tensors (uint32 words of the
+    uint8 output, the sf storage or its bytes) and returns the same layouts."""
+    from tilefuse import _jit
+    from tilefuse.quant import _e5m6_kernel as KE
+
+    fn, seen = _recorder()
+    monkeypatch.setattr(_jit, "get", lambda name, cfg: fn)
+    monkeypatch.setattr(KE, "_PLANS", {})
+    x = torch.randn(t, 512).to(x_dtype)
+    got = KE.e5m6_cast_launch(x, 512, *flags)
+    assert type(next(iter(KE._PLANS.values()))).__module__ == "tilefuse_native"
+    monkeypatch.setattr(KE, "native_launcher", lambda *a: None)
+    want = KE.e5m6_cast_launch(x, 512, *flags)
+    assert len(seen) == 2 and seen[0] == seen[1]
+    assert [_desc(g) for g in got] == [_desc(w) for w in want]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flags", [(False, True, False), (True, True, True)], ids=str)
+@pytest.mark.parametrize("t", [1, 7, 4001])
+def test_e5m6_native_equals_python_launch_path(native, monkeypatch, flags, t):
+    from tilefuse import quant as q
+    from tilefuse.quant import _e5m6_kernel as KE
+
+    x = (torch.randn(t, 7168, device="cuda") * 3).to(torch.bfloat16)
+    got = q.per_token_cast_to_e5m6(x, 7168, *flags)
+    assert any(type(p).__module__ == "tilefuse_native" for p in KE._PLANS.values())
+    monkeypatch.setattr(KE, "native_launcher", lambda *a: None)
+    want = KE.e5m6_cast_launch(x, 7168, *flags)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))

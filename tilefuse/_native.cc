@@ -39,6 +39,7 @@ DLDataType dl_dtype(at::ScalarType s) {
     case at::kByte: return {kDLUInt, 8, 1};
     case at::kShort: return {kDLInt, 16, 1};
     case at::kInt: return {kDLInt, 32, 1};
+    case at::kUInt32: return {kDLUInt, 32, 1};
     case at::kLong: return {kDLInt, 64, 1};
     case at::kBool: return {kDLBool, 8, 1};
     default: throw std::invalid_argument(std::string("tilefuse native launch: unsupported dtype ") +

@@ -15,7 +15,7 @@ warps (max is exact in any order). Nothing depends on the token count: determini
 """
 import torch
 
-from tilefuse import _jit, _ops
+from tilefuse import _jit, _native, _ops
 from tilefuse import formats as F
 from tilefuse.quant import _cast_back_kernel as CB
 
@@ -287,12 +287,41 @@ def _aligned_rows(x: torch.Tensor, vec: int) -> torch.Tensor:
     return x
 
 
+_PLANS: dict[tuple, object] = {}
+
+
+def native_launcher(x_dtype: torch.dtype, hidden: int, col: bool, round_sf: bool, packed: bool):
+    """The native launch plan ``plan(x, t)`` of one config (``tilefuse._native``: the outputs and kernel views
+    of the Python path below, allocated and launched in one C++ call), built once; None where the extension
+    is unavailable or no CTA tiling fits the width."""
+    key = (x_dtype, hidden, col, round_sf, packed)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = None
+        if _tiling(hidden) is not None:
+            N = _native
+            layout = ("col_packed" if packed else "col") if col else "row"
+            sf = {"row": (1, torch.float32, N.ROW, 1, N.SAME, torch.float32),
+                  "col": (1, torch.float32, N.COL_STORAGE, 1, N.STORAGE, torch.float32),
+                  "col_packed": (1, torch.int32, N.COL_STORAGE, 1, N.STORAGE_BYTES, torch.int32)}[layout]
+            outs = [(hidden * 3 // 2, torch.uint8, N.ROW, 1, N.WORDS, torch.uint32), sf]
+            fn = _jit.get("per_token_cast_to_e5m6", (_TL_DTYPE[x_dtype], hidden, round_sf, layout))
+            plan = N.plan(fn, x_dtype, 16, 16 // x_dtype.itemsize, outs)
+        _PLANS[key] = plan = plan if plan is not None else False
+    return plan or None
+
+
 def e5m6_cast_launch(x: torch.Tensor, num_per_channels: int, use_tma_aligned_col_major_sf: bool = False,
                      round_sf: bool = False, use_packed_ue8m0: bool = False):
     """Allocate ``(uint8 (T, 3H/2), sf)`` and launch (quant.md 3.4). Validates nothing: the public op does
     (``num_per_channels == H``, ``H % 8 == 0``, packed only with col and round_sf)."""
     t, hidden = x.shape
     dev = x.device
+    if t > 0:  # (empty inputs: nothing is compiled, loaded or launched)
+        plan = native_launcher(x.dtype, hidden, bool(use_tma_aligned_col_major_sf), bool(round_sf),
+                               bool(use_packed_ue8m0))
+        if plan is not None:
+            return plan(x, t)
     if _tiling(hidden) is None:  # a width no CTA tiling fits (far beyond the spec's sizes): the reference
         from tilefuse.reference.quant import cast_to_e5m6
         return cast_to_e5m6(x, num_per_channels, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
