@@ -265,3 +265,66 @@ def test_e5m6_native_equals_python_launch_path(native, monkeypatch, flags, t):
     for a, b in zip(got, want):
         assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
         assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _pairs(t: int, h: int):
+    """(name, (data, sf), block, special) pre-quantized inputs of every data format and sf layout."""
+    from tilefuse.reference import quant as R
+
+    x = torch.randn(t, h)
+    out = []
+    for fmt, col, packed in (("e4m3", False, False), ("e4m3", True, True), ("e2m1", True, False)):
+        out.append((f"{fmt}-col{col}-packed{packed}",
+                    R.cast(x, fmt, (1, 128), round_sf=True, use_tma_aligned_col_major_sf=col,
+                           use_packed_ue8m0=packed), (1, 128), None))
+    out.append(("e4m3-block128", R.cast(x, "e4m3", (128, 128)), (128, 128), None))
+    out.append(("e5m6", R.cast_to_e5m6(x, h, False, True, False), (1, h), "e5m6"))
+    return out
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("t", [1, 7, 130])
+@pytest.mark.parametrize("case", range(5))
+@pytest.mark.parametrize("fmt", ["bf16", "fp32"])
+def test_cast_back_plan_matches_python_launch(native, monkeypatch, t, case, fmt):
+    """The cast-back native plan hands the kernel the Python path's tensors (uint8 bytes of e2m1 data, int32
+    words of e5m6 data, the sf as given) and returns the same output layout."""
+    from tilefuse import _jit
+    from tilefuse.quant import _cast_back_kernel as KC
+
+    name, (data, sf), block, special = _pairs(t, 512)[case]
+    fn, seen = _recorder()
+    monkeypatch.setattr(_jit, "get", lambda n, cfg: fn)
+    monkeypatch.setattr(KC, "_PLANS", {})
+    got = KC.cast_back_launch(data, sf, fmt, block, special)
+    assert type(next(iter(KC._PLANS.values()))[0]).__module__ == "tilefuse_native"
+    monkeypatch.setattr(KC, "native_launcher", lambda *a: (None, 0))
+    want = KC.cast_back_launch(data, sf, fmt, block, special)
+    assert len(seen) == 2 and seen[0] == seen[1], name
+    assert _desc(got) == _desc(want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 7, 4001])
+@pytest.mark.parametrize("case", range(5))
+def test_cast_back_native_equals_python_launch_path(native, monkeypatch, t, case):
+    """The public cast-back ops on the native plan (the validated fast path on the second call) equal the
+    Python launch path bitwise."""
+    from tilefuse import quant as q
+    from tilefuse.quant import _cast_back_kernel as KC
+
+    name, (data, sf), block, special = _pairs(t, 7168)[case]
+    data, sf = data.cuda(), sf.cuda()
+    if special:
+        call = lambda: q.cast_back_e5m6((data, sf), "bf16", block)  # noqa: E731
+    elif block[0] == 1:
+        call = lambda: q.per_token_cast_back((data, sf), "bf16", block[1])  # noqa: E731
+    else:
+        call = lambda: q.cast_back((data, sf), "bf16", block)  # noqa: E731
+    first, second = call(), call()
+    assert any(p[0] is not None for p in KC._PLANS.values())
+    monkeypatch.setattr(KC, "native_launcher", lambda *a: (None, 0))
+    want = KC.cast_back_launch(data, sf, "bf16", block, special)
+    for got in (first, second):
+        assert got.shape == want.shape and got.stride() == want.stride() and got.dtype == want.dtype
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), name

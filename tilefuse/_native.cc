@@ -126,9 +126,10 @@ class Plan {
     handle_ = reinterpret_cast<void*>(fn_.attr("__chandle__")().cast<uintptr_t>());
   }
 
-  // Allocate the outputs for t = x.size(0) rows and, when t > 0, launch fn(x, outputs...) on torch's
-  // current stream. Returns the output tensor, or a tuple of them.
-  py::object operator()(at::Tensor x, int64_t t) const {
+  // Allocate the outputs for t = x.size(0) rows and, when t > 0, launch fn(x, [extra,] outputs...) on
+  // torch's current stream (`extra`: a second input handed over as it is). Returns the output tensor, or a
+  // tuple of them.
+  py::object operator()(at::Tensor x, int64_t t, std::optional<at::Tensor> extra) const {
     at::TensorOptions opts = x.options();
     at::Tensor y[3], store[3];
     const size_t n = outs_.size();
@@ -150,15 +151,17 @@ class Plan {
         // return a misaligned contiguous x itself)
         x = x.clone(at::MemoryFormat::Contiguous);
       }
-      KernelArg args[4];
+      KernelArg args[5];
       if (x_kdtype_ == x.scalar_type()) {
         args[0].point(x);
       } else {
         args[0].words(x, x_kdtype_);
       }
+      const size_t first = extra.has_value() ? 2 : 1;
+      if (extra.has_value()) args[1].point(*extra);
       for (size_t i = 0; i < n; ++i) {
         const Out& o = outs_[i];
-        KernelArg& a = args[i + 1];
+        KernelArg& a = args[i + first];
         if (o.kview == kStorage) {
           a.point(store[i]);
         } else if (o.kview == kStorageBytes) {  // int32 (cols, pad) storage as (cols, pad, 4) bytes
@@ -175,7 +178,7 @@ class Plan {
           a.point(y[i]);
         }
       }
-      launch(args, n + 1, x);
+      launch(args, n + first, x);
     }
     if (n == 1) return py::cast(y[0]);
     if (n == 2) return py::make_tuple(y[0], y[1]);
@@ -184,7 +187,7 @@ class Plan {
 
  private:
   void launch(KernelArg* a, size_t nargs, const at::Tensor& x) const {
-    TVMFFIAny args[4];
+    TVMFFIAny args[5];
     for (size_t i = 0; i < nargs; ++i) {
       args[i].type_index = kTVMFFIDLTensorPtr;
       args[i].zero_padding = 0;
@@ -222,7 +225,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Plan>(m, "Plan")
       .def(py::init<py::object, int64_t, int64_t, std::vector<py::tuple>, at::ScalarType>(), py::arg("fn"),
            py::arg("align_bytes"), py::arg("row_multiple"), py::arg("outs"), py::arg("x_kdtype"))
-      .def("__call__", &Plan::operator(), py::arg("x"), py::arg("t"));
+      .def("__call__", &Plan::operator(), py::arg("x"), py::arg("t"), py::arg("extra") = py::none());
   m.def("dl_dtype_code", [](at::ScalarType s) {
     DLDataType d = dl_dtype(s);
     return py::make_tuple(static_cast<int>(d.code), static_cast<int>(d.bits), static_cast<int>(d.lanes));

@@ -22,7 +22,7 @@ memory, no reductions: deterministic and batch-invariant.
 
 import torch
 
-from tilefuse import _jit, _ops
+from tilefuse import _jit, _native, _ops
 
 # ---- tuning knobs (TILEFUSE_KNOBS; read when a kernel is built, defaults = the measured baseline) ----
 # Row tile: chunks are one 16-byte store each, consecutive threads take consecutive chunks (so every warp store
@@ -458,14 +458,41 @@ def _kernel_data(data: torch.Tensor, dfmt: str) -> torch.Tensor:
     return data.view(torch.int32) if dfmt == "e5m6" else data
 
 
+_PLANS: dict[tuple, object] = {}
+
+
+def native_launcher(data_dtype: torch.dtype, dfmt: str, fmt: str, hidden: int, bm: int, bk: int, packed_sf: bool):
+    """``(plan, max_rows)``: the native launch plan ``plan(data, t, sf)`` of one config (``tilefuse._native``:
+    the output allocated and the kernel launched on ``_kernel_data``'s view of the data in one C++ call) and
+    the most rows one launch takes (the kernel numbers chunks in int32); ``(None, 0)`` where the extension is
+    unavailable. Built once."""
+    key = (data_dtype, dfmt, fmt, hidden, bm, bk, packed_sf)
+    entry = _PLANS.get(key)
+    if entry is None:
+        N = _native
+        x_k = {"e4m3": data_dtype, "e2m1": torch.uint8, "e5m6": torch.int32}[dfmt]
+        align = 16 if dfmt != "e5m6" else 4
+        out = (hidden, _OUT_TORCH[fmt], N.ROW, 1, N.SAME, _OUT_TORCH[fmt])
+        fn = _jit.get("cast_back", (dfmt, fmt, hidden, bm, bk, packed_sf))
+        plan = N.plan(fn, data_dtype, align, align, [out], x_k) if hidden else None
+        step = max(bm, (2 ** 31 - 1) // (hidden // _chunk(dfmt, fmt, hidden)) // bm * bm) if hidden else 0
+        _PLANS[key] = entry = (plan, step) if plan is not None else (None, 0)
+    return entry
+
+
 def cast_back_launch(data: torch.Tensor, sf: torch.Tensor, fmt: str, x_block_size, special: str | None = None):
-    """Allocate ``(T, H)`` bf16/fp32 and launch (quant.md 3.5). Validates nothing: the public op does."""
+    """Allocate ``(T, H)`` bf16/fp32 and launch (quant.md 3.5). Validates nothing: the public op does (data
+    with a unit inner stride)."""
     dfmt = _dfmt(data, special)
     t, hidden = data.size(0), _hidden(data, dfmt)
+    bm, bk = (int(b) for b in x_block_size)
+    if t > 0 and hidden > 0:  # (empty inputs: nothing is compiled, loaded or launched)
+        plan, max_rows = native_launcher(data.dtype, dfmt, fmt, hidden, bm, bk, sf.dtype == torch.int32)
+        if plan is not None and t <= max_rows:
+            return plan(data, t, sf)
     out = torch.empty((t, hidden), dtype=_OUT_TORCH[fmt], device=data.device)
     if t == 0 or hidden == 0:
         return out
-    bm, bk = (int(b) for b in x_block_size)
     fn = _jit.get("cast_back", (dfmt, fmt, hidden, bm, bk, sf.dtype == torch.int32))
     data = _kernel_data(data, dfmt)
     # the kernel numbers chunks in int32: inputs beyond 2^31 chunks go in row slices (whole sf row blocks)
