@@ -33,6 +33,12 @@ def _recorder():
     return tvm_ffi.convert(kernel), seen
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes in row-major order (a dense copy first: ``contiguous()`` keeps a (t, 1) column-major
+    tensor's padded stride, which a byte view refuses)."""
+    return t.clone(memory_format=torch.contiguous_format).view(torch.uint8)
+
+
 def _desc(t: torch.Tensor):
     return (tuple(t.shape), tuple(t.stride()), str(t.dtype).replace("torch.", ""))
 
@@ -148,7 +154,7 @@ def test_native_equals_python_launch_path(native, fmt, flags, t):
         got, want = (got, want) if mode == "cast" else ((got,), (want,))
         for a, b in zip(got, want):
             assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
-            assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+            assert torch.equal(_bytes(a), _bytes(b))
 
 
 @pytest.mark.gpu
@@ -225,7 +231,7 @@ def test_per_block_native_equals_python_launch_path(native, monkeypatch, fmt, bl
         want.append(KB.per_block_cast_launch(x, fmt, block, *flags, mode="sf_only"))
     for a, b in zip(got, want):
         assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
-        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+        assert torch.equal(_bytes(a), _bytes(b))
 
 
 @pytest.mark.compile
@@ -264,7 +270,7 @@ def test_e5m6_native_equals_python_launch_path(native, monkeypatch, flags, t):
     want = KE.e5m6_cast_launch(x, 7168, *flags)
     for a, b in zip(got, want):
         assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
-        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+        assert torch.equal(_bytes(a), _bytes(b))
 
 
 def _pairs(t: int, h: int):
