@@ -270,7 +270,10 @@ def test_e5m6_native_equals_python_launch_path(native, monkeypatch, flags, t):
     want = KE.e5m6_cast_launch(x, 7168, *flags)
     for a, b in zip(got, want):
         assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
-        assert torch.equal(_bytes(a), _bytes(b))
+        if a.dtype == torch.int32:  # packed UE8M0, one block per row: byte 0 of each word (the rest is padding)
+            assert torch.equal(_bytes(a)[:, :1], _bytes(b)[:, :1])
+        else:
+            assert torch.equal(_bytes(a), _bytes(b))
 
 
 def _pairs(t: int, h: int):
