@@ -93,3 +93,21 @@ def test_per_token_cast_back_misaligned_data(fmt, t):
     got = q.per_token_cast_back((_misaligned_copy(data), sf), "bf16", 128)
     torch.cuda.synchronize()
     _same(got, q.per_token_cast_back((data, sf), "bf16", 128))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 7, 300])
+@pytest.mark.parametrize("offset", [1, 4, 8])
+@pytest.mark.parametrize("out_block", [(128, 128), (1, 128)], ids=str)
+def test_per_block_cast_lossless_misaligned_data(out_block, offset, t):
+    """Packed e2m1 data 1, 4 or 8 bytes past a 16-byte boundary (the kernel loads 4-byte words: the launcher
+    copies only the first): the same bits as the aligned data."""
+    x = (torch.randn(t, H, device="cuda") * 3).to(torch.bfloat16)
+    data, sf = q.per_token_cast(x, "e2m1", 32, None, False, True, False)
+    flat = torch.empty(data.numel() + offset, dtype=torch.int8, device="cuda")
+    moved = flat[offset:].view(data.shape)
+    moved.copy_(data)
+    assert moved.is_contiguous() and moved.data_ptr() % 16 == offset
+    got = q.per_block_cast_lossless((moved, sf), "e4m3", (1, 32), out_block, True, True, True)
+    torch.cuda.synchronize()
+    _same(got, q.per_block_cast_lossless((data, sf), "e4m3", (1, 32), out_block, True, True, True))

@@ -607,6 +607,7 @@ def test_lossless_cuda_graph_replay_equals_eager():
 LOSSLESS_KNOB_VARIANTS = [  # the defaults: LOSSLESS_PRMT, _I32, _FULL, _EXP23 on
     {"LOSSLESS_PRMT": 0, "LOSSLESS_I32": 0, "LOSSLESS_FULL": 0, "LOSSLESS_EXP23": 0},  # the float path alone
     {"LOSSLESS_CTAS": 4},
+    {"LOSSLESS_PDL": 0},
 ]
 
 

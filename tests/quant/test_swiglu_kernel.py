@@ -559,6 +559,7 @@ _KNOB_CASES = (
     ("BWD_WG_ZERO", False, "swiglu_bwd_ptc", K._bwd_ptc_cfg(7168, 128, True, None)),
     ("BWD_WG_ZERO", False, "swiglu_bwd_ptc", K._bwd_ptc_cfg(2560, 32, False, 0.5)),    # 2 rows per CTA
     ("BWD_WG_STAGE", False, "swiglu_bwd_ptc", K._bwd_ptc_cfg(7168, 128, True, None)),  # row-CTA sum order
+    ("PCC_STAGE", False, "swiglu_fwd_pcc", (7168, 128, True, True, None)),  # per-thread transposed stores
 )
 
 
@@ -716,3 +717,19 @@ def test_bwd_knob_variant_nan_inf(fill, knob_kernels):
     """quant.md 1.7 through the first backward variant (the default's NaN/inf test, bench config)."""
     knob_kernels(K, BWD_KNOB_VARIANTS[0])
     test_bwd_ptc_nan_inf((7168, 128, True, None), fill)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("stage", (True, False))
+def test_pcc_transposed_store_source(stage, monkeypatch):
+    """PCC_STAGE: the transposed e4m3 tile leaves through the swizzled shared tile (16-byte chunks, eight lanes per
+    channel row) after a barrier; without it each thread stores its own 32 bytes. The untransposed output never
+    stages."""
+    _jit.registered()
+    monkeypatch.setattr(K, "PCC_STAGE", stage)
+    src = _knob_source(monkeypatch, {}, "swiglu_fwd_pcc", (7168, 128, True, True, None))
+    tail = src[src.rindex("__syncthreads();"):]  # after the last barrier: the global stores
+    assert ("(fp8_e4_t*)ys)" in src) == stage
+    assert ("(fp8_e4_t*)ys)" in tail and "& (int64_t)7) * (int64_t)16)" in tail) == stage  # 8 lanes x 16 bytes
+    plain = _knob_source(monkeypatch, {}, "swiglu_fwd_pcc", (7168, 128, True, False, None))
+    assert "(fp8_e4_t*)ys)" not in plain

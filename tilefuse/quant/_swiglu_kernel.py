@@ -641,6 +641,10 @@ _PCC_BH = 64
 # instructions, 40 warps/SM)
 PCC_MIN_BLOCKS = 4
 PCC_PDL = True  # programmatic dependent launch (see _per_token_cast_kernel.PDL): wait for the previous grid first
+# PCC_STAGE (transposed output): the e4m3 tile leaves through an 8 KB shared tile (16-byte chunks XOR-swizzled by
+# channel: conflict-free), eight lanes per channel row storing its 128 bytes, instead of each thread storing its 32
+# bytes as two 16-byte halves (every warp store then wrote 32 half sectors: twice the L2 write requests). Same bytes.
+PCC_STAGE = True
 
 
 def swiglu_fwd_pcc_kernel(hidden: int, npt: int, round_sf: bool, transpose: bool, clamp_bits: int | None):
@@ -667,8 +671,10 @@ def swiglu_fwd_pcc_kernel(hidden: int, npt: int, round_sf: bool, transpose: bool
     y_shape = (hidden, Tn) if transpose else (Tn, hidden)
     grid = (Tn // BT, hidden // BH)
 
+    stage = PCC_STAGE and transpose
+
     @T.macro
-    def tile(X, Y, SF, bx, by, tx, A, red, xl, xr, ab, lc, rc, tv, qv, av, yb, am):
+    def tile(X, Y, SF, bx, by, tx, A, red, ys, xl, xr, ab, lc, rc, tv, qv, av, yb, am):
         t0 = bx * BT
         h0 = by * BH
         ch = tx % NCH
@@ -710,7 +716,18 @@ def swiglu_fwd_pcc_kernel(hidden: int, npt: int, round_sf: bool, transpose: bool
             SF[(t0 + qt * TQ) // npt, h0 + h] = sf
         for i in T.vectorized(TQ):
             yb[i] = T.cast(av[i] * inv, "float8_e4m3fn")
-        if transpose:
+        if stage:
+            # chunk c (16 tokens) of channel h at chunk slot c ^ (h % 8) of its 128-byte row
+            for k in T.unroll(TQ // 16):
+                for i in T.vectorized(16):
+                    ys[h, T.bitwise_xor(qt * (TQ // 16) + k, h % 8) * 16 + i] = yb[k * 16 + i]
+            T.sync_threads()
+            for k in T.unroll(BH * BT // 16 // threads):
+                ch = (tx + k * threads) // (BT // 16)
+                c = (tx + k * threads) % (BT // 16)
+                for i in T.vectorized(16):
+                    Y[h0 + ch, t0 + c * 16 + i] = ys[ch, T.bitwise_xor(c, ch % 8) * 16 + i]
+        elif transpose:
             for i in T.vectorized(TQ):
                 Y[h0 + h, t0 + qt * TQ + i] = yb[i]
         else:
@@ -728,6 +745,7 @@ def swiglu_fwd_pcc_kernel(hidden: int, npt: int, round_sf: bool, transpose: bool
             tx = T.get_thread_binding()
             A = T.alloc_shared((BT, BH), "bfloat16")
             red = T.alloc_shared((threads // BH, BH), "float32")
+            ys = T.alloc_shared((BH, BT), "float8_e4m3fn") if stage else None
             xl = T.alloc_local((RPT, 8), "bfloat16")
             xr = T.alloc_local((RPT, 8), "bfloat16")
             ab = T.alloc_local((8,), "bfloat16")
@@ -738,7 +756,7 @@ def swiglu_fwd_pcc_kernel(hidden: int, npt: int, round_sf: bool, transpose: bool
             av = T.alloc_local((TQ,), "float32")
             yb = T.alloc_local((TQ,), "float8_e4m3fn")
             am = T.alloc_local((1,), "float32")
-            tile(X, Y, SF, bx, by, tx, A, red, xl, xr, ab, lc, rc, tv, qv, av, yb, am)
+            tile(X, Y, SF, bx, by, tx, A, red, ys, xl, xr, ab, lc, rc, tv, qv, av, yb, am)
 
     return swiglu_fwd_pcc
 
