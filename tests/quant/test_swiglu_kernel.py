@@ -558,7 +558,7 @@ _KNOB_CASES = (
     ("BWD_ROW_WARPS", 0, "swiglu_bwd_ptc", K._bwd_ptc_cfg(7168, 128, True, None)),   # the 128-thread team
     ("BWD_WG_ZERO", False, "swiglu_bwd_ptc", K._bwd_ptc_cfg(7168, 128, True, None)),
     ("BWD_WG_ZERO", False, "swiglu_bwd_ptc", K._bwd_ptc_cfg(2560, 32, False, 0.5)),    # 2 rows per CTA
-    ("BWD_WG_STAGE", False, "swiglu_bwd_ptc", K._bwd_ptc_cfg(7168, 128, True, None)),  # row-CTA sum order
+    ("BWD_WG_STAGE", True, "swiglu_bwd_ptc", K._bwd_ptc_cfg(7168, 128, True, None)),  # the 128-lane sum order
     ("PCC_STAGE", False, "swiglu_fwd_pcc", (7168, 128, True, True, None)),  # per-thread transposed stores
 )
 
@@ -574,19 +574,19 @@ def test_knob_alternatives_build_for_sm90(knob, value, name, cfg, monkeypatch):
         assert "__syncthreads" not in src
 
 
-# The defaults (round 4, timed 16:33): BWD_ROW_WARPS=14 (448-thread row CTAs at H = 7168, 2 per SM), BWD_WG_STAGE,
-# BWD_WG_ZERO, BWD_PDL, BWD_PDL_TRIGGER. Knob combinations from there (TILEFUSE_KNOBS names without the module prefix).
-# Round 3's row tilings without the staged sum (weight_grad in another fixed order: the reference's tolerance)
+# The defaults (round 4, timed 16:33; BWD_WG_STAGE off since the 2026-11-29 19:20 run): BWD_ROW_WARPS=14 (448-thread
+# row CTAs at H = 7168, 2 per SM), BWD_WG_ZERO, BWD_PDL, BWD_PDL_TRIGGER. Knob combinations from there (TILEFUSE_KNOBS
+# names without the module prefix). Tilings and sums in another fixed order (weight_grad: the reference's tolerance):
+# 7-warp row CTAs, the 128-thread team, the staged sum (the 128-thread team's order in the row CTA)
 BWD_KNOB_VARIANTS = (
-    {"BWD_ROW_WARPS": 7, "BWD_ROW_WARPS_MIN_BLOCKS": 4, "BWD_WG_STAGE": False, "BWD_WG_ZERO": False},
+    {"BWD_ROW_WARPS": 7, "BWD_ROW_WARPS_MIN_BLOCKS": 4, "BWD_WG_ZERO": False},
     {"BWD_ROW_WARPS": 0, "BWD_WG_ZERO": False},
+    {"BWD_WG_STAGE": True},
 )
-# bit-identical to the defaults: the round-3 defaults themselves, the 128-thread team with the round-4 knobs, the
-# 7-warp row CTAs with the staged sum
+# bit-identical to the defaults (scheduling only): no PDL and the zero-fill kernel; no early trigger
 BWD_R4_VARIANTS = (
-    {"BWD_ROW_WARPS": 0, "BWD_WG_STAGE": False, "BWD_WG_ZERO": False, "BWD_PDL": False, "BWD_PDL_TRIGGER": False},
-    {"BWD_ROW_WARPS": 0},
-    {"BWD_ROW_WARPS": 7, "BWD_ROW_WARPS_MIN_BLOCKS": 4},
+    {"BWD_WG_ZERO": False, "BWD_PDL": False, "BWD_PDL_TRIGGER": False},
+    {"BWD_PDL_TRIGGER": False},
 )
 
 
@@ -692,9 +692,9 @@ def test_bwd_knob_variants_match_reference(knobs, t, case, knob_kernels):
 @pytest.mark.parametrize("t", (1, 7, 4001))
 @pytest.mark.parametrize("case", _BWD_KNOB_CASES, ids=str)
 def test_bwd_r4_variants_bitwise_equal_default(knobs, t, case, knob_kernels):
-    """Round-4 variants: every output bit-identical to the default kernel's, weight_grad included (the staged
-    sum keeps the default's order; the kernel's own zeros land where token_topk_to_pos is -1), on a weight_grad
-    buffer that starts as garbage (the caching allocator's poisoned blocks)."""
+    """Scheduling variants: every output bit-identical to the default kernel's, weight_grad included (the kernel's
+    own zeros land where token_topk_to_pos is -1, the fill kernel's elsewhere), on a weight_grad buffer that starts
+    as garbage (the caching allocator's poisoned blocks)."""
     inputs = _bwd_inputs(t, case[0], case[1])
     want = K.swiglu_bwd_ptc_launch(*inputs, case[1], case[2], case[3])
     knob_kernels(K, knobs)
@@ -707,7 +707,7 @@ def test_bwd_r4_variants_bitwise_equal_default(knobs, t, case, knob_kernels):
 @pytest.mark.parametrize("fill", ("nan", "inf"))
 def test_bwd_r4_variant_nan_inf(fill, knob_kernels):
     """quant.md 1.7 through the staged-sum variant (bench config)."""
-    knob_kernels(K, BWD_R4_VARIANTS[1])
+    knob_kernels(K, BWD_KNOB_VARIANTS[2])
     test_bwd_ptc_nan_inf((7168, 128, True, None), fill)
 
 

@@ -358,12 +358,15 @@ BWD_PDL_TRIGGER = True
 # no race). Every entry quant.md 3.13 defines keeps its bits; an entry reached by neither rule (token_topk_to_pos
 # not -1 but no row points at it: an inconsistent map) is left as allocated instead of 0 (undefined in 3.13).
 BWD_WG_ZERO = True
-# with BWD_ROW_WARPS (one CTA per row, C chunks per lane): the weight-gradient row sum in the default's order,
+# with BWD_ROW_WARPS (one CTA per row, C chunks per lane): the weight-gradient row sum in the 128-lane team's order,
 # whatever the tiling. Each thread stages its unweighted act (binary32) and g (bf16) in shared memory (6 bytes per
-# column pair); after a barrier the default team's lanes (threads 0 .. L0-1, L0 = the default's 128) run the
-# default lane's FMA chain (its chunks in order, 8 pairs each), butterfly and per-warp sum in the same order:
-# weight_grad bit-identical to the default kernel
-BWD_WG_STAGE = True
+# column pair); after a barrier the team's lanes (threads 0 .. L0-1, L0 = 128) run that lane's FMA chain (its chunks
+# in order, 8 pairs each), butterfly and per-warp sum in the same order: weight_grad bit-identical to the 128-lane
+# kernel (BWD_ROW_WARPS=0). Off by default since 2026-11-29 (89.0 vs 87.5% at the bench shape on the H200: the
+# staging, barrier and 128-lane tail cost more than they are worth): the row CTA then sums in its own fixed order
+# (each lane's chunks in order, the warp butterfly, the warps in order): deterministic, batch-invariant, and within
+# quant.md 6.3's tolerance, the order 3.13 leaves unspecified
+BWD_WG_STAGE = False
 _BWD_SUM_LANES = 128  # the default team width (BWD_ROW_THREADS and BWD_THREADS at their defaults): WG_STAGE's order
 
 
