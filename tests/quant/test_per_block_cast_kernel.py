@@ -115,6 +115,22 @@ def test_builds_for_sm90(name, cfg):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("name,cfg", [_ALL[0], ("per_block_cast", ("bfloat16", "e4m3", 576, 32, 32, False, "row",
+                                                                   "precomputed")), _ALL[-1]], ids=str)
+def test_pdl_wait_precedes_global_access(name, cfg):
+    """CAST_PDL / LOSSLESS_PDL (on by default): the grid-dependency wait comes before every global load and store
+    (a launch overlapping the previous grid's tail reads and writes nothing early)."""
+    assert K.CAST_PDL and K.LOSSLESS_PDL
+    src = _jit.compile_kernel(name, cfg, "sm_90", export=False).get_kernel_source()
+    body = src[src.index("__launch_bounds__"):]
+    body = body[body.index("{"):]
+    wait = body.index("cudaGridDependencySynchronize();")
+    first_global = min(i for i in (body.find(p) for p in ("X[", "X +", "D[", "D +", "SFI", "Y[", "Y +", "SF[", "SF +"))
+                       if i >= 0)
+    assert wait < first_global
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("cfg", [c for i, c in enumerate(K._cast_configs())
                                  if i in (0, 5) or c[0] == "float32" or c[7] != "cast" or c[6] == "col"], ids=str)
 def test_cast_launcher_binds_kernel_parameters(cfg, monkeypatch):

@@ -411,7 +411,7 @@ def test_fused_gather_from_misaligned_pos_view(role):
 # ---------------------------------------------------------------------------------------------------------
 
 KNOB_VARIANTS = [
-    {"CAST_PDL": True},
+    {"CAST_PDL": True, "TRANSPOSE_PDL": False},
     {"CAST_PDL": True, "CAST_PDL_TRIGGER": True},
     {"CAST_CL": 4},
     {"CAST_CL": 4, "CAST_PDL": True, "CAST_PDL_TRIGGER": True},
@@ -420,13 +420,14 @@ KNOB_VARIANTS = [
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("role", ("cast_bf16", "pair_gather"))
+@pytest.mark.parametrize("role", ("cast_bf16", "pair_gather", "transpose128"))
 def test_pdl_knob_waits_before_any_global_access(role, monkeypatch):
     """CAST_PDL: the grid-dependency wait is the kernel's first statement (before every load and store), so
     a launch overlapping the previous grid's tail reads and writes nothing early."""
     import tilelang
 
     monkeypatch.setattr(K, "CAST_PDL", True)
+    monkeypatch.setattr(K, "TRANSPOSE_PDL", True)
     monkeypatch.setattr(K, "CAST_PDL_TRIGGER", True)
     src = tilelang.compile(K.per_channel_cast_kernel(*CFG[role]), target={"kind": "cuda", "arch": "sm_90"},
                            execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()

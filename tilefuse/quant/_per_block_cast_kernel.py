@@ -180,6 +180,9 @@ LOSSLESS_EXP23 = 1
 # always holds) takes that path; one with a smaller d (the spec's device-assertion case, rounded) takes the float
 # path unchanged. Same bits.
 LOSSLESS_PRMT = 1
+# CAST_PDL: programmatic dependent launch (see _per_token_cast_kernel.PDL) in per_block_cast and its sf-only and
+# precomputed-sf variants. Same values either way.
+CAST_PDL = 1
 # LOSSLESS_PDL: programmatic dependent launch (see _per_token_cast_kernel.PDL): the kernel's first statement waits
 # for the stream's previous grid, so its launch and CTA setup overlap that grid's tail (81.0 -> 85.7% at the bench
 # shape, H200). Same values either way.
@@ -340,6 +343,8 @@ def per_block_cast_kernel(x_dtype: str, fmt: str, hidden: int, bm: int, bk: int,
                 _tl.import_cuda_helpers()
             if x_dtype == "bfloat16":
                 T.annotate_min_blocks_per_sm(cast_blocks)
+            if CAST_PDL:
+                T.pdl_sync()
             tx = T.get_thread_binding()
             lane = tx % _LANES
             w = tx // _LANES

@@ -35,7 +35,8 @@ row lanes reduce by xor-shuffles, the block's warps through shared memory), ``CA
 ``MIN_WARPS`` / ``PAIR_MIN_WARPS`` the launch bounds in warps per SM, ``CAST_REMAT`` widen a plain input twice
 (for the max, then for the store) instead of holding 64 binary32 values (80 registers instead of 96). None
 changes a value: maxima are order-free and the widening is exact. ``CAST_PDL`` / ``CAST_PDL_TRIGGER``:
-programmatic dependent launch (the wait comes before every global access; no value changes).
+programmatic dependent launch (the wait comes before every global access; no value changes); ``TRANSPOSE_PDL``
+the same wait in the transposed path.
 """
 import torch
 
@@ -65,6 +66,7 @@ CAST_PDL = True  # non-transposed path: programmatic dependent launch. The kerne
                   # griddepcontrol.wait (every global access follows the full completion and memory flush of the
                   # stream's previous grid), and TileLang launches it with programmatic stream serialization, so
                   # its launch and CTA setup overlap the previous kernel's tail (a fixed cost per call)
+TRANSPOSE_PDL = True  # the transposed path: programmatic dependent launch too (as CAST_PDL)
 CAST_PDL_TRIGGER = False  # with CAST_PDL: griddepcontrol.launch_dependents right after the wait, so a PDL
                           # successor's CTAs may launch during this grid's last wave (they wait for its end)
 _PAIR_NPC = 128  # per-token block width of a pre-quantized input (quant.md 3.10)
@@ -107,7 +109,7 @@ def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, 
     remat = CAST_REMAT and not pair and not transpose  # widen bf16/fp32 twice instead of keeping 64 fp32
     min_warps = MIN_WARPS if not pair or PAIR_MIN_WARPS is None else PAIR_MIN_WARPS
     min_blocks = _MIN_BLOCKS if transpose else max(1, min_warps // NW)
-    pdl = CAST_PDL and not transpose
+    pdl = TRANSPOSE_PDL if transpose else CAST_PDL
 
     Tn, NBM, Tin = T.dynamic("num_tokens, num_row_blocks, num_in_tokens")
     Ts = Tin if gather else Tn  # rows of the input
