@@ -658,7 +658,8 @@ def swiglu_fwd_pcc_kernel(hidden: int, npt: int, round_sf: bool, transpose: bool
     Phase 1: thread (row slot, 8-channel chunk) reads 16-byte vectors of ``l`` and ``r`` for 4 rows and stores
     ``bf16(act)`` into a 128 x 64 shared tile. Phase 2: thread (channel, quarter) owns 32 tokens of one channel
     (conflict-free column reads); npt == 128 combines the 4 quarter maxima through shared memory. Transposed
-    output leaves as two 16-byte stores per thread.
+    output leaves through a swizzled shared tile as 128-byte channel runs (PCC_STAGE), else as two 16-byte stores
+    per thread.
     """
     import tilelang.language as T
 
