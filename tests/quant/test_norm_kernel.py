@@ -36,6 +36,25 @@ def test_builds_for_sm90(name, cfg):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("cfg", [("bfloat16", 7168, True, False, True, "col_packed", True, False, False, 0),
+                                 ("bfloat16", 7168, True, True, True, "row", False, True, True, 0),
+                                 ("bfloat16", 7168, True, False, True, "row", True, False, True, 64),
+                                 ("float32", 576, False, False, False, "row", False, False, True, 0)], ids=str)
+def test_forward_two_rows_builds_for_sm90(cfg, monkeypatch):
+    """FWD_ROWS = 2: a CTA per row pair (grid ceil(T / 2)); one barrier for both row sums; the second row's loads,
+    rstd and outputs guarded by 2 bx + 1 < T (an odd T leaves it empty); each weight vector loaded once."""
+    import tilelang
+
+    monkeypatch.setattr(K, "FWD_ROWS", 2)
+    src = tilelang.compile(K.norm_forward_kernel(*cfg), target={"kind": "cuda", "arch": "sm_90"},
+                           execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
+    body = src[src.index("__launch_bounds__"):]
+    assert body.count("__syncthreads()") == 1
+    assert "((((int)blockIdx.x) * 2) + 1) < num_tokens" in body
+    assert body.count("= *(uint4*)(W + ") == (2 if cfg[2] else 0)  # the first vector, then one per block ahead
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("cfg", [("bfloat16", 7168, True, True), ("bfloat16", 576, False, False)], ids=str)
 def test_backward_staged_builds_for_sm90(stages, cfg, monkeypatch):
@@ -398,6 +417,7 @@ KNOB_VARIANTS = [  # the defaults: BWD_STAGES=3, BWD_PIPE, WG_ASSIGN, RED_TILE=3
     {"BWD_PDL": True, "BWD_TRIGGER": True},
     {"RED_TILE": 16},
     {"WG_ASSIGN": False, "RED_PDL": False},
+    {"FWD_ROWS": 2, "FWD_BLOCKS": 4, "FWD_BLOCKS_QUANT": 5},  # two rows per forward CTA (odd T: a half-empty last)
 ]
 
 
@@ -419,7 +439,16 @@ def _knob_outputs(x, w, dy, rstd, rg, scale):
     fwd3 = K.norm_forward_launch(x3, w, 1e-6, None, scale)[0]
     q3 = K.norm_forward_launch(x3, w, 1e-6, None, scale, quant=True, use_tma_aligned_col_major_sf=True,
                                round_sf=True, use_packed_ue8m0=True)
-    return [_bits(t) for t in (fwd, q[0], q[1], *bwd, fwd3, q3[0], q3[1])]
+    # residual (rounded sum written back), rstd, the bf16 copy, row-major fp32 sf, and the mega-MoE sf words
+    res = x.flip(0)
+    fr = K.norm_forward_launch(x, w, 1e-6, res, scale, with_rstd=True)
+    qr = K.norm_forward_launch(x, w, 1e-6, res, scale, with_rstd=True, quant=True, with_out_bf16=True)
+    t, bm = x.size(0), 64
+    mega = torch.full((x.size(1) // 128, -(-t // bm) * 128 + 5), -1, dtype=torch.int32, device=x.device)
+    qm = K.norm_forward_launch(x, w, 1e-6, None, scale, with_rstd=True, quant=True, round_sf=True,
+                               mega_moe_sf=mega.t()[:t], mega_moe_block_m=bm)
+    return [_bits(t) for t in (fwd, q[0], q[1], *bwd, fwd3, q3[0], q3[1], fr[0], fr[3], fr[4], qr[0], qr[1], qr[2],
+                               qr[3], qm[0], qm[1], qm[3], mega)]
 
 
 @gpu
