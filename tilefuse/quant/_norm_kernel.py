@@ -96,11 +96,6 @@ template <int N> __device__ __forceinline__ void nf_cp_wait() {
   asm volatile("cp.async.wait_group %0;" : : "n"(N) : "memory"); }
 """
 
-def _static(n: int) -> tuple:
-    """``range(n)`` that TileLang's macro tracer unrolls with Python ints (a plain ``range`` becomes a device loop)."""
-    return tuple(range(n))
-
-
 def _f32_of(T, x_dtype: str, buf, *idx):
     """binary32 value of element ``buf[idx]`` of a local array of 16-byte vectors (the last index: the
     element within its vector, a constant once unrolled): bf16 through the word helper, fp32 as is."""
@@ -260,7 +255,7 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
         rstd = T.alloc_local((R,), "float32")
         wn = T.alloc_local((E,), x_dtype)     # FWD_W_AHEAD: the next block's weight vector
         # 1. h = x (+ residual, rounded to x.dtype and written to residual_out); sum of squares
-        for r in _static(R):
+        for r in _tl.statically(R):
             t = t0 + r
             for c in T.unroll(C):
                 col = (c * _THREADS + tx) * E
@@ -284,7 +279,7 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
             if tx * E < hidden:
                 for e in T.vectorized(E):
                     wn[e] = W[tx * E + e]
-        for r in _static(R):
+        for r in _tl.statically(R):
             acc[r] = T.float32(0.0)
             for c in T.unroll(C):
                 for e in T.unroll(E):
@@ -295,7 +290,7 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
             if tx % 32 == 0:
                 red[rix(r) + (tx // 32,)] = acc[r]
         T.sync_threads()
-        for r in _static(R):
+        for r in _tl.statically(R):
             acc[r] = red[rix(r) + (0,)]
             for i in T.unroll(1, NW):
                 acc[r] = acc[r] + red[rix(r) + (i,)]
@@ -323,7 +318,7 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
                 for e in T.unroll(E):
                     wf[e] = f32(ww, e) * out_scale if has_weight else T.float32(0.0)
                 ww = wf
-            for r in _static(R):
+            for r in _tl.statically(R):
                 if R == 1:
                     emit_out(Out, SF, Bf, Mega, io, r, ww, rstd[r], out_scale, t0 + r, b, c)
                 else:

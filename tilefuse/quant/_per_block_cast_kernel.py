@@ -46,12 +46,6 @@ def _packed_input(x_dtype: str, fmt: str) -> bool:
     return x_dtype == "bfloat16" and fmt == "e2m1"
 
 
-def _statically(n: int):
-    """``range(n)`` that TileLang's macro tracer leaves alone (a plain ``range`` in a macro becomes a device
-    loop whose variable is symbolic): the loop body is traced n times with Python ints."""
-    return tuple(range(n))
-
-
 def _resident_ctas(threads: int, regs: int) -> int:
     """CTAs per SM that ``regs`` registers per thread allow (64K registers, at most 2048 threads), at most
     ``max(3, 768 / threads)``: enough overlap for 256-thread CTAs without squeezing their registers (no spills),
@@ -309,7 +303,7 @@ def per_block_cast_kernel(x_dtype: str, fmt: str, hidden: int, bm: int, bk: int,
             for n in T.unroll(nb):
                 am[n] = T.float32(0.0)
             for j in T.unroll(_RPT):
-                for v in _statically(_C):
+                for v in _tl.statically(_C):
                     am[j * nb // _RPT] = T.max(am[j * nb // _RPT], T.abs(elem(xr, j, v)))
             cm.block_max(am, w, lane, red)
             for n in T.unroll(nb):
@@ -468,7 +462,7 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
             factor = T.reinterpret(T.max(el[j] + T.shift_left(141 - mx[j * nb // _RPT], 23), 0), "float32")
         else:
             factor = T.reinterpret(T.shift_left(T.max(141 + el[j] - mx[j * nb // _RPT], 0), 23), "float32")
-        for k in _statically(_C // 2):
+        for k in _tl.statically(_C // 2):
             lo, hi = fp4_pair(dl[j], k)  # nibbles k and k + 4
             tmp[k] = lo * factor
             tmp[k + _C // 2] = hi * factor
@@ -525,9 +519,9 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
         if prmt:
             # the smallest d of the thread's rows (missing rows and channels do not count)
             dmin = T.int32(6)
-            for n in _statically(nb):
+            for n in _tl.statically(nb):
                 emin = T.int32(255)
-                for j in _statically(_RPT):
+                for j in _tl.statically(_RPT):
                     if j * nb // _RPT == n:
                         e = ll_byte(el[j])
                         if checked:

@@ -19,6 +19,12 @@ def _tl():
     return T
 
 
+def statically(n: int) -> tuple:
+    """``range(n)`` that TileLang's macro tracer leaves alone (a plain ``range`` in a macro becomes a device
+    loop whose variable is symbolic): the loop body is traced n times with Python ints."""
+    return tuple(range(n))
+
+
 def saturate(x):
     """``min(max(x, 0), 1)`` with NaN -> 0, folded by nvcc into the producing FMUL/FFMA/FADD (``.SAT``)."""
     return _tl().call_extern("float32", "__saturatef", x)
