@@ -36,25 +36,6 @@ def test_builds_for_sm90(name, cfg):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("cfg", [("bfloat16", 7168, True, False, True, "col_packed", True, False, False, 0),
-                                 ("bfloat16", 7168, True, True, True, "row", False, True, True, 0),
-                                 ("bfloat16", 7168, True, False, True, "row", True, False, True, 64),
-                                 ("float32", 576, False, False, False, "row", False, False, True, 0)], ids=str)
-def test_forward_two_rows_builds_for_sm90(cfg, monkeypatch):
-    """FWD_ROWS = 2: a CTA per row pair (grid ceil(T / 2)); one barrier for both row sums; the second row's loads,
-    rstd and outputs guarded by 2 bx + 1 < T (an odd T leaves it empty); each weight vector loaded once."""
-    import tilelang
-
-    monkeypatch.setattr(K, "FWD_ROWS", 2)
-    src = tilelang.compile(K.norm_forward_kernel(*cfg), target={"kind": "cuda", "arch": "sm_90"},
-                           execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
-    body = src[src.index("__launch_bounds__"):]
-    assert body.count("__syncthreads()") == 1
-    assert "((((int)blockIdx.x) * 2) + 1) < num_tokens" in body
-    assert body.count("= *(uint4*)(W + ") == (2 if cfg[2] else 0)  # the first vector, then one per block ahead
-
-
-@pytest.mark.compile
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("cfg", [("bfloat16", 7168, True, True), ("bfloat16", 576, False, False)], ids=str)
 def test_backward_staged_builds_for_sm90(stages, cfg, monkeypatch):
@@ -417,7 +398,6 @@ KNOB_VARIANTS = [  # the defaults: BWD_STAGES=3, BWD_PIPE, WG_ASSIGN, RED_TILE=3
     {"BWD_PDL": True, "BWD_TRIGGER": True},
     {"RED_TILE": 16},
     {"WG_ASSIGN": False, "RED_PDL": False},
-    {"FWD_ROWS": 2, "FWD_BLOCKS": 4, "FWD_BLOCKS_QUANT": 5},  # two rows per forward CTA (odd T: a half-empty last)
 ]
 
 

@@ -1,8 +1,7 @@
 """TileLang kernels for the RMSNorm ops (quant.md 5.11): norm_forward, norm_forward_and_per_token_cast,
 norm_backward.
 
-Forward: one CTA per row ``(b, t)`` of a ``(B, T, H)`` view (2-D inputs are ``B = 1``; FWD_ROWS > 1: per run of
-that many rows, each row's values and arithmetic as below, the weight vectors loaded once). Thread ``tx`` owns
+Forward: one CTA per row ``(b, t)`` of a ``(B, T, H)`` view (2-D inputs are ``B = 1``). Thread ``tx`` owns
 the 16-byte vectors ``c * threads + tx`` of the row and keeps them in registers: ``h`` (``round(x + res)``
 with a residual), the sum of squares (thread sum, warp butterfly, one shared slot per warp, every thread
 adds the warp sums in warp order: a fixed order), ``rstd = rsqrtf(S / H + eps)``,
@@ -40,8 +39,6 @@ FWD_W_AHEAD = True  # forward: the weight vector of column block c + 1 is loaded
                      # (block 0's before the row reduction). With FWD_PDL the pointers are not __restrict__, so the
                      # compiler cannot hoist a weight load above the previous block's output stores: each block
                      # otherwise waits a full load latency after the barrier. Same arithmetic.
-FWD_ROWS = 1      # forward rows per CTA: R > 1 loads each weight vector once for R rows (one barrier for their R
-                  # row sums); the CTA stays 128 threads, its registers hold R rows. Same arithmetic per row.
 FWD_BLOCKS = 6    # bf16 norm_forward CTAs (rows) resident per SM: <= 80 registers, no spills
 FWD_BLOCKS_QUANT = 8  # the quantizing bf16 forward: <= 64 registers (it needs 72 unconstrained: 7 per SM)
 RED_BATCH = 32     # weight-gradient reduce: partial rows loaded per batch (_NP % RED_BATCH == 0); the sum is
@@ -155,155 +152,62 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
     rstd_p = T.Tensor((B, Tn), "float32") if with_rstd else dummy("float32")
     mega_p = T.StridedTensor((hidden // 128, MR), (ML, 1), "int32") if mega_bm else dummy("int32")
 
-    R = max(1, FWD_ROWS)   # rows per CTA
-
-    def rix(r: int) -> tuple:
-        """Leading index of row slot r in the per-row arrays (none when R = 1: one row)."""
-        return () if R == 1 else (r,)
-
-    def hv(io, r, c, e):
-        """binary32 h of row slot r, vector c, element e."""
-        return f32(io, *rix(r), c, e)
-
+    # the kernel body: row (b, t)
     @T.macro
-    def emit_out(Out, SF, Bf, Mega, io, r, ww, rstd, out_scale, t, b, c):
-        """Row t's outputs of its vector c: o = round((h * rstd) * (w * out_scale)) (``ww``: the weight vector, or
-        with R > 1 the binary32 products w * out_scale), and the quantizing op's cast of o exactly as
-        per_token_cast(o, 'e4m3', 32) (its 32-channel group: L lanes of this vector index)."""
+    def body(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale, t, b):
         tx = T.get_thread_binding()
-        col = (c * _THREADS + tx) * E
-        g = col // _NPC
-        of = T.alloc_local((E,), "float32")
-        ob = T.alloc_local((E,), x_dtype)
-        if col < hidden:
-            for e in T.unroll(E):
-                if has_weight:
-                    of[e] = (hv(io, r, c, e) * rstd) * ((f32(ww, e) * out_scale) if R == 1 else ww[e])
-                else:
-                    of[e] = (hv(io, r, c, e) * rstd) * out_scale
-        else:
-            for e in T.unroll(E):
-                of[e] = T.float32(0.0)
-        for e in T.vectorized(E):
-            ob[e] = T.cast(of[e], x_dtype)
-        if with_bf16:
-            if col < hidden:
-                bb = T.alloc_local((E,), "bfloat16")
-                for e in T.vectorized(E):
-                    bb[e] = T.cast(ob[e], "bfloat16")
-                for e in T.vectorized(E):
-                    Bf[b, t, col + e] = bb[e]
-        if not quant:
-            if col < hidden:
-                for e in T.vectorized(E):
-                    Out[b, t, col + e] = ob[e]
-        else:
-            am = T.alloc_var("float32")
-            am = T.float32(0.0)
-            for e in T.unroll(E):
-                of[e] = f32(ob, e)
-                am = T.max(am, T.abs(of[e]))
-            for st in T.unroll(L.bit_length() - 1):
-                am = T.max(am, T.shfl_xor(am, T.shift_right(L // 2, st)))
-            a = T.max(am, T.float32(_CLAMP))
-            inv = T.alloc_var("float32")
-            eb = T.alloc_var("int32")
-            if round_sf:
-                # division-free 2^ceil(log2(a / M)); the clamp keeps a >= M 2^-126; an infinite amax
-                # gives eb = 255, sf = inf and sf_inv = 0 (quant.md 1.7)
-                eb = _tl.pow2_sf_exponent(a, _M)
-                inv = _tl.pow2_inverse_from_exponent(eb)
-                sf = _tl.pow2_from_exponent(eb)
-            else:
-                eb = 0
-                sf = a / T.float32(_M)
-                inv = T.float32(_M) / a
-            if packed or mega_bm:
-                # bytes of groups 4k..4k+3 (lanes L apart); groups past ng give 0 bytes
-                byte = T.if_then_else(col < hidden, eb, 0)
-                word = (byte | T.shift_left(T.shfl_down(byte, L), 8) | T.shift_left(T.shfl_down(byte, 2 * L), 16)
-                        | T.shift_left(T.shfl_down(byte, 3 * L), 24))
-                lead = T.And(col < hidden, T.And(tx % L == 0, g % 4 == 0))
-                if packed:
-                    if lead:
-                        SF[b, t, g // 4] = word
-                if mega_bm:
-                    if lead:
-                        i = t % mega_bm
-                        mrow = ((t // mega_bm) * (-(-mega_bm // 128) * 128) + (i // 128) * 128
-                                + (i % 32) * 4 + (i % 128) // 32)
-                        Mega[g // 4, mrow] = word
-            if not packed:
-                if T.And(col < hidden, tx % L == 0):
-                    SF[b, t, g] = sf
-            if col < hidden:
-                # the E4M3 conversion saturates finite values to +-448 and keeps NaN
-                qb = T.alloc_local((E,), "float8_e4m3fn")
-                for e in T.vectorized(E):
-                    qb[e] = T.cast(of[e] * inv, "float8_e4m3fn")
-                for e in T.vectorized(E):
-                    Out[b, t, col + e] = qb[e]
-
-    # the kernel body: rows t0 .. t0 + R - 1 of batch b (R = FWD_ROWS; rows past Tn do nothing but the barrier)
-    @T.macro
-    def body(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale, t0, b):
-        tx = T.get_thread_binding()
-        # h = round(x + res) in x.dtype: binary32 values are float(io); io[(*rix(r), c, e)]
-        io = T.alloc_local((C, E), x_dtype) if R == 1 else T.alloc_local((R, C, E), x_dtype)
-        red = T.alloc_shared((NW,), "float32") if R == 1 else T.alloc_shared((R, NW), "float32")
-        acc = T.alloc_local((R,), "float32")
-        rstd = T.alloc_local((R,), "float32")
+        io = T.alloc_local((C, E), x_dtype)   # h = round(x + res) in x.dtype: binary32 values are float(io)
+        red = T.alloc_shared((NW,), "float32")
+        acc = T.alloc_var("float32")
         wn = T.alloc_local((E,), x_dtype)     # FWD_W_AHEAD: the next block's weight vector
         # 1. h = x (+ residual, rounded to x.dtype and written to residual_out); sum of squares
-        for r in _tl.statically(R):
-            t = t0 + r
-            for c in T.unroll(C):
-                col = (c * _THREADS + tx) * E
-                iv = rix(r) + (c,)
-                if col < hidden if R == 1 else T.And(col < hidden, t < Tn):
+        acc = T.float32(0.0)
+        for c in T.unroll(C):
+            col = (c * _THREADS + tx) * E
+            if col < hidden:
+                for e in T.vectorized(E):
+                    io[c, e] = X[b, t, col + e]
+                if has_residual:
+                    rr = T.alloc_local((E,), x_dtype)
                     for e in T.vectorized(E):
-                        io[iv + (e,)] = X[b, t, col + e]
-                    if has_residual:
-                        rr = T.alloc_local((E,), x_dtype)
-                        for e in T.vectorized(E):
-                            rr[e] = Res[b, t, col + e]
-                        for e in T.vectorized(E):
-                            io[iv + (e,)] = T.cast(T.cast(io[iv + (e,)], "float32") + T.cast(rr[e], "float32"),
-                                                   x_dtype)
-                        for e in T.vectorized(E):
-                            ResOut[b, t, col + e] = io[iv + (e,)]
-                else:
+                        rr[e] = Res[b, t, col + e]
                     for e in T.vectorized(E):
-                        io[iv + (e,)] = T.cast(0, x_dtype)
+                        io[c, e] = T.cast(T.cast(io[c, e], "float32") + T.cast(rr[e], "float32"), x_dtype)
+                    for e in T.vectorized(E):
+                        ResOut[b, t, col + e] = io[c, e]
+            else:
+                for e in T.vectorized(E):
+                    io[c, e] = T.cast(0, x_dtype)
         if W_AHEAD:
             if tx * E < hidden:
                 for e in T.vectorized(E):
                     wn[e] = W[tx * E + e]
-        for r in _tl.statically(R):
-            acc[r] = T.float32(0.0)
-            for c in T.unroll(C):
-                for e in T.unroll(E):
-                    h = hv(io, r, c, e)
-                    acc[r] = acc[r] + h * h
-            for st in T.unroll(5):
-                acc[r] = acc[r] + T.shfl_xor(acc[r], T.shift_right(16, st))
-            if tx % 32 == 0:
-                red[rix(r) + (tx // 32,)] = acc[r]
+        for c in T.unroll(C):
+            for e in T.unroll(E):
+                hv = f32(io, c, e)
+                acc = acc + hv * hv
+        for st in T.unroll(5):
+            acc = acc + T.shfl_xor(acc, T.shift_right(16, st))
+        if tx % 32 == 0:
+            red[tx // 32] = acc
         T.sync_threads()
-        for r in _tl.statically(R):
-            acc[r] = red[rix(r) + (0,)]
-            for i in T.unroll(1, NW):
-                acc[r] = acc[r] + red[rix(r) + (i,)]
-            rstd[r] = T.rsqrt(acc[r] / T.float32(hidden) + eps)
-            if with_rstd:
-                if tx == 0 if R == 1 else T.And(tx == 0, t0 + r < Tn):
-                    Rstd[b, t0 + r] = rstd[r]
-        # 2. per vector: the weight vector (once for the R rows), then each row's outputs
+        acc = red[0]
+        for i in T.unroll(1, NW):
+            acc = acc + red[i]
+        rstd = T.rsqrt(acc / T.float32(hidden) + eps)
+        if with_rstd:
+            if tx == 0:
+                Rstd[b, t] = rstd
+        # 2. per vector: o = round((h * rstd) * (w * out_scale)); the quantizing op then casts o exactly as
+        #    per_token_cast(o, 'e4m3', 32) (its 32-channel group: L lanes of this vector index)
         for c in T.unroll(C):
             col = (c * _THREADS + tx) * E
-            ww = T.alloc_local((E,), x_dtype)
-            if has_weight:
-                if col < hidden:
+            g = col // _NPC
+            of = T.alloc_local((E,), "float32")
+            ob = T.alloc_local((E,), x_dtype)
+            if col < hidden:
+                if has_weight:
+                    ww = T.alloc_local((E,), x_dtype)
                     if W_AHEAD:
                         for e in T.vectorized(E):
                             ww[e] = wn[e]
@@ -313,17 +217,73 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
                     else:
                         for e in T.vectorized(E):
                             ww[e] = W[col + e]
-            if R > 1:  # w * out_scale once for the R rows
-                wf = T.alloc_local((E,), "float32")
-                for e in T.unroll(E):
-                    wf[e] = f32(ww, e) * out_scale if has_weight else T.float32(0.0)
-                ww = wf
-            for r in _tl.statically(R):
-                if R == 1:
-                    emit_out(Out, SF, Bf, Mega, io, r, ww, rstd[r], out_scale, t0 + r, b, c)
+                    for e in T.unroll(E):
+                        of[e] = (f32(io, c, e) * rstd) * (f32(ww, e) * out_scale)
                 else:
-                    if t0 + r < Tn:   # uniform over the CTA: the shuffles inside see every lane
-                        emit_out(Out, SF, Bf, Mega, io, r, ww, rstd[r], out_scale, t0 + r, b, c)
+                    for e in T.unroll(E):
+                        of[e] = (f32(io, c, e) * rstd) * out_scale
+            else:
+                for e in T.unroll(E):
+                    of[e] = T.float32(0.0)
+            for e in T.vectorized(E):
+                ob[e] = T.cast(of[e], x_dtype)
+            if with_bf16:
+                if col < hidden:
+                    bb = T.alloc_local((E,), "bfloat16")
+                    for e in T.vectorized(E):
+                        bb[e] = T.cast(ob[e], "bfloat16")
+                    for e in T.vectorized(E):
+                        Bf[b, t, col + e] = bb[e]
+            if not quant:
+                if col < hidden:
+                    for e in T.vectorized(E):
+                        Out[b, t, col + e] = ob[e]
+            else:
+                am = T.alloc_var("float32")
+                am = T.float32(0.0)
+                for e in T.unroll(E):
+                    of[e] = f32(ob, e)
+                    am = T.max(am, T.abs(of[e]))
+                for st in T.unroll(L.bit_length() - 1):
+                    am = T.max(am, T.shfl_xor(am, T.shift_right(L // 2, st)))
+                a = T.max(am, T.float32(_CLAMP))
+                inv = T.alloc_var("float32")
+                eb = T.alloc_var("int32")
+                if round_sf:
+                    # division-free 2^ceil(log2(a / M)); the clamp keeps a >= M 2^-126; an infinite amax
+                    # gives eb = 255, sf = inf and sf_inv = 0 (quant.md 1.7)
+                    eb = _tl.pow2_sf_exponent(a, _M)
+                    inv = _tl.pow2_inverse_from_exponent(eb)
+                    sf = _tl.pow2_from_exponent(eb)
+                else:
+                    eb = 0
+                    sf = a / T.float32(_M)
+                    inv = T.float32(_M) / a
+                if packed or mega_bm:
+                    # bytes of groups 4k..4k+3 (lanes L apart); groups past ng give 0 bytes
+                    byte = T.if_then_else(col < hidden, eb, 0)
+                    word = (byte | T.shift_left(T.shfl_down(byte, L), 8) | T.shift_left(T.shfl_down(byte, 2 * L), 16)
+                            | T.shift_left(T.shfl_down(byte, 3 * L), 24))
+                    lead = T.And(col < hidden, T.And(tx % L == 0, g % 4 == 0))
+                    if packed:
+                        if lead:
+                            SF[b, t, g // 4] = word
+                    if mega_bm:
+                        if lead:
+                            i = t % mega_bm
+                            mrow = ((t // mega_bm) * (-(-mega_bm // 128) * 128) + (i // 128) * 128
+                                    + (i % 32) * 4 + (i % 128) // 32)
+                            Mega[g // 4, mrow] = word
+                if not packed:
+                    if T.And(col < hidden, tx % L == 0):
+                        SF[b, t, g] = sf
+                if col < hidden:
+                    # the E4M3 conversion saturates finite values to +-448 and keeps NaN
+                    qb = T.alloc_local((E,), "float8_e4m3fn")
+                    for e in T.vectorized(E):
+                        qb[e] = T.cast(of[e] * inv, "float8_e4m3fn")
+                    for e in T.vectorized(E):
+                        Out[b, t, col + e] = qb[e]
 
     @T.prim_func
     def norm_forward(X: x_p, W: w_p, Res: r_p, ResOut: ro_p, Out: o_p, SF: sf_p, Bf: bf_p, Rstd: rstd_p,
@@ -341,14 +301,14 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
         if with_bf16:
             T.assume(BB % 16 == 0)
             T.assume(BS % 16 == 0)
-        with T.Kernel(T.ceildiv(Tn, R) if R > 1 else Tn, B, threads=_THREADS) as (t, b):
+        with T.Kernel(Tn, B, threads=_THREADS) as (t, b):
             if x_dtype == "bfloat16":
                 T.annotate_min_blocks_per_sm(FWD_BLOCKS_QUANT if quant else FWD_BLOCKS)  # rows per SM: loads in flight
             if words:
                 T.import_source(_CUDA_HELPERS)
             if FWD_PDL:
                 T.pdl_sync()
-            body(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale, t * R if R > 1 else t, b)
+            body(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale, t, b)
 
     return norm_forward
 
