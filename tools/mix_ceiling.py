@@ -1,0 +1,73 @@
+"""What a plain PyTorch elementwise kernel reaches on the byte mix of a bench row (GPU only).
+
+    python tools/mix_ceiling.py
+
+The bench judges every row against one ceiling: a large device-to-device copy (reads = writes). Rows that read
+more than they write, write more than they read, or move under 100 MB differ from that copy in ways no kernel
+of ours controls. Each case here times a stock PyTorch kernel whose bytes read, bytes written and size roughly
+match one row's (timed as the bench times, ``bench.median_us`` with rotating input sets), and prints its % of the
+copy ceiling measured in the same process: a reference point for that row's figure, not a bound.
+"""
+from __future__ import annotations
+
+import torch
+
+from tilefuse import bench
+
+
+def _sets(nbytes: int) -> int:
+    """Input sets that rotate through more than L2 holds (as the bench does)."""
+    return max(2, -(-bench._L2_ROTATE_BYTES // nbytes))
+
+
+def _convert(n: int, src: torch.dtype, dst: torch.dtype):
+    """read n elements of src, write n of dst (``Tensor.copy_`` with a dtype conversion)."""
+    k = _sets(n * torch.tensor([], dtype=src).element_size())
+    ins = [torch.zeros(n, dtype=src, device="cuda") for _ in range(k)]
+    outs = [torch.empty(n, dtype=dst, device="cuda") for _ in range(k)]
+    return (lambda i: outs[i].copy_(ins[i])), k, n * (ins[0].element_size() + outs[0].element_size())
+
+
+def _add(n: int, dtype: torch.dtype):
+    """read 2 n elements, write n (``torch.add(a, b, out=c)``)."""
+    es = torch.tensor([], dtype=dtype).element_size()
+    k = _sets(2 * n * es)
+    a = [torch.zeros(n, dtype=dtype, device="cuda") for _ in range(k)]
+    b = [torch.zeros(n, dtype=dtype, device="cuda") for _ in range(k)]
+    c = [torch.empty(n, dtype=dtype, device="cuda") for _ in range(k)]
+    return (lambda i: torch.add(a[i], b[i], out=c[i])), k, 3 * n * es
+
+
+# (label, the bench row whose byte mix it mirrors, builder returning (fn(i), n_sets, bytes moved))
+CASES = [
+    ("copy 1:1, 93 MB", "per_block_cast_lossless (reads 36, writes 57 MB)",
+     lambda: _convert(46_500_000, torch.uint8, torch.uint8)),
+    ("uint8 -> int16 1:2, 86 MB", "per_block_cast_lossless (reads 36, writes 57 MB)",
+     lambda: _convert(28_700_000, torch.uint8, torch.int16)),
+    ("uint8 -> int16 1:2, 352 MB", "swiglu_backward_and_per_token_cast (reads 117, writes 235 MB)",
+     lambda: _convert(117_400_000, torch.uint8, torch.int16)),
+    ("uint8 add 2:1, 176 MB", "norm_forward_and_per_token_cast (reads 117, writes 59 MB)",
+     lambda: _add(8192 * 7168, torch.uint8)),
+    ("bf16 add 2:1, 352 MB", "norm_backward (reads 235, writes 117 MB)",
+     lambda: _add(8192 * 7168, torch.bfloat16)),
+    ("bf16 copy 1:1, 235 MB", "norm_forward (reads 117, writes 117 MB)",
+     lambda: _convert(8192 * 7168, torch.bfloat16, torch.bfloat16)),
+]
+
+
+def main() -> None:
+    ceiling = bench.copy_ceiling_gbs()
+    print(f"{torch.cuda.get_device_name()}  copy ceiling {ceiling:.0f} GB/s")
+    print("| stock kernel | mirrors | µs | GB/s | % ceiling |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    for label, row, build in CASES:
+        fn, n_sets, nbytes = build()
+        us = bench.median_us(fn, n_sets)
+        gbs = nbytes / us / 1e3
+        print(f"| {label} | {row} | {us:.1f} | {gbs:.0f} | {100 * gbs / ceiling:.1f} |")
+        del fn
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
