@@ -38,6 +38,14 @@ def _add(n: int, dtype: torch.dtype):
     return (lambda i: torch.add(a[i], b[i], out=c[i])), k, 3 * n * es
 
 
+def _fill(n: int, dtype: torch.dtype):
+    """write n elements, read nothing (``Tensor.fill_``)."""
+    es = torch.tensor([], dtype=dtype).element_size()
+    k = _sets(n * es)
+    outs = [torch.empty(n, dtype=dtype, device="cuda") for _ in range(k)]
+    return (lambda i: outs[i].fill_(1.0)), k, n * es
+
+
 # (label, the bench row whose byte mix it mirrors, builder returning (fn(i), n_sets, bytes moved))
 CASES = [
     ("copy 1:1, 93 MB", "per_block_cast_lossless (reads 36, writes 57 MB)",
@@ -50,6 +58,8 @@ CASES = [
      lambda: _add(8192 * 7168, torch.uint8)),
     ("bf16 add 2:1, 352 MB", "norm_backward (reads 235, writes 117 MB)",
      lambda: _add(8192 * 7168, torch.bfloat16)),
+    ("fp32 fill 0:1, 229 MB", "per_token_cast_back e2m1 -> fp32, unpack_from_e2m1fn_x2 (read 29-36, write 229 MB)",
+     lambda: _fill(8001 * 7168, torch.float32)),
     ("bf16 copy 1:1, 235 MB", "norm_forward (reads 117, writes 117 MB)",
      lambda: _convert(8192 * 7168, torch.bfloat16, torch.bfloat16)),
 ]

@@ -389,12 +389,12 @@ def test_forward_cast_nan_inf_gpu(fill, col, round_sf, packed):
 
 
 # Knob variants (TILEFUSE_KNOBS sweeps, module doc of _jit.knobs): each must give the default's bits exactly.
-KNOB_VARIANTS = [  # the defaults: BWD_STAGES=3, BWD_PIPE, WG_ASSIGN, RED_TILE=32, RED_PDL, FWD_W_AHEAD
+KNOB_VARIANTS = [  # the defaults: BWD_STAGES=3 (BWD_PIPE off), WG_ASSIGN, RED_TILE=32, RED_PDL, FWD_W_AHEAD
     {"BWD_STAGES": 0, "BWD_PIPE": False, "WG_ASSIGN": False, "RED_TILE": 0, "RED_PDL": False, "FWD_W_AHEAD": False},
     {"RED_TILE": 0, "RED_BATCH": 128, "RED_THREADS": 32},
     {"FWD_BLOCKS": 7, "FWD_BLOCKS_QUANT": 7},
     {"BWD_STAGES": 2},
-    {"BWD_PIPE": False},
+    {"BWD_PIPE": True},
     {"BWD_PDL": True, "BWD_TRIGGER": True},
     {"RED_TILE": 16},
     {"WG_ASSIGN": False, "RED_PDL": False},

@@ -30,8 +30,11 @@ _NP = 256          # partial weight-gradient buffers of norm_backward (fixed: re
                    # it fixes which rows each partial sums: not a knob)
 _M = F.FMT_MAX["e4m3"]
 _CLAMP = F.CLAMP_MIN["e4m3"]
-_BT = 256          # norm_backward threads per CTA (the NP = 256 CTAs are all resident: 2 per SM); it fixes the
-                   # order of the row reduction A, so dx's bits: not a knob
+_BT = 448          # bf16 norm_backward threads per CTA (the NP = 256 CTAs are all resident: 2 per SM, <= 72 registers);
+                   # it fixes the order of the row reduction A, so dx's bits: not a knob. 14 warps: two 16-byte vectors
+                   # per thread at H = 7168, every warp the same work (256 threads gave warps 0-3 four vectors and 4-7
+                   # three, the per-row barrier waiting on the slow half: 99.6 -> 97.5 us at the bench shape, H200)
+_BT_F32 = 512      # fp32 norm_backward threads per CTA (the same rule)
 
 # Knobs (TILEFUSE_KNOBS, read when a kernel is built): scheduling only, never the arithmetic order.
 FWD_PDL = True  # one-CTA-per-row forward: programmatic dependent launch (see _per_token_cast_kernel.PDL)
@@ -48,15 +51,17 @@ RED_TILE = 32      # weight-gradient reduce: 0 = the batched per-thread loads ab
                    # threads per W columns loads the whole (NP, W) fp32 tile into shared memory at once (16-byte
                    # loads, W / 4 per thread: one round trip instead of NP / RED_BATCH), then W threads add their
                    # column in order p = 0 .. NP-1 (the same additions as the default)
-BWD_STAGES = 3     # norm_backward: 0 = rows loaded into registers one row ahead (the default); S >= 2 = an S-stage
+BWD_STAGES = 3     # norm_backward: 0 = rows loaded into registers one row ahead; S >= 2 = an S-stage
                    # shared-memory ring filled by per-thread cp.async (each thread copies and later reads only its
                    # own 16-byte vectors: no barrier), S - 1 rows of x, dy and rstd in flight per CTA (bf16 only,
                    # when 2 CTAs of S stages fit in shared memory; else the default path). Same arithmetic.
-BWD_PIPE = True    # norm_backward with BWD_STAGES == 3 only: software-pipelined rows. Iteration k reduces row k (its
+BWD_PIPE = False   # norm_backward with BWD_STAGES == 3 only: software-pipelined rows. Iteration k reduces row k (its
                    # warp sums go to one of two red slots, by parity) and writes dx of row k - 1 (its A read from the
                    # other slot), the butterfly of row k interleaved with that dx pass: one barrier per row instead of
                    # two, and row k's reduction latency overlaps row k - 1's dx work. Row k + 1 is in flight (stage
                    # (k + 1) % 3; stage (k - 1) % 3 still holds row k - 1 for its dx pass). Same per-row arithmetic.
+                   # Off since 2026-11-29 (the 448-thread CTA): the staged body's two rows in flight won, 97.5 vs
+                   # 98.7 us at the bench shape (on with 256 threads: 99.6 vs 103.6 us)
 BWD_PDL = False    # norm_backward: programmatic dependent launch (griddepcontrol.wait before any global access)
 RED_PDL = True     # weight-gradient reduce: programmatic dependent launch (it waits for the dx kernel's partials)
 BWD_TRIGGER = False  # norm_backward: launch the dependent grid (the reduce, with RED_PDL) at the start instead of at
@@ -323,7 +328,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
 
     E = 16 // (2 if x_dtype == "bfloat16" else 4)
     VPR = hidden // E
-    TB = _BT if x_dtype == "bfloat16" else 2 * _BT   # 32 elements per thread at H = 7168 (registers: see below)
+    TB = _BT if x_dtype == "bfloat16" else _BT_F32   # 16 (bf16) / 14 (fp32) elements per thread at H = 7168
     C = -(-VPR // TB)
     NW = TB // 32
     rowbytes = hidden * (2 if x_dtype == "bfloat16" else 4)   # a multiple of 16 (H % 32 == 0)
