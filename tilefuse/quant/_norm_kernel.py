@@ -854,8 +854,8 @@ _jit.register("norm_weight_grad_reduce", weight_grad_reduce_kernel,
 _DUMMY: dict[tuple, torch.Tensor] = {}
 
 
-def _dummy(dtype: torch.dtype, device) -> torch.Tensor:
-    key = (dtype, str(device))
+def _dummy(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    key = (dtype, device)   # (a torch.device hashes by type and index: no string per call)
     t = _DUMMY.get(key)
     if t is None:
         t = _DUMMY[key] = torch.empty((1,), dtype=dtype, device=device)
@@ -863,11 +863,14 @@ def _dummy(dtype: torch.dtype, device) -> torch.Tensor:
 
 
 def _rows3(t: torch.Tensor) -> torch.Tensor:
-    """``(B, T, H)`` view of a 2-D/3-D row tensor, strides of size-1 dims set to 0 (kernel assumes % 16)."""
-    t = t if t.dim() == 3 else t.unsqueeze(0)
-    st = [0 if n == 1 else s for n, s in zip(t.shape, t.stride())]
-    st[-1] = 1
-    return t.as_strided(t.shape, st)
+    """``(B, T, H)`` view of a 2-D/3-D row tensor, strides of size-1 dims set to 0 (kernel assumes % 16); one
+    ``as_strided`` call (the launcher's per-call cost at one row)."""
+    if t.dim() == 2:
+        n, h = t.shape
+        return t.as_strided((1, n, h), (0, t.stride(0) if n > 1 else 0, 1))
+    b, n, h = t.shape
+    sb, sn, _ = t.stride()
+    return t.as_strided((b, n, h), (sb if b > 1 else 0, sn if n > 1 else 0, 1))
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
