@@ -136,6 +136,19 @@ def _o_from_rstd(h_in, w, rstd, scale, dtype):
 
 
 
+@pytest.mark.parametrize("shape", ((1, 64), (5, 64), (1, 1, 64), (3, 1, 64), (1, 4, 64), (2, 3, 64)), ids=str)
+def test_rows3_view(shape):
+    """The launcher's (B, T, H) view: the same elements at the same storage offset, unit last stride, the strides
+    of size-1 dimensions 0 (the kernel assumes every non-last stride is a multiple of 16) and the others kept."""
+    base = torch.arange(4 * 5 * 96, dtype=torch.float32).view(4, 5, 96)
+    t = base[1:1 + shape[0], :shape[1], 16:16 + shape[-1]] if len(shape) == 3 else base[2, :shape[0], 32:32 + shape[1]]
+    v = K._rows3(t)
+    want = t if t.dim() == 3 else t.unsqueeze(0)
+    assert v.shape == want.shape and v.storage_offset() == t.storage_offset()
+    assert v.stride() == tuple(0 if n == 1 else s for n, s in zip(want.shape[:-1], want.stride()[:-1])) + (1,)
+    assert torch.equal(v, want)
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("shape", ((7, 576), (2, 7, 576)), ids=str)
 @pytest.mark.parametrize("layout", ((False, False), (True, True)), ids=str)
