@@ -237,6 +237,13 @@ def test_errors():
         norm_forward(torch.randn(4, 72)[:, :64], None, 1e-6)
     with pytest.raises(ValueError, match="weight must have shape"):
         norm_forward(x, torch.ones(32), 1e-6)
+    with pytest.raises(TypeError, match="eps must be a float, got bool"):
+        norm_forward(x, None, True)
+    with pytest.raises(TypeError, match="out_scale must be a float, got str"):
+        norm_forward(x, None, 1e-6, out_scale="1")
+    with pytest.raises(ValueError, match=r"x must have strides that are multiples of 16 elements except the last, "
+                                         r"got \(2304, 72, 1\)"):
+        norm_forward(torch.randn(2, 32, 72)[:, :, :64], None, 1e-6)
     with pytest.raises(TypeError, match="weight must have dtype"):
         norm_forward(x, torch.ones(64, dtype=torch.bfloat16), 1e-6)
     with pytest.raises(ValueError, match="residual must have shape"):

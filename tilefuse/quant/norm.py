@@ -23,8 +23,8 @@ _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 def _check_rows(op: str, name: str, t: torch.Tensor) -> None:
     """Unit last stride and every other stride (of dims longer than 1) a multiple of 16 elements."""
     _check.tensor(op, name, t, inner_contiguous=True)
-    _check.expect(all(s % 16 == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1), op,
-                  f"{name} must have strides that are multiples of 16 elements except the last, got {t.stride()}")
+    if not all(s % 16 == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1):  # (messages built on failure only)
+        _check.fail(op, f"{name} must have strides that are multiples of 16 elements except the last, got {t.stride()}")
 
 
 def _check_like(op: str, name: str, t, x: torch.Tensor, dtype=None) -> None:
@@ -37,14 +37,14 @@ def _check_like(op: str, name: str, t, x: torch.Tensor, dtype=None) -> None:
 
 def _check_hidden(op: str, x: torch.Tensor, multiple: int) -> int:
     h = x.size(-1)
-    _check.expect(0 < h <= 8192 and h % multiple == 0, op,
-                  f"x must have 0 < hidden <= 8192 and hidden % {multiple} == 0, got shape {tuple(x.shape)}")
+    if not (0 < h <= 8192 and h % multiple == 0):
+        _check.fail(op, f"x must have 0 < hidden <= 8192 and hidden % {multiple} == 0, got shape {tuple(x.shape)}")
     return h
 
 
 def _check_scalar(op: str, name: str, value) -> None:
-    _check.expect(isinstance(value, (int, float)) and not isinstance(value, bool), op,
-                  f"{name} must be a float, got {type(value).__name__}", TypeError)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        _check.fail(op, f"{name} must be a float, got {type(value).__name__}", TypeError)
 
 
 def _check_forward(op: str, x, weight, eps, residual, out_scale, residual_out) -> None:
@@ -154,15 +154,15 @@ def norm_forward_and_per_token_cast(
     op = "norm_forward_and_per_token_cast"
     _check_forward(op, x, weight, eps, residual, out_scale, residual_out)
     quantized = fmt == "e4m3"
-    _check.expect(quantized or fmt == _DTYPE_NAMES[x.dtype], op,
-                  f"fmt must be 'e4m3' or the name of x's dtype ({_DTYPE_NAMES[x.dtype]!r}), got {fmt!r}")
+    if not (quantized or fmt == _DTYPE_NAMES[x.dtype]):
+        _check.fail(op, f"fmt must be 'e4m3' or the name of x's dtype ({_DTYPE_NAMES[x.dtype]!r}), got {fmt!r}")
     col, packed = use_tma_aligned_col_major_sf, use_packed_ue8m0
     h = x.size(-1)
     lead = tuple(x.shape[:-1])
     out_x = out_sf = None
     if quantized:
-        _check.expect(num_per_channels == 32, op, f"num_per_channels must be 32 for fmt 'e4m3', "
-                                                  f"got {num_per_channels!r}")
+        if num_per_channels != 32:
+            _check.fail(op, f"num_per_channels must be 32 for fmt 'e4m3', got {num_per_channels!r}")
         _check_hidden(op, x, 32)
         _check.expect(not packed or round_sf, op, "use_packed_ue8m0 requires round_sf")
         if out is not None:
