@@ -89,7 +89,8 @@ def engram_hash(ngram_token_ids: torch.Tensor, multipliers: torch.Tensor, vocab_
     op = "engram_hash"
     _check.tensor(op, "ngram_token_ids", ngram_token_ids, dtype=torch.int32, ndim=2, contiguous=True)
     n = ngram_token_ids.shape[1]
-    _check.expect(n >= 1, op, f"ngram_token_ids must have at least 1 column, got shape {tuple(ngram_token_ids.shape)}")
+    if not (n >= 1):
+        _check.fail(op, f"ngram_token_ids must have at least 1 column, got shape {tuple(ngram_token_ids.shape)}")
     _check.tensor(op, "multipliers", multipliers, dtype=torch.int64, shape=(None, n), contiguous=True)
     layers = multipliers.shape[0]
     _check.tensor(op, "vocab_sizes", vocab_sizes, dtype=torch.int32, shape=(layers, n - 1, None), contiguous=True)
@@ -150,7 +151,8 @@ def engram_gate_bwd(grad_out: torch.Tensor, hidden_states: torch.Tensor, k: torc
     op = "engram_gate_bwd"
     t, m, h = _gate_operands(op, hidden_states, k, v, weight_fused)
     _check.tensor(op, "grad_out", grad_out, dtype=BF16, shape=(t, m, h), contiguous=True)
-    _check.expect(m == 4, op, f"hidden_states must have M == 4 branches, got shape {tuple(hidden_states.shape)}")
+    if m != 4:
+        _check.fail(op, f"hidden_states must have M == 4 branches, got shape {tuple(hidden_states.shape)}")
     _hidden(op, "hidden_states", hidden_states, 512, 1024)
     for name, stat in (("dot", dot), ("gate_score", gate_score), ("rstd_x", rstd_x), ("rstd_k", rstd_k)):
         _check.tensor(op, name, stat, dtype=FP32, shape=(t, m), contiguous=True)
@@ -175,7 +177,8 @@ def grad_w_reduce(grad_w_partial: torch.Tensor, weight_hidden: torch.Tensor, wei
     _check.tensor(op, "grad_w_partial", grad_w_partial, dtype=FP32, ndim=3, contiguous=True)
     p, m, h = grad_w_partial.shape
     _hidden(op, "grad_w_partial", grad_w_partial, 512)
-    _check.expect(p % 4 == 0, op, f"grad_w_partial must have P % 4 == 0 rows, got shape {tuple(grad_w_partial.shape)}")
+    if p % 4 != 0:
+        _check.fail(op, f"grad_w_partial must have P % 4 == 0 rows, got shape {tuple(grad_w_partial.shape)}")
     for name, w in (("weight_hidden", weight_hidden), ("weight_embed", weight_embed)):
         _check.tensor(op, name, w, dtype=BF16, shape=(m, h), contiguous=True)
     for name, acc in (("grad_weight_hidden", grad_weight_hidden), ("grad_weight_embed", grad_weight_embed)):
@@ -201,9 +204,10 @@ def engram_sinkhorn_momentum_update(grad: torch.Tensor, momentum_buffer: torch.T
     _check.tensor(op, "grad", grad, dtype=(BF16, FP32), contiguous=True)
     _check.tensor(op, "momentum_buffer", momentum_buffer, dtype=(BF16, FP32), contiguous=True)
     n = momentum_buffer.numel()
-    _check.expect(grad.numel() == n, op,
-                  f"grad must have as many elements as momentum_buffer ({n}), got shape {tuple(grad.shape)}")
-    _check.expect(n % 256 == 0, op, f"momentum_buffer must have numel % 256 == 0, got shape {tuple(momentum_buffer.shape)}")
+    if grad.numel() != n:
+        _check.fail(op, f"grad must have as many elements as momentum_buffer ({n}), got shape {tuple(grad.shape)}")
+    if n % 256 != 0:
+        _check.fail(op, f"momentum_buffer must have numel % 256 == 0, got shape {tuple(momentum_buffer.shape)}")
     beta1 = _check.real(op, "beta1", beta1)
     _check.flag(op, "nesterov", nesterov)
     _check.same_device(op, grad=grad, momentum_buffer=momentum_buffer)

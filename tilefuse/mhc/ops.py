@@ -59,24 +59,27 @@ F32 = torch.float32
 def _post_mult(op: str, name: str, value) -> float:
     """``post_mult_value`` is a nonzero real (the backward divides by it, §2.3)."""
     value = _check.real(op, name, value)
-    _check.expect(value != 0.0, op, f"{name} must be nonzero, got {value}")
+    if value == 0.0:
+        _check.fail(op, f"{name} must be nonzero, got {value}")
     return value
 
 
 def _streams(op: str, name: str, t, n: int | None = None, **kwargs) -> torch.Tensor:
     """A bf16 stream tensor ``[..., n, C]`` with n >= 1 (and equal to ``n`` if given)."""
     _check.tensor(op, name, t, dtype=BF16, **kwargs)
-    _check.expect(t.dim() >= 2, op, f"{name} must be at least 2-D [..., n, C], got shape {tuple(t.shape)}")
+    if not (t.dim() >= 2):
+        _check.fail(op, f"{name} must be at least 2-D [..., n, C], got shape {tuple(t.shape)}")
     want = "n >= 1" if n is None else f"n == {n}"
-    _check.expect(t.shape[-2] >= 1 and (n is None or t.shape[-2] == n), op,
-                  f"{name} must have {want} streams in dim -2, got shape {tuple(t.shape)}")
+    if not (t.shape[-2] >= 1 and (n is None or t.shape[-2] == n)):
+        _check.fail(op, f"{name} must have {want} streams in dim -2, got shape {tuple(t.shape)}")
     return t
 
 
 def _mult_of_m(op: str, name: str, M: int) -> int:
     """The multiplicity n with ``M == n * (n + 2)``."""
     n = round((M + 1) ** 0.5) - 1
-    _check.expect(n >= 1 and n * (n + 2) == M, op, f"{name} must have n*(n+2) mix columns, got {M}")
+    if not (n >= 1 and n * (n + 2) == M):
+        _check.fail(op, f"{name} must have n*(n+2) mix columns, got {M}")
     return n
 
 
@@ -89,7 +92,8 @@ def expand_to_mhc(hidden: torch.Tensor, mhc_mult: int, out: torch.Tensor | None 
     """Copy ``hidden [..., C]`` (bf16, contiguous) to ``[..., n, C]``; autograd sums the streams (§2.1)."""
     op = "expand_to_mhc"
     _check.tensor(op, "hidden", hidden, dtype=BF16, contiguous=True)
-    _check.expect(hidden.dim() >= 1, op, f"hidden must be at least 1-D, got shape {tuple(hidden.shape)}")
+    if not (hidden.dim() >= 1):
+        _check.fail(op, f"hidden must be at least 1-D, got shape {tuple(hidden.shape)}")
     n = _check.integer(op, "mhc_mult", mhc_mult, min=1)
     _check.optional(op, "out", out, dtype=BF16, shape=(*hidden.shape[:-1], n, hidden.shape[-1]), contiguous=True,
                     device=hidden.device)
@@ -102,7 +106,8 @@ def expand_to_mhc_fwd(x: torch.Tensor, o: torch.Tensor) -> None:
     op = "expand_to_mhc_fwd"
     _check.tensor(op, "x", x, dtype=BF16, ndim=2, contiguous=True)
     _check.tensor(op, "o", o, dtype=BF16, shape=(x.shape[0], None, x.shape[1]), contiguous=True, device=x.device)
-    _check.expect(o.shape[1] >= 1, op, f"o must have n >= 1 streams, got shape {tuple(o.shape)}")
+    if not (o.shape[1] >= 1):
+        _check.fail(op, f"o must have n >= 1 streams, got shape {tuple(o.shape)}")
     o.copy_(R.expand_to_mhc_ref(x, o.shape[1]))
 
 
@@ -163,7 +168,8 @@ def mhc_reduce_partials_and_rmsnorm_fwd(out_mul_splitted: torch.Tensor, sqrsum_s
     size = _check.integer(op, "rms_group_size", rms_group_size, min=1)
     eps = _check.real(op, "rms_eps", rms_eps)
     _check.integer(op, "n_splits", n_splits, min=1)
-    _check.expect(S == n_splits, op, f"out_mul_splitted must have n_splits={n_splits} partials in dim 0, got {S}")
+    if S != n_splits:
+        _check.fail(op, f"out_mul_splitted must have n_splits={n_splits} partials in dim 0, got {S}")
     pm, qm, o = R.mhc_reduce_partials_and_rmsnorm_ref(out_mul_splitted, sqrsum_splitted, size, eps)
     out_mul.copy_(pm)
     sqrsum.copy_(qm)
@@ -198,7 +204,8 @@ def _check_norm_fn_inputs(op: str, residual, fn, norm_weight, fn_name: str = "mh
     _streams(op, "residual", residual)
     K = residual.shape[-2] * residual.shape[-1]
     _check.tensor(op, fn_name, fn, dtype=F32, shape=(None, K), device=residual.device)
-    _check.expect(fn.shape[0] >= 1, op, f"{fn_name} must have at least one row, got shape {tuple(fn.shape)}")
+    if not (fn.shape[0] >= 1):
+        _check.fail(op, f"{fn_name} must have at least one row, got shape {tuple(fn.shape)}")
     _check.optional(op, weight_name, norm_weight, dtype=F32, shape=(K,), device=residual.device)
 
 
@@ -237,8 +244,8 @@ def mhc_pre_split_mixes(input_mixes: torch.Tensor, mhc_scale: torch.Tensor, mhc_
     _check.tensor(op, "input_mixes", input_mixes, dtype=F32, ndim=3, contiguous=True)
     n = _check.integer(op, "mhc_mult", mhc_mult, min=1)
     M = n * (n + 2)
-    _check.expect(input_mixes.shape[-1] == M, op,
-                  f"input_mixes must have mhc_mult*(mhc_mult+2)={M} columns, got shape {tuple(input_mixes.shape)}")
+    if input_mixes.shape[-1] != M:
+        _check.fail(op, f"input_mixes must have mhc_mult*(mhc_mult+2)={M} columns, got shape {tuple(input_mixes.shape)}")
     _check_scale_base(op, mhc_scale, mhc_base, 3, M, input_mixes.device)
     v = _post_mult(op, "mhc_post_mult_value", mhc_post_mult_value)
     eps = _check.real(op, "mhc_pre_eps", mhc_pre_eps)
@@ -306,8 +313,8 @@ def _sinkhorn_args(op: str, repeat, eps) -> tuple[int, float]:
 
 def _square(op: str, name: str, t, **kwargs) -> torch.Tensor:
     _check.tensor(op, name, t, dtype=F32, **kwargs)
-    _check.expect(t.dim() >= 2 and t.shape[-1] == t.shape[-2] and t.shape[-1] >= 1, op,
-                  f"{name} must be [..., n, n] with n >= 1, got shape {tuple(t.shape)}")
+    if not (t.dim() >= 2 and t.shape[-1] == t.shape[-2] and t.shape[-1] >= 1):
+        _check.fail(op, f"{name} must be [..., n, n] with n >= 1, got shape {tuple(t.shape)}")
     return t
 
 
@@ -521,7 +528,8 @@ def mhc_pre_big_fuse(residual: torch.Tensor, fn: torch.Tensor, mhc_scale: torch.
     _check_norm_fn_inputs(op, residual, fn, None, fn_name="fn")
     n, C = residual.shape[-2:]
     M = n * (n + 2)
-    _check.expect(fn.shape[0] == M, op, f"fn must have n*(n+2)={M} rows for n={n}, got shape {tuple(fn.shape)}")
+    if fn.shape[0] != M:
+        _check.fail(op, f"fn must have n*(n+2)={M} rows for n={n}, got shape {tuple(fn.shape)}")
     _check_scale_base(op, mhc_scale, mhc_base, 3, M, residual.device)
     rms_eps, pre_eps, sk_eps, v, repeat, _ = _check_fuse_scalars(
         op, rms_eps, mhc_pre_eps, mhc_sinkhorn_eps, mhc_post_mult_value, sinkhorn_repeat, n_splits)
@@ -546,7 +554,8 @@ def mhc_pre_big_fuse_fwd(gemm_out_mul: torch.Tensor, gemm_out_sqrsum: torch.Tens
     op = "mhc_pre_big_fuse_fwd"
     _check.tensor(op, "residual", residual, dtype=BF16, ndim=3, contiguous=True)
     T, n, C = residual.shape
-    _check.expect(n >= 1, op, f"residual must have n >= 1 streams, got shape {tuple(residual.shape)}")
+    if not (n >= 1):
+        _check.fail(op, f"residual must have n >= 1 streams, got shape {tuple(residual.shape)}")
     M = n * (n + 2)
     dev = residual.device
     _check.tensor(op, "gemm_out_mul", gemm_out_mul, dtype=F32, shape=(None, T, M), contiguous=True, device=dev)
@@ -558,7 +567,8 @@ def mhc_pre_big_fuse_fwd(gemm_out_mul: torch.Tensor, gemm_out_sqrsum: torch.Tens
     _check.tensor(op, "layer_input", layer_input, dtype=BF16, shape=(T, C), contiguous=True, device=dev)
     rms_eps, pre_eps, sk_eps, v, repeat, n_splits = _check_fuse_scalars(
         op, rms_eps, mhc_pre_eps, mhc_sinkhorn_eps, mhc_post_mult_value, sinkhorn_repeat, n_splits)
-    _check.expect(S == n_splits, op, f"gemm_out_mul must have n_splits={n_splits} partials in dim 0, got {S}")
+    if S != n_splits:
+        _check.fail(op, f"gemm_out_mul must have n_splits={n_splits} partials in dim 0, got {S}")
     post, comb, li = F.pre_chain(gemm_out_mul.unsqueeze(2), gemm_out_sqrsum.unsqueeze(2), residual, mhc_scale,
                                  mhc_base, rms_eps, pre_eps, sk_eps, v, repeat)
     post_mix.copy_(post.view(T, n))
@@ -573,8 +583,8 @@ def mhc_pre_big_fuse_fwd(gemm_out_mul: torch.Tensor, gemm_out_sqrsum: torch.Tens
 def _stream_mix(op: str, name: str, t, lead: tuple, n: int, dev) -> None:
     """A per-stream fp32 mix ``[*lead, n]`` or ``[*lead, n, 1]``, contiguous."""
     _check.tensor(op, name, t, dtype=F32, contiguous=True, device=dev)
-    _check.expect(tuple(t.shape) in ((*lead, n), (*lead, n, 1)), op,
-                  f"{name} must have shape {(*lead, n)} or {(*lead, n, 1)}, got {tuple(t.shape)}")
+    if tuple(t.shape) not in ((*lead, n), (*lead, n, 1)):
+        _check.fail(op, f"{name} must have shape {(*lead, n)} or {(*lead, n, 1)}, got {tuple(t.shape)}")
 
 
 @public("mhc")
@@ -593,11 +603,13 @@ def mhc_multilayer_recompute(initial_residual: torch.Tensor, pre_mix_list, layer
             _check.fail(op, f"{name} must be a list of tensors, got {type(lst).__name__}", TypeError)
     L, P = len(pre_mix_list), len(post_mix_list)
     _check.expect(L > 0, op, "pre_mix_list must hold at least one layer, got 0")
-    _check.expect(len(layer_input_list) == L, op,
-                  f"layer_input_list must have len(pre_mix_list)={L} tensors, got {len(layer_input_list)}")
+    if len(layer_input_list) != L:
+        _check.fail(op, f"layer_input_list must have len(pre_mix_list)={L} tensors, got {len(layer_input_list)}")
     for name in ("layer_output_list", "comb_mix_list", "residual_list"):
-        _check.expect(len(lists[name]) == P, op, f"{name} must have len(post_mix_list)={P} tensors, got {len(lists[name])}")
-    _check.expect(P in (L, L - 1), op, f"post_mix_list must have {L} or {L - 1} tensors (L={L}), got {P}")
+        if len(lists[name]) != P:
+            _check.fail(op, f"{name} must have len(post_mix_list)={P} tensors, got {len(lists[name])}")
+    if P not in (L, L - 1):
+        _check.fail(op, f"post_mix_list must have {L} or {L - 1} tensors (L={L}), got {P}")
     for l in range(L):
         _stream_mix(op, f"pre_mix_list[{l}]", pre_mix_list[l], lead, n, dev)
         _check.tensor(op, f"layer_input_list[{l}]", layer_input_list[l], dtype=BF16, shape=(*lead, C),

@@ -23,8 +23,8 @@ def _check_layer_residual(op: str, residual, mhc_mult) -> int:
     """The layer needs a 4-D bf16 residual ``[B, S, n, C]`` with ``n == mhc_mult`` (§2.10.1)."""
     n = _check.integer(op, "mhc_mult", mhc_mult, min=1)
     _check.tensor(op, "residual", residual, dtype=torch.bfloat16, ndim=4)
-    _check.expect(residual.shape[2] == n, op,
-                  f"residual must have mhc_mult={n} streams in dim 2, got shape {tuple(residual.shape)}")
+    if residual.shape[2] != n:
+        _check.fail(op, f"residual must have mhc_mult={n} streams in dim 2, got shape {tuple(residual.shape)}")
     return n
 
 
@@ -68,7 +68,8 @@ def mhc_head(residual: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base
     M = n * (n + 2)
     _check.tensor(op, "fn", fn, dtype=torch.float32, shape=(n, None))
     _check.tensor(op, "scale", scale, dtype=torch.float32)
-    _check.expect(scale.numel() == 1, op, f"scale must hold one element, got shape {tuple(scale.shape)}")
+    if scale.numel() != 1:
+        _check.fail(op, f"scale must hold one element, got shape {tuple(scale.shape)}")
     fn_padded = torch.nn.functional.pad(fn, (0, 0, 0, M - n))
     mixes = mhc_pre_norm_fn(residual, fn_padded, norm_weight, norm_eps, fuse_grad_acc=False, n_splits=n_splits)
     mix = mhc_head_compute_mix(mixes[..., :n].contiguous(), scale.reshape(1), base, pre_eps)

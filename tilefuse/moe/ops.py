@@ -51,15 +51,16 @@ def _num_shared(op: str, use_shared_as_routed, num_shared_experts) -> int:
     if not _check.flag(op, "use_shared_as_routed", use_shared_as_routed):
         return 0
     _check.integer(op, "num_shared_experts", num_shared_experts)
-    _check.expect(num_shared_experts in (1, 2), op,
-                  f"num_shared_experts must be 1 or 2 with use_shared_as_routed, got {num_shared_experts}")
+    if num_shared_experts not in (1, 2):
+        _check.fail(op, f"num_shared_experts must be 1 or 2 with use_shared_as_routed, got {num_shared_experts}")
     return num_shared_experts
 
 
 def _check_row_mask(op: str, name: str, t, rows: int, device) -> None:
     """A bool row mask with numel T (any shape, read as a flat (T,) vector)."""
     _check.tensor(op, name, t, dtype=BOOL, device=device)
-    _check.expect(t.numel() == rows, op, f"{name} must have numel == num_tokens ({rows}), got shape {tuple(t.shape)}")
+    if t.numel() != rows:
+        _check.fail(op, f"{name} must have numel == num_tokens ({rows}), got shape {tuple(t.shape)}")
 
 
 def _check_physical_map(op: str, to_physical_map, logical_count, num_logical: int, device) -> None:
@@ -70,8 +71,9 @@ def _check_physical_map(op: str, to_physical_map, logical_count, num_logical: in
         return
     _check.tensor(op, "to_physical_map", to_physical_map, dtype=INT32, ndim=2, contiguous=True, device=device)
     _check.tensor(op, "to_physical_map", to_physical_map, shape=(num_logical, None))
-    _check.expect(to_physical_map.size(1) >= 1, op, "to_physical_map must have at least one column, got shape "
-                  f"{tuple(to_physical_map.shape)}")
+    if not (to_physical_map.size(1) >= 1):
+        _check.fail(op, "to_physical_map must have at least one column, got shape "
+                        f"{tuple(to_physical_map.shape)}")
     _check.tensor(op, "logical_count", logical_count, dtype=INT32, shape=(num_logical,), contiguous=True,
                   device=device)
 
@@ -125,8 +127,9 @@ def topk_sum_and_topk_group_idx(scores: torch.Tensor, num_topk_sum: int, num_top
     op = "topk_sum_and_topk_group_idx"
     _check.tensor(op, "scores", scores, dtype=FP32, ndim=3, contiguous=True)
     _, groups, per_group = scores.shape
-    _check.expect(groups <= MAX_GROUPS, op, f"scores must have at most {MAX_GROUPS} groups, got shape "
-                  f"{tuple(scores.shape)}")
+    if not (groups <= MAX_GROUPS):
+        _check.fail(op, f"scores must have at most {MAX_GROUPS} groups, got shape "
+                        f"{tuple(scores.shape)}")
     _check.integer(op, "num_topk_sum", num_topk_sum, min=1, max=min(2, per_group))
     _check.integer(op, "num_topk_groups", num_topk_groups, min=1, max=groups)
     return ref.topk_sum_and_topk_group_idx(scores, num_topk_sum, num_topk_groups)
@@ -152,20 +155,20 @@ def top2_sum_gate(logits, bias, num_topk, num_topk_groups, num_groups, use_share
         _check_row_mask(op, "mask", mask, rows, device)
     _check.integer(op, "num_groups", num_groups, min=0, max=num_routed)
     _check.integer(op, "num_topk_groups", num_topk_groups, min=0, max=num_groups)
-    _check.expect((num_groups == 0) == (num_topk_groups == 0), op,
-                  f"num_groups and num_topk_groups must both be 0 or both > 0, got {num_groups} and {num_topk_groups}")
+    if num_groups == 0 != num_topk_groups == 0:
+        _check.fail(op, f"num_groups and num_topk_groups must both be 0 or both > 0, got {num_groups} and {num_topk_groups}")
     _check.integer(op, "num_topk", num_topk, min=1, max=min(num_routed, MAX_TOPK))
     if num_groups:
-        _check.expect(num_routed % num_groups == 0, op,
-                      f"num_groups must divide the number of experts {num_routed}, got {num_groups}")
+        if num_routed % num_groups != 0:
+            _check.fail(op, f"num_groups must divide the number of experts {num_routed}, got {num_groups}")
     if num_groups != num_topk_groups:
-        _check.expect(num_groups <= MAX_GROUPS, op,
-                      f"num_groups must be <= {MAX_GROUPS} for group-limited routing, got {num_groups}")
-        _check.expect(num_routed // num_groups <= 32, op,
-                      f"logits must have at most 32 experts per group, got {num_routed // num_groups}")
+        if not (num_groups <= MAX_GROUPS):
+            _check.fail(op, f"num_groups must be <= {MAX_GROUPS} for group-limited routing, got {num_groups}")
+        if not (num_routed // num_groups <= 32):
+            _check.fail(op, f"logits must have at most 32 experts per group, got {num_routed // num_groups}")
         candidates = num_topk_groups * (num_routed // num_groups)
-        _check.expect(num_topk <= candidates, op,
-                      f"num_topk must be <= num_topk_groups * experts per group ({candidates}), got {num_topk}")
+        if not (num_topk <= candidates):
+            _check.fail(op, f"num_topk must be <= num_topk_groups * experts per group ({candidates}), got {num_topk}")
     try:
         ref.scoring_name(scoring_func)
     except ValueError as exc:
@@ -174,19 +177,20 @@ def top2_sum_gate(logits, bias, num_topk, num_topk_groups, num_groups, use_share
                   "scoring_func must be sigmoid, sqrtsoftplus or softmax, got identity")
     num_shared = _num_shared(op, use_shared_as_routed, num_shared_experts)
     if num_shared:
-        _check.expect(num_topk % num_shared == 0, op,
-                      f"num_topk must be a multiple of num_shared_experts ({num_shared}), got {num_topk}")
-        _check.expect(num_routed % (num_topk // num_shared) == 0, op,
-                      f"logits experts ({num_routed}) must be a multiple of num_topk / num_shared_experts "
-                      f"({num_topk // num_shared})")
-    _check.expect(num_topk + num_shared <= MAX_TOPK, op,
-                  f"num_topk + num_shared_experts must be <= {MAX_TOPK}, got {num_topk + num_shared}")
-    _check.expect(num_routed % 4 == 0, op, f"logits must have a multiple of 4 experts, got shape {tuple(logits.shape)}")
+        if num_topk % num_shared != 0:
+            _check.fail(op, f"num_topk must be a multiple of num_shared_experts ({num_shared}), got {num_topk}")
+        if num_routed % (num_topk // num_shared) != 0:
+            _check.fail(op, f"logits experts ({num_routed}) must be a multiple of num_topk / num_shared_experts "
+                            f"({num_topk // num_shared})")
+    if not (num_topk + num_shared <= MAX_TOPK):
+        _check.fail(op, f"num_topk + num_shared_experts must be <= {MAX_TOPK}, got {num_topk + num_shared}")
+    if num_routed % 4 != 0:
+        _check.fail(op, f"logits must have a multiple of 4 experts, got shape {tuple(logits.shape)}")
     _check_physical_map(op, to_physical_map, logical_count, num_routed + num_shared, device)
     num_extra = 0 if to_physical_map is None else to_physical_map.size(1) - 1
-    _check.expect(num_shared <= num_extra, op,
-                  f"to_physical_map must have at least num_shared_experts + 1 = {num_shared + 1} columns with shared "
-                  f"experts, got {num_extra + 1 if to_physical_map is not None else 'none'}")
+    if not (num_shared <= num_extra):
+        _check.fail(op, f"to_physical_map must have at least num_shared_experts + 1 = {num_shared + 1} columns with shared "
+                        f"experts, got {num_extra + 1 if to_physical_map is not None else 'none'}")
     _check_fixed_routing(op, fix_routing_mask, unmapped_topk_idx, rows, num_topk, device)
     _check.real(op, "routed_scaling_factor", routed_scaling_factor)
     _check.integer(op, "ep_rank", ep_rank, min=0)
@@ -215,8 +219,8 @@ def moe_topk_gate_forward(logits, num_topk, use_shared_as_routed, num_shared_exp
     Writes ``unmapped_topk_idx`` and ``scores`` (unbiased, zero rows for masked / random tokens) if given.
     """
     op = "moe_topk_gate_forward"
-    _check.expect(isinstance(scoring_func, str) and scoring_func == "sqrtsoftplus", op,
-                  f"scoring_func must be 'sqrtsoftplus', got {scoring_func!r}")
+    if not (isinstance(scoring_func, str) and scoring_func == "sqrtsoftplus"):
+        _check.fail(op, f"scoring_func must be 'sqrtsoftplus', got {scoring_func!r}")
     _check.tensor(op, "logits", logits, dtype=FP32, ndim=2, contiguous=True)
     rows, num_routed = logits.shape
     device = logits.device
@@ -230,9 +234,10 @@ def moe_topk_gate_forward(logits, num_topk, use_shared_as_routed, num_shared_exp
         _check_row_mask(op, "mask", mask, rows, device)
     _check.integer(op, "num_topk", num_topk, min=1, max=min(num_routed, MAX_TOPK))
     num_shared = _num_shared(op, use_shared_as_routed, num_shared_experts)
-    _check.expect(num_topk + num_shared <= MAX_TOPK, op,
-                  f"num_topk + num_shared_experts must be <= {MAX_TOPK}, got {num_topk + num_shared}")
-    _check.expect(num_routed % 4 == 0, op, f"logits must have a multiple of 4 experts, got shape {tuple(logits.shape)}")
+    if not (num_topk + num_shared <= MAX_TOPK):
+        _check.fail(op, f"num_topk + num_shared_experts must be <= {MAX_TOPK}, got {num_topk + num_shared}")
+    if num_routed % 4 != 0:
+        _check.fail(op, f"logits must have a multiple of 4 experts, got shape {tuple(logits.shape)}")
     _check.real(op, "routed_scaling_factor", routed_scaling_factor)
     _check.integer(op, "ep_rank", ep_rank, min=0)
     width = num_topk + num_shared
@@ -282,17 +287,17 @@ def moe_topk_gate_backward(scores, topk_idx, topk_weights, grad_topk_weights, ro
     Computed in fp64, returned as fp32 (T, E_r), into ``out`` if given.
     """
     op = "moe_topk_gate_backward"
-    _check.expect(isinstance(scoring_func, str) and scoring_func == "sqrtsoftplus", op,
-                  f"scoring_func must be 'sqrtsoftplus', got {scoring_func!r}")
+    if not (isinstance(scoring_func, str) and scoring_func == "sqrtsoftplus"):
+        _check.fail(op, f"scoring_func must be 'sqrtsoftplus', got {scoring_func!r}")
     _check.tensor(op, "scores", scores, dtype=FP32, ndim=2, contiguous=True)
     rows, num_routed = scores.shape
     device = scores.device
     _check.tensor(op, "topk_idx", topk_idx, dtype=INT64, ndim=2, contiguous=True, device=device)
     num_topk = topk_idx.size(1)
     _check.tensor(op, "topk_idx", topk_idx, shape=(rows, None))
-    _check.expect(num_topk <= min(num_routed, MAX_TOPK), op,
-                  f"topk_idx must have at most min(E_r, {MAX_TOPK}) = {min(num_routed, MAX_TOPK)} columns, got shape "
-                  f"{tuple(topk_idx.shape)}")
+    if not (num_topk <= min(num_routed, MAX_TOPK)):
+        _check.fail(op, f"topk_idx must have at most min(E_r, {MAX_TOPK}) = {min(num_routed, MAX_TOPK)} columns, got shape "
+                        f"{tuple(topk_idx.shape)}")
     for name, t in (("topk_weights", topk_weights), ("grad_topk_weights", grad_topk_weights)):
         _check.tensor(op, name, t, dtype=FP32, shape=(rows, num_topk), contiguous=True, device=device)
     _check.real(op, "routed_scaling_factor", routed_scaling_factor)
@@ -301,8 +306,8 @@ def moe_topk_gate_backward(scores, topk_idx, topk_weights, grad_topk_weights, ro
         _check.tensor(op, "grad_scores_sum", grad_scores_sum, dtype=FP32, ndim=2, contiguous=True, device=device)
         _check.tensor(op, "grad_scores_sum", grad_scores_sum, shape=(None, num_routed))
         num_seqs = grad_scores_sum.size(0)
-        _check.expect(num_seqs >= 1 and rows % num_seqs == 0, op,
-                      f"grad_scores_sum rows must divide num_tokens ({rows}), got shape {tuple(grad_scores_sum.shape)}")
+        if not (num_seqs >= 1 and rows % num_seqs == 0):
+            _check.fail(op, f"grad_scores_sum rows must divide num_tokens ({rows}), got shape {tuple(grad_scores_sum.shape)}")
         _check.tensor(op, "mask", mask, dtype=BOOL, shape=(rows,), contiguous=True, device=device)
     _check.optional(op, "out", out, dtype=FP32, shape=(rows, num_routed), contiguous=True, device=device)
     if rows == 0:
@@ -412,7 +417,8 @@ def reduce_fused(x, topk_weights, token_topk_to_pos, fp8_format: str = "", sf=No
     _check.tensor(op, "x", data, dtype=(FP32, torch.bfloat16, torch.float16), ndim=2, contiguous=True)
     size, hidden = data.shape
     device = data.device
-    _check.expect(hidden % 256 == 0, op, f"x must have hidden % 256 == 0, got shape {tuple(data.shape)}")
+    if hidden % 256 != 0:
+        _check.fail(op, f"x must have hidden % 256 == 0, got shape {tuple(data.shape)}")
     _check.optional(op, "x_sf", x_sf, dtype=FP32, shape=(size,), contiguous=True, device=device)
     _check.tensor(op, "token_topk_to_pos", token_topk_to_pos, dtype=INT32, ndim=2, contiguous=True, device=device)
     rows, num_topk = token_topk_to_pos.shape
@@ -422,7 +428,8 @@ def reduce_fused(x, topk_weights, token_topk_to_pos, fp8_format: str = "", sf=No
     if sf is not None:
         _check.expect(fp8_format == "e4m3", op, "sf is only supported with fp8_format='e4m3' (FP8 output)")
         _check.tensor(op, "sf", sf, dtype=FP32, device=device)
-        _check.expect(sf.numel() == 1, op, f"sf must have one element, got shape {tuple(sf.shape)}")
+        if sf.numel() != 1:
+            _check.fail(op, f"sf must have one element, got shape {tuple(sf.shape)}")
     out_dtype = torch.float8_e4m3fn if fp8_format == "e4m3" else data.dtype
     _check.optional(op, "out", out, dtype=out_dtype, shape=(rows, hidden), device=device)
     _assert_data(token_topk_to_pos < size, op, f"token_topk_to_pos entries must be < x rows ({size})")

@@ -74,11 +74,12 @@ def _sf_in(op: str, name: str, sf, data: torch.Tensor, T: int, H: int, bm: int, 
     _check.tensor(op, name, sf, dtype=(torch.float32, torch.int32), ndim=2, device=data.device)
     nbm, nbk = F.cdiv(T, bm), F.cdiv(H, bk)
     width = F.cdiv(nbk, 4) if sf.dtype == torch.int32 else nbk
-    _check.expect(tuple(sf.shape) == (nbm, width), op,
-                  f"{name} must have shape {(nbm, width)} for {tuple(data.shape)} data with block {(bm, bk)}, "
-                  f"got {tuple(sf.shape)}")
+    if tuple(sf.shape) != (nbm, width):
+        _check.fail(op, f"{name} must have shape {(nbm, width)} for {tuple(data.shape)} data with block {(bm, bk)}, "
+                        f"got {tuple(sf.shape)}")
     unit = sf.size(0) <= 1 or sf.size(1) <= 1 or sf.stride(0) == 1 or sf.stride(1) == 1
-    _check.expect(unit, op, f"{name} must be row-major or column-major, got strides {sf.stride()}")
+    if not unit:
+        _check.fail(op, f"{name} must be row-major or column-major, got strides {sf.stride()}")
 
 
 def _pair(op: str, x, x_block_size, *, data_fmts=("e4m3", "e2m1"), contiguous: bool = False):
@@ -99,15 +100,18 @@ def _npc(op: str, npc, H: int, *, allow_full: bool) -> None:
     """num_per_channels in {16, 32, 64, 128}, or == H with H % 64 == 0 where ``allow_full``."""
     _check.integer(op, "num_per_channels", npc)
     if allow_full and npc == H and npc not in _NPC:
-        _check.expect(H % 64 == 0, op, f"num_per_channels == hidden needs hidden % 64 == 0, got hidden {H}")
+        if H % 64 != 0:
+            _check.fail(op, f"num_per_channels == hidden needs hidden % 64 == 0, got hidden {H}")
         return
     allowed = "16, 32, 64, 128" + (" or hidden" if allow_full else "")
-    _check.expect(npc in _NPC, op, f"num_per_channels must be one of {allowed}, got {npc}")
+    if npc not in _NPC:
+        _check.fail(op, f"num_per_channels must be one of {allowed}, got {npc}")
 
 
 def _even(op: str, fmt: str, H: int) -> None:
     if fmt == "e2m1":
-        _check.expect(H % 2 == 0, op, f"x must have an even hidden size for fmt 'e2m1', got hidden {H}")
+        if H % 2 != 0:
+            _check.fail(op, f"x must have an even hidden size for fmt 'e2m1', got hidden {H}")
 
 
 def _precomputed_sf(op: str, sf, x: torch.Tensor, nbm: int, nbk: int, col: bool, packed: bool) -> None:
@@ -124,12 +128,14 @@ def _per_token_checks(op: str, x, fmt: str, npc, x_block_size, *, allow_pair: bo
                       TypeError)
         T, H, (ibm, ibk) = _pair(op, x, x_block_size)
         _npc(op, npc, H, allow_full=False)
-        _check.expect(_pow2(ibm) and _pow2(ibk) and ibm <= 128 and ibk <= 128, op,
-                      f"x_block_size must hold powers of two <= 128, got {tuple(x_block_size)}")
-        _check.expect(npc >= 32, op, f"num_per_channels must be >= 32 for a (data, sf) pair x, got {npc}")
+        if not (_pow2(ibm) and _pow2(ibk) and ibm <= 128 and ibk <= 128):
+            _check.fail(op, f"x_block_size must hold powers of two <= 128, got {tuple(x_block_size)}")
+        if not (npc >= 32):
+            _check.fail(op, f"num_per_channels must be >= 32 for a (data, sf) pair x, got {npc}")
     else:
         T, H = _plain(op, x)
-        _check.expect(x_block_size is None, op, f"x_block_size is only for a (data, sf) pair x, got {x_block_size!r}")
+        if x_block_size is not None:
+            _check.fail(op, f"x_block_size is only for a (data, sf) pair x, got {x_block_size!r}")
         _npc(op, npc, H, allow_full=allow_pair)
     _even(op, fmt, H)
     return T, H
@@ -174,7 +180,8 @@ def per_token_cast(x, fmt: str, num_per_channels: int, x_block_size: Sequence[in
                 return launch(x, shape[0])
     _check.choice(op, "fmt", fmt, ("e4m3", "e2m1", "e5m6"))
     if fmt == "e5m6":
-        _check.expect(x_block_size is None, op, f"x_block_size must be None for fmt 'e5m6', got {x_block_size!r}")
+        if x_block_size is not None:
+            _check.fail(op, f"x_block_size must be None for fmt 'e5m6', got {x_block_size!r}")
         return _to_e5m6(op, x, num_per_channels, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
     _per_token_checks(op, x, fmt, num_per_channels, x_block_size, allow_pair=True)
     _flags(op, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
@@ -243,8 +250,10 @@ def _to_e5m6(op: str, x, npc, col: bool, round_sf: bool, packed: bool):
                   TypeError)
     T, H = _plain(op, x)
     _check.integer(op, "num_per_channels", npc)
-    _check.expect(npc == H, op, f"num_per_channels must equal hidden ({H}) for fmt 'e5m6', got {npc}")
-    _check.expect(H % 8 == 0, op, f"x must have hidden % 8 == 0 for fmt 'e5m6', got shape {(T, H)}")
+    if npc != H:
+        _check.fail(op, f"num_per_channels must equal hidden ({H}) for fmt 'e5m6', got {npc}")
+    if H % 8 != 0:
+        _check.fail(op, f"x must have hidden % 8 == 0 for fmt 'e5m6', got shape {(T, H)}")
     _flags(op, col, round_sf, packed)
     if x.is_cuda:
         if key is not None and T > 0:
@@ -272,9 +281,10 @@ def _per_block_checks(op: str, x, fmt: str, block_size) -> tuple[int, int, int, 
     _check.choice(op, "fmt", fmt, ("e4m3", "e2m1"))
     T, H = _plain(op, x, contiguous=True)
     bm, bk = _block(op, "block_size", block_size)
-    _check.expect(bm in (32, 128) and bk in (32, 128), op,
-                  f"block_size must be (32 or 128, 32 or 128), got {tuple(block_size)}")
-    _check.expect(H % 64 == 0, op, f"x must have hidden % 64 == 0, got shape {(T, H)}")
+    if not (bm in (32, 128) and bk in (32, 128)):
+        _check.fail(op, f"block_size must be (32 or 128, 32 or 128), got {tuple(block_size)}")
+    if H % 64 != 0:
+        _check.fail(op, f"x must have hidden % 64 == 0, got shape {(T, H)}")
     return T, H, bm, bk
 
 
@@ -363,16 +373,19 @@ def per_block_cast_lossless(x, fmt: str, x_block_size: Sequence[int], out_block_
     (section 3.7) -> ``(out, out_sf)``. ``round_sf`` has no effect (the output sf are powers of two)."""
     op = "per_block_cast_lossless"
     _check.choice(op, "fmt", fmt, ("e4m3",))
-    _check.expect(_is_pair(x), op, f"x must be a (data, sf) pair of packed e2m1 data, got {type(x).__name__}",
-                  TypeError)
+    if not _is_pair(x):
+        _check.fail(op, f"x must be a (data, sf) pair of packed e2m1 data, got {type(x).__name__}", TypeError)
     T, H, (ibm, ibk) = _pair(op, x, x_block_size, data_fmts=("e2m1",), contiguous=True)
     obm, obk = _block(op, "out_block_size", out_block_size)
-    _check.expect(H % 32 == 0, op, f"x must have logical hidden % 32 == 0, got hidden {H}")
-    _check.expect(_pow2(ibk), op, f"x_block_size[1] must be a power of two, got {ibk}")
-    _check.expect(_pow2(obk), op, f"out_block_size[1] must be a power of two, got {obk}")
-    _check.expect(obm % ibm == 0 and obk % ibk == 0, op,
-                  f"out_block_size must be a multiple of x_block_size, got {tuple(out_block_size)} and "
-                  f"{tuple(x_block_size)}")
+    if H % 32 != 0:
+        _check.fail(op, f"x must have logical hidden % 32 == 0, got hidden {H}")
+    if not _pow2(ibk):
+        _check.fail(op, f"x_block_size[1] must be a power of two, got {ibk}")
+    if not _pow2(obk):
+        _check.fail(op, f"out_block_size[1] must be a power of two, got {obk}")
+    if not (obm % ibm == 0 and obk % ibk == 0):
+        _check.fail(op, f"out_block_size must be a multiple of x_block_size, got {tuple(out_block_size)} and "
+                        f"{tuple(x_block_size)}")
     if use_packed_ue8m0:
         _check.expect(use_tma_aligned_col_major_sf, op, "use_packed_ue8m0 requires use_tma_aligned_col_major_sf="
                       "True (packed UE8M0 is column-major only), got use_tma_aligned_col_major_sf=False")
@@ -391,8 +404,10 @@ def _per_channel_checks(op: str, x, fmt: str, npt, allowed_npt, dtype=_HIGH) -> 
     T, H = _plain(op, x, contiguous=True, dtype=dtype)
     _check.integer(op, "num_per_tokens", npt)
     _check.choice(op, "num_per_tokens", npt, allowed_npt)
-    _check.expect(T % 128 == 0, op, f"x must have num_tokens % 128 == 0, got shape {(T, H)}")
-    _check.expect(H % 64 == 0, op, f"x must have hidden % 64 == 0, got shape {(T, H)}")
+    if T % 128 != 0:
+        _check.fail(op, f"x must have num_tokens % 128 == 0, got shape {(T, H)}")
+    if H % 64 != 0:
+        _check.fail(op, f"x must have hidden % 64 == 0, got shape {(T, H)}")
 
 
 @public("quant", path="kernel")
@@ -425,23 +440,25 @@ def per_channel_cast_fused(x, fmt: str, num_per_tokens: int, round_sf: bool = Fa
     _check.integer(op, "num_per_tokens", num_per_tokens)
     _check.choice(op, "num_per_tokens", num_per_tokens, (128,))
     if _is_pair(x):
-        _check.expect(num_per_channels == 128, op,
-                      f"num_per_channels must be 128 for a (data, sf) pair x, got {num_per_channels!r}")
+        if num_per_channels != 128:
+            _check.fail(op, f"num_per_channels must be 128 for a (data, sf) pair x, got {num_per_channels!r}")
         T, H, _ = _pair(op, x, (1, 128), data_fmts=("e4m3",), contiguous=True)
         _check.tensor(op, "x[1] (sf)", x[1], dtype=torch.float32, contiguous=True)
-        _check.expect(H % 128 == 0, op, f"x must have hidden % 128 == 0 for a (data, sf) pair, got hidden {H}")
+        if H % 128 != 0:
+            _check.fail(op, f"x must have hidden % 128 == 0 for a (data, sf) pair, got hidden {H}")
         device = x[0].device
     else:
         T, H = _plain(op, x, contiguous=True)
-        _check.expect(num_per_channels is None, op,
-                      f"num_per_channels is only for a (data, sf) pair x, got {num_per_channels!r}")
+        if num_per_channels is not None:
+            _check.fail(op, f"num_per_channels is only for a (data, sf) pair x, got {num_per_channels!r}")
         device = x.device
     if pos_to_token is None:
-        _check.expect(T % 128 == 0, op, f"x must have num_tokens % 128 == 0 without pos_to_token, got {T}")
+        if T % 128 != 0:
+            _check.fail(op, f"x must have num_tokens % 128 == 0 without pos_to_token, got {T}")
     else:
         _check.tensor(op, "pos_to_token", pos_to_token, dtype=torch.int32, ndim=1, contiguous=True, device=device)
-        _check.expect(pos_to_token.numel() % 16 == 0, op,
-                      f"pos_to_token must have a length % 16 == 0, got {pos_to_token.numel()}")
+        if pos_to_token.numel() % 16 != 0:
+            _check.fail(op, f"pos_to_token must have a length % 16 == 0, got {pos_to_token.numel()}")
     if device.type == "cuda":
         return KP.per_channel_cast_fused_cuda(x, fmt, num_per_tokens, round_sf, num_per_channels, pos_to_token)
     return R.per_channel_cast_fused(x, num_per_tokens, num_per_channels, round_sf, pos_to_token)
@@ -477,18 +494,20 @@ def _cast_back(op: str, x, fmt: str, x_block_size, x_special_fmt) -> torch.Tenso
                 return launch(data, t, sf) if t else KC.cast_back_launch(data, sf, fmt, x_block_size, x_special_fmt)
     _check.choice(op, "fmt", fmt, ("bf16", "fp32"))
     _check.choice(op, "x_special_fmt", x_special_fmt, (None, "e5m6"))
-    _check.expect(_is_pair(x), op, f"x must be a (data, sf) pair, got {type(x).__name__}", TypeError)
+    if not _is_pair(x):
+        _check.fail(op, f"x must be a (data, sf) pair, got {type(x).__name__}", TypeError)
     if x_special_fmt == "e5m6":
         _check.tensor(op, "x[0] (data)", x[0], dtype=torch.uint8, ndim=2)
-        _check.expect(x[0].size(1) % 12 == 0, op,
-                      f"x[0] (data) must have width % 12 == 0 (hidden % 8 == 0), got shape {tuple(x[0].shape)}")
+        if x[0].size(1) % 12 != 0:
+            _check.fail(op, f"x[0] (data) must have width % 12 == 0 (hidden % 8 == 0), got shape {tuple(x[0].shape)}")
         T, H, block = _pair(op, x, x_block_size, data_fmts=("e5m6",))
         if x[0].is_cuda:
             _cast_back_plan(key, x, fmt, "e5m6", H, block)
             return KE.cast_back_e5m6_cuda(x, fmt, tuple(x_block_size))
         return R.cast_back_from_e5m6(x, fmt, tuple(x_block_size))
     T, H, block = _pair(op, x, x_block_size)
-    _check.expect(H % 64 == 0, op, f"x must have logical hidden % 64 == 0, got hidden {H}")
+    if H % 64 != 0:
+        _check.fail(op, f"x must have logical hidden % 64 == 0, got hidden {H}")
     if x[0].is_cuda:
         _cast_back_plan(key, x, fmt, None, H, block)
         return KC.cast_back_cuda(x, fmt, block)
@@ -550,8 +569,8 @@ def per_token_cast_and_cast_back(x: torch.Tensor, fmt: str, num_per_channels: in
     _check.choice(op, "fmt", fmt, ("e4m3", "e2m1"))
     T, H = _plain(op, x)
     _npc(op, num_per_channels, H, allow_full=False)
-    _check.expect(H % num_per_channels == 0 and H % 64 == 0, op,
-                  f"x must have hidden % num_per_channels == 0 and hidden % 64 == 0, got shape {(T, H)}")
+    if not (H % num_per_channels == 0 and H % 64 == 0):
+        _check.fail(op, f"x must have hidden % num_per_channels == 0 and hidden % 64 == 0, got shape {(T, H)}")
     _check.expect(not (round_sf and use_e4m3_sf), op, "round_sf and use_e4m3_sf cannot both be True")
     if x.is_cuda:
         return KCC.per_token_cast_and_cast_back_cuda(x, fmt, num_per_channels, round_sf, use_e4m3_sf)

@@ -166,8 +166,8 @@ def norm_forward_and_per_token_cast(
         _check_hidden(op, x, 32)
         _check.expect(not packed or round_sf, op, "use_packed_ue8m0 requires round_sf")
         if out is not None:
-            _check.expect(isinstance(out, (tuple, list)) and len(out) == 2, op,
-                          f"out must be a pair (out, out_sf), got {type(out).__name__}", TypeError)
+            if not (isinstance(out, (tuple, list)) and len(out) == 2):
+                _check.fail(op, f"out must be a pair (out, out_sf), got {type(out).__name__}", TypeError)
             out_x, out_sf = out
             _check.expect(not col, op, "out cannot be combined with use_tma_aligned_col_major_sf "
                                        "(a given out_sf must be row-major)")
@@ -179,29 +179,29 @@ def norm_forward_and_per_token_cast(
         _check.expect(out_bf16 is None or with_out_bf16, op, "out_bf16 requires with_out_bf16")
         _check_like(op, "out_bf16", out_bf16, x, dtype=torch.bfloat16)
         if mega_moe_sf is not None:
-            _check.expect(x.dim() == 2 and round_sf and h % 128 == 0, op,
-                          f"mega_moe_sf requires 2-D x, round_sf and hidden % 128 == 0, got shape "
-                          f"{tuple(x.shape)}, round_sf={round_sf}")
+            if not (x.dim() == 2 and round_sf and h % 128 == 0):
+                _check.fail(op, f"mega_moe_sf requires 2-D x, round_sf and hidden % 128 == 0, got shape "
+                                f"{tuple(x.shape)}, round_sf={round_sf}")
             _check.integer(op, "mega_moe_block_m", mega_moe_block_m, min=1)
             _check.tensor(op, "mega_moe_sf", mega_moe_sf, dtype=torch.int32, shape=(x.size(0), h // 128),
                           device=x.device)
             rows_total = F.cdiv(x.size(0), mega_moe_block_m) * F.align(mega_moe_block_m, 128)
             ld = mega_moe_sf.stride(1)
-            _check.expect(mega_moe_sf.stride(0) == 1 and ld >= rows_total, op,
-                          f"mega_moe_sf must have stride(0) == 1 and stride(1) >= {rows_total}, got strides "
-                          f"{mega_moe_sf.stride()}")
+            if not (mega_moe_sf.stride(0) == 1 and ld >= rows_total):
+                _check.fail(op, f"mega_moe_sf must have stride(0) == 1 and stride(1) >= {rows_total}, got strides "
+                                f"{mega_moe_sf.stride()}")
             end = mega_moe_sf.storage_offset() + (h // 128 - 1) * ld + rows_total
-            _check.expect(end * 4 <= mega_moe_sf.untyped_storage().nbytes(), op,
-                          f"mega_moe_sf storage must hold {end} int32 words from its start, got "
-                          f"{mega_moe_sf.untyped_storage().nbytes() // 4}")
+            if not (end * 4 <= mega_moe_sf.untyped_storage().nbytes()):
+                _check.fail(op, f"mega_moe_sf storage must hold {end} int32 words from its start, got "
+                                f"{mega_moe_sf.untyped_storage().nbytes() // 4}")
     else:
-        _check.expect(num_per_channels is None, op,
-                      f"num_per_channels must be None for fmt {fmt!r}, got {num_per_channels!r}")
-        _check.expect(not with_out_bf16 and out_bf16 is None and mega_moe_sf is None, op,
-                      f"with_out_bf16, out_bf16 and mega_moe_sf need fmt 'e4m3', got fmt {fmt!r}")
+        if num_per_channels is not None:
+            _check.fail(op, f"num_per_channels must be None for fmt {fmt!r}, got {num_per_channels!r}")
+        if with_out_bf16 or out_bf16 is not None or mega_moe_sf is not None:
+            _check.fail(op, f"with_out_bf16, out_bf16 and mega_moe_sf need fmt 'e4m3', got fmt {fmt!r}")
         if out is not None:
-            _check.expect(isinstance(out, (tuple, list)) and len(out) == 2 and out[1] is None, op,
-                          f"out must be a pair (tensor, None) for fmt {fmt!r}", TypeError)
+            if not (isinstance(out, (tuple, list)) and len(out) == 2 and out[1] is None):
+                _check.fail(op, f"out must be a pair (tensor, None) for fmt {fmt!r}", TypeError)
             out_x = out[0]
             _check_like(op, "out[0]", out_x, x)
 

@@ -20,14 +20,14 @@ __all__ = [
 def _check_x(op: str, x, dtypes, hidden_multiple: int) -> int:
     """``x`` contiguous 2-D ``(T, 2H)``; returns ``H``."""
     _check.tensor(op, "x", x, dtype=dtypes, ndim=2, contiguous=True)
-    _check.expect(x.size(1) % 2 == 0 and (x.size(1) // 2) % hidden_multiple == 0 and x.size(1) > 0, op,
-                  f"x must have shape (T, 2H) with H % {hidden_multiple} == 0, got shape {tuple(x.shape)}")
+    if not (x.size(1) % 2 == 0 and (x.size(1) // 2) % hidden_multiple == 0 and x.size(1) > 0):
+        _check.fail(op, f"x must have shape (T, 2H) with H % {hidden_multiple} == 0, got shape {tuple(x.shape)}")
     return x.size(1) // 2
 
 
 def _check_clamp(op: str, value, name: str = "swiglu_clamp_value") -> None:
-    _check.expect(value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)), op,
-                  f"{name} must be None or a float, got {type(value).__name__}", TypeError)
+    if not (value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))):
+        _check.fail(op, f"{name} must be None or a float, got {type(value).__name__}", TypeError)
 
 
 @public("quant", path="kernel")
@@ -50,7 +50,8 @@ def swiglu_forward_and_per_token_cast(
     t_e = x.size(0)
     _check.choice(op, "fmt", fmt, ("e4m3",))
     _check.integer(op, "num_per_channels", num_per_channels)
-    _check.expect(num_per_channels in (128, h), op, f"num_per_channels must be 128 or H ({h}), got {num_per_channels}")
+    if num_per_channels not in (128, h):
+        _check.fail(op, f"num_per_channels must be 128 or H ({h}), got {num_per_channels}")
     col, packed = use_tma_aligned_col_major_sf, use_packed_ue8m0
     _check.expect(not col or num_per_channels == 128, op,
                   "use_tma_aligned_col_major_sf requires num_per_channels == 128")
@@ -107,23 +108,23 @@ def swiglu_backward_and_per_token_cast(
     gradient ``[dx, dy]``, that gradient in bf16 ``(T_e, 2H)``, and fp32 ``weight_grad`` of ``weight``'s shape.
     """
     op = "swiglu_backward_and_per_token_cast"
-    _check.expect(isinstance(x, (tuple, list)) and len(x) == 2, op,
-                  f"x must be a (data, sf) pair, got {type(x).__name__}", TypeError)
+    if not (isinstance(x, (tuple, list)) and len(x) == 2):
+        _check.fail(op, f"x must be a (data, sf) pair, got {type(x).__name__}", TypeError)
     data, sf = x
     _check.tensor(op, "x[0]", data, dtype=torch.float8_e4m3fn, ndim=(2, 3), contiguous=True)
     width = data.size(-1)
     t_e = data.numel() // width if width else 0
     _check.integer(op, "num_per_channels", num_per_channels)
     _check.choice(op, "num_per_channels", num_per_channels, (32, 128))
-    _check.expect(width > 0 and width % (2 * num_per_channels) == 0, op,
-                  f"x[0] must have a last dim 2H with 2H % (2 * num_per_channels) == 0, got shape "
-                  f"{tuple(data.shape)}")
+    if not (width > 0 and width % (2 * num_per_channels) == 0):
+        _check.fail(op, f"x[0] must have a last dim 2H with 2H % (2 * num_per_channels) == 0, got shape "
+                        f"{tuple(data.shape)}")
     h = width // 2
     _check.tensor(op, "x[1]", sf, dtype=torch.float32, shape=(t_e, width // num_per_channels), contiguous=True,
                   device=data.device)
     _check.tensor(op, "grad_out", grad_out, dtype=torch.bfloat16, device=data.device)
-    _check.expect(grad_out.dim() >= 1 and grad_out.size(-1) == h and grad_out.numel() == t_e * h, op,
-                  f"grad_out must be viewable as ({t_e}, {h}), got shape {tuple(grad_out.shape)}")
+    if not (grad_out.dim() >= 1 and grad_out.size(-1) == h and grad_out.numel() == t_e * h):
+        _check.fail(op, f"grad_out must be viewable as ({t_e}, {h}), got shape {tuple(grad_out.shape)}")
     _check.tensor(op, "weight", weight, dtype=torch.float32, ndim=2, contiguous=True, device=data.device)
     _check.tensor(op, "pos_to_token_topk", pos_to_token_topk, dtype=torch.int32, shape=(t_e,), contiguous=True,
                   device=data.device)
@@ -154,7 +155,8 @@ def swiglu_forward_and_per_channel_cast_and_transpose(
     _check.choice(op, "fmt", fmt, ("e4m3",))
     _check.integer(op, "num_per_tokens", num_per_tokens)
     _check.choice(op, "num_per_tokens", num_per_tokens, (32, 128))
-    _check.expect(x.size(0) % 128 == 0, op, f"x must have T % 128 == 0, got shape {tuple(x.shape)}")
+    if x.size(0) % 128 != 0:
+        _check.fail(op, f"x must have T % 128 == 0, got shape {tuple(x.shape)}")
     _check_clamp(op, swiglu_clamp_value)
     if x.is_cuda:
         return _K.swiglu_forward_and_per_channel_cast_and_transpose_cuda(x, fmt, num_per_tokens, round_sf,

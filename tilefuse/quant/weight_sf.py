@@ -29,38 +29,40 @@ def _layouts(shape: torch.Size, block_size: int, transpose_sf1: bool):
 
 
 def _validate(sf, block_size, transpose_sf1s, outs) -> None:
-    _check.expect(isinstance(sf, (list, tuple)), _OP, f"sf must be a list of tensors, got {type(sf).__name__}",
-                  TypeError)
+    if not isinstance(sf, (list, tuple)):
+        _check.fail(_OP, f"sf must be a list of tensors, got {type(sf).__name__}", TypeError)
     _check.choice(_OP, "block_size", block_size, (32, 128))
-    _check.expect(isinstance(transpose_sf1s, (list, tuple)) and len(transpose_sf1s) == len(sf), _OP,
-                  f"transpose_sf1s must be a list with one bool per sf ({len(sf)}), got {transpose_sf1s!r}")
-    _check.expect(outs is None or (isinstance(outs, (list, tuple)) and len(outs) == len(sf)), _OP,
-                  f"outs must be None or a list with one entry per sf ({len(sf)}), got {type(outs).__name__}")
+    if not (isinstance(transpose_sf1s, (list, tuple)) and len(transpose_sf1s) == len(sf)):
+        _check.fail(_OP, f"transpose_sf1s must be a list with one bool per sf ({len(sf)}), got {transpose_sf1s!r}")
+    if not (outs is None or (isinstance(outs, (list, tuple)) and len(outs) == len(sf))):
+        _check.fail(_OP, f"outs must be None or a list with one entry per sf ({len(sf)}), got {type(outs).__name__}")
     device = None
     for i, s in enumerate(sf):
         name = f"sf[{i}]"
         _check.tensor(_OP, name, s, dtype=torch.float32, ndim=(2, 3), contiguous=True, device=device)
         device = s.device
-        _check.expect(s.dim() == 2 or s.size(0) > 0, _OP, f"{name} must have G > 0, got shape {tuple(s.shape)}")
+        if not (s.dim() == 2 or s.size(0) > 0):
+            _check.fail(_OP, f"{name} must have G > 0, got shape {tuple(s.shape)}")
         nsn, nsk = s.shape[-2:]
-        _check.expect((nsn * block_size) % 128 == 0 and (nsk * block_size) % 128 == 0,
-                      _OP, f"{name} must describe n and k (sf dims x block_size {block_size}) that are "
-                           f"multiples of 128, got shape {tuple(s.shape)}")
-        _check.expect(isinstance(transpose_sf1s[i], bool), _OP,
-                      f"transpose_sf1s[{i}] must be a bool, got {transpose_sf1s[i]!r}", TypeError)
+        if not ((nsn * block_size) % 128 == 0 and (nsk * block_size) % 128 == 0):
+            _check.fail(_OP, f"{name} must describe n and k (sf dims x block_size {block_size}) that are "
+                             f"multiples of 128, got shape {tuple(s.shape)}")
+        if not (isinstance(transpose_sf1s[i], bool)):
+            _check.fail(_OP, f"transpose_sf1s[{i}] must be a bool, got {transpose_sf1s[i]!r}", TypeError)
         if outs is None or outs[i] is None:
             continue
         pair = outs[i]
-        _check.expect(isinstance(pair, (list, tuple)) and len(pair) == 2, _OP,
-                      f"outs[{i}] must be None or a pair (sf0_out, sf1_out), got {type(pair).__name__}", TypeError)
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
+            _check.fail(_OP, f"outs[{i}] must be None or a pair (sf0_out, sf1_out), got {type(pair).__name__}", TypeError)
         for j, (t, (shape, stride)) in enumerate(zip(pair, _layouts(s.shape, block_size, transpose_sf1s[i]))):
             tname = f"outs[{i}][{j}]"
             _check.tensor(_OP, tname, t, dtype=torch.int32, shape=shape, device=device)
             # Strides of size-1 dims address nothing; every other stride must match exactly.
-            _check.expect(all(a == b for a, b, n in zip(t.stride(), stride, shape) if n > 1), _OP,
-                          f"{tname} must have strides {stride}, got {t.stride()}")
-            _check.expect(t.data_ptr() % 32 == 0, _OP, f"{tname} must be 32-byte aligned, got address "
-                                                          f"{t.data_ptr():#x}")
+            if not (all(a == b for a, b, n in zip(t.stride(), stride, shape) if n > 1)):
+                _check.fail(_OP, f"{tname} must have strides {stride}, got {t.stride()}")
+            if t.data_ptr() % 32 != 0:
+                _check.fail(_OP, f"{tname} must be 32-byte aligned, got address "
+                                 f"{t.data_ptr():#x}")
 
 
 @public("quant", path="kernel")

@@ -22,13 +22,14 @@ __all__ = ["transpose", "batched_transpose"]
 def _check_matrix(op: str, x: torch.Tensor) -> None:
     """The section 3.15 requirements on the last two dims: M % 64, N % 64, unit inner stride, row stride % 4."""
     m, n = x.shape[-2:]
-    _check.expect(m % 64 == 0 and n % 64 == 0, op,
-                  f"x must have both matrix dims divisible by 64, got shape {tuple(x.shape)}")
+    if not (m % 64 == 0 and n % 64 == 0):
+        _check.fail(op, f"x must have both matrix dims divisible by 64, got shape {tuple(x.shape)}")
     if x.numel() == 0:
         return
-    _check.expect(x.stride(-1) == 1, op, f"x must have a unit stride in its last dimension, got strides {x.stride()}")
-    _check.expect(x.stride(-2) % 4 == 0, op,
-                  f"x must have a row stride divisible by 4 elements, got strides {x.stride()}")
+    if x.stride(-1) != 1:
+        _check.fail(op, f"x must have a unit stride in its last dimension, got strides {x.stride()}")
+    if x.stride(-2) % 4 != 0:
+        _check.fail(op, f"x must have a row stride divisible by 4 elements, got strides {x.stride()}")
 
 
 def _on_kernel(x: torch.Tensor) -> bool:
