@@ -163,7 +163,7 @@ def test_top2_zero_tokens_and_errors():
     base = dict(num_topk=2, num_topk_groups=0, num_groups=0, use_shared_as_routed=False, num_shared_experts=0,
                 routed_scaling_factor=1.0, ep_rank=0, num_ep_ranks=1, tp_rank=0, num_tp_ranks=1, scoring_func="sigmoid")
     cases = [(dict(num_topk=9), "num_topk"), (dict(scoring_func="identity"), "scoring_func"),
-             (dict(scoring_func="cosine"), "not a valid ScoringFunc"), (dict(num_groups=4), "num_topk_groups"),
+             (dict(scoring_func="cosine"), "not a valid ScoringFunc"), (dict(num_groups=4), "both be 0 or both > 0"),
              (dict(num_groups=4, num_topk_groups=1, num_topk=3), "num_topk"),
              (dict(use_shared_as_routed=True, num_shared_experts=2), "to_physical_map"),
              (dict(use_shared_as_routed=True, num_shared_experts=3), "num_shared_experts"),

@@ -155,7 +155,7 @@ def top2_sum_gate(logits, bias, num_topk, num_topk_groups, num_groups, use_share
         _check_row_mask(op, "mask", mask, rows, device)
     _check.integer(op, "num_groups", num_groups, min=0, max=num_routed)
     _check.integer(op, "num_topk_groups", num_topk_groups, min=0, max=num_groups)
-    if num_groups == 0 != num_topk_groups == 0:
+    if (num_groups == 0) != (num_topk_groups == 0):
         _check.fail(op, f"num_groups and num_topk_groups must both be 0 or both > 0, got {num_groups} and {num_topk_groups}")
     _check.integer(op, "num_topk", num_topk, min=1, max=min(num_routed, MAX_TOPK))
     if num_groups:

@@ -54,7 +54,7 @@ RED_TILE = 32      # weight-gradient reduce: 0 = the batched per-thread loads ab
 BWD_STAGES = 3     # norm_backward: 0 = rows loaded into registers one row ahead; S >= 2 = an S-stage
                    # shared-memory ring filled by per-thread cp.async (each thread copies and later reads only its
                    # own 16-byte vectors: no barrier), S - 1 rows of x, dy and rstd in flight per CTA (bf16 only,
-                   # when 2 CTAs of S stages fit in shared memory; else the default path). Same arithmetic.
+                   # when 2 CTAs of S stages fit in shared memory; else the register path). Same arithmetic.
 BWD_PIPE = False   # norm_backward with BWD_STAGES == 3 only: software-pipelined rows. Iteration k reduces row k (its
                    # warp sums go to one of two red slots, by parity) and writes dx of row k - 1 (its A read from the
                    # other slot), the butterfly of row k interleaved with that dx pass: one barrier per row instead of
