@@ -245,7 +245,8 @@ def mhc_pre_split_mixes(input_mixes: torch.Tensor, mhc_scale: torch.Tensor, mhc_
     n = _check.integer(op, "mhc_mult", mhc_mult, min=1)
     M = n * (n + 2)
     if input_mixes.shape[-1] != M:
-        _check.fail(op, f"input_mixes must have mhc_mult*(mhc_mult+2)={M} columns, got shape {tuple(input_mixes.shape)}")
+        _check.fail(op, f"input_mixes must have mhc_mult*(mhc_mult+2)={M} columns, got shape "
+                        f"{tuple(input_mixes.shape)}")
     _check_scale_base(op, mhc_scale, mhc_base, 3, M, input_mixes.device)
     v = _post_mult(op, "mhc_post_mult_value", mhc_post_mult_value)
     eps = _check.real(op, "mhc_pre_eps", mhc_pre_eps)

@@ -156,7 +156,8 @@ def top2_sum_gate(logits, bias, num_topk, num_topk_groups, num_groups, use_share
     _check.integer(op, "num_groups", num_groups, min=0, max=num_routed)
     _check.integer(op, "num_topk_groups", num_topk_groups, min=0, max=num_groups)
     if (num_groups == 0) != (num_topk_groups == 0):
-        _check.fail(op, f"num_groups and num_topk_groups must both be 0 or both > 0, got {num_groups} and {num_topk_groups}")
+        _check.fail(op, f"num_groups and num_topk_groups must both be 0 or both > 0, got {num_groups} and "
+                        f"{num_topk_groups}")
     _check.integer(op, "num_topk", num_topk, min=1, max=min(num_routed, MAX_TOPK))
     if num_groups:
         if num_routed % num_groups != 0:
@@ -189,8 +190,8 @@ def top2_sum_gate(logits, bias, num_topk, num_topk_groups, num_groups, use_share
     _check_physical_map(op, to_physical_map, logical_count, num_routed + num_shared, device)
     num_extra = 0 if to_physical_map is None else to_physical_map.size(1) - 1
     if not (num_shared <= num_extra):
-        _check.fail(op, f"to_physical_map must have at least num_shared_experts + 1 = {num_shared + 1} columns with shared "
-                        f"experts, got {num_extra + 1 if to_physical_map is not None else 'none'}")
+        _check.fail(op, f"to_physical_map must have at least num_shared_experts + 1 = {num_shared + 1} columns "
+                        f"with shared experts, got {num_extra + 1 if to_physical_map is not None else 'none'}")
     _check_fixed_routing(op, fix_routing_mask, unmapped_topk_idx, rows, num_topk, device)
     _check.real(op, "routed_scaling_factor", routed_scaling_factor)
     _check.integer(op, "ep_rank", ep_rank, min=0)
@@ -296,8 +297,8 @@ def moe_topk_gate_backward(scores, topk_idx, topk_weights, grad_topk_weights, ro
     num_topk = topk_idx.size(1)
     _check.tensor(op, "topk_idx", topk_idx, shape=(rows, None))
     if not (num_topk <= min(num_routed, MAX_TOPK)):
-        _check.fail(op, f"topk_idx must have at most min(E_r, {MAX_TOPK}) = {min(num_routed, MAX_TOPK)} columns, got shape "
-                        f"{tuple(topk_idx.shape)}")
+        _check.fail(op, f"topk_idx must have at most min(E_r, {MAX_TOPK}) = {min(num_routed, MAX_TOPK)} columns, "
+                        f"got shape {tuple(topk_idx.shape)}")
     for name, t in (("topk_weights", topk_weights), ("grad_topk_weights", grad_topk_weights)):
         _check.tensor(op, name, t, dtype=FP32, shape=(rows, num_topk), contiguous=True, device=device)
     _check.real(op, "routed_scaling_factor", routed_scaling_factor)
@@ -307,7 +308,8 @@ def moe_topk_gate_backward(scores, topk_idx, topk_weights, grad_topk_weights, ro
         _check.tensor(op, "grad_scores_sum", grad_scores_sum, shape=(None, num_routed))
         num_seqs = grad_scores_sum.size(0)
         if not (num_seqs >= 1 and rows % num_seqs == 0):
-            _check.fail(op, f"grad_scores_sum rows must divide num_tokens ({rows}), got shape {tuple(grad_scores_sum.shape)}")
+            _check.fail(op, f"grad_scores_sum rows must divide num_tokens ({rows}), got shape "
+                            f"{tuple(grad_scores_sum.shape)}")
         _check.tensor(op, "mask", mask, dtype=BOOL, shape=(rows,), contiguous=True, device=device)
     _check.optional(op, "out", out, dtype=FP32, shape=(rows, num_routed), contiguous=True, device=device)
     if rows == 0:

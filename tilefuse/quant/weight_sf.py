@@ -53,7 +53,8 @@ def _validate(sf, block_size, transpose_sf1s, outs) -> None:
             continue
         pair = outs[i]
         if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
-            _check.fail(_OP, f"outs[{i}] must be None or a pair (sf0_out, sf1_out), got {type(pair).__name__}", TypeError)
+            _check.fail(_OP, f"outs[{i}] must be None or a pair (sf0_out, sf1_out), got {type(pair).__name__}",
+                        TypeError)
         for j, (t, (shape, stride)) in enumerate(zip(pair, _layouts(s.shape, block_size, transpose_sf1s[i]))):
             tname = f"outs[{i}][{j}]"
             _check.tensor(_OP, tname, t, dtype=torch.int32, shape=shape, device=device)
