@@ -18,7 +18,9 @@ def fail(op: str, message: str, exc: type = ValueError):
 
 
 def expect(cond: bool, op: str, message: str, exc: type = ValueError) -> None:
-    """Raise ``exc(f"{op}: {message}")`` unless ``cond`` holds."""
+    """Raise ``exc(f"{op}: {message}")`` unless ``cond`` holds. For a formatted message write
+    ``if not cond: fail(op, f"...")`` instead: the arguments here are built on every call, and checks sit on the
+    per-call host path of every op."""
     if not cond:
         raise exc(f"{op}: {message}")
 
