@@ -3,8 +3,10 @@
 Usage on the device (``source .gpu/prelude.sh`` first):
   ncu --clock-control none --profile-from-start off --set full -o $OUT/prof \
       python3 tools/ncu_cases.py OP[:SHAPE_SUBSTRING] ...
-Every selected case is built and called twice first (kernel loads, allocator warm-up), outside the range;
-then each is called once inside it, so ncu sees exactly one launch of each kernel of each case.
+``mix:LABEL_PREFIX`` picks a stock PyTorch case of ``tools/mix_ceiling.py`` (e.g. ``mix:fp32 fill``), to profile
+next to the row it mirrors. Every selected case is built and called twice first (kernel loads, allocator
+warm-up), outside the range; then each is called once inside it, so ncu sees exactly one launch of each kernel
+of each case.
 """
 import sys
 
@@ -13,9 +15,22 @@ import torch
 from tilefuse import bench
 
 
+class _Mix:
+    """A mix_ceiling case shaped like a bench case (``name``, ``run``)."""
+
+    def __init__(self, label, fn):
+        self.name, self.run = f"mix {label}", lambda: fn(0)
+
+
 def main(argv: list[str]) -> int:
-    wanted = [a.partition(":") for a in argv]
+    wanted = [a.partition(":") for a in argv if not a.startswith("mix:")]
     picked = []
+    for a in argv:
+        if a.startswith("mix:"):
+            import mix_ceiling
+            label, _, build = next(c for c in mix_ceiling.CASES if c[0].startswith(a[4:]))
+            fn = build()[0]
+            picked.append((_Mix(label, fn), label, ()))
     for case in bench._cases():
         for name, _, shape in wanted:
             if case.name == name:

@@ -39,7 +39,8 @@ def test_cast_back_builds_for_sm90(cfg):
 @pytest.mark.parametrize("dtype", ("float32", "bfloat16", "float16"))
 def test_unpack_builds_for_sm90(dtype):
     src = _jit.compile_kernel("unpack_from_e2m1fn_x2", (dtype,), "sm_90").get_kernel_source()
-    assert ("*(float4*)(Y" in src) if dtype == "float32" else ("*(uint4*)(Y" in src)  # 16-byte stores
+    hint = K._STORE_FN.get(K.UNPACK_STORE_HINT)  # 16-byte stores: the hinted helper's, else a vector store
+    assert (hint + "((&(Y[") in src if hint else ("*(float4*)(Y" if dtype == "float32" else "*(uint4*)(Y") in src
 
 
 @pytest.mark.compile
@@ -78,12 +79,13 @@ def test_unpack_launch_binds(monkeypatch):
 
 
 def test_per_format_knobs_fall_back_to_the_shared_ones(monkeypatch):
-    """E4M3_* / E2M1_* / E5M6_* override THREADS / UNROLL / MIN_BLOCKS for their format only; None (the
-    default) reads the shared knob, so the defaults build the same kernels as before the per-format knobs."""
+    """E4M3_* / E2M1_* / E5M6_* override THREADS / UNROLL / MIN_BLOCKS for their format only; None reads the
+    shared knob (every default but E2M1_UNROLL = E5M6_UNROLL = 2)."""
     for dfmt in ("e4m3", "e2m1", "e5m6"):
         for name in ("THREADS", "UNROLL", "MIN_BLOCKS"):
-            assert getattr(K, f"{dfmt.upper()}_{name}") is None
-            assert K._knob(dfmt, name) == getattr(K, name)
+            own = getattr(K, f"{dfmt.upper()}_{name}")
+            assert own == (2 if (dfmt, name) in (("e2m1", "UNROLL"), ("e5m6", "UNROLL")) else None)
+            assert K._knob(dfmt, name) == (getattr(K, name) if own is None else own)
     monkeypatch.setattr(K, "E2M1_THREADS", 64)
     assert K._knob("e2m1", "THREADS") == 64 and K._knob("e4m3", "THREADS") == K.THREADS == K._knob("e5m6", "THREADS")
 
@@ -165,6 +167,17 @@ def _quantized(t, hidden, fmt, block, flags, dtype=torch.bfloat16):
 @pytest.mark.parametrize("flags", FLAGS, ids=str)
 def test_per_token_matches_reference(t, fmt, out, flags):
     data, sf = _quantized(t, 576, fmt, (1, 128), flags, OUT[out])
+    _check(data, sf, out, (1, 128))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", (1, 4001))
+@pytest.mark.parametrize("fmt", ("e4m3", "e2m1"))
+@pytest.mark.parametrize("out", ("bf16", "fp32"))
+@pytest.mark.parametrize("flags", FLAGS, ids=str)
+def test_per_token_bench_width(t, fmt, out, flags):
+    """H = 7168 with 128-channel groups, the bench shape: rows of whole CTA tiles (no masked chunks)."""
+    data, sf = _quantized(t, 7168, fmt, (1, 128), flags, OUT[out])
     _check(data, sf, out, (1, 128))
 
 
@@ -333,9 +346,9 @@ def test_unpack_matches_reference(shape, out_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n", (1, 2, 3, 4, 5, 255, 256 * 2 * 8 + 3, 256 * 4 * 8 * 3 + 1))
+@pytest.mark.parametrize("n", (1, 2, 3, 4, 5, 255, 256 * 2 * 8 + 3, 256 * 4 * 8 * 3 + 1, 256 * 4 * 8 * 5 + 77))
 def test_unpack_ragged_lengths(n):
-    """Lengths around the kernel's chunk (2 or 4 bytes) and CTA (8 chunks x 256 threads) tails."""
+    """Lengths around the kernel's chunk (2 or 4 bytes) and CTA (UNPACK_UNROLL chunks x 256 threads) tails."""
     x = torch.randint(-128, 128, (n,), dtype=torch.int8, device="cuda")
     for out_dtype in (torch.float32, torch.bfloat16):
         _poison()
@@ -361,6 +374,7 @@ KNOB_VARIANTS = [  # the defaults are SF_HOIST=True, UNPACK_STORE_HINT=2
     {"E4M3_MIN_BLOCKS": 16, "E2M1_MIN_BLOCKS": 16, "E5M6_MIN_BLOCKS": 12},
     {"STORE_HINT": 1, "UNPACK_STORE_HINT": 1, "UNPACK_MIN_BLOCKS": 8},
     {"STORE_HINT": 2, "E2M1_STORE_HINT": 1},
+    {"E2M1_UNROLL": 8, "E5M6_UNROLL": 8, "UNPACK_UNROLL": 8},
 ]
 
 
@@ -382,7 +396,8 @@ def test_knob_variants_build(monkeypatch, knobs):
     variant; hinted stores go through the helper, and a hoisted sf leaves no sf load between the stores."""
     pytest.importorskip("tilelang")
     for cfg in (("e4m3", "bf16", 7168, 1, 128, True), ("e2m1", "fp32", 576, 1, 128, True),
-                ("e4m3", "fp32", 2048, 128, 1, False), ("e5m6", "bf16", 7168, 1, 7168, False)):
+                ("e4m3", "fp32", 2048, 128, 1, False), ("e5m6", "bf16", 7168, 1, 7168, False),
+                ("e2m1", "fp32", 7168, 1, 128, False), ("e2m1", "bf16", 2048, 1, 2048, True)):
         src = _build_with(monkeypatch, knobs, "cast_back", cfg)
         hint = knobs.get(f"{cfg[0].upper()}_STORE_HINT", knobs.get("STORE_HINT"))
         if hint:
@@ -430,5 +445,9 @@ def test_knob_variants_match_reference(knobs, knob_kernels):
     for shape in ((1,), (3, 5, 7), (4001, 1024), (8001, 3584)):
         test_unpack_matches_reference(shape, torch.float32)
         test_unpack_matches_reference(shape, torch.bfloat16)
-    for n in (1, 2, 3, 5, 255, 256 * 2 * 8 + 3, 256 * 4 * 8 * 3 + 1):
+    for n in (1, 2, 3, 5, 255, 256 * 2 * 8 + 3, 256 * 4 * 8 * 3 + 1, 256 * 4 * 8 * 5 + 77):
         test_unpack_ragged_lengths(n)
+    for t in (1, 7, 4001):  # the bench width: rows of whole CTA tiles
+        for out in ("bf16", "fp32"):
+            for flags in FLAGS:
+                test_per_token_bench_width(t, "e2m1", out, flags)
