@@ -165,19 +165,10 @@ def _quantized(t, hidden, fmt, block, flags, dtype=torch.bfloat16):
 @pytest.mark.parametrize("fmt", ("e4m3", "e2m1"))
 @pytest.mark.parametrize("out", ("bf16", "fp32"))
 @pytest.mark.parametrize("flags", FLAGS, ids=str)
-def test_per_token_matches_reference(t, fmt, out, flags):
-    data, sf = _quantized(t, 576, fmt, (1, 128), flags, OUT[out])
-    _check(data, sf, out, (1, 128))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("t", (1, 4001))
-@pytest.mark.parametrize("fmt", ("e4m3", "e2m1"))
-@pytest.mark.parametrize("out", ("bf16", "fp32"))
-@pytest.mark.parametrize("flags", FLAGS, ids=str)
-def test_per_token_bench_width(t, fmt, out, flags):
-    """H = 7168 with 128-channel groups, the bench shape: rows of whole CTA tiles (no masked chunks)."""
-    data, sf = _quantized(t, 7168, fmt, (1, 128), flags, OUT[out])
+@pytest.mark.parametrize("h", (576, 7168))
+def test_per_token_matches_reference(t, fmt, out, flags, h):
+    """576 channels: a masked last chunk per row; 7168, the bench width: rows of whole CTA tiles."""
+    data, sf = _quantized(t, h, fmt, (1, 128), flags, OUT[out])
     _check(data, sf, out, (1, 128))
 
 
@@ -421,7 +412,7 @@ def test_knob_variants_match_reference(knobs, knob_kernels):
         for out in ("bf16", "fp32"):
             for flags in FLAGS:
                 for t in TOKENS:
-                    test_per_token_matches_reference(t, fmt, out, flags)
+                    test_per_token_matches_reference(t, fmt, out, flags, 576)
             test_one_group_per_row(fmt, out)
         test_random_codes_and_scales(fmt)
         test_strided_data_equals_contiguous(fmt)
@@ -450,4 +441,4 @@ def test_knob_variants_match_reference(knobs, knob_kernels):
     for t in (1, 7, 4001):  # the bench width: rows of whole CTA tiles
         for out in ("bf16", "fp32"):
             for flags in FLAGS:
-                test_per_token_bench_width(t, "e2m1", out, flags)
+                test_per_token_matches_reference(t, "e2m1", out, flags, 7168)

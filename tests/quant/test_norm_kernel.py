@@ -97,6 +97,76 @@ def test_reduce_builds_for_sm90(cfg):
     assert src.count("__syncthreads()") == 1 and "grp[" in src
 
 
+def test_misaligned_weight_is_passed_as_an_aligned_copy(monkeypatch):
+    """A contiguous weight 2 bytes past a 16-byte boundary reaches the forward and backward kernels (16-byte vector
+    loads) as an aligned copy of itself."""
+    got = []
+    monkeypatch.setattr(_jit, "get", lambda name, cfg: lambda *args: got.append(args))
+    h = 2048
+    w = torch.randn(h + 8, dtype=torch.bfloat16)[1:h + 1]
+    assert w.is_contiguous() and w.data_ptr() % 16 == 2
+    x = torch.randn(3, h, dtype=torch.bfloat16)
+    K.norm_forward_launch(x, w, 1e-6)
+    K.norm_backward_launch(torch.randn_like(x), x, w, torch.ones(3))
+    for args, i in ((got[0], 1), (got[1], 2)):  # forward (x, weight, ...), backward (dy, x, weight, ...)
+        assert args[i].data_ptr() % 16 == 0 and torch.equal(args[i], w)
+
+
+def _fast_path(monkeypatch):
+    """The forward ops' _VALIDATED path on the CPU: CPU tensors taken for eager CUDA ones, launches recorded, and
+    the number of times the full checks ran."""
+    from tilefuse.quant import norm as N
+
+    monkeypatch.setattr(N, "_eager_cuda", lambda x: True)
+    monkeypatch.setattr(N, "_VALIDATED", set())
+    checks = []
+    real = N._check_forward
+
+    def counted(*args):
+        checks.append(args[0])
+        return real(*args)
+
+    monkeypatch.setattr(N, "_check_forward", counted)
+    return N, checks, fake_jit(monkeypatch)
+
+
+@pytest.mark.parametrize("quant", [False, True])
+def test_validated_fast_path_skips_only_checks_that_passed(monkeypatch, quant):
+    """A repeated eager call with the same facts skips the checks and launches what the checked CUDA path launches,
+    with the same arguments (any token count); facts outside the cached key -- another weight dtype, more than
+    one row with a row stride the checks reject -- still fail with the checks' messages. (The checked calls of
+    these CPU tensors then take the reference: only the fast path and the direct launches are recorded.)"""
+    N, checks, calls = _fast_path(monkeypatch)
+    h = 2048
+
+    def call(x, w):
+        if quant:
+            return N.norm_forward_and_per_token_cast(x, w, 1e-6, "e4m3", 32, None, 1.0, True, True, True,
+                                                     with_rstd=True)
+        return N.norm_forward(x, w, 1e-6, with_rstd=True)
+
+    x = torch.randn(5, h, dtype=torch.bfloat16)
+    w = torch.randn(h, dtype=torch.bfloat16)
+    call(x, w)  # checked, cached
+    call(x, w)
+    call(x[:3], w)
+    assert len(checks) == 1 and len(calls) == 2
+    if quant:  # the checked CUDA path's launch
+        K.norm_forward_and_per_token_cast_cuda(x, w, 1e-6, "e4m3", 32, None, 1.0, True, True, True, False, None,
+                                               None, None, None, 0, True)
+    else:
+        K.norm_forward_cuda(x, w, 1e-6, None, 1.0, None, None, True)
+    assert calls[0] == calls[2] and calls[1].cfg == calls[0].cfg
+    assert calls[1].env["num_tokens"] == 3 and calls[0].env["num_tokens"] == 5
+    with pytest.raises(TypeError, match="weight must have dtype bfloat16"):
+        call(x, w.float())
+    rows = torch.randn(4, h + 8, dtype=torch.bfloat16)[:, :h]  # row stride h + 8: not a multiple of 16
+    call(rows[:1], w)  # one row: its row stride is not checked
+    with pytest.raises(ValueError, match="strides that are multiples of 16"):
+        call(rows, w)
+    assert len(checks) == 4 and len(calls) == 3
+
+
 def test_fake_shapes_cpu():
     """Output allocation of the launcher's helpers (no kernel): sf layouts of 2-D and 3-D inputs."""
     x = torch.empty((7, 576))
@@ -266,6 +336,41 @@ def test_forward_cast_given_row_packed_out_gpu(t):
 
 
 @gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", [False, True])
+def test_validated_fast_path_gpu(quant):
+    """The public forward ops called again with the same facts (the _VALIDATED path, no checks) give the first
+    call's bits, at another token count too; a misaligned weight is read as its aligned copy; facts outside the
+    cached key still fail with the checks' messages."""
+    from tilefuse.quant import norm as N
+
+    h = 2048
+    x, _, w = _inputs(7, h, torch.bfloat16, residual=False)
+
+    def call(x, w):
+        if quant:
+            (d, sf), _, rstd, _ = N.norm_forward_and_per_token_cast(x, w, 1e-6, "e4m3", 32, None, 1.0, True, True,
+                                                                    True, with_rstd=True)
+            return d.view(torch.uint8), sf, rstd
+        o, rstd, _ = N.norm_forward(x, w, 1e-6, with_rstd=True)
+        return o, rstd
+
+    first = call(x, w)
+    for got, want in zip(call(x, w), first):
+        assert_equal(got, want)
+    for got, want in zip(call(x[:3], w), first):
+        assert_equal(got[:3], want[:3])
+    w_odd = torch.empty(h + 8, dtype=w.dtype, device="cuda")[1:h + 1].copy_(w)  # 2 bytes past 16-byte alignment
+    for got, want in zip(call(x, w_odd), first):
+        assert_equal(got, want)
+    with pytest.raises(TypeError, match="weight must have dtype bfloat16"):
+        call(x, w.float())
+    rows = torch.randn(4, h + 8, device="cuda").to(torch.bfloat16)[:, :h]  # row stride h + 8
+    call(rows[:1], w)
+    with pytest.raises(ValueError, match="strides that are multiples of 16"):
+        call(rows, w)
+
+
 @pytest.mark.gpu
 def test_forward_cast_3d_col_and_mega_gpu():
     x, _, w = _inputs(2 * 7, 576, torch.bfloat16, residual=False)

@@ -847,6 +847,7 @@ def _rows3(t: torch.Tensor) -> torch.Tensor:
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a contiguous copy where its data pointer is not 16-byte aligned (the kernels' vector loads)."""
     return t if t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
@@ -914,7 +915,7 @@ def norm_forward_launch(x, weight, eps, residual=None, out_scale=1.0, out=None, 
     o_arg = out if out.data_ptr() % 16 == 0 else torch.empty_like(out, memory_format=torch.contiguous_format)
     x3 = _rows3(_aligned(x))
     fn(x3,
-       weight if weight is not None else _dummy(x.dtype, dev),
+       _aligned(weight) if weight is not None else _dummy(x.dtype, dev),
        _rows3(_aligned(residual)) if has_res else _dummy(x.dtype, dev),
        _rows3(residual_out) if has_res else _dummy(x.dtype, dev),
        _rows3(o_arg), sf_arg,
@@ -946,7 +947,7 @@ def norm_backward_launch(out_grad, x, weight, rstd, residual_out_grad=None, out_
         a = _aligned(a)
         return a.as_strided(a.shape, (0 if a.size(0) == 1 else a.stride(0), 1))
 
-    fn(rows(out_grad), rows(x), weight if has_w else _dummy(x.dtype, dev), rstd,
+    fn(rows(out_grad), rows(x), _aligned(weight) if has_w else _dummy(x.dtype, dev), rstd,
        rows(residual_out_grad) if has_rg else _dummy(x.dtype, dev), x_grad, part, float(out_scale))
     if has_w:
         cfg = (_TL_DTYPE[weight_grad.dtype], hidden) + ((True,) if assign else ())

@@ -60,6 +60,35 @@ def _check_forward(op: str, x, weight, eps, residual, out_scale, residual_out) -
     _check.expect(residual_out is None or residual is not None, op, "residual_out requires residual")
 
 
+# Eager CUDA calls of the two forward ops with a 2-D x and no residual or caller buffers skip the checks once the
+# same facts passed them (as the casts' _VALIDATED in cast.py): the key holds everything the checks read -- x's
+# dtype, strides and hidden size and whether it has more than one row (a row stride is checked only then), the
+# weight's dtype, shape, strides and device (x's device beside it), the scalars' types and the flags. The token
+# count is otherwise free.
+_VALIDATED: set[tuple] = set()
+_is_compiling = torch.compiler.is_compiling
+
+
+def _eager_cuda(x: torch.Tensor) -> bool:
+    return x.is_cuda and not _is_compiling()
+
+
+def _fast_key(op: str, x, weight, eps, out_scale, flags: tuple) -> tuple | None:
+    """The ``_VALIDATED`` key of an eager CUDA call with a 2-D x, or None where the fast path does not apply."""
+    if type(x) is not torch.Tensor or not _eager_cuda(x):
+        return None
+    shape = x.shape
+    if len(shape) != 2:
+        return None
+    if weight is None:
+        w = None
+    elif type(weight) is torch.Tensor:
+        w = (weight.dtype, weight.shape, weight.stride(), weight.device)
+    else:
+        return None
+    return (op, x.dtype, x.device, x.stride(), shape[1], shape[0] > 1, w, type(eps), type(out_scale), flags)
+
+
 def _finish(x, h, rstd, residual, residual_out, with_rstd):
     """(rstd or None, norm_input): norm_input is residual_out (filled) with a residual, else x itself."""
     if residual is None:
@@ -80,9 +109,15 @@ def norm_forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float, resid
     ``rstd`` (fp32, ``x.shape[:-1]``) is returned only ``with_rstd`` (else None); ``norm_input`` is
     ``residual_out = round(x + residual)`` with a residual, otherwise ``x`` itself.
     """
-    op = "norm_forward"
+    op, key = "norm_forward", None
+    if residual is None and out is None and residual_out is None:
+        key = _fast_key(op, x, weight, eps, out_scale, (bool(with_rstd),))
+        if key in _VALIDATED:
+            return _K.norm_forward_cuda(x, weight, eps, None, out_scale, None, None, with_rstd)
     _check_forward(op, x, weight, eps, residual, out_scale, residual_out)
     _check_like(op, "out", out, x)
+    if key is not None:  # a cacheable eager call that passed the checks
+        _VALIDATED.add(key)
     if x.is_cuda:
         return _K.norm_forward_cuda(x, weight, eps, residual, out_scale, out, residual_out, with_rstd)
     return norm_forward_reference(x, weight, eps, residual, out_scale, out, residual_out, with_rstd)
@@ -151,7 +186,16 @@ def norm_forward_and_per_token_cast(
     ``num_per_channels=None`` it returns ``(o, None, rstd, norm_input)``. ``mega_moe_sf`` (int32
     ``(T, H/128)``, ``stride(0) == 1``) additionally receives the UE8M0 exponent of every 32-channel group.
     """
-    op = "norm_forward_and_per_token_cast"
+    op, key = "norm_forward_and_per_token_cast", None
+    if (type(fmt) is str and fmt == "e4m3" and type(num_per_channels) is int and residual is None and out is None
+            and out_bf16 is None and residual_out is None and mega_moe_sf is None):
+        key = _fast_key(op, x, weight, eps, out_scale, (num_per_channels, bool(use_tma_aligned_col_major_sf),
+                                                        bool(round_sf), bool(use_packed_ue8m0), bool(with_out_bf16),
+                                                        bool(with_rstd)))
+        if key in _VALIDATED:
+            return _K.norm_forward_and_per_token_cast_cuda(
+                x, weight, eps, fmt, num_per_channels, None, out_scale, use_tma_aligned_col_major_sf, round_sf,
+                use_packed_ue8m0, with_out_bf16, None, None, None, None, mega_moe_block_m, with_rstd)
     _check_forward(op, x, weight, eps, residual, out_scale, residual_out)
     quantized = fmt == "e4m3"
     if not (quantized or fmt == _DTYPE_NAMES[x.dtype]):
@@ -204,7 +248,8 @@ def norm_forward_and_per_token_cast(
                 _check.fail(op, f"out must be a pair (tensor, None) for fmt {fmt!r}", TypeError)
             out_x = out[0]
             _check_like(op, "out[0]", out_x, x)
-
+    if key is not None:  # a cacheable eager call that passed the checks
+        _VALIDATED.add(key)
     if x.is_cuda:
         return _K.norm_forward_and_per_token_cast_cuda(x, weight, eps, fmt, num_per_channels, residual, out_scale,
                                                        col, round_sf, packed, with_out_bf16, out, out_bf16,
