@@ -1,4 +1,4 @@
-"""Host time of the RMSNorm forward ops' Python path on a machine without a GPU (kernel calls stubbed).
+"""Host time of the RMSNorm ops' Python path on a machine without a GPU (kernel calls stubbed).
 
     PYTHONPATH=. python3 tools/host_path_cpu.py
 
@@ -30,6 +30,7 @@ def main() -> None:
     _jit.get = lambda name, cfg: (lambda *args: None)
     x = torch.randn(1, 7168, dtype=torch.bfloat16)
     w = torch.randn(7168, dtype=torch.bfloat16)
+    dy, rstd = torch.randn_like(x), torch.ones(1)
     cases = {
         "norm_forward (public op, validated path)": lambda: N.norm_forward(x, w, 1e-6),
         "norm_forward launcher": lambda: K.norm_forward_cuda(x, w, 1e-6, None, 1.0, None, None, False),
@@ -38,6 +39,8 @@ def main() -> None:
         "norm_forward_and_per_token_cast launcher": lambda: K.norm_forward_and_per_token_cast_cuda(
             x, w, 1e-6, "e4m3", 32, None, 1.0, True, True, True, False, None, None, None, None, 0, False),
         "forward checks (_check_forward)": lambda: N._check_forward("norm_forward", x, w, 1e-6, None, 1.0, None),
+        "norm_backward (public op, validated path)": lambda: N.norm_backward(dy, x, w, rstd),
+        "norm_backward launcher": lambda: K.norm_backward_cuda(dy, x, w, rstd),
     }
     print("| call | us |\n| --- | ---: |")
     for name, fn in cases.items():

@@ -167,6 +167,41 @@ def test_validated_fast_path_skips_only_checks_that_passed(monkeypatch, quant):
     assert len(checks) == 4 and len(calls) == 3
 
 
+def test_validated_fast_path_backward(monkeypatch):
+    """norm_backward's _VALIDATED path: repeated calls skip the checks and launch what the checked CUDA path
+    launches (any token count); a weight_grad of another dtype, or a strided rstd, still fail with the checks'
+    messages."""
+    from tilefuse.quant import norm as N
+
+    monkeypatch.setattr(N, "_eager_cuda", lambda x: True)
+    monkeypatch.setattr(N, "_VALIDATED", set())
+    checks = []
+    real = N._check_hidden
+
+    def counted(op, x, multiple):
+        checks.append(op)
+        return real(op, x, multiple)
+
+    monkeypatch.setattr(N, "_check_hidden", counted)
+    calls = fake_jit(monkeypatch)
+    h = 2048
+    x = torch.randn(5, h, dtype=torch.bfloat16)
+    dy, w, wg = torch.randn_like(x), torch.randn(h, dtype=torch.bfloat16), torch.zeros(h)
+    rstd = torch.ones(5)
+    N.norm_backward(dy, x, w, rstd, None, 0.5, wg)  # checked, cached (CPU tensors: the reference)
+    N.norm_backward(dy, x, w, rstd, None, 0.5, wg)
+    N.norm_backward(dy[:3], x[:3], w, rstd[:3], None, 0.5, wg)
+    assert len(checks) == 1 and len(calls) == 4  # the dx kernel and the weight-gradient reduce, twice
+    K.norm_backward_cuda(dy, x, w, rstd, None, 0.5, wg)  # the checked CUDA path's launches
+    assert calls[:2] == calls[4:] and calls[2].cfg == calls[0].cfg
+    with pytest.raises(TypeError, match="weight_grad must have dtype"):
+        N.norm_backward(dy, x, w, rstd, None, 0.5, torch.zeros(h, dtype=torch.float16))
+    spread = torch.ones(10)[::2]  # the cached call's facts but rstd's stride
+    with pytest.raises(ValueError, match="rstd must be contiguous"):
+        N.norm_backward(dy, x, w, spread, None, 0.5, wg)
+    assert len(checks) == 3 and len(calls) == 6
+
+
 def test_fake_shapes_cpu():
     """Output allocation of the launcher's helpers (no kernel): sf layouts of 2-D and 3-D inputs."""
     x = torch.empty((7, 576))
@@ -369,6 +404,23 @@ def test_validated_fast_path_gpu(quant):
     call(rows[:1], w)
     with pytest.raises(ValueError, match="strides that are multiples of 16"):
         call(rows, w)
+
+
+@pytest.mark.gpu
+def test_validated_fast_path_backward_gpu():
+    """norm_backward called again with the same facts (no checks) gives the first call's bits, at another token
+    count too (dx); a strided rstd still fails."""
+    from tilefuse.quant import norm as N
+
+    h = 2048
+    x, dy, w = _inputs(7, h, torch.bfloat16)
+    rstd = torch.rand(7, device="cuda") + 0.5
+    first = N.norm_backward(dy, x, w, rstd, None, 0.5)
+    for got, want in zip(N.norm_backward(dy, x, w, rstd, None, 0.5), first):
+        assert_equal(got, want)
+    assert_equal(N.norm_backward(dy[:3], x[:3], w, rstd[:3], None, 0.5)[0], first[0][:3])
+    with pytest.raises(ValueError, match="rstd must be contiguous"):
+        N.norm_backward(dy, x, w, torch.ones(14, device="cuda")[::2], None, 0.5)
 
 
 @pytest.mark.gpu

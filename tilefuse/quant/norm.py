@@ -60,11 +60,12 @@ def _check_forward(op: str, x, weight, eps, residual, out_scale, residual_out) -
     _check.expect(residual_out is None or residual is not None, op, "residual_out requires residual")
 
 
-# Eager CUDA calls of the two forward ops with a 2-D x and no residual or caller buffers skip the checks once the
-# same facts passed them (as the casts' _VALIDATED in cast.py): the key holds everything the checks read -- x's
-# dtype, strides and hidden size and whether it has more than one row (a row stride is checked only then), the
-# weight's dtype, shape, strides and device (x's device beside it), the scalars' types and the flags. The token
-# count is otherwise free.
+# Eager CUDA calls with a 2-D x and no residual (forward: no caller buffers) skip the checks once the same facts
+# passed them (as the casts' _VALIDATED in cast.py): the key holds everything the checks read -- x's dtype,
+# strides and hidden size and whether it has more than one row (row strides and a 1-D tensor's contiguity are
+# checked only then), the weight's dtype, shape, strides and device (x's device beside it), the scalars' types,
+# the flags and, for the backward, the same facts of out_grad, rstd and weight_grad (whether their shapes match
+# x's). The token count is otherwise free.
 _VALIDATED: set[tuple] = set()
 _is_compiling = torch.compiler.is_compiling
 
@@ -295,7 +296,16 @@ def norm_backward(out_grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor 
     is accumulated into, ``float(existing) + sum_rows(xh * g)``, and returned as the same object; a new one
     has ``weight.dtype``. The row reduction has a fixed order (deterministic). None without a weight.
     """
-    op = "norm_backward"
+    op, key = "norm_backward", None
+    if (residual_out_grad is None and type(x) is torch.Tensor and type(out_grad) is torch.Tensor
+            and type(rstd) is torch.Tensor and (weight_grad is None or type(weight_grad) is torch.Tensor)):
+        g = None if weight_grad is None else (weight_grad.dtype, weight_grad.shape, weight_grad.stride(),
+                                              weight_grad.device)
+        key = _fast_key(op, x, weight, None, out_scale, (
+            out_grad.dtype, out_grad.shape == x.shape, out_grad.stride(), out_grad.device,
+            rstd.dtype, rstd.shape == x.shape[:1], rstd.stride(), rstd.device, g))
+        if key in _VALIDATED:
+            return _K.norm_backward_cuda(out_grad, x, weight, rstd, None, out_scale, weight_grad)
     _check.tensor(op, "x", x, dtype=_DTYPES, ndim=2)
     h = _check_hidden(op, x, 32)
     _check_rows(op, "x", x)
@@ -306,6 +316,8 @@ def norm_backward(out_grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor 
     _check_scalar(op, "out_scale", out_scale)
     _check.optional(op, "weight_grad", weight_grad, dtype=_DTYPES, shape=(h,), contiguous=True, device=x.device)
     _check.expect(weight_grad is None or weight is not None, op, "weight_grad requires weight")
+    if key is not None:  # a cacheable eager call that passed the checks
+        _VALIDATED.add(key)
     if x.is_cuda:
         return _K.norm_backward_cuda(out_grad, x, weight, rstd, residual_out_grad, out_scale, weight_grad)
     return norm_backward_reference(out_grad, x, weight, rstd, residual_out_grad, out_scale, weight_grad)
