@@ -297,7 +297,7 @@ def norm_backward(out_grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor 
     has ``weight.dtype``. The row reduction has a fixed order (deterministic). None without a weight.
     """
     op, key = "norm_backward", None
-    if (residual_out_grad is None and type(x) is torch.Tensor and type(out_grad) is torch.Tensor
+    if (residual_out_grad is None and type(x) is torch.Tensor and _eager_cuda(x) and type(out_grad) is torch.Tensor
             and type(rstd) is torch.Tensor and (weight_grad is None or type(weight_grad) is torch.Tensor)):
         g = None if weight_grad is None else (weight_grad.dtype, weight_grad.shape, weight_grad.stride(),
                                               weight_grad.device)
