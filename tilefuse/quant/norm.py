@@ -71,6 +71,7 @@ _is_compiling = torch.compiler.is_compiling
 
 
 def _eager_cuda(x: torch.Tensor) -> bool:
+    """A CUDA tensor outside torch.compile's tracing (the CPU tests replace it to drive the fast paths)."""
     return x.is_cuda and not _is_compiling()
 
 
