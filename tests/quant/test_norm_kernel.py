@@ -202,6 +202,19 @@ def test_validated_fast_path_backward(monkeypatch):
     assert len(checks) == 3 and len(calls) == 6
 
 
+@pytest.mark.compile
+def test_unit_scale_branch_builds_for_sm90(monkeypatch):
+    """FWD_UNIT_SCALE: one uniform branch on out_scale == 1; only the other copy multiplies the weight by out_scale."""
+    import tilelang
+
+    monkeypatch.setattr(K, "FWD_UNIT_SCALE", True)
+    cfg = ("bfloat16", 7168, True, False, True, "col_packed", True, False, False, 0)
+    src = tilelang.compile(K.norm_forward_kernel(*cfg), target={"kind": "cuda", "arch": "sm_90"},
+                           execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
+    assert src.count("if (out_scale == 0x1p+0f") == 1
+    assert src.count("* out_scale)") == 1  # the weight product of the one 7-vector loop of the non-unit copy
+
+
 def test_fake_shapes_cpu():
     """Output allocation of the launcher's helpers (no kernel): sf layouts of 2-D and 3-D inputs."""
     x = torch.empty((7, 576))
@@ -564,6 +577,7 @@ KNOB_VARIANTS = [  # the defaults: BWD_STAGES=3 (BWD_PIPE off), WG_ASSIGN, RED_P
     {"BWD_PIPE": True},
     {"BWD_PDL": True, "BWD_TRIGGER": True},
     {"WG_ASSIGN": False, "RED_PDL": False},
+    {"FWD_UNIT_SCALE": True},
 ]
 
 
