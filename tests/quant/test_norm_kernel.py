@@ -54,6 +54,22 @@ def test_backward_staged_builds_for_sm90(stages, cfg, monkeypatch):
 
 @pytest.mark.compile
 @pytest.mark.parametrize("cfg", [("bfloat16", 7168, True, True), ("bfloat16", 576, False, False)], ids=str)
+def test_backward_red_slots_builds_for_sm90(cfg, monkeypatch):
+    """BWD_RED_SLOTS = 2 (staged body): one barrier per row, the row sums read from the row's parity slot."""
+    import tilelang
+
+    monkeypatch.setattr(K, "BWD_STAGES", 3)
+    monkeypatch.setattr(K, "BWD_PIPE", False)
+    monkeypatch.setattr(K, "BWD_RED_SLOTS", 2)
+    src = tilelang.compile(K.norm_backward_kernel(*cfg), target={"kind": "cuda", "arch": "sm_90"},
+                           execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
+    loop = src[src.index("for (int k = 0;"):]
+    assert loop.count("__syncthreads()") == 1
+    assert "(k & 1)" in loop or "(k % 2)" in loop
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("cfg", [("bfloat16", 7168, True, True), ("bfloat16", 576, False, False)], ids=str)
 def test_backward_pipe_builds_for_sm90(cfg, monkeypatch):
     """BWD_PIPE (with BWD_STAGES = 3): one barrier per row, one row in flight, the same per-element expressions as
     the staged body (FFMA contraction included: the same FMUL/FFMA counts are checked on the GPU tier's bits)."""
@@ -578,6 +594,7 @@ KNOB_VARIANTS = [  # the defaults: BWD_STAGES=3 (BWD_PIPE off), WG_ASSIGN, RED_P
     {"BWD_PDL": True, "BWD_TRIGGER": True},
     {"WG_ASSIGN": False, "RED_PDL": False},
     {"FWD_UNIT_SCALE": True},
+    {"BWD_RED_SLOTS": 2},
 ]
 
 

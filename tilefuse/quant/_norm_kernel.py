@@ -64,6 +64,9 @@ BWD_PIPE = False   # norm_backward with BWD_STAGES == 3 only: software-pipelined
                    # (k + 1) % 3; stage (k - 1) % 3 still holds row k - 1 for its dx pass). Same per-row arithmetic.
                    # Off since 2026-11-29 (the 448-thread CTA): the staged body's two rows in flight won, 97.5 vs
                    # 98.7 us at the bench shape (on with 256 threads: 99.6 vs 103.6 us)
+BWD_RED_SLOTS = 1  # staged norm_backward (BWD_PIPE off): 2 = the per-warp row sums alternate between two shared
+                   # slots by row parity, so one barrier per row instead of two (slot k % 2 is rewritten in row k + 2, after
+                   # row k + 1's barrier, which every reader of row k's sums has passed). Same arithmetic and order.
 BWD_PDL = False    # norm_backward: programmatic dependent launch (griddepcontrol.wait before any global access)
 RED_PDL = True     # weight-gradient reduce: programmatic dependent launch (it waits for the dx kernel's partials)
 BWD_TRIGGER = False  # norm_backward: launch the dependent grid (the reduce, with RED_PDL) at the start instead of at
@@ -464,6 +467,8 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
         """BWD_STAGES >= 2: the same per-row arithmetic as ``make_body`` (each thread owns the same columns and
         computes the same expressions in the same order); x, dy and rstd come from an ST-stage shared ring that
         per-thread cp.async fills ST - 1 rows ahead, and the dx pass reads the row from shared memory again."""
+        RS2 = 2 if BWD_RED_SLOTS == 2 else 1   # red slots (BWD_RED_SLOTS)
+
         @T.macro
         def body(DY, X, W, Rstd, RG, DX, Part, p, out_scale):
             tx = T.get_thread_binding()
@@ -475,7 +480,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
             xl = T.alloc_local((E,), x_dtype)
             dl = T.alloc_local((E,), x_dtype)
             io = T.alloc_local((E,), x_dtype)
-            red = T.alloc_shared((NW,), "float32")
+            red = T.alloc_shared((NW,) if RS2 == 1 else (RS2, NW), "float32")
             acc = T.alloc_var("float32")
             xb = T.alloc_var("uint32")   # shared-window addresses of the rings
             db = T.alloc_var("uint32")
@@ -540,13 +545,21 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                                 acc = acc + xh * g
                     for st in T.unroll(5):
                         acc = acc + T.shfl_xor(acc, T.shift_right(16, st))
-                    T.sync_threads()  # the previous row's readers of red are done
-                    if tx % 32 == 0:
-                        red[tx // 32] = acc
-                    T.sync_threads()
-                    acc = red[0]
-                    for i in T.unroll(1, NW):
-                        acc = acc + red[i]
+                    if RS2 == 1:
+                        T.sync_threads()  # the previous row's readers of red are done
+                        if tx % 32 == 0:
+                            red[tx // 32] = acc
+                        T.sync_threads()
+                        acc = red[0]
+                        for i in T.unroll(1, NW):
+                            acc = acc + red[i]
+                    else:   # BWD_RED_SLOTS: this row's slot, k % 2
+                        if tx % 32 == 0:
+                            red[k % 2, tx // 32] = acc
+                        T.sync_threads()
+                        acc = red[k % 2, 0]
+                        for i in T.unroll(1, NW):
+                            acc = acc + red[k % 2, i]
                     mean = acc / T.float32(hidden)
                     for c in T.unroll(C):
                         col = (c * TB + tx) * E
