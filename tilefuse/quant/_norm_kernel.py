@@ -48,9 +48,6 @@ FWD_W_AHEAD = True  # forward: the weight vector of column block c + 1 is loaded
                      # (block 0's before the row reduction). With FWD_PDL the pointers are not __restrict__, so the
                      # compiler cannot hoist a weight load above the previous block's output stores: each block
                      # otherwise waits a full load latency after the barrier. Same arithmetic.
-FWD_UNIT_SCALE = False  # forward with a weight: a uniform branch on out_scale == 1.0 whose copy of the output step
-                        # multiplies by w instead of w * out_scale (the same bits: w * 1.0 == w in binary32, NaN
-                        # included once the next product canonicalizes it); one FMUL per element fewer
 FWD_BLOCKS = 6    # bf16 norm_forward CTAs (rows) resident per SM: <= 80 registers, no spills
 FWD_BLOCKS_QUANT = 8  # the quantizing bf16 forward: <= 64 registers (it needs 72 unconstrained: 7 per SM)
 BWD_STAGES = 3     # norm_backward: 0 = rows loaded into registers one row ahead; S >= 2 = an S-stage
@@ -64,9 +61,6 @@ BWD_PIPE = False   # norm_backward with BWD_STAGES == 3 only: software-pipelined
                    # (k + 1) % 3; stage (k - 1) % 3 still holds row k - 1 for its dx pass). Same per-row arithmetic.
                    # Off since 2026-11-29 (the 448-thread CTA): the staged body's two rows in flight won, 97.5 vs
                    # 98.7 us at the bench shape (on with 256 threads: 99.6 vs 103.6 us)
-BWD_RED_SLOTS = 1  # staged norm_backward (BWD_PIPE off): 2 = the per-warp row sums alternate between two shared
-                   # slots by row parity, so one barrier per row instead of two (slot k % 2 is rewritten in row k + 2, after
-                   # row k + 1's barrier, which every reader of row k's sums has passed). Same arithmetic and order.
 BWD_PDL = False    # norm_backward: programmatic dependent launch (griddepcontrol.wait before any global access)
 RED_PDL = True     # weight-gradient reduce: programmatic dependent launch (it waits for the dx kernel's partials)
 BWD_TRIGGER = False  # norm_backward: launch the dependent grid (the reduce, with RED_PDL) at the start instead of at
@@ -163,9 +157,52 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
     rstd_p = T.Tensor((B, Tn), "float32") if with_rstd else dummy("float32")
     mega_p = T.StridedTensor((hidden // 128, MR), (ML, 1), "int32") if mega_bm else dummy("int32")
 
+    # the kernel body: row (b, t)
     @T.macro
-    def outputs(W, Out, SF, Bf, Mega, io, wn, rstd, out_scale, t, b, tx, unit: bool):
-        """Step 2 of ``body``; ``unit``: out_scale is 1.0 (FWD_UNIT_SCALE), so ``w * out_scale`` is ``w`` itself."""
+    def body(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale, t, b):
+        tx = T.get_thread_binding()
+        io = T.alloc_local((C, E), x_dtype)   # h = round(x + res) in x.dtype: binary32 values are float(io)
+        red = T.alloc_shared((NW,), "float32")
+        acc = T.alloc_var("float32")
+        wn = T.alloc_local((E,), x_dtype)     # FWD_W_AHEAD: the next block's weight vector
+        # 1. h = x (+ residual, rounded to x.dtype and written to residual_out); sum of squares
+        acc = T.float32(0.0)
+        for c in T.unroll(C):
+            col = (c * _THREADS + tx) * E
+            if col < hidden:
+                for e in T.vectorized(E):
+                    io[c, e] = X[b, t, col + e]
+                if has_residual:
+                    rr = T.alloc_local((E,), x_dtype)
+                    for e in T.vectorized(E):
+                        rr[e] = Res[b, t, col + e]
+                    for e in T.vectorized(E):
+                        io[c, e] = T.cast(T.cast(io[c, e], "float32") + T.cast(rr[e], "float32"), x_dtype)
+                    for e in T.vectorized(E):
+                        ResOut[b, t, col + e] = io[c, e]
+            else:
+                for e in T.vectorized(E):
+                    io[c, e] = T.cast(0, x_dtype)
+        if W_AHEAD:
+            if tx * E < hidden:
+                for e in T.vectorized(E):
+                    wn[e] = W[tx * E + e]
+        for c in T.unroll(C):
+            for e in T.unroll(E):
+                hv = f32(io, c, e)
+                acc = acc + hv * hv
+        for st in T.unroll(5):
+            acc = acc + T.shfl_xor(acc, T.shift_right(16, st))
+        if tx % 32 == 0:
+            red[tx // 32] = acc
+        T.sync_threads()
+        acc = red[0]
+        for i in T.unroll(1, NW):
+            acc = acc + red[i]
+        rstd = T.rsqrt(acc / T.float32(hidden) + eps)
+        if with_rstd:
+            if tx == 0:
+                Rstd[b, t] = rstd
         # 2. per vector: o = round((h * rstd) * (w * out_scale)); the quantizing op then casts o exactly as
         #    per_token_cast(o, 'e4m3', 32) (its 32-channel group: L lanes of this vector index)
         for c in T.unroll(C):
@@ -186,7 +223,7 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
                         for e in T.vectorized(E):
                             ww[e] = W[col + e]
                     for e in T.unroll(E):
-                        of[e] = (f32(io, c, e) * rstd) * (f32(ww, e) if unit else f32(ww, e) * out_scale)
+                        of[e] = (f32(io, c, e) * rstd) * (f32(ww, e) * out_scale)
                 else:
                     for e in T.unroll(E):
                         of[e] = (f32(io, c, e) * rstd) * out_scale
@@ -252,61 +289,6 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
                         qb[e] = T.cast(of[e] * inv, "float8_e4m3fn")
                     for e in T.vectorized(E):
                         Out[b, t, col + e] = qb[e]
-
-
-    # the kernel body: row (b, t)
-    @T.macro
-    def body(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale, t, b):
-        tx = T.get_thread_binding()
-        io = T.alloc_local((C, E), x_dtype)   # h = round(x + res) in x.dtype: binary32 values are float(io)
-        red = T.alloc_shared((NW,), "float32")
-        acc = T.alloc_var("float32")
-        wn = T.alloc_local((E,), x_dtype)     # FWD_W_AHEAD: the next block's weight vector
-        # 1. h = x (+ residual, rounded to x.dtype and written to residual_out); sum of squares
-        acc = T.float32(0.0)
-        for c in T.unroll(C):
-            col = (c * _THREADS + tx) * E
-            if col < hidden:
-                for e in T.vectorized(E):
-                    io[c, e] = X[b, t, col + e]
-                if has_residual:
-                    rr = T.alloc_local((E,), x_dtype)
-                    for e in T.vectorized(E):
-                        rr[e] = Res[b, t, col + e]
-                    for e in T.vectorized(E):
-                        io[c, e] = T.cast(T.cast(io[c, e], "float32") + T.cast(rr[e], "float32"), x_dtype)
-                    for e in T.vectorized(E):
-                        ResOut[b, t, col + e] = io[c, e]
-            else:
-                for e in T.vectorized(E):
-                    io[c, e] = T.cast(0, x_dtype)
-        if W_AHEAD:
-            if tx * E < hidden:
-                for e in T.vectorized(E):
-                    wn[e] = W[tx * E + e]
-        for c in T.unroll(C):
-            for e in T.unroll(E):
-                hv = f32(io, c, e)
-                acc = acc + hv * hv
-        for st in T.unroll(5):
-            acc = acc + T.shfl_xor(acc, T.shift_right(16, st))
-        if tx % 32 == 0:
-            red[tx // 32] = acc
-        T.sync_threads()
-        acc = red[0]
-        for i in T.unroll(1, NW):
-            acc = acc + red[i]
-        rstd = T.rsqrt(acc / T.float32(hidden) + eps)
-        if with_rstd:
-            if tx == 0:
-                Rstd[b, t] = rstd
-        if FWD_UNIT_SCALE and has_weight:  # one uniform branch: two copies of step 2
-            if out_scale == T.float32(1.0):
-                outputs(W, Out, SF, Bf, Mega, io, wn, rstd, out_scale, t, b, tx, True)
-            else:
-                outputs(W, Out, SF, Bf, Mega, io, wn, rstd, out_scale, t, b, tx, False)
-        else:
-            outputs(W, Out, SF, Bf, Mega, io, wn, rstd, out_scale, t, b, tx, False)
 
     @T.prim_func
     def norm_forward(X: x_p, W: w_p, Res: r_p, ResOut: ro_p, Out: o_p, SF: sf_p, Bf: bf_p, Rstd: rstd_p,
@@ -467,8 +449,6 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
         """BWD_STAGES >= 2: the same per-row arithmetic as ``make_body`` (each thread owns the same columns and
         computes the same expressions in the same order); x, dy and rstd come from an ST-stage shared ring that
         per-thread cp.async fills ST - 1 rows ahead, and the dx pass reads the row from shared memory again."""
-        RS2 = 2 if BWD_RED_SLOTS == 2 else 1   # red slots (BWD_RED_SLOTS)
-
         @T.macro
         def body(DY, X, W, Rstd, RG, DX, Part, p, out_scale):
             tx = T.get_thread_binding()
@@ -480,7 +460,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
             xl = T.alloc_local((E,), x_dtype)
             dl = T.alloc_local((E,), x_dtype)
             io = T.alloc_local((E,), x_dtype)
-            red = T.alloc_shared((NW,) if RS2 == 1 else (RS2, NW), "float32")
+            red = T.alloc_shared((NW,), "float32")
             acc = T.alloc_var("float32")
             xb = T.alloc_var("uint32")   # shared-window addresses of the rings
             db = T.alloc_var("uint32")
@@ -545,21 +525,13 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                                 acc = acc + xh * g
                     for st in T.unroll(5):
                         acc = acc + T.shfl_xor(acc, T.shift_right(16, st))
-                    if RS2 == 1:
-                        T.sync_threads()  # the previous row's readers of red are done
-                        if tx % 32 == 0:
-                            red[tx // 32] = acc
-                        T.sync_threads()
-                        acc = red[0]
-                        for i in T.unroll(1, NW):
-                            acc = acc + red[i]
-                    else:   # BWD_RED_SLOTS: this row's slot, k % 2
-                        if tx % 32 == 0:
-                            red[k % 2, tx // 32] = acc
-                        T.sync_threads()
-                        acc = red[k % 2, 0]
-                        for i in T.unroll(1, NW):
-                            acc = acc + red[k % 2, i]
+                    T.sync_threads()  # the previous row's readers of red are done
+                    if tx % 32 == 0:
+                        red[tx // 32] = acc
+                    T.sync_threads()
+                    acc = red[0]
+                    for i in T.unroll(1, NW):
+                        acc = acc + red[i]
                     mean = acc / T.float32(hidden)
                     for c in T.unroll(C):
                         col = (c * TB + tx) * E
