@@ -337,3 +337,176 @@ def test_cast_back_native_equals_python_launch_path(native, monkeypatch, t, case
     for got in (first, second):
         assert got.shape == want.shape and got.stride() == want.stride() and got.dtype == want.dtype
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), name
+
+
+def _scalar_recorder():
+    """A TVM-FFI kernel recording each argument: a tensor's (shape, strides, dtype), a scalar's value."""
+    import tvm_ffi
+
+    seen = []
+
+    def kernel(*args):
+        seen.append([(tuple(a.shape), tuple(a.strides), str(a.dtype)) if hasattr(a, "shape") else ("scalar", a)
+                     for a in args])
+
+    return tvm_ffi.convert(kernel), seen
+
+
+_NORM_CASES = [(False, "row", False, False), (False, "row", False, True), (True, "row", False, True),
+               (True, "row_packed", True, False), (True, "col", True, True), (True, "col_packed", True, True)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("t", [1, 5, 8])
+@pytest.mark.parametrize("case", _NORM_CASES, ids=str)  # (quant, sf layout, round_sf, with_rstd)
+@pytest.mark.parametrize("weight", [True, False])
+@pytest.mark.parametrize("offset", [0, 1])  # x and the weight 2 bytes past a 16-byte boundary: copied
+def test_norm_plan_matches_python_launch(native, monkeypatch, t, case, weight, offset):
+    """The RMSNorm forward's native plan hands the kernel the same arguments as its Python path ((1, T, H) row
+    views with size-1 strides 0, sf per layout, rstd, one-element placeholders, eps and out_scale) and returns the
+    same layouts."""
+    from tilefuse import _jit
+    from tilefuse.quant import _norm_kernel as KN
+
+    fn, seen = _scalar_recorder()
+    monkeypatch.setattr(_jit, "get", lambda name, cfg: fn)
+    monkeypatch.setattr(KN, "_PLANS", {})
+    quant, layout, round_sf, with_rstd = case
+    h = 2048
+    x = torch.randn(t, h + 64).to(torch.bfloat16)[:, offset:offset + h]   # row stride h + 64
+    w = torch.randn(h + 8).to(torch.bfloat16)[offset:offset + h] if weight else None
+    args = dict(with_rstd=with_rstd, quant=quant, use_tma_aligned_col_major_sf=layout.startswith("col"),
+                round_sf=round_sf, use_packed_ue8m0=layout.endswith("packed"))
+    got = KN.norm_forward_launch(x, w, 1e-6, None, 0.5, **args)
+    assert type(next(iter(KN._PLANS.values()))).__module__ == "tilefuse_native"
+    monkeypatch.setattr(KN, "_plan", lambda *a: None)
+    want = KN.norm_forward_launch(x, w, 1e-6, None, 0.5, **args)
+    assert len(seen) == 2 and seen[0] == seen[1]
+    assert seen[0][-2:] == [("scalar", 1e-6), ("scalar", 0.5)]
+    assert seen[0][0] == ((1, t, h), (0, (h + 64 if offset == 0 else h) if t > 1 else 0, 1), "bfloat16")
+    for g, e in zip(got, want):
+        assert (g is None) == (e is None)
+        if g is not None:
+            assert _desc(g) == _desc(e)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("t", [1, 5, 8])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("weight", [True, False])
+@pytest.mark.parametrize("offset", [0, 1])  # out_grad, x and the weight one element past their aligned start
+def test_norm_backward_plan_matches_python_launch(native, monkeypatch, t, x_dtype, weight, offset):
+    """The RMSNorm backward's native plan launches the dx kernel and (with a weight) the assigning weight-gradient
+    reduce with the Python path's arguments, and returns the same layouts (weight_grad None without a weight)."""
+    from tilefuse import _jit
+    from tilefuse.quant import _norm_kernel as KN
+
+    fn, seen = _scalar_recorder()
+    names = []
+    monkeypatch.setattr(_jit, "get", lambda name, cfg: (names.append((name, cfg)), fn)[1])
+    monkeypatch.setattr(KN, "_PLANS", {})
+    h = 2048
+    x = torch.randn(t, h + 64).to(x_dtype)[:, offset:offset + h]
+    dy = torch.randn(t, h + 32).to(x_dtype)[:, offset:offset + h]
+    w = torch.randn(h + 8).to(x_dtype)[offset:offset + h] if weight else None
+    rstd = torch.rand(t)
+    got = KN.norm_backward_launch(dy, x, w, rstd, None, 0.75)
+    assert type(next(iter(KN._PLANS.values()))).__module__ == "tilefuse_native"
+    plan_names = list(names)
+    monkeypatch.setattr(KN, "_backward_plan", lambda *a: None)
+    want = KN.norm_backward_launch(dy, x, w, rstd, None, 0.75)
+    launches = 2 if weight else 1
+    assert len(seen) == 2 * launches and seen[:launches] == seen[launches:]
+    assert seen[0][-1] == ("scalar", 0.75)
+    assert sorted(plan_names) == sorted(names[len(plan_names):])   # the same kernel configs
+    for g, e in zip(got, want):
+        assert (g is None) == (e is None)
+        if g is not None:
+            assert _desc(g) == _desc(e)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 7, 4001])
+@pytest.mark.parametrize("case", _NORM_CASES, ids=str)  # (quant, sf layout, round_sf, with_rstd)
+@pytest.mark.parametrize("offset", [0, 1])
+def test_norm_native_equals_python_launch_path(native, monkeypatch, t, case, offset):
+    """The public RMSNorm forward ops on the native plan (the validated fast path on the second call) equal the
+    Python launch path bitwise, strides included; misaligned x and weight too."""
+    from tilefuse.quant import _norm_kernel as KN, norm as N
+
+    quant, layout, round_sf, with_rstd = case
+    col, packed = layout.startswith("col"), layout.endswith("packed")
+    h = 7168
+    x = (torch.randn(t, h + 64, device="cuda") * 3).to(torch.bfloat16)[:, offset:offset + h]
+    w = torch.randn(h + 8, device="cuda").to(torch.bfloat16)[offset:offset + h]
+
+    def call():
+        if quant:
+            (d, sf), _, rstd, _ = N.norm_forward_and_per_token_cast(x, w, 1e-6, "e4m3", 32, None, 0.5, col, round_sf,
+                                                                    packed, with_rstd=with_rstd)
+            return d, sf, rstd
+        o, rstd, _ = N.norm_forward(x, w, 1e-6, out_scale=0.5, with_rstd=with_rstd)
+        return o, None, rstd
+
+    first, second = call(), call()
+    assert any(type(p).__module__ == "tilefuse_native" for p in KN._PLANS.values())
+    monkeypatch.setattr(KN, "_plan", lambda *a: None)
+    o, sf, _, rstd, _ = KN.norm_forward_launch(x, w, 1e-6, None, 0.5, with_rstd=with_rstd, quant=quant,
+                                               use_tma_aligned_col_major_sf=col, round_sf=round_sf,
+                                               use_packed_ue8m0=packed)
+    for got in (first, second):
+        for a, b in zip(got, (o, sf, rstd)):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+                assert torch.equal(_bytes(a), _bytes(b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 7, 4001])
+@pytest.mark.parametrize("weight", [True, False])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_norm_backward_native_equals_python_launch_path(native, monkeypatch, t, weight, offset):
+    """The public norm_backward on the native plan equals the Python launch path bitwise (x_grad and the
+    assigned weight_grad); misaligned inputs too."""
+    from tilefuse.quant import _norm_kernel as KN, norm as N
+
+    h = 7168
+    x = torch.randn(t, h + 64, device="cuda").to(torch.bfloat16)[:, offset:offset + h]
+    dy = torch.randn(t, h + 32, device="cuda").to(torch.bfloat16)[:, offset:offset + h]
+    w = torch.randn(h + 8, device="cuda").to(torch.bfloat16)[offset:offset + h] if weight else None
+    rstd = torch.rand(t, device="cuda") + 0.5
+    first, second = N.norm_backward(dy, x, w, rstd, out_scale=0.75), N.norm_backward(dy, x, w, rstd, out_scale=0.75)
+    assert any(type(p).__module__ == "tilefuse_native" for p in KN._PLANS.values())
+    monkeypatch.setattr(KN, "_backward_plan", lambda *a: None)
+    want = KN.norm_backward_launch(dy, x, w, rstd, None, 0.75)
+    for got in (first, second):
+        for a, b in zip(got, want):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+                assert torch.equal(_bytes(a), _bytes(b))
+
+
+@pytest.mark.gpu
+def test_norm_native_outputs_take_record_stream(native):
+    """The RMSNorm plan's outputs are caching-allocator tensors: record_stream holds a freed block for a busy side
+    stream."""
+    from tilefuse.quant import _norm_kernel as KN, norm as N
+
+    x = torch.randn(64, 7168, device="cuda").to(torch.bfloat16)
+    w = torch.randn(7168, device="cuda").to(torch.bfloat16)
+    out = N.norm_forward(x, w, 1e-6)[0]
+    assert any(type(p).__module__ == "tilefuse_native" for p in KN._PLANS.values())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)
+        seen = out.clone()
+    out.record_stream(side)
+    ptr, nbytes = out.data_ptr(), out.numel() * out.element_size()
+    del out
+    again = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    assert again.data_ptr() != ptr
+    torch.cuda.synchronize()
+    assert torch.equal(seen, N.norm_forward(x, w, 1e-6)[0])   # the side stream read the data the kernel wrote

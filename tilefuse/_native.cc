@@ -19,6 +19,7 @@
 #include <tvm/ffi/extra/c_env_api.h>
 
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -101,6 +102,26 @@ struct KernelArg {
     for (int i = 0; i < dl.ndim - 1; ++i) strides[i] = strides[i] * num / den;
   }
 };
+
+// Call the TVM-FFI function `handle` with `args` on torch's current stream of x's device (a CUDA x).
+void call(void* handle, TVMFFIAny* args, int32_t nargs, const at::Tensor& x) {
+  TVMFFIAny result;
+  result.type_index = kTVMFFINone;
+  result.zero_padding = 0;
+  result.v_int64 = 0;
+  TVMFFIStreamHandle prev = nullptr;
+  const bool cuda = x.is_cuda();
+  const int32_t dev = cuda ? static_cast<int32_t>(x.get_device()) : 0;
+  if (cuda) {
+    c10::Stream s = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(x.device());
+    if (TVMFFIEnvSetStream(kDLCUDA, dev, s.native_handle(), &prev) != 0)
+      throw ::tvm::ffi::details::MoveFromSafeCallRaised();
+  }
+  int rc = TVMFFIFunctionCall(handle, args, nargs, &result);
+  if (cuda) TVMFFIEnvSetStream(kDLCUDA, dev, prev, nullptr);
+  if (rc != 0) throw ::tvm::ffi::details::MoveFromSafeCallRaised();
+  if (result.type_index >= kTVMFFIStaticObjectBegin) TVMFFIObjectDecRef(result.v_obj);
+}
 
 class Plan {
  public:
@@ -193,22 +214,7 @@ class Plan {
       args[i].zero_padding = 0;
       args[i].v_ptr = &a[i].dl;
     }
-    TVMFFIAny result;
-    result.type_index = kTVMFFINone;
-    result.zero_padding = 0;
-    result.v_int64 = 0;
-    TVMFFIStreamHandle prev = nullptr;
-    const bool cuda = x.is_cuda();
-    const int32_t dev = cuda ? static_cast<int32_t>(x.get_device()) : 0;
-    if (cuda) {
-      c10::Stream s = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(x.device());
-      if (TVMFFIEnvSetStream(kDLCUDA, dev, s.native_handle(), &prev) != 0)
-        throw ::tvm::ffi::details::MoveFromSafeCallRaised();
-    }
-    int rc = TVMFFIFunctionCall(handle_, args, static_cast<int32_t>(nargs), &result);
-    if (cuda) TVMFFIEnvSetStream(kDLCUDA, dev, prev, nullptr);
-    if (rc != 0) throw ::tvm::ffi::details::MoveFromSafeCallRaised();
-    if (result.type_index >= kTVMFFIStaticObjectBegin) TVMFFIObjectDecRef(result.v_obj);
+    call(handle_, args, static_cast<int32_t>(nargs), x);
   }
 
   py::object fn_;  // keeps the TVM-FFI function (and its module) alive
@@ -216,6 +222,195 @@ class Plan {
   int64_t align_, vp_;
   at::ScalarType x_kdtype_;
   std::vector<Out> outs_;
+};
+
+// The RMSNorm forward kernel (quant.md 5.11) of one static config without residual, bf16 copy or mega-MoE sf:
+// its parameters are (X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale), x and out as (1, T, H) row
+// views (the strides of size-1 dimensions 0, as the Python launcher passes them). Calling it with (x, weight,
+// eps, out_scale) allocates out (T, H), the sf of the quantizing configs (row-major, or column-major with
+// leading dimension align(T, 4) and minimal storage) and rstd (T,) when asked, and launches on torch's current
+// stream. x and the weight are copied where their start is not 16-byte aligned (the kernel's vector loads);
+// a row stride is taken as it is (the public op checked it). The parameters the config does not read get a
+// one-element view of out's storage of their dtype (what the kernel's argument checks ask of them).
+class NormPlan {
+ public:
+  // sf_kind: -1 none, 0 row fp32, 1 row packed int32, 2 col fp32, 3 col packed int32
+  NormPlan(py::object fn, int64_t hidden, at::ScalarType x_dtype, at::ScalarType out_dtype, int sf_kind,
+           bool has_weight, bool with_rstd)
+      : fn_(std::move(fn)), h_(hidden), x_dtype_(x_dtype), out_dtype_(out_dtype), sf_kind_(sf_kind),
+        has_w_(has_weight), rstd_(with_rstd) {
+    if (sf_kind < -1 || sf_kind > 3 || hidden < 16 || hidden % 16 || (sf_kind >= 0 && hidden % 32))
+      throw std::invalid_argument("tilefuse native launch: bad RMSNorm plan");
+    handle_ = reinterpret_cast<void*>(fn_.attr("__chandle__")().cast<uintptr_t>());
+    const int64_t groups = hidden / 32;
+    sf_cols_ = (sf_kind == 1 || sf_kind == 3) ? (groups + 3) / 4 : groups;
+  }
+
+  // (out, sf or None, rstd or None)
+  py::tuple operator()(at::Tensor x, std::optional<at::Tensor> w, double eps, double out_scale) const {
+    const int64_t t = x.size(0);
+    at::TensorOptions opts = x.options();
+    at::Tensor out = at::empty({t, h_}, opts.dtype(out_dtype_)), sf, rstd;
+    const int64_t pad = (t + 3) & ~int64_t(3);
+    const bool packed = sf_kind_ == 1 || sf_kind_ == 3, col = sf_kind_ >= 2;
+    if (sf_kind_ >= 0) {
+      const at::ScalarType d = packed ? at::kInt : at::kFloat;
+      sf = col ? at::empty_strided({t, sf_cols_}, {1, pad}, opts.dtype(d)) : at::empty({t, sf_cols_}, opts.dtype(d));
+    }
+    if (rstd_) rstd = at::empty({t}, opts.dtype(at::kFloat));
+    if (t > 0) {
+      if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16) x = x.clone(at::MemoryFormat::Contiguous);
+      at::Tensor wt;
+      if (has_w_) {
+        wt = *w;
+        if (reinterpret_cast<uintptr_t>(wt.data_ptr()) % 16) wt = wt.clone(at::MemoryFormat::Contiguous);
+      }
+      KernelArg a[9];
+      auto rows = [&](KernelArg& k, const at::Tensor& v, int64_t row_stride) {  // (1, t, H) row view
+        k.point(v);
+        k.dl.ndim = 3;
+        k.shape[0] = 1, k.shape[1] = t, k.shape[2] = h_;
+        k.strides[0] = 0, k.strides[1] = t > 1 ? row_stride : 0, k.strides[2] = 1;
+      };
+      auto dummy = [&](KernelArg& k, at::ScalarType d) {  // one element of d at out's start (never read)
+        k.point(out);
+        k.dl.dtype = dl_dtype(d);
+        k.dl.ndim = 1;
+        k.shape[0] = 1;
+        k.strides[0] = 1;
+      };
+      rows(a[0], x, x.stride(0));
+      if (has_w_) a[1].point(wt); else dummy(a[1], x_dtype_);
+      dummy(a[2], x_dtype_);
+      dummy(a[3], x_dtype_);
+      rows(a[4], out, h_);
+      if (sf_kind_ >= 0) {  // (1, t, cols): row-major, or per batch column-major with leading dimension pad
+        a[5].point(sf);
+        a[5].dl.ndim = 3;
+        a[5].shape[0] = 1, a[5].shape[1] = t, a[5].shape[2] = sf_cols_;
+        if (col) a[5].strides[0] = sf_cols_ * pad, a[5].strides[1] = 1, a[5].strides[2] = pad;
+        else a[5].strides[0] = t * sf_cols_, a[5].strides[1] = sf_cols_, a[5].strides[2] = 1;
+      } else {
+        dummy(a[5], at::kFloat);
+      }
+      dummy(a[6], at::kBFloat16);
+      if (rstd_) {
+        a[7].point(rstd);
+        a[7].dl.ndim = 2;
+        a[7].shape[0] = 1, a[7].shape[1] = t;
+        a[7].strides[0] = t, a[7].strides[1] = 1;
+      } else {
+        dummy(a[7], at::kFloat);
+      }
+      dummy(a[8], at::kInt);
+      TVMFFIAny args[11];
+      for (int i = 0; i < 9; ++i) {
+        args[i].type_index = kTVMFFIDLTensorPtr;
+        args[i].zero_padding = 0;
+        args[i].v_ptr = &a[i].dl;
+      }
+      for (int i = 9; i < 11; ++i) {
+        args[i].type_index = kTVMFFIFloat;
+        args[i].zero_padding = 0;
+        args[i].v_float64 = i == 9 ? eps : out_scale;
+      }
+      call(handle_, args, 11, x);
+    }
+    return py::make_tuple(out, sf_kind_ >= 0 ? py::cast(sf) : py::none(), rstd_ ? py::cast(rstd) : py::none());
+  }
+
+ private:
+  py::object fn_;
+  void* handle_ = nullptr;
+  int64_t h_, sf_cols_ = 0;
+  at::ScalarType x_dtype_, out_dtype_;
+  int sf_kind_;
+  bool has_w_, rstd_;
+};
+
+// The RMSNorm backward (quant.md 5.11) of one static config without residual_out_grad or a given weight_grad:
+// the dx kernel (DY, X, W, Rstd, RG, DX, Part, out_scale) with out_grad and x as (T, H) row views (the row stride 0
+// at one row, as the Python launcher passes them), then, with a weight, the weight-gradient reduce (Part, WG) in
+// its assigning config (WG_ASSIGN: weight_grad allocated uninitialized). Calling it with (out_grad, x, weight,
+// rstd, out_scale) allocates x_grad, the (NP, H) fp32 partials and weight_grad and launches both kernels on
+// torch's current stream; inputs whose start is not 16-byte aligned are copied. At T = 0 nothing launches and
+// weight_grad is zeros.
+class NormBackwardPlan {
+ public:
+  NormBackwardPlan(py::object fn, py::object reduce, int64_t hidden, int64_t partials)
+      : fn_(std::move(fn)), reduce_(std::move(reduce)), h_(hidden), np_(partials) {
+    if (hidden < 16 || hidden % 16 || partials < 1)
+      throw std::invalid_argument("tilefuse native launch: bad RMSNorm backward plan");
+    handle_ = reinterpret_cast<void*>(fn_.attr("__chandle__")().cast<uintptr_t>());
+    if (!reduce_.is_none()) red_ = reinterpret_cast<void*>(reduce_.attr("__chandle__")().cast<uintptr_t>());
+  }
+
+  // (x_grad, weight_grad or None)
+  py::tuple operator()(at::Tensor dy, at::Tensor x, std::optional<at::Tensor> w, at::Tensor rstd,
+                       double out_scale) const {
+    const int64_t t = x.size(0);
+    const bool has_w = red_ != nullptr;
+    at::Tensor dx = at::empty({t, h_}, x.options()), wg, part;
+    if (has_w) wg = t > 0 ? at::empty({h_}, w->options()) : at::zeros({h_}, w->options());
+    if (t > 0) {
+      auto aligned = [](at::Tensor v) {
+        return reinterpret_cast<uintptr_t>(v.data_ptr()) % 16 ? v.clone(at::MemoryFormat::Contiguous) : v;
+      };
+      dy = aligned(dy);
+      x = aligned(x);
+      at::Tensor wt = has_w ? aligned(*w) : at::Tensor();
+      if (has_w) part = at::empty({np_, h_}, x.options().dtype(at::kFloat));
+      KernelArg a[7];
+      auto rows = [&](KernelArg& k, const at::Tensor& v) {  // (t, H), row stride 0 at one row
+        k.point(v);
+        k.strides[0] = t > 1 ? v.stride(0) : 0;
+        k.strides[1] = 1;
+      };
+      auto dummy = [&](KernelArg& k, at::ScalarType d) {  // one element of d at dx's start (never read)
+        k.point(dx);
+        k.dl.dtype = dl_dtype(d);
+        k.dl.ndim = 1;
+        k.shape[0] = 1;
+        k.strides[0] = 1;
+      };
+      rows(a[0], dy);
+      rows(a[1], x);
+      if (has_w) a[2].point(wt); else dummy(a[2], x.scalar_type());
+      a[3].point(rstd);
+      dummy(a[4], x.scalar_type());
+      a[5].point(dx);
+      if (has_w) a[6].point(part); else dummy(a[6], at::kFloat);
+      TVMFFIAny args[8];
+      for (int i = 0; i < 7; ++i) {
+        args[i].type_index = kTVMFFIDLTensorPtr;
+        args[i].zero_padding = 0;
+        args[i].v_ptr = &a[i].dl;
+      }
+      args[7].type_index = kTVMFFIFloat;
+      args[7].zero_padding = 0;
+      args[7].v_float64 = out_scale;
+      call(handle_, args, 8, x);
+      if (has_w) {
+        KernelArg r[2];
+        r[0].point(part);
+        r[1].point(wg);
+        TVMFFIAny rargs[2];
+        for (int i = 0; i < 2; ++i) {
+          rargs[i].type_index = kTVMFFIDLTensorPtr;
+          rargs[i].zero_padding = 0;
+          rargs[i].v_ptr = &r[i].dl;
+        }
+        call(red_, rargs, 2, x);
+      }
+    }
+    return py::make_tuple(dx, has_w ? py::cast(wg) : py::none());
+  }
+
+ private:
+  py::object fn_, reduce_;
+  void* handle_ = nullptr;
+  void* red_ = nullptr;
+  int64_t h_, np_;
 };
 
 }  // namespace
@@ -226,6 +421,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<py::object, int64_t, int64_t, std::vector<py::tuple>, at::ScalarType>(), py::arg("fn"),
            py::arg("align_bytes"), py::arg("row_multiple"), py::arg("outs"), py::arg("x_kdtype"))
       .def("__call__", &Plan::operator(), py::arg("x"), py::arg("t"), py::arg("extra") = py::none());
+  py::class_<NormPlan>(m, "NormPlan")
+      .def(py::init<py::object, int64_t, at::ScalarType, at::ScalarType, int, bool, bool>(), py::arg("fn"),
+           py::arg("hidden"), py::arg("x_dtype"), py::arg("out_dtype"), py::arg("sf_kind"), py::arg("has_weight"),
+           py::arg("with_rstd"))
+      .def("__call__", &NormPlan::operator(), py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("out_scale"));
+  py::class_<NormBackwardPlan>(m, "NormBackwardPlan")
+      .def(py::init<py::object, py::object, int64_t, int64_t>(), py::arg("fn"), py::arg("reduce"), py::arg("hidden"),
+           py::arg("partials"))
+      .def("__call__", &NormBackwardPlan::operator(), py::arg("out_grad"), py::arg("x"), py::arg("weight"),
+           py::arg("rstd"), py::arg("out_scale"));
   m.def("dl_dtype_code", [](at::ScalarType s) {
     DLDataType d = dl_dtype(s);
     return py::make_tuple(static_cast<int>(d.code), static_cast<int>(d.bits), static_cast<int>(d.lanes));

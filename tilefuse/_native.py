@@ -144,3 +144,34 @@ def plan(fn, x_dtype, align_bytes: int, row_multiple: int, outputs, x_kdtype=Non
         return None
     outs = [o if len(o) == 6 else (o[0], o[1], COL_TIGHT if o[2] else ROW, 1, SAME, o[1]) for o in outputs]
     return mod.Plan(fn, align_bytes, row_multiple, [tuple(o) for o in outs], x_kdtype or x_dtype)
+
+
+# sf kinds of ``norm_plan`` (see NormPlan in _native.cc)
+NORM_SF = {None: -1, "row": 0, "row_packed": 1, "col": 2, "col_packed": 3}
+
+
+def norm_plan(fn, hidden: int, x_dtype, out_dtype, sf_layout: str | None, has_weight: bool,
+              with_rstd: bool) -> object | None:
+    """A callable ``plan(x, weight, eps, out_scale) -> (out, sf or None, rstd or None)`` for the RMSNorm forward
+    kernel ``fn`` of one config without residual, bf16 copy or mega-MoE sf (2-D x): its outputs allocated and the
+    kernel launched in one C++ call. None when the extension is unavailable or ``fn`` is not a TVM-FFI function."""
+    if type(fn).__module__ != "tvm_ffi.core" or not hasattr(fn, "__chandle__"):
+        return None
+    mod = module()
+    if mod is None:
+        return None
+    return mod.NormPlan(fn, hidden, x_dtype, out_dtype, NORM_SF[sf_layout], has_weight, with_rstd)
+
+
+def norm_backward_plan(fn, reduce, hidden: int, partials: int) -> object | None:
+    """A callable ``plan(out_grad, x, weight, rstd, out_scale) -> (x_grad, weight_grad or None)`` for the RMSNorm
+    backward's dx kernel ``fn`` and (with a weight) its assigning weight-gradient reduce ``reduce`` (None without
+    a weight), for calls without residual_out_grad or a given weight_grad. None when the extension is unavailable
+    or the kernels are not TVM-FFI functions."""
+    if any(f is not None and (type(f).__module__ != "tvm_ffi.core" or not hasattr(f, "__chandle__"))
+           for f in (fn, reduce)) or fn is None:
+        return None
+    mod = module()
+    if mod is None:
+        return None
+    return mod.NormBackwardPlan(fn, reduce, hidden, partials)

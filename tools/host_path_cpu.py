@@ -5,7 +5,9 @@
 CPU tensors are taken for eager CUDA ones (``norm._eager_cuda``) and every kernel is a no-op, so what is timed is
 validation, allocation and argument handling: the public op on its validated fast path (after the first call),
 the launcher alone and the checks alone, at one row of 7168 channels (best of 5 rounds of 20000 calls, us per call).
-A proxy for the device host, which is slower and adds the kernel launch.
+A proxy for the device host, which is slower and adds the kernel launch. The stub is a TVM-FFI function, so the
+forward launchers take their native launch plans (``tilefuse._native``); with ``TILEFUSE_NATIVE=0`` they take the
+Python launch path.
 """
 import time
 
@@ -27,7 +29,10 @@ def _us(fn, n: int = 20000) -> float:
 
 def main() -> None:
     N._eager_cuda = lambda x: True
-    _jit.get = lambda name, cfg: (lambda *args: None)
+    import tvm_ffi
+
+    stub = tvm_ffi.convert(lambda *args: None)
+    _jit.get = lambda name, cfg: stub
     x = torch.randn(1, 7168, dtype=torch.bfloat16)
     w = torch.randn(7168, dtype=torch.bfloat16)
     dy, rstd = torch.randn_like(x), torch.ones(1)

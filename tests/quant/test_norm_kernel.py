@@ -394,7 +394,7 @@ def test_validated_fast_path_gpu(quant):
     for got, want in zip(call(x, w), first):
         assert_equal(got, want)
     for got, want in zip(call(x[:3], w), first):
-        assert_equal(got[:3], want[:3])
+        assert_equal(got[:3], want[:3], check_stride=False)   # sf: column-major, leading dimension align(T, 4)
     w_odd = torch.empty(h + 8, dtype=w.dtype, device="cuda")[1:h + 1].copy_(w)  # 2 bytes past 16-byte alignment
     for got, want in zip(call(x, w_odd), first):
         assert_equal(got, want)

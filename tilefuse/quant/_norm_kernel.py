@@ -21,7 +21,7 @@ signature. ``eps`` and ``out_scale`` are binary32 scalar arguments.
 
 import torch
 
-from tilefuse import _jit, _ops
+from tilefuse import _jit, _native, _ops
 from tilefuse import formats as F
 from tilefuse.quant import _tl
 
@@ -870,16 +870,41 @@ def _sf3(sf: torch.Tensor) -> torch.Tensor:
     return sf if sf.dim() == 3 else sf.unsqueeze(0)
 
 
+_PLANS: dict[tuple, object] = {}
+
+
+def _plan(x_dtype: torch.dtype, hidden: int, has_weight: bool, quant: bool, layout: str, round_sf: bool,
+          with_rstd: bool):
+    """The native launch plan of a forward config without residual, bf16 copy or mega-MoE sf
+    (``tilefuse._native.norm_plan``), built once per config; None where the extension is unavailable."""
+    key = (x_dtype, hidden, has_weight, quant, layout, round_sf, with_rstd)
+    plan = _PLANS.get(key)
+    if plan is None:
+        cfg = (_TL_DTYPE[x_dtype], hidden, has_weight, False, quant, layout, round_sf, False, with_rstd, 0)
+        plan = _native.norm_plan(_jit.get("norm_forward", cfg), hidden, x_dtype,
+                                 torch.float8_e4m3fn if quant else x_dtype, layout if quant else None, has_weight,
+                                 with_rstd)
+        _PLANS[key] = plan = plan if plan is not None else False
+    return plan or None
+
+
 def norm_forward_launch(x, weight, eps, residual=None, out_scale=1.0, out=None, residual_out=None,
                         with_rstd=False, quant=False, use_tma_aligned_col_major_sf=False, round_sf=False,
                         use_packed_ue8m0=False, with_out_bf16=False, out_sf=None, out_bf16=None, mega_moe_sf=None,
                         mega_moe_block_m=0):
     """Allocate missing outputs and launch the forward kernel (quant.md 5.11). Validates nothing.
 
-    Returns ``(out, out_sf, out_bf16, rstd, residual_out)`` (None where absent)."""
+    Returns ``(out, out_sf, out_bf16, rstd, residual_out)`` (None where absent). A 2-D x with no residual, caller
+    buffers, bf16 copy or mega-MoE sf takes the config's native launch plan (the same outputs and launch)."""
     col, packed = use_tma_aligned_col_major_sf, use_packed_ue8m0
     layout = ("col_packed" if col else "row_packed") if packed else ("col" if col else "row")
     has_res = residual is not None
+    if (x.dim() == 2 and not has_res and out is None and out_sf is None and not with_out_bf16 and mega_moe_sf is None
+            and x.size(0) > 0):
+        plan = _plan(x.dtype, x.size(1), weight is not None, bool(quant), layout, bool(round_sf), bool(with_rstd))
+        if plan is not None:
+            o, sf, rstd = plan(x, weight, float(eps), float(out_scale))
+            return o, sf, None, rstd, None
     if out is None:
         out = torch.empty_like(x, dtype=torch.float8_e4m3fn if quant else x.dtype,
                                memory_format=torch.contiguous_format)
@@ -927,11 +952,31 @@ def norm_forward_launch(x, weight, eps, residual=None, out_scale=1.0, out=None, 
     return out, out_sf, out_bf16, rstd, residual_out
 
 
+def _backward_plan(x_dtype: torch.dtype, hidden: int, wg_dtype: torch.dtype | None):
+    """The native launch plan of a backward config without residual_out_grad or a given weight_grad (WG_ASSIGN's
+    assigning reduce; ``tilefuse._native.norm_backward_plan``), built once; None where the extension is
+    unavailable."""
+    key = ("backward", x_dtype, hidden, wg_dtype)
+    plan = _PLANS.get(key)
+    if plan is None:
+        has_w = wg_dtype is not None
+        fn = _jit.get("norm_backward", (_TL_DTYPE[x_dtype], hidden, has_w, False))
+        red = _jit.get("norm_weight_grad_reduce", (_TL_DTYPE[wg_dtype], hidden, True)) if has_w else None
+        plan = _native.norm_backward_plan(fn, red, hidden, _NP)
+        _PLANS[key] = plan = plan if plan is not None else False
+    return plan or None
+
+
 def norm_backward_launch(out_grad, x, weight, rstd, residual_out_grad=None, out_scale=1.0, weight_grad=None):
     """``(x_grad, weight_grad)`` of quant.md 5.11: dx kernel with NP partial weight gradients, then the ordered
-    reduction onto ``weight_grad`` (a new zeroed buffer of weight.dtype when not given). Validates nothing."""
+    reduction onto ``weight_grad`` (a new zeroed buffer of weight.dtype when not given). Validates nothing. Without
+    residual_out_grad or a given weight_grad (and with WG_ASSIGN) it takes the config's native launch plan."""
     t, hidden = x.shape
     dev = x.device
+    if residual_out_grad is None and weight_grad is None and WG_ASSIGN and t > 0:
+        plan = _backward_plan(x.dtype, hidden, None if weight is None else weight.dtype)
+        if plan is not None:
+            return plan(out_grad, x, weight, rstd, float(out_scale))
     x_grad = torch.empty((t, hidden), dtype=x.dtype, device=dev)
     assign = False
     if weight is not None and weight_grad is None:
