@@ -36,6 +36,18 @@ def test_builds_for_sm90(name, cfg):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("cfg", K._BENCH_FORWARD, ids=str)
+def test_forward_weight_load_precedes_row_loads(cfg):
+    """FWD_W_EARLY (default): block 0's weight load, then a barrier, then the row's loads (ptxas cannot move a load
+    across the barrier; without it, it issued the weight load after the sum of squares)."""
+    assert K.FWD_W_EARLY and K.FWD_W_AHEAD
+    src = _jit.compile_kernel("norm_forward", cfg, "sm_90", export=False).get_kernel_source()
+    body = src[src.index("__launch_bounds__"):]
+    w = body.index("*(uint4*)(wn + 0) = *(uint4*)(W + ")
+    assert w < body.index("__syncthreads()", w) < body.index("*(uint4*)(io + ")
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("cfg", [("bfloat16", 7168, True, True), ("bfloat16", 576, False, False)], ids=str)
 def test_backward_staged_builds_for_sm90(stages, cfg, monkeypatch):
@@ -557,13 +569,14 @@ def test_forward_cast_nan_inf_gpu(fill, col, round_sf, packed):
 
 
 # Knob variants (TILEFUSE_KNOBS sweeps, module doc of _jit.knobs): each must give the default's bits exactly.
-KNOB_VARIANTS = [  # the defaults: BWD_STAGES=3 (BWD_PIPE off), WG_ASSIGN, RED_PDL, FWD_W_AHEAD
+KNOB_VARIANTS = [  # the defaults: BWD_STAGES=3 (BWD_PIPE off), WG_ASSIGN, RED_PDL, FWD_W_AHEAD, FWD_W_EARLY
     {"BWD_STAGES": 0, "BWD_PIPE": False, "WG_ASSIGN": False, "RED_PDL": False, "FWD_W_AHEAD": False},
     {"FWD_BLOCKS": 7, "FWD_BLOCKS_QUANT": 7},
     {"BWD_STAGES": 2},
     {"BWD_PIPE": True},
     {"BWD_PDL": True, "BWD_TRIGGER": True},
     {"WG_ASSIGN": False, "RED_PDL": False},
+    {"FWD_W_EARLY": False},
 ]
 
 
