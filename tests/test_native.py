@@ -352,6 +352,15 @@ def _scalar_recorder():
     return tvm_ffi.convert(kernel), seen
 
 
+def _assert_same_outputs(got, want):
+    """Each output None in both, or equal bitwise with the same shape, strides and dtype."""
+    for a, b in zip(got, want, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+            assert torch.equal(_bytes(a), _bytes(b))
+
+
 _NORM_CASES = [(False, "row", False, False), (False, "row", False, True), (True, "row", False, True),
                (True, "row_packed", True, False), (True, "col", True, True), (True, "col_packed", True, True)]
 
@@ -455,11 +464,7 @@ def test_norm_native_equals_python_launch_path(native, monkeypatch, t, case, off
                                                use_tma_aligned_col_major_sf=col, round_sf=round_sf,
                                                use_packed_ue8m0=packed)
     for got in (first, second):
-        for a, b in zip(got, (o, sf, rstd)):
-            assert (a is None) == (b is None)
-            if a is not None:
-                assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
-                assert torch.equal(_bytes(a), _bytes(b))
+        _assert_same_outputs(got, (o, sf, rstd))
 
 
 @pytest.mark.gpu
@@ -481,11 +486,7 @@ def test_norm_backward_native_equals_python_launch_path(native, monkeypatch, t, 
     monkeypatch.setattr(KN, "_backward_plan", lambda *a: None)
     want = KN.norm_backward_launch(dy, x, w, rstd, None, 0.75)
     for got in (first, second):
-        for a, b in zip(got, want):
-            assert (a is None) == (b is None)
-            if a is not None:
-                assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
-                assert torch.equal(_bytes(a), _bytes(b))
+        _assert_same_outputs(got, want)
 
 
 @pytest.mark.gpu

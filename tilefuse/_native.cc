@@ -94,6 +94,13 @@ struct KernelArg {
     dl.shape = shape;
     dl.strides = strides;
   }
+  void placeholder(const at::Tensor& t, at::ScalarType d) {  // one element of d at t's start: a parameter the
+    point(t);                                                 // kernel's config never reads
+    dl.dtype = dl_dtype(d);
+    dl.ndim = 1;
+    shape[0] = 1;
+    strides[0] = 1;
+  }
   void words(const at::Tensor& t, at::ScalarType kdtype) {  // row-major t as kdtype elements
     point(t);
     const int64_t num = t.element_size(), den = c10::elementSize(kdtype);
@@ -102,6 +109,15 @@ struct KernelArg {
     for (int i = 0; i < dl.ndim - 1; ++i) strides[i] = strides[i] * num / den;
   }
 };
+
+// TVM-FFI arguments of n kernel tensors.
+void tensor_args(TVMFFIAny* args, KernelArg* a, int n) {
+  for (int i = 0; i < n; ++i) {
+    args[i].type_index = kTVMFFIDLTensorPtr;
+    args[i].zero_padding = 0;
+    args[i].v_ptr = &a[i].dl;
+  }
+}
 
 // Call the TVM-FFI function `handle` with `args` on torch's current stream of x's device (a CUDA x).
 void call(void* handle, TVMFFIAny* args, int32_t nargs, const at::Tensor& x) {
@@ -209,11 +225,7 @@ class Plan {
  private:
   void launch(KernelArg* a, size_t nargs, const at::Tensor& x) const {
     TVMFFIAny args[5];
-    for (size_t i = 0; i < nargs; ++i) {
-      args[i].type_index = kTVMFFIDLTensorPtr;
-      args[i].zero_padding = 0;
-      args[i].v_ptr = &a[i].dl;
-    }
+    tensor_args(args, a, static_cast<int>(nargs));
     call(handle_, args, static_cast<int32_t>(nargs), x);
   }
 
@@ -272,13 +284,7 @@ class NormPlan {
         k.shape[0] = 1, k.shape[1] = t, k.shape[2] = h_;
         k.strides[0] = 0, k.strides[1] = t > 1 ? row_stride : 0, k.strides[2] = 1;
       };
-      auto dummy = [&](KernelArg& k, at::ScalarType d) {  // one element of d at out's start (never read)
-        k.point(out);
-        k.dl.dtype = dl_dtype(d);
-        k.dl.ndim = 1;
-        k.shape[0] = 1;
-        k.strides[0] = 1;
-      };
+      auto dummy = [&](KernelArg& k, at::ScalarType d) { k.placeholder(out, d); };
       rows(a[0], x, x.stride(0));
       if (has_w_) a[1].point(wt); else dummy(a[1], x_dtype_);
       dummy(a[2], x_dtype_);
@@ -304,11 +310,7 @@ class NormPlan {
       }
       dummy(a[8], at::kInt);
       TVMFFIAny args[11];
-      for (int i = 0; i < 9; ++i) {
-        args[i].type_index = kTVMFFIDLTensorPtr;
-        args[i].zero_padding = 0;
-        args[i].v_ptr = &a[i].dl;
-      }
+      tensor_args(args, a, 9);
       for (int i = 9; i < 11; ++i) {
         args[i].type_index = kTVMFFIFloat;
         args[i].zero_padding = 0;
@@ -366,13 +368,7 @@ class NormBackwardPlan {
         k.strides[0] = t > 1 ? v.stride(0) : 0;
         k.strides[1] = 1;
       };
-      auto dummy = [&](KernelArg& k, at::ScalarType d) {  // one element of d at dx's start (never read)
-        k.point(dx);
-        k.dl.dtype = dl_dtype(d);
-        k.dl.ndim = 1;
-        k.shape[0] = 1;
-        k.strides[0] = 1;
-      };
+      auto dummy = [&](KernelArg& k, at::ScalarType d) { k.placeholder(dx, d); };
       rows(a[0], dy);
       rows(a[1], x);
       if (has_w) a[2].point(wt); else dummy(a[2], x.scalar_type());
@@ -381,11 +377,7 @@ class NormBackwardPlan {
       a[5].point(dx);
       if (has_w) a[6].point(part); else dummy(a[6], at::kFloat);
       TVMFFIAny args[8];
-      for (int i = 0; i < 7; ++i) {
-        args[i].type_index = kTVMFFIDLTensorPtr;
-        args[i].zero_padding = 0;
-        args[i].v_ptr = &a[i].dl;
-      }
+      tensor_args(args, a, 7);
       args[7].type_index = kTVMFFIFloat;
       args[7].zero_padding = 0;
       args[7].v_float64 = out_scale;
@@ -395,11 +387,7 @@ class NormBackwardPlan {
         r[0].point(part);
         r[1].point(wg);
         TVMFFIAny rargs[2];
-        for (int i = 0; i < 2; ++i) {
-          rargs[i].type_index = kTVMFFIDLTensorPtr;
-          rargs[i].zero_padding = 0;
-          rargs[i].v_ptr = &r[i].dl;
-        }
+        tensor_args(rargs, r, 2);
         call(red_, rargs, 2, x);
       }
     }
