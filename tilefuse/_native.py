@@ -123,6 +123,11 @@ def error() -> str | None:
     return _STATE.get("error")
 
 
+def _is_ffi(fn) -> bool:
+    """A TVM-FFI function (what the plans call through the C API); a stand-in recorder is not."""
+    return type(fn).__module__ == "tvm_ffi.core" and hasattr(fn, "__chandle__")
+
+
 # output layouts and kernel views of ``plan`` (see _native.cc)
 ROW, COL_TIGHT, COL_STORAGE = 0, 1, 2
 SAME, STORAGE, STORAGE_BYTES, WORDS = 0, 1, 2, 3
@@ -137,7 +142,7 @@ def plan(fn, x_dtype, align_bytes: int, row_multiple: int, outputs, x_kdtype=Non
     ``(cols, dtype, layout, row_div, kview, kdtype)`` of ``_native.cc`` (``ceil(t / row_div)`` rows; layout
     ROW / COL_TIGHT / COL_STORAGE; the kernel gets SAME / STORAGE / STORAGE_BYTES / WORDS). None when the
     extension is unavailable or ``fn`` is not a TVM-FFI function (a stand-in recorder, say)."""
-    if type(fn).__module__ != "tvm_ffi.core" or not hasattr(fn, "__chandle__"):
+    if not _is_ffi(fn):
         return None
     mod = module()
     if mod is None:
@@ -155,7 +160,7 @@ def norm_plan(fn, hidden: int, x_dtype, out_dtype, sf_layout: str | None, has_we
     """A callable ``plan(x, weight, eps, out_scale) -> (out, sf or None, rstd or None)`` for the RMSNorm forward
     kernel ``fn`` of one config without residual, bf16 copy or mega-MoE sf (2-D x): its outputs allocated and the
     kernel launched in one C++ call. None when the extension is unavailable or ``fn`` is not a TVM-FFI function."""
-    if type(fn).__module__ != "tvm_ffi.core" or not hasattr(fn, "__chandle__"):
+    if not _is_ffi(fn):
         return None
     mod = module()
     if mod is None:
@@ -168,8 +173,7 @@ def norm_backward_plan(fn, reduce, hidden: int, partials: int) -> object | None:
     backward's dx kernel ``fn`` and (with a weight) its assigning weight-gradient reduce ``reduce`` (None without
     a weight), for calls without residual_out_grad or a given weight_grad. None when the extension is unavailable
     or the kernels are not TVM-FFI functions."""
-    if any(f is not None and (type(f).__module__ != "tvm_ffi.core" or not hasattr(f, "__chandle__"))
-           for f in (fn, reduce)) or fn is None:
+    if not (_is_ffi(fn) and (reduce is None or _is_ffi(reduce))):
         return None
     mod = module()
     if mod is None:
