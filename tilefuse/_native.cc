@@ -274,7 +274,7 @@ class NormPlan {
       if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16) x = x.clone(at::MemoryFormat::Contiguous);
       at::Tensor wt;
       if (has_w_) {
-        wt = *w;
+        wt = w.value();   // (throws, not UB, on a missing weight)
         if (reinterpret_cast<uintptr_t>(wt.data_ptr()) % 16) wt = wt.clone(at::MemoryFormat::Contiguous);
       }
       KernelArg a[9];
@@ -353,14 +353,14 @@ class NormBackwardPlan {
     const int64_t t = x.size(0);
     const bool has_w = red_ != nullptr;
     at::Tensor dx = at::empty({t, h_}, x.options()), wg, part;
-    if (has_w) wg = t > 0 ? at::empty({h_}, w->options()) : at::zeros({h_}, w->options());
+    if (has_w) wg = t > 0 ? at::empty({h_}, w.value().options()) : at::zeros({h_}, w.value().options());
     if (t > 0) {
       auto aligned = [](at::Tensor v) {
         return reinterpret_cast<uintptr_t>(v.data_ptr()) % 16 ? v.clone(at::MemoryFormat::Contiguous) : v;
       };
       dy = aligned(dy);
       x = aligned(x);
-      at::Tensor wt = has_w ? aligned(*w) : at::Tensor();
+      at::Tensor wt = has_w ? aligned(w.value()) : at::Tensor();
       if (has_w) part = at::empty({np_, h_}, x.options().dtype(at::kFloat));
       KernelArg a[7];
       auto rows = [&](KernelArg& k, const at::Tensor& v) {  // (t, H), row stride 0 at one row
