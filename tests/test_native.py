@@ -352,6 +352,14 @@ def _scalar_recorder():
     return tvm_ffi.convert(kernel), seen
 
 
+def _assert_same_layouts(got, want):
+    """Each output None in both, or of the same shape, strides and dtype."""
+    for g, e in zip(got, want, strict=True):
+        assert (g is None) == (e is None)
+        if g is not None:
+            assert _desc(g) == _desc(e)
+
+
 def _assert_same_outputs(got, want):
     """Each output None in both, or equal bitwise with the same shape, strides and dtype."""
     for a, b in zip(got, want, strict=True):
@@ -393,10 +401,7 @@ def test_norm_plan_matches_python_launch(native, monkeypatch, t, case, weight, o
     assert len(seen) == 2 and seen[0] == seen[1]
     assert seen[0][-2:] == [("scalar", 1e-6), ("scalar", 0.5)]
     assert seen[0][0] == ((1, t, h), (0, (h + 64 if offset == 0 else h) if t > 1 else 0, 1), "bfloat16")
-    for g, e in zip(got, want):
-        assert (g is None) == (e is None)
-        if g is not None:
-            assert _desc(g) == _desc(e)
+    _assert_same_layouts(got, want)
 
 
 @pytest.mark.compile
@@ -428,10 +433,7 @@ def test_norm_backward_plan_matches_python_launch(native, monkeypatch, t, x_dtyp
     assert len(seen) == 2 * launches and seen[:launches] == seen[launches:]
     assert seen[0][-1] == ("scalar", 0.75)
     assert sorted(plan_names) == sorted(names[len(plan_names):])   # the same kernel configs
-    for g, e in zip(got, want):
-        assert (g is None) == (e is None)
-        if g is not None:
-            assert _desc(g) == _desc(e)
+    _assert_same_layouts(got, want)
 
 
 @pytest.mark.gpu
