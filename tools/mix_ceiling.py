@@ -1,12 +1,14 @@
-"""What a plain PyTorch elementwise kernel reaches on the byte mix of a bench row (GPU only).
+"""What a plain elementwise kernel (stock PyTorch, or a Triton stream) reaches on the byte mix of a bench row (GPU
+only).
 
     python tools/mix_ceiling.py
 
 The bench judges every row against one ceiling: a large device-to-device copy (reads = writes). Rows that read
 more than they write, write more than they read, or move under 100 MB differ from that copy in ways no kernel
-of ours controls. Each case here times a stock PyTorch kernel whose bytes read, bytes written and size roughly
-match one row's (timed as the bench times, ``bench.median_us`` with rotating input sets), and prints its % of the
-copy ceiling measured in the same process: a reference point for that row's figure, not a bound.
+of ours controls. Each case here times a stock PyTorch kernel or a Triton streaming kernel whose bytes read, bytes
+written and size roughly match one row's (timed as the bench times, ``bench.median_us`` with rotating input sets),
+and prints its % of the copy ceiling measured in the same process: a reference point for that row's figure, not a
+bound.
 """
 from __future__ import annotations
 
@@ -46,6 +48,21 @@ def _fill(n: int, dtype: torch.dtype):
     return (lambda i: outs[i].fill_(1.0)), k, n * es
 
 
+def _triton(name: str, n: int, n_in: int, outs: tuple):
+    """A Triton streaming kernel of ``tools/_mix_triton.py`` over n elements: ``n_in`` int32 inputs, one output per
+    dtype in ``outs`` (4096 elements per program, 8 warps). Unlike the stock kernels above, its loads and stores
+    are 16-byte vectors whatever the element type, as ours are."""
+    import _mix_triton
+
+    kern = getattr(_mix_triton, name)
+    per = 4 * n_in + sum(torch.tensor([], dtype=d).element_size() for d in outs)
+    k = _sets(n * per)
+    ins = [[torch.zeros(n, dtype=torch.int32, device="cuda") for _ in range(n_in)] for _ in range(k)]
+    res = [[torch.empty(n, dtype=d, device="cuda") for d in outs] for _ in range(k)]
+    grid = (-(-n // 4096),)
+    return (lambda i: kern[grid](*ins[i], *res[i], n, BLOCK=4096, num_warps=8)), k, n * per
+
+
 # (label, the bench row whose byte mix it mirrors, builder returning (fn(i), n_sets, bytes moved))
 CASES = [
     ("copy 1:1, 93 MB", "per_block_cast_lossless (reads 36, writes 57 MB)",
@@ -62,6 +79,16 @@ CASES = [
      lambda: _fill(8001 * 7168, torch.float32)),
     ("bf16 copy 1:1, 235 MB", "norm_forward (reads 117, writes 117 MB)",
      lambda: _convert(8192 * 7168, torch.bfloat16, torch.bfloat16)),
+    ("Triton 1:1, 93 MB", "per_block_cast_lossless (reads 36, writes 57 MB)",
+     lambda: _triton("copy_1_1", 11_625_000, 1, (torch.int32,))),
+    ("Triton 1:1.5, 93 MB (int32 in; int32 and int16 out)", "per_block_cast_lossless (reads 36, writes 57 MB)",
+     lambda: _triton("copy_1_15", 9_300_000, 1, (torch.int32, torch.int16))),
+    ("Triton 1:2, 352 MB (int32 -> int64)", "swiglu_backward_and_per_token_cast (reads 119, writes 237 MB)",
+     lambda: _triton("widen_1_2", 29_350_000, 1, (torch.int64,))),
+    ("Triton 2:4, 352 MB (two inputs, four outputs)", "swiglu_backward_and_per_token_cast (reads 119, writes 237 MB)",
+     lambda: _triton("add_2_4", 14_675_000, 2, (torch.int32,) * 4)),
+    ("Triton 2:1, 352 MB", "norm_backward (reads 235, writes 117 MB)",
+     lambda: _triton("add_2_1", 29_360_128, 2, (torch.int32,))),
 ]
 
 
