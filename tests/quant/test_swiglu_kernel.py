@@ -559,6 +559,7 @@ _KNOB_CASES = (
     ("BWD_WG_ZERO", False, "swiglu_bwd_ptc", K._bwd_ptc_cfg(7168, 128, True, None)),
     ("BWD_WG_ZERO", False, "swiglu_bwd_ptc", K._bwd_ptc_cfg(2560, 32, False, 0.5)),    # 2 rows per CTA
     ("BWD_WG_STAGE", True, "swiglu_bwd_ptc", K._bwd_ptc_cfg(7168, 128, True, None)),  # the 128-lane sum order
+    ("BWD_L2_PREFETCH", False, "swiglu_bwd_ptc", K._bwd_ptc_cfg(7168, 128, True, None)),  # no prefetch before the wait
     ("PCC_STAGE", False, "swiglu_fwd_pcc", (7168, 128, True, True, None)),  # per-thread transposed stores
 )
 
@@ -587,6 +588,7 @@ BWD_KNOB_VARIANTS = (
 BWD_R4_VARIANTS = (
     {"BWD_WG_ZERO": False, "BWD_PDL": False, "BWD_PDL_TRIGGER": False},
     {"BWD_PDL_TRIGGER": False},
+    {"BWD_L2_PREFETCH": False},   # no L2 prefetches before the PDL wait (2026-11-30)
 )
 
 
@@ -609,9 +611,10 @@ def _bwd_launch_bounds(knobs: dict, hidden: int = 7168) -> str:
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("knobs", BWD_KNOB_VARIANTS, ids=str)
+@pytest.mark.parametrize("knobs", BWD_KNOB_VARIANTS + ({"BWD_L2_PREFETCH": False},), ids=str)
 def test_bwd_knob_variants_source(knobs, monkeypatch):
-    """The PDL wait precedes every global access; 7 warps per row gives 224-thread CTAs at H = 7168 only."""
+    """The PDL wait precedes every load (only L2 prefetches before it: the row's data and grad, its sf and
+    pos_to_token_topk lines); 7 warps per row gives 224-thread CTAs at H = 7168 only."""
     _jit.registered()
     bounds = _bwd_launch_bounds(knobs)
     src = _knob_source(monkeypatch, knobs, "swiglu_bwd_ptc", K._bwd_ptc_cfg(7168, 128, True, None))
@@ -619,8 +622,19 @@ def test_bwd_knob_variants_source(knobs, monkeypatch):
     assert head.startswith(bounds)
     body = head[head.index("{"):]  # past the parameter list
     wait = body.index("cudaGridDependencySynchronize();")
-    first_global = min(i for i in (body.find(p) for p in ("P2T[", "W[", "TT2P[", "D +", "SFI", "G +")) if i >= 0)
-    assert wait < body.index("cudaTriggerProgrammaticLaunchCompletion();") < first_global
+    before, after = body[:wait], body[wait:]
+    prefetches = [ln.strip() for ln in before.splitlines() if "sw_prefetch" in ln]
+    if knobs.get("BWD_L2_PREFETCH", K.BWD_L2_PREFETCH):
+        assert [p.split("(")[0] for p in prefetches] == ["sw_prefetch_rows", "sw_prefetch_line", "sw_prefetch_line"]
+        assert "(&(D[" in prefetches[0] and "(&(G[" in prefetches[0] and "P2T[" in prefetches[1]
+        assert "SFI[" in prefetches[2]
+    else:
+        assert not prefetches
+    for p in prefetches:
+        before = before.replace(p, "")
+    assert not any(p in before for p in ("P2T[", "W[", "TT2P[", "D +", "SFI", "G +", "D[", "G["))
+    first_global = min(i for i in (after.find(p) for p in ("P2T[", "W[", "TT2P[", "D +", "SFI", "G +")) if i >= 0)
+    assert after.index("cudaTriggerProgrammaticLaunchCompletion();") < first_global
 
 
 @pytest.mark.compile
