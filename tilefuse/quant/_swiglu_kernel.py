@@ -354,10 +354,11 @@ BWD_PDL = True
 BWD_PDL_TRIGGER = True
 # with BWD_PDL: before the wait, each row's team asks L2 for the row's e4m3 data and grad (two bulk prefetches, sm_90),
 # its input sf lines and its pos_to_token_topk line. A CTA that starts while the previous grid drains finds its row in
-# L2 when the wait returns; every CTA finds its input sf there when its second chunk reads it (a first touch of an sf
-# line otherwise waited a DRAM round trip after chunk 0). A prefetch fills only L2, the device's point of coherence:
-# a load after the wait still sees every write of the previous grid. H200, 2026-11-30, bench shape: 93.3 -> 90.2 us
-# (89.4 -> 92.5% of the copy ceiling); the row's data and grad alone: 92.8 us. Scheduling only: the same values.
+# L2 when the wait returns; and (our reading of the gain) every CTA finds its input sf there when its second chunk
+# reads it, where the warp first touching an sf line waited a DRAM round trip after chunk 0. A prefetch fills only L2,
+# the device's point of coherence: a load after the wait still sees every write of the previous grid. H200,
+# 2026-11-30, bench shape: 93.3 -> 90.2-91.2 us (89.4 -> 92.1-92.5% of the copy ceiling); the row's data and grad
+# alone: 92.8 us. Scheduling only: the same values.
 BWD_L2_PREFETCH = True
 _BWD_HELPERS = """
 __device__ __forceinline__ void sw_prefetch_rows(const void* d, const void* g, unsigned bytes) {
@@ -453,7 +454,8 @@ def swiglu_bwd_ptc_kernel(hidden: int, npc: int, round_sf: bool, clamp_bits: int
                                       G.access_ptr("r", offset=row * hidden), 2 * hidden)
                         T.call_extern("void", "sw_prefetch_line", T.address_of(P2T[row]))
                     if T.And(q >= 1, q <= sf_lines):   # lane k: the line of the row's sf word 32 (k - 1), the last
-                        T.call_extern("void", "sw_prefetch_line", T.address_of(SFI[row, T.min(32 * (q - 1), 2 * ngh - 1)]))
+                        sfw = T.min(32 * (q - 1), 2 * ngh - 1)
+                        T.call_extern("void", "sw_prefetch_line", T.address_of(SFI[row, sfw]))
             if BWD_PDL:  # before any global access: the previous grid has completed and its writes are visible
                 T.pdl_sync()
                 if BWD_PDL_TRIGGER:
