@@ -343,6 +343,7 @@ def _partial_row(T, p, k):
     ``_ROUNDS[1]`` rounds m that every partial takes, then, for the first NP / 2 partials only, rows
     ``_ROUNDS[1] NP + e NP / 2 + p`` for the ``_ROUNDS[0] - _ROUNDS[1]`` extra rounds e. Ascends with k; equal rounds
     give ``k NP + p``."""
+    assert _ROUNDS[0] >= _ROUNDS[1] >= 1, "_ROUNDS: the first half takes the extra rounds"
     if _ROUNDS[0] == _ROUNDS[1]:
         return k * _NP + p
     big = p < _NP // 2
@@ -547,11 +548,11 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                 T.call_extern("void", "nf_cp_commit")
             # _ROUNDS uneven: the rows of terms k and k + ST - 1, advanced one term per iteration (_partial_row's steps:
             # NP while the term's round m < lim, then step2; m counts modulo the partial's rounds mm)
-            rc = T.alloc_var("int32")
-            mc = T.alloc_var("int32")
-            rn = T.alloc_var("int32")
-            mn = T.alloc_var("int32")
             if uneven:
+                rc = T.alloc_var("int32")
+                mc = T.alloc_var("int32")
+                rn = T.alloc_var("int32")
+                mn = T.alloc_var("int32")
                 mm = T.if_then_else(p < _NP // 2, _ROUNDS[0], _ROUNDS[1])
                 lim = T.if_then_else(p < _NP // 2, _ROUNDS[1], _ROUNDS[1] - 1)
                 step2 = T.if_then_else(p < _NP // 2, _NP // 2, _chunk() - (_ROUNDS[1] - 1) * _NP)
