@@ -98,35 +98,6 @@ def test_backward_dx_roundings_are_explicit(stages, pipe, cfg, monkeypatch):
     assert "(gw - " not in body
 
 
-class _Shim:
-    """tilelang.language's if_then_else and ceildiv on Python ints (for _partial_row without a GPU)."""
-    if_then_else = staticmethod(lambda c, a, b: a if c else b)
-    ceildiv = staticmethod(lambda a, b: -(-a // b))
-
-
-@pytest.mark.parametrize("rounds", [(16, 16), (17, 15), (18, 14), (33, 31)])
-@pytest.mark.parametrize("t", [1, 7, 255, 3841, 4001, 4096, 8192, 10000])
-def test_partial_rows_cover_each_row_once(rounds, t, monkeypatch):
-    """_ROUNDS: the NP partials' rows (ascending in k) cover rows 0..T-1 exactly once; equal rounds are row p + NP k;
-    the staged body's incremental steps reproduce _partial_row."""
-    monkeypatch.setattr(K, "_ROUNDS", rounds)
-    seen = []
-    for p in range(K._NP):
-        rows = [K._partial_row(_Shim, p, k) for k in range(K._partial_terms(_Shim, t, p) + 3)]
-        assert rows == sorted(rows)
-        if rounds[0] == rounds[1]:
-            assert rows == [k * K._NP + p for k in range(len(rows))]
-        big = p < K._NP // 2
-        mm, lim = (rounds[0], rounds[1]) if big else (rounds[1], rounds[1] - 1)
-        step2 = K._NP // 2 if big else K._chunk() - (rounds[1] - 1) * K._NP
-        r, m = p, 0
-        for want in rows:
-            assert r == want
-            r, m = r + (K._NP if m < lim else step2), (m + 1) % mm
-        seen += [r for r in rows[:K._partial_terms(_Shim, t, p)] if r < t]
-    assert sorted(seen) == list(range(t))
-
-
 @pytest.mark.compile
 @pytest.mark.parametrize("assign", [False, True])
 def test_backward_wg_assign_launches(assign, monkeypatch):
@@ -678,42 +649,3 @@ def test_knob_variants_bit_identical_gpu(knobs, scale, has_rg, knob_kernels):
         assert torch.equal(g, e), f"output {i}"
 
 
-@pytest.mark.compile
-@pytest.mark.parametrize("stages,pipe", [(3, False), (0, False), (3, True)], ids=["staged", "registers", "pipe"])
-@pytest.mark.parametrize("cfg", [("bfloat16", 7168, True, True), ("float32", 576, False, False)], ids=str)
-def test_backward_uneven_rounds_build(stages, pipe, cfg, monkeypatch):
-    """_ROUNDS = (17, 15) (the next GPU session's experiment) builds in every body; the staged body walks its rows
-    by increments (no division in the row loop)."""
-    import tilelang
-
-    monkeypatch.setattr(K, "_ROUNDS", (17, 15))
-    monkeypatch.setattr(K, "BWD_STAGES", stages)
-    monkeypatch.setattr(K, "BWD_PIPE", pipe)
-    src = tilelang.compile(K.norm_backward_kernel(*cfg), target={"kind": "cuda", "arch": "sm_90"},
-                           execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
-    assert "__global__" in src
-    if stages and not pipe and cfg[0] == "bfloat16":
-        loop = src[src.index("for (int k = 0;"):]
-        assert "/ 17)" not in loop and "% 17)" not in loop
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("t", [1001, 4001, 8192])
-def test_backward_uneven_rounds_gpu(t, knob_kernels):
-    """_ROUNDS = (17, 15): dx keeps the default's bits (a row's dx never depends on the partials), weight_grad is
-    within the length-T tolerance of the reference, and the register body gives the staged body's bits."""
-    h = 7168
-    x, dy, w = _inputs(t, h, torch.bfloat16, True, True)
-    rstd = torch.rand((t,), device="cuda") + 0.5
-    dx0, _ = K.norm_backward_launch(dy, x, w, rstd, None, 0.75)
-    knob_kernels(K, {"_ROUNDS": (17, 15)})
-    dx, wg = K.norm_backward_launch(dy, x, w, rstd, None, 0.75)
-    assert_equal(dx, dx0)
-    _, rwg = norm_backward_ref(dy, x, w, rstd, None, 0.75)
-    mag = ((x.float() * rstd[:, None]).abs() * (dy.float() * 0.75).abs()).sum(0)
-    assert bool(((wg.float() - rwg.to(torch.bfloat16).float()).abs() <= (t + 8) * U * mag + 2 ** -7 * rwg.abs()).all())
-    knob_kernels(K, {"_ROUNDS": (17, 15), "BWD_STAGES": 0})
-    dx2, wg2 = K.norm_backward_launch(dy, x, w, rstd, None, 0.75)
-    assert_equal(dx2, dx)
-    assert_equal(wg2, wg)

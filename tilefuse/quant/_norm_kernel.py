@@ -34,11 +34,6 @@ _RED_GROUPS = 8    # the weight-gradient reduce adds the NP partials of a column
                    # once), then the 8 group sums in order: a dependent chain of 32 + 8 additions instead of 256
                    # (the bench row 97.5 -> 96.4 us, H200, 2026-11-29; the dx kernel alone is 92.8). It fixes
                    # the weight_grad bits: not a knob
-_ROUNDS = (16, 16)  # norm_backward partial rows per chunk of _chunk() rows: partials p < NP / 2 take _ROUNDS[0], the
-                    # others _ROUNDS[1] (_partial_row). (16, 16) is row p + 256 k for partial p. Not a knob: it fixes
-                    # which rows each partial sums, so the weight_grad bits. An experiment for the next GPU session
-                    # (docs/BENCHMARKS.md, eleventh session): (17, 15) measured +1.2 points, because the CTA placed
-                    # second on an SM (p >= 132 on the H200) finished ~10% after the first.
 _M = F.FMT_MAX["e4m3"]
 _CLAMP = F.CLAMP_MIN["e4m3"]
 _BT = 448          # bf16 norm_backward threads per CTA (the NP = 256 CTAs are all resident: 2 per SM, <= 72 registers);
@@ -333,33 +328,6 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
     return norm_forward
 
 
-def _chunk() -> int:
-    """Rows per chunk of the partial-row pattern."""
-    return _NP // 2 * (_ROUNDS[0] + _ROUNDS[1])
-
-
-def _partial_row(T, p, k):
-    """Row of partial ``p``'s ``k``-th term. Within each chunk of ``_chunk()`` rows: rows ``m NP + p`` for the
-    ``_ROUNDS[1]`` rounds m that every partial takes, then, for the first NP / 2 partials only, rows
-    ``_ROUNDS[1] NP + e NP / 2 + p`` for the ``_ROUNDS[0] - _ROUNDS[1]`` extra rounds e. Ascends with k; equal rounds
-    give ``k NP + p``."""
-    assert _ROUNDS[0] >= _ROUNDS[1] >= 1, "_ROUNDS: the first half takes the extra rounds"
-    if _ROUNDS[0] == _ROUNDS[1]:
-        return k * _NP + p
-    big = p < _NP // 2
-    c = T.if_then_else(big, k // _ROUNDS[0], k // _ROUNDS[1])
-    m = T.if_then_else(big, k % _ROUNDS[0], k % _ROUNDS[1])
-    i = T.if_then_else(m < _ROUNDS[1], m * _NP + p, _ROUNDS[1] * _NP + (m - _ROUNDS[1]) * (_NP // 2) + p)
-    return c * _chunk() + i
-
-
-def _partial_terms(T, tokens, p):
-    """Terms of partial ``p`` at ``tokens`` rows, rows past the end included (they are skipped)."""
-    if _ROUNDS[0] == _ROUNDS[1]:
-        return T.ceildiv(tokens, _NP)
-    return T.ceildiv(tokens, _chunk()) * T.if_then_else(p < _NP // 2, _ROUNDS[0], _ROUNDS[1])
-
-
 def _dx_value(T, x, dy, w, r, mean, out_scale, rg):
     """One dx element of quant.md 5.11 with every rounding spelled out, so that no body of the backward depends on
     which product nvcc chooses to fuse (``g w - xh (A/H)`` has two): ``t = fma(g, w, -(xh (A/H)))`` with ``g = dy
@@ -407,13 +375,6 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
     rstd_p = T.Tensor((Tn,), "float32")
     dx_p = T.Tensor((Tn, hidden), x_dtype)
     part_p = T.Tensor((_NP, hidden), "float32") if has_weight else T.Tensor((1,), "float32")
-    uneven = _ROUNDS[0] != _ROUNDS[1]
-
-    def prow(p, k):
-        return _partial_row(T, p, k)
-
-    def ntrips(p):
-        return _partial_terms(T, Tn, p)
 
     def make_body():
         """The kernel body: rows in registers, loaded one row ahead."""
@@ -441,8 +402,8 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                         xn[c, e] = X[p, col + e]
                     for e in T.vectorized(E):
                         dn[c, e] = DY[p, col + e]
-            for k in T.serial(ntrips(p)):
-                row = prow(p, k)
+            for k in T.serial(T.ceildiv(Tn, _NP)):
+                row = k * _NP + p
                 if row < Tn:
                     r = Rstd[row]
                     acc = T.float32(0.0)
@@ -465,11 +426,11 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                     # the next row's loads, in flight during this row's reduction and dx pass
                     for c in T.unroll(C):
                         col = (c * TB + tx) * E
-                        if T.And(col < hidden, prow(p, k + 1) < Tn):
+                        if T.And(col < hidden, row + _NP < Tn):
                             for e in T.vectorized(E):
-                                xn[c, e] = X[prow(p, k + 1), col + e]
+                                xn[c, e] = X[row + _NP, col + e]
                             for e in T.vectorized(E):
-                                dn[c, e] = DY[prow(p, k + 1), col + e]
+                                dn[c, e] = DY[row + _NP, col + e]
                     for st in T.unroll(5):
                         acc = acc + T.shfl_xor(acc, T.shift_right(16, st))
                     T.sync_threads()  # the previous row's readers of red are done
@@ -536,34 +497,20 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                 for e in T.unroll(E):
                     wacc[c, e] = T.float32(0.0)
             for a in T.unroll(ST - 1):   # prologue: rows p + a NP, a < ST - 1, into stage a
-                if prow(p, a) < Tn:
-                    T.call_extern("void", "nf_cp4", rb, (a * TB + tx) * 4, Rstd.access_ptr("r", offset=prow(p, a)))
+                if p + a * _NP < Tn:
+                    T.call_extern("void", "nf_cp4", rb, (a * TB + tx) * 4, Rstd.access_ptr("r", offset=p + a * _NP))
                     for c in T.unroll(C):
                         col = (c * TB + tx) * E
                         if col < hidden:
                             T.call_extern("void", "nf_cp16", xb, (a * hidden + col) * 2,
-                                          X.access_ptr("r", offset=prow(p, a) * XS + col))
+                                          X.access_ptr("r", offset=(p + a * _NP) * XS + col))
                             T.call_extern("void", "nf_cp16", db, (a * hidden + col) * 2,
-                                          DY.access_ptr("r", offset=prow(p, a) * GS + col))
+                                          DY.access_ptr("r", offset=(p + a * _NP) * GS + col))
                 T.call_extern("void", "nf_cp_commit")
-            # _ROUNDS uneven: the rows of terms k and k + ST - 1, advanced one term per iteration (_partial_row's steps:
-            # NP while the term's round m < lim, then step2; m counts modulo the partial's rounds mm)
-            if uneven:
-                rc = T.alloc_var("int32")
-                mc = T.alloc_var("int32")
-                rn = T.alloc_var("int32")
-                mn = T.alloc_var("int32")
-                mm = T.if_then_else(p < _NP // 2, _ROUNDS[0], _ROUNDS[1])
-                lim = T.if_then_else(p < _NP // 2, _ROUNDS[1], _ROUNDS[1] - 1)
-                step2 = T.if_then_else(p < _NP // 2, _NP // 2, _chunk() - (_ROUNDS[1] - 1) * _NP)
-                rc = p
-                mc = 0
-                rn = prow(p, ST - 1)
-                mn = (ST - 1) % mm
-            for k in T.serial(ntrips(p)):
-                row = rc if uneven else k * _NP + p
+            for k in T.serial(T.ceildiv(Tn, _NP)):
+                row = k * _NP + p
                 if row < Tn:
-                    nxt = rn if uneven else row + (ST - 1) * _NP
+                    nxt = row + (ST - 1) * _NP
                     sn = (k + ST - 1) % ST
                     if nxt < Tn:   # the row ST - 1 ahead into the stage the previous row left
                         T.call_extern("void", "nf_cp4", rb, (sn * TB + tx) * 4, Rstd.access_ptr("r", offset=nxt))
@@ -631,11 +578,6 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                                                x_dtype)
                             for e in T.vectorized(E):
                                 DX[row, col + e] = io[e]
-                if uneven:
-                    rc = rc + T.if_then_else(mc < lim, _NP, step2)
-                    mc = T.if_then_else(mc + 1 == mm, 0, mc + 1)
-                    rn = rn + T.if_then_else(mn < lim, _NP, step2)
-                    mn = T.if_then_else(mn + 1 == mm, 0, mn + 1)
             T.call_extern("void", "nf_cp_wait<0>")   # no copy outlives the CTA
             if has_weight:
                 for c in T.unroll(C):
@@ -687,9 +629,9 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                         T.call_extern("void", "nf_cp16", xb, col * 2, X.access_ptr("r", offset=p * XS + col))
                         T.call_extern("void", "nf_cp16", db, col * 2, DY.access_ptr("r", offset=p * GS + col))
             T.call_extern("void", "nf_cp_commit")
-            for k in T.serial(ntrips(p) + 1):
-                row = prow(p, k)
-                nxt = prow(p, k + 1)
+            for k in T.serial(T.ceildiv(Tn, _NP) + 1):
+                row = k * _NP + p
+                nxt = row + _NP
                 sn = (k + 1) % ST
                 if nxt < Tn:   # row k + 1 into the stage row k - 2 left
                     T.call_extern("void", "nf_cp4", rb, (sn * TB + tx) * 4, Rstd.access_ptr("r", offset=nxt))
@@ -742,7 +684,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                             else:
                                 acc = acc + xh * g
                 # dx of row k - 1 (A from red slot (k - 1) % 2), row k's butterfly steps between its column blocks
-                prev = prow(p, k - 1)
+                prev = row - _NP
                 on = T.And(k > 0, prev < Tn)
                 sp = (k + ST - 1) % ST
                 rp = T.alloc_var("float32")
