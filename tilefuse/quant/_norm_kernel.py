@@ -376,6 +376,57 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
     dx_p = T.Tensor((Tn, hidden), x_dtype)
     part_p = T.Tensor((_NP, hidden), "float32") if has_weight else T.Tensor((1,), "float32")
 
+    @T.macro
+    def block_total(acc, red, tx):
+        """The CTA's total of the threads' ``acc``: warp butterflies, then the NW warp sums in order from ``red``
+        (the first barrier waits for the previous row's readers of ``red``)."""
+        tot = T.alloc_var("float32")
+        tot = acc
+        for st in T.unroll(5):
+            tot = tot + T.shfl_xor(tot, T.shift_right(16, st))
+        T.sync_threads()
+        if tx % 32 == 0:
+            red[tx // 32] = tot
+        T.sync_threads()
+        tot = red[0]
+        for i in T.unroll(1, NW):
+            tot = tot + red[i]
+        return tot
+
+    @T.macro
+    def dx_row(XR, DR, i, row, W, RG, DX, wl, xl, dl, io, tx, r, mean, out_scale):
+        """The dx pass of row ``row``: x and dy from ``XR[i, :]`` and ``DR[i, :]`` (the row in global memory, or
+        its shared-ring stage), dx written to ``DX[row, :]``."""
+        for c in T.unroll(C):
+            col = (c * TB + tx) * E
+            if col < hidden:
+                for e in T.vectorized(E):
+                    xl[e] = XR[i, col + e]
+                for e in T.vectorized(E):
+                    dl[e] = DR[i, col + e]
+                if has_weight:
+                    for e in T.vectorized(E):
+                        wl[e] = W[col + e]
+                if has_res_grad:
+                    rg = T.alloc_local((E,), x_dtype)
+                    for e in T.vectorized(E):
+                        rg[e] = RG[row, col + e]
+                for e in T.unroll(E):
+                    io[e] = T.cast(dx_value(f32(xl, e), f32(dl, e), f32(wl, e) if has_weight else None,
+                                            r, mean, out_scale, f32(rg, e) if has_res_grad else None), x_dtype)
+                for e in T.vectorized(E):
+                    DX[row, col + e] = io[e]
+
+    @T.macro
+    def store_partial(Part, wacc, p, tx):
+        """This CTA's weight-gradient accumulators into partial row ``p``."""
+        if has_weight:
+            for c in T.unroll(C):
+                col = (c * TB + tx) * E
+                if col < hidden:
+                    for e in T.vectorized(E):
+                        Part[p, col + e] = wacc[c, e]
+
     def make_body():
         """The kernel body: rows in registers, loaded one row ahead."""
         @T.macro
@@ -431,42 +482,9 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                                 xn[c, e] = X[row + _NP, col + e]
                             for e in T.vectorized(E):
                                 dn[c, e] = DY[row + _NP, col + e]
-                    for st in T.unroll(5):
-                        acc = acc + T.shfl_xor(acc, T.shift_right(16, st))
-                    T.sync_threads()  # the previous row's readers of red are done
-                    if tx % 32 == 0:
-                        red[tx // 32] = acc
-                    T.sync_threads()
-                    acc = red[0]
-                    for i in T.unroll(1, NW):
-                        acc = acc + red[i]
-                    mean = acc / T.float32(hidden)
-                    for c in T.unroll(C):
-                        col = (c * TB + tx) * E
-                        if col < hidden:
-                            for e in T.vectorized(E):
-                                xl[e] = X[row, col + e]
-                            for e in T.vectorized(E):
-                                dl[e] = DY[row, col + e]
-                            if has_weight:
-                                for e in T.vectorized(E):
-                                    wl[e] = W[col + e]
-                            if has_res_grad:
-                                rg = T.alloc_local((E,), x_dtype)
-                                for e in T.vectorized(E):
-                                    rg[e] = RG[row, col + e]
-                            for e in T.unroll(E):
-                                io[e] = T.cast(dx_value(f32(xl, e), f32(dl, e), f32(wl, e) if has_weight else None,
-                                                        r, mean, out_scale, f32(rg, e) if has_res_grad else None),
-                                               x_dtype)
-                            for e in T.vectorized(E):
-                                DX[row, col + e] = io[e]
-            if has_weight:
-                for c in T.unroll(C):
-                    col = (c * TB + tx) * E
-                    if col < hidden:
-                        for e in T.vectorized(E):
-                            Part[p, col + e] = wacc[c, e]
+                    mean = block_total(acc, red, tx) / T.float32(hidden)
+                    dx_row(X, DY, row, row, W, RG, DX, wl, xl, dl, io, tx, r, mean, out_scale)
+            store_partial(Part, wacc, p, tx)
 
         return body
 
@@ -548,43 +566,10 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                                 acc = acc + xh * (g * f32(wl, e))
                             else:
                                 acc = acc + xh * g
-                    for st in T.unroll(5):
-                        acc = acc + T.shfl_xor(acc, T.shift_right(16, st))
-                    T.sync_threads()  # the previous row's readers of red are done
-                    if tx % 32 == 0:
-                        red[tx // 32] = acc
-                    T.sync_threads()
-                    acc = red[0]
-                    for i in T.unroll(1, NW):
-                        acc = acc + red[i]
-                    mean = acc / T.float32(hidden)
-                    for c in T.unroll(C):
-                        col = (c * TB + tx) * E
-                        if col < hidden:
-                            for e in T.vectorized(E):
-                                xl[e] = xs[s, col + e]
-                            for e in T.vectorized(E):
-                                dl[e] = ds[s, col + e]
-                            if has_weight:
-                                for e in T.vectorized(E):
-                                    wl[e] = W[col + e]
-                            if has_res_grad:
-                                rg = T.alloc_local((E,), x_dtype)
-                                for e in T.vectorized(E):
-                                    rg[e] = RG[row, col + e]
-                            for e in T.unroll(E):
-                                io[e] = T.cast(dx_value(f32(xl, e), f32(dl, e), f32(wl, e) if has_weight else None,
-                                                        r, mean, out_scale, f32(rg, e) if has_res_grad else None),
-                                               x_dtype)
-                            for e in T.vectorized(E):
-                                DX[row, col + e] = io[e]
+                    mean = block_total(acc, red, tx) / T.float32(hidden)
+                    dx_row(xs, ds, s, row, W, RG, DX, wl, xl, dl, io, tx, r, mean, out_scale)
             T.call_extern("void", "nf_cp_wait<0>")   # no copy outlives the CTA
-            if has_weight:
-                for c in T.unroll(C):
-                    col = (c * TB + tx) * E
-                    if col < hidden:
-                        for e in T.vectorized(E):
-                            Part[p, col + e] = wacc[c, e]
+            store_partial(Part, wacc, p, tx)
 
         return body
 
@@ -723,12 +708,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                     red[k % 2, tx // 32] = acc
                 T.sync_threads()
             T.call_extern("void", "nf_cp_wait<0>")   # no copy outlives the CTA
-            if has_weight:
-                for c in T.unroll(C):
-                    col = (c * TB + tx) * E
-                    if col < hidden:
-                        for e in T.vectorized(E):
-                            Part[p, col + e] = wacc[c, e]
+            store_partial(Part, wacc, p, tx)
 
         return body
 
