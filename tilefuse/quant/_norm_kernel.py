@@ -394,28 +394,33 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
         return tot
 
     @T.macro
+    def dx_vector(XR, DR, i, row, col, W, RG, DX, wl, xl, dl, io, r, mean, out_scale):
+        """dx of row ``row`` at columns ``col .. col + E``: x and dy from ``XR[i, col:]`` and ``DR[i, col:]`` (the row
+        in global memory, or its shared-ring stage)."""
+        for e in T.vectorized(E):
+            xl[e] = XR[i, col + e]
+        for e in T.vectorized(E):
+            dl[e] = DR[i, col + e]
+        if has_weight:
+            for e in T.vectorized(E):
+                wl[e] = W[col + e]
+        if has_res_grad:
+            rg = T.alloc_local((E,), x_dtype)
+            for e in T.vectorized(E):
+                rg[e] = RG[row, col + e]
+        for e in T.unroll(E):
+            io[e] = T.cast(dx_value(f32(xl, e), f32(dl, e), f32(wl, e) if has_weight else None,
+                                    r, mean, out_scale, f32(rg, e) if has_res_grad else None), x_dtype)
+        for e in T.vectorized(E):
+            DX[row, col + e] = io[e]
+
+    @T.macro
     def dx_row(XR, DR, i, row, W, RG, DX, wl, xl, dl, io, tx, r, mean, out_scale):
-        """The dx pass of row ``row``: x and dy from ``XR[i, :]`` and ``DR[i, :]`` (the row in global memory, or
-        its shared-ring stage), dx written to ``DX[row, :]``."""
+        """The dx pass of row ``row`` (``dx_vector`` over this thread's columns)."""
         for c in T.unroll(C):
             col = (c * TB + tx) * E
             if col < hidden:
-                for e in T.vectorized(E):
-                    xl[e] = XR[i, col + e]
-                for e in T.vectorized(E):
-                    dl[e] = DR[i, col + e]
-                if has_weight:
-                    for e in T.vectorized(E):
-                        wl[e] = W[col + e]
-                if has_res_grad:
-                    rg = T.alloc_local((E,), x_dtype)
-                    for e in T.vectorized(E):
-                        rg[e] = RG[row, col + e]
-                for e in T.unroll(E):
-                    io[e] = T.cast(dx_value(f32(xl, e), f32(dl, e), f32(wl, e) if has_weight else None,
-                                            r, mean, out_scale, f32(rg, e) if has_res_grad else None), x_dtype)
-                for e in T.vectorized(E):
-                    DX[row, col + e] = io[e]
+                dx_vector(XR, DR, i, row, col, W, RG, DX, wl, xl, dl, io, r, mean, out_scale)
 
     @T.macro
     def store_partial(Part, wacc, p, tx):
@@ -687,23 +692,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                     if c < C:
                         col = (c * TB + tx) * E
                         if T.And(on, T.Or(c < CF, col < hidden)):
-                            for e in T.vectorized(E):
-                                xl[e] = xs[sp, col + e]
-                            for e in T.vectorized(E):
-                                dl[e] = ds[sp, col + e]
-                            if has_weight:
-                                for e in T.vectorized(E):
-                                    wl[e] = W[col + e]
-                            if has_res_grad:
-                                rg = T.alloc_local((E,), x_dtype)
-                                for e in T.vectorized(E):
-                                    rg[e] = RG[prev, col + e]
-                            for e in T.unroll(E):
-                                io[e] = T.cast(dx_value(f32(xl, e), f32(dl, e), f32(wl, e) if has_weight else None,
-                                                        rp, am, out_scale, f32(rg, e) if has_res_grad else None),
-                                               x_dtype)
-                            for e in T.vectorized(E):
-                                DX[prev, col + e] = io[e]
+                            dx_vector(xs, ds, sp, prev, col, W, RG, DX, wl, xl, dl, io, rp, am, out_scale)
                 if T.And(row < Tn, tx % 32 == 0):
                     red[k % 2, tx // 32] = acc
                 T.sync_threads()
