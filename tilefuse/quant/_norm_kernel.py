@@ -112,6 +112,29 @@ def _f32_of(T, x_dtype: str, buf, *idx):
     return T.call_extern("float32", "nf_bf16", T.address_of(buf[(*lead, 0)]), e)
 
 
+def _block_total(T, NW: int, wait_readers: bool):
+    """A macro ``block_total(acc, red, tx)``: the CTA's total of its threads' ``acc`` (five warp butterfly steps,
+    then the NW warp sums from shared ``red`` in order). ``wait_readers``: a barrier first, so that the warp sums
+    of the previous row in ``red`` have been read."""
+    @T.macro
+    def block_total(acc, red, tx):
+        tot = T.alloc_var("float32")
+        tot = acc
+        for st in T.unroll(5):
+            tot = tot + T.shfl_xor(tot, T.shift_right(16, st))
+        if wait_readers:
+            T.sync_threads()
+        if tx % 32 == 0:
+            red[tx // 32] = tot
+        T.sync_threads()
+        tot = red[0]
+        for i in T.unroll(1, NW):
+            tot = tot + red[i]
+        return tot
+
+    return block_total
+
+
 def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residual: bool, quant: bool,
                         sf_layout: str, round_sf: bool, with_bf16: bool, with_rstd: bool, mega_bm: int = 0):
     """Factory for one static config (see module doc).
@@ -124,6 +147,7 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
     VPR = hidden // E
     C = -(-VPR // _THREADS)                          # vectors per thread
     NW = _THREADS // 32
+    block_total = _block_total(T, NW, wait_readers=False)
     L = _NPC // E                                    # lanes per 32-channel group
     ng = hidden // _NPC
     nw4 = -(-ng // 4)
@@ -201,15 +225,7 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
             for e in T.unroll(E):
                 hv = f32(io, c, e)
                 acc = acc + hv * hv
-        for st in T.unroll(5):
-            acc = acc + T.shfl_xor(acc, T.shift_right(16, st))
-        if tx % 32 == 0:
-            red[tx // 32] = acc
-        T.sync_threads()
-        acc = red[0]
-        for i in T.unroll(1, NW):
-            acc = acc + red[i]
-        rstd = T.rsqrt(acc / T.float32(hidden) + eps)
+        rstd = T.rsqrt(block_total(acc, red, tx) / T.float32(hidden) + eps)
         if with_rstd:
             if tx == 0:
                 Rstd[b, t] = rstd
@@ -376,22 +392,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
     dx_p = T.Tensor((Tn, hidden), x_dtype)
     part_p = T.Tensor((_NP, hidden), "float32") if has_weight else T.Tensor((1,), "float32")
 
-    @T.macro
-    def block_total(acc, red, tx):
-        """The CTA's total of the threads' ``acc``: warp butterflies, then the NW warp sums in order from ``red``
-        (the first barrier waits for the previous row's readers of ``red``)."""
-        tot = T.alloc_var("float32")
-        tot = acc
-        for st in T.unroll(5):
-            tot = tot + T.shfl_xor(tot, T.shift_right(16, st))
-        T.sync_threads()
-        if tx % 32 == 0:
-            red[tx // 32] = tot
-        T.sync_threads()
-        tot = red[0]
-        for i in T.unroll(1, NW):
-            tot = tot + red[i]
-        return tot
+    block_total = _block_total(T, NW, wait_readers=True)
 
     @T.macro
     def dx_vector(XR, DR, i, row, col, W, RG, DX, wl, xl, dl, io, r, mean, out_scale):
