@@ -215,6 +215,21 @@ def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, s
     cnt_param = T.Tensor((3,), "int64")
 
     @T.macro
+    def load_chunk(X, xl, xr, row, q, ok, c):
+        """Chunk ``c`` of this lane's gate (``xl``) and up (``xr``) vectors of ``row``; zeros when not ``ok``."""
+        col = c * (L * E) + q * E
+        if ok:
+            for v in T.vectorized(E):
+                xl[c, v] = X[row, col + v]
+            for v in T.vectorized(E):
+                xr[c, v] = X[row, hidden + col + v]
+        else:
+            for v in T.vectorized(E):
+                xl[c, v] = T.cast(0, x_dtype)
+            for v in T.vectorized(E):
+                xr[c, v] = T.cast(0, x_dtype)
+
+    @T.macro
     def body(X, P2T, W, P2E, Y, SF, CNT):
         with T.Kernel(T.ceildiv(Tn, BM), threads=threads) as bx:
             tx = T.get_thread_binding()
@@ -236,17 +251,7 @@ def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, s
             if skip:
                 ok = T.And(ok, P2E[T.min(row, Tn - 1)] >= 0)
             for c in first_loads:
-                col = c * (L * E) + q * E
-                if ok:
-                    for v in T.vectorized(E):
-                        xl[c, v] = X[row, col + v]
-                    for v in T.vectorized(E):
-                        xr[c, v] = X[row, hidden + col + v]
-                else:
-                    for v in T.vectorized(E):
-                        xl[c, v] = T.cast(0, x_dtype)
-                    for v in T.vectorized(E):
-                        xr[c, v] = T.cast(0, x_dtype)
+                load_chunk(X, xl, xr, row, q, ok, c)
             w[0] = T.float32(1.0)
             if weighted:
                 p = T.if_then_else(row < Tn, P2T[T.min(row, Tn - 1)], -1)
@@ -257,17 +262,7 @@ def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, s
             word[0] = 0
             for si, chunks in enumerate(stages):
                 for c in next_loads[si]:
-                    col = c * (L * E) + q * E
-                    if ok:
-                        for v in T.vectorized(E):
-                            xl[c, v] = X[row, col + v]
-                        for v in T.vectorized(E):
-                            xr[c, v] = X[row, hidden + col + v]
-                    else:
-                        for v in T.vectorized(E):
-                            xl[c, v] = T.cast(0, x_dtype)
-                        for v in T.vectorized(E):
-                            xr[c, v] = T.cast(0, x_dtype)
+                    load_chunk(X, xl, xr, row, q, ok, c)
                 if count:
                     c_ = _f32(T, clamp_bits)
                     for c in chunks:
