@@ -647,5 +647,3 @@ def test_knob_variants_bit_identical_gpu(knobs, scale, has_rg, knob_kernels):
     got = _knob_outputs(x, w, dy, rstd, rg, scale)
     for i, (g, e) in enumerate(zip(got, want)):
         assert torch.equal(g, e), f"output {i}"
-
-

@@ -378,9 +378,6 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
     def f32(buf, *idx):
         return _f32_of(T, x_dtype, buf, *idx)
 
-    def dx_value(x, dy, w, r, mean, out_scale, rg):
-        return _dx_value(T, x, dy, w, r, mean, out_scale, rg)
-
     Tn = T.dynamic("num_tokens")
     XS, GS, RS = T.dynamic("x_st, dy_st, rg_st")
 
@@ -410,8 +407,8 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
             for e in T.vectorized(E):
                 rg[e] = RG[row, col + e]
         for e in T.unroll(E):
-            io[e] = T.cast(dx_value(f32(xl, e), f32(dl, e), f32(wl, e) if has_weight else None,
-                                    r, mean, out_scale, f32(rg, e) if has_res_grad else None), x_dtype)
+            io[e] = T.cast(_dx_value(T, f32(xl, e), f32(dl, e), f32(wl, e) if has_weight else None,
+                                     r, mean, out_scale, f32(rg, e) if has_res_grad else None), x_dtype)
         for e in T.vectorized(E):
             DX[row, col + e] = io[e]
 
