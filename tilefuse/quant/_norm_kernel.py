@@ -430,6 +430,50 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                     for e in T.vectorized(E):
                         Part[p, col + e] = wacc[c, e]
 
+    @T.macro
+    def issue_row(X, DY, Rstd, xb, db, rb, row, sn, tx):
+        """cp.async of row ``row`` into ring stage ``sn`` (shared-window bases ``xb``, ``db``, ``rb``): this thread's
+        x and dy vectors and its own copy of the row's rstd."""
+        T.call_extern("void", "nf_cp4", rb, (sn * TB + tx) * 4, Rstd.access_ptr("r", offset=row))
+        for c in T.unroll(C):
+            col = (c * TB + tx) * E
+            if col < hidden:
+                T.call_extern("void", "nf_cp16", xb, (sn * hidden + col) * 2, X.access_ptr("r", offset=row * XS + col))
+                T.call_extern("void", "nf_cp16", db, (sn * hidden + col) * 2, DY.access_ptr("r", offset=row * GS + col))
+
+    @T.macro
+    def stage_vector(xs, ds, s, col, W, wl, xl, dl):
+        """x, dy and w of columns ``col .. col + E`` from ring stage ``s`` into ``xl``, ``dl``, ``wl``: zeros (w: ones)
+        past the row, whose lanes then add nothing."""
+        for e in T.vectorized(E):
+            wl[e] = T.cast(1, x_dtype)
+            xl[e] = T.cast(0, x_dtype)
+            dl[e] = T.cast(0, x_dtype)
+        if col < hidden:
+            if has_weight:
+                for e in T.vectorized(E):
+                    wl[e] = W[col + e]
+            for e in T.vectorized(E):
+                xl[e] = xs[s, col + e]
+            for e in T.vectorized(E):
+                dl[e] = ds[s, col + e]
+
+    @T.macro
+    def accumulate(acc, XV, DV, lead, wl, wacc, c, r, out_scale):
+        """This thread's vector ``c`` of a row (x and dy at ``XV[*lead, e]`` / ``DV[*lead, e]``): its weight-gradient
+        terms into ``wacc[c, :]``; returns ``acc`` plus its terms of A."""
+        a = T.alloc_var("float32")
+        a = acc
+        for e in T.unroll(E):
+            xh = f32(XV, *lead, e) * r
+            g = f32(DV, *lead, e) * out_scale
+            if has_weight:
+                wacc[c, e] = wacc[c, e] + xh * g
+                a = a + xh * (g * f32(wl, e))
+            else:
+                a = a + xh * g
+        return a
+
     def make_body():
         """The kernel body: rows in registers, loaded one row ahead."""
         @T.macro
@@ -469,14 +513,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                             if col < hidden:
                                 for e in T.vectorized(E):
                                     wl[e] = W[col + e]
-                        for e in T.unroll(E):
-                            xh = f32(xn, c, e) * r
-                            g = f32(dn, c, e) * out_scale
-                            if has_weight:
-                                wacc[c, e] = wacc[c, e] + xh * g
-                                acc = acc + xh * (g * f32(wl, e))
-                            else:
-                                acc = acc + xh * g
+                        acc = accumulate(acc, xn, dn, (c,), wl, wacc, c, r, out_scale)
                     # the next row's loads, in flight during this row's reduction and dx pass
                     for c in T.unroll(C):
                         col = (c * TB + tx) * E
@@ -519,14 +556,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                     wacc[c, e] = T.float32(0.0)
             for a in T.unroll(ST - 1):   # prologue: rows p + a NP, a < ST - 1, into stage a
                 if p + a * _NP < Tn:
-                    T.call_extern("void", "nf_cp4", rb, (a * TB + tx) * 4, Rstd.access_ptr("r", offset=p + a * _NP))
-                    for c in T.unroll(C):
-                        col = (c * TB + tx) * E
-                        if col < hidden:
-                            T.call_extern("void", "nf_cp16", xb, (a * hidden + col) * 2,
-                                          X.access_ptr("r", offset=(p + a * _NP) * XS + col))
-                            T.call_extern("void", "nf_cp16", db, (a * hidden + col) * 2,
-                                          DY.access_ptr("r", offset=(p + a * _NP) * GS + col))
+                    issue_row(X, DY, Rstd, xb, db, rb, p + a * _NP, a, tx)
                 T.call_extern("void", "nf_cp_commit")
             for k in T.serial(T.ceildiv(Tn, _NP)):
                 row = k * _NP + p
@@ -534,14 +564,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                     nxt = row + (ST - 1) * _NP
                     sn = (k + ST - 1) % ST
                     if nxt < Tn:   # the row ST - 1 ahead into the stage the previous row left
-                        T.call_extern("void", "nf_cp4", rb, (sn * TB + tx) * 4, Rstd.access_ptr("r", offset=nxt))
-                        for c in T.unroll(C):
-                            col = (c * TB + tx) * E
-                            if col < hidden:
-                                T.call_extern("void", "nf_cp16", xb, (sn * hidden + col) * 2,
-                                              X.access_ptr("r", offset=nxt * XS + col))
-                                T.call_extern("void", "nf_cp16", db, (sn * hidden + col) * 2,
-                                              DY.access_ptr("r", offset=nxt * GS + col))
+                        issue_row(X, DY, Rstd, xb, db, rb, nxt, sn, tx)
                     T.call_extern("void", "nf_cp_commit")
                     T.call_extern("void", f"nf_cp_wait<{ST - 1}>")   # this row's group (this thread's copies)
                     s = k % ST
@@ -549,26 +572,8 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                     acc = T.float32(0.0)
                     for c in T.unroll(C):
                         col = (c * TB + tx) * E
-                        for e in T.vectorized(E):
-                            wl[e] = T.cast(1, x_dtype)
-                            xl[e] = T.cast(0, x_dtype)
-                            dl[e] = T.cast(0, x_dtype)
-                        if col < hidden:
-                            if has_weight:
-                                for e in T.vectorized(E):
-                                    wl[e] = W[col + e]
-                            for e in T.vectorized(E):
-                                xl[e] = xs[s, col + e]
-                            for e in T.vectorized(E):
-                                dl[e] = ds[s, col + e]
-                        for e in T.unroll(E):
-                            xh = f32(xl, e) * r
-                            g = f32(dl, e) * out_scale
-                            if has_weight:
-                                wacc[c, e] = wacc[c, e] + xh * g
-                                acc = acc + xh * (g * f32(wl, e))
-                            else:
-                                acc = acc + xh * g
+                        stage_vector(xs, ds, s, col, W, wl, xl, dl)
+                        acc = accumulate(acc, xl, dl, (), wl, wacc, c, r, out_scale)
                     mean = block_total(acc, red, tx) / T.float32(hidden)
                     dx_row(xs, ds, s, row, W, RG, DX, wl, xl, dl, io, tx, r, mean, out_scale)
             T.call_extern("void", "nf_cp_wait<0>")   # no copy outlives the CTA
@@ -610,26 +615,14 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                 for e in T.unroll(E):
                     wacc[c, e] = T.float32(0.0)
             if p < Tn:   # prologue: row p into stage 0
-                T.call_extern("void", "nf_cp4", rb, tx * 4, Rstd.access_ptr("r", offset=p))
-                for c in T.unroll(C):
-                    col = (c * TB + tx) * E
-                    if col < hidden:
-                        T.call_extern("void", "nf_cp16", xb, col * 2, X.access_ptr("r", offset=p * XS + col))
-                        T.call_extern("void", "nf_cp16", db, col * 2, DY.access_ptr("r", offset=p * GS + col))
+                issue_row(X, DY, Rstd, xb, db, rb, p, 0, tx)
             T.call_extern("void", "nf_cp_commit")
             for k in T.serial(T.ceildiv(Tn, _NP) + 1):
                 row = k * _NP + p
                 nxt = row + _NP
                 sn = (k + 1) % ST
                 if nxt < Tn:   # row k + 1 into the stage row k - 2 left
-                    T.call_extern("void", "nf_cp4", rb, (sn * TB + tx) * 4, Rstd.access_ptr("r", offset=nxt))
-                    for c in T.unroll(C):
-                        col = (c * TB + tx) * E
-                        if col < hidden:
-                            T.call_extern("void", "nf_cp16", xb, (sn * hidden + col) * 2,
-                                          X.access_ptr("r", offset=nxt * XS + col))
-                            T.call_extern("void", "nf_cp16", db, (sn * hidden + col) * 2,
-                                          DY.access_ptr("r", offset=nxt * GS + col))
+                    issue_row(X, DY, Rstd, xb, db, rb, nxt, sn, tx)
                 T.call_extern("void", "nf_cp_commit")
                 T.call_extern("void", "nf_cp_wait<1>")   # row k's group (this thread's copies)
                 # pass 1 of row k
@@ -651,26 +644,8 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                             for e in T.vectorized(E):
                                 dl[e] = ds[s, col + e]
                         else:        # the tail block: lanes past the row compute on zeros, as the other bodies
-                            for e in T.vectorized(E):
-                                wl[e] = T.cast(1, x_dtype)
-                                xl[e] = T.cast(0, x_dtype)
-                                dl[e] = T.cast(0, x_dtype)
-                            if col < hidden:
-                                if has_weight:
-                                    for e in T.vectorized(E):
-                                        wl[e] = W[col + e]
-                                for e in T.vectorized(E):
-                                    xl[e] = xs[s, col + e]
-                                for e in T.vectorized(E):
-                                    dl[e] = ds[s, col + e]
-                        for e in T.unroll(E):
-                            xh = f32(xl, e) * r
-                            g = f32(dl, e) * out_scale
-                            if has_weight:
-                                wacc[c, e] = wacc[c, e] + xh * g
-                                acc = acc + xh * (g * f32(wl, e))
-                            else:
-                                acc = acc + xh * g
+                            stage_vector(xs, ds, s, col, W, wl, xl, dl)
+                        acc = accumulate(acc, xl, dl, (), wl, wacc, c, r, out_scale)
                 # dx of row k - 1 (A from red slot (k - 1) % 2), row k's butterfly steps between its column blocks
                 prev = row - _NP
                 on = T.And(k > 0, prev < Tn)
