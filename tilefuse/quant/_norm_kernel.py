@@ -389,6 +389,10 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
     dx_p = T.Tensor((Tn, hidden), x_dtype)
     part_p = T.Tensor((_NP, hidden), "float32") if has_weight else T.Tensor((1,), "float32")
 
+    ST = BWD_STAGES if x_dtype == "bfloat16" else 0
+    if ST == 1 or 2 * (ST * (2 * rowbytes + 4 * TB) + 128 + 1024) > 228 * 1024:   # 1 KB reserved per CTA
+        ST = 0   # 2 CTAs of ST stages do not fit in an SM's shared memory (or no ring): the register path
+
     block_total = _block_total(T, NW, wait_readers=True)
 
     @T.macro
@@ -528,10 +532,12 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
 
         return body
 
-    def make_staged_body():
+    def make_ring_body(rows, red_slots: int):
         """BWD_STAGES >= 2: the same per-row arithmetic as ``make_body`` (each thread owns the same columns and
         computes the same expressions in the same order); x, dy and rstd come from an ST-stage shared ring that
-        per-thread cp.async fills ST - 1 rows ahead, and the dx pass reads the row from shared memory again."""
+        per-thread cp.async fills ahead (each thread copies and later reads only its own vectors and its own rstd
+        copy: no barrier guards a stage), and the dx pass reads the row from shared memory again. ``rows``: the
+        row loop (``staged_rows`` or ``pipe_rows``), with ``red_slots`` slots of warp sums."""
         @T.macro
         def body(DY, X, W, Rstd, RG, DX, Part, p, out_scale):
             tx = T.get_thread_binding()
@@ -543,8 +549,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
             xl = T.alloc_local((E,), x_dtype)
             dl = T.alloc_local((E,), x_dtype)
             io = T.alloc_local((E,), x_dtype)
-            red = T.alloc_shared((NW,), "float32")
-            acc = T.alloc_var("float32")
+            red = T.alloc_shared((red_slots, NW) if red_slots > 1 else (NW,), "float32")
             xb = T.alloc_var("uint32")   # shared-window addresses of the rings
             db = T.alloc_var("uint32")
             rb = T.alloc_var("uint32")
@@ -554,130 +559,113 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
             for c in T.unroll(C):
                 for e in T.unroll(E):
                     wacc[c, e] = T.float32(0.0)
-            for a in T.unroll(ST - 1):   # prologue: rows p + a NP, a < ST - 1, into stage a
-                if p + a * _NP < Tn:
-                    issue_row(X, DY, Rstd, xb, db, rb, p + a * _NP, a, tx)
-                T.call_extern("void", "nf_cp_commit")
-            for k in T.serial(T.ceildiv(Tn, _NP)):
-                row = k * _NP + p
-                if row < Tn:
-                    nxt = row + (ST - 1) * _NP
-                    sn = (k + ST - 1) % ST
-                    if nxt < Tn:   # the row ST - 1 ahead into the stage the previous row left
-                        issue_row(X, DY, Rstd, xb, db, rb, nxt, sn, tx)
-                    T.call_extern("void", "nf_cp_commit")
-                    T.call_extern("void", f"nf_cp_wait<{ST - 1}>")   # this row's group (this thread's copies)
-                    s = k % ST
-                    r = rs[s, tx]
-                    acc = T.float32(0.0)
-                    for c in T.unroll(C):
-                        col = (c * TB + tx) * E
-                        stage_vector(xs, ds, s, col, W, wl, xl, dl)
-                        acc = accumulate(acc, xl, dl, (), wl, wacc, c, r, out_scale)
-                    mean = block_total(acc, red, tx) / T.float32(hidden)
-                    dx_row(xs, ds, s, row, W, RG, DX, wl, xl, dl, io, tx, r, mean, out_scale)
+            rows(DY, X, W, Rstd, RG, DX, p, out_scale, tx, xs, ds, rs, wacc, wl, xl, dl, io, red, xb, db, rb)
             T.call_extern("void", "nf_cp_wait<0>")   # no copy outlives the CTA
             store_partial(Part, wacc, p, tx)
 
         return body
 
-    def make_pipe_body():
-        """BWD_PIPE (ST == 3): the staged body's per-row arithmetic, software-pipelined by one row. Iteration k
-        (k = 0 .. ceil(T / NP)): issue row k + 1 into stage (k + 1) % 3; reduce row k (pass 1: wacc and the thread
-        sum); write dx of row k - 1 (stage (k - 1) % 3, its A from red slot (k - 1) % 2), the five butterfly steps
-        of row k interleaved between its column blocks; store row k's warp sums into red slot k % 2; one barrier.
-        Slot k % 2 was last read in iteration k - 1, before that iteration's barrier; the ring stages are private
-        per thread (each thread copies and reads only its own vectors and its own rstd copy)."""
-        CF = VPR // TB   # column blocks inside the row for every thread
-
-        @T.macro
-        def body(DY, X, W, Rstd, RG, DX, Part, p, out_scale):
-            tx = T.get_thread_binding()
-            xs = T.alloc_shared((ST, hidden), x_dtype)
-            ds = T.alloc_shared((ST, hidden), x_dtype)
-            rs = T.alloc_shared((ST, TB), "float32")   # each thread its own copy of the row's rstd
-            wacc = T.alloc_local((C, E), "float32")
-            wl = T.alloc_local((E,), x_dtype)
-            xl = T.alloc_local((E,), x_dtype)
-            dl = T.alloc_local((E,), x_dtype)
-            io = T.alloc_local((E,), x_dtype)
-            red = T.alloc_shared((2, NW), "float32")
-            acc = T.alloc_var("float32")
-            am = T.alloc_var("float32")
-            xb = T.alloc_var("uint32")   # shared-window addresses of the rings
-            db = T.alloc_var("uint32")
-            rb = T.alloc_var("uint32")
-            xb = T.call_extern("uint32", "nf_smem_addr", xs.access_ptr("w"))
-            db = T.call_extern("uint32", "nf_smem_addr", ds.access_ptr("w"))
-            rb = T.call_extern("uint32", "nf_smem_addr", rs.access_ptr("w"))
-            acc = T.float32(0.0)
-            for c in T.unroll(C):
-                for e in T.unroll(E):
-                    wacc[c, e] = T.float32(0.0)
-            if p < Tn:   # prologue: row p into stage 0
-                issue_row(X, DY, Rstd, xb, db, rb, p, 0, tx)
+    @T.macro
+    def staged_rows(DY, X, W, Rstd, RG, DX, p, out_scale, tx, xs, ds, rs, wacc, wl, xl, dl, io, red, xb, db, rb):
+        """The ring's row loop: ST - 1 rows in flight, two barriers per row (in ``block_total``)."""
+        acc = T.alloc_var("float32")
+        for a in T.unroll(ST - 1):   # prologue: rows p + a NP, a < ST - 1, into stage a
+            if p + a * _NP < Tn:
+                issue_row(X, DY, Rstd, xb, db, rb, p + a * _NP, a, tx)
             T.call_extern("void", "nf_cp_commit")
-            for k in T.serial(T.ceildiv(Tn, _NP) + 1):
-                row = k * _NP + p
-                nxt = row + _NP
-                sn = (k + 1) % ST
-                if nxt < Tn:   # row k + 1 into the stage row k - 2 left
+        for k in T.serial(T.ceildiv(Tn, _NP)):
+            row = k * _NP + p
+            if row < Tn:
+                nxt = row + (ST - 1) * _NP
+                sn = (k + ST - 1) % ST
+                if nxt < Tn:   # the row ST - 1 ahead into the stage the previous row left
                     issue_row(X, DY, Rstd, xb, db, rb, nxt, sn, tx)
                 T.call_extern("void", "nf_cp_commit")
-                T.call_extern("void", "nf_cp_wait<1>")   # row k's group (this thread's copies)
-                # pass 1 of row k
-                if row < Tn:
-                    s = k % ST
-                    r = rs[s, tx]
-                    acc = T.float32(0.0)
-                    for c in T.unroll(C):
-                        col = (c * TB + tx) * E
-                        if c < CF:   # a block every thread fills: no defaults, no predicate
-                            if has_weight:
-                                for e in T.vectorized(E):
-                                    wl[e] = W[col + e]
-                            else:
-                                for e in T.vectorized(E):
-                                    wl[e] = T.cast(1, x_dtype)
-                            for e in T.vectorized(E):
-                                xl[e] = xs[s, col + e]
-                            for e in T.vectorized(E):
-                                dl[e] = ds[s, col + e]
-                        else:        # the tail block: lanes past the row compute on zeros, as the other bodies
-                            stage_vector(xs, ds, s, col, W, wl, xl, dl)
-                        acc = accumulate(acc, xl, dl, (), wl, wacc, c, r, out_scale)
-                # dx of row k - 1 (A from red slot (k - 1) % 2), row k's butterfly steps between its column blocks
-                prev = row - _NP
-                on = T.And(k > 0, prev < Tn)
-                sp = (k + ST - 1) % ST
-                rp = T.alloc_var("float32")
-                am = T.float32(0.0)
-                rp = T.float32(0.0)
-                if on:
-                    am = red[(k + 1) % 2, 0]
-                    for i in T.unroll(1, NW):
-                        am = am + red[(k + 1) % 2, i]
-                    am = am / T.float32(hidden)
-                    rp = rs[sp, tx]
-                for c in T.unroll(max(C, 5)):
-                    if c < 5:
-                        acc = acc + T.shfl_xor(acc, T.shift_right(16, c))
-                    if c < C:
-                        col = (c * TB + tx) * E
-                        if T.And(on, T.Or(c < CF, col < hidden)):
-                            dx_vector(xs, ds, sp, prev, col, W, RG, DX, wl, xl, dl, io, rp, am, out_scale)
-                if T.And(row < Tn, tx % 32 == 0):
-                    red[k % 2, tx // 32] = acc
-                T.sync_threads()
-            T.call_extern("void", "nf_cp_wait<0>")   # no copy outlives the CTA
-            store_partial(Part, wacc, p, tx)
+                T.call_extern("void", f"nf_cp_wait<{ST - 1}>")   # this row's group (this thread's copies)
+                s = k % ST
+                r = rs[s, tx]
+                acc = T.float32(0.0)
+                for c in T.unroll(C):
+                    col = (c * TB + tx) * E
+                    stage_vector(xs, ds, s, col, W, wl, xl, dl)
+                    acc = accumulate(acc, xl, dl, (), wl, wacc, c, r, out_scale)
+                mean = block_total(acc, red, tx) / T.float32(hidden)
+                dx_row(xs, ds, s, row, W, RG, DX, wl, xl, dl, io, tx, r, mean, out_scale)
 
-        return body
+    CF = VPR // TB   # column blocks inside the row for every thread
 
-    ST = BWD_STAGES if x_dtype == "bfloat16" else 0
-    if ST == 1 or 2 * (ST * (2 * rowbytes + 4 * TB) + 128 + 1024) > 228 * 1024:   # 1 KB reserved per CTA
-        ST = 0   # 2 CTAs of ST stages do not fit in an SM's shared memory (or no ring): the register path
-    body = ((make_pipe_body if BWD_PIPE and ST == 3 else make_staged_body) if ST else make_body)()
+    @T.macro
+    def pipe_rows(DY, X, W, Rstd, RG, DX, p, out_scale, tx, xs, ds, rs, wacc, wl, xl, dl, io, red, xb, db, rb):
+        """BWD_PIPE (ST == 3): the staged loop software-pipelined by one row. Iteration k (k = 0 .. ceil(T / NP)):
+        issue row k + 1 into stage (k + 1) % 3; reduce row k (pass 1: wacc and the thread sum); write dx of row
+        k - 1 (stage (k - 1) % 3, its A from red slot (k - 1) % 2), the five butterfly steps of row k interleaved
+        between its column blocks; store row k's warp sums into red slot k % 2; one barrier. Slot k % 2 was last
+        read in iteration k - 1, before that iteration's barrier."""
+        acc = T.alloc_var("float32")
+        am = T.alloc_var("float32")
+        acc = T.float32(0.0)
+        if p < Tn:   # prologue: row p into stage 0
+            issue_row(X, DY, Rstd, xb, db, rb, p, 0, tx)
+        T.call_extern("void", "nf_cp_commit")
+        for k in T.serial(T.ceildiv(Tn, _NP) + 1):
+            row = k * _NP + p
+            nxt = row + _NP
+            sn = (k + 1) % ST
+            if nxt < Tn:   # row k + 1 into the stage row k - 2 left
+                issue_row(X, DY, Rstd, xb, db, rb, nxt, sn, tx)
+            T.call_extern("void", "nf_cp_commit")
+            T.call_extern("void", "nf_cp_wait<1>")   # row k's group (this thread's copies)
+            # pass 1 of row k
+            if row < Tn:
+                s = k % ST
+                r = rs[s, tx]
+                acc = T.float32(0.0)
+                for c in T.unroll(C):
+                    col = (c * TB + tx) * E
+                    if c < CF:   # a block every thread fills: no defaults, no predicate
+                        if has_weight:
+                            for e in T.vectorized(E):
+                                wl[e] = W[col + e]
+                        else:
+                            for e in T.vectorized(E):
+                                wl[e] = T.cast(1, x_dtype)
+                        for e in T.vectorized(E):
+                            xl[e] = xs[s, col + e]
+                        for e in T.vectorized(E):
+                            dl[e] = ds[s, col + e]
+                    else:        # the tail block: lanes past the row compute on zeros, as the other bodies
+                        stage_vector(xs, ds, s, col, W, wl, xl, dl)
+                    acc = accumulate(acc, xl, dl, (), wl, wacc, c, r, out_scale)
+            # dx of row k - 1 (A from red slot (k - 1) % 2), row k's butterfly steps between its column blocks
+            prev = row - _NP
+            on = T.And(k > 0, prev < Tn)
+            sp = (k + ST - 1) % ST
+            rp = T.alloc_var("float32")
+            am = T.float32(0.0)
+            rp = T.float32(0.0)
+            if on:
+                am = red[(k + 1) % 2, 0]
+                for i in T.unroll(1, NW):
+                    am = am + red[(k + 1) % 2, i]
+                am = am / T.float32(hidden)
+                rp = rs[sp, tx]
+            for c in T.unroll(max(C, 5)):
+                if c < 5:
+                    acc = acc + T.shfl_xor(acc, T.shift_right(16, c))
+                if c < C:
+                    col = (c * TB + tx) * E
+                    if T.And(on, T.Or(c < CF, col < hidden)):
+                        dx_vector(xs, ds, sp, prev, col, W, RG, DX, wl, xl, dl, io, rp, am, out_scale)
+            if T.And(row < Tn, tx % 32 == 0):
+                red[k % 2, tx // 32] = acc
+            T.sync_threads()
+
+    if not ST:
+        body = make_body()
+    elif BWD_PIPE and ST == 3:
+        body = make_ring_body(pipe_rows, 2)
+    else:
+        body = make_ring_body(staged_rows, 1)
 
     @T.prim_func
     def norm_backward(DY: dy_p, X: x_p, W: w_p, Rstd: rstd_p, RG: rg_p, DX: dx_p, Part: part_p,
