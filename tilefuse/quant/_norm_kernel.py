@@ -532,12 +532,12 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
 
         return body
 
-    def make_ring_body(rows, red_slots: int):
+    def make_ring_body(rows):
         """BWD_STAGES >= 2: the same per-row arithmetic as ``make_body`` (each thread owns the same columns and
         computes the same expressions in the same order); x, dy and rstd come from an ST-stage shared ring that
         per-thread cp.async fills ahead (each thread copies and later reads only its own vectors and its own rstd
         copy: no barrier guards a stage), and the dx pass reads the row from shared memory again. ``rows``: the
-        row loop (``staged_rows`` or ``pipe_rows``), with ``red_slots`` slots of warp sums."""
+        row loop (``staged_rows`` or ``pipe_rows``)."""
         @T.macro
         def body(DY, X, W, Rstd, RG, DX, Part, p, out_scale):
             tx = T.get_thread_binding()
@@ -549,7 +549,6 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
             xl = T.alloc_local((E,), x_dtype)
             dl = T.alloc_local((E,), x_dtype)
             io = T.alloc_local((E,), x_dtype)
-            red = T.alloc_shared((red_slots, NW) if red_slots > 1 else (NW,), "float32")
             xb = T.alloc_var("uint32")   # shared-window addresses of the rings
             db = T.alloc_var("uint32")
             rb = T.alloc_var("uint32")
@@ -559,15 +558,16 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
             for c in T.unroll(C):
                 for e in T.unroll(E):
                     wacc[c, e] = T.float32(0.0)
-            rows(DY, X, W, Rstd, RG, DX, p, out_scale, tx, xs, ds, rs, wacc, wl, xl, dl, io, red, xb, db, rb)
+            rows(DY, X, W, Rstd, RG, DX, p, out_scale, tx, xs, ds, rs, wacc, wl, xl, dl, io, xb, db, rb)
             T.call_extern("void", "nf_cp_wait<0>")   # no copy outlives the CTA
             store_partial(Part, wacc, p, tx)
 
         return body
 
     @T.macro
-    def staged_rows(DY, X, W, Rstd, RG, DX, p, out_scale, tx, xs, ds, rs, wacc, wl, xl, dl, io, red, xb, db, rb):
+    def staged_rows(DY, X, W, Rstd, RG, DX, p, out_scale, tx, xs, ds, rs, wacc, wl, xl, dl, io, xb, db, rb):
         """The ring's row loop: ST - 1 rows in flight, two barriers per row (in ``block_total``)."""
+        red = T.alloc_shared((NW,), "float32")
         acc = T.alloc_var("float32")
         for a in T.unroll(ST - 1):   # prologue: rows p + a NP, a < ST - 1, into stage a
             if p + a * _NP < Tn:
@@ -595,12 +595,13 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
     CF = VPR // TB   # column blocks inside the row for every thread
 
     @T.macro
-    def pipe_rows(DY, X, W, Rstd, RG, DX, p, out_scale, tx, xs, ds, rs, wacc, wl, xl, dl, io, red, xb, db, rb):
+    def pipe_rows(DY, X, W, Rstd, RG, DX, p, out_scale, tx, xs, ds, rs, wacc, wl, xl, dl, io, xb, db, rb):
         """BWD_PIPE (ST == 3): the staged loop software-pipelined by one row. Iteration k (k = 0 .. ceil(T / NP)):
         issue row k + 1 into stage (k + 1) % 3; reduce row k (pass 1: wacc and the thread sum); write dx of row
         k - 1 (stage (k - 1) % 3, its A from red slot (k - 1) % 2), the five butterfly steps of row k interleaved
         between its column blocks; store row k's warp sums into red slot k % 2; one barrier. Slot k % 2 was last
         read in iteration k - 1, before that iteration's barrier."""
+        red = T.alloc_shared((2, NW), "float32")
         acc = T.alloc_var("float32")
         am = T.alloc_var("float32")
         acc = T.float32(0.0)
@@ -663,9 +664,9 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
     if not ST:
         body = make_body()
     elif BWD_PIPE and ST == 3:
-        body = make_ring_body(pipe_rows, 2)
+        body = make_ring_body(pipe_rows)
     else:
-        body = make_ring_body(staged_rows, 1)
+        body = make_ring_body(staged_rows)
 
     @T.prim_func
     def norm_backward(DY: dy_p, X: x_p, W: w_p, Rstd: rstd_p, RG: rg_p, DX: dx_p, Part: part_p,
