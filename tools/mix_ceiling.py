@@ -1,7 +1,8 @@
 """What a plain elementwise kernel (stock PyTorch, or a Triton stream) reaches on the byte mix of a bench row (GPU
 only).
 
-    python tools/mix_ceiling.py
+    python tools/mix_ceiling.py            # each bench row's mix next to a plain kernel of it
+    python tools/mix_ceiling.py --curve    # one Triton stream across read:write mixes, large and at 93 MB
 
 The bench judges every row against one ceiling: a large device-to-device copy (reads = writes). Rows that read
 more than they write, write more than they read, or move under 100 MB differ from that copy in ways no kernel
@@ -108,5 +109,46 @@ def main() -> None:
         torch.cuda.empty_cache()
 
 
+# (label, IN, NOUT, NARROW): bytes per element read 4 IN, written 4 NOUT + NARROW (int8 1, int16 2)
+MIXES = [("1:0 (read only)", 1, 0, 0), ("2:1", 1, 0, 2), ("1:1", 1, 1, 0), ("1:1.25", 1, 1, 1),
+         ("1:1.5", 1, 1, 2), ("1:2", 1, 2, 0), ("1:3", 1, 3, 0), ("0:1 (write only)", 0, 1, 0)]
+
+
+def _mix_stream(total: int, i_n: int, n_out: int, narrow: int):
+    """``tools/_mix_triton.mix`` moving about ``total`` bytes: (fn(i), n_sets, bytes moved)."""
+    import _mix_triton
+
+    per = 4 * i_n + 4 * n_out + narrow
+    n = total // per // 65536 * 65536
+    k = _sets(n * per)
+    blocks = n // 4096
+    ins = [torch.zeros(n if i_n else 1, dtype=torch.int32, device="cuda") for _ in range(k)]
+    outs = [[torch.empty(n if j < n_out else 1, dtype=torch.int32, device="cuda") for j in range(3)]
+            + [torch.empty(n if narrow else blocks, dtype=(torch.int8, torch.int16)[narrow - 1] if narrow
+                           else torch.int32, device="cuda")] for _ in range(k)]
+    return (lambda i: _mix_triton.mix[(blocks,)](ins[i], *outs[i], n, IN=i_n, NOUT=n_out, NARROW=narrow,
+                                                   BLOCK=4096, num_warps=8)), k, n * per
+
+
+def curve() -> None:
+    """% of the copy ceiling of one streaming kernel across read:write byte mixes: at ~1.2 GB (the steady rate:
+    the per-call fixed cost is under 1% there) and at ~93 MB (the lossless cast's size)."""
+    ceiling = bench.copy_ceiling_gbs()
+    print(f"{torch.cuda.get_device_name()}  copy ceiling {ceiling:.0f} GB/s")
+    print("| read:write bytes | 1.2 GB: µs | % ceiling | 93 MB: µs | % ceiling |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for label, i_n, n_out, narrow in MIXES:
+        cells = []
+        for total in (1_200_000_000, 93_000_000):
+            fn, n_sets, nbytes = _mix_stream(total, i_n, n_out, narrow)
+            us = bench.median_us(fn, n_sets)
+            cells += [f"{us:.1f}", f"{100 * nbytes / us / 1e3 / ceiling:.1f}"]
+            del fn
+            torch.cuda.empty_cache()
+        print(f"| {label} | " + " | ".join(cells) + " |")
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    curve() if "--curve" in sys.argv[1:] else main()

@@ -39,6 +39,13 @@ def _dx_only(t, h=7168):
     return (lambda: fn(dy, x, w, rstd, dummy, dx, part, 1.0)), nbytes
 
 
+def _dx_noweight(t, h=7168):
+    """The public op without a weight: the dx kernel alone with no weight gradient (no partials, no reduce), the
+    same rows per CTA. (Its H = 7168 kernel is not a registered config: it compiles on first use.)"""
+    (dy, x, _, rstd), nbytes = _norm_bwd_inputs(t, h)
+    return (lambda: q.norm_backward(dy, x, None, rstd)), nbytes
+
+
 def _add21(t, h=7168):
     """torch.add of two bf16 (t, h) tensors: norm_backward's 2:1 read:write mix and bytes."""
     a = torch.randn(t, h, device="cuda").bfloat16()
@@ -62,15 +69,28 @@ def _copy(nbytes):
     return (lambda: dst.copy_(src)), nbytes
 
 
+def _triton_1_15(t, row_bytes=11648):
+    """tools/_mix_triton.py's 1:1.5 stream (int32 in; int32 and int16 out: 10 bytes per element, 16-byte accesses)
+    moving about ``row_bytes`` per token: the lossless cast's byte mix (1:1.6) without its tiles and math."""
+    import _mix_triton
+    n = t * row_bytes // 10 // 16 * 16
+    x = torch.zeros(n, dtype=torch.int32, device="cuda")
+    y0, y1 = torch.empty_like(x), torch.empty(n, dtype=torch.int16, device="cuda")
+    grid = (-(-n // 4096),)
+    return (lambda: _mix_triton.copy_1_15[grid](x, y0, y1, n, BLOCK=4096, num_warps=8)), 10 * n
+
+
 CASES = {
     "norm_backward": ([2048, 4096, 8192, 16384, 32768], _norm_bwd),
     "norm_dx": ([2048, 4096, 8192, 16384, 32768], _dx_only),
+    "norm_dx_noweight": ([2048, 4096, 8192, 16384, 32768], _dx_noweight),
     "add_2to1": ([2048, 4096, 8192, 16384, 32768], _add21),
     "lossless": ([2000, 4000, 8001, 16000, 32000], _lossless),
     # token counts around the bench shape's 4.45 waves of 128 x 256 tiles (396 resident CTAs): is a partial last
     # wave costly? (docs/BENCHMARKS.md, thirteenth session: no)
     "lossless_waves": ([7040, 7168, 7552, 7936, 8001, 8448, 8704, 8960, 9088], _lossless),
     # the lossless cast's bytes per row at H = 7168: 3584 data + 896 sf in, 7168 out (+ its small sf out)
+    "triton_lossless_mix": ([2000, 4000, 8001, 16000, 32000], _triton_1_15),
     "copy_lossless_bytes": ([2000, 4000, 8001, 16000, 32000], lambda t: _copy(t * 11648)),
 }
 

@@ -56,6 +56,7 @@ def test_backward_staged_builds_for_sm90(stages, cfg, monkeypatch):
     import tilelang
 
     monkeypatch.setattr(K, "BWD_STAGES", stages)
+    monkeypatch.setattr(K, "BWD_STAGES_NW", stages)   # the no-weight config's own knob
     monkeypatch.setattr(K, "BWD_PIPE", False)  # the staged body (BWD_PIPE has its own test)
     src = tilelang.compile(K.norm_backward_kernel(*cfg), target={"kind": "cuda", "arch": "sm_90"},
                            execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
@@ -72,6 +73,7 @@ def test_backward_pipe_builds_for_sm90(cfg, monkeypatch):
     import tilelang
 
     monkeypatch.setattr(K, "BWD_STAGES", 3)
+    monkeypatch.setattr(K, "BWD_STAGES_NW", 3)
     monkeypatch.setattr(K, "BWD_PIPE", True)
     src = tilelang.compile(K.norm_backward_kernel(*cfg), target={"kind": "cuda", "arch": "sm_90"},
                            execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
@@ -90,6 +92,7 @@ def test_backward_dx_roundings_are_explicit(stages, pipe, cfg, monkeypatch):
     import tilelang
 
     monkeypatch.setattr(K, "BWD_STAGES", stages)
+    monkeypatch.setattr(K, "BWD_STAGES_NW", stages)   # the no-weight config's own knob
     monkeypatch.setattr(K, "BWD_PIPE", pipe)
     src = tilelang.compile(K.norm_backward_kernel(*cfg), target={"kind": "cuda", "arch": "sm_90"},
                            execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
@@ -586,10 +589,11 @@ def test_forward_cast_nan_inf_gpu(fill, col, round_sf, packed):
 
 
 # Knob variants (TILEFUSE_KNOBS sweeps, module doc of _jit.knobs): each must give the default's bits exactly.
-KNOB_VARIANTS = [  # the defaults: BWD_STAGES=3 (BWD_PIPE off), WG_ASSIGN, RED_PDL, FWD_W_AHEAD, FWD_W_EARLY
+KNOB_VARIANTS = [  # the defaults: BWD_STAGES=3 (BWD_PIPE off), BWD_STAGES_NW=0, WG_ASSIGN, RED_PDL, FWD_W_AHEAD, FWD_W_EARLY
     {"BWD_STAGES": 0, "BWD_PIPE": False, "WG_ASSIGN": False, "RED_PDL": False, "FWD_W_AHEAD": False},
     {"FWD_BLOCKS": 7, "FWD_BLOCKS_QUANT": 7},
     {"BWD_STAGES": 2},
+    {"BWD_STAGES_NW": 3},
     {"BWD_PIPE": True},
     {"BWD_PDL": True, "BWD_TRIGGER": True},
     {"WG_ASSIGN": False, "RED_PDL": False},
@@ -610,6 +614,7 @@ def _knob_outputs(x, w, dy, rstd, rg, scale):
                               round_sf=True, use_packed_ue8m0=True)
     bwd = K.norm_backward_launch(dy, x, w, rstd, rg, scale, w.clone())
     bwd = (*bwd, K.norm_backward_launch(dy, x, w, rstd, rg, scale)[1])   # a new weight_grad (WG_ASSIGN)
+    bwd = (*bwd, K.norm_backward_launch(dy, x, None, rstd, rg, scale)[0])  # no weight (BWD_STAGES_NW)
     # 3-D (4 batches of 250 rows)
     x3 = x[:1000].view(4, 250, -1)
     fwd3 = K.norm_forward_launch(x3, w, 1e-6, None, scale)[0]

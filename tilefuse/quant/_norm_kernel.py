@@ -66,6 +66,9 @@ BWD_PIPE = False   # norm_backward with BWD_STAGES == 3 only: software-pipelined
                    # (k + 1) % 3; stage (k - 1) % 3 still holds row k - 1 for its dx pass). Same per-row arithmetic.
                    # Off since 2026-11-29 (the 448-thread CTA): the staged body's two rows in flight won, 97.5 vs
                    # 98.7 us at the bench shape (on with 256 threads: 99.6 vs 103.6 us)
+BWD_STAGES_NW = 0  # BWD_STAGES for a backward without a weight (no weight gradient). Same arithmetic. H200,
+                   # 2026-11-30, bf16 T = 8192 x 7168: the register path 86.9 us (95.6% of the copy ceiling) against
+                   # 98.2 us for the 3-stage ring (84.6%); 2 stages 96.7, BWD_PIPE 98.5
 BWD_PDL = False    # norm_backward: programmatic dependent launch (griddepcontrol.wait before any global access)
 RED_PDL = True     # weight-gradient reduce: programmatic dependent launch (it waits for the dx kernel's partials)
 BWD_TRIGGER = False  # norm_backward: launch the dependent grid (the reduce, with RED_PDL) at the start instead of at
@@ -389,7 +392,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
     dx_p = T.Tensor((Tn, hidden), x_dtype)
     part_p = T.Tensor((_NP, hidden), "float32") if has_weight else T.Tensor((1,), "float32")
 
-    ST = BWD_STAGES if x_dtype == "bfloat16" else 0
+    ST = (BWD_STAGES if has_weight else BWD_STAGES_NW) if x_dtype == "bfloat16" else 0
     if ST == 1 or 2 * (ST * (2 * rowbytes + 4 * TB) + 128 + 1024) > 228 * 1024:   # 1 KB reserved per CTA
         ST = 0   # 2 CTAs of ST stages do not fit in an SM's shared memory (or no ring): the register path
 
