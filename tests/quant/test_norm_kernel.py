@@ -66,6 +66,22 @@ def test_backward_staged_builds_for_sm90(stages, cfg, monkeypatch):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("cfg,stages", [(("float32", 7168, True, True), 2), (("float32", 2048, True, False), 3),
+                                        (("float32", 576, False, False), 3)], ids=str)
+def test_backward_fp32_ring_builds_for_sm90(cfg, stages):
+    """FP32_STAGES: fp32 rows come through the cp.async ring too, as deep as two CTAs' shared memory allows (2 stages
+    of 28 KB rows at H = 7168), with rstd loaded into a register one row ahead instead of copied through the ring."""
+    import tilelang
+
+    src = tilelang.compile(K.norm_backward_kernel(*cfg), target={"kind": "cuda", "arch": "sm_90"},
+                           execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
+    body = src[src.index("__launch_bounds__"):]
+    assert f"nf_cp_wait<{stages - 1}>" in body and "nf_cp16(" in body and "nf_cp4(" not in body
+    loop = body[body.index("for (int k = 0;"):]
+    assert loop.count("__syncthreads()") == 2
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("cfg", [("bfloat16", 7168, True, True), ("bfloat16", 576, False, False)], ids=str)
 def test_backward_pipe_builds_for_sm90(cfg, monkeypatch):
     """BWD_PIPE (with BWD_STAGES = 3): one barrier per row, one row in flight, the same per-element expressions as
@@ -589,7 +605,8 @@ def test_forward_cast_nan_inf_gpu(fill, col, round_sf, packed):
 
 
 # Knob variants (TILEFUSE_KNOBS sweeps, module doc of _jit.knobs): each must give the default's bits exactly.
-KNOB_VARIANTS = [  # the defaults: BWD_STAGES=3 (BWD_PIPE off), BWD_STAGES_NW=0, WG_ASSIGN, RED_PDL, FWD_W_AHEAD, FWD_W_EARLY
+KNOB_VARIANTS = [  # the defaults: BWD_STAGES=3 (BWD_PIPE off), BWD_STAGES_NW=0, WG_ASSIGN, RED_PDL, FWD_W_AHEAD,
+    #                 FWD_W_EARLY (FP32_STAGES: test_fp32_backward_ring_matches_register_path_gpu)
     {"BWD_STAGES": 0, "BWD_PIPE": False, "WG_ASSIGN": False, "RED_PDL": False, "FWD_W_AHEAD": False},
     {"FWD_BLOCKS": 7, "FWD_BLOCKS_QUANT": 7},
     {"BWD_STAGES": 2},
@@ -650,5 +667,30 @@ def test_knob_variants_bit_identical_gpu(knobs, scale, has_rg, knob_kernels):
     want = _knob_outputs(x, w, dy, rstd, rg, scale)
     knob_kernels(K, knobs)
     got = _knob_outputs(x, w, dy, rstd, rg, scale)
+    for i, (g, e) in enumerate(zip(got, want)):
+        assert torch.equal(g, e), f"output {i}"
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("h,has_w,has_rg", [(7168, True, True), (7168, False, False), (2048, True, False)], ids=str)
+def test_fp32_backward_ring_matches_register_path_gpu(h, has_w, has_rg, knob_kernels):
+    """The fp32 ring (FP32_STAGES, the default) and the register path (FP32_STAGES = 0) give the same dx and
+    weight_grad bits, NaN and inf inputs included."""
+    t = 1001
+    x, _, w = _inputs(t, h, torch.float32, residual=False, weight=has_w)
+    dy = torch.randn((t, h), device="cuda")
+    rg = torch.randn((t, h), device="cuda") if has_rg else None
+    rstd = torch.rand((t,), device="cuda") + 0.5
+    x[3, 5], x[700, 9] = float("nan"), float("inf")
+    dy[5, 11], dy[300, h - 1] = float("nan"), -float("inf")
+
+    def run():
+        dx, wg = K.norm_backward_launch(dy, x, w, rstd, rg, 0.75)
+        return [_bits(dx)] + ([_bits(wg)] if has_w else [])
+
+    want = run()
+    knob_kernels(K, {"FP32_STAGES": 0})
+    got = run()
     for i, (g, e) in enumerate(zip(got, want)):
         assert torch.equal(g, e), f"output {i}"

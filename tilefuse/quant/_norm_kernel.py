@@ -57,8 +57,9 @@ FWD_BLOCKS = 6    # bf16 norm_forward CTAs (rows) resident per SM: <= 80 registe
 FWD_BLOCKS_QUANT = 8  # the quantizing bf16 forward: <= 64 registers (it needs 72 unconstrained: 7 per SM)
 BWD_STAGES = 3     # norm_backward: 0 = rows loaded into registers one row ahead; S >= 2 = an S-stage
                    # shared-memory ring filled by per-thread cp.async (each thread copies and later reads only its
-                   # own 16-byte vectors: no barrier), S - 1 rows of x, dy and rstd in flight per CTA (bf16 only,
-                   # when 2 CTAs of S stages fit in shared memory; else the register path). Same arithmetic.
+                   # own 16-byte vectors: no barrier), S - 1 rows of x, dy and rstd in flight per CTA (bf16; fp32:
+                   # FP32_STAGES), when 2 CTAs of S stages fit in shared memory, else the register path. Same
+                   # arithmetic.
 BWD_PIPE = False   # norm_backward with BWD_STAGES == 3 only: software-pipelined rows. Iteration k reduces row k (its
                    # warp sums go to one of two red slots, by parity) and writes dx of row k - 1 (its A read from the
                    # other slot), the butterfly of row k interleaved with that dx pass: one barrier per row instead of
@@ -69,6 +70,11 @@ BWD_PIPE = False   # norm_backward with BWD_STAGES == 3 only: software-pipelined
 BWD_STAGES_NW = 0  # BWD_STAGES for a backward without a weight (no weight gradient). Same arithmetic. H200,
                    # 2026-11-30, bf16 T = 8192 x 7168: the register path 86.9 us (95.6% of the copy ceiling) against
                    # 98.2 us for the 3-stage ring (84.6%); 2 stages 96.7, BWD_PIPE 98.5
+FP32_STAGES = 3   # norm_backward fp32: the ring's stages (BWD_STAGES's ring; rstd comes through a register loaded one
+                  # row ahead, not through the ring, so that 2 CTAs of 2 fp32 stages fit at H = 7168); where 2 CTAs of
+                  # that many do not fit, the deepest ring down to 2 stages that does. Same arithmetic. H200,
+                  # 2026-11-30, fp32 T = 8192: H = 7168 (2 stages) 272 -> 180 us with a weight (61 -> 92% of the copy
+                  # ceiling), 251 -> 178 us without (66 -> 93%); H = 2048 56.4 -> 52.1 us (84 -> 91%); H = 4096 even
 BWD_PDL = False    # norm_backward: programmatic dependent launch (griddepcontrol.wait before any global access)
 RED_PDL = True     # weight-gradient reduce: programmatic dependent launch (it waits for the dx kernel's partials)
 BWD_TRIGGER = False  # norm_backward: launch the dependent grid (the reduce, with RED_PDL) at the start instead of at
@@ -392,9 +398,17 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
     dx_p = T.Tensor((Tn, hidden), x_dtype)
     part_p = T.Tensor((_NP, hidden), "float32") if has_weight else T.Tensor((1,), "float32")
 
-    ST = (BWD_STAGES if has_weight else BWD_STAGES_NW) if x_dtype == "bfloat16" else 0
-    if ST == 1 or 2 * (ST * (2 * rowbytes + 4 * TB) + 128 + 1024) > 228 * 1024:   # 1 KB reserved per CTA
-        ST = 0   # 2 CTAs of ST stages do not fit in an SM's shared memory (or no ring): the register path
+    ST = (BWD_STAGES if has_weight else BWD_STAGES_NW) if x_dtype == "bfloat16" else FP32_STAGES
+    RR = x_dtype == "bfloat16"   # rstd through the ring (fp32: a register, one row ahead)
+    ES = 2 if x_dtype == "bfloat16" else 4
+
+    def ring_fits(st):   # two CTAs of st stages in an SM's shared memory (1 KB reserved per CTA)
+        return 2 * (st * (2 * rowbytes + (4 * TB if RR else 0)) + 128 + 1024) <= 228 * 1024
+
+    while x_dtype != "bfloat16" and ST > 2 and not ring_fits(ST):
+        ST -= 1   # fp32: the deepest ring that fits
+    if ST == 1 or not ring_fits(ST):
+        ST = 0   # no ring, or 2 CTAs of ST stages do not fit: the register path
 
     block_total = _block_total(T, NW, wait_readers=True)
 
@@ -440,13 +454,16 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
     @T.macro
     def issue_row(X, DY, Rstd, xb, db, rb, row, sn, tx):
         """cp.async of row ``row`` into ring stage ``sn`` (shared-window bases ``xb``, ``db``, ``rb``): this thread's
-        x and dy vectors and its own copy of the row's rstd."""
-        T.call_extern("void", "nf_cp4", rb, (sn * TB + tx) * 4, Rstd.access_ptr("r", offset=row))
+        x and dy vectors and (bf16) its own copy of the row's rstd."""
+        if RR:
+            T.call_extern("void", "nf_cp4", rb, (sn * TB + tx) * 4, Rstd.access_ptr("r", offset=row))
         for c in T.unroll(C):
             col = (c * TB + tx) * E
             if col < hidden:
-                T.call_extern("void", "nf_cp16", xb, (sn * hidden + col) * 2, X.access_ptr("r", offset=row * XS + col))
-                T.call_extern("void", "nf_cp16", db, (sn * hidden + col) * 2, DY.access_ptr("r", offset=row * GS + col))
+                T.call_extern("void", "nf_cp16", xb, (sn * hidden + col) * ES,
+                              X.access_ptr("r", offset=row * XS + col))
+                T.call_extern("void", "nf_cp16", db, (sn * hidden + col) * ES,
+                              DY.access_ptr("r", offset=row * GS + col))
 
     @T.macro
     def stage_vector(xs, ds, s, col, W, wl, xl, dl):
@@ -546,7 +563,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
             tx = T.get_thread_binding()
             xs = T.alloc_shared((ST, hidden), x_dtype)
             ds = T.alloc_shared((ST, hidden), x_dtype)
-            rs = T.alloc_shared((ST, TB), "float32")   # each thread its own copy of the row's rstd
+            rs = T.alloc_shared((ST, TB if RR else 1), "float32")   # bf16: each thread its own copy of the rstd
             wacc = T.alloc_local((C, E), "float32")
             wl = T.alloc_local((E,), x_dtype)
             xl = T.alloc_local((E,), x_dtype)
@@ -572,6 +589,10 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
         """The ring's row loop: ST - 1 rows in flight, two barriers per row (in ``block_total``)."""
         red = T.alloc_shared((NW,), "float32")
         acc = T.alloc_var("float32")
+        if not RR:
+            rn = T.alloc_var("float32")   # the next row's rstd
+            if p < Tn:
+                rn = Rstd[p]
         for a in T.unroll(ST - 1):   # prologue: rows p + a NP, a < ST - 1, into stage a
             if p + a * _NP < Tn:
                 issue_row(X, DY, Rstd, xb, db, rb, p + a * _NP, a, tx)
@@ -586,7 +607,13 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                 T.call_extern("void", "nf_cp_commit")
                 T.call_extern("void", f"nf_cp_wait<{ST - 1}>")   # this row's group (this thread's copies)
                 s = k % ST
-                r = rs[s, tx]
+                if RR:
+                    r = rs[s, tx]
+                else:
+                    r = T.alloc_var("float32")
+                    r = rn
+                    if row + _NP < Tn:
+                        rn = Rstd[row + _NP]
                 acc = T.float32(0.0)
                 for c in T.unroll(C):
                     col = (c * TB + tx) * E
@@ -666,7 +693,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
 
     if not ST:
         body = make_body()
-    elif BWD_PIPE and ST == 3:
+    elif BWD_PIPE and ST == 3 and RR:   # (bf16: its rstd comes through the ring)
         body = make_ring_body(pipe_rows)
     else:
         body = make_ring_body(staged_rows)
