@@ -89,7 +89,8 @@ CASES = {
     # token counts around the bench shape's 4.45 waves of 128 x 256 tiles (396 resident CTAs): is a partial last
     # wave costly? (docs/BENCHMARKS.md, thirteenth session: no)
     "lossless_waves": ([7040, 7168, 7552, 7936, 8001, 8448, 8704, 8960, 9088], _lossless),
-    # the lossless cast's bytes per row at H = 7168: 3584 data + 896 sf in, 7168 out (+ its small sf out)
+    # the lossless cast's bytes per row at H = 7168: 3584 data + 896 sf in, 7168 out (+ its small sf out). The device
+    # copy is slower when its size is not a multiple of 64 KB (T = 8001: 79%; 88% at a 64 KB multiple of ~93 MB)
     "triton_lossless_mix": ([2000, 4000, 8001, 16000, 32000], _triton_1_15),
     "copy_lossless_bytes": ([2000, 4000, 8001, 16000, 32000], lambda t: _copy(t * 11648)),
 }
