@@ -30,11 +30,11 @@ def _norm_bwd(t, h=7168):
 
 
 def _dx_only(t, h=7168):
-    """The dx kernel alone (its NP partial rows written, no reduce)."""
+    """The dx kernel alone (its partial rows written, no reduce)."""
     (dy, x, w, rstd), nbytes = _norm_bwd_inputs(t, h)
     fn = NK._jit.get("norm_backward", ("bfloat16", h, True, False))
     dx = torch.empty_like(x)
-    part = torch.empty((NK._NP, h), device="cuda")
+    part = torch.empty((NK._partials("bfloat16"), h), device="cuda")
     dummy = torch.empty(1, device="cuda").bfloat16()
     return (lambda: fn(dy, x, w, rstd, dummy, dx, part, 1.0)), nbytes
 

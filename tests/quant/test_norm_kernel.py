@@ -29,7 +29,8 @@ def rtol_sum(h: int) -> float:
 @pytest.mark.compile
 @pytest.mark.parametrize("name,cfg", [("norm_forward", c) for c in K._forward_configs()]
                          + [("norm_backward", c) for c in K._backward_configs()]
-                         + [("norm_weight_grad_reduce", (d, 7168)) for d in ("bfloat16", "float32")], ids=str)
+                         + [("norm_weight_grad_reduce", (d, 7168, False, n)) for d, n in (("bfloat16", 128),
+                                                                                          ("float32", 256))], ids=str)
 def test_builds_for_sm90(name, cfg):
     src = _jit.compile_kernel(name, cfg, "sm_90", export=False).get_kernel_source()
     assert "__global__" in src and "use_fast_math" not in src
@@ -49,7 +50,7 @@ def test_forward_weight_load_precedes_row_loads(cfg):
 
 @pytest.mark.compile
 @pytest.mark.parametrize("stages", [2, 3])
-@pytest.mark.parametrize("cfg", [("bfloat16", 7168, True, True), ("bfloat16", 576, False, False)], ids=str)
+@pytest.mark.parametrize("cfg", [("bfloat16", 4096, True, True), ("bfloat16", 576, False, False)], ids=str)
 def test_backward_staged_builds_for_sm90(stages, cfg, monkeypatch):
     """BWD_STAGES: the cp.async shared-memory ring builds (bf16), with no barrier in the row loop beyond the
     reduction's two."""
@@ -61,8 +62,23 @@ def test_backward_staged_builds_for_sm90(stages, cfg, monkeypatch):
     src = tilelang.compile(K.norm_backward_kernel(*cfg), target={"kind": "cuda", "arch": "sm_90"},
                            execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
     assert f"nf_cp_wait<{stages - 1}>" in src and "nf_cp16(" in src
-    loop = src[src.index("for (int k = 0;"):]
+    loop = src[src.index("for (int k = 0;"):src.index("nf_cp_wait<0>")]
     assert loop.count("__syncthreads()") == 2
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("cfg,ring", [(("bfloat16", 7168, True, False), False), (("bfloat16", 4096, True, False), True),
+                                      (("bfloat16", 7168, False, False), True)], ids=str)
+def test_backward_ring_fits_beside_the_cluster_sums(cfg, ring, monkeypatch):
+    """A 3-stage bf16 ring takes the register path where two CTAs' rings and cluster sums (4 H bytes each, with a
+    weight) exceed an SM's shared memory: at H = 7168 with a weight, not without one or at H = 4096."""
+    import tilelang
+
+    monkeypatch.setattr(K, "BWD_STAGES", 3)
+    monkeypatch.setattr(K, "BWD_STAGES_NW", 3)
+    src = tilelang.compile(K.norm_backward_kernel(*cfg), target={"kind": "cuda", "arch": "sm_90"},
+                           execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
+    assert ("nf_cp16(" in src[src.index("__launch_bounds__"):]) == ring
 
 
 @pytest.mark.compile
@@ -82,7 +98,29 @@ def test_backward_fp32_ring_builds_for_sm90(cfg, stages):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("cfg", [("bfloat16", 7168, True, True), ("bfloat16", 576, False, False)], ids=str)
+@pytest.mark.parametrize("cfg,clustered", [(("bfloat16", 7168, True, False), True), (("bfloat16", 2048, True, True), True),
+                                           (("bfloat16", 7168, False, False), False),
+                                           (("float32", 7168, True, False), False)], ids=str)
+def test_backward_cluster_pairs_for_sm90(cfg, clustered):
+    """bf16 with a weight: CTA pairs (a 2-CTA cluster launch) add their weight-gradient sums through distributed
+    shared memory into NP / 2 partial rows, between a releasing barrier and a relaxed one before exit; fp32 and the
+    no-weight backward keep one CTA per cluster and NP rows (or none)."""
+    import tilelang
+
+    kernel = tilelang.compile(K.norm_backward_kernel(*cfg), target={"kind": "cuda", "arch": "sm_90"},
+                              execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS))
+    body = kernel.get_kernel_source()
+    body = body[body.index("__launch_bounds__"):]
+    assert ("nf_cluster_sum4<2>(" in body) == clustered
+    if clustered:
+        assert body.index("nf_cluster_arrive()") < body.index("nf_cluster_wait()") < body.index("nf_cluster_sum4<2>(")
+        assert body.rstrip().endswith("nf_cluster_sync_relaxed();\n}")
+        assert K._partials(cfg[0]) == K._NP // 2
+    assert "cluster" not in body or clustered
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("cfg", [("bfloat16", 4096, True, True), ("bfloat16", 576, False, False)], ids=str)
 def test_backward_pipe_builds_for_sm90(cfg, monkeypatch):
     """BWD_PIPE (with BWD_STAGES = 3): one barrier per row, one row in flight, the same per-element expressions as
     the staged body (FFMA contraction included: the same FMUL/FFMA counts are checked on the GPU tier's bits)."""
@@ -94,7 +132,7 @@ def test_backward_pipe_builds_for_sm90(cfg, monkeypatch):
     src = tilelang.compile(K.norm_backward_kernel(*cfg), target={"kind": "cuda", "arch": "sm_90"},
                            execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
     assert "nf_cp_wait<1>" in src and "nf_cp16(" in src
-    loop = src[src.index("for (int k = 0;"):]
+    loop = src[src.index("for (int k = 0;"):src.index("nf_cp_wait<0>")]
     assert loop.count("__syncthreads()") == 1
     assert "__fmaf_rn(" in src and "__fmul_rn(" in src   # dx through _dx_value, as in the other bodies
 
@@ -129,13 +167,13 @@ def test_backward_wg_assign_launches(assign, monkeypatch):
     K.norm_backward_launch(dy, x, w, rstd)
     K.norm_backward_launch(dy, x, w, rstd, weight_grad=torch.zeros(h))
     assert [c.cfg for c in calls if c.name == "norm_weight_grad_reduce"] == [
-        ("bfloat16", h, True) if assign else ("bfloat16", h), ("float32", h)]
+        ("bfloat16", h, assign, K._NP // 2), ("float32", h, False, K._NP // 2)]
     _, wg = K.norm_backward_launch(dy[:0], x[:0], w, rstd[:0])
     assert torch.equal(wg, torch.zeros(h, dtype=torch.bfloat16))
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("cfg", [("bfloat16", 576), ("float32", 7168, True)], ids=str)
+@pytest.mark.parametrize("cfg", [("bfloat16", 576, False, 128), ("float32", 7168, True, 256)], ids=str)
 def test_reduce_builds_for_sm90(cfg):
     """The weight-gradient reduce builds: group sums, one barrier, then the group sums added in order."""
     import tilelang
@@ -332,14 +370,15 @@ def test_backward_launcher_binds_kernel_parameters(t, xd, has_w, has_rg, monkeyp
     K.norm_backward_launch(dy, x, w, rstd, rg, 0.75, None)
     want = [("norm_backward", (xd, h, has_w, has_rg), t)]
     if has_w:
-        want.append(("norm_weight_grad_reduce", (xd, h) + ((True,) if K.WG_ASSIGN else ()), None))  # assigns
+        want.append(("norm_weight_grad_reduce", (xd, h, K.WG_ASSIGN, K._partials(xd)), None))  # assigns
     assert [(c.name, c.cfg, c.env.get("num_tokens")) for c in calls] == want
     if t > 1:
         assert (calls[0].env["x_st"], calls[0].env["dy_st"]) == (h + 32, h + 64)
     if has_w:  # an existing fp32 accumulator for a bf16 weight picks the fp32 reduce
         calls.clear()
         K.norm_backward_launch(dy, x, w, rstd, rg, 0.75, torch.zeros(h))
-        assert [(c.name, c.cfg) for c in calls][1:] == [("norm_weight_grad_reduce", ("float32", h))]
+        assert [(c.name, c.cfg) for c in calls][1:] == [("norm_weight_grad_reduce", ("float32", h, False,
+                                                                                     K._partials(xd)))]
 
 
 @gpu
@@ -605,13 +644,14 @@ def test_forward_cast_nan_inf_gpu(fill, col, round_sf, packed):
 
 
 # Knob variants (TILEFUSE_KNOBS sweeps, module doc of _jit.knobs): each must give the default's bits exactly.
-KNOB_VARIANTS = [  # the defaults: BWD_STAGES=3 (BWD_PIPE off), BWD_STAGES_NW=0, WG_ASSIGN, RED_PDL, FWD_W_AHEAD,
-    #                 FWD_W_EARLY (FP32_STAGES: test_fp32_backward_ring_matches_register_path_gpu)
-    {"BWD_STAGES": 0, "BWD_PIPE": False, "WG_ASSIGN": False, "RED_PDL": False, "FWD_W_AHEAD": False},
+KNOB_VARIANTS = [  # the defaults: BWD_STAGES=0, BWD_STAGES_NW=0 (BWD_PIPE off), WG_ASSIGN, RED_PDL, FWD_W_AHEAD,
+    #                 FWD_W_EARLY (FP32_STAGES: test_fp32_backward_ring_matches_register_path_gpu). At H = 7168 a
+    #                 3-stage ring does not fit beside the weight gradient's cluster sums (the register path)
+    {"BWD_STAGES": 2, "WG_ASSIGN": False, "RED_PDL": False, "FWD_W_AHEAD": False},
     {"FWD_BLOCKS": 7, "FWD_BLOCKS_QUANT": 7},
     {"BWD_STAGES": 2},
     {"BWD_STAGES_NW": 3},
-    {"BWD_PIPE": True},
+    {"BWD_STAGES_NW": 3, "BWD_PIPE": True},
     {"BWD_PDL": True, "BWD_TRIGGER": True},
     {"WG_ASSIGN": False, "RED_PDL": False},
     {"FWD_W_EARLY": False},

@@ -11,9 +11,11 @@ shuffle butterfly; packed UE8M0 words (and mega-MoE words) collect the four grou
 
 Backward: a fixed grid of ``NP`` CTAs; CTA ``p`` walks rows ``p, p + NP, ...`` in order, writes ``dx`` per
 row and accumulates ``xh * g`` per column in registers, then stores partial row ``p`` of an fp32
-``(NP, H)`` workspace. A second kernel sums the partials in a fixed two-level order (``_RED_GROUPS`` group
-sums of consecutive partials, each in order p, then the group sums in order) onto the existing ``weight_grad``
-(quant.md 5.11). No atomics: deterministic, and a row's ``dx`` never depends on other rows.
+``(NP, H)`` workspace; in bf16 with a weight, clusters of two CTAs first add their sums (rank 0's plus rank
+1's, through distributed shared memory) into row ``p // 2`` of an ``(NP / 2, H)`` one. A second kernel sums
+the partials in a fixed two-level order (``_RED_GROUPS`` group sums of consecutive partials, each in order p,
+then the group sums in order) onto the existing ``weight_grad`` (quant.md 5.11). No atomics: deterministic,
+and a row's ``dx`` never depends on other rows.
 
 Optional tensors absent from a static config are passed as a 1-element dummy, so every config has one
 signature. ``eps`` and ``out_scale`` are binary32 scalar arguments.
@@ -29,6 +31,11 @@ _TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _THREADS = 128     # forward threads per CTA: fixes the order of the row sum of squares (not a knob)
 _NP = 256          # partial weight-gradient buffers of norm_backward (fixed: results never depend on the GPU;
                    # it fixes which rows each partial sums: not a knob)
+_CL_BF16 = 2       # bf16 norm_backward with a weight: CTAs per thread-block cluster. The pair adds its weight-gradient
+                   # sums (rank 0's + rank 1's) through distributed shared memory, each CTA half of the columns, into
+                   # NP / 2 partial rows: half the partial stores and reduce reads. H200, 2026-11-30, bf16 8192 x 7168:
+                   # 94.4-95.5 -> 92.2-92.5 us (register path); 4 CTAs per cluster 130 us (not all resident). It
+                   # fixes the weight_grad bits: not a knob
 _RED_GROUPS = 8    # the weight-gradient reduce adds the NP partials of a column in _RED_GROUPS groups of NP / 8
                    # consecutive ones (each in order p, one thread per group and column, all its loads in flight at
                    # once), then the 8 group sums in order: a dependent chain of 32 + 8 additions instead of 256
@@ -41,6 +48,18 @@ _BT = 448          # bf16 norm_backward threads per CTA (the NP = 256 CTAs are a
                    # per thread at H = 7168, every warp the same work (256 threads gave warps 0-3 four vectors and 4-7
                    # three, the per-row barrier waiting on the slow half: 99.6 -> 97.5 us at the bench shape, H200)
 _BT_F32 = 512      # fp32 norm_backward threads per CTA (the same rule)
+
+
+
+def _clusters(x_dtype: str, has_weight: bool) -> int:
+    """CTAs per cluster of the backward (``_CL_BF16`` in bf16 with a weight, else 1)."""
+    return _CL_BF16 if (x_dtype == "bfloat16" and has_weight) else 1
+
+
+def _partials(x_dtype: str) -> int:
+    """Partial weight-gradient rows the backward of ``x_dtype`` writes (the reduce's ``partials``)."""
+    return _NP // _clusters(x_dtype, True)
+
 
 # Knobs (TILEFUSE_KNOBS, read when a kernel is built): scheduling only, never the arithmetic order.
 FWD_PDL = True  # one-CTA-per-row forward: programmatic dependent launch (see _per_token_cast_kernel.PDL)
@@ -55,11 +74,14 @@ FWD_W_EARLY = True   # with FWD_W_AHEAD: block 0's weight load first, then a bar
                      # (89.2-89.4 -> 90.7% of the copy ceiling), norm_forward 94.0 -> 94.5%
 FWD_BLOCKS = 6    # bf16 norm_forward CTAs (rows) resident per SM: <= 80 registers, no spills
 FWD_BLOCKS_QUANT = 8  # the quantizing bf16 forward: <= 64 registers (it needs 72 unconstrained: 7 per SM)
-BWD_STAGES = 3     # norm_backward: 0 = rows loaded into registers one row ahead; S >= 2 = an S-stage
+BWD_STAGES = 0     # norm_backward: 0 = rows loaded into registers one row ahead; S >= 2 = an S-stage
                    # shared-memory ring filled by per-thread cp.async (each thread copies and later reads only its
                    # own 16-byte vectors: no barrier), S - 1 rows of x, dy and rstd in flight per CTA (bf16; fp32:
-                   # FP32_STAGES), when 2 CTAs of S stages fit in shared memory, else the register path. Same
-                   # arithmetic.
+                   # FP32_STAGES), when 2 CTAs of S stages (and the cluster's sums) fit in shared memory, else the
+                   # register path. Same arithmetic. H200, 2026-11-30, bf16 T = 8192 x 7168 with a weight: the
+                   # register path with the weight in shared memory 94.4-95.5 us against 95.7-96.6 for the 3-stage
+                   # ring (which no longer fits beside the cluster's sums at H = 7168); H = 4096 / 2048: 66 / 38 us
+                   # against 73 / 50
 BWD_PIPE = False   # norm_backward with BWD_STAGES == 3 only: software-pipelined rows. Iteration k reduces row k (its
                    # warp sums go to one of two red slots, by parity) and writes dx of row k - 1 (its A read from the
                    # other slot), the butterfly of row k interleaved with that dx pass: one barrier per row instead of
@@ -110,6 +132,24 @@ __device__ __forceinline__ void nf_cp4(unsigned base, int off, const void* g) {
 __device__ __forceinline__ void nf_cp_commit() { asm volatile("cp.async.commit_group;" : : : "memory"); }
 template <int N> __device__ __forceinline__ void nf_cp_wait() {
   asm volatile("cp.async.wait_group %0;" : : "n"(N) : "memory"); }
+"""
+# thread-block cluster helpers (the bf16 backward with a weight: _CL_BF16)
+_CLUSTER_HELPERS = """
+__device__ __forceinline__ void nf_cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" : : : "memory"); }
+__device__ __forceinline__ void nf_cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" : : : "memory"); }
+__device__ __forceinline__ void nf_cluster_sync_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\\n\\tbarrier.cluster.wait.aligned;" : : : "memory"); }
+__device__ __forceinline__ float4 nf_ld_cluster4(unsigned addr, unsigned rank) {
+  unsigned a; float4 v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(addr), "r"(rank));
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(a));
+  return v; }
+__device__ __forceinline__ float4 nf_add4(float4 a, float4 b) { return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w); }
+template <int CL> __device__ __forceinline__ void nf_cluster_sum4(float* dst, unsigned addr) {
+  float4 s = nf_ld_cluster4(addr, 0);  // the CTAs' vectors at this shared-window address, added in rank order
+  #pragma unroll
+  for (int r = 1; r < CL; ++r) s = nf_add4(s, nf_ld_cluster4(addr, r));
+  *reinterpret_cast<float4*>(dst) = s; }
 """
 
 def _f32_of(T, x_dtype: str, buf, *idx):
@@ -383,6 +423,8 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
     C = -(-VPR // TB)
     NW = TB // 32
     rowbytes = hidden * (2 if x_dtype == "bfloat16" else 4)   # a multiple of 16 (H % 32 == 0)
+    CL = _clusters(x_dtype, has_weight)
+    SV = hidden // (4 * CL)   # float4 columns each CTA of a cluster adds up
 
     def f32(buf, *idx):
         return _f32_of(T, x_dtype, buf, *idx)
@@ -396,14 +438,15 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
     w_p = T.Tensor((hidden,), x_dtype) if has_weight else T.Tensor((1,), x_dtype)
     rstd_p = T.Tensor((Tn,), "float32")
     dx_p = T.Tensor((Tn, hidden), x_dtype)
-    part_p = T.Tensor((_NP, hidden), "float32") if has_weight else T.Tensor((1,), "float32")
+    part_p = T.Tensor((_NP // CL, hidden), "float32") if has_weight else T.Tensor((1,), "float32")
 
     ST = (BWD_STAGES if has_weight else BWD_STAGES_NW) if x_dtype == "bfloat16" else FP32_STAGES
     RR = x_dtype == "bfloat16"   # rstd through the ring (fp32: a register, one row ahead)
     ES = 2 if x_dtype == "bfloat16" else 4
 
-    def ring_fits(st):   # two CTAs of st stages in an SM's shared memory (1 KB reserved per CTA)
-        return 2 * (st * (2 * rowbytes + (4 * TB if RR else 0)) + 128 + 1024) <= 228 * 1024
+    def ring_fits(st):   # two CTAs of st stages and the cluster's sums in an SM's shared memory (1 KB reserved per CTA)
+        ring = st * (2 * rowbytes + (4 * TB if RR else 0))
+        return 2 * (ring + (4 * hidden if CL > 1 else 0) + 128 + 1024) <= 228 * 1024
 
     while x_dtype != "bfloat16" and ST > 2 and not ring_fits(ST):
         ST -= 1   # fp32: the deepest ring that fits
@@ -442,9 +485,28 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                 dx_vector(XR, DR, i, row, col, W, RG, DX, wl, xl, dl, io, r, mean, out_scale)
 
     @T.macro
-    def store_partial(Part, wacc, p, tx):
-        """This CTA's weight-gradient accumulators into partial row ``p``."""
-        if has_weight:
+    def store_partial(Part, wacc, p, tx, accs):
+        """This CTA's weight-gradient accumulators into partial row ``p``; in a cluster (CL > 1) the cluster's sum
+        into partial row ``p // CL``: each CTA puts its sums in its shared ``accs``, then CTA ``p % CL`` adds
+        slice ``p % CL`` of the columns over the cluster's CTAs in rank order (distributed shared memory)."""
+        if CL > 1:
+            for c in T.unroll(C):
+                col = (c * TB + tx) * E
+                if col < hidden:
+                    for e in T.vectorized(E):
+                        accs[col + e] = wacc[c, e]
+            T.call_extern("void", "nf_cluster_arrive")   # release: the cluster's CTAs see accs
+            T.call_extern("void", "nf_cluster_wait")
+            ab = T.alloc_var("uint32")
+            ab = T.call_extern("uint32", "nf_smem_addr", accs.access_ptr("r"))
+            for i in T.unroll(-(-SV // TB)):
+                v = i * TB + tx
+                if v < SV:
+                    col = ((p % CL) * SV + v) * 4
+                    T.call_extern("void", f"nf_cluster_sum4<{CL}>",
+                                  Part.access_ptr("w", offset=(p // CL) * hidden + col), ab + col * 4)
+            T.call_extern("void", "nf_cluster_sync_relaxed")   # no CTA leaves while another reads its accs
+        elif has_weight:
             for c in T.unroll(C):
                 col = (c * TB + tx) * E
                 if col < hidden:
@@ -499,7 +561,9 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
         return a
 
     def make_body():
-        """The kernel body: rows in registers, loaded one row ahead."""
+        """The kernel body: rows in registers, loaded one row ahead. The weight comes from shared memory, where
+        each thread copies its own vectors once (no barrier: no thread reads another's): read from global memory,
+        ptxas keeps its 16 values in registers from the reduction pass to the dx pass and spills (72 registers)."""
         @T.macro
         def body(DY, X, W, Rstd, RG, DX, Part, p, out_scale):
             tx = T.get_thread_binding()
@@ -512,8 +576,14 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
             io = T.alloc_local((E,), x_dtype)
             red = T.alloc_shared((NW,), "float32")
             acc = T.alloc_var("float32")
+            accs = T.alloc_shared((hidden,), "float32") if CL > 1 else None   # the cluster's sums
+            ws = T.alloc_shared((hidden,), x_dtype) if has_weight else W
             for c in T.unroll(C):
                 col = (c * TB + tx) * E
+                if has_weight:
+                    if col < hidden:
+                        for e in T.vectorized(E):
+                            ws[col + e] = W[col + e]
                 for e in T.unroll(E):
                     wacc[c, e] = T.float32(0.0)
                 for e in T.vectorized(E):
@@ -536,7 +606,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                         if has_weight:
                             if col < hidden:
                                 for e in T.vectorized(E):
-                                    wl[e] = W[col + e]
+                                    wl[e] = ws[col + e]
                         acc = accumulate(acc, xn, dn, (c,), wl, wacc, c, r, out_scale)
                     # the next row's loads, in flight during this row's reduction and dx pass
                     for c in T.unroll(C):
@@ -547,8 +617,8 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                             for e in T.vectorized(E):
                                 dn[c, e] = DY[row + _NP, col + e]
                     mean = block_total(acc, red, tx) / T.float32(hidden)
-                    dx_row(X, DY, row, row, W, RG, DX, wl, xl, dl, io, tx, r, mean, out_scale)
-            store_partial(Part, wacc, p, tx)
+                    dx_row(X, DY, row, row, ws, RG, DX, wl, xl, dl, io, tx, r, mean, out_scale)
+            store_partial(Part, wacc, p, tx, accs)
 
         return body
 
@@ -575,12 +645,13 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
             xb = T.call_extern("uint32", "nf_smem_addr", xs.access_ptr("w"))
             db = T.call_extern("uint32", "nf_smem_addr", ds.access_ptr("w"))
             rb = T.call_extern("uint32", "nf_smem_addr", rs.access_ptr("w"))
+            accs = T.alloc_shared((hidden,), "float32") if CL > 1 else None   # the cluster's sums
             for c in T.unroll(C):
                 for e in T.unroll(E):
                     wacc[c, e] = T.float32(0.0)
             rows(DY, X, W, Rstd, RG, DX, p, out_scale, tx, xs, ds, rs, wacc, wl, xl, dl, io, xb, db, rb)
             T.call_extern("void", "nf_cp_wait<0>")   # no copy outlives the CTA
-            store_partial(Part, wacc, p, tx)
+            store_partial(Part, wacc, p, tx, accs)
 
         return body
 
@@ -705,9 +776,9 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
         T.assume(GS % 16 == 0)
         if has_res_grad:
             T.assume(RS % 16 == 0)
-        with T.Kernel(_NP, threads=TB) as p:
+        with T.Kernel(_NP, threads=TB, cluster_dims=CL if CL > 1 else None) as p:
             T.annotate_min_blocks_per_sm(2)  # <= 128 registers: two CTAs per SM, so all NP CTAs run at once
-            T.import_source(_CUDA_HELPERS)
+            T.import_source(_CUDA_HELPERS + (_CLUSTER_HELPERS if CL > 1 else ""))
             if BWD_PDL:
                 T.pdl_sync()
             if BWD_TRIGGER:
@@ -717,7 +788,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
     return norm_backward
 
 
-def weight_grad_reduce_kernel(wg_dtype: str, hidden: int, assign: bool = False):
+def weight_grad_reduce_kernel(wg_dtype: str, hidden: int, assign: bool, partials: int):
     """Factory: ``WG[j] = round(float(WG[j]) + s_j)``, ``s_j`` the sum of ``Part[:, j]`` in the fixed two-level
     order of ``_RED_GROUPS``. One CTA of 256 threads per ``256 / G`` columns; thread ``(g, c)`` adds group ``g``'s
     partials of its column, then thread ``c`` adds the ``G`` group sums from shared memory.
@@ -727,11 +798,11 @@ def weight_grad_reduce_kernel(wg_dtype: str, hidden: int, assign: bool = False):
 
     G, NT = _RED_GROUPS, 256
     CW = NT // G                  # columns per CTA
-    PG = _NP // G                 # partials per group
-    assert NT % G == 0 and _NP % G == 0 and CW % 32 == 0
+    PG = partials // G            # partials per group
+    assert NT % G == 0 and partials % G == 0 and CW % 32 == 0
 
     @T.prim_func
-    def weight_grad_reduce(Part: T.Tensor((_NP, hidden), "float32"), WG: T.Tensor((hidden,), wg_dtype)):
+    def weight_grad_reduce(Part: T.Tensor((partials, hidden), "float32"), WG: T.Tensor((hidden,), wg_dtype)):
         with T.Kernel(T.ceildiv(hidden, CW), threads=NT) as bx:
             if RED_PDL:
                 T.pdl_sync()
@@ -798,9 +869,9 @@ def _backward_configs() -> list[tuple]:
 
 _jit.register("norm_forward", norm_forward_kernel, _forward_configs)
 _jit.register("norm_backward", norm_backward_kernel, _backward_configs)
-_jit.register("norm_weight_grad_reduce", weight_grad_reduce_kernel,
-              lambda: [(d, h) for d in ("bfloat16", "float32") for h in (7168,)]
-              + ([(d, h, True) for d in ("bfloat16", "float32") for h in (7168,)] if WG_ASSIGN else []))
+_jit.register("norm_weight_grad_reduce", weight_grad_reduce_kernel,   # (weight_grad dtype, H, assign, partials)
+              lambda: [(d, 7168, a, _partials(xd)) for xd in ("bfloat16", "float32") for d in ("bfloat16", "float32")
+                       for a in ((False, True) if WG_ASSIGN else (False,))])
 
 _DUMMY: dict[tuple, torch.Tensor] = {}
 
@@ -939,8 +1010,9 @@ def _backward_plan(x_dtype: torch.dtype, hidden: int, wg_dtype: torch.dtype | No
     if plan is None:
         has_w = wg_dtype is not None
         fn = _jit.get("norm_backward", (_TL_DTYPE[x_dtype], hidden, has_w, False))
-        red = _jit.get("norm_weight_grad_reduce", (_TL_DTYPE[wg_dtype], hidden, True)) if has_w else None
-        plan = _native.norm_backward_plan(fn, red, hidden, _NP)
+        npr = _partials(_TL_DTYPE[x_dtype])
+        red = _jit.get("norm_weight_grad_reduce", (_TL_DTYPE[wg_dtype], hidden, True, npr)) if has_w else None
+        plan = _native.norm_backward_plan(fn, red, hidden, npr)
         _PLANS[key] = plan = plan if plan is not None else False
     return plan or None
 
@@ -964,7 +1036,8 @@ def norm_backward_launch(out_grad, x, weight, rstd, residual_out_grad=None, out_
         return x_grad, weight_grad
     has_w, has_rg = weight is not None, residual_out_grad is not None
     fn = _jit.get("norm_backward", (_TL_DTYPE[x.dtype], hidden, has_w, has_rg))
-    part = torch.empty((_NP, hidden), dtype=torch.float32, device=dev) if has_w else _dummy(torch.float32, dev)
+    npr = _partials(_TL_DTYPE[x.dtype])
+    part = torch.empty((npr, hidden), dtype=torch.float32, device=dev) if has_w else _dummy(torch.float32, dev)
 
     def rows(a):
         a = _aligned(a)
@@ -973,8 +1046,7 @@ def norm_backward_launch(out_grad, x, weight, rstd, residual_out_grad=None, out_
     fn(rows(out_grad), rows(x), _aligned(weight) if has_w else _dummy(x.dtype, dev), rstd,
        rows(residual_out_grad) if has_rg else _dummy(x.dtype, dev), x_grad, part, float(out_scale))
     if has_w:
-        cfg = (_TL_DTYPE[weight_grad.dtype], hidden) + ((True,) if assign else ())
-        _jit.get("norm_weight_grad_reduce", cfg)(part, weight_grad)
+        _jit.get("norm_weight_grad_reduce", (_TL_DTYPE[weight_grad.dtype], hidden, assign, npr))(part, weight_grad)
     return x_grad, weight_grad
 
 
