@@ -18,7 +18,7 @@ CASES = [(xd, h, w, res) for xd in DT for h in (2048, 4096, 7168) for w, res in 
                                                                                  (True, True))]
 WORK = ([("norm_forward", (xd, h, w, res, False, "row", False, False, res, 0)) for xd, h, w, res in CASES]
         + [("norm_backward", c) for c in CASES]
-        + [("norm_weight_grad_reduce", (xd, h, True, NK._partials(xd))) for xd in DT for h in (2048, 4096, 7168)])
+        + [("norm_weight_grad_reduce", (xd, h, True, NK._partials(xd, h))) for xd in DT for h in (2048, 4096, 7168)])
 
 
 def _row(op, xd, h, w, res, fn, inputs, outputs, ceiling):

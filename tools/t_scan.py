@@ -34,7 +34,7 @@ def _dx_only(t, h=7168):
     (dy, x, w, rstd), nbytes = _norm_bwd_inputs(t, h)
     fn = NK._jit.get("norm_backward", ("bfloat16", h, True, False))
     dx = torch.empty_like(x)
-    part = torch.empty((NK._partials("bfloat16"), h), device="cuda")
+    part = torch.empty((NK._partials("bfloat16", h), h), device="cuda")
     dummy = torch.empty(1, device="cuda").bfloat16()
     return (lambda: fn(dy, x, w, rstd, dummy, dx, part, 1.0)), nbytes
 

@@ -115,8 +115,18 @@ def test_backward_cluster_pairs_for_sm90(cfg, clustered):
     if clustered:
         assert body.index("nf_cluster_arrive()") < body.index("nf_cluster_wait()") < body.index("nf_cluster_sum4<2>(")
         assert body.rstrip().endswith("nf_cluster_sync_relaxed();\n}")
-        assert K._partials(cfg[0]) == K._NP // 2
+        assert K._partials(cfg[0], cfg[1]) == K._bwd_ctas(cfg[0], cfg[1]) // 2
     assert "cluster" not in body or clustered
+
+
+def test_backward_cta_shapes():
+    """bf16 backward CTAs: two 16-byte vectors per thread (whole warps, at most 448 threads), as many CTAs as fit
+    at 72 registers on 132 SMs (a multiple of 16, at most 1024); fp32 and H >= 7168 keep NP = 256."""
+    want = {576: (64, 1024), 2048: (128, 912), 2560: (160, 656), 4096: (256, 384), 7168: (448, 256), 16384: (448, 256)}
+    for h, (tb, np_) in want.items():
+        assert (K._bwd_threads("bfloat16", h), K._bwd_ctas("bfloat16", h)) == (tb, np_), h
+        assert K._partials("bfloat16", h) == np_ // 2 and K._partials("bfloat16", h) % K._RED_GROUPS == 0
+        assert (K._bwd_threads("float32", h), K._bwd_ctas("float32", h), K._partials("float32", h)) == (512, 256, 256)
 
 
 @pytest.mark.compile
@@ -167,7 +177,7 @@ def test_backward_wg_assign_launches(assign, monkeypatch):
     K.norm_backward_launch(dy, x, w, rstd)
     K.norm_backward_launch(dy, x, w, rstd, weight_grad=torch.zeros(h))
     assert [c.cfg for c in calls if c.name == "norm_weight_grad_reduce"] == [
-        ("bfloat16", h, assign, K._NP // 2), ("float32", h, False, K._NP // 2)]
+        ("bfloat16", h, assign, K._partials("bfloat16", h)), ("float32", h, False, K._partials("bfloat16", h))]
     _, wg = K.norm_backward_launch(dy[:0], x[:0], w, rstd[:0])
     assert torch.equal(wg, torch.zeros(h, dtype=torch.bfloat16))
 
@@ -370,7 +380,7 @@ def test_backward_launcher_binds_kernel_parameters(t, xd, has_w, has_rg, monkeyp
     K.norm_backward_launch(dy, x, w, rstd, rg, 0.75, None)
     want = [("norm_backward", (xd, h, has_w, has_rg), t)]
     if has_w:
-        want.append(("norm_weight_grad_reduce", (xd, h, K.WG_ASSIGN, K._partials(xd)), None))  # assigns
+        want.append(("norm_weight_grad_reduce", (xd, h, K.WG_ASSIGN, K._partials(xd, h)), None))  # assigns
     assert [(c.name, c.cfg, c.env.get("num_tokens")) for c in calls] == want
     if t > 1:
         assert (calls[0].env["x_st"], calls[0].env["dy_st"]) == (h + 32, h + 64)
@@ -378,7 +388,7 @@ def test_backward_launcher_binds_kernel_parameters(t, xd, has_w, has_rg, monkeyp
         calls.clear()
         K.norm_backward_launch(dy, x, w, rstd, rg, 0.75, torch.zeros(h))
         assert [(c.name, c.cfg) for c in calls][1:] == [("norm_weight_grad_reduce", ("float32", h, False,
-                                                                                     K._partials(xd)))]
+                                                                                     K._partials(xd, h)))]
 
 
 @gpu

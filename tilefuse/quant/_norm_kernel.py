@@ -9,7 +9,7 @@ adds the warp sums in warp order: a fixed order), ``rstd = rsqrtf(S / H + eps)``
 ``per_token_cast(o, 'e4m3', 32)`` (1.4, 1.6): a 32-channel group is ``L`` consecutive lanes, its maximum a
 shuffle butterfly; packed UE8M0 words (and mega-MoE words) collect the four group bytes by shuffles.
 
-Backward: a fixed grid of ``NP`` CTAs; CTA ``p`` walks rows ``p, p + NP, ...`` in order, writes ``dx`` per
+Backward: a fixed grid of ``NP`` CTAs (``_bwd_ctas``: a constant of the dtype and H); CTA ``p`` walks rows ``p, p + NP, ...`` in order, writes ``dx`` per
 row and accumulates ``xh * g`` per column in registers, then stores partial row ``p`` of an fp32
 ``(NP, H)`` workspace; in bf16 with a weight, clusters of two CTAs first add their sums (rank 0's plus rank
 1's, through distributed shared memory) into row ``p // 2`` of an ``(NP / 2, H)`` one. A second kernel sums
@@ -29,8 +29,9 @@ from tilefuse.quant import _tl
 
 _TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _THREADS = 128     # forward threads per CTA: fixes the order of the row sum of squares (not a knob)
-_NP = 256          # partial weight-gradient buffers of norm_backward (fixed: results never depend on the GPU;
-                   # it fixes which rows each partial sums: not a knob)
+_NP = 256          # norm_backward CTAs (rows walked in parallel, one partial weight gradient each) at H >= 7168 in
+                   # bf16 and in fp32 (fixed: results never depend on the GPU; it fixes which rows each partial sums:
+                   # not a knob). Smaller bf16 rows: _bwd_ctas
 _CL_BF16 = 2       # bf16 norm_backward with a weight: CTAs per thread-block cluster. The pair adds its weight-gradient
                    # sums (rank 0's + rank 1's) through distributed shared memory, each CTA half of the columns, into
                    # NP / 2 partial rows: half the partial stores and reduce reads. H200, 2026-11-30, bf16 8192 x 7168:
@@ -43,12 +44,12 @@ _RED_GROUPS = 8    # the weight-gradient reduce adds the NP partials of a column
                    # the weight_grad bits: not a knob
 _M = F.FMT_MAX["e4m3"]
 _CLAMP = F.CLAMP_MIN["e4m3"]
-_BT = 448          # bf16 norm_backward threads per CTA (the NP = 256 CTAs are all resident: 2 per SM, <= 72 registers);
-                   # it fixes the order of the row reduction A, so dx's bits: not a knob. 14 warps: two 16-byte vectors
-                   # per thread at H = 7168, every warp the same work (256 threads gave warps 0-3 four vectors and 4-7
-                   # three, the per-row barrier waiting on the slow half: 99.6 -> 97.5 us at the bench shape, H200)
+_BT = 448          # bf16 norm_backward threads per CTA, at most (the NP = 256 CTAs are all resident: 2 per SM, <= 72
+                   # registers); it fixes the order of the row reduction A, so dx's bits: not a knob. 14 warps: two
+                   # 16-byte vectors per thread at H = 7168, every warp the same work (256 threads gave warps 0-3 four
+                   # vectors and 4-7 three, the per-row barrier waiting on the slow half: 99.6 -> 97.5 us at the bench
+                   # shape, H200). Smaller rows: _bwd_threads
 _BT_F32 = 512      # fp32 norm_backward threads per CTA (the same rule)
-
 
 
 def _clusters(x_dtype: str, has_weight: bool) -> int:
@@ -56,9 +57,29 @@ def _clusters(x_dtype: str, has_weight: bool) -> int:
     return _CL_BF16 if (x_dtype == "bfloat16" and has_weight) else 1
 
 
-def _partials(x_dtype: str) -> int:
+def _bwd_threads(x_dtype: str, hidden: int) -> int:
+    """Threads per CTA of the backward: fp32 _BT_F32; bf16 two 16-byte vectors per thread (``H / 16`` rounded up to
+    whole warps), at most _BT. Fixes dx's bits (the order of A)."""
+    if x_dtype == "bfloat16":
+        return min(_BT, max(32, -(-hidden // 16 // 32) * 32))
+    return _BT_F32
+
+
+def _bwd_ctas(x_dtype: str, hidden: int) -> int:
+    """CTAs of the backward (rows walked in parallel; fixes the weight-gradient order): fp32 _NP; bf16 as many
+    CTAs of ``_bwd_threads`` as fit on the 132 SMs of an H200 at 72 registers, a multiple of 16, at most 1024:
+    256 (_NP) at H = 7168, 384 at H = 4096, 912 at H = 2048. Smaller bf16 rows are latency-bound per CTA (one row
+    and two barriers at a time), so they take more, smaller CTAs: H200, 2026-11-30, bf16 T = 8192 with a weight
+    (448-thread CTAs -> these), H = 2048 37.6 -> 30.2 us (63 -> 78.5% of the copy ceiling), H = 4096 65.5 -> 56.2
+    (72 -> 84.5%); without one 33.4 -> 27.5 / 57.8 -> 56.6; with residual_out_grad 47.8 -> 38.7 / 83.4 -> 74.3."""
+    if x_dtype == "bfloat16":
+        return min(1024, 65536 // (72 * _bwd_threads(x_dtype, hidden)) * 132 // 16 * 16)
+    return _NP
+
+
+def _partials(x_dtype: str, hidden: int) -> int:
     """Partial weight-gradient rows the backward of ``x_dtype`` writes (the reduce's ``partials``)."""
-    return _NP // _clusters(x_dtype, True)
+    return _bwd_ctas(x_dtype, hidden) // _clusters(x_dtype, True)
 
 
 # Knobs (TILEFUSE_KNOBS, read when a kernel is built): scheduling only, never the arithmetic order.
@@ -419,7 +440,9 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
 
     E = 16 // (2 if x_dtype == "bfloat16" else 4)
     VPR = hidden // E
-    TB = _BT if x_dtype == "bfloat16" else _BT_F32   # H = 7168: 16 bf16 elements per thread; fp32 12 or 16
+    TB = _bwd_threads(x_dtype, hidden)   # H = 7168: 16 bf16 elements per thread; fp32 12 or 16
+    NP = _bwd_ctas(x_dtype, hidden)
+    CPS = max(2, -(-NP // 132))   # CTAs per SM (all NP at once on an H200)
     C = -(-VPR // TB)
     NW = TB // 32
     rowbytes = hidden * (2 if x_dtype == "bfloat16" else 4)   # a multiple of 16 (H % 32 == 0)
@@ -438,15 +461,15 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
     w_p = T.Tensor((hidden,), x_dtype) if has_weight else T.Tensor((1,), x_dtype)
     rstd_p = T.Tensor((Tn,), "float32")
     dx_p = T.Tensor((Tn, hidden), x_dtype)
-    part_p = T.Tensor((_NP // CL, hidden), "float32") if has_weight else T.Tensor((1,), "float32")
+    part_p = T.Tensor((NP // CL, hidden), "float32") if has_weight else T.Tensor((1,), "float32")
 
     ST = (BWD_STAGES if has_weight else BWD_STAGES_NW) if x_dtype == "bfloat16" else FP32_STAGES
     RR = x_dtype == "bfloat16"   # rstd through the ring (fp32: a register, one row ahead)
     ES = 2 if x_dtype == "bfloat16" else 4
 
-    def ring_fits(st):   # two CTAs of st stages and the cluster's sums in an SM's shared memory (1 KB reserved per CTA)
+    def ring_fits(st):   # an SM's CTAs, each st stages and the cluster's sums, in its shared memory (1 KB per CTA reserved)
         ring = st * (2 * rowbytes + (4 * TB if RR else 0))
-        return 2 * (ring + (4 * hidden if CL > 1 else 0) + 128 + 1024) <= 228 * 1024
+        return CPS * (ring + (4 * hidden if CL > 1 else 0) + 128 + 1024) <= 228 * 1024
 
     while x_dtype != "bfloat16" and ST > 2 and not ring_fits(ST):
         ST -= 1   # fp32: the deepest ring that fits
@@ -594,8 +617,8 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                         xn[c, e] = X[p, col + e]
                     for e in T.vectorized(E):
                         dn[c, e] = DY[p, col + e]
-            for k in T.serial(T.ceildiv(Tn, _NP)):
-                row = k * _NP + p
+            for k in T.serial(T.ceildiv(Tn, NP)):
+                row = k * NP + p
                 if row < Tn:
                     r = Rstd[row]
                     acc = T.float32(0.0)
@@ -611,11 +634,11 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                     # the next row's loads, in flight during this row's reduction and dx pass
                     for c in T.unroll(C):
                         col = (c * TB + tx) * E
-                        if T.And(col < hidden, row + _NP < Tn):
+                        if T.And(col < hidden, row + NP < Tn):
                             for e in T.vectorized(E):
-                                xn[c, e] = X[row + _NP, col + e]
+                                xn[c, e] = X[row + NP, col + e]
                             for e in T.vectorized(E):
-                                dn[c, e] = DY[row + _NP, col + e]
+                                dn[c, e] = DY[row + NP, col + e]
                     mean = block_total(acc, red, tx) / T.float32(hidden)
                     dx_row(X, DY, row, row, ws, RG, DX, wl, xl, dl, io, tx, r, mean, out_scale)
             store_partial(Part, wacc, p, tx, accs)
@@ -665,13 +688,13 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
             if p < Tn:
                 rn = Rstd[p]
         for a in T.unroll(ST - 1):   # prologue: rows p + a NP, a < ST - 1, into stage a
-            if p + a * _NP < Tn:
-                issue_row(X, DY, Rstd, xb, db, rb, p + a * _NP, a, tx)
+            if p + a * NP < Tn:
+                issue_row(X, DY, Rstd, xb, db, rb, p + a * NP, a, tx)
             T.call_extern("void", "nf_cp_commit")
-        for k in T.serial(T.ceildiv(Tn, _NP)):
-            row = k * _NP + p
+        for k in T.serial(T.ceildiv(Tn, NP)):
+            row = k * NP + p
             if row < Tn:
-                nxt = row + (ST - 1) * _NP
+                nxt = row + (ST - 1) * NP
                 sn = (k + ST - 1) % ST
                 if nxt < Tn:   # the row ST - 1 ahead into the stage the previous row left
                     issue_row(X, DY, Rstd, xb, db, rb, nxt, sn, tx)
@@ -683,8 +706,8 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                 else:
                     r = T.alloc_var("float32")
                     r = rn
-                    if row + _NP < Tn:
-                        rn = Rstd[row + _NP]
+                    if row + NP < Tn:
+                        rn = Rstd[row + NP]
                 acc = T.float32(0.0)
                 for c in T.unroll(C):
                     col = (c * TB + tx) * E
@@ -709,9 +732,9 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
         if p < Tn:   # prologue: row p into stage 0
             issue_row(X, DY, Rstd, xb, db, rb, p, 0, tx)
         T.call_extern("void", "nf_cp_commit")
-        for k in T.serial(T.ceildiv(Tn, _NP) + 1):
-            row = k * _NP + p
-            nxt = row + _NP
+        for k in T.serial(T.ceildiv(Tn, NP) + 1):
+            row = k * NP + p
+            nxt = row + NP
             sn = (k + 1) % ST
             if nxt < Tn:   # row k + 1 into the stage row k - 2 left
                 issue_row(X, DY, Rstd, xb, db, rb, nxt, sn, tx)
@@ -739,7 +762,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                         stage_vector(xs, ds, s, col, W, wl, xl, dl)
                     acc = accumulate(acc, xl, dl, (), wl, wacc, c, r, out_scale)
             # dx of row k - 1 (A from red slot (k - 1) % 2), row k's butterfly steps between its column blocks
-            prev = row - _NP
+            prev = row - NP
             on = T.And(k > 0, prev < Tn)
             sp = (k + ST - 1) % ST
             rp = T.alloc_var("float32")
@@ -776,8 +799,8 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
         T.assume(GS % 16 == 0)
         if has_res_grad:
             T.assume(RS % 16 == 0)
-        with T.Kernel(_NP, threads=TB, cluster_dims=CL if CL > 1 else None) as p:
-            T.annotate_min_blocks_per_sm(2)  # <= 128 registers: two CTAs per SM, so all NP CTAs run at once
+        with T.Kernel(NP, threads=TB, cluster_dims=CL if CL > 1 else None) as p:
+            T.annotate_min_blocks_per_sm(CPS)  # registers: all NP CTAs at once
             T.import_source(_CUDA_HELPERS + (_CLUSTER_HELPERS if CL > 1 else ""))
             if BWD_PDL:
                 T.pdl_sync()
@@ -870,7 +893,7 @@ def _backward_configs() -> list[tuple]:
 _jit.register("norm_forward", norm_forward_kernel, _forward_configs)
 _jit.register("norm_backward", norm_backward_kernel, _backward_configs)
 _jit.register("norm_weight_grad_reduce", weight_grad_reduce_kernel,   # (weight_grad dtype, H, assign, partials)
-              lambda: [(d, 7168, a, _partials(xd)) for xd in ("bfloat16", "float32") for d in ("bfloat16", "float32")
+              lambda: [(d, 7168, a, _partials(xd, 7168)) for xd in ("bfloat16", "float32") for d in ("bfloat16", "float32")
                        for a in ((False, True) if WG_ASSIGN else (False,))])
 
 _DUMMY: dict[tuple, torch.Tensor] = {}
@@ -1010,7 +1033,7 @@ def _backward_plan(x_dtype: torch.dtype, hidden: int, wg_dtype: torch.dtype | No
     if plan is None:
         has_w = wg_dtype is not None
         fn = _jit.get("norm_backward", (_TL_DTYPE[x_dtype], hidden, has_w, False))
-        npr = _partials(_TL_DTYPE[x_dtype])
+        npr = _partials(_TL_DTYPE[x_dtype], hidden)
         red = _jit.get("norm_weight_grad_reduce", (_TL_DTYPE[wg_dtype], hidden, True, npr)) if has_w else None
         plan = _native.norm_backward_plan(fn, red, hidden, npr)
         _PLANS[key] = plan = plan if plan is not None else False
@@ -1036,7 +1059,7 @@ def norm_backward_launch(out_grad, x, weight, rstd, residual_out_grad=None, out_
         return x_grad, weight_grad
     has_w, has_rg = weight is not None, residual_out_grad is not None
     fn = _jit.get("norm_backward", (_TL_DTYPE[x.dtype], hidden, has_w, has_rg))
-    npr = _partials(_TL_DTYPE[x.dtype])
+    npr = _partials(_TL_DTYPE[x.dtype], hidden)
     part = torch.empty((npr, hidden), dtype=torch.float32, device=dev) if has_w else _dummy(torch.float32, dev)
 
     def rows(a):
