@@ -98,7 +98,8 @@ def test_backward_fp32_ring_builds_for_sm90(cfg, stages):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("cfg,clustered", [(("bfloat16", 7168, True, False), True), (("bfloat16", 2048, True, True), True),
+@pytest.mark.parametrize("cfg,clustered", [(("bfloat16", 7168, True, False), True),
+                                           (("bfloat16", 2048, True, True), True),
                                            (("bfloat16", 7168, False, False), False),
                                            (("float32", 7168, True, False), False)], ids=str)
 def test_backward_cluster_pairs_for_sm90(cfg, clustered):

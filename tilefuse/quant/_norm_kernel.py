@@ -9,13 +9,13 @@ adds the warp sums in warp order: a fixed order), ``rstd = rsqrtf(S / H + eps)``
 ``per_token_cast(o, 'e4m3', 32)`` (1.4, 1.6): a 32-channel group is ``L`` consecutive lanes, its maximum a
 shuffle butterfly; packed UE8M0 words (and mega-MoE words) collect the four group bytes by shuffles.
 
-Backward: a fixed grid of ``NP`` CTAs (``_bwd_ctas``: a constant of the dtype and H); CTA ``p`` walks rows ``p, p + NP, ...`` in order, writes ``dx`` per
-row and accumulates ``xh * g`` per column in registers, then stores partial row ``p`` of an fp32
-``(NP, H)`` workspace; in bf16 with a weight, clusters of two CTAs first add their sums (rank 0's plus rank
-1's, through distributed shared memory) into row ``p // 2`` of an ``(NP / 2, H)`` one. A second kernel sums
-the partials in a fixed two-level order (``_RED_GROUPS`` group sums of consecutive partials, each in order p,
-then the group sums in order) onto the existing ``weight_grad`` (quant.md 5.11). No atomics: deterministic,
-and a row's ``dx`` never depends on other rows.
+Backward: a fixed grid of ``NP`` CTAs (``_bwd_ctas``: a constant of the dtype and H); CTA ``p`` walks rows
+``p, p + NP, ...`` in order, writes ``dx`` per row and accumulates ``xh * g`` per column in registers, then
+stores partial row ``p`` of an fp32 ``(NP, H)`` workspace; in bf16 with a weight, clusters of two CTAs
+first add their sums (rank 0's plus rank 1's, through distributed shared memory) into row ``p // 2`` of an
+``(NP / 2, H)`` one. A second kernel sums the partials in a fixed two-level order (``_RED_GROUPS`` group
+sums of consecutive partials, each in order p, then the group sums in order) onto the existing
+``weight_grad`` (quant.md 5.11). No atomics: deterministic, and a row's ``dx`` never depends on other rows.
 
 Optional tensors absent from a static config are passed as a 1-element dummy, so every config has one
 signature. ``eps`` and ``out_scale`` are binary32 scalar arguments.
@@ -35,7 +35,7 @@ _NP = 256          # norm_backward CTAs (rows walked in parallel, one partial we
 _CL_BF16 = 2       # bf16 norm_backward with a weight: CTAs per thread-block cluster. The pair adds its weight-gradient
                    # sums (rank 0's + rank 1's) through distributed shared memory, each CTA half of the columns, into
                    # NP / 2 partial rows: half the partial stores and reduce reads. H200, 2026-11-30, bf16 8192 x 7168:
-                   # 94.4-95.5 -> 92.2-92.5 us (register path); 4 CTAs per cluster 130 us (not all resident). It
+                   # 94.4-95.5 -> 92.2-92.7 us (register path); 4 CTAs per cluster 130 us (not all resident). It
                    # fixes the weight_grad bits: not a knob
 _RED_GROUPS = 8    # the weight-gradient reduce adds the NP partials of a column in _RED_GROUPS groups of NP / 8
                    # consecutive ones (each in order p, one thread per group and column, all its loads in flight at
@@ -98,11 +98,11 @@ FWD_BLOCKS_QUANT = 8  # the quantizing bf16 forward: <= 64 registers (it needs 7
 BWD_STAGES = 0     # norm_backward: 0 = rows loaded into registers one row ahead; S >= 2 = an S-stage
                    # shared-memory ring filled by per-thread cp.async (each thread copies and later reads only its
                    # own 16-byte vectors: no barrier), S - 1 rows of x, dy and rstd in flight per CTA (bf16; fp32:
-                   # FP32_STAGES), when 2 CTAs of S stages (and the cluster's sums) fit in shared memory, else the
-                   # register path. Same arithmetic. H200, 2026-11-30, bf16 T = 8192 x 7168 with a weight: the
-                   # register path with the weight in shared memory 94.4-95.5 us against 95.7-96.6 for the 3-stage
-                   # ring (which no longer fits beside the cluster's sums at H = 7168); H = 4096 / 2048: 66 / 38 us
-                   # against 73 / 50
+                   # FP32_STAGES), when an SM's CTAs of S stages (and the cluster's sums) fit in shared memory, else
+                   # the register path. Same arithmetic. H200, 2026-11-30, bf16 T = 8192 x 7168 with a weight: the
+                   # register path with the weight in shared memory 94.4-95.5 us against 95.7-96.8 for the 3-stage
+                   # ring (which no longer fits beside the cluster's sums at H = 7168); 448-thread CTAs at H = 4096 /
+                   # 2048: 66 / 38 us against 73 / 50
 BWD_PIPE = False   # norm_backward with BWD_STAGES == 3 only: software-pipelined rows. Iteration k reduces row k (its
                    # warp sums go to one of two red slots, by parity) and writes dx of row k - 1 (its A read from the
                    # other slot), the butterfly of row k interleaved with that dx pass: one barrier per row instead of
@@ -156,16 +156,20 @@ template <int N> __device__ __forceinline__ void nf_cp_wait() {
 """
 # thread-block cluster helpers (the bf16 backward with a weight: _CL_BF16)
 _CLUSTER_HELPERS = """
-__device__ __forceinline__ void nf_cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" : : : "memory"); }
-__device__ __forceinline__ void nf_cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" : : : "memory"); }
+__device__ __forceinline__ void nf_cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" : : : "memory"); }
+__device__ __forceinline__ void nf_cluster_wait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;" : : : "memory"); }
 __device__ __forceinline__ void nf_cluster_sync_relaxed() {
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\\n\\tbarrier.cluster.wait.aligned;" : : : "memory"); }
 __device__ __forceinline__ float4 nf_ld_cluster4(unsigned addr, unsigned rank) {
   unsigned a; float4 v;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(addr), "r"(rank));
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(a));
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(a));
   return v; }
-__device__ __forceinline__ float4 nf_add4(float4 a, float4 b) { return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w); }
+__device__ __forceinline__ float4 nf_add4(float4 a, float4 b) {
+  return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w); }
 template <int CL> __device__ __forceinline__ void nf_cluster_sum4(float* dst, unsigned addr) {
   float4 s = nf_ld_cluster4(addr, 0);  // the CTAs' vectors at this shared-window address, added in rank order
   #pragma unroll
@@ -467,7 +471,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
     RR = x_dtype == "bfloat16"   # rstd through the ring (fp32: a register, one row ahead)
     ES = 2 if x_dtype == "bfloat16" else 4
 
-    def ring_fits(st):   # an SM's CTAs, each st stages and the cluster's sums, in its shared memory (1 KB per CTA reserved)
+    def ring_fits(st):   # an SM's CTAs, each with st stages and the cluster's sums (1 KB per CTA reserved)
         ring = st * (2 * rowbytes + (4 * TB if RR else 0))
         return CPS * (ring + (4 * hidden if CL > 1 else 0) + 128 + 1024) <= 228 * 1024
 
@@ -893,8 +897,8 @@ def _backward_configs() -> list[tuple]:
 _jit.register("norm_forward", norm_forward_kernel, _forward_configs)
 _jit.register("norm_backward", norm_backward_kernel, _backward_configs)
 _jit.register("norm_weight_grad_reduce", weight_grad_reduce_kernel,   # (weight_grad dtype, H, assign, partials)
-              lambda: [(d, 7168, a, _partials(xd, 7168)) for xd in ("bfloat16", "float32") for d in ("bfloat16", "float32")
-                       for a in ((False, True) if WG_ASSIGN else (False,))])
+              lambda: [(d, 7168, a, _partials(xd, 7168)) for xd in ("bfloat16", "float32")
+                       for d in ("bfloat16", "float32") for a in ((False, True) if WG_ASSIGN else (False,))])
 
 _DUMMY: dict[tuple, torch.Tensor] = {}
 
