@@ -21,6 +21,8 @@ Optional tensors absent from a static config are passed as a 1-element dummy, so
 signature. ``eps`` and ``out_scale`` are binary32 scalar arguments.
 """
 
+import functools
+
 import torch
 
 from tilefuse import _jit, _native, _ops
@@ -77,6 +79,7 @@ def _bwd_ctas(x_dtype: str, hidden: int) -> int:
     return _NP
 
 
+@functools.cache   # (the launcher's per-call path)
 def _partials(x_dtype: str, hidden: int) -> int:
     """Partial weight-gradient rows the backward of ``x_dtype`` writes (the reduce's ``partials``)."""
     return _bwd_ctas(x_dtype, hidden) // _clusters(x_dtype, True)
