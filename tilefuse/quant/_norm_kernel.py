@@ -52,6 +52,8 @@ _BT = 448          # bf16 norm_backward threads per CTA, at most (the NP = 256 C
                    # vectors and 4-7 three, the per-row barrier waiting on the slow half: 99.6 -> 97.5 us at the bench
                    # shape, H200). Smaller rows: _bwd_threads
 _BT_F32 = 512      # fp32 norm_backward threads per CTA (the same rule)
+_SMS = 132         # an H200's SMs: the bf16 backward's CTA count is sized for all of them at once (a constant, so
+                   # results never depend on the GPU that runs them)
 
 
 def _clusters(x_dtype: str, has_weight: bool) -> int:
@@ -75,7 +77,7 @@ def _bwd_ctas(x_dtype: str, hidden: int) -> int:
     (448-thread CTAs -> these), H = 2048 37.6 -> 30.2 us (63 -> 78.5% of the copy ceiling), H = 4096 65.5 -> 56.2
     (72 -> 84.5%); without one 33.4 -> 27.5 / 57.8 -> 56.6; with residual_out_grad 47.8 -> 38.7 / 83.4 -> 74.3."""
     if x_dtype == "bfloat16":
-        return min(1024, 65536 // (72 * _bwd_threads(x_dtype, hidden)) * 132 // 16 * 16)
+        return min(1024, 65536 // (72 * _bwd_threads(x_dtype, hidden)) * _SMS // 16 * 16)
     return _NP
 
 
@@ -449,7 +451,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
     VPR = hidden // E
     TB = _bwd_threads(x_dtype, hidden)   # H = 7168: 16 bf16 elements per thread; fp32 12 or 16
     NP = _bwd_ctas(x_dtype, hidden)
-    CPS = max(2, -(-NP // 132))   # CTAs per SM (all NP at once on an H200)
+    CPS = max(2, -(-NP // _SMS))   # CTAs per SM (all NP at once on an H200)
     C = -(-VPR // TB)
     NW = TB // 32
     rowbytes = hidden * (2 if x_dtype == "bfloat16" else 4)   # a multiple of 16 (H % 32 == 0)
