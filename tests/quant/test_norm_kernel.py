@@ -116,18 +116,40 @@ def test_backward_cluster_pairs_for_sm90(cfg, clustered):
     if clustered:
         assert body.index("nf_cluster_arrive()") < body.index("nf_cluster_wait()") < body.index("nf_cluster_sum4<2>(")
         assert body.rstrip().endswith("nf_cluster_sync_relaxed();\n}")
-        assert K._partials(cfg[0], cfg[1]) == K._bwd_ctas(cfg[0], cfg[1]) // 2
+        assert K._partials(cfg[0], cfg[1]) == K._bwd_ctas(cfg[0], cfg[1], True) // 2
     assert "cluster" not in body or clustered
 
 
 def test_backward_cta_shapes():
-    """bf16 backward CTAs: two 16-byte vectors per thread (whole warps, at most 448 threads), as many CTAs as fit
-    at 72 registers on 132 SMs (a multiple of 16, at most 1024); fp32 and H >= 7168 keep NP = 256."""
-    want = {576: (64, 1024), 2048: (128, 912), 2560: (160, 656), 4096: (256, 384), 7168: (448, 256), 16384: (448, 256)}
-    for h, (tb, np_) in want.items():
-        assert (K._bwd_threads("bfloat16", h), K._bwd_ctas("bfloat16", h)) == (tb, np_), h
-        assert K._partials("bfloat16", h) == np_ // 2 and K._partials("bfloat16", h) % K._RED_GROUPS == 0
-        assert (K._bwd_threads("float32", h), K._bwd_ctas("float32", h), K._partials("float32", h)) == (512, 256, 256)
+    """bf16 backward CTAs: two 16-byte vectors per thread (whole warps, at most 448 threads), one CTA per slot of
+    132 SMs at 72 registers (at most 1024); cluster pairs with an odd count per SM: the multiple of 16 below.
+    fp32 keeps NP = 256."""
+    want = {576: (64, 1024, 1024), 2048: (128, 912, 924), 2560: (160, 656, 660), 4096: (256, 384, 396),
+            7168: (448, 264, 264), 16384: (448, 264, 264)}
+    for h, (tb, with_w, without) in want.items():
+        assert (K._bwd_threads("bfloat16", h), K._bwd_ctas("bfloat16", h, True), K._bwd_ctas("bfloat16", h, False)) \
+            == (tb, with_w, without), h
+        assert K._partials("bfloat16", h) == with_w // 2
+        assert (K._bwd_threads("float32", h), K._bwd_ctas("float32", h, True), K._partials("float32", h)) \
+            == (512, 256, 256)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("cfg,stages,na", [(("bfloat16", 7168, True, False), 0, True),
+                                           (("bfloat16", 2048, False, False), 0, True),
+                                           (("bfloat16", 7168, True, True), 0, False),
+                                           (("bfloat16", 4096, True, False), 2, False)], ids=str)
+def test_backward_dx_stores_skip_l1_on_the_register_path(cfg, stages, na, monkeypatch):
+    """BWD_STORE_NA: the register path without residual_out_grad stores dx with st.global.L1::no_allocate (one
+    16-byte store per vector), so the row's x and dy stay in L1 for the dx pass; with residual_out_grad, and in the
+    ring, plain stores."""
+    import tilelang
+
+    monkeypatch.setattr(K, "BWD_STAGES", stages)
+    src = tilelang.compile(K.norm_backward_kernel(*cfg), target={"kind": "cuda", "arch": "sm_90"},
+                           execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
+    body = src[src.index("__launch_bounds__"):]
+    assert ("nf_st16_na(" in body) == na
 
 
 @pytest.mark.compile
@@ -184,14 +206,19 @@ def test_backward_wg_assign_launches(assign, monkeypatch):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("cfg", [("bfloat16", 576, False, 128), ("float32", 7168, True, 256)], ids=str)
+@pytest.mark.parametrize("cfg", [("bfloat16", 576, False, 128), ("float32", 7168, True, 256),
+                                 ("bfloat16", 7168, True, 132)], ids=str)
 def test_reduce_builds_for_sm90(cfg):
-    """The weight-gradient reduce builds: group sums, one barrier, then the group sums added in order."""
+    """The weight-gradient reduce builds: group sums, one barrier, then the group sums added in order. A partial
+    count that 8 does not divide: groups of ceil(P / 8), the last one's loads and additions cut at P."""
     import tilelang
 
     src = tilelang.compile(K.weight_grad_reduce_kernel(*cfg), target={"kind": "cuda", "arch": "sm_90"},
                            execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
     assert src.count("__syncthreads()") == 1 and "grp[" in src
+    pg = -(-cfg[3] // K._RED_GROUPS)
+    assert f"float buf[{pg}];" in src
+    assert src.count(f") < {cfg[3]})") == (2 if cfg[3] % pg else 0)
 
 
 def test_misaligned_weight_is_passed_as_an_aligned_copy(monkeypatch):
@@ -666,6 +693,7 @@ KNOB_VARIANTS = [  # the defaults: BWD_STAGES=0, BWD_STAGES_NW=0 (BWD_PIPE off),
     {"BWD_PDL": True, "BWD_TRIGGER": True},
     {"WG_ASSIGN": False, "RED_PDL": False},
     {"FWD_W_EARLY": False},
+    {"BWD_STORE_NA": False},
 ]
 
 

@@ -9,7 +9,8 @@ adds the warp sums in warp order: a fixed order), ``rstd = rsqrtf(S / H + eps)``
 ``per_token_cast(o, 'e4m3', 32)`` (1.4, 1.6): a 32-channel group is ``L`` consecutive lanes, its maximum a
 shuffle butterfly; packed UE8M0 words (and mega-MoE words) collect the four group bytes by shuffles.
 
-Backward: a fixed grid of ``NP`` CTAs (``_bwd_ctas``: a constant of the dtype and H); CTA ``p`` walks rows
+Backward: a fixed grid of ``NP`` CTAs (``_bwd_ctas``: a constant of the dtype, H and whether there is a
+weight); CTA ``p`` walks rows
 ``p, p + NP, ...`` in order, writes ``dx`` per row and accumulates ``xh * g`` per column in registers, then
 stores partial row ``p`` of an fp32 ``(NP, H)`` workspace; in bf16 with a weight, clusters of two CTAs
 first add their sums (rank 0's plus rank 1's, through distributed shared memory) into row ``p // 2`` of an
@@ -31,26 +32,26 @@ from tilefuse.quant import _tl
 
 _TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _THREADS = 128     # forward threads per CTA: fixes the order of the row sum of squares (not a knob)
-_NP = 256          # norm_backward CTAs (rows walked in parallel, one partial weight gradient each) at H >= 7168 in
-                   # bf16 and in fp32 (fixed: results never depend on the GPU; it fixes which rows each partial sums:
-                   # not a knob). Smaller bf16 rows: _bwd_ctas
+_NP = 256          # fp32 norm_backward CTAs (rows walked in parallel, one partial weight gradient each; fixed: results
+                   # never depend on the GPU; it fixes which rows each partial sums: not a knob). bf16: _bwd_ctas
 _CL_BF16 = 2       # bf16 norm_backward with a weight: CTAs per thread-block cluster. The pair adds its weight-gradient
                    # sums (rank 0's + rank 1's) through distributed shared memory, each CTA half of the columns, into
                    # NP / 2 partial rows: half the partial stores and reduce reads. H200, 2026-11-30, bf16 8192 x 7168:
                    # 94.4-95.5 -> 92.2-92.7 us (register path); 4 CTAs per cluster 130 us (not all resident). It
                    # fixes the weight_grad bits: not a knob
-_RED_GROUPS = 8    # the weight-gradient reduce adds the NP partials of a column in _RED_GROUPS groups of NP / 8
-                   # consecutive ones (each in order p, one thread per group and column, all its loads in flight at
-                   # once), then the 8 group sums in order: a dependent chain of 32 + 8 additions instead of 256
+_RED_GROUPS = 8    # the weight-gradient reduce adds the P partials of a column in _RED_GROUPS groups of ceil(P / 8)
+                   # consecutive ones, the last group the rest (each in order p, one thread per group and column, all
+                   # its loads in flight at once), then the 8 group sums in order: with P = 256 a dependent chain of
+                   # 32 + 8 additions instead of 256
                    # (the bench row 97.5 -> 96.4 us, H200, 2026-11-29; the dx kernel alone is 92.8). It fixes
                    # the weight_grad bits: not a knob
 _M = F.FMT_MAX["e4m3"]
 _CLAMP = F.CLAMP_MIN["e4m3"]
-_BT = 448          # bf16 norm_backward threads per CTA, at most (the NP = 256 CTAs are all resident: 2 per SM, <= 72
-                   # registers); it fixes the order of the row reduction A, so dx's bits: not a knob. 14 warps: two
-                   # 16-byte vectors per thread at H = 7168, every warp the same work (256 threads gave warps 0-3 four
-                   # vectors and 4-7 three, the per-row barrier waiting on the slow half: 99.6 -> 97.5 us at the bench
-                   # shape, H200). Smaller rows: _bwd_threads
+_BT = 448          # bf16 norm_backward threads per CTA, at most (2 CTAs per SM at <= 72 registers); it fixes the
+                   # order of the row reduction A, so dx's bits: not a knob. 14 warps: two 16-byte vectors per thread
+                   # at H = 7168, every warp the same work (256 threads gave warps 0-3 four vectors and 4-7 three, the
+                   # per-row barrier waiting on the slow half: 99.6 -> 97.5 us at the bench shape, H200). Smaller
+                   # rows: _bwd_threads
 _BT_F32 = 512      # fp32 norm_backward threads per CTA (the same rule)
 _SMS = 132         # an H200's SMs: the bf16 backward's CTA count is sized for all of them at once (a constant, so
                    # results never depend on the GPU that runs them)
@@ -69,22 +70,29 @@ def _bwd_threads(x_dtype: str, hidden: int) -> int:
     return _BT_F32
 
 
-def _bwd_ctas(x_dtype: str, hidden: int) -> int:
-    """CTAs of the backward (rows walked in parallel; fixes the weight-gradient order): fp32 _NP; bf16 as many
-    CTAs of ``_bwd_threads`` as fit on the 132 SMs of an H200 at 72 registers, a multiple of 16, at most 1024:
-    256 (_NP) at H = 7168, 384 at H = 4096, 912 at H = 2048. Smaller bf16 rows are latency-bound per CTA (one row
-    and two barriers at a time), so they take more, smaller CTAs: H200, 2026-11-30, bf16 T = 8192 with a weight
-    (448-thread CTAs -> these), H = 2048 37.6 -> 30.2 us (63 -> 78.5% of the copy ceiling), H = 4096 65.5 -> 56.2
-    (72 -> 84.5%); without one 33.4 -> 27.5 / 57.8 -> 56.6; with residual_out_grad 47.8 -> 38.7 / 83.4 -> 74.3."""
-    if x_dtype == "bfloat16":
-        return min(1024, 65536 // (72 * _bwd_threads(x_dtype, hidden)) * _SMS // 16 * 16)
-    return _NP
+def _bwd_ctas(x_dtype: str, hidden: int, has_weight: bool) -> int:
+    """CTAs of the backward (rows walked in parallel; fixes the weight-gradient order): fp32 _NP; bf16 one CTA of
+    ``_bwd_threads`` per slot of the 132 SMs of an H200 at 72 registers, at most 1024: 264 at H = 7168 (2 per SM),
+    396 at H = 4096 (3), 924 at H = 2048 (7). Each CTA has one row in flight (it is latency-bound), so every slot
+    counts: H200, 2026-11-30, bf16 8192 x 7168 with a weight, 256 -> 264 CTAs: 91.7-92.3 -> 90.6-90.7 us.
+    Smaller bf16 rows take more, smaller CTAs for the same reason (448-thread CTAs -> these, T = 8192 with a
+    weight: H = 2048 37.6 -> 30.2 us, H = 4096 65.5 -> 56.2).
+    Cluster pairs (bf16 with a weight) with an odd number of CTAs per SM leave 12 slots free (the multiple of 16
+    below): a pair needs two free slots in one GPC, and 924 pairs at H = 2048 ran slower than 912 (31.0 against
+    30.1 us; 396 against 384 at H = 4096 even), as if some pairs waited for a second wave."""
+    if x_dtype != "bfloat16":
+        return _NP
+    per_sm = 65536 // (72 * _bwd_threads(x_dtype, hidden))
+    n = per_sm * _SMS
+    if _clusters(x_dtype, has_weight) > 1 and per_sm % 2:
+        n = n // 16 * 16
+    return min(1024, n)
 
 
 @functools.cache   # (the launcher's per-call path)
 def _partials(x_dtype: str, hidden: int) -> int:
     """Partial weight-gradient rows the backward of ``x_dtype`` writes (the reduce's ``partials``)."""
-    return _bwd_ctas(x_dtype, hidden) // _clusters(x_dtype, True)
+    return _bwd_ctas(x_dtype, hidden, True) // _clusters(x_dtype, True)
 
 
 # Knobs (TILEFUSE_KNOBS, read when a kernel is built): scheduling only, never the arithmetic order.
@@ -123,6 +131,12 @@ FP32_STAGES = 3   # norm_backward fp32: the ring's stages (BWD_STAGES's ring; rs
                   # that many do not fit, the deepest ring down to 2 stages that does. Same arithmetic. H200,
                   # 2026-11-30, fp32 T = 8192: H = 7168 (2 stages) 272 -> 180 us with a weight (61 -> 92% of the copy
                   # ceiling), 251 -> 178 us without (66 -> 93%); H = 2048 56.4 -> 52.1 us (84 -> 91%); H = 4096 even
+BWD_STORE_NA = True  # register path without residual_out_grad: dx stores do not allocate in L1
+                     # (st.global.L1::no_allocate), so the x and dy lines of the row's loads stay in L1 for the dx
+                     # pass, which reads them again (with allocating stores 3% of those reads hit L1, Nsight Compute).
+                     # Same values. H200, 2026-11-30, bf16 T = 8192 with a weight: H = 7168 90.6-90.7 -> 89.9-90.0
+                     # us, H = 4096 55.6-56.0 -> 55.1; without a weight H = 4096 54.7 -> 50.3, H = 7168 even. With
+                     # residual_out_grad (its rows read in the dx pass) 122 -> 129 us: off there
 BWD_PDL = False    # norm_backward: programmatic dependent launch (griddepcontrol.wait before any global access)
 RED_PDL = True     # weight-gradient reduce: programmatic dependent launch (it waits for the dx kernel's partials)
 BWD_TRIGGER = False  # norm_backward: launch the dependent grid (the reduce, with RED_PDL) at the start instead of at
@@ -158,6 +172,12 @@ __device__ __forceinline__ void nf_cp4(unsigned base, int off, const void* g) {
 __device__ __forceinline__ void nf_cp_commit() { asm volatile("cp.async.commit_group;" : : : "memory"); }
 template <int N> __device__ __forceinline__ void nf_cp_wait() {
   asm volatile("cp.async.wait_group %0;" : : "n"(N) : "memory"); }
+// 16 bytes from a thread's registers (s) to global memory, not allocated in L1
+__device__ __forceinline__ void nf_st16_na(void* g, const void* s) {
+  uint4 v;
+  memcpy(&v, s, 16);
+  asm volatile("st.global.L1::no_allocate.v4.u32 [%0], {%1, %2, %3, %4};"
+               : : "l"(g), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory"); }
 """
 # thread-block cluster helpers (the bf16 backward with a weight: _CL_BF16)
 _CLUSTER_HELPERS = """
@@ -450,7 +470,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
     E = 16 // (2 if x_dtype == "bfloat16" else 4)
     VPR = hidden // E
     TB = _bwd_threads(x_dtype, hidden)   # H = 7168: 16 bf16 elements per thread; fp32 12 or 16
-    NP = _bwd_ctas(x_dtype, hidden)
+    NP = _bwd_ctas(x_dtype, hidden, has_weight)
     CPS = max(2, -(-NP // _SMS))   # CTAs per SM (all NP at once on an H200)
     C = -(-VPR // TB)
     NW = TB // 32
@@ -488,9 +508,9 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
     block_total = _block_total(T, NW, wait_readers=True)
 
     @T.macro
-    def dx_vector(XR, DR, i, row, col, W, RG, DX, wl, xl, dl, io, r, mean, out_scale):
+    def dx_vector(XR, DR, i, row, col, W, RG, DX, wl, xl, dl, io, r, mean, out_scale, na=False):
         """dx of row ``row`` at columns ``col .. col + E``: x and dy from ``XR[i, col:]`` and ``DR[i, col:]`` (the row
-        in global memory, or its shared-ring stage)."""
+        in global memory, or its shared-ring stage). ``na``: the store does not allocate in L1."""
         for e in T.vectorized(E):
             xl[e] = XR[i, col + e]
         for e in T.vectorized(E):
@@ -505,16 +525,19 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
         for e in T.unroll(E):
             io[e] = T.cast(_dx_value(T, f32(xl, e), f32(dl, e), f32(wl, e) if has_weight else None,
                                      r, mean, out_scale, f32(rg, e) if has_res_grad else None), x_dtype)
-        for e in T.vectorized(E):
-            DX[row, col + e] = io[e]
+        if na:   # (a 16-byte vector: E elements)
+            T.call_extern("void", "nf_st16_na", T.address_of(DX[row, col]), T.address_of(io[0]))
+        else:
+            for e in T.vectorized(E):
+                DX[row, col + e] = io[e]
 
     @T.macro
-    def dx_row(XR, DR, i, row, W, RG, DX, wl, xl, dl, io, tx, r, mean, out_scale):
+    def dx_row(XR, DR, i, row, W, RG, DX, wl, xl, dl, io, tx, r, mean, out_scale, na=False):
         """The dx pass of row ``row`` (``dx_vector`` over this thread's columns)."""
         for c in T.unroll(C):
             col = (c * TB + tx) * E
             if col < hidden:
-                dx_vector(XR, DR, i, row, col, W, RG, DX, wl, xl, dl, io, r, mean, out_scale)
+                dx_vector(XR, DR, i, row, col, W, RG, DX, wl, xl, dl, io, r, mean, out_scale, na)
 
     @T.macro
     def store_partial(Part, wacc, p, tx, accs):
@@ -649,7 +672,8 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                             for e in T.vectorized(E):
                                 dn[c, e] = DY[row + NP, col + e]
                     mean = block_total(acc, red, tx) / T.float32(hidden)
-                    dx_row(X, DY, row, row, ws, RG, DX, wl, xl, dl, io, tx, r, mean, out_scale)
+                    dx_row(X, DY, row, row, ws, RG, DX, wl, xl, dl, io, tx, r, mean, out_scale,
+                           BWD_STORE_NA and not has_res_grad)
             store_partial(Part, wacc, p, tx, accs)
 
         return body
@@ -830,8 +854,8 @@ def weight_grad_reduce_kernel(wg_dtype: str, hidden: int, assign: bool, partials
 
     G, NT = _RED_GROUPS, 256
     CW = NT // G                  # columns per CTA
-    PG = partials // G            # partials per group
-    assert NT % G == 0 and partials % G == 0 and CW % 32 == 0
+    PG = -(-partials // G)        # partials per group (the last group: the rest)
+    assert NT % G == 0 and CW % 32 == 0 and (G - 1) * PG < partials   # no group is empty
 
     @T.prim_func
     def weight_grad_reduce(Part: T.Tensor((partials, hidden), "float32"), WG: T.Tensor((hidden,), wg_dtype)):
@@ -846,10 +870,12 @@ def weight_grad_reduce_kernel(wg_dtype: str, hidden: int, assign: bool, partials
             s = T.alloc_var("float32")
             if j < hidden:
                 for i in T.unroll(PG):   # every load of the group first
-                    buf[i] = Part[g * PG + i, j]
+                    if partials % PG == 0 or g * PG + i < partials:
+                        buf[i] = Part[g * PG + i, j]
                 s = buf[0]
                 for i in T.unroll(1, PG):   # in order p
-                    s = s + buf[i]
+                    if partials % PG == 0 or g * PG + i < partials:
+                        s = s + buf[i]
                 grp[g, tx % CW] = s
             T.sync_threads()
             if T.And(tx < CW, j < hidden):
