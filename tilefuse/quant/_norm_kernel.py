@@ -134,9 +134,10 @@ FP32_STAGES = 3   # norm_backward fp32: the ring's stages (BWD_STAGES's ring; rs
 BWD_STORE_NA = True  # register path without residual_out_grad: dx stores do not allocate in L1
                      # (st.global.L1::no_allocate), so the x and dy lines of the row's loads stay in L1 for the dx
                      # pass, which reads them again (with allocating stores 3% of those reads hit L1, Nsight Compute).
-                     # Same values. H200, 2026-11-30, bf16 T = 8192 with a weight: H = 7168 90.6-90.7 -> 89.9-90.0
-                     # us, H = 4096 55.6-56.0 -> 55.1; without a weight H = 4096 54.7 -> 50.3, H = 7168 even. With
-                     # residual_out_grad (its rows read in the dx pass) 122 -> 129 us: off there
+                     # Same values. H200, 2026-11-30, bf16 T = 8192 with a weight: H = 7168 90.5-90.6 -> 89.5-89.9
+                     # us, H = 4096 55.8-55.9 -> 55.4-55.5, H = 2048 30.1 -> 29.9; without a weight H = 4096
+                     # 54.7-54.8 -> 50.3, H = 7168 even. With residual_out_grad (its rows read in the dx pass)
+                     # 122 -> 129 us at H = 7168: off there
 BWD_PDL = False    # norm_backward: programmatic dependent launch (griddepcontrol.wait before any global access)
 RED_PDL = True     # weight-gradient reduce: programmatic dependent launch (it waits for the dx kernel's partials)
 BWD_TRIGGER = False  # norm_backward: launch the dependent grid (the reduce, with RED_PDL) at the start instead of at
