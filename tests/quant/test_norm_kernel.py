@@ -29,8 +29,8 @@ def rtol_sum(h: int) -> float:
 @pytest.mark.compile
 @pytest.mark.parametrize("name,cfg", [("norm_forward", c) for c in K._forward_configs()]
                          + [("norm_backward", c) for c in K._backward_configs()]
-                         + [("norm_weight_grad_reduce", (d, 7168, False, n)) for d, n in (("bfloat16", 128),
-                                                                                          ("float32", 256))], ids=str)
+                         + [("norm_weight_grad_reduce", (d, 7168, False, K._partials(d, 7168)))
+                            for d in ("bfloat16", "float32")], ids=str)
 def test_builds_for_sm90(name, cfg):
     src = _jit.compile_kernel(name, cfg, "sm_90", export=False).get_kernel_source()
     assert "__global__" in src and "use_fast_math" not in src
@@ -123,7 +123,7 @@ def test_backward_cluster_pairs_for_sm90(cfg, clustered):
 def test_backward_cta_shapes():
     """bf16 backward CTAs: two 16-byte vectors per thread (whole warps, at most 448 threads), one CTA per slot of
     132 SMs at 72 registers (at most 1024); cluster pairs with an odd count per SM: the multiple of 16 below.
-    fp32 keeps NP = 256."""
+    fp32: two 512-thread CTAs per SM (264)."""
     want = {576: (64, 1024, 1024), 2048: (128, 912, 924), 2560: (160, 656, 660), 4096: (256, 384, 396),
             7168: (448, 264, 264), 16384: (448, 264, 264)}
     for h, (tb, with_w, without) in want.items():
@@ -131,7 +131,7 @@ def test_backward_cta_shapes():
             == (tb, with_w, without), h
         assert K._partials("bfloat16", h) == with_w // 2
         assert (K._bwd_threads("float32", h), K._bwd_ctas("float32", h, True), K._partials("float32", h)) \
-            == (512, 256, 256)
+            == (512, 264, 264)
 
 
 @pytest.mark.compile
@@ -206,7 +206,7 @@ def test_backward_wg_assign_launches(assign, monkeypatch):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("cfg", [("bfloat16", 576, False, 128), ("float32", 7168, True, 256),
+@pytest.mark.parametrize("cfg", [("bfloat16", 576, False, 128), ("float32", 7168, True, 264),
                                  ("bfloat16", 7168, True, 132)], ids=str)
 def test_reduce_builds_for_sm90(cfg):
     """The weight-gradient reduce builds: group sums, one barrier, then the group sums added in order. A partial

@@ -32,8 +32,6 @@ from tilefuse.quant import _tl
 
 _TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _THREADS = 128     # forward threads per CTA: fixes the order of the row sum of squares (not a knob)
-_NP = 256          # fp32 norm_backward CTAs (rows walked in parallel, one partial weight gradient each; fixed: results
-                   # never depend on the GPU; it fixes which rows each partial sums: not a knob). bf16: _bwd_ctas
 _CL_BF16 = 2       # bf16 norm_backward with a weight: CTAs per thread-block cluster. The pair adds its weight-gradient
                    # sums (rank 0's + rank 1's) through distributed shared memory, each CTA half of the columns, into
                    # NP / 2 partial rows: half the partial stores and reduce reads. H200, 2026-11-30, bf16 8192 x 7168:
@@ -52,7 +50,7 @@ _BT = 448          # bf16 norm_backward threads per CTA, at most (2 CTAs per SM 
                    # at H = 7168, every warp the same work (256 threads gave warps 0-3 four vectors and 4-7 three, the
                    # per-row barrier waiting on the slow half: 99.6 -> 97.5 us at the bench shape, H200). Smaller
                    # rows: _bwd_threads
-_BT_F32 = 512      # fp32 norm_backward threads per CTA (the same rule)
+_BT_F32 = 512      # fp32 norm_backward threads per CTA (the same rule); two CTAs per SM
 _SMS = 132         # an H200's SMs: the bf16 backward's CTA count is sized for all of them at once (a constant, so
                    # results never depend on the GPU that runs them)
 
@@ -71,7 +69,10 @@ def _bwd_threads(x_dtype: str, hidden: int) -> int:
 
 
 def _bwd_ctas(x_dtype: str, hidden: int, has_weight: bool) -> int:
-    """CTAs of the backward (rows walked in parallel; fixes the weight-gradient order): fp32 _NP; bf16 one CTA of
+    """CTAs of the backward (rows walked in parallel, one partial weight gradient each: it fixes which rows each
+    partial sums, so it is a constant of the dtype, H and the weight, never of the GPU that runs it). fp32: two
+    CTAs of _BT_F32 threads per SM, 264 (256 before: H200, 2026-11-30, fp32 T = 8192, H = 2048 without a weight
+    51.3-51.5 -> 49.4-49.5 us, the other H within 1 us, none slower). bf16: one CTA of
     ``_bwd_threads`` per slot of the 132 SMs of an H200 at 72 registers, at most 1024: 264 at H = 7168 (2 per SM),
     396 at H = 4096 (3), 924 at H = 2048 (7). Each CTA has one row in flight (it is latency-bound), so every slot
     counts: H200, 2026-11-30, bf16 8192 x 7168 with a weight, 256 -> 264 CTAs: 91.7-92.3 -> 90.6-90.7 us.
@@ -81,7 +82,7 @@ def _bwd_ctas(x_dtype: str, hidden: int, has_weight: bool) -> int:
     below): a pair needs two free slots in one GPC, and 924 pairs at H = 2048 ran slower than 912 (31.0 against
     30.1 us; 396 against 384 at H = 4096 even), as if some pairs waited for a second wave."""
     if x_dtype != "bfloat16":
-        return _NP
+        return 2 * _SMS
     per_sm = 65536 // (72 * _bwd_threads(x_dtype, hidden))
     n = per_sm * _SMS
     if _clusters(x_dtype, has_weight) > 1 and per_sm % 2:
