@@ -160,9 +160,11 @@ def test_builds_for_sm90_with_vector_accesses(role):
     assert "__global__" in src and "use_fast_math" not in src
     assert ("*(fp8_e4_16_t*)(Y +" if cfg[4] else "*(fp8_e4_8_t*)(Y +") in src
     assert "__NV_SATFINITE" in src or "(fp8_e4_t)(" in src
-    if cfg[0] == "bfloat16":
+    if cfg[5]:  # gathered rows: one predicated helper load per row (GATHER_LDG)
+        assert ("tf_pcc_ld16((&(xr[" if cfg[0] == "bfloat16" else "tf_pcc_ld8((&(xr[") in src
+    elif cfg[0] == "bfloat16":
         assert "*(uint4*)(X +" in src
-    if cfg[0] == "pair":
+    elif cfg[0] == "pair":
         assert "*(fp8_e4_8_t*)(D +" in src
     if cfg[4]:  # transposed: 16-byte chunks of the shared tile, the store's row stride is the token count
         assert re.search(r"\* \(\(int64_t\)num_tokens\)\)\)\) = \*\(fp8_e4_16_t\*\)\((\(\(fp8_e4_t\*\))?ys", src)
@@ -411,12 +413,32 @@ def test_fused_gather_from_misaligned_pos_view(role):
 # ---------------------------------------------------------------------------------------------------------
 
 KNOB_VARIANTS = [
+    {"GATHER_LDG": False, "PAIR_REMAT": False, "PAIR_MIN_WARPS": 20},  # the defaults before 2026-11-30
+    {"PAIR_REMAT": False, "PAIR_MIN_WARPS": 20},
     {"CAST_PDL": True, "TRANSPOSE_PDL": False},
     {"CAST_PDL": True, "CAST_PDL_TRIGGER": True},
     {"CAST_CL": 4},
     {"CAST_CL": 4, "CAST_PDL": True, "CAST_PDL_TRIGGER": True},
     {"CAST_CL": 4, "CAST_RPT": 4, "MIN_WARPS": 40},
 ]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("role", ("gather", "pair_gather"))
+def test_gathered_rows_are_predicated_loads_without_branches(role):
+    """GATHER_LDG: each of a thread's 8 gathered rows is one call of the predicated-load helper (data, and a
+    pair's sf), taken only for a non-negative entry (zeros otherwise): no per-row branch around TileLang loads."""
+    x_kind = CFG[role][0]
+    src = _source(CFG[role])
+    body = src[src.index("__launch_bounds__"):]
+    width = 16 if x_kind == "bfloat16" else 8
+    load = re.search(rf"tf_pcc_ld{width}\(\(&\(xr\[\(j_\d+ \* 8\)\]\)\), \(&\([XD]\[0\]\)\), (.*), \(0 <= pl\[j_\d+\]\)\);", body)
+    assert load, body[:2000]
+    assert "if ((0 <= pl[" not in body and "if (0 <= pl[" not in body
+    if x_kind == "pair":
+        assert re.search(r"sl\[j_\d+\] = tf_pcc_ldf\(\(&\(S\[0\]\)\), .*, \(0 <= pl\[j_\d+\]\)\);", body)
+        # the product data * sf_in is recomputed for the store (PAIR_REMAT), so 8 CTAs fit at 64 registers
+        assert "__launch_bounds__(128, 8)" in src
 
 
 @pytest.mark.compile
@@ -433,7 +455,8 @@ def test_pdl_knob_waits_before_any_global_access(role, monkeypatch):
                            execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
     body = src[src.index("__launch_bounds__"):]
     wait = body.index("cudaGridDependencySynchronize();")
-    first_global = min(i for i in (body.find(p) for p in ("X +", "D +", "S +", "S[", "P +", "P[", "Y +", "SF +", "SF[")) if i >= 0)
+    first_global = min(i for i in (body.find(p) for p in ("X +", "D +", "S +", "S[", "P +", "P[", "Y +", "SF +", "SF[",
+                                                          "(&(X[", "(&(D[")) if i >= 0)
     assert wait < body.index("cudaTriggerProgrammaticLaunchCompletion();") < first_global
 
 

@@ -16,8 +16,8 @@ channels (``tx % 8``: one 16-byte bf16 / 32-byte fp32 / 8-byte e4m3 vector per r
 warps through shared memory.
 
 Memory side: every thread first issues all 8 of its row loads (predicated, no use in between; missing rows
-stay +0), so 8 independent 16-byte loads (bf16) are in flight per thread, and ``__launch_bounds__(128, 5)``
-keeps 5 CTAs (20 warps, ~80 KB of bf16 loads) per SM. One predicate covers a thread's 8 rows: the launcher
+stay +0), so 8 independent 16-byte loads (bf16) are in flight per thread, and the launch bounds keep 7 CTAs
+(28 warps, ~112 KB of bf16 loads; pairs 8 CTAs) per SM. One predicate covers a thread's 8 rows: the launcher
 asserts ``T_out % 8 == 0`` (the public ops give % 16 or % 128). Data leaves as one 8-byte store per row;
 transposed, each thread writes 8 rows of a channel (8 bytes) into an 8 KB shared tile (16-byte chunks
 XOR-swizzled by the channel lane: no bank conflicts) and, after a barrier, the CTA stores whole 128-byte
@@ -33,8 +33,11 @@ Knobs (``TILEFUSE_KNOBS``, non-transposed path only; the defaults give the geome
 unchanged): ``CAST_CL`` channel lanes (CTA = 8 * CAST_CL channels, CAST_CL * 128 / CAST_RPT threads; a warp's
 row lanes reduce by xor-shuffles, the block's warps through shared memory), ``CAST_RPT`` rows per thread,
 ``MIN_WARPS`` / ``PAIR_MIN_WARPS`` the launch bounds in warps per SM, ``CAST_REMAT`` widen a plain input twice
-(for the max, then for the store) instead of holding 64 binary32 values (80 registers instead of 96). None
-changes a value: maxima are order-free and the widening is exact. ``CAST_PDL`` / ``CAST_PDL_TRIGGER``:
+(for the max, then for the store) instead of holding 64 binary32 values (80 registers instead of 96),
+``PAIR_REMAT`` the same for pairs (``data * sf_in`` computed twice: 64 registers, 8 CTAs per SM), ``GATHER_LDG``
+the gathered rows through one predicated vector load each (a C++ helper; TileLang's per-row branch, bounds
+check and address arithmetic cost ~25 instructions a row). None changes a value: maxima are order-free and the
+widening and products are exact or repeated. ``CAST_PDL`` / ``CAST_PDL_TRIGGER``:
 programmatic dependent launch (the wait comes before every global access; no value changes); ``TRANSPOSE_PDL``
 the same wait in the transposed path.
 """
@@ -54,14 +57,16 @@ _MIN_BLOCKS = 5  # transposed path: __launch_bounds__(128, 5): <= 102 registers 
 
 # Tuning knobs (TILEFUSE_KNOBS; read when a kernel is built; they change tiling/occupancy only, never a value).
 # Defaults from the H200 knob sweep of 2026-11-29 13:30 (docs/BENCHMARKS.md): 128 threads x (8 rows x 8 channels),
-# the input widened again for the store (80 registers), 7 CTAs per SM (pairs 5).
+# the input widened again for the store (80 registers), 7 CTAs per SM. Pairs (2026-11-30, alternating runs at the
+# bench shapes): the product recomputed for the store and 8 CTAs per SM, gathered rows by predicated loads.
 CAST_CL = 8      # channel lanes per CTA row of the non-transposed path (4, 8, 16, 32): CTA = 8 * CAST_CL channels
 CAST_RPT = 8     # rows per thread of the non-transposed path (4 or 8): threads = CAST_CL * 128 / CAST_RPT
 CAST_REMAT = True  # non-transposed plain input: widen the raw input again for the store instead of holding
                    # the thread's 64 binary32 values across the reduction (fewer registers: more CTAs per SM)
 MIN_WARPS = 28   # non-transposed path: __launch_bounds__(threads, MIN_WARPS // warps per CTA) (20: (128, 5): 96
                  # registers, no spills, 5 CTAs = 20 warps per SM; 16: (128, 4): 104 registers, 4 CTAs per SM)
-PAIR_MIN_WARPS = 20  # pre-quantized pairs: MIN_WARPS of their own (None: MIN_WARPS; they spill at <= 72 registers)
+PAIR_MIN_WARPS = 32  # pre-quantized pairs: MIN_WARPS of their own (None: MIN_WARPS); 32 = 8 CTAs at 64 registers,
+                     # no spills with PAIR_REMAT (without it 20: they spill at <= 72 registers)
 CAST_PDL = True  # non-transposed path: programmatic dependent launch. The kernel's first statement is
                   # griddepcontrol.wait (every global access follows the full completion and memory flush of the
                   # stream's previous grid), and TileLang launches it with programmatic stream serialization, so
@@ -69,6 +74,30 @@ CAST_PDL = True  # non-transposed path: programmatic dependent launch. The kerne
 TRANSPOSE_PDL = True  # the transposed path: programmatic dependent launch too (as CAST_PDL)
 CAST_PDL_TRIGGER = False  # with CAST_PDL: griddepcontrol.launch_dependents right after the wait, so a PDL
                           # successor's CTAs may launch during this grid's last wave (they wait for its end)
+PAIR_REMAT = True  # pairs: compute data * sf_in again for the store instead of holding the 64 binary32 products
+                   # (the same two roundings: bit-identical; 96 -> 64 registers)
+GATHER_LDG = True  # gathered rows: each row's data (and a pair's sf) through one predicated load (C++ helpers,
+                   # zeros for negative entries) instead of TileLang's per-row branch, bounds check and address
+                   # arithmetic (pairs: 971 -> 839 instructions a thread)
+_GATHER_LDG_SRC = """
+__device__ __forceinline__ const char* tf_pcc_at(const void* src, long long off) {
+  return static_cast<const char*>(src) + off; }
+__device__ __forceinline__ void tf_pcc_ld8(void* dst, const void* src, long long off, bool ok) {
+  uint2 v = make_uint2(0u, 0u);
+  if (ok) v = __ldg(reinterpret_cast<const uint2*>(tf_pcc_at(src, off)));
+  *reinterpret_cast<uint2*>(dst) = v; }
+__device__ __forceinline__ void tf_pcc_ld16(void* dst, const void* src, long long off, bool ok) {
+  uint4 v = make_uint4(0u, 0u, 0u, 0u);
+  if (ok) v = __ldg(reinterpret_cast<const uint4*>(tf_pcc_at(src, off)));
+  *reinterpret_cast<uint4*>(dst) = v; }
+__device__ __forceinline__ void tf_pcc_ld32(void* dst, const void* src, long long off, bool ok) {
+  uint4 v = make_uint4(0u, 0u, 0u, 0u), w = v;
+  if (ok) { v = __ldg(reinterpret_cast<const uint4*>(tf_pcc_at(src, off)));
+            w = __ldg(reinterpret_cast<const uint4*>(tf_pcc_at(src, off)) + 1); }
+  reinterpret_cast<uint4*>(dst)[0] = v; reinterpret_cast<uint4*>(dst)[1] = w; }
+__device__ __forceinline__ float tf_pcc_ldf(const float* src, long long off, bool ok) {
+  return ok ? __ldg(src + off) : 0.0f; }
+"""
 _PAIR_NPC = 128  # per-token block width of a pre-quantized input (quant.md 3.10)
 _TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float8_e4m3fn: "pair"}
 
@@ -107,6 +136,10 @@ def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, 
     warps_per_block = npt // (RLW * RPT)  # default: 1 (npt 32) or 4 (npt 128)
     assert warps_per_block >= 1, "a warp spans more rows than one block"
     remat = CAST_REMAT and not pair and not transpose  # widen bf16/fp32 twice instead of keeping 64 fp32
+    itemsize = {"pair": 1, "bfloat16": 2, "float32": 4}[x_kind]
+    row_bytes = _C * itemsize  # one thread's bytes of one row: 8 (pairs), 16 (bf16) or 32 (fp32)
+    gather_ldg = gather and GATHER_LDG
+    pair_remat = pair and PAIR_REMAT  # pairs: data * sf_in computed twice (for the max, then for the store)
     min_warps = MIN_WARPS if not pair or PAIR_MIN_WARPS is None else PAIR_MIN_WARPS
     min_blocks = _MIN_BLOCKS if transpose else max(1, min_warps // NW)
     pdl = TRANSPOSE_PDL if transpose else CAST_PDL
@@ -142,19 +175,23 @@ def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, 
             red = T.alloc_shared((NW, BC), "float32")
             yb = T.alloc_local((_C,), "float8_e4m3fn")
             xt = T.alloc_local((RPT,), "float32")
+            xp = T.alloc_local((_C,), "float32")
             if transpose:
                 ys = T.alloc_shared((BC, _BM), "float8_e4m3fn")  # the CTA's transposed e4m3 tile (8 KB)
+            if gather_ldg:
+                T.import_source(_GATHER_LDG_SRC)
             if pdl:  # before any global access: the previous grid has completed and its writes are visible
                 T.pdl_sync()
                 if CAST_PDL_TRIGGER:
                     T.pdl_trigger()
             # 1. issue every load of the thread before any use (8 independent vector loads in flight);
             # missing rows (past Tn, other channel tiles, negative gather entries) read +0 (pairs: sf 0 too)
-            for i in T.unroll(RPT * _C):
-                xr[i] = T.cast(0, raw_dtype)
-            if pair:
-                for j in T.unroll(RPT):
-                    sl[j] = T.float32(0.0)
+            if not gather_ldg:
+                for i in T.unroll(RPT * _C):
+                    xr[i] = T.cast(0, raw_dtype)
+                if pair:
+                    for j in T.unroll(RPT):
+                        sl[j] = T.float32(0.0)
             if gather:
                 for j in T.unroll(RPT):
                     pl[j] = -1
@@ -163,6 +200,16 @@ def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, 
                         pl[j] = P[row0 + j]
                 for j in T.unroll(RPT):
                     pl[j] = T.min(pl[j], Tin - 1)  # clamp like the reference's gather (int32: Tin < 2^31)
+            if gather_ldg:  # per row one predicated vector load (and sf load), zeros for negative entries
+                for j in T.unroll(RPT):
+                    T.call_extern("handle", f"tf_pcc_ld{row_bytes}", T.address_of(xr[j * _C]),
+                                  T.address_of(X[0, 0]), (T.cast(pl[j], "int64") * hidden + col0) * itemsize,
+                                  pl[j] >= 0)
+                    if pair:
+                        sl[j] = T.call_extern("float32", "tf_pcc_ldf", T.address_of(S[0, 0]),
+                                              T.cast(pl[j], "int64") * (hidden // _PAIR_NPC) + col0 // _PAIR_NPC,
+                                              pl[j] >= 0)
+            elif gather:
                 for j in T.unroll(RPT):
                     if pl[j] >= 0:
                         for v in T.vectorized(_C):
@@ -179,20 +226,25 @@ def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, 
             # 2. binary32 values (pairs: data * sf_in) and block maxima: registers (8 rows), xor-shuffles over
             # the warp's 4 row lanes, then (npt 128) the CTA's 4 warps through shared memory
             for j in T.unroll(RPT):
-                if pair:  # e4m3 pairs -> binary32 pairs (one F2FP + two HADD2.F32), then * sf_in
+                if pair and not pair_remat:  # e4m3 pairs -> binary32 pairs (one F2FP + two HADD2.F32), * sf_in
                     for v in T.vectorized(_C):
                         xl[j * _C + v] = T.cast(xr[j * _C + v], "float32")
                     for v in T.unroll(_C):
                         xl[j * _C + v] = xl[j * _C + v] * sl[j]
-                elif not remat:
+                elif not remat and not pair:
                     for v in T.unroll(_C):
                         xl[j * _C + v] = T.cast(xr[j * _C + v], "float32")
             for v in T.unroll(_C):
                 am[v] = T.float32(0.0)
             for j in T.unroll(RPT):
+                if pair_remat:
+                    for v in T.vectorized(_C):
+                        xp[v] = T.cast(xr[j * _C + v], "float32")
                 for v in T.unroll(_C):
                     if remat:
                         am[v] = T.max(am[v], T.abs(T.cast(xr[j * _C + v], "float32")))
+                    elif pair_remat:
+                        am[v] = T.max(am[v], T.abs(xp[v] * sl[j]))
                     else:
                         am[v] = T.max(am[v], T.abs(xl[j * _C + v]))
             for v in T.unroll(_C):
@@ -243,6 +295,11 @@ def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, 
                         if remat:  # the same exact widening of the same input, done again
                             for v in T.vectorized(_C):
                                 yb[v] = T.cast(T.cast(xr[j * _C + v], "float32") * inv[v], "float8_e4m3fn")
+                        elif pair_remat:  # the same data * sf_in product, done again (order B)
+                            for v in T.vectorized(_C):
+                                xp[v] = T.cast(xr[j * _C + v], "float32")
+                            for v in T.vectorized(_C):
+                                yb[v] = T.cast((xp[v] * sl[j]) * inv[v], "float8_e4m3fn")
                         else:
                             for v in T.vectorized(_C):
                                 yb[v] = T.cast(xl[j * _C + v] * inv[v], "float8_e4m3fn")
