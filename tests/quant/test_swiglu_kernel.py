@@ -611,6 +611,21 @@ def _bwd_launch_bounds(knobs: dict, hidden: int = 7168) -> str:
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("case", FWD_CASES + (("bfloat16", 3584, 128, True, True, False, True, False, 0.5, False),),
+                         ids=str)
+def test_fwd_ptc_register_cap_only_for_unpacked_chunk_teams(case, monkeypatch):
+    """FWD_PTC_MIN_BLOCKS (16 two-warp CTAs per SM: 64 registers) bounds the npc = 128 kernels whose sf is not
+    packed (the bench row among them, last case); the packed-sf teams and the whole-row (npc = H) kernel keep
+    nvcc's own register count."""
+    _jit.registered()
+    x_dtype, hidden, npc, col, round_sf, packed = case[:6]
+    src = _knob_source(monkeypatch, {}, "swiglu_fwd_ptc", K._fwd_ptc_cfg(*case))
+    capped = npc != hidden and not (col and packed)
+    assert ("__launch_bounds__(64, 16)" in src) == capped
+    assert "__launch_bounds__(64" in src
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("knobs", BWD_KNOB_VARIANTS + ({"BWD_L2_PREFETCH": False},), ids=str)
 def test_bwd_knob_variants_source(knobs, monkeypatch):
     """The PDL wait precedes every load (only L2 prefetches before it: the row's data and grad, its sf and

@@ -163,6 +163,12 @@ FWD_PTC_DEPTH = 2
 # (the bench shape: 1648 two-row CTAs, one wave, 14 serial chunks per warp); 64 = two warps per row (3296
 # one-row CTAs, ~1.8 waves, 7 chunks per warp)
 FWD_PTC_ROW_THREADS = 64
+# npc == 128 with the sf not packed (teams of up to 64 lanes): CTAs per SM asked of nvcc (its register budget:
+# 65536 / (threads * this)); 0 = none. 16 = 64 registers (the bench shape: 70 -> 64, 14 -> 16 two-warp CTAs per SM):
+# the warps are issue- and latency-bound (exp, reciprocal and shuffle chains), so more of them beat deeper prefetch
+# (H200, 2026-11-30: 22.1 -> 20.9 us; DEPTH 3, 4, 6: 22.9, 23.0, 24.0 us). Packed sf (one-warp teams): no gain there
+# (H = 3584 without a clamp 19.9 -> 20.2 us), so no cap
+FWD_PTC_MIN_BLOCKS = 16
 
 
 def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, sf_layout: str, weighted: bool,
@@ -196,6 +202,7 @@ def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, s
     # (FWD_PTC_DEPTH chunks ahead: each warp walks its row chunk by chunk, so the loads in flight per warp, not
     # the issue rate, bound it when the whole grid is resident at once)
     D = FWD_PTC_DEPTH
+    min_blocks = FWD_PTC_MIN_BLOCKS if wide else 0  # not npc == H (the whole row in registers) nor packed sf
     first_loads = list(range(min(D, C))) if per_chunk else list(range(C))
     next_loads = [[si + D] if per_chunk and si + D < C else [] for si in range(len(stages))]
 
@@ -232,6 +239,8 @@ def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, s
     @T.macro
     def body(X, P2T, W, P2E, Y, SF, CNT):
         with T.Kernel(T.ceildiv(Tn, BM), threads=threads) as bx:
+            if min_blocks:
+                T.annotate_min_blocks_per_sm(min_blocks)
             tx = T.get_thread_binding()
             q = tx % L
             row = bx * BM + tx // L
