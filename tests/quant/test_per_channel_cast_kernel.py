@@ -22,12 +22,14 @@ from tests.quant.kernel_binding import fake_jit
 TOKENS = (0, 1, 7, 4001, 8192)        # input rows of the gathering op
 ALIGNED_TOKENS = (0, 128, 4096, 8192)  # ops that need T % 128 == 0
 OUT_TOKENS = (0, 16, 112, 4000, 8192)  # gather lengths (% 16)
+_ROW_BYTES = {"bfloat16": 16, "float32": 32, "pair": 8}  # one thread's bytes of one row (8 channels)
 CFG = {  # the static configs of K._test_configs(), by role
     "cast_bf16": ("bfloat16", 576, 128, True, False, False),
     "cast_fp32": ("float32", 576, 128, False, False, False),
     "transpose32": ("bfloat16", 576, 32, False, True, False),
     "transpose128": ("bfloat16", 576, 128, True, True, False),
     "gather": ("bfloat16", 200, 128, False, False, True),
+    "gather_fp32": ("float32", 200, 128, True, False, True),
     "pair_gather": ("pair", 2048, 128, False, False, True),
     "pair": ("pair", 2048, 128, True, False, False),
 }
@@ -161,7 +163,7 @@ def test_builds_for_sm90_with_vector_accesses(role):
     assert ("*(fp8_e4_16_t*)(Y +" if cfg[4] else "*(fp8_e4_8_t*)(Y +") in src
     assert "__NV_SATFINITE" in src or "(fp8_e4_t)(" in src
     if cfg[5]:  # gathered rows: one predicated helper load per row (GATHER_LDG)
-        assert ("tf_pcc_ld16((&(xr[" if cfg[0] == "bfloat16" else "tf_pcc_ld8((&(xr[") in src
+        assert f"tf_pcc_ld{_ROW_BYTES[cfg[0]]}((&(xr[" in src
     elif cfg[0] == "bfloat16":
         assert "*(uint4*)(X +" in src
     elif cfg[0] == "pair":
@@ -424,15 +426,14 @@ KNOB_VARIANTS = [
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("role", ("gather", "pair_gather"))
+@pytest.mark.parametrize("role", ("gather", "gather_fp32", "pair_gather"))
 def test_gathered_rows_are_predicated_loads_without_branches(role):
     """GATHER_LDG: each of a thread's 8 gathered rows is one call of the predicated-load helper (data, and a
     pair's sf), taken only for a non-negative entry (zeros otherwise): no per-row branch around TileLang loads."""
     x_kind = CFG[role][0]
     src = _source(CFG[role])
     body = src[src.index("__launch_bounds__"):]
-    width = 16 if x_kind == "bfloat16" else 8
-    load = re.search(rf"tf_pcc_ld{width}\(\(&\(xr\[\(j_\d+ \* 8\)\]\)\), \(&\([XD]\[0\]\)\), (.*), \(0 <= pl\[j_\d+\]\)\);", body)
+    load = re.search(rf"tf_pcc_ld{_ROW_BYTES[x_kind]}\(\(&\(xr\[\(j_\d+ \* 8\)\]\)\), \(&\([XD]\[0\]\)\), (.*), \(0 <= pl\[j_\d+\]\)\);", body)
     assert load, body[:2000]
     assert "if ((0 <= pl[" not in body and "if (0 <= pl[" not in body
     if x_kind == "pair":

@@ -359,6 +359,7 @@ def _test_configs() -> list[tuple]:
         ("bfloat16", 576, 32, False, True, False),     # per_channel_cast_and_transpose
         ("bfloat16", 576, 128, True, True, False),
         ("bfloat16", 200, 128, False, False, True),    # fused: gather, partial channel tile
+        ("float32", 200, 128, True, False, True),      # fused: fp32 gather (32-byte row loads)
         ("pair", 2048, 128, False, False, True),       # fused: pre-quantized pair + gather
         ("pair", 2048, 128, True, False, False),       # fused: pre-quantized pair, no gather
     ]
