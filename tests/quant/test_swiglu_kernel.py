@@ -8,6 +8,8 @@
   poisoned before each launch; ``weight_grad`` within quant.md 6.3's 1e-4 abs/rel (free sum order). Rows with
   ``pos_to_expert < 0`` are masked out (3.12: unspecified). Packed-UE8M0 padding bytes are cleared (6.1).
 """
+import re
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -613,16 +615,33 @@ def _bwd_launch_bounds(knobs: dict, hidden: int = 7168) -> str:
 @pytest.mark.compile
 @pytest.mark.parametrize("case", FWD_CASES + (("bfloat16", 3584, 128, True, True, False, True, False, 0.5, False),),
                          ids=str)
-def test_fwd_ptc_register_cap_only_for_unpacked_chunk_teams(case, monkeypatch):
-    """FWD_PTC_MIN_BLOCKS (16 two-warp CTAs per SM: 64 registers) bounds the npc = 128 kernels whose sf is not
-    packed (the bench row among them, last case); the packed-sf teams and the whole-row (npc = H) kernel keep
-    nvcc's own register count."""
+def test_fwd_ptc_register_cap_only_for_chunk_teams(case, monkeypatch):
+    """FWD_PTC_MIN_BLOCKS (16 two-warp CTAs per SM: 64 registers) bounds the npc = 128 kernels (the bench row
+    among them, last case); the whole-row (npc = H) kernel keeps nvcc's own register count."""
     _jit.registered()
-    x_dtype, hidden, npc, col, round_sf, packed = case[:6]
+    hidden, npc = case[1:3]
     src = _knob_source(monkeypatch, {}, "swiglu_fwd_ptc", K._fwd_ptc_cfg(*case))
-    capped = npc != hidden and not (col and packed)
-    assert ("__launch_bounds__(64, 16)" in src) == capped
+    assert ("__launch_bounds__(64, 16)" in src) == (npc != hidden)
     assert "__launch_bounds__(64" in src
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("sf_bytes", (True, False))
+@pytest.mark.parametrize("hidden", (1024, 1280))
+def test_fwd_ptc_packed_sf_byte_stores(hidden, sf_bytes, monkeypatch):
+    """FWD_PTC_SF_BYTES: with packed sf, a 64-lane team (H / 8 chunks a multiple of 64: H = 1024) stores each
+    group's UE8M0 byte on its own (byte g % 4 of word g // 4: a word's groups span both warps); a 32-lane team
+    (H = 1280, 160 chunks) and the knob's False gather the word by shuffles and store it whole."""
+    _jit.registered()
+    src = _knob_source(monkeypatch, {"FWD_PTC_SF_BYTES": sf_bytes}, "swiglu_fwd_ptc",
+                       K._fwd_ptc_cfg("bfloat16", hidden, 128, True, True, True, False, False, None, False))
+    body = src[src.index("__launch_bounds__"):]
+    stores = re.findall(r"tf_sw_st8\(\(&\(SF\[0\]\)\), (.*), eb(?:_\d+)?\);", body)
+    if sf_bytes and hidden == 1024:  # 2 stages of 4 groups: row + (g // 4) * sf_pad words, byte g % 4 = lane / 16
+        assert len(stores) == 2 and all("threadIdx.x)) >> (int64_t)4)" in st for st in stores)
+        assert "sf_pad" in stores[1] and "SF[" not in body.replace("(&(SF[0]))", "")
+    else:
+        assert not stores and "SF[" in body
 
 
 @pytest.mark.compile
@@ -696,6 +715,16 @@ def test_bwd_wg_zero_launcher_allocates_uninitialized(monkeypatch):
         assert made == (["empty"] if t else ["zeros"])
         if not t:
             assert not bool(wg.any())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", (1, 7, 4001))
+def test_fwd_ptc_packed_word_knob_matches_reference(t, knob_kernels):
+    """FWD_PTC_SF_BYTES=False (one-warp teams, each packed word gathered by shuffles) gives the reference's bits
+    for the packed-sf case that the default stores byte by byte."""
+    knob_kernels(K, {"FWD_PTC_SF_BYTES": False})
+    case = FWD_CASES[0]
+    _fwd_check(case, *_fwd_inputs(t, case[0], case[1], case[6], case[7]))
 
 
 # (hidden, num_per_channels, round_sf, clamp) of the backward knob-variant GPU tests

@@ -163,12 +163,20 @@ FWD_PTC_DEPTH = 2
 # (the bench shape: 1648 two-row CTAs, one wave, 14 serial chunks per warp); 64 = two warps per row (3296
 # one-row CTAs, ~1.8 waves, 7 chunks per warp)
 FWD_PTC_ROW_THREADS = 64
-# npc == 128 with the sf not packed (teams of up to 64 lanes): CTAs per SM asked of nvcc (its register budget:
-# 65536 / (threads * this)); 0 = none. 16 = 64 registers (the bench shape: 70 -> 64, 14 -> 16 two-warp CTAs per SM):
-# the warps are issue- and latency-bound (exp, reciprocal and shuffle chains), so more of them beat deeper prefetch
-# (H200, 2026-11-30: 22.1 -> 20.9 us; DEPTH 3, 4, 6: 22.9, 23.0, 24.0 us). Packed sf (one-warp teams): no gain there
-# (H = 3584 without a clamp 19.9 -> 20.2 us), so no cap
+# npc == 128 (teams of up to 64 lanes): CTAs per SM asked of nvcc (its register budget: 65536 / (threads * this));
+# 0 = none. 16 = 64 registers (the bench shape: 70 -> 64, 14 -> 16 two-warp CTAs per SM): the warps are issue- and
+# latency-bound (exp, reciprocal and shuffle chains), so more of them beat deeper prefetch (H200, 2026-11-30: 22.1 ->
+# 20.9 us; DEPTH 3, 4, 6: 22.9, 23.0, 24.0 us). With packed sf it pays only with the byte stores below (2H = 7168,
+# clamp 0.5 / none, 2H = 2048: 23.3 / 19.9 / 8.6 us one-warp teams, 22.4 / 19.4 / 7.6 two-warp teams capped,
+# 21.9 / 20.2 / 7.6 uncapped)
 FWD_PTC_MIN_BLOCKS = 16
+# packed sf (npc == 128): teams of up to FWD_PTC_ROW_THREADS lanes as well, each group's UE8M0 byte stored on its own
+# (a word's four groups then span two warps); False: one-warp teams, the word gathered by shuffles and stored whole
+FWD_PTC_SF_BYTES = True
+_SW_ST8 = """
+__device__ __forceinline__ void tf_sw_st8(void* base, long long off, int v) {
+  static_cast<unsigned char*>(base)[off] = static_cast<unsigned char>(v); }
+"""
 
 
 def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, sf_layout: str, weighted: bool,
@@ -185,9 +193,11 @@ def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, s
     E = 16 // eb_x                     # elements per chunk (one 16-byte vector)
     nch = hidden // E                  # chunks per row
     per_chunk = npc != hidden          # npc == 128: each chunk quantized on its own
-    # teams wider than a warp only where nothing crosses warps (per-chunk groups, no packed-word gather)
-    wide = per_chunk and sf_layout != "col_packed"
+    # teams wider than a warp only where nothing crosses warps (per-chunk groups; packed words gathered inside a warp,
+    # or, FWD_PTC_SF_BYTES, stored a byte per group)
+    wide = per_chunk and (sf_layout != "col_packed" or FWD_PTC_SF_BYTES)
     L = _team_cap(nch, FWD_PTC_ROW_THREADS if wide else 32)
+    byte_sf = sf_layout == "col_packed" and L > 32  # a packed word's groups span two warps: one byte store each
     C = nch // L                       # chunks per lane
     threads = max(64, L)               # small CTAs: at the bench shape (3296 rows, 2 per CTA) every SM gets 12-13
     BM = threads // L                  # rows per CTA
@@ -202,7 +212,7 @@ def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, s
     # (FWD_PTC_DEPTH chunks ahead: each warp walks its row chunk by chunk, so the loads in flight per warp, not
     # the issue rate, bound it when the whole grid is resident at once)
     D = FWD_PTC_DEPTH
-    min_blocks = FWD_PTC_MIN_BLOCKS if wide else 0  # not npc == H (the whole row in registers) nor packed sf
+    min_blocks = FWD_PTC_MIN_BLOCKS if wide else 0  # not npc == H (the whole row in registers)
     first_loads = list(range(min(D, C))) if per_chunk else list(range(C))
     next_loads = [[si + D] if per_chunk and si + D < C else [] for si in range(len(stages))]
 
@@ -239,6 +249,8 @@ def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, s
     @T.macro
     def body(X, P2T, W, P2E, Y, SF, CNT):
         with T.Kernel(T.ceildiv(Tn, BM), threads=threads) as bx:
+            if byte_sf:
+                T.import_source(_SW_ST8)
             if min_blocks:
                 T.annotate_min_blocks_per_sm(min_blocks)
             tx = T.get_thread_binding()
@@ -302,7 +314,11 @@ def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, s
                 sf, inv, eb = _scale_pair(T, am[0], sf_clamp_bits, round_sf)
                 # sf store: the first lane of each group
                 g = si * gps + q // Lg
-                if sf_layout == "col_packed":  # lane 0 gathers the stage's exponents into its word
+                if byte_sf:  # the group's UE8M0 byte at byte g % 4 of word g // 4 (little-endian, quant.md 1.5)
+                    if T.And(ok, q % Lg == 0):
+                        T.call_extern("handle", "tf_sw_st8", T.address_of(SF[0, 0]),
+                                      (T.cast(row, "int64") + (g // 4) * T.cast(P, "int64")) * 4 + g % 4, eb)
+                elif sf_layout == "col_packed":  # lane 0 gathers the stage's exponents into its word
                     word[0] = word[0] | _stage_bytes(T, eb, si * gps, gps, Lg, L)
                     if (si + 1) * gps % 4 == 0 or si == len(stages) - 1:
                         if T.And(ok, q == 0):
