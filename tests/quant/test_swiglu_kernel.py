@@ -627,17 +627,19 @@ def test_fwd_ptc_register_cap_only_for_chunk_teams(case, monkeypatch):
 
 @pytest.mark.compile
 @pytest.mark.parametrize("sf_bytes", (True, False))
-@pytest.mark.parametrize("hidden", (1024, 1280))
-def test_fwd_ptc_packed_sf_byte_stores(hidden, sf_bytes, monkeypatch):
-    """FWD_PTC_SF_BYTES: with packed sf, a 64-lane team (H / 8 chunks a multiple of 64: H = 1024) stores each
-    group's UE8M0 byte on its own (byte g % 4 of word g // 4: a word's groups span both warps); a 32-lane team
-    (H = 1280, 160 chunks) and the knob's False gather the word by shuffles and store it whole."""
+@pytest.mark.parametrize("x_dtype,hidden", (("bfloat16", 1024), ("bfloat16", 1280), ("float32", 1024)))
+def test_fwd_ptc_packed_sf_byte_stores(x_dtype, hidden, sf_bytes, monkeypatch):
+    """FWD_PTC_SF_BYTES: with packed sf, a 64-lane team whose stages cover whole words (bf16 H = 1024: 128
+    chunks, 4 groups a stage) stores each group's UE8M0 byte on its own (byte g % 4 of word g // 4: a word's groups
+    span both warps). A 32-lane team (bf16 H = 1280: 160 chunks), a team whose stage would cover half a word (fp32
+    H = 1024: 2 groups, so the last word's padding bytes would go unwritten) and the knob's False gather each word by
+    shuffles and store it whole."""
     _jit.registered()
     src = _knob_source(monkeypatch, {"FWD_PTC_SF_BYTES": sf_bytes}, "swiglu_fwd_ptc",
-                       K._fwd_ptc_cfg("bfloat16", hidden, 128, True, True, True, False, False, None, False))
+                       K._fwd_ptc_cfg(x_dtype, hidden, 128, True, True, True, False, False, None, False))
     body = src[src.index("__launch_bounds__"):]
     stores = re.findall(r"tf_sw_st8\(\(&\(SF\[0\]\)\), (.*), eb(?:_\d+)?\);", body)
-    if sf_bytes and hidden == 1024:  # 2 stages of 4 groups: row + (g // 4) * sf_pad words, byte g % 4 = lane / 16
+    if sf_bytes and (x_dtype, hidden) == ("bfloat16", 1024):  # 2 stages of 4 groups: row + (g // 4) * sf_pad words
         assert len(stores) == 2 and all("threadIdx.x)) >> (int64_t)4)" in st for st in stores)
         assert "sf_pad" in stores[1] and "SF[" not in body.replace("(&(SF[0]))", "")
     else:

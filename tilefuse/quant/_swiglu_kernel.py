@@ -194,9 +194,11 @@ def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, s
     nch = hidden // E                  # chunks per row
     per_chunk = npc != hidden          # npc == 128: each chunk quantized on its own
     # teams wider than a warp only where nothing crosses warps (per-chunk groups; packed words gathered inside a warp,
-    # or, FWD_PTC_SF_BYTES, stored a byte per group)
-    wide = per_chunk and (sf_layout != "col_packed" or FWD_PTC_SF_BYTES)
-    L = _team_cap(nch, FWD_PTC_ROW_THREADS if wide else 32)
+    # or, FWD_PTC_SF_BYTES, stored a byte per group where a stage covers whole words: every byte is then written)
+    L_wide = _team_cap(nch, FWD_PTC_ROW_THREADS)
+    packed_bytes = FWD_PTC_SF_BYTES and (L_wide * E // npc) % 4 == 0
+    wide = per_chunk and (sf_layout != "col_packed" or packed_bytes)
+    L = L_wide if wide else _team_cap(nch, 32)
     byte_sf = sf_layout == "col_packed" and L > 32  # a packed word's groups span two warps: one byte store each
     C = nch // L                       # chunks per lane
     threads = max(64, L)               # small CTAs: at the bench shape (3296 rows, 2 per CTA) every SM gets 12-13
