@@ -616,8 +616,9 @@ def _bwd_launch_bounds(knobs: dict, hidden: int = 7168) -> str:
 @pytest.mark.parametrize("case", FWD_CASES + (("bfloat16", 3584, 128, True, True, False, True, False, 0.5, False),),
                          ids=str)
 def test_fwd_ptc_register_cap_only_for_chunk_teams(case, monkeypatch):
-    """FWD_PTC_MIN_BLOCKS (16 two-warp CTAs per SM: 64 registers) bounds the npc = 128 kernels (the bench row
-    among them, last case); the whole-row (npc = H) kernel keeps nvcc's own register count."""
+    """FWD_PTC_MIN_BLOCKS (16 two-warp CTAs per SM: 64 registers) bounds the npc = 128 kernels of these cases (the
+    bench row among them, last case); the whole-row (npc = H) kernel keeps nvcc's own register count, as do packed-sf
+    kernels left in one-warp teams (test_fwd_ptc_packed_sf_byte_stores's H = 1280 and fp32 cases)."""
     _jit.registered()
     hidden, npc = case[1:3]
     src = _knob_source(monkeypatch, {}, "swiglu_fwd_ptc", K._fwd_ptc_cfg(*case))

@@ -214,7 +214,7 @@ def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, s
     # (FWD_PTC_DEPTH chunks ahead: each warp walks its row chunk by chunk, so the loads in flight per warp, not
     # the issue rate, bound it when the whole grid is resident at once)
     D = FWD_PTC_DEPTH
-    min_blocks = FWD_PTC_MIN_BLOCKS if wide else 0  # not npc == H (the whole row in registers)
+    min_blocks = FWD_PTC_MIN_BLOCKS if wide else 0  # not npc == H (the whole row in registers) nor one-warp packed
     first_loads = list(range(min(D, C))) if per_chunk else list(range(C))
     next_loads = [[si + D] if per_chunk and si + D < C else [] for si in range(len(stages))]
 
