@@ -3,7 +3,7 @@
 // Not part of the library. Every launch uses programmatic dependent launch, as the op does.
 //
 //  * k_stream<NT, M>: a contiguous stream of the op's byte mix. A unit is the op's CTA tile, 20480 bytes read (data +
-//    sf of 128 rows x 256 channels) and 32768 written; each NT-thread CTA moves M * 256 / NT units, each thread
+//    sf of 128 rows x 256 channels) and 32768 written; each NT-thread CTA moves M * NT / 256 units, each thread
 //    5 * M 16-byte loads, then 8 * M 16-byte stores.
 //  * k_persist: the NT = 256 stream on a persistent grid, the next unit's loads issued before this unit's stores.
 //  * k_bulk<S>: persistent; each unit's 20 KB arrives in shared memory by a bulk copy (S stages ahead), threads write
@@ -48,8 +48,8 @@ template <int NT, int M>
 __global__ void __launch_bounds__(NT) k_stream(const uint4* __restrict__ in, uint4* __restrict__ out) {
   pdl_wait();
   pdl_trigger();
-  const uint4* src = in + (size_t)blockIdx.x * (kInVec * M * 256 / NT);
-  uint4* dst = out + (size_t)blockIdx.x * (kOutVec * M * 256 / NT);
+  const uint4* src = in + (size_t)blockIdx.x * (5 * M * NT);  // M * NT / 256 units per CTA
+  uint4* dst = out + (size_t)blockIdx.x * (8 * M * NT);
   uint4 r[5 * M];
 #pragma unroll
   for (int i = 0; i < 5 * M; i++) r[i] = ld16(src + threadIdx.x + NT * i);
