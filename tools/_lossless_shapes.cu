@@ -8,7 +8,7 @@
 //  * k_persist: the NT = 256 stream on a persistent grid, the next unit's loads issued before this unit's stores.
 //  * k_bulk<S>: persistent; each unit's 20 KB arrives in shared memory by a bulk copy (S stages ahead), threads write
 //    the 32 KB output to shared memory and one bulk store sends it.
-//  * k_pattern<R, BLOCK_SF>: the op's own access pattern (fp32 input sf, block 1x32 -> 128x128): each thread one
+//  * k_pattern<R, BLOCK_SF> (and k_pattern_wide below, 16-byte lanes): the op's own access pattern (fp32 input sf, block 1x32 -> 128x128): each thread one
 //    4-byte word (8 channels) of 8 rows and their sf words, an e4m3 block maximum across the CTA, one 8-byte store
 //    per row. R-row CTAs (the op: R = 128). With BLOCK_SF the CTA also reads the sf of the rest of its 128-row
 //    block (from L2) and its results equal R = 128's; without it, R < 128 takes the maximum over its own rows only
@@ -187,6 +187,61 @@ __global__ void __launch_bounds__(4 * R) k_pattern(const int* __restrict__ d, co
   }
 }
 
+
+// The op's tile and fp32 sf with 16-byte lanes: each lane one input sf block (32 channels, 16 bytes) of RPT rows,
+// 8 lanes per row piece (4 rows per warp access), 128 rows per CTA (128 * 8 / RPT threads); two 16-byte stores per
+// row. Results equal k_pattern's block sf (the stored words differ: a model, not the op).
+template <int RPT, bool SPLIT>
+__global__ void __launch_bounds__(1024 / RPT) k_pattern_wide(const uint4* __restrict__ d, const int* __restrict__ sf,
+                                                              uint4* __restrict__ y, int* __restrict__ out_sf, int T) {
+  constexpr int kThreads = 1024 / RPT, kWarps = kThreads / 32, kVecs = kH / 32, kSf = kH / 32;
+  __shared__ int red[kWarps][32];
+  pdl_wait();
+  int lane = threadIdx.x % 32, w = threadIdx.x / 32;
+  int sub = lane % 8;                          // the lane's 32 channels within the CTA's 256
+  int row0 = blockIdx.y * 128 + threadIdx.x / 8;  // rows row0 + j * kStride
+  constexpr int kStride = kThreads / 8;
+  int vcol = blockIdx.x * 8 + sub;             // 16-byte vector of data in its row; also the sf column
+  uint4 dl[RPT];
+  int el[RPT];
+#pragma unroll
+  for (int j = 0; j < RPT; j++) {
+    int r = row0 + j * kStride;
+    bool ok = r < T;
+    dl[j] = ok ? ld16(d + (size_t)r * kVecs + vcol) : make_uint4(0, 0, 0, 0);
+    el[j] = ok ? ld4(sf + (size_t)r * kSf + vcol) : 0;
+  }
+  int m = 0;
+#pragma unroll
+  for (int j = 0; j < RPT; j++) m = max(m, max(el[j] & 0x7F800000, T == -1 ? (int)(dl[j].x ^ dl[j].w) : 0));
+  // the 4 lanes of one 128-channel output block, then all rows of the CTA
+  m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
+  m = max(m, __shfl_xor_sync(0xffffffffu, m, 2));
+  m = max(m, __shfl_xor_sync(0xffffffffu, m, 8));
+  m = max(m, __shfl_xor_sync(0xffffffffu, m, 16));
+  red[w][lane] = m;
+  __syncthreads();
+  m = 0;
+#pragma unroll
+  for (int q = 0; q < kWarps; q++) m = max(m, red[q][lane]);
+  int eb = max((m >> 23) - 6, 0);
+  if (threadIdx.x < 8 && sub % 4 == 0)
+    out_sf[blockIdx.y * (kH / 128) + blockIdx.x * 2 + sub / 4] = eb << 23;
+#pragma unroll
+  for (int j = 0; j < RPT; j++) {
+    int r = row0 + j * kStride;
+    if (r < T) {
+      int dd = (el[j] >> 23) - eb;
+      uint4 v = dl[j];
+      // the lane's 32 bytes (SPLIT: two 16-byte halves, 8 lanes apart, so each store covers 128 whole bytes; the
+      // bytes land elsewhere than the op's, a placement model of a lane exchange)
+      size_t o0 = SPLIT ? blockIdx.x * 16 + sub : 2 * vcol, o1 = SPLIT ? o0 + 8 : o0 + 1;
+      y[(size_t)r * (kH / 16) + o0] = make_uint4(v.x ^ dd, v.y ^ dd, v.z ^ dd, v.w ^ dd);
+      y[(size_t)r * (kH / 16) + o1] = make_uint4(v.x + dd, v.y + dd, v.z + dd, v.w + dd);
+    }
+  }
+}
+
 static int launch(const void* f, dim3 grid, int block, size_t smem, void* stream, void** args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
@@ -238,9 +293,16 @@ extern "C" int lossless_shapes_stream(int kind, void* in, void* out, int units, 
   return -1;
 }
 
-// kind: 0 R = 128; 1-3 R = 64/32/16 with the block's sf; 4-6 R = 64/32/16 with their own rows' sf only
+// kind: 0 R = 128; 1-3 R = 64/32/16 with the block's sf; 4-6 R = 64/32/16 with their own rows' sf only;
+// 7-9 16-byte lanes with 8 / 4 / 2 rows per thread; 10-12 the same with whole-line stores (placement model)
 extern "C" int lossless_shapes_pattern(int kind, void* d, void* sf, void* y, void* out_sf, int T, void* stream) {
   void* args[5] = {&d, &sf, &y, &out_sf, &T};
+  if (kind >= 7 && kind <= 12) {
+    static const void* wide[6] = {(const void*)k_pattern_wide<8, false>, (const void*)k_pattern_wide<4, false>,
+                                  (const void*)k_pattern_wide<2, false>, (const void*)k_pattern_wide<8, true>,
+                                  (const void*)k_pattern_wide<4, true>, (const void*)k_pattern_wide<2, true>};
+    return launch(wide[kind - 7], dim3(kH / 256, (T + 127) / 128), 128 << ((kind - 7) % 3), 0, stream, args);
+  }
   static const void* fns[7] = {(const void*)k_pattern<128, true>, (const void*)k_pattern<64, true>,
                                (const void*)k_pattern<32, true>, (const void*)k_pattern<16, true>,
                                (const void*)k_pattern<64, false>, (const void*)k_pattern<32, false>,

@@ -35,7 +35,13 @@ PATTERNS = [("op pattern, 128-row CTAs", 0), ("op pattern, 64-row CTAs + block s
             ("op pattern, 32-row CTAs + block sf from L2", 2), ("op pattern, 16-row CTAs + block sf from L2", 3),
             ("op pattern, 64-row CTAs, own rows' max only (not the op)", 4),
             ("op pattern, 32-row CTAs, own rows' max only (not the op)", 5),
-            ("op pattern, 16-row CTAs, own rows' max only (not the op)", 6)]
+            ("op pattern, 16-row CTAs, own rows' max only (not the op)", 6),
+            ("op tile, 16-byte lanes, 8 rows per thread (128 threads)", 7),
+            ("op tile, 16-byte lanes, 4 rows per thread (256 threads)", 8),
+            ("op tile, 16-byte lanes, 2 rows per thread (512 threads)", 9),
+            ("op tile, 16-byte lanes, 8 rows per thread, whole-line stores (placement model)", 10),
+            ("op tile, 16-byte lanes, 4 rows per thread, whole-line stores (placement model)", 11),
+            ("op tile, 16-byte lanes, 2 rows per thread, whole-line stores (placement model)", 12)]
 
 
 def _build() -> ctypes.CDLL:
@@ -95,7 +101,10 @@ def main() -> None:
         if first is None:
             first = got
         same = torch.equal(got[0], first[0]) and torch.equal(got[1], first[1])
-        check = ("= 128-row" if same else "DIFFERS") if 1 <= kind <= 3 else ("reference" if kind == 0 else "-")
+        if kind >= 7:  # another thread mapping: the block maxima must agree
+            check = "sf = 128-row" if torch.equal(got[1], first[1]) else "sf DIFFERS"
+        else:
+            check = ("= 128-row" if same else "DIFFERS") if 1 <= kind <= 3 else ("reference" if kind == 0 else "-")
         rows[label] = (run, n_sets, pat_bytes, check)
 
     for units in ((_UNITS, 8 * _UNITS) if args.large else (_UNITS,)):
