@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(256) k_bulk(const uint4* __restrict__ in, uint
   if (threadIdx.x == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
-template <int R, bool BLOCK_SF>
+template <int R, bool BLOCK_SF, bool NO_MAX = false>
 __global__ void __launch_bounds__(4 * R) k_pattern(const int* __restrict__ d, const int* __restrict__ sf,
                                                  uint2* __restrict__ y, int* __restrict__ out_sf, int T) {
   constexpr int kWarps = R / 8, kWords = kH / 8, kSf = kH / 32;
@@ -168,13 +168,15 @@ __global__ void __launch_bounds__(4 * R) k_pattern(const int* __restrict__ d, co
         if (rb + w * 8 + j < T) m = max(m, ld4(sf + (size_t)(rb + w * 8 + j) * kSf + sf_col) & 0x7F800000);
     }
   }
+  if (!NO_MAX) {  // (NO_MAX: the same loads and stores without the block maximum, i.e. without the barrier)
 #pragma unroll
-  for (int o = 1; o < 16; o <<= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));  // the 16 lanes of 128 channels
-  red[w][lane] = m;
-  __syncthreads();
-  m = 0;
+    for (int o = 1; o < 16; o <<= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));  // the 16 lanes of 128 channels
+    red[w][lane] = m;
+    __syncthreads();
+    m = 0;
 #pragma unroll
-  for (int q = 0; q < kWarps; q++) m = max(m, red[q][lane]);
+    for (int q = 0; q < kWarps; q++) m = max(m, red[q][lane]);
+  }
   int eb = max((m >> 23) - 6, 0);
   if (w == 0 && lane % 16 == 0 && blockIdx.y * R % 128 == 0)
     out_sf[blockIdx.y * R / 128 * (kH / 128) + blockIdx.x * 2 + lane / 16] = eb << 23;
@@ -294,7 +296,8 @@ extern "C" int lossless_shapes_stream(int kind, void* in, void* out, int units, 
 }
 
 // kind: 0 R = 128; 1-3 R = 64/32/16 with the block's sf; 4-6 R = 64/32/16 with their own rows' sf only;
-// 7-9 16-byte lanes with 8 / 4 / 2 rows per thread; 10-12 the same with whole-line stores (placement model)
+// 7-9 16-byte lanes with 8 / 4 / 2 rows per thread; 10-12 the same with whole-line stores (placement model);
+// 13-14 R = 128 / 32 without the block maximum
 extern "C" int lossless_shapes_pattern(int kind, void* d, void* sf, void* y, void* out_sf, int T, void* stream) {
   void* args[5] = {&d, &sf, &y, &out_sf, &T};
   if (kind >= 7 && kind <= 12) {
@@ -307,6 +310,11 @@ extern "C" int lossless_shapes_pattern(int kind, void* d, void* sf, void* y, voi
                                (const void*)k_pattern<32, true>, (const void*)k_pattern<16, true>,
                                (const void*)k_pattern<64, false>, (const void*)k_pattern<32, false>,
                                (const void*)k_pattern<16, false>};
+  if (kind == 13 || kind == 14) {
+    const void* f = kind == 13 ? (const void*)k_pattern<128, false, true> : (const void*)k_pattern<32, false, true>;
+    int r = kind == 13 ? 128 : 32;
+    return launch(f, dim3(kH / 256, (T + r - 1) / r), 4 * r, 0, stream, args);
+  }
   static const int rows[7] = {128, 64, 32, 16, 64, 32, 16};
   if (kind < 0 || kind > 6) return -1;
   int r = rows[kind];

@@ -41,7 +41,9 @@ PATTERNS = [("op pattern, 128-row CTAs", 0), ("op pattern, 64-row CTAs + block s
             ("op tile, 16-byte lanes, 2 rows per thread (512 threads)", 9),
             ("op tile, 16-byte lanes, 8 rows per thread, whole-line stores (placement model)", 10),
             ("op tile, 16-byte lanes, 4 rows per thread, whole-line stores (placement model)", 11),
-            ("op tile, 16-byte lanes, 2 rows per thread, whole-line stores (placement model)", 12)]
+            ("op tile, 16-byte lanes, 2 rows per thread, whole-line stores (placement model)", 12),
+            ("op pattern, 128-row CTAs, no block maximum (no barrier)", 13),
+            ("op pattern, 32-row CTAs, no block maximum (no barrier)", 14)]
 
 
 def _build() -> ctypes.CDLL:
@@ -101,7 +103,7 @@ def main() -> None:
         if first is None:
             first = got
         same = torch.equal(got[0], first[0]) and torch.equal(got[1], first[1])
-        if kind >= 7:  # another thread mapping: the block maxima must agree
+        if 7 <= kind <= 12:  # another thread mapping: the block maxima must agree
             check = "sf = 128-row" if torch.equal(got[1], first[1]) else "sf DIFFERS"
         else:
             check = ("= 128-row" if same else "DIFFERS") if 1 <= kind <= 3 else ("reference" if kind == 0 else "-")
