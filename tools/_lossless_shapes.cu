@@ -8,11 +8,13 @@
 //  * k_persist: the NT = 256 stream on a persistent grid, the next unit's loads issued before this unit's stores.
 //  * k_bulk<S>: persistent; each unit's 20 KB arrives in shared memory by a bulk copy (S stages ahead), threads write
 //    the 32 KB output to shared memory and one bulk store sends it.
-//  * k_pattern<R, BLOCK_SF> (and k_pattern_wide below, 16-byte lanes): the op's own access pattern (fp32 input sf, block 1x32 -> 128x128): each thread one
-//    4-byte word (8 channels) of 8 rows and their sf words, an e4m3 block maximum across the CTA, one 8-byte store
-//    per row. R-row CTAs (the op: R = 128). With BLOCK_SF the CTA also reads the sf of the rest of its 128-row
+//  * k_pattern<R, BLOCK_SF, NO_MAX>: the op's own access pattern (fp32 input sf, block 1x32 -> 128x128): each thread
+//    one 4-byte word (8 channels) of 8 rows and their sf words, an e4m3 block maximum across the CTA, one 8-byte
+//    store per row. R-row CTAs (the op: R = 128). With BLOCK_SF the CTA also reads the sf of the rest of its 128-row
 //    block (from L2) and its results equal R = 128's; without it, R < 128 takes the maximum over its own rows only
-//    (not the op's result: an upper bound for smaller tiles).
+//    (not the op's result: an upper bound for smaller tiles). NO_MAX drops the block maximum (and the barrier).
+//  * k_pattern_wide<RPT, SPLIT>: the op's tile with 16-byte lanes (one input sf block of 32 channels per lane and
+//    row); SPLIT places each lane's two 16-byte stores so that each store instruction covers whole lines.
 #include <cuda_runtime.h>
 #include <stdint.h>
 
