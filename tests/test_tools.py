@@ -1,6 +1,11 @@
 """CPU tests of the developer tools under tools/ that parse device output."""
 import importlib.util
 import pathlib
+import shutil
+import subprocess
+
+import pytest
+import torch
 
 _TOOLS = pathlib.Path(__file__).resolve().parents[1] / "tools"
 
@@ -27,3 +32,26 @@ def test_ncu_summary_one_line_per_kernel():
     cells = [c.strip() for c in lines[1].split("|")]
     assert cells[:10] == ["k_kernel", "25.0", "80.0", "32.5", "81.0", "39.5", "36.0", "31.5", "32.0", "40"]
     assert cells[10] == "long_scoreboard 9.3, barrier 4.3, wait 1.5"
+
+
+def test_lossless_shapes_stream_check():
+    """The stream kernels' check accepts their definition (output vector k of a thread = its input vector k mod 5M,
+    first word xor k) for each CTA shape, and rejects a shifted output."""
+    s = _load("lossless_shapes")
+    for kind, (nt, m) in s._STREAM_SHAPES.items():
+        x = torch.randint(-2**31, 2**31 - 1, (2 * 5 * m * nt, 4), dtype=torch.int32)
+        v = x.view(-1, 5 * m, nt, 4)
+        out = torch.stack([v[:, k % (5 * m)] ^ torch.tensor([k, 0, 0, 0], dtype=torch.int32)
+                           for k in range(8 * m)], 1).reshape(-1, 4)
+        assert s._stream_ok(kind, x, out)
+        assert not s._stream_ok(kind, x, out.roll(1, 0))
+
+
+def test_lossless_shapes_kernels_compile(tmp_path):
+    """tools/_lossless_shapes.cu builds for sm_90 (the device builds it the same way)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    subprocess.run([nvcc, "-O3", "-shared", "-Xcompiler", "-fPIC", "-gencode=arch=compute_90,code=sm_90",
+                    "-o", str(tmp_path / "ls.so"), str(_TOOLS / "_lossless_shapes.cu")], check=True)
+    assert (tmp_path / "ls.so").stat().st_size > 0
