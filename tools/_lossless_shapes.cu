@@ -138,6 +138,17 @@ __global__ void __launch_bounds__(256) k_bulk(const uint4* __restrict__ in, uint
   if (threadIdx.x == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
+// E_B of a lane's output block from each warp's maximum m (of e(b) << 23): through shared memory, one barrier
+template <int W>
+__device__ __forceinline__ int block_exponent(int m, int (*red)[32], int w, int lane) {
+  red[w][lane] = m;
+  __syncthreads();
+  m = 0;
+#pragma unroll
+  for (int q = 0; q < W; q++) m = max(m, red[q][lane]);
+  return max((m >> 23) - 6, 0);
+}
+
 template <int R, bool BLOCK_SF, bool NO_MAX = false>
 __global__ void __launch_bounds__(4 * R) k_pattern(const int* __restrict__ d, const int* __restrict__ sf,
                                                  uint2* __restrict__ y, int* __restrict__ out_sf, int T) {
@@ -170,16 +181,12 @@ __global__ void __launch_bounds__(4 * R) k_pattern(const int* __restrict__ d, co
         if (rb + w * 8 + j < T) m = max(m, ld4(sf + (size_t)(rb + w * 8 + j) * kSf + sf_col) & 0x7F800000);
     }
   }
+  int eb = max((m >> 23) - 6, 0);
   if (!NO_MAX) {  // (NO_MAX: the same loads and stores without the block maximum, i.e. without the barrier)
 #pragma unroll
     for (int o = 1; o < 16; o <<= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));  // the 16 lanes of 128 channels
-    red[w][lane] = m;
-    __syncthreads();
-    m = 0;
-#pragma unroll
-    for (int q = 0; q < kWarps; q++) m = max(m, red[q][lane]);
+    eb = block_exponent<kWarps>(m, red, w, lane);
   }
-  int eb = max((m >> 23) - 6, 0);
   if (w == 0 && lane % 16 == 0 && blockIdx.y * R % 128 == 0)
     out_sf[blockIdx.y * R / 128 * (kH / 128) + blockIdx.x * 2 + lane / 16] = eb << 23;
 #pragma unroll
@@ -223,12 +230,7 @@ __global__ void __launch_bounds__(1024 / RPT) k_pattern_wide(const uint4* __rest
   m = max(m, __shfl_xor_sync(0xffffffffu, m, 2));
   m = max(m, __shfl_xor_sync(0xffffffffu, m, 8));
   m = max(m, __shfl_xor_sync(0xffffffffu, m, 16));
-  red[w][lane] = m;
-  __syncthreads();
-  m = 0;
-#pragma unroll
-  for (int q = 0; q < kWarps; q++) m = max(m, red[q][lane]);
-  int eb = max((m >> 23) - 6, 0);
+  int eb = block_exponent<kWarps>(m, red, w, lane);
   if (threadIdx.x < 8 && sub % 4 == 0)
     out_sf[blockIdx.y * (kH / 128) + blockIdx.x * 2 + sub / 4] = eb << 23;
 #pragma unroll
