@@ -51,13 +51,17 @@ PATTERNS = [("op pattern, 128-row CTAs", 0, None), ("op pattern, 64-row CTAs + b
             ("op pattern, 128-row CTAs, no block maximum (no barrier)", 13, None),
             ("op pattern, 32-row CTAs, no block maximum (no barrier)", 14, None)]
 
-def _build() -> ctypes.CDLL:
+def compile_kernels(lib: str, nvcc: str | None = None) -> str:
+    """Build ``_lossless_shapes.cu`` for sm_90 into the shared library ``lib`` (also the CPU test's build check)."""
     src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_lossless_shapes.cu")
-    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-    lib = os.path.join(tempfile.mkdtemp(), "lossless_shapes.so")
+    nvcc = nvcc or shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
     subprocess.run([nvcc, "-O3", "-shared", "-Xcompiler", "-fPIC", "-gencode=arch=compute_90,code=sm_90",
                     "-o", lib, src], check=True)
-    dll = ctypes.CDLL(lib)
+    return lib
+
+
+def _build() -> ctypes.CDLL:
+    dll = ctypes.CDLL(compile_kernels(os.path.join(tempfile.mkdtemp(), "lossless_shapes.so")))
     dll.lossless_shapes_stream.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2 + [
         ctypes.c_void_p]
     dll.lossless_shapes_pattern.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p]
