@@ -90,11 +90,15 @@ def counted_bytes(inputs: tuple, outputs) -> int:
 class Case(NamedTuple):
     """One bench row. ``make(device, scale) -> (shape label, input tensors)`` builds the inputs at the spec's
     benchmark shape times ``scale`` (each dimension kept on its alignment); ``run(*inputs)`` calls the public
-    op; ``ref(*inputs)``, where given, is the reference timed under ``torch.compile``."""
+    op; ``ref(*inputs)``, where given, is the reference timed under ``torch.compile``; ``peers`` maps a peer
+    (``tilefuse._peers``) to ``fn(peer_module, *inputs)``, the same op in the peer's API; ``exact``: the spec makes
+    the outputs bit-exact (else peers are compared by ``calc_diff``)."""
     name: str
     make: Callable[[str, float], tuple[str, tuple]]
     run: Callable[..., object]
     ref: Callable[..., object] | None = None
+    peers: dict | None = None
+    exact: bool = True
 
 
 def _dim(n: int, scale: float, align: int = 1) -> int:
@@ -143,6 +147,13 @@ def _cases() -> list[Case]:
 
     cases: list[Case] = []
 
+    def row(name, make, call, ref=None, peers: str = "", exact: bool = True, area: str = "quant"):
+        """Append one case: ``call(ns, *inputs)`` runs the op from module ``ns`` (ours: ``tilefuse.<area>``; a peer's:
+        ``tile_kernels.<area>``); ``peers`` names the peers that have it with this signature."""
+        ours = q if area == "quant" else tr
+        cases.append(Case(name, make, lambda *a: call(ours, *a), ref,
+                          {p: (lambda tk, *a: call(getattr(tk, area), *a)) for p in peers.split()}, exact))
+
     # per-token casts: the rows kept from the per-token issue (shapes, flags and references unchanged)
     def ptc(x_dtype, fmt, flags):
         col, rnd, packed = flags
@@ -152,10 +163,9 @@ def _cases() -> list[Case]:
             label = f"{str(x_dtype).replace('torch.', '')} {t}x{h} npc128 {fmt}" + _flag_names(*flags)
             return label, (_randn((t, h), x_dtype, device),)
 
-        run = lambda x: q.per_token_cast(x, fmt, 128, None, col, rnd, packed)
         ref = lambda x: ref_cast(x, fmt, (1, 128), round_sf=rnd, use_tma_aligned_col_major_sf=col,
                                  use_packed_ue8m0=packed)
-        cases.append(Case("per_token_cast", make, run, ref))
+        row("per_token_cast", make, lambda ns, x: ns.per_token_cast(x, fmt, 128, None, col, rnd, packed), ref, "tk2")
 
     for x_dtype, fmt, flags in ((torch.bfloat16, "e4m3", (False, True, False)),
                                 (torch.bfloat16, "e4m3", (True, True, True)),
@@ -171,8 +181,9 @@ def _cases() -> list[Case]:
             return f"{_SHORT[dtype]} {tt}x{hh}{extra}", (_randn((tt, hh), dtype, device),)
         return make
 
-    cases.append(Case("per_token_cast_with_sf_only", plain(8192, 7168, extra=" npc128 e4m3 col round ue8m0"),
-                      lambda x: q.per_token_cast_with_sf_only(x, "e4m3", 128, None, True, True, True)))
+    row("per_token_cast_with_sf_only", plain(8192, 7168, extra=" npc128 e4m3 col round ue8m0"),
+        lambda ns, x: ns.per_token_cast_with_sf_only(x, "e4m3", 128, use_tma_aligned_col_major_sf=True, round_sf=True,
+                                                     use_packed_ue8m0=True), peers="tk2")
 
     def with_sf(make_x, sf_of):
         """``make_x``'s input plus its row-major fp32 sf (computed by ``sf_of(x)``, a public op)."""
@@ -181,22 +192,20 @@ def _cases() -> list[Case]:
             return label, (x, sf_of(x))
         return make
 
-    cases.append(Case("per_token_cast_with_precomputed_sf",
-                      with_sf(plain(8192, 7168, extra=" npc128 e4m3 (sf given)"),
-                              lambda x: q.per_token_cast_with_sf_only(x, "e4m3", 128)),
-                      lambda x, sf: q.per_token_cast_with_precomputed_sf(x, "e4m3", 128, sf)))
+    row("per_token_cast_with_precomputed_sf",
+        with_sf(plain(8192, 7168, extra=" npc128 e4m3 (sf given)"), lambda x: q.per_token_cast_with_sf_only(x, "e4m3", 128)),
+        lambda ns, x, sf: ns.per_token_cast_with_precomputed_sf(x, "e4m3", 128, sf), peers="tk2")
 
     # per-block casts (quant.md 3.6-3.7): T x H = 8001 x 7168
     for fmt, block, flags in (("e4m3", (128, 128), (True, True, True)), ("e2m1", (32, 32), (False, True, False))):
-        cases.append(Case("per_block_cast", plain(8001, 7168, extra=f" {fmt} block{block[0]}x{block[1]}"
-                                                   + _flag_names(*flags)),
-                          lambda x, fmt=fmt, block=block, flags=flags: q.per_block_cast(x, fmt, block, *flags)))
-    cases.append(Case("per_block_cast_with_sf_only", plain(8001, 7168, extra=" e4m3 block128x128 col round ue8m0"),
-                      lambda x: q.per_block_cast_with_sf_only(x, "e4m3", (128, 128), True, True, True)))
-    cases.append(Case("per_block_cast_with_precomputed_sf",
-                      with_sf(plain(8001, 7168, extra=" e4m3 block128x128 (sf given)"),
-                              lambda x: q.per_block_cast_with_sf_only(x, "e4m3", (128, 128))),
-                      lambda x, sf: q.per_block_cast_with_precomputed_sf(x, "e4m3", (128, 128), sf)))
+        row("per_block_cast", plain(8001, 7168, extra=f" {fmt} block{block[0]}x{block[1]}" + _flag_names(*flags)),
+            lambda ns, x, fmt=fmt, block=block, flags=flags: ns.per_block_cast(x, fmt, block, *flags), peers="tk2")
+    row("per_block_cast_with_sf_only", plain(8001, 7168, extra=" e4m3 block128x128 col round ue8m0"),
+        lambda ns, x: ns.per_block_cast_with_sf_only(x, "e4m3", (128, 128), True, True, True), peers="tk2")
+    row("per_block_cast_with_precomputed_sf",
+        with_sf(plain(8001, 7168, extra=" e4m3 block128x128 (sf given)"),
+                lambda x: q.per_block_cast_with_sf_only(x, "e4m3", (128, 128))),
+        lambda ns, x, sf: ns.per_block_cast_with_precomputed_sf(x, "e4m3", (128, 128), sf), peers="tk2")
 
     def lossless(device, scale):
         """Packed e2m1 data with power-of-two row-major sf, block (1, 32) (the spec's input block)."""
@@ -204,16 +213,16 @@ def _cases() -> list[Case]:
         pair = q.per_token_cast(x, "e2m1", 32, None, False, True, False)
         return label.replace("bf16", "e2m1") + " in block1x32 -> e4m3 block128x128 col round ue8m0", (pair,)
 
-    cases.append(Case("per_block_cast_lossless", lossless,
-                      lambda x: q.per_block_cast_lossless(x, "e4m3", (1, 32), (128, 128), True, True, True)))
+    row("per_block_cast_lossless", lossless,
+        lambda ns, x: ns.per_block_cast_lossless(x, "e4m3", (1, 32), (128, 128), True, True, True), peers="tk2")
 
     # per-channel casts (quant.md 3.8-3.10): T in {4096, 8064}
-    cases.append(Case("per_channel_cast", plain(8064, 7168, t_align=128, extra=" npt128 round"),
-                      lambda x: q.per_channel_cast(x, "e4m3", 128, True)))
-    cases.append(Case("per_channel_cast_and_transpose", plain(8064, 7168, t_align=128, extra=" npt128 round"),
-                      lambda x: q.per_channel_cast_and_transpose(x, "e4m3", 128, True)))
-    cases.append(Case("per_channel_cast_fused", plain(4096, 7168, t_align=128, extra=" npt128 round, no gather"),
-                      lambda x: q.per_channel_cast_fused(x, "e4m3", 128, True)))
+    row("per_channel_cast", plain(8064, 7168, t_align=128, extra=" npt128 round"),
+        lambda ns, x: ns.per_channel_cast(x, "e4m3", 128, True), peers="tk2")
+    row("per_channel_cast_and_transpose", plain(8064, 7168, t_align=128, extra=" npt128 round"),
+        lambda ns, x: ns.per_channel_cast_and_transpose(x, "e4m3", 128, True), peers="tk1")
+    row("per_channel_cast_fused", plain(4096, 7168, t_align=128, extra=" npt128 round, no gather"),
+        lambda ns, x: ns.per_channel_cast_fused(x, "e4m3", 128, True), peers="tk1")
 
     def fused_gather(pre_quantized: bool):
         """A MoE expansion (topk 6, 256 experts, 8 ranks, rows aligned to 128) of 4001 tokens, optionally
@@ -230,9 +239,9 @@ def _cases() -> list[Case]:
         return make
 
     for pre in (False, True):
-        cases.append(Case("per_channel_cast_fused", fused_gather(pre),
-                          lambda x, pos, pre=pre: q.per_channel_cast_fused(x, "e4m3", 128, True, 128 if pre else None,
-                                                                           pos)))
+        row("per_channel_cast_fused", fused_gather(pre), peers="tk1",
+            call=lambda ns, x, pos, pre=pre: ns.per_channel_cast_fused(x, "e4m3", 128, True, 128 if pre else None,
+                                                                       pos))
 
     # cast-back (quant.md 3.5): data from the cast of a randn of the output dtype
     def quantized(out_dtype, cast, desc: str):
@@ -245,27 +254,26 @@ def _cases() -> list[Case]:
 
     for fmt, out, flags in (("e4m3", "bf16", (True, True, True)), ("e2m1", "fp32", (False, True, False))):
         dtype = torch.bfloat16 if out == "bf16" else torch.float32
-        cases.append(Case("per_token_cast_back",
-                          quantized(dtype, lambda x, fmt=fmt, flags=flags: q.per_token_cast(x, fmt, 128, None, *flags),
-                                    f"{fmt} npc128{_flag_names(*flags)}"),
-                          lambda x, out=out: q.per_token_cast_back(x, out, 128)))
-    cases.append(Case("cast_back", quantized(torch.bfloat16, lambda x: q.per_block_cast(x, "e4m3", (128, 128)),
-                                             "e4m3 block128x128"),
-                      lambda x: q.cast_back(x, "bf16", (128, 128))))
+        row("per_token_cast_back",
+            quantized(dtype, lambda x, fmt=fmt, flags=flags: q.per_token_cast(x, fmt, 128, None, *flags),
+                      f"{fmt} npc128{_flag_names(*flags)}"),
+            lambda ns, x, out=out: ns.per_token_cast_back(x, out, 128), peers="tk2")
+    row("cast_back", quantized(torch.bfloat16, lambda x: q.per_block_cast(x, "e4m3", (128, 128)), "e4m3 block128x128"),
+        lambda ns, x: ns.cast_back(x, "bf16", (128, 128)), peers="tk2")
 
     def e2m1_packed(device, scale):
         t, h = _dim(8001, scale), _dim(7168, scale, 128)
         return f"e2m1 {t}x{h} (int8 {t}x{h // 2}) -> fp32", (
             torch.randint(-128, 128, (t, h // 2), dtype=torch.int8, device=device),)
 
-    cases.append(Case("unpack_from_e2m1fn_x2", e2m1_packed, lambda x: q.unpack_from_e2m1fn_x2(x, torch.float32)))
+    row("unpack_from_e2m1fn_x2", e2m1_packed, lambda ns, x: ns.unpack_from_e2m1fn_x2(x, torch.float32), peers="tk2")
 
     # E5M6 (quant.md 3.4-3.5): one scale per row (npc = H)
-    cases.append(Case("per_token_cast_to_e5m6", plain(8001, 7168, extra=" npc=H col round ue8m0"),
-                      lambda x: q.per_token_cast_to_e5m6(x, x.size(1), True, True, True)))
-    cases.append(Case("cast_back_e5m6", quantized(torch.bfloat16, lambda x: q.per_token_cast_to_e5m6(
-                          x, x.size(1), False, True, False), "e5m6 npc=H round"),
-                      lambda x: q.cast_back_e5m6(x, "bf16", (1, x[0].size(1) * 2 // 3))))
+    row("per_token_cast_to_e5m6", plain(8001, 7168, extra=" npc=H col round ue8m0"),
+        lambda ns, x: ns.per_token_cast(x, "e5m6", x.size(1), None, True, True, True), peers="tk1")
+    row("cast_back_e5m6", quantized(torch.bfloat16, lambda x: q.per_token_cast_to_e5m6(
+        x, x.size(1), False, True, False), "e5m6 npc=H round"),
+        lambda ns, x: ns.cast_back(x, "bf16", (1, x[0].size(1) * 2 // 3), "e5m6"), peers="tk1")
 
     # SwiGLU (quant.md 3.13-3.14), judged on the bytes of one pass
     def swiglu_bwd(device, scale):
@@ -285,15 +293,16 @@ def _cases() -> list[Case]:
         tt2p = torch.tensor(back, dtype=torch.int32, device=device).view(t_src, k)
         return f"e4m3 pair {t_e}x{2 * h} ({t_src} tokens, topk {k}) npc128 round", (x, grad, weight, p2t, tt2p)
 
-    cases.append(Case("swiglu_backward_and_per_token_cast", swiglu_bwd,
-                      lambda x, g, w, p2t, tt2p: q.swiglu_backward_and_per_token_cast(x, g, w, p2t, tt2p, 128, True)))
+    row("swiglu_backward_and_per_token_cast", swiglu_bwd,
+        lambda ns, x, g, w, p2t, tt2p: ns.swiglu_backward_and_per_token_cast(x, g, w, p2t, tt2p, 128, True), peers="tk1",
+        exact=False)
 
     def swiglu_pcc(device, scale):
         t, h = _dim(8064, scale, 128), _dim(7168, scale, 128)
         return f"bf16 {t}x{2 * h} npt128 round transpose", (_randn((t, 2 * h), torch.bfloat16, device),)
 
-    cases.append(Case("swiglu_forward_and_per_channel_cast_and_transpose", swiglu_pcc,
-                      lambda x: q.swiglu_forward_and_per_channel_cast_and_transpose(x, "e4m3", 128, True)))
+    row("swiglu_forward_and_per_channel_cast_and_transpose", swiglu_pcc,
+        lambda ns, x: ns.swiglu_forward_and_per_channel_cast_and_transpose(x, "e4m3", 128, True), peers="tk1")
 
     def swiglu_ptc(device, scale):
         """MoE rows (topk 6, 256 experts, 8 ranks, aligned to 16) of 2H = 7168 (H = 3584, the largest of the
@@ -306,9 +315,9 @@ def _cases() -> list[Case]:
         return f"bf16 {len(rows)}x{2 * h} ({t_src} tokens, topk {k}, weighted) npc128 col round clamp 0.5", (
             x, p2t, weights)
 
-    cases.append(Case("swiglu_forward_and_per_token_cast", swiglu_ptc,
-                      lambda x, p2t, w: q.swiglu_forward_and_per_token_cast(x, "e4m3", 128, p2t, w, None, True, True,
-                                                                            False, 0.5)))
+    row("swiglu_forward_and_per_token_cast", swiglu_ptc, peers="tk1",
+        call=lambda ns, x, p2t, w: ns.swiglu_forward_and_per_token_cast(x, "e4m3", 128, p2t, w, None, True, True,
+                                                                        False, 0.5))
 
     # RMSNorm (quant.md 5.11; no upstream benchmark): bf16 8192 x 7168 with a weight
     def norm_input(device, scale):
@@ -316,26 +325,26 @@ def _cases() -> list[Case]:
         return f"bf16 {t}x{h} weight", (_randn((t, h), torch.bfloat16, device),
                                         _randn((h,), torch.bfloat16, device))
 
-    cases.append(Case("norm_forward", norm_input, lambda x, w: q.norm_forward(x, w, 1e-6)[0]))
-    cases.append(Case("norm_forward_and_per_token_cast",
-                      lambda device, scale: (norm_input(device, scale)[0] + " -> e4m3 npc32 col round ue8m0",
-                                             norm_input(device, scale)[1]),
-                      lambda x, w: q.norm_forward_and_per_token_cast(x, w, 1e-6, "e4m3", 32, None, 1.0, True, True,
-                                                                     True)[0]))
+    row("norm_forward", norm_input, lambda ns, x, w: ns.norm_forward(x, w, 1e-6)[0], peers="tk2", exact=False)
+    row("norm_forward_and_per_token_cast",
+        lambda device, scale: (lambda label, inputs: (label + " -> e4m3 npc32 col round ue8m0", inputs))(
+            *norm_input(device, scale)),
+        lambda ns, x, w: ns.norm_forward_and_per_token_cast(x, w, 1e-6, "e4m3", 32, None, 1.0, True, True, True)[0],
+        peers="tk2", exact=False)
 
     def norm_grad(device, scale):
         label, (x, w) = norm_input(device, scale)
         rstd = torch.rand(x.size(0), device=device) + 0.5
         return label + ", rstd -> x_grad, weight_grad", (_randn(tuple(x.shape), torch.bfloat16, device), x, w, rstd)
 
-    cases.append(Case("norm_backward", norm_grad, lambda dy, x, w, rstd: q.norm_backward(dy, x, w, rstd)))
+    row("norm_backward", norm_grad, lambda ns, dy, x, w, rstd: ns.norm_backward(dy, x, w, rstd), peers="tk2", exact=False)
 
-    def cast_in_place(x):
-        q.per_token_cast_and_cast_back(x, "e4m3", 128, True)
+    def cast_in_place(ns, x):
+        ns.per_token_cast_and_cast_back(x, "e4m3", 128, True)
         return x  # written in place: counted as the output
 
-    cases.append(Case("per_token_cast_and_cast_back", plain(8192, 7168, extra=" npc128 e4m3 round, in place"),
-                      cast_in_place))
+    row("per_token_cast_and_cast_back", plain(8192, 7168, extra=" npc128 e4m3 round, in place"), cast_in_place,
+        peers="tk2")
 
     # weight sf (quant.md 5.13): MoE up (n 4096, k 7168) and down (n 7168, k 2048) weights of 256 experts
     def weight_sf(device, scale):
@@ -344,8 +353,8 @@ def _cases() -> list[Case]:
         sf = [torch.exp2(torch.randint(-8, 8, (g, n // 128, k // 128), device=device).float()) for n, k in dims]
         return f"fp32 {g} x ({dims[0][0]}x{dims[0][1]}, {dims[1][0]}x{dims[1][1]}) block128", (sf,)
 
-    cases.append(Case("batched_transpose_weight_sf", weight_sf,
-                      lambda sf: q.batched_transpose_weight_sf(sf, 128, [False, True])))
+    row("batched_transpose_weight_sf", weight_sf,
+        lambda ns, sf: ns.batched_transpose_weight_sf(sf, 128, [False, True], [None, None]), peers="tk2")
 
     # transposes (quant.md 3.15)
     def batched(device, scale):
@@ -356,21 +365,22 @@ def _cases() -> list[Case]:
         t, h = _dim(8064, scale, 128), _dim(7168, scale, 128)
         return f"e4m3 {t}x{h} row stride 2H", (_randn((t, 2 * h), torch.float8_e4m3fn, device)[:, :h],)
 
-    cases.append(Case("batched_transpose", batched, tr.batched_transpose, lambda x: x.transpose(1, 2).contiguous()))
-    cases.append(Case("transpose", strided, tr.transpose))
+    row("batched_transpose", batched, lambda ns, x: ns.batched_transpose(x), lambda x: x.transpose(1, 2).contiguous(),
+        "tk1", area="transpose")
+    row("transpose", strided, lambda ns, x: ns.transpose(x), lambda x: x.t().contiguous(), "tk1", area="transpose")
     return cases
 
 
-def list_cases(scale: float = 1.0, ops: list[str] | None = None) -> list[dict]:
+def list_cases(scale: float = 1.0, ops: list[str] | None = None, quick: bool = True) -> list[dict]:
     """Each case's name, shape and bench bytes, without a GPU: inputs and outputs are fake tensors (shapes
     only, nothing computed), the outputs from the public op's CPU reference. A reference that reads data
     (a data-dependent check) runs on real CPU tensors instead."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
+    from tilefuse._bench_compare import select_cases
+
     rows = []
-    for case in _cases():
-        if ops and not any(o in (case.name, _area(case.name)) for o in ops):
-            continue
+    for case in select_cases(quick, ops):
         try:
             with FakeTensorMode():
                 shape, inputs = case.make("cpu", scale)
@@ -382,14 +392,16 @@ def list_cases(scale: float = 1.0, ops: list[str] | None = None) -> list[dict]:
     return rows
 
 
-def bench_configs(ops: list[str] | None = None) -> list[tuple[str, tuple]]:
-    """The ``(kernel, static config)`` pairs the bench rows launch, found without a GPU, so ``precompile
+def bench_configs(ops: list[str] | None = None, grid: bool = True) -> list[tuple[str, tuple]]:
+    """The ``(kernel, static config)`` pairs the bench rows and the grid launch, found without a GPU, so ``precompile
     --bench`` can build exactly those (e.g. for a ``TILEFUSE_KNOBS`` variant). The trace runs in a child
     process: launchers cache what ``_jit.get`` returned, and the trace's recorder must not stay behind."""
     import subprocess
 
-    code = "import sys; from tilefuse import bench; print(repr(bench._trace_configs(sys.argv[1:] or None)))"
-    done = subprocess.run([sys.executable, "-c", code, *(ops or [])], capture_output=True, text=True, check=False)
+    code = ("import sys; from tilefuse import bench; "
+            "print(repr(bench._trace_configs(sys.argv[2:] or None, sys.argv[1] == '1')))")
+    done = subprocess.run([sys.executable, "-c", code, str(int(grid)), *(ops or [])], capture_output=True, text=True,
+                          check=False)
     if done.returncode:
         raise RuntimeError(f"bench_configs: the trace failed:\n{done.stderr[-2000:]}")
     from tilefuse import _jit
@@ -398,7 +410,7 @@ def bench_configs(ops: list[str] | None = None) -> list[tuple[str, tuple]]:
     return ast.literal_eval(done.stdout.strip().splitlines()[-1])
 
 
-def _trace_configs(ops: list[str] | None) -> list[tuple[str, tuple]]:
+def _trace_configs(ops: list[str] | None, grid: bool = True) -> list[tuple[str, tuple]]:
     """``bench_configs`` in this process: each case runs on fake CUDA tensors (shapes only) with ``_jit.get``
     replaced by a recorder."""
     import warnings
@@ -406,6 +418,7 @@ def _trace_configs(ops: list[str] | None) -> list[tuple[str, tuple]]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from tilefuse import _jit
+    from tilefuse._bench_compare import select_cases
 
     seen: dict[tuple[str, tuple], None] = {}
     real_get, real_getitem = _jit.get, torch.Tensor.__getitem__
@@ -435,48 +448,18 @@ def _trace_configs(ops: list[str] | None) -> list[tuple[str, tuple]]:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # data_ptr() of a fake tensor (the launchers' alignment checks)
-            for case in _cases():
-                if ops and not any(o in (case.name, _area(case.name)) for o in ops):
-                    continue
+            quick = select_cases(True, ops)
+            for case in quick + (select_cases(False, ops) if grid else []):
                 try:
                     with FakeTensorMode(allow_non_fake_inputs=True):
                         case.run(*case.make("cuda", 1.0)[1])
                 except Exception as exc:  # a launcher step fake CUDA tensors cannot take: say which case
-                    raise RuntimeError(f"bench_configs: the {case.name} case failed on fake CUDA tensors: "
-                                       f"{type(exc).__name__}: {exc}") from exc
+                    if case in quick:  # the grid's cases that make inputs with our ops are compiled on first use
+                        raise RuntimeError(f"bench_configs: the {case.name} case failed on fake CUDA tensors: "
+                                           f"{type(exc).__name__}: {exc}") from exc
     finally:
         _jit.get, torch.Tensor.__getitem__ = real_get, real_getitem
     return list(seen)
-
-
-def run_bench(ops: list[str] | None, with_compile: bool = True) -> dict:
-    ceiling = copy_ceiling_gbs()
-    rows = []
-    for name, make, run, ref in _cases():
-        if ops and not any(o in (name, _area(name)) for o in ops):
-            continue
-        shape, first = make("cuda", 1.0)
-        n_sets = max(2, -(-_L2_ROTATE_BYTES // max(1, _nbytes(first))))
-        sets = [first] + [make("cuda", 1.0)[1] for _ in range(min(n_sets, 4) - 1)]
-        outs = run(*first)
-        nbytes = counted_bytes(first, outs)
-        us = median_us(lambda i: run(*sets[i % len(sets)]), len(sets))
-        gbs = nbytes / us / 1e3
-        row = {"op": name, "shape": shape, "us": us, "gbs": gbs, "pct_ceiling": 100 * gbs / ceiling}
-        if with_compile and ref is not None:
-            try:
-                cref = torch.compile(ref)
-                row["compile_us"] = median_us(lambda i: cref(*sets[i % len(sets)]), len(sets))
-                row["speedup_vs_compile"] = row["compile_us"] / us
-            except Exception as exc:  # torch.compile of a reference may fail; report, keep going
-                row["compile_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
-        rows.append(row)
-        print(f"  {name} | {shape} | {us:.1f} us | {row['pct_ceiling']:.1f}%"
-              + (f" | torch.compile {row['compile_us']:.1f} us" if "compile_us" in row else ""), flush=True)
-        del sets, first, outs
-        torch.cuda.empty_cache()
-    return {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "copy_ceiling_gbs": ceiling,
-            "rows": rows}
 
 
 def _area(name: str) -> str:
@@ -618,7 +601,7 @@ def _sweep_cases(only: str | None = None) -> list[tuple]:
     from tilefuse.quant import _per_token_cast_kernel as Q
 
     rows = []
-    for name, make_case, _, _ in _cases():
+    for name, make_case, *_ in _cases():
         if name != "per_token_cast":
             continue
         shape = make_case("meta", 1.0)[0]
@@ -675,35 +658,6 @@ def tile_sweep(tiles: list[tuple[int, int]], jobs: int = 16, only: str | None = 
     return rows
 
 
-def _print_table(result: dict) -> None:
-    print(f"\n{result['gpu']}  {result['date']}  copy ceiling {result['copy_ceiling_gbs']:.0f} GB/s")
-    print(f"| op | shape | µs | GB/s | % ceiling | torch.compile µs | speed-up |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
-    for r in result["rows"]:
-        cu = f"{r['compile_us']:.1f}" if "compile_us" in r else r.get("compile_error", "-")[:40]
-        sp = f"{r['speedup_vs_compile']:.2f}x" if "speedup_vs_compile" in r else "-"
-        print(f"| {r['op']} | {r['shape']} | {r['us']:.1f} | {r['gbs']:.0f} | {r['pct_ceiling']:.1f} | {cu} | {sp} |")
-
-
-def _plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [f"{r['op']}\n{r['shape']}" for r in result["rows"]]
-    vals = [r["pct_ceiling"] for r in result["rows"]]
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(vals)), 5))
-    ax.bar(range(len(vals)), vals)
-    ax.axhline(92, color="red", linestyle="--", label="92% target")
-    ax.set_xticks(range(len(vals)), labels, rotation=30, ha="right", fontsize=7)
-    ax.set_ylabel("% of copy ceiling")
-    ax.set_title(f"tilefuse on {result['gpu']} ({result['copy_ceiling_gbs']:.0f} GB/s copy)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def _save(result: dict, path: str | None) -> None:
     if path:
         with open(path, "w") as f:
@@ -711,14 +665,33 @@ def _save(result: dict, path: str | None) -> None:
 
 
 def main(argv: list[str]) -> int:
+    from tilefuse import _bench_compare as C
+    from tilefuse import _peers
+
     parser = argparse.ArgumentParser(prog="python -m tilefuse bench")
     parser.add_argument("--list", action="store_true",
                         help="print the cases (op, shape, bytes) without running them (no GPU needed)")
     parser.add_argument("--ops", nargs="*", default=None, help="op names or areas (quant, transpose)")
+    parser.add_argument("--quick", action="store_true",
+                        help="only the showcase rows (one per op and flag set) instead of the whole grid")
+    parser.add_argument("--compare", action="store_true",
+                        help="also run every peer that has the op (--peers), same inputs, same process, same timer")
+    parser.add_argument("--peers", default="tk2,tk1,liger,compile",
+                        help="peers of --compare, comma-separated: tk2, tk1 (second process), liger, compile")
+    parser.add_argument("--timer", default="isolated",
+                        help="isolated (each call alone after an L2 flush; speedups use it), stream "
+                             "(back-to-back calls), or isolated,stream")
+    parser.add_argument("--warm-jobs", type=int, default=0,
+                        help="compile every kernel of the run in N processes before timing (0: compile on first use)")
+    parser.add_argument("--compile-min-mb", type=float, default=None,
+                        help="time torch.compile only on cases of at least this many MB (grid default 32, quick 0)")
     parser.add_argument("--json", default=None, help="write the results as JSON")
-    parser.add_argument("--plot", default=None, help="write a PNG bar chart of %% of the copy ceiling")
+    parser.add_argument("--markdown", default=None, help="write the table and the summary as markdown")
+    parser.add_argument("--plot", default=None, help="write a PNG of the speedup over each peer")
+    parser.add_argument("--child-json", default=None, help=argparse.SUPPRESS)  # the TileKernels 1.0.0 process
     parser.add_argument("--host-overhead", action="store_true", help="also time one-row calls on the host")
-    parser.add_argument("--no-compile-ref", action="store_true", help="skip torch.compile of the references")
+    parser.add_argument("--no-compile-ref", action="store_true",
+                        help="without --compare: skip torch.compile of the references")
     parser.add_argument("--cold-start", action="store_true",
                         help="also time a second process's first per_token_cast call (warm disk cache)")
     parser.add_argument("--tile-cases", default=None, help="sweep only the per_token_cast cases whose label "
@@ -728,18 +701,53 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.list:
         print("| op | shape | MB |\n| --- | --- | ---: |")
-        for r in list_cases(ops=args.ops):
+        for r in list_cases(ops=args.ops, quick=args.quick):
             print(f"| {r['op']} | {r['shape']} | {r['bytes'] / 1e6:.1f} |")
         return 0
+    timers = tuple(t for t in args.timer.split(",") if t)
+    if not timers or any(t not in ("isolated", "stream") for t in timers):
+        parser.error(f"--timer must be isolated, stream or isolated,stream, got {args.timer!r}")
+    if args.compare:
+        peers = [p for p in args.peers.split(",") if p]
+        unknown = [p for p in peers if p not in _peers.PEER_NAMES]
+        if unknown:
+            parser.error(f"--peers: unknown {unknown}; choose from {sorted(_peers.PEER_NAMES)}")
+    else:
+        peers = [] if args.no_compile_ref else ["compile"]
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU")
         return 1
-    # Each part is printed and saved as soon as it is done, so a run cut short keeps what it measured.
-    result = run_bench(args.ops, with_compile=not args.no_compile_ref)
-    _print_table(result)
+    compile_min = args.compile_min_mb if args.compile_min_mb is not None else (0 if args.quick else 32)
+
+    def progress(i, n, r):
+        if "error" in r:
+            print(f"  [{i + 1}/{n}] {r['op']} | {r.get('shape')} | fails: {r['error']}", flush=True)
+            return
+        us = r.get("us", r.get("stream_us"))
+        cells = "".join(f" | {p} " + (f"{e['us']:.1f} us {e['speedup']:.2f}x{'' if e['agree'] else ' DIFFERS'}"
+                                      if "speedup" in e else e.get("error", e.get("check", ""))[:60])
+                        for p, e in r["peers"].items())
+        print(f"  [{i + 1}/{n}] {r['op']} | {r['shape']} | {us:.1f} us{cells}", flush=True)
+
+    child = args.child_json is not None
+    result = C.run(args.quick, args.ops, peers, timers, args.warm_jobs, int(compile_min * 1e6), child, progress)
+    if child:
+        _save(result, args.child_json)
+        return 0
+    lines = [f"{result['gpu']}, {result['date']}; timer: {args.timer}; copy ceiling (2 GiB) "
+             f"{result['copy_ceiling_gbs']:.0f} GB/s", "", *C.table(result, peers)]
+    if "tk2" in peers:
+        result["summary_tk2"] = C.summary(result, "tk2")
+        lines += ["", *C.summary_lines(result["summary_tk2"])]
+    if result.get("tk1_error"):
+        lines += ["", f"TileKernels 1.0.0: {result['tk1_error']}"]
+    print("\n" + "\n".join(lines))
     _save(result, args.json)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write("\n".join(lines) + "\n")
     if args.plot:
-        _plot(result, args.plot)
+        C.plot(result, peers, args.plot)
     if args.host_overhead:
         from tilefuse import _native
 

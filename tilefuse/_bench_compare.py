@@ -1,0 +1,389 @@
+"""``python -m tilefuse bench [--compare]``: each case timed on us and on every peer that has the op, in one
+process, on the same inputs, with the same timer (DESIGN.md, Benchmarks).
+
+Timers (named in every table):
+
+- ``isolated`` (the default; every speedup uses it): each call alone. Before each timed call a 256 MB buffer
+  is zeroed (L2 flushed) and a device-side sleep is queued, so the host has enqueued the call before the GPU
+  reaches the start event; samples where the GPU got there first are dropped. Median of the samples.
+- ``stream``: ``bench.median_us``, back-to-back calls over rotating input sets. It flatters kernels that overlap
+  their neighbours (PDL), so it is never used for a speedup.
+
+The ceiling of a row is a device copy of the same number of bytes (bytes read + written), timed the same way
+in the same run; the 2 GiB copy is reported beside it. TileKernels 1.0.0 runs in a second process (both releases
+are ``tile_kernels``), which times its cases on us and on 1.0.0 the same way; its rows are merged by case.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from tilefuse import _peers
+
+_FLUSH_BYTES = 256 << 20
+_ISO_SLEEP_CYCLES = 200_000  # about 0.1 ms queued after the flush: the host's enqueue time of the timed call
+JUDGED_BYTES = 32 << 20      # speed targets judge cases of at least this many bytes (issue 24, item 4)
+_FLUSH = None
+_COPY_CACHE: dict[int, float] = {}
+
+
+def isolated_us(fn, reps: int = 25, warmup: int = 2) -> float:
+    """Median µs of ``fn()`` timed alone after an L2 flush (see the module docstring)."""
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.empty(_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    sleep, times = _ISO_SLEEP_CYCLES, []
+    while len(times) < reps:
+        marks = []
+        for _ in range(reps - len(times)):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            _FLUSH.zero_()
+            torch.cuda._sleep(sleep)
+            start.record()
+            fn()
+            late = start.query()  # the GPU was already past the start event: it may have waited for the host
+            end.record()
+            marks.append((start, end, late))
+        torch.cuda.synchronize()
+        good = [s.elapsed_time(e) * 1e3 for s, e, late in marks if not late]
+        times += good
+        if len(good) < len(marks):
+            if sleep >= 64 * _ISO_SLEEP_CYCLES:
+                times += [s.elapsed_time(e) * 1e3 for s, e, late in marks if late]  # give up waiting: keep them
+            sleep *= 2
+    return statistics.median(times)
+
+
+def copy_us(nbytes: int) -> float:
+    """Isolated µs of a device-to-device copy moving ``nbytes`` (read + written), cached per size."""
+    half = max(1, nbytes // 2)
+    if half not in _COPY_CACHE:
+        src = torch.empty(half, dtype=torch.uint8, device="cuda").random_(0, 255)
+        dst = torch.empty_like(src)
+        _COPY_CACHE[half] = isolated_us(lambda: dst.copy_(src))
+        del src, dst
+    return _COPY_CACHE[half]
+
+
+def _clone(obj):
+    """A deep copy of the tensors of ``obj`` (in-place ops must see the same input on every implementation)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_clone(o) for o in obj)
+    return obj
+
+
+_COMPILED: dict[int, object] = {}
+
+
+def _peer_fn(case, peer: str):
+    """The callable ``fn(*inputs)`` of ``peer`` for ``case``, or None where the peer has no such op."""
+    if peer == "compile":
+        if case.ref is None:
+            return None
+        fn = _COMPILED.get(id(case.ref))
+        if fn is None:
+            fn = _COMPILED[id(case.ref)] = torch.compile(case.ref, dynamic=True)
+        return fn
+    if not case.peers or peer not in case.peers:
+        return None
+    module, call = _peers.load(peer), case.peers[peer]
+    return lambda *inputs: call(module, *inputs)
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ''}"
+
+
+def _setup_compile() -> None:
+    import torch._dynamo
+
+    # one reference lambda serves every case of a flag set: let dynamo keep a graph per set instead of falling
+    # back to eager after its default 8 recompiles of one code object
+    torch._dynamo.config.cache_size_limit = 1024
+    torch._dynamo.config.accumulated_cache_size_limit = 4096
+
+
+def measure(case, peers: list[str], timers: tuple[str, ...], compile_min_bytes: int = 0) -> dict:
+    """One row: our time, the size-matched copy, and each peer's time, speedup and agreement."""
+    from tilefuse.bench import _L2_ROTATE_BYTES, _nbytes, counted_bytes, median_us
+
+    row: dict = {"op": case.name, "peers": {}}
+    try:
+        row["shape"], inputs = case.make("cuda", 1.0)
+        ours = case.run(*_clone(inputs))
+        nbytes = counted_bytes(inputs, ours)
+        row["bytes"] = nbytes
+        if "isolated" in timers:
+            row["us"] = isolated_us(lambda: case.run(*inputs))
+            row["copy_us"] = copy_us(nbytes)
+        if "stream" in timers:
+            sets = [inputs] + [case.make("cuda", 1.0)[1]
+                               for _ in range(min(3, -(-_L2_ROTATE_BYTES // max(1, _nbytes(inputs))) - 1))]
+            row["stream_us"] = median_us(lambda i: case.run(*sets[i % len(sets)]), len(sets))
+            del sets
+    except Exception as exc:  # our op failed on this case: say so, keep going
+        row.setdefault("shape", "?")
+        row["error"] = _error(exc)
+        return row
+    for peer in peers:
+        if peer == "compile" and nbytes < compile_min_bytes:
+            continue
+        try:
+            fn = _peer_fn(case, peer)
+            if fn is None:
+                continue
+            theirs = fn(*_clone(inputs))
+            ok, text = _peers.agree(ours, theirs, case.exact)
+            entry = {"agree": ok, "check": text}
+            if "isolated" in timers:
+                entry["us"] = isolated_us(lambda: fn(*inputs))
+                entry["speedup"] = entry["us"] / row["us"]
+            else:
+                entry["stream_us"] = median_us(lambda i: fn(*inputs), 1)
+            del theirs
+        except Exception as exc:  # a peer that fails on a case gets a row that says so
+            entry = {"error": _error(exc)}
+        row["peers"][peer] = entry
+    del inputs, ours
+    return row
+
+
+def _warm_worker(args) -> int:
+    """Run each case of ``indices`` once on us and on the in-process peers, so that the kernels of every
+    implementation are compiled into the disk caches before anything is timed; returns the failures."""
+    quick, ops, indices, peers = args
+    import torch._inductor.config as inductor_config
+
+    inductor_config.compile_threads = 1
+    _setup_compile()
+    cases = select_cases(quick, ops, peers)
+    failures = 0
+    for i in indices:
+        case = cases[i]
+        try:
+            _, inputs = case.make("cuda", 1.0)
+            case.run(*_clone(inputs))
+            for peer in peers:
+                fn = _peer_fn(case, peer)
+                if fn is not None:
+                    try:
+                        fn(*_clone(inputs))
+                    except Exception:
+                        failures += 1
+            torch.cuda.synchronize()
+            del inputs
+        except Exception:
+            failures += 1
+    return failures
+
+
+def warm(quick: bool, ops, peers: list[str], n_cases: int, jobs: int) -> None:
+    """Compile everything the run will launch, in ``jobs`` spawned processes (TileLang and inductor compile on
+    the CPU; their disk caches serve the timing process)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    t0 = time.perf_counter()
+    work = [(quick, ops, list(range(w, n_cases, jobs)), peers) for w in range(jobs)]
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        failures = sum(pool.map(_warm_worker, work))
+    print(f"warm-up: {n_cases} cases in {jobs} processes, {time.perf_counter() - t0:.0f} s "
+          f"({failures} calls failed; their rows will say why)", flush=True)
+
+
+def select_cases(quick: bool, ops, peers: list[str] | None = None) -> list:
+    """The cases of a run: today's rows (``--quick``) or the grid; in a TileKernels 1.0.0 process only the cases
+    that 1.0.0 has."""
+    from tilefuse import bench
+    from tilefuse._bench_grid import grid_cases
+
+    if quick:
+        cases = [c for c in bench._cases() if not ops or any(o in (c.name, bench._area(c.name)) for o in ops)]
+    else:
+        cases = grid_cases(ops)
+    if peers == ["tk1"]:
+        cases = [c for c in cases if c.peers and "tk1" in c.peers]
+    return cases
+
+
+def run(quick: bool, ops, peers: list[str], timers: tuple[str, ...], warm_jobs: int = 0,
+        compile_min_bytes: int = 0, child: bool = False, on_row=None) -> dict:
+    """Time every case on us and on ``peers`` (TileKernels 1.0.0 in a second process unless ``child``)."""
+    in_process = [p for p in peers if p != "tk1" or child]
+    if "compile" in in_process:
+        _setup_compile()
+    cases = select_cases(quick, ops, ["tk1"] if child else None)
+    for p in in_process:
+        if p != "compile":
+            _peers.load(p)  # fail early, naming the variable, if a peer folder is missing
+    if warm_jobs > 0:
+        warm(quick, ops, in_process, len(cases), warm_jobs)
+    ceiling = 2 * (1 << 30) / copy_us(2 << 30) / 1e3  # the 2 GiB copy (read + written), isolated
+    _COPY_CACHE.pop(1 << 30)
+    torch.cuda.empty_cache()
+    rows = []
+    t0 = time.perf_counter()
+    for i, case in enumerate(cases):
+        row = measure(case, in_process, timers, compile_min_bytes)
+        rows.append(row)
+        if on_row:
+            on_row(i, len(cases), row)
+        torch.cuda.empty_cache()
+    result = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "copy_ceiling_gbs": ceiling, "timers": list(timers), "peers": peers, "quick": quick, "rows": rows,
+              "seconds": time.perf_counter() - t0}
+    for row in rows:
+        if "us" in row:
+            row["pct_copy"] = 100 * row["copy_us"] / row["us"]
+            row["pct_ceiling"] = 100 * row["bytes"] / row["us"] / 1e3 / ceiling
+    if "tk1" in peers and not child:
+        merge_child(result, run_child(quick, ops, timers, warm_jobs))
+    return result
+
+
+def run_child(quick: bool, ops, timers, warm_jobs: int) -> dict:
+    """The TileKernels 1.0.0 cases in a second process; its JSON."""
+    import tempfile
+
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    cmd = [sys.executable, "-m", "tilefuse", "bench", "--compare", "--peers", "tk1", "--child-json", path,
+           "--timer", ",".join(timers), "--warm-jobs", str(warm_jobs)]
+    if quick:
+        cmd.append("--quick")
+    if ops:
+        cmd += ["--ops", *ops]
+    print(f"TileKernels 1.0.0 in a second process: {' '.join(cmd[1:])}", flush=True)
+    done = subprocess.run(cmd, check=False)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {"error": f"the TileKernels 1.0.0 process exited with {done.returncode} and wrote no result"}
+    finally:
+        os.unlink(path)
+
+
+def merge_child(result: dict, child: dict) -> None:
+    """Put the 1.0.0 process's peer entries on our rows (matched by op and shape); its own time of our op is
+    kept beside them (``ours_us``), and its speedup is computed within that process."""
+    if "error" in child:
+        result["tk1_error"] = child["error"]
+        return
+    by_case = {(r["op"], r.get("shape")): r for r in result["rows"]}
+    for r in child["rows"]:
+        mine = by_case.get((r["op"], r.get("shape")))
+        if mine is None:
+            continue
+        entry = dict(r["peers"].get("tk1", {"error": r.get("error", "no result")}))
+        if "us" in r:
+            entry["ours_us"] = r["us"]
+        mine["peers"]["tk1"] = entry
+
+
+def _cell(entry: dict | None) -> tuple[str, str]:
+    if entry is None:
+        return "", ""
+    if "error" in entry:
+        return "fails", ""
+    us = entry.get("us", entry.get("stream_us"))
+    sp = f"{entry['speedup']:.2f}x" if "speedup" in entry else ""
+    if not entry.get("agree", True):
+        sp += " ≠"
+    return f"{us:.1f}", sp
+
+
+def table(result: dict, peers: list[str]) -> list[str]:
+    """The markdown lines of a run: one row per case; ``≠`` marks outputs that disagree with ours."""
+    timer = "isolated" if "isolated" in result["timers"] else "stream"
+    head = f"| op | shape | MB | µs ({timer}) | % copy (same bytes) | % 2 GiB copy |"
+    rule = "| --- | --- | ---: | ---: | ---: | ---: |"
+    if "stream" in result["timers"] and timer == "isolated":
+        head += " µs (stream) |"
+        rule += " ---: |"
+    for p in peers:
+        head += f" {_peers.PEER_NAMES[p]} µs | speedup |"
+        rule += " ---: | ---: |"
+    lines = [head, rule]
+    for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['op']} | {r.get('shape', '?')} | | fails: {r['error'][:80]} |" + " |" * (3 + 2 * len(peers)))
+            continue
+        us = r.get("us", r.get("stream_us"))
+        pct = (f"{r['pct_copy']:.1f} | {r['pct_ceiling']:.1f}" if "pct_copy" in r else " | ")
+        line = f"| {r['op']} | {r['shape']} | {r['bytes'] / 1e6:.1f} | {us:.1f} | {pct} |"
+        if "stream" in result["timers"] and timer == "isolated":
+            line += f" {r['stream_us']:.1f} |"
+        for p in peers:
+            a, b = _cell(r["peers"].get(p))
+            line += f" {a} | {b} |"
+        lines.append(line)
+    return lines
+
+
+def summary(result: dict, peer: str = "tk2", min_bytes: int = JUDGED_BYTES) -> dict:
+    """Item 4 of issue 24 over the rows of at least ``min_bytes`` where both ran: per op the lowest speedup and
+    the cases under 0.97x, and the geomean of all those cases."""
+    per_op: dict[str, list] = {}
+    for r in result["rows"]:
+        e = r.get("peers", {}).get(peer)
+        if r.get("bytes", 0) >= min_bytes and e and "speedup" in e:
+            per_op.setdefault(r["op"], []).append((e["speedup"], r["shape"]))
+    every = [s for v in per_op.values() for s, _ in v]
+    return {"peer": peer, "cases": len(every),
+            "geomean": math.exp(sum(map(math.log, every)) / len(every)) if every else None,
+            "ops": {op: {"cases": len(v), "min": min(v)[0], "below_0.97": [(round(s, 3), sh) for s, sh in v if s < 0.97]}
+                    for op, v in sorted(per_op.items())}}
+
+
+def summary_lines(s: dict) -> list[str]:
+    if not s["cases"]:
+        return [f"no case of >= {JUDGED_BYTES >> 20} MiB ran on both tilefuse and {_peers.PEER_NAMES[s['peer']]}"]
+    lines = [f"against {_peers.PEER_NAMES[s['peer']]}, cases of >= {JUDGED_BYTES >> 20} MiB where both run: "
+             f"{s['cases']} cases, geomean speedup {s['geomean']:.3f}x",
+             "| op | cases | lowest speedup | cases under 0.97x |", "| --- | ---: | ---: | --- |"]
+    for op, v in s["ops"].items():
+        under = "; ".join(f"{sh} {sp:.2f}x" for sp, sh in v["below_0.97"]) or "-"
+        lines.append(f"| {op} | {v['cases']} | {v['min']:.2f}x | {under} |")
+    return lines
+
+
+def plot(result: dict, peers: list[str], path: str) -> None:
+    """A PNG of the speedup over each peer, case by case, one panel per peer (log scale, 1.0 marked)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [p for p in peers if any(p in r.get("peers", {}) and "speedup" in r["peers"][p] for r in result["rows"])]
+    if not shown:
+        return
+    ops = sorted({r["op"] for r in result["rows"]})
+    colors = {op: plt.cm.tab20(i % 20) for i, op in enumerate(ops)}
+    fig, axes = plt.subplots(len(shown), 1, figsize=(14, 4 * len(shown)), squeeze=False)
+    for ax, p in zip(axes[:, 0], shown):
+        for op in ops:
+            pts = [(i, r["peers"][p]["speedup"]) for i, r in enumerate(result["rows"])
+                   if r["op"] == op and "speedup" in r.get("peers", {}).get(p, {})]
+            if pts:
+                ax.scatter(*zip(*pts), s=8, color=colors[op], label=op)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_yscale("log")
+        ax.set_ylabel(f"speedup over {_peers.PEER_NAMES[p]}")
+        ax.set_xlabel("case (grid order)")
+    axes[0, 0].legend(fontsize=6, ncol=4, loc="upper left")
+    axes[0, 0].set_title(f"tilefuse on {result['gpu']}, {result['date']}, isolated timer")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
