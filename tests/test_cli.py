@@ -1,5 +1,6 @@
 """The command line: ``info`` lists every op with its path, ``demo`` runs every stage on the CPU,
-``bench``/``precompile`` forward their arguments or exit 2 when their module is missing."""
+``bench`` forwards its arguments or exits 2 when its module is missing, ``precompile`` chooses its work list
+(``--bench``: from ``tilefuse.bench``) and hands it to ``tilefuse._jit.precompile``."""
 import json
 import os
 import re
@@ -71,11 +72,39 @@ def test_forwarded_commands(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tilefuse_fake_bench", fake)
     monkeypatch.setitem(cli._FORWARDED, "bench", ("tilefuse_fake_bench", "main"))
     assert cli.main(["bench", "--ops", "quant"]) == 7
-    monkeypatch.setitem(cli._FORWARDED, "precompile", ("tilefuse._no_such_module", "precompile_main"))
-    assert cli.main(["precompile"]) == 2
+    monkeypatch.setitem(cli._FORWARDED, "bench", ("tilefuse._no_such_module", "main"))
+    assert cli.main(["bench"]) == 2
     assert "tilefuse._no_such_module is missing" in capsys.readouterr().err
     monkeypatch.setitem(cli._FORWARDED, "bench", ("tilefuse_fake_bench", "no_such_function"))
     assert cli.main(["bench"]) == 2
+
+
+def test_precompile_chooses_the_work_list(monkeypatch, capsys):
+    from tilefuse import _jit
+
+    calls = []
+    monkeypatch.setattr(_jit, "precompile", lambda work, **kw: calls.append((work, kw)) or 0)
+    fake_bench = types.ModuleType("tilefuse.bench")
+    fake_bench.bench_configs = lambda ops: [("per_token_cast", ("from the bench", tuple(ops or ())))]
+    monkeypatch.setitem(sys.modules, "tilefuse.bench", fake_bench)
+
+    assert cli.main(["precompile", "--bench", "--ops", "per_token_cast", "--arch", "sm_90", "--jobs", "3",
+                     "--force", "--no-native"]) == 0
+    assert calls == [([("per_token_cast", ("from the bench", ("per_token_cast",)))],
+                      {"arch": "sm_90", "jobs": 3, "force": True, "native": False})]
+
+    calls.clear()
+    assert cli.main(["precompile", "--ops", "batched_transpose"]) == 0
+    (work, kw), = calls
+    assert work == _jit.select(["batched_transpose"])
+    assert work and all(name.startswith("batched_transpose") for name, _ in work)
+    assert kw == {"arch": None, "jobs": kw["jobs"], "force": False, "native": True} and kw["jobs"] >= 1
+
+    calls.clear()
+    capsys.readouterr()
+    assert cli.main(["precompile", "--list", "--ops", "batched_transpose"]) == 0
+    assert calls == []
+    assert capsys.readouterr().out.splitlines() == [f"{name} {cfg}" for name, cfg in work]
 
 
 def test_usage_and_unknown_command(capsys):

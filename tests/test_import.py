@@ -1,5 +1,6 @@
-"""Importing tilefuse (and every area) imports no TileLang/TVM module and compiles nothing; the import
-overhead over ``import torch`` is measured and reported, not asserted."""
+"""Importing tilefuse (and every area) imports no TileLang/TVM module and compiles nothing; the runtime
+(``tilefuse._jit``) never imports the bench; the import overhead over ``import torch`` is measured and reported,
+not asserted."""
 import json
 import os
 import subprocess
@@ -60,3 +61,14 @@ def test_import_loads_no_tilelang_and_compiles_nothing(tmp_path, record_property
     record_property("import_overhead", line)
     with capsys.disabled():
         print(f"\n[test_import] {line}")
+
+
+def test_runtime_does_not_import_the_bench(tmp_path):
+    env = dict(os.environ, TILELANG_CACHE_DIR=str(tmp_path / "tilelang-cache"), PYTHONPATH=str(REPO))
+    code = ("import sys, tilefuse._jit; tilefuse._jit.registered(); "
+            "assert 'tilefuse.bench' not in sys.modules, sorted(m for m in sys.modules if m.startswith('tilefuse'))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    source = (REPO / "tilefuse" / "_jit.py").read_text()
+    assert "tilefuse.bench" not in source and "import bench" not in source

@@ -15,12 +15,11 @@ library through TVM-FFI and TileLang's runtime libraries, without importing Tile
 ``prim_func``: a warm start costs tens of milliseconds. Kernels are compiled with fast-math off (IEEE
 division; quant.md 9.1).
 
-``python -m tilefuse precompile [--ops NAME ...] [--arch sm_90] [--jobs N]`` compiles every registered
-config in parallel, with or without a GPU.
+``precompile(work, arch, jobs)`` compiles a list of ``(name, config)`` pairs in parallel, with or without a
+GPU; ``python -m tilefuse precompile`` (``tilefuse.cli``) chooses that list.
 """
 from __future__ import annotations
 
-import argparse
 import ast
 import ctypes
 import hashlib
@@ -272,45 +271,29 @@ def compile_many(work: list[tuple[str, tuple]], arch: str, jobs: int, progress: 
     return failures
 
 
-def precompile_main(argv: list[str]) -> int:
-    """``python -m tilefuse precompile``: compile every registered static config in parallel."""
-    parser = argparse.ArgumentParser(prog="python -m tilefuse precompile",
-                                     description="Compile every registered kernel config into TileLang's disk cache.")
-    parser.add_argument("--ops", nargs="*", default=None,
-                        help="kernel names (or prefixes) to compile; default: all")
-    parser.add_argument("--arch", default=None, help="target arch, e.g. sm_90 (default: current GPU, else sm_90)")
-    parser.add_argument("--jobs", type=int, default=max(1, min(8, os.cpu_count() or 1)), help="parallel compiles")
-    parser.add_argument("--list", action="store_true", help="list the configs and exit")
-    parser.add_argument("--bench", action="store_true",
-                        help="only the configs the bench rows launch (of the bench ops named by --ops)")
-    parser.add_argument("--force", action="store_true",
-                        help="also recompile configs whose library is already in tilefuse's disk cache")
-    parser.add_argument("--no-native", action="store_true",
-                        help="skip building the native launch extension (tilefuse._native) for this host")
-    args = parser.parse_args(argv)
+def select(ops: list[str] | None = None) -> list[tuple[str, tuple]]:
+    """Every registered ``(name, config)`` pair, or only those whose kernel name starts with one of ``ops``."""
+    return [(name, cfg) for name, cfgs in registered().items() for cfg in cfgs
+            if not ops or any(name.startswith(o) for o in ops)]
 
-    if args.bench:
-        from tilefuse.bench import bench_configs
 
-        work = bench_configs(args.ops)
-    else:
-        work = [(name, cfg) for name, cfgs in registered().items() for cfg in cfgs
-                if not args.ops or any(name.startswith(o) for o in args.ops)]
-    if args.list:
-        for name, cfg in work:
-            print(name, cfg)
-        return 0
-    arch = args.arch or current_arch()
-    cached = 0 if args.force else sum(os.path.exists(_lib_path(n, c, arch)) for n, c in work)
-    if not args.force:
+def precompile(work: list[tuple[str, tuple]], arch: str | None = None, jobs: int = 1, force: bool = False,
+               native: bool = True) -> int:
+    """Compile and export the ``(name, config)`` pairs of ``work`` for ``arch`` (default: the current GPU, else
+    sm_90) in ``jobs`` processes, skipping those already in tilefuse's disk cache unless ``force``; with
+    ``native``, also build the native launch extension. Prints a summary; returns 1 if a compile failed, else 0.
+    The command line (``python -m tilefuse precompile``, ``tilefuse.cli``) chooses the work list."""
+    arch = arch or current_arch()
+    cached = 0 if force else sum(os.path.exists(_lib_path(n, c, arch)) for n, c in work)
+    if not force:
         work = [(n, c) for n, c in work if not os.path.exists(_lib_path(n, c, arch))]
     start = time.perf_counter()
-    failures = compile_many(work, arch, args.jobs, progress=True) if work else []
+    failures = compile_many(work, arch, jobs, progress=True) if work else []
     print(f"compiled {len(work) - len(failures)}/{len(work)} kernels for {arch} in "
           f"{time.perf_counter() - start:.1f} s ({cached} already in the disk cache)")
     for (name, cfg), exc in failures:
         print(f"FAILED {name} {cfg}: {exc}")
-    if not args.no_native:
+    if native:
         from tilefuse import _native
 
         start = time.perf_counter()

@@ -1,8 +1,10 @@
 """The command line: ``python -m tilefuse {info, demo, bench, precompile}`` (DESIGN.md).
 
-``info`` and ``demo`` live here and in ``tilefuse.demo``; ``bench`` and ``precompile`` forward their
-arguments to ``tilefuse.bench.main`` and ``tilefuse._jit.precompile_main``, imported only when asked for.
-Nothing here imports TileLang: ``info`` reads its version from the installed package's metadata.
+``info`` and ``demo`` live here and in ``tilefuse.demo``; ``bench`` forwards its arguments to
+``tilefuse.bench.main``. ``precompile`` parses its options here, chooses the work list (every registered
+config, or with ``--bench`` those the bench launches, from ``tilefuse.bench.bench_configs``) and hands it to
+``tilefuse._jit.precompile``: the runtime never imports the bench. Modules are imported only when asked for;
+nothing here imports TileLang: ``info`` reads its version from the installed package's metadata.
 """
 from __future__ import annotations
 
@@ -20,13 +22,12 @@ commands:
   info        versions, GPU, TileLang cache directory, and which path each op takes on CUDA tensors
   demo        a miniature DeepSeek-V4-style block through the public API (python -m tilefuse demo -h)
   bench       benchmark every op on the GPU (forwards its options to tilefuse.bench)
-  precompile  compile the TileLang kernels ahead of time (forwards its options to tilefuse._jit)
+  precompile  compile the TileLang kernels ahead of time (python -m tilefuse precompile -h)
 """
 
 # command -> (module, function) for commands implemented elsewhere, imported lazily.
 _FORWARDED = {
     "bench": ("tilefuse.bench", "main"),
-    "precompile": ("tilefuse._jit", "precompile_main"),
 }
 
 
@@ -84,6 +85,38 @@ def info(argv: list[str]) -> int:
     return 0
 
 
+def precompile(argv: list[str]) -> int:
+    """Compile the registered kernel configs (or, with ``--bench``, those the bench launches) into the disk cache."""
+    parser = argparse.ArgumentParser(prog="python -m tilefuse precompile",
+                                     description="Compile every registered kernel config into TileLang's disk cache.")
+    parser.add_argument("--ops", nargs="*", default=None,
+                        help="kernel names (or prefixes) to compile; default: all")
+    parser.add_argument("--arch", default=None, help="target arch, e.g. sm_90 (default: current GPU, else sm_90)")
+    parser.add_argument("--jobs", type=int, default=max(1, min(8, os.cpu_count() or 1)), help="parallel compiles")
+    parser.add_argument("--list", action="store_true", help="list the configs and exit")
+    parser.add_argument("--bench", action="store_true",
+                        help="only the configs the bench rows launch (of the bench ops named by --ops)")
+    parser.add_argument("--force", action="store_true",
+                        help="also recompile configs whose library is already in tilefuse's disk cache")
+    parser.add_argument("--no-native", action="store_true",
+                        help="skip building the native launch extension (tilefuse._native) for this host")
+    args = parser.parse_args(argv)
+
+    from tilefuse import _jit
+
+    if args.bench:
+        from tilefuse.bench import bench_configs
+
+        work = bench_configs(args.ops)
+    else:
+        work = _jit.select(args.ops)
+    if args.list:
+        for name, cfg in work:
+            print(name, cfg)
+        return 0
+    return _jit.precompile(work, arch=args.arch, jobs=args.jobs, force=args.force, native=not args.no_native)
+
+
 def _forward(command: str, argv: list[str]) -> int:
     module_name, function_name = _FORWARDED[command]
     try:
@@ -113,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         from tilefuse.demo import main as demo_main
 
         return demo_main(rest)
+    if command == "precompile":
+        return precompile(rest)
     if command in _FORWARDED:
         return _forward(command, rest)
     print(f"tilefuse: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
