@@ -1,10 +1,7 @@
 """CPU tests of the developer tools under tools/ that parse device output."""
 import importlib.util
+import json
 import pathlib
-import shutil
-
-import pytest
-import torch
 
 _TOOLS = pathlib.Path(__file__).resolve().parents[1] / "tools"
 
@@ -33,23 +30,21 @@ def test_ncu_summary_one_line_per_kernel():
     assert cells[10] == "long_scoreboard 9.3, barrier 4.3, wait 1.5"
 
 
-def test_lossless_shapes_stream_check():
-    """The stream kernels' check accepts their definition (output vector k of a thread = its input vector k mod 5M,
-    first word xor k) for each CTA shape, and rejects a shifted output."""
-    s = _load("lossless_shapes")
-    for kind, (nt, m) in s._STREAM_SHAPES.items():
-        x = torch.randint(-2**31, 2**31 - 1, (2 * 5 * m * nt, 4), dtype=torch.int32)
-        v = x.view(-1, 5 * m, nt, 4)
-        out = torch.stack([v[:, k % (5 * m)] ^ torch.tensor([k, 0, 0, 0], dtype=torch.int32)
-                           for k in range(8 * m)], 1).reshape(-1, 4)
-        assert s._stream_ok(kind, x, out)
-        assert not s._stream_ok(kind, x, out.roll(1, 0))
-
-
-def test_lossless_shapes_kernels_compile(tmp_path):
-    """tools/_lossless_shapes.cu builds for sm_90 (the device builds it the same way)."""
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc not found")
-    lib = _load("lossless_shapes").compile_kernels(str(tmp_path / "ls.so"), nvcc)
-    assert pathlib.Path(lib).stat().st_size > 0
+def test_bench_markdown_renders_a_bench_json(tmp_path, capsys):
+    """Rows of ``python -m tilefuse bench --json`` (bytes and µs, no GB/s of their own) become table rows with their
+    target; a failed row is listed with its error."""
+    m = _load("bench_markdown")
+    rows = [{"op": "per_token_cast", "shape": "8001x7168", "bytes": 150e6, "us": 40.0, "pct_ceiling": 93.8},
+            {"op": "cast_back", "shape": "small", "bytes": 10e6, "us": 5.0, "pct_ceiling": 50.0},
+            {"op": "per_block_cast", "shape": "8001x7168", "bytes": 100e6, "us": 30.0, "pct_ceiling": 83.0},
+            {"op": "transpose", "shape": "x", "error": "boom"}]
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"gpu": "NVIDIA H200", "date": "2026-11-30 11:39 UTC", "copy_ceiling_gbs": 4000.0,
+                                "rows": rows}))
+    assert m.main(str(path)) == 0
+    out = capsys.readouterr().out
+    assert "**4000 GB/s** (NVIDIA H200, 2026-11-30 11:39 UTC)" in out
+    assert "| per_token_cast | 8001x7168 | 40.0 | 3750 | 93.8 | >= 92%: met |" in out
+    assert "| cast_back | small | 5.0 | 2000 | 50.0 | < 64 MB: reported (10.0 MB) |" in out
+    assert "| per_block_cast | 8001x7168 | 30.0 | 3333 | 83.0 | >= 90%: not met |" in out
+    assert "| transpose | x | boom | | | |" in out

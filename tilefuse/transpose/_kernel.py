@@ -27,10 +27,10 @@ import torch
 
 from tilefuse import _jit, _ops
 
-# (BM, BN, threads, m_major) per element size, the fastest of tools/transpose_sweep.py on the H200
-# (2026-11-29, B=8 8192x7168: bf16 94%, e4m3 92%, fp32 99% of the copy ceiling). m_major puts the M tiles
-# on blockIdx.x, so consecutive CTAs fill one output row: 3% faster for fp32, equal within run-to-run
-# spread for bf16 and e4m3. Smaller tiles (64-byte or 128-byte rows, fewer threads) were 2-13% slower.
+# (BM, BN, threads, m_major) per element size: the fastest tiling of a sweep on the H200 (B=8 8192x7168:
+# bf16 94%, e4m3 92%, fp32 99% of the copy ceiling; docs/BENCHMARKS.md). m_major puts the M tiles on
+# blockIdx.x, so consecutive CTAs fill one output row: 3% faster for fp32, equal within run-to-run spread for
+# bf16 and e4m3. Smaller tiles (64-byte or 128-byte rows, fewer threads) were 2-13% slower.
 TILING = {1: (256, 256, 256, False), 2: (128, 128, 256, True), 4: (64, 64, 256, True)}
 
 
