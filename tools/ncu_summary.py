@@ -1,5 +1,5 @@
-"""One line per kernel from an Nsight Compute raw CSV: the counters that told the limiters apart in
-docs/BENCHMARKS.md (2026-11-29 profile of the failing bench rows).
+"""One line per kernel from an Nsight Compute raw CSV: the counters that tell a kernel's limiter apart (memory,
+issue, latency, partial-sector stores).
 
     ncu --import prof.ncu-rep --page raw --csv > raw.csv      # on the device, after tools/ncu_cases.py
     python3 tools/ncu_summary.py raw.csv

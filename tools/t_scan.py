@@ -87,7 +87,7 @@ CASES = {
     "add_2to1": ([2048, 4096, 8192, 16384, 32768], _add21),
     "lossless": ([2000, 4000, 8001, 16000, 32000], _lossless),
     # token counts around the bench shape's 4.45 waves of 128 x 256 tiles (396 resident CTAs): is a partial last
-    # wave costly? (docs/BENCHMARKS.md, thirteenth session: no)
+    # wave costly? (measured on the H200: no; docs/BENCHMARKS.md, What we learned)
     "lossless_waves": ([7040, 7168, 7552, 7936, 8001, 8448, 8704, 8960, 9088], _lossless),
     # the lossless cast's bytes per row at H = 7168: 3584 data + 896 sf in, 7168 out (+ its small sf out). The device
     # copy is slower when its size is not a multiple of 64 KB (T = 8001: 79%; 88% at a 64 KB multiple of ~93 MB)
