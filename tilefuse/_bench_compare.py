@@ -115,7 +115,7 @@ def _setup_compile() -> None:
     torch._dynamo.config.accumulated_cache_size_limit = 4096
 
 
-def measure(case, peers: list[str], timers: tuple[str, ...], compile_min_bytes: int = 0) -> dict:
+def measure(case, peers: list[str], timers: tuple[str, ...], with_compile: bool = True) -> dict:
     """One row: our time, the size-matched copy, and each peer's time, speedup and agreement."""
     from tilefuse.bench import _L2_ROTATE_BYTES, _nbytes, counted_bytes, median_us
 
@@ -138,7 +138,7 @@ def measure(case, peers: list[str], timers: tuple[str, ...], compile_min_bytes: 
         row["error"] = _error(exc)
         return row
     for peer in peers:
-        if peer == "compile" and nbytes < compile_min_bytes:
+        if peer == "compile" and not with_compile:
             continue
         try:
             fn = _peer_fn(case, peer)
@@ -163,12 +163,12 @@ def measure(case, peers: list[str], timers: tuple[str, ...], compile_min_bytes: 
 def _warm_worker(args) -> int:
     """Run each case of ``indices`` once on us and on the in-process peers, so that the kernels of every
     implementation are compiled into the disk caches before anything is timed; returns the failures."""
-    quick, ops, indices, peers = args
+    quick, ops, indices, peers, child, compile_idx = args
     import torch._inductor.config as inductor_config
 
     inductor_config.compile_threads = 1
     _setup_compile()
-    cases = select_cases(quick, ops, peers)
+    cases = select_cases(quick, ops, ["tk1"] if child else None)
     failures = 0
     for i in indices:
         case = cases[i]
@@ -176,7 +176,7 @@ def _warm_worker(args) -> int:
             _, inputs = case.make("cuda", 1.0)
             case.run(*_clone(inputs))
             for peer in peers:
-                fn = _peer_fn(case, peer)
+                fn = None if peer == "compile" and i not in compile_idx else _peer_fn(case, peer)
                 if fn is not None:
                     try:
                         fn(*_clone(inputs))
@@ -189,14 +189,19 @@ def _warm_worker(args) -> int:
     return failures
 
 
-def warm(quick: bool, ops, peers: list[str], n_cases: int, jobs: int) -> None:
+def warm(quick: bool, ops, peers: list[str], cases: list, jobs: int, child: bool, compile_idx: set) -> None:
     """Compile everything the run will launch, in ``jobs`` spawned processes (TileLang and inductor compile on
-    the CPU; their disk caches serve the timing process)."""
+    the CPU; their disk caches serve the timing process). The cases of one key (the same kernels at other token
+    counts) go to one process, so no kernel is compiled twice at once."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     t0 = time.perf_counter()
-    work = [(quick, ops, list(range(w, n_cases, jobs)), peers) for w in range(jobs)]
+    n_cases = len(cases)
+    keys = list(dict.fromkeys(c.key or str(i) for i, c in enumerate(cases)))
+    slot = {k: j % jobs for j, k in enumerate(keys)}
+    share = [[i for i, c in enumerate(cases) if slot[c.key or str(i)] == w] for w in range(jobs)]
+    work = [(quick, ops, share[w], peers, child, compile_idx) for w in range(jobs)]
     with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         failures = sum(pool.map(_warm_worker, work))
     print(f"warm-up: {n_cases} cases in {jobs} processes, {time.perf_counter() - t0:.0f} s "
@@ -218,8 +223,23 @@ def select_cases(quick: bool, ops, peers: list[str] | None = None) -> list:
     return cases
 
 
+def compile_sample(cases: list, quick: bool) -> set:
+    """The cases that time ``torch.compile``: every quick row; in the grid one case per op (4096 tokens at 7168
+    channels where it has one), since inductor compiles each flag set anew (tens of seconds each)."""
+    if quick:
+        return set(range(len(cases)))
+    picked: dict[str, int] = {}
+    for i, c in enumerate(cases):
+        if c.ref is None:
+            continue
+        score = (c.tokens == 4096) + ("x7168" in c.key or " 7168)" in c.key)
+        if c.name not in picked or score > picked[c.name][0]:
+            picked[c.name] = (score, i)
+    return {i for _, i in picked.values()}
+
+
 def run(quick: bool, ops, peers: list[str], timers: tuple[str, ...], warm_jobs: int = 0,
-        compile_min_bytes: int = 0, child: bool = False, on_row=None) -> dict:
+        child: bool = False, on_row=None) -> dict:
     """Time every case on us and on ``peers`` (TileKernels 1.0.0 in a second process unless ``child``)."""
     in_process = [p for p in peers if p != "tk1" or child]
     if "compile" in in_process:
@@ -228,15 +248,16 @@ def run(quick: bool, ops, peers: list[str], timers: tuple[str, ...], warm_jobs: 
     for p in in_process:
         if p != "compile":
             _peers.load(p)  # fail early, naming the variable, if a peer folder is missing
+    compile_idx = compile_sample(cases, quick)
     if warm_jobs > 0:
-        warm(quick, ops, in_process, len(cases), warm_jobs)
+        warm(quick, ops, in_process, cases, warm_jobs, child, compile_idx)
     ceiling = 2 * (1 << 30) / copy_us(2 << 30) / 1e3  # the 2 GiB copy (read + written), isolated
     _COPY_CACHE.pop(1 << 30)
     torch.cuda.empty_cache()
     rows = []
     t0 = time.perf_counter()
     for i, case in enumerate(cases):
-        row = measure(case, in_process, timers, compile_min_bytes)
+        row = measure(case, in_process, timers, i in compile_idx)
         rows.append(row)
         if on_row:
             on_row(i, len(cases), row)

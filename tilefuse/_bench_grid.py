@@ -71,7 +71,7 @@ def grid_cases(ops: list[str] | None = None) -> list:
                 if tk1:
                     peers["tk1"] = peer(peer_call or call)
                 mk = (lambda t, h: lambda device, scale: (label(t, h), make(t, h, device)))(t, h)
-                cases.append(Case(name, mk, ours(call), ref, peers, exact))
+                cases.append(Case(name, mk, ours(call), ref, peers, exact, f"{name}|{label(0, h)}", t))
 
     # per-token casts (quant.md 3.1-3.3)
     for xd in (torch.bfloat16, torch.float32):
@@ -219,7 +219,7 @@ def grid_cases(ops: list[str] | None = None) -> list:
                 lambda ns, x, fl=fl, clamp=clamp: ns.swiglu_forward_and_per_token_cast(
                     x, "e4m3", 128, None, None, None, *fl, clamp),
                 lambda x, fl=fl, clamp=clamp: qs.swiglu_forward_and_per_token_cast_reference(
-                    x, "e4m3", 128, None, None, None, *fl, clamp), tk1=True,
+                    x, "e4m3", 128, None, None, None, *fl, clamp),
                 peer_call=lambda ns, x, fl=fl, clamp=clamp: _swiglu_fwd_peer(ns, x, fl, clamp))
     for rnd in (False, True):
         add("swiglu_forward_and_per_channel_cast_and_transpose",
@@ -245,7 +245,8 @@ def grid_cases(ops: list[str] | None = None) -> list:
 
 def _swiglu_fwd_peer(ns, x, fl, clamp):
     """The SwiGLU forward + per-token cast of every row, in the peer's own signature: 2.1.0 names the clamp
-    ``clamp_value`` and has no routing arguments in these places; 1.0.0 has ours."""
+    ``clamp_value`` and has no routing arguments in these places; 1.0.0 has ours (its forward fails to build
+    under TileLang 0.1.15, see the quick row)."""
     import inspect
 
     params = inspect.signature(ns.swiglu_forward_and_per_token_cast).parameters

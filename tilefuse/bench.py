@@ -99,6 +99,8 @@ class Case(NamedTuple):
     ref: Callable[..., object] | None = None
     peers: dict | None = None
     exact: bool = True
+    key: str = ""  # cases with one key launch the same kernels (they differ in the token count only)
+    tokens: int = 0  # the grid's token count
 
 
 def _dim(n: int, scale: float, align: int = 1) -> int:
@@ -683,8 +685,6 @@ def main(argv: list[str]) -> int:
                              "(back-to-back calls), or isolated,stream")
     parser.add_argument("--warm-jobs", type=int, default=0,
                         help="compile every kernel of the run in N processes before timing (0: compile on first use)")
-    parser.add_argument("--compile-min-mb", type=float, default=None,
-                        help="time torch.compile only on cases of at least this many MB (grid default 32, quick 0)")
     parser.add_argument("--json", default=None, help="write the results as JSON")
     parser.add_argument("--markdown", default=None, help="write the table and the summary as markdown")
     parser.add_argument("--plot", default=None, help="write a PNG of the speedup over each peer")
@@ -717,9 +717,12 @@ def main(argv: list[str]) -> int:
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU")
         return 1
-    compile_min = args.compile_min_mb if args.compile_min_mb is not None else (0 if args.quick else 32)
+    done_rows: list = []
 
     def progress(i, n, r):
+        done_rows.append(r)
+        if args.json and len(done_rows) % 50 == 0:  # a run cut short keeps what it measured
+            _save({"partial": True, "rows": done_rows}, args.json + ".partial")
         if "error" in r:
             print(f"  [{i + 1}/{n}] {r['op']} | {r.get('shape')} | fails: {r['error']}", flush=True)
             return
@@ -730,7 +733,7 @@ def main(argv: list[str]) -> int:
         print(f"  [{i + 1}/{n}] {r['op']} | {r['shape']} | {us:.1f} us{cells}", flush=True)
 
     child = args.child_json is not None
-    result = C.run(args.quick, args.ops, peers, timers, args.warm_jobs, int(compile_min * 1e6), child, progress)
+    result = C.run(args.quick, args.ops, peers, timers, args.warm_jobs, child, progress)
     if child:
         _save(result, args.child_json)
         return 0

@@ -158,6 +158,30 @@ def test_grid_matches_reference(t, hidden, x_dtype, fmt, flags):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("t", (1, 7, 4001))
+@pytest.mark.parametrize("hidden", K.ROW_WALK_TEST_HIDDEN)
+@pytest.mark.parametrize("x_dtype", ("bfloat16", "float32"))
+@pytest.mark.parametrize("round_sf", (False, True))
+def test_row_walk_tiles_match_reference(t, hidden, x_dtype, round_sf):
+    """Row-major sf at hidden sizes whose row-walk CTA covers several rows or a third of a row."""
+    x = torch.randn(t, hidden, dtype=DTYPES[x_dtype], device="cuda")
+    _check(x, "e4m3", 128, False, round_sf, False)
+
+
+def test_row_walk_threads_cover_whole_rows_or_equal_parts():
+    """The CTA of a row-walk tile covers k whole rows or 1/d of one, with a thread count that is a multiple of 32
+    and at most 1024; 7168 channels keep their one-row 448-thread CTA."""
+    assert K.row_walk_threads(56, 16, 2) == 448 and K.row_walk_threads(56, 32, 2) == 448
+    for h in (1536, 2048, 4096, 5120, 8192, 12288, 18432):
+        for lanes in (16, 32):
+            n = h // 128
+            threads = K.row_walk_threads(n, lanes, 2)
+            units = threads * 2 // lanes
+            assert threads % 32 == 0 and threads <= 1024
+            assert units % n == 0 or n % units == 0, (h, lanes, threads)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fill", QUANT_FILLS)
 @pytest.mark.parametrize("x_dtype", ("bfloat16", "float32"))
 @pytest.mark.parametrize("fmt", ("e4m3", "e2m1"))

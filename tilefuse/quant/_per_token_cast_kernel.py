@@ -36,17 +36,22 @@ _DEFAULT_TILE = (256, 4)  # (threads per CTA, vectors per thread[, most lanes pe
 
 
 def default_tile(x_dtype: str, fmt: str, round_sf: bool, mode: str, prequant: bool, npc: int) -> tuple:
-    """The tile of a static config, from the H200 sweeps in docs/BENCHMARKS.md (8192 x 7168, npc 128):
+    """The tile of a static config: the fastest measured on the H200 at 8192 x 7168, npc 128 (docs/BENCHMARKS.md):
 
     - e4m3 with power-of-two sf or given sf: 448 threads, 2 vectors each: 28 slots of 16 lanes, so a CTA
       covers whole 56-group rows (7168 channels) and reads them as one contiguous run; 94.9-95.0% of the copy
       ceiling for bf16 (row or column-major packed sf) against 90.8-91.4% at (256, 4), 99.3% for fp32;
-    - e2m1: 64 threads, 4 vectors, 8 lanes per pair (2 chunks each): 90.2% at 11:59 and 91.5% at 12:26 (88.9% at
-      128 threads, 82-86% at 96, 192 or 16 lanes, 83.1% at (256, 4) with the same code: small CTAs, many per SM);
+    - e2m1: 64 threads, 4 vectors, 8 lanes per pair (2 chunks each): small CTAs, many per SM, 90-91.5% (88.9% at
+      128 threads, 82-86% at 96, 192 or 16 lanes, 83.1% at (256, 4) with the same code);
     - bf16 e4m3 with IEEE-divided sf (npc 128): the same 448 x 2 row walk along each row with registers capped
-      for 4 CTAs per SM: 95.5% against 90.6% at (256, 4) and 89.3% at (448, 2) uncapped (12:26 sweep); fp32
+      for 4 CTAs per SM: 95.5% against 90.6% at (256, 4) and 89.3% at (448, 2) uncapped; fp32
       inputs keep (256, 4) (the 32-register cap spills there: 47.7%);
     - otherwise (256, 4).
+
+    A row walk (448 threads) with row-major sf takes its thread count from ``row_walk_threads`` at every hidden
+    size, so each CTA still reads whole rows or an equal part of one: at 448 threads elsewhere the CTAs read
+    8-group pieces of several rows (bf16 e4m3 at 2048-18432 channels: 0.81-0.92x TileKernels; with the rule
+    0.96-1.0x, docs/BENCHMARKS.md).
     """
     if fmt == "e2m1" and not prequant:
         return (64, 4, 8)
@@ -55,6 +60,21 @@ def default_tile(x_dtype: str, fmt: str, round_sf: bool, mode: str, prequant: bo
     if fmt == "e4m3" and x_dtype == "bfloat16" and mode == "cast" and npc == 128:
         return (448, 2, 16, 0, 4)
     return _DEFAULT_TILE
+
+
+ROW_WALK_THREADS = 448  # the row-walk tiles of ``default_tile``: 448 threads cover one 7168-channel row
+
+
+def row_walk_threads(n_units: int, lanes: int, units_per_thread: int, target: int = ROW_WALK_THREADS) -> int:
+    """Threads per CTA of a row-walk tile with row-major sf at any hidden size: the CTA covers whole rows, or an
+    equal part of one row (so its loads are one contiguous run of memory), with the thread count (a multiple of
+    32, at most 1024) nearest ``target``, the larger on a tie. 7168 channels give 448 (one row), 2048 give 512
+    (four rows), 18432 give 384 (a third of a row). Without such a count, ``target`` itself."""
+    per_unit = lanes / units_per_thread              # threads per unit of a row
+    counts = [n_units * r * per_unit for r in range(1, 33)]
+    counts += [n_units // d * per_unit for d in range(2, n_units + 1) if n_units % d == 0]
+    ok = [int(c) for c in counts if c == int(c) and int(c) % 32 == 0 and 32 <= c <= 1024]
+    return min(ok, key=lambda c: (abs(c - target), -c)) if ok else target
 
 
 def _vec(hidden_phys: int, elem_bytes: int) -> int:
@@ -111,6 +131,7 @@ def per_token_cast_kernel(x_dtype: str, fmt: str, hidden: int, npc: int, round_s
     per_byte = 2 if x_dtype == "e2m1" else 1
     E = min(vp * per_byte, npc)                     # logical elements per vector
     vp = E // per_byte
+    row_walk = tile is None and default_tile(x_dtype, fmt, round_sf, mode, prequant, npc)[0] == ROW_WALK_THREADS
     if tile is None:
         tile = default_tile(x_dtype, fmt, round_sf, mode, prequant, npc)
     L, C = _lanes(npc, E, tile[2] if len(tile) > 2 else 32)
@@ -120,12 +141,16 @@ def per_token_cast_kernel(x_dtype: str, fmt: str, hidden: int, npc: int, round_s
     RU = max(1, per_thread // (UG * C))              # units (UG consecutive groups of one row) per thread
     R = RU * UG                                      # (row, group) pairs per thread
     n_units = -(-ng // UG)
+    if row_walk and sf_layout == "row":
+        threads = row_walk_threads(n_units, L, RU)
     BM, GU = _tiling(n_units, L, threads, RU)
     SL = threads // L                                # slots per CTA: each slot holds RU units
     rows_first = sf_layout != "row"                  # consecutive slots -> consecutive rows (col sf stores)
     if len(tile) > 3:                                # tile[3] overrides the slot order (0: along a row)
         rows_first = bool(tile[3])
     min_blocks = tile[4] if len(tile) > 4 else 0     # tile[4]: CTAs per SM the register budget must allow
+    if row_walk and min_blocks:                      # the same threads per SM (register budget) as 448 x tile[4]
+        min_blocks = max(1, min(min_blocks, ROW_WALK_THREADS * min_blocks // threads))
     guard_cols = partial or ng % UG != 0             # some chunks lie past the last column
     f16_exact = x_dtype == "bfloat16" and round_sf and mode != "precomputed" and E == 8
     y_shape_h = hidden // 2 if fmt == "e2m1" else hidden
@@ -320,6 +345,7 @@ def per_token_cast_kernel(x_dtype: str, fmt: str, hidden: int, npc: int, round_s
 
 
 HIDDEN_SIZES = (576, 2048, 2560, 3072, 4096, 6144, 7168)  # quant.md 7.1
+ROW_WALK_TEST_HIDDEN = (1536, 2048, 18432)  # row-walk CTAs of several rows (1536, 2048) and of a part of a row (18432)
 
 
 def _configs() -> list[tuple]:
@@ -333,6 +359,9 @@ def _configs() -> list[tuple]:
                     if cfg not in cfgs:
                         cfgs.append(cfg)
     cfgs += [("bfloat16", "e4m3", 2048, npc, False, "row", "cast") for npc in (16, 32, 64, 2048)]
+    # the row-walk tiles with row-major sf at the other grid hidden sizes (``row_walk_threads``)
+    cfgs += [cfg for cfg in ((xd, "e4m3", h, 128, rnd, "row", "cast") for h in ROW_WALK_TEST_HIDDEN
+                             for xd in ("bfloat16", "float32") for rnd in (False, True)) if cfg not in cfgs]
     cfgs += [("bfloat16", fmt, 2048, 128, True, "row", "sf_only") for fmt in ("e4m3", "e2m1")]
     cfgs += [("bfloat16", fmt, 2048, 128, False, "row", "precomputed") for fmt in ("e4m3", "e2m1")]
     cfgs += [(xd, fmt, 2048, 128, True, "col_packed", "cast", 128, 128, True)
