@@ -4,9 +4,9 @@ call.
 :func:`kernel_op` is used like ``torch.library.custom_op`` (same arguments, same ``.register_fake``), but
 defines the operator on one ``torch.library.Library`` fragment and registers the function as its CUDA
 kernel directly. ``custom_op`` also installs an autograd wrapper and checks on every call that no output
-aliases an input; on the CPU machine that cost about 16 µs per call against 4.5 µs for the plain
-registration (two empty outputs, ``python /tmp/op.py``-style micro-benchmark in the session note), and on the
-H200 host the per_token_cast custom op measured 26-38 µs where the eager op took 10-15. Our kernels return
+aliases an input; on a CPU machine that cost about 16 µs per call against 4.5 µs for the plain
+registration (a micro-benchmark of an op with two empty outputs), and on the H200 host the per_token_cast
+custom op measured 26-38 µs where the eager op took 10-15. Our kernels return
 fresh outputs (nothing aliases), and their outputs carry no autograd: the differentiable layers wrap the
 public ops in ``torch.autograd.Function`` (``tilefuse.modeling``). Schemas are inferred from the type
 annotations exactly as ``custom_op`` does (``torch.library.infer_schema``).

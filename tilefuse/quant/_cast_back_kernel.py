@@ -47,7 +47,7 @@ E4M3_THREADS = None
 E4M3_UNROLL = None
 E4M3_MIN_BLOCKS = None
 # E2M1 / E5M6: 2 chunks per thread (two 16-byte stores), CTAs of 4 KB of output. Write-heavy rows run
-# faster with short CTAs (H200, 2026-11-29, bench shapes): e2m1 -> fp32 89.3-90.1% with 7 chunks, 92.1-92.3% with
+# faster with short CTAs (H200, bench shapes): e2m1 -> fp32 89.3-90.1% with 7 chunks, 92.1-92.3% with
 # 2 (85.7% with 1; a CTA walking 4-8 rows with the next row's loads in flight: 80-86%); e5m6 93.1 -> 94.6%
 E2M1_THREADS = None
 E2M1_UNROLL = 2
@@ -68,7 +68,7 @@ def _knob(dfmt: str, name: str):
 
 # unpack_from_e2m1fn_x2: a chunk is one 16-byte store's worth of data bytes, UNPACK_UNROLL chunks per thread,
 # UNPACK_THREADS apart (2 chunks: CTAs of 8 KB of fp32 output; 8 chunks read 89.5-90.7%, 2 read 92.1-93.1%, and
-# 4, 1: 90.9, 92.7% at the bench shape, H200, 2026-11-29)
+# 4, 1: 90.9, 92.7% at the bench shape on the H200)
 UNPACK_THREADS = 256
 UNPACK_UNROLL = 2
 UNPACK_MIN_BLOCKS = 0  # > 0: __launch_bounds__(UNPACK_THREADS, UNPACK_MIN_BLOCKS) (0: none)

@@ -34,15 +34,15 @@ _TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _THREADS = 128     # forward threads per CTA: fixes the order of the row sum of squares (not a knob)
 _CL_BF16 = 2       # bf16 norm_backward with a weight: CTAs per thread-block cluster. The pair adds its weight-gradient
                    # sums (rank 0's + rank 1's) through distributed shared memory, each CTA half of the columns, into
-                   # NP / 2 partial rows: half the partial stores and reduce reads. H200, 2026-11-30, bf16 8192 x 7168:
-                   # 94.4-95.5 -> 92.2-92.7 us (register path); 4 CTAs per cluster 130 us (not all resident). It
+                   # NP / 2 partial rows: half the partial stores and reduce reads. H200, bf16 8192 x 7168: 94.4-95.5
+                   # us unpaired, 92.2-92.7 paired (register path); 4 CTAs per cluster 130 us (not all resident). It
                    # fixes the weight_grad bits: not a knob
 _RED_GROUPS = 8    # the weight-gradient reduce adds the P partials of a column in _RED_GROUPS groups of ceil(P / 8)
                    # consecutive ones, the last group the rest (each in order p, one thread per group and column, all
                    # its loads in flight at once), then the 8 group sums in order: with P = 256 a dependent chain of
                    # 32 + 8 additions instead of 256
-                   # (the bench row 97.5 -> 96.4 us, H200, 2026-11-29; the dx kernel alone is 92.8). It fixes
-                   # the weight_grad bits: not a knob
+                   # (the bench row 97.5 us with one chain of 256, 96.4 grouped, H200; the dx kernel alone 92.8). It
+                   # fixes the weight_grad bits: not a knob
 _M = F.FMT_MAX["e4m3"]
 _CLAMP = F.CLAMP_MIN["e4m3"]
 _BT = 448          # bf16 norm_backward threads per CTA, at most (2 CTAs per SM at <= 72 registers); it fixes the
@@ -71,11 +71,11 @@ def _bwd_threads(x_dtype: str, hidden: int) -> int:
 def _bwd_ctas(x_dtype: str, hidden: int, has_weight: bool) -> int:
     """CTAs of the backward (rows walked in parallel, one partial weight gradient each: it fixes which rows each
     partial sums, so it is a constant of the dtype, H and the weight, never of the GPU that runs it). fp32: two
-    CTAs of _BT_F32 threads per SM, 264 (256 before: H200, 2026-11-30, fp32 T = 8192, H = 2048 without a weight
-    51.3-51.5 -> 49.4-49.5 us, the other H within 1 us, none slower). bf16: one CTA of
+    CTAs of _BT_F32 threads per SM, 264 (H200, fp32 T = 8192, H = 2048 without a weight: 51.3-51.5 us with 256
+    CTAs, 49.4-49.5 with 264; the other H within 1 us, none slower). bf16: one CTA of
     ``_bwd_threads`` per slot of the 132 SMs of an H200 at 72 registers, at most 1024: 264 at H = 7168 (2 per SM),
     396 at H = 4096 (3), 924 at H = 2048 (7). Each CTA has one row in flight (it is latency-bound), so every slot
-    counts: H200, 2026-11-30, bf16 8192 x 7168 with a weight, 256 -> 264 CTAs: 91.7-92.3 -> 90.6-90.7 us.
+    counts: H200, bf16 8192 x 7168 with a weight, 256 -> 264 CTAs: 91.7-92.3 -> 90.6-90.7 us.
     Smaller bf16 rows take more, smaller CTAs for the same reason (448-thread CTAs -> these, T = 8192 with a
     weight: H = 2048 37.6 -> 30.2 us, H = 4096 65.5 -> 56.2).
     Cluster pairs (bf16 with a weight) with an odd number of CTAs per SM leave 12 slots free (the multiple of 16
@@ -105,7 +105,7 @@ FWD_W_AHEAD = True  # forward: the weight vector of column block c + 1 is loaded
 FWD_W_EARLY = True   # with FWD_W_AHEAD: block 0's weight load first, then a barrier, then the row's loads. Without it
                      # ptxas issues that weight load only once the sum of squares has consumed x (it reuses x's
                      # registers), a full round trip after x arrived; no load moves across a barrier. Scheduling
-                     # only: the same values. H200, 2026-11-29: norm_forward_and_per_token_cast 46.7 -> 46.0 us
+                     # only: the same values. H200, bench shape: norm_forward_and_per_token_cast 46.7 -> 46.0 us
                      # (89.2-89.4 -> 90.7% of the copy ceiling), norm_forward 94.0 -> 94.5%
 FWD_BLOCKS = 6    # bf16 norm_forward CTAs (rows) resident per SM: <= 80 registers, no spills
 FWD_BLOCKS_QUANT = 8  # the quantizing bf16 forward: <= 64 registers (it needs 72 unconstrained: 7 per SM)
@@ -113,7 +113,7 @@ BWD_STAGES = 0     # norm_backward: 0 = rows loaded into registers one row ahead
                    # shared-memory ring filled by per-thread cp.async (each thread copies and later reads only its
                    # own 16-byte vectors: no barrier), S - 1 rows of x, dy and rstd in flight per CTA (bf16; fp32:
                    # FP32_STAGES), when an SM's CTAs of S stages (and the cluster's sums) fit in shared memory, else
-                   # the register path. Same arithmetic. H200, 2026-11-30, bf16 T = 8192 x 7168 with a weight: the
+                   # the register path. Same arithmetic. H200, bf16 T = 8192 x 7168 with a weight: the
                    # register path with the weight in shared memory 94.4-95.5 us against 95.7-96.8 for the 3-stage
                    # ring (which no longer fits beside the cluster's sums at H = 7168); 448-thread CTAs at H = 4096 /
                    # 2048: 66 / 38 us against 73 / 50
@@ -122,23 +122,24 @@ BWD_PIPE = False   # norm_backward with BWD_STAGES == 3 only: software-pipelined
                    # other slot), the butterfly of row k interleaved with that dx pass: one barrier per row instead of
                    # two, and row k's reduction latency overlaps row k - 1's dx work. Row k + 1 is in flight (stage
                    # (k + 1) % 3; stage (k - 1) % 3 still holds row k - 1 for its dx pass). Same per-row arithmetic.
-                   # Off since 2026-11-29 (the 448-thread CTA): the staged body's two rows in flight won, 97.5 vs
+                   # Off with the 448-thread CTA: the staged body's two rows in flight won, 97.5 vs
                    # 98.7 us at the bench shape (on with 256 threads: 99.6 vs 103.6 us)
 BWD_STAGES_NW = 0  # BWD_STAGES for a backward without a weight (no weight gradient). Same arithmetic. H200,
-                   # 2026-11-30, bf16 T = 8192 x 7168: the register path 86.9 us (95.6% of the copy ceiling) against
+                   # bf16 T = 8192 x 7168: the register path 86.9 us (95.6% of the copy ceiling) against
                    # 98.2 us for the 3-stage ring (84.6%); 2 stages 96.7, BWD_PIPE 98.5
 FP32_STAGES = 3   # norm_backward fp32: the ring's stages (BWD_STAGES's ring; rstd comes through a register loaded one
                   # row ahead, not through the ring, so that 2 CTAs of 2 fp32 stages fit at H = 7168); where 2 CTAs of
                   # that many do not fit, the deepest ring down to 2 stages that does. Same arithmetic. H200,
-                  # 2026-11-30, fp32 T = 8192: H = 7168 (2 stages) 272 -> 180 us with a weight (61 -> 92% of the copy
-                  # ceiling), 251 -> 178 us without (66 -> 93%); H = 2048 56.4 -> 52.1 us (84 -> 91%); H = 4096 even
+                  # fp32 T = 8192, register path -> ring: H = 7168 (2 stages) 272 -> 180 us with a weight (61 -> 92%
+                  # of the copy ceiling), 251 -> 178 us without (66 -> 93%); H = 2048 56.4 -> 52.1 us (84 -> 91%);
+                  # H = 4096 even
 BWD_STORE_NA = True  # register path without residual_out_grad: dx stores do not allocate in L1
                      # (st.global.L1::no_allocate), so the x and dy lines of the row's loads stay in L1 for the dx
                      # pass, which reads them again (with allocating stores 3% of those reads hit L1, Nsight Compute).
-                     # Same values. H200, 2026-11-30, bf16 T = 8192 with a weight: H = 7168 90.5-90.6 -> 89.5-89.9
-                     # us, H = 4096 55.8-55.9 -> 55.4-55.5, H = 2048 30.1 -> 29.9; without a weight H = 4096
-                     # 54.7-54.8 -> 50.3, H = 7168 even. With residual_out_grad (its rows read in the dx pass)
-                     # 122 -> 129 us at H = 7168: off there
+                     # Same values. H200, bf16 T = 8192 with a weight, allocating -> no-allocate stores: H = 7168
+                     # 90.5-90.6 -> 89.5-89.9 us, H = 4096 55.8-55.9 -> 55.4-55.5, H = 2048 30.1 -> 29.9; without a
+                     # weight H = 4096 54.7-54.8 -> 50.3, H = 7168 even. With residual_out_grad (its rows read in the
+                     # dx pass) 122 -> 129 us at H = 7168: off there
 BWD_PDL = False    # norm_backward: programmatic dependent launch (griddepcontrol.wait before any global access)
 RED_PDL = True     # weight-gradient reduce: programmatic dependent launch (it waits for the dx kernel's partials)
 BWD_TRIGGER = False  # norm_backward: launch the dependent grid (the reduce, with RED_PDL) at the start instead of at

@@ -56,9 +56,9 @@ _THREADS = _CL * (_BM // _RPT)  # 128 (transposed path)
 _MIN_BLOCKS = 5  # transposed path: __launch_bounds__(128, 5): <= 102 registers -> 5 CTAs = 20 warps per SM
 
 # Tuning knobs (TILEFUSE_KNOBS; read when a kernel is built; they change tiling/occupancy only, never a value).
-# Defaults from the H200 knob sweep of 2026-11-29 13:30 (docs/BENCHMARKS.md): 128 threads x (8 rows x 8 channels),
-# the input widened again for the store (80 registers), 7 CTAs per SM. Pairs (2026-11-30, alternating runs at the
-# bench shapes): the product recomputed for the store and 8 CTAs per SM, gathered rows by predicated loads.
+# Defaults: the fastest measured on the H200 at the bench shapes (docs/BENCHMARKS.md): 128 threads x (8 rows x 8
+# channels), the input widened again for the store (80 registers), 7 CTAs per SM. Pairs: the product recomputed for
+# the store and 8 CTAs per SM, gathered rows by predicated loads (faster in alternating runs at the bench shapes).
 CAST_CL = 8      # channel lanes per CTA row of the non-transposed path (4, 8, 16, 32): CTA = 8 * CAST_CL channels
 CAST_RPT = 8     # rows per thread of the non-transposed path (4 or 8): threads = CAST_CL * 128 / CAST_RPT
 CAST_REMAT = True  # non-transposed plain input: widen the raw input again for the store instead of holding

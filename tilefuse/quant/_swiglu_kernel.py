@@ -165,7 +165,7 @@ FWD_PTC_DEPTH = 2
 FWD_PTC_ROW_THREADS = 64
 # npc == 128 (teams of up to 64 lanes): CTAs per SM asked of nvcc (its register budget: 65536 / (threads * this));
 # 0 = none. 16 = 64 registers (the bench shape: 70 -> 64, 14 -> 16 two-warp CTAs per SM): the warps are issue- and
-# latency-bound (exp, reciprocal and shuffle chains), so more of them beat deeper prefetch (H200, 2026-11-30: 22.1 ->
+# latency-bound (exp, reciprocal and shuffle chains), so more of them beat deeper prefetch (H200, bench shape: 22.1 ->
 # 20.9 us; DEPTH 3, 4, 6: 22.9, 23.0, 24.0 us). With packed sf it pays only with the byte stores below (2H = 7168,
 # clamp 0.5 / none, 2H = 2048: 23.3 / 19.9 / 8.6 us one-warp teams, 22.4 / 19.4 / 7.6 two-warp teams capped,
 # 21.9 / 20.2 / 7.6 uncapped)
@@ -378,9 +378,9 @@ BWD_PDL_TRIGGER = True
 # its input sf lines and its pos_to_token_topk line. A CTA that starts while the previous grid drains finds its row in
 # L2 when the wait returns; and (our reading of the gain) every CTA finds its input sf there when its second chunk
 # reads it, where the warp first touching an sf line waited a DRAM round trip after chunk 0. A prefetch fills only L2,
-# the device's point of coherence: a load after the wait still sees every write of the previous grid. H200,
-# 2026-11-30, bench shape: 93.3 -> 90.2-91.2 us (89.4 -> 92.1-92.5% of the copy ceiling); the row's data and grad
-# alone: 92.8 us. Scheduling only: the same values.
+# the device's point of coherence: a load after the wait still sees every write of the previous grid. H200, bench
+# shape: 93.3 us without the prefetches, 90.2-91.2 with them (89.4 -> 92.1-92.5% of the copy ceiling); the row's
+# data and grad alone: 92.8 us. Scheduling only: the same values.
 BWD_L2_PREFETCH = True
 _BWD_HELPERS = """
 __device__ __forceinline__ void sw_prefetch_rows(const void* d, const void* g, unsigned bytes) {
@@ -390,7 +390,7 @@ __device__ __forceinline__ void sw_prefetch_line(const void* p) { asm volatile("
 """
 # no zero-fill kernel ahead of the launch (the launcher allocates weight_grad uninitialized): the kernel itself
 # stores +0.0 at every (t, k) whose token_topk_to_pos is -1 (grid-stride over the NW entries, after each CTA's
-# row), and the rows store their sums as today (only where token_topk_to_pos is not -1: the two sets are disjoint,
+# row), and the rows store their sums as before (only where token_topk_to_pos is not -1: the two sets are disjoint,
 # no race). Every entry quant.md 3.13 defines keeps its bits; an entry reached by neither rule (token_topk_to_pos
 # not -1 but no row points at it: an inconsistent map) is left as allocated instead of 0 (undefined in 3.13).
 BWD_WG_ZERO = True
@@ -398,7 +398,7 @@ BWD_WG_ZERO = True
 # whatever the tiling. Each thread stages its unweighted act (binary32) and g (bf16) in shared memory (6 bytes per
 # column pair); after a barrier the team's lanes (threads 0 .. L0-1, L0 = 128) run that lane's FMA chain (its chunks
 # in order, 8 pairs each), butterfly and per-warp sum in the same order: weight_grad bit-identical to the 128-lane
-# kernel (BWD_ROW_WARPS=0). Off by default since 2026-11-29 (89.0 vs 87.5% at the bench shape on the H200: the
+# kernel (BWD_ROW_WARPS=0). Off by default (89.0% off vs 87.5% on at the bench shape on the H200: the
 # staging, barrier and 128-lane tail cost more than they are worth): the row CTA then sums in its own fixed order
 # (each lane's chunks in order, the warp butterfly, the warps in order): deterministic, batch-invariant, and within
 # quant.md 6.3's tolerance, the order 3.13 leaves unspecified
