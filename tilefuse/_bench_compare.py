@@ -268,7 +268,8 @@ def run(quick: bool, ops, peers: list[str], timers: tuple[str, ...], warm_jobs: 
     for row in rows:
         if "us" in row:
             row["pct_copy"] = 100 * row["copy_us"] / row["us"]
-            row["pct_ceiling"] = 100 * row["bytes"] / row["us"] / 1e3 / ceiling
+        if "us" in row or "stream_us" in row:  # of the 2 GiB copy, by the run's first timer
+            row["pct_ceiling"] = 100 * row["bytes"] / row.get("us", row.get("stream_us")) / 1e3 / ceiling
     if "tk1" in peers and not child:
         merge_child(result, run_child(quick, ops, timers, warm_jobs))
     return result
@@ -408,3 +409,100 @@ def plot(result: dict, peers: list[str], path: str) -> None:
     axes[0, 0].set_title(f"tilefuse on {result['gpu']}, {result['date']}, isolated timer")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def merge(results: list[dict]) -> dict:
+    """Several runs' results as one: a later run's row replaces an earlier one of the same op and shape. The
+    first run's header fields are kept; ``runs`` lists each run's date, copy ceiling and row count."""
+    out = dict(results[0], rows=[], runs=[])
+    rows: dict[tuple, dict] = {}
+    for res in results:
+        ceiling = res.get("copy_ceiling_gbs")
+        for r in res["rows"]:
+            r = dict(r)
+            if "us" in r and "copy_us" in r:
+                r["pct_copy"] = 100 * r["copy_us"] / r["us"]
+                if ceiling:
+                    r["pct_ceiling"] = 100 * r["bytes"] / r["us"] / 1e3 / ceiling
+            rows[(r["op"], r.get("shape"))] = r
+        out["runs"].append({"date": res.get("date"), "copy_ceiling_gbs": ceiling, "rows": len(res["rows"])})
+    out["rows"] = list(rows.values())
+    return out
+
+
+_SHAPE = __import__("re").compile(r"(\d+)x(\d+)|\((\d+), (\d+), (\d+)\)")
+
+
+def _grid_cell(shape: str) -> tuple[str, int, int] | None:
+    """``(case with the shape blanked, tokens, hidden)`` of a grid label, from its first ``TxH`` or ``(B, T, H)``."""
+    m = _SHAPE.search(shape)
+    if m is None:
+        return None
+    if m.group(1):
+        t, h, blank = int(m.group(1)), int(m.group(2)), "TxH"
+    else:
+        t, h, blank = int(m.group(4)), int(m.group(5)), f"({m.group(3)}, T, H)"
+    return shape[:m.start()] + blank + shape[m.end():], t, h
+
+
+def pivot(result: dict, tokens=(1, 128, 4096, 16384)) -> list[str]:
+    """The grid as one line per op, case and hidden size: the speedup over the TileKernels release that has the op
+    at each token count (``≠``: outputs disagree; ``-``: not run), and our % of the size-matched copy at the
+    largest token count."""
+    lines = ["| op | case | H | peer | " + " | ".join(f"T={t}" for t in tokens) + f" | % copy at T={tokens[-1]} |",
+             "| --- | --- | ---: | --- |" + " ---: |" * (len(tokens) + 1)]
+    groups: dict[tuple, dict] = {}
+    for r in result["rows"]:
+        cell = _grid_cell(r.get("shape", ""))
+        if cell is None or "error" in r:
+            continue
+        case, t, h = cell
+        peer = "tk2" if "tk2" in r["peers"] else ("tk1" if "tk1" in r["peers"] else None)
+        groups.setdefault((r["op"], case, h, peer), {})[t] = r
+    for (op, case, h, peer), by_t in groups.items():
+        cells = []
+        for t in tokens:
+            r = by_t.get(t)
+            e = r["peers"].get(peer, {}) if r and peer else {}
+            if "speedup" in e:
+                cells.append(f"{e['speedup']:.2f}" + ("" if e.get("agree", True) else " ≠"))
+            else:
+                cells.append("fails" if "error" in e else "-")
+        last = by_t.get(tokens[-1]) or by_t[max(by_t)]
+        name = _peers.PEER_NAMES[peer].replace("TileKernels ", "TK ") if peer else "-"
+        pct = 100 * last["copy_us"] / last["us"] if "us" in last and "copy_us" in last else float("nan")
+        lines.append(f"| {op} | {case} | {h} | {name} | " + " | ".join(cells) + f" | {pct:.1f} |")
+    return lines
+
+
+def report_main(paths: list[str], markdown: str | None) -> int:
+    """``bench --report A.json [B.json ...]``: the tables of saved runs (merged in order), without a GPU."""
+    results = []
+    for p in paths:
+        with open(p) as f:
+            results.append(json.load(f))
+    res = merge(results)
+    peers = [p for p in ("tk2", "tk1", "liger", "compile") if any(p in r.get("peers", {}) for r in res["rows"])]
+    runs = "; ".join(f"{r['date']} ({r['rows']} rows, 2 GiB copy {r['copy_ceiling_gbs']:.0f} GB/s)"
+                     if r["copy_ceiling_gbs"] else f"{r['date']} ({r['rows']} rows)" for r in res["runs"])
+    lines = [f"{res.get('gpu', '?')}; runs: {runs}; timer: isolated", ""]
+    for peer in ("tk2", "tk1"):
+        if peer in peers:
+            lines += [*summary_lines(summary(res, peer)), ""]
+    lines += pivot(res)
+    sampled = [r for r in res["rows"] if "compile" in r.get("peers", {})]
+    if sampled:
+        lines += ["", "| op | case | µs | torch.compile(reference) µs | speedup | outputs |",
+                  "| --- | --- | ---: | ---: | ---: | --- |"]
+        for r in sampled:
+            e = r["peers"]["compile"]
+            if "speedup" in e:
+                lines.append(f"| {r['op']} | {r['shape']} | {r['us']:.1f} | {e['us']:.1f} | {e['speedup']:.2f}x | "
+                             f"{e['check']} |")
+            else:
+                lines.append(f"| {r['op']} | {r['shape']} | {r.get('us', 0):.1f} | fails: {e.get('error', '')[:60]} | | |")
+    print("\n".join(lines))
+    if markdown:
+        with open(markdown, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return 0

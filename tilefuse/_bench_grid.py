@@ -222,6 +222,12 @@ def grid_cases(ops: list[str] | None = None) -> list:
                     x, "e4m3", 128, None, None, None, *fl, clamp),
                 peer_call=lambda ns, x, fl=fl, clamp=clamp: _swiglu_fwd_peer(ns, x, fl, clamp))
     for rnd in (False, True):
+        add("swiglu_backward_and_per_token_cast",
+            lambda t, h, rnd=rnd: f"e4m3 pair {t}x{2 * h} npc128{' round' if rnd else ''}, one slot per token",
+            lambda t, h, d: _swiglu_bwd_inputs(t, h, d),
+            lambda ns, x, g, w, p2t, tt2p, rnd=rnd: ns.swiglu_backward_and_per_token_cast(x, g, w, p2t, tt2p, 128, rnd),
+            lambda x, g, w, p2t, tt2p, rnd=rnd: _swiglu_bwd_ref(x, g, w, p2t, tt2p, rnd), tk2=False, tk1=True,
+            exact=False)
         add("swiglu_forward_and_per_channel_cast_and_transpose",
             lambda t, h, rnd=rnd: f"bf16 {t}x{2 * h} npt128{' round' if rnd else ''} transpose",
             lambda t, h, d: (_randn((t, 2 * h), torch.bfloat16, d),),
@@ -254,6 +260,25 @@ def _swiglu_fwd_peer(ns, x, fl, clamp):
         return ns.swiglu_forward_and_per_token_cast(x, "e4m3", 128, use_tma_aligned_col_major_sf=fl[0],
                                                     round_sf=fl[1], use_packed_ue8m0=fl[2], clamp_value=clamp)
     return ns.swiglu_forward_and_per_token_cast(x, "e4m3", 128, None, None, None, *fl, clamp)
+
+
+def _swiglu_bwd_inputs(t: int, h: int, device) -> tuple:
+    """SwiGLU backward inputs with one routing slot per token (top-1, row r is token r): the per-token e4m3 cast
+    (npc 128, unrounded) of a bf16 randn ``(t, 2h)``, a bf16 randn gradient, fp32 rand weights ``(t, 1)``."""
+    from tilefuse import quant as q
+
+    x = q.per_token_cast(_randn((t, 2 * h), torch.bfloat16, device), "e4m3", 128)
+    rows = torch.arange(t, dtype=torch.int32, device=device)
+    return x, _randn((t, h), torch.bfloat16, device), torch.rand(t, 1, device=device), rows, rows.view(t, 1)
+
+
+def _swiglu_bwd_ref(x, g, w, p2t, tt2p, round_sf: bool):
+    from tilefuse.reference import quant as R
+    from tilefuse.reference import swiglu as RS
+
+    out, x_grad, weight_grad = RS.swiglu_backward(x, g, w, p2t, tt2p, 128)
+    return (out.to(torch.bfloat16), R.cast(x_grad, "e4m3", (1, 128), round_sf=round_sf), x_grad.to(torch.bfloat16),
+            weight_grad)
 
 
 def _unpack_ref(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -688,6 +688,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", default=None, help="write the results as JSON")
     parser.add_argument("--markdown", default=None, help="write the table and the summary as markdown")
     parser.add_argument("--plot", default=None, help="write a PNG of the speedup over each peer")
+    parser.add_argument("--report", nargs="+", default=None, metavar="JSON",
+                        help="print (and with --markdown write) the tables of saved runs, merged in order; no GPU")
     parser.add_argument("--child-json", default=None, help=argparse.SUPPRESS)  # the TileKernels 1.0.0 process
     parser.add_argument("--host-overhead", action="store_true", help="also time one-row calls on the host")
     parser.add_argument("--no-compile-ref", action="store_true",
@@ -699,6 +701,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tiles", default=None,
                         help="per_token_cast tile sweep, e.g. 256x4,512x8 (threads x pairs per thread)")
     args = parser.parse_args(argv)
+    if args.report:
+        return C.report_main(args.report, args.markdown)
     if args.list:
         print("| op | shape | MB |\n| --- | --- | ---: |")
         for r in list_cases(ops=args.ops, quick=args.quick):
@@ -722,7 +726,8 @@ def main(argv: list[str]) -> int:
     def progress(i, n, r):
         done_rows.append(r)
         if args.json and len(done_rows) % 50 == 0:  # a run cut short keeps what it measured
-            _save({"partial": True, "rows": done_rows}, args.json + ".partial")
+            _save({"partial": True, "gpu": torch.cuda.get_device_name(),
+                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": done_rows}, args.json + ".partial")
         if "error" in r:
             print(f"  [{i + 1}/{n}] {r['op']} | {r.get('shape')} | fails: {r['error']}", flush=True)
             return

@@ -3,7 +3,7 @@
 # Usage on the device: source .gpu/prelude.sh && bash tools/gpu_verify.sh   (logs under $OUT, else logs/)
 # A kernel cache packed here by tools/pack_kernel_cache.sh (.gpu/kcache.tar.xz) is unpacked first, so the
 # device compiles only what changed since. Env: T_BENCH, T_TEST (step limits, seconds), OPS (bench ops),
-# BENCH_ARGS (extra bench flags), TESTS (test paths, default the whole tier; "none" skips the tests; the
+# BENCH_ARGS (extra bench flags, e.g. "--compare --warm-jobs 16"), GRID=1 (the whole grid, not only the --quick rows), TESTS (test paths, default the whole tier; "none" skips the tests; the
 # knob-variant tests, which compile on the device, run second under T_KNOB_TEST with KNOB_WORKERS pytest workers
 # unless SKIP_KNOB_TESTS=1; KNOB_ONLY=1 runs only them),
 # PRECOMPILE=1 (compile every registered config missing from the cache first; T_COMPILE limits it),
@@ -25,7 +25,8 @@ if [ -n "${PRECOMPILE:-}" ]; then  # compile what the packed cache lacks, 16 at 
   timeout ${T_COMPILE:-300} python3 -m tilefuse precompile --jobs 16 2>&1 | grep -E "^compiled|^FAILED|^native" | tee "$OUT/precompile.log"
 fi
 if [ "${OPS:-}" != "none" ]; then
-  timeout ${T_BENCH:-240} python3 -m tilefuse bench ${OPS:+--ops $OPS} $([ -z "${COMPILE_REF:-}" ] && echo --no-compile-ref) \
+  timeout ${T_BENCH:-240} python3 -m tilefuse bench $([ -z "${GRID:-}" ] && echo --quick) ${OPS:+--ops $OPS} \
+    $([ -z "${COMPILE_REF:-}" ] && echo --no-compile-ref) \
     ${BENCH_ARGS:-} \
     --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -60
 fi
@@ -34,7 +35,7 @@ if [ -n "${VARIANTS:-}" ]; then
   while IFS='|' read -r vops vknobs; do
     case "$vops" in ''|'#'*) continue ;; esac
     n=$((n + 1)); echo "## variant $n: $vops | $vknobs" | tee -a "$OUT/variants.log"
-    TILEFUSE_KNOBS="$vknobs" timeout ${T_VARIANT:-90} python3 -m tilefuse bench --ops $vops --no-compile-ref \
+    TILEFUSE_KNOBS="$vknobs" timeout ${T_VARIANT:-90} python3 -m tilefuse bench --quick --ops $vops --no-compile-ref \
       --json "$OUT/variant-$n.json" 2>&1 | grep -E "^  " | tee -a "$OUT/variants.log"
   done < "$VARIANTS"
 fi

@@ -1,0 +1,149 @@
+"""CPU tests of ``bench --compare``: the grid's coverage, its references and peer calls, the output comparison,
+and the tables built from saved results."""
+import types
+
+import pytest
+import torch
+
+from tilefuse import _bench_compare as C
+from tilefuse import _peers, _registry, quant, transpose
+from tilefuse._bench_grid import HIDDEN, TOKENS, grid_cases
+
+GRID = grid_cases()
+# the small cases of the grid, run on the CPU (each op's reference path)
+SMALL = [c for c in GRID if c.tokens == 128 and ("x1536" in c.key or " 1536)" in c.key or "x3072" in c.key)]
+
+
+def test_every_quant_and_transpose_kernel_op_is_in_the_grid():
+    kernel_ops = {name.split(".", 1)[1] for name, rec in _registry.load_all().items()
+                  if rec["path"] == "kernel" and name.split(".")[0] in ("quant", "transpose")}
+    # batched_transpose_weight_sf converts weight sf (G, N/128, K/128), not activations: its rows are --quick's
+    assert kernel_ops - {c.name for c in GRID} == {"batched_transpose_weight_sf"}
+
+
+def test_grid_spans_hidden_sizes_and_token_counts():
+    assert len(HIDDEN) >= 5 and min(HIDDEN) == 1536 and max(HIDDEN) == 18432
+    for name in {c.name for c in GRID}:
+        tokens = {c.tokens for c in GRID if c.name == name}
+        keys = {c.key for c in GRID if c.name == name}
+        assert tokens >= {128, 4096} and tokens <= set(TOKENS), name
+        assert len(keys) >= 5, name  # five hidden sizes (times the flag sets)
+    ptc = {c.key.split("|")[1] for c in GRID if c.name == "per_token_cast"}
+    for flags in (" e4m3 col round ue8m0", " e4m3 round", " e2m1", "fp32 "):
+        assert any(flags in k for k in ptc), flags
+
+
+def test_every_grid_case_names_a_peer_or_a_reference():
+    for c in GRID:
+        assert c.ref is not None and (c.peers or c.name in ("per_token_cast_and_cast_back",)), c.key
+        assert c.key and c.tokens in TOKENS
+
+
+@pytest.mark.parametrize("case", SMALL, ids=[c.key for c in SMALL])
+def test_reference_and_peer_calls_compute_our_op(case):
+    """On the CPU our op takes its reference: the case's torch.compile reference and its peer calls (here against
+    a stand-in module holding our own ops) must give the same outputs, bitwise where the spec is exact."""
+    torch.manual_seed(0)
+    _, inputs = case.make("cpu", 1.0)
+    ours = case.run(*C._clone(inputs))
+    ok, text = _peers.agree(ours, case.ref(*C._clone(inputs)), case.exact)
+    assert ok, f"reference: {text}"
+    stand_in = types.SimpleNamespace(quant=quant, transpose=transpose)
+    for peer, call in (case.peers or {}).items():
+        ok, text = _peers.agree(ours, call(stand_in, *C._clone(inputs)), case.exact)
+        assert ok, f"{peer}: {text}"
+
+
+def test_agree_is_bitwise_and_reads_strided_views_logically():
+    a = torch.randn(8, 4)
+    col = a.t().contiguous().t()  # the same values, column-major strides
+    assert _peers.agree((a,), (col,), True) == (True, "bitwise")
+    b = a.clone()
+    b[3, 1] = -b[3, 1]
+    ok, text = _peers.agree(a, b, True)
+    assert not ok and text == "output 0: 1 bytes differ"  # the sign byte
+    ok, text = _peers.agree(a, a + 1e-9, False)
+    assert ok and text.startswith("calc_diff") or text == "bitwise"
+    assert not _peers.agree(a, a + 1.0, False)[0]
+    assert not _peers.agree(a, a[:4], True)[0]
+    assert not _peers.agree((a, a), (a,), True)[0]
+    assert _peers.agree(a.to(torch.float8_e4m3fn), a.to(torch.float8_e4m3fn), True)[0]
+
+
+def test_calc_diff():
+    x = torch.randn(100)
+    assert _peers.calc_diff(x, x) == pytest.approx(0.0, abs=1e-12)
+    assert _peers.calc_diff(x, -x) == pytest.approx(2.0)
+
+
+def _row(op, shape, us, peer_us, nbytes=64 << 20, peer="tk2", agree=True):
+    return {"op": op, "shape": shape, "bytes": nbytes, "us": us, "copy_us": us * 0.9,
+            "peers": {peer: {"us": peer_us, "speedup": peer_us / us, "agree": agree, "check": "bitwise"}}}
+
+
+def test_summary_judges_large_cases_where_both_ran():
+    res = {"rows": [_row("a", "bf16 4096x7168", 10, 20), _row("a", "bf16 16384x7168", 10, 9),
+                    _row("b", "bf16 4096x7168", 10, 5), _row("b", "bf16 1x7168", 10, 1, nbytes=1 << 20),
+                    {"op": "c", "shape": "x", "error": "boom", "peers": {}}]}
+    s = C.summary(res, "tk2")
+    assert s["cases"] == 3
+    assert s["geomean"] == pytest.approx((2.0 * 0.9 * 0.5) ** (1 / 3))
+    assert s["ops"]["a"]["min"] == pytest.approx(0.9)
+    assert s["ops"]["a"]["below_0.97"] == [(0.9, "bf16 16384x7168")]
+    assert "b" in s["ops"] and "c" not in s["ops"]
+    assert any("geomean speedup 1.1" in line or "geomean speedup 0.9" in line for line in C.summary_lines(s))
+
+
+def test_pivot_groups_token_counts_of_one_case():
+    res = {"rows": [_row("a", f"bf16 {t}x2048 npc128", 10, 10 * s) for t, s in ((1, 1.5), (128, 1.0), (4096, 0.9))]
+           + [_row("a", "bf16 16384x2048 npc128", 10, 11, agree=False)]}
+    lines = C.pivot(res)
+    assert len(lines) == 3
+    assert lines[2] == "| a | bf16 TxH npc128 | 2048 | TK 2.1.0 | 1.50 | 1.00 | 0.90 | 1.10 ≠ | 90.0 |"
+    assert C._grid_cell("bf16 (8, 4096, 7168)") == ("bf16 (8, T, H)", 4096, 7168)
+
+
+def test_merge_lets_later_runs_replace_rows():
+    first = {"gpu": "G", "date": "d1", "copy_ceiling_gbs": None, "rows": [_row("a", "s1", 10, 10), _row("a", "s2", 10, 10)]}
+    second = {"gpu": "G", "date": "d2", "copy_ceiling_gbs": 4000.0, "rows": [_row("a", "s2", 5, 10)]}
+    m = C.merge([first, second])
+    assert [r["us"] for r in m["rows"]] == [10, 5]
+    assert [r["date"] for r in m["runs"]] == ["d1", "d2"]
+    assert "pct_ceiling" in m["rows"][1] and "pct_ceiling" not in m["rows"][0]
+
+
+def test_compile_sample_takes_one_case_per_op():
+    picked = [GRID[i] for i in C.compile_sample(GRID, False)]
+    assert sorted(c.name for c in picked) == sorted({c.name for c in GRID})
+    assert all(c.tokens == 4096 for c in picked)
+    assert C.compile_sample(GRID[:5], True) == set(range(5))
+
+
+def test_report_renders_saved_runs(tmp_path):
+    import json
+
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"gpu": "G", "date": "d", "copy_ceiling_gbs": 4000.0,
+                                "rows": [_row("per_token_cast", "bf16 4096x7168 npc128 e4m3", 10, 12)]}))
+    out = tmp_path / "t.md"
+    assert C.report_main([str(path)], str(out)) == 0
+    text = out.read_text()
+    assert "geomean speedup 1.200x" in text and "| per_token_cast | bf16 TxH npc128 e4m3 | 7168 |" in text
+
+
+def test_peer_load_names_the_variable(monkeypatch):
+    monkeypatch.delenv("TILEFUSE_PEER_TK2", raising=False)
+    monkeypatch.setattr(_peers, "_LOADED", {})
+    with pytest.raises(RuntimeError, match="TILEFUSE_PEER_TK2"):
+        _peers.load("tk2")
+    with pytest.raises(ValueError, match="peer must be one of"):
+        _peers.load("nope")
+
+
+def test_cli_rejects_unknown_peers_and_timers():
+    from tilefuse import bench
+
+    with pytest.raises(SystemExit):
+        bench.main(["--compare", "--peers", "tk3"])
+    with pytest.raises(SystemExit):
+        bench.main(["--timer", "wall"])
