@@ -1,14 +1,14 @@
-"""``python -m tilefuse bench``: kernel bandwidth against the GPU's copy ceiling, and host overhead (DESIGN.md).
+"""``python -m tilefuse bench``: kernel time against a copy of the same bytes, side by side with the peers, and
+host overhead (DESIGN.md).
 
-Each op runs at the spec's benchmark shapes (quant.md 7.3): median µs per call after warm-up, from CUDA
-events around batches of back-to-back calls queued behind a device-side sleep (so host launch time is not
-counted as kernel time), inputs rotated across several copies so L2 never serves them, GB/s counting each
-input read once and each output written once (decimal), % of the copy ceiling measured in the same run (a
-large device-to-device copy, bytes read + written), and the speed ratio to ``torch.compile`` of the
-reference where it compiles.
-Every case calls the public op; ``--list`` prints each case's shape and bytes without a GPU (fake tensors).
-``--host-overhead`` times one-row calls on the host: our eager entry, the custom op, a bare TileLang
-kernel call with preallocated outputs, and ``torch.empty``.
+The cases: the grid of ``tilefuse._bench_grid`` (every quant and transpose op over hidden sizes, token counts and
+flag sets), or with ``--quick`` the showcase rows of ``_cases`` (one per op and flag set, at the spec's benchmark
+shapes, quant.md 7.3). ``tilefuse._bench_compare`` times them: each call alone after an L2 flush (``isolated``, the
+default) or back to back (``stream``, :func:`median_us`), with a device copy of the same bytes and the 2 GiB copy
+as ceilings; ``--compare`` adds the peers (``tilefuse._peers``). GB/s counts each input read once and each output
+written once (decimal). Every case calls the public op; ``--list`` prints each case's shape and bytes without a
+GPU (fake tensors), ``--report`` the tables of saved runs. ``--host-overhead`` times one-row calls on the host:
+our eager entry, the custom op, a bare TileLang kernel call with preallocated outputs, and ``torch.empty``.
 """
 from __future__ import annotations
 
