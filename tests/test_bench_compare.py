@@ -97,9 +97,13 @@ def test_summary_judges_large_cases_where_both_ran():
 def test_pivot_groups_token_counts_of_one_case():
     res = {"rows": [_row("a", f"bf16 {t}x2048 npc128", 10, 10 * s) for t, s in ((1, 1.5), (128, 1.0), (4096, 0.9))]
            + [_row("a", "bf16 16384x2048 npc128", 10, 11, agree=False)]}
+    res["rows"].append(_row("a", "bf16 4096x7168 npc128", 10, 20))
+    res["rows"].append({"op": "a", "shape": "bf16 1x7168 npc128", "bytes": 1, "us": 1.0, "copy_us": 1.0,
+                        "peers": {"tk2": {"error": "AssertionError"}}})
     lines = C.pivot(res)
     assert len(lines) == 3
-    assert lines[2] == "| a | bf16 TxH npc128 | 2048 | TK 2.1.0 | 1.50 | 1.00 | 0.90 | 1.10 ≠ | 90.0 |"
+    assert lines[0] == "| op | case | peer | H: T=1,128,4096,16384 | H: T=1,128,4096,16384 |"
+    assert lines[2] == "| a | bf16 TxH npc128 | TK 2.1.0 | 2048: 1.50 1.00 0.90 1.10≠ | 7168: x - 2.00 - |"
     assert C._grid_cell("bf16 (8, 4096, 7168)") == ("bf16 (8, T, H)", 4096, 7168)
 
 
@@ -128,7 +132,7 @@ def test_report_renders_saved_runs(tmp_path):
     out = tmp_path / "t.md"
     assert C.report_main([str(path)], str(out)) == 0
     text = out.read_text()
-    assert "geomean speedup 1.200x" in text and "| per_token_cast | bf16 TxH npc128 e4m3 | 7168 |" in text
+    assert "geomean speedup 1.200x" in text and "| per_token_cast | bf16 TxH npc128 e4m3 | TK 2.1.0 | 7168: - - 1.20 - |" in text
 
 
 def test_peer_load_names_the_variable(monkeypatch):

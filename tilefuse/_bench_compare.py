@@ -446,11 +446,9 @@ def _grid_cell(shape: str) -> tuple[str, int, int] | None:
 
 
 def pivot(result: dict, tokens=(1, 128, 4096, 16384)) -> list[str]:
-    """The grid as one line per op, case and hidden size: the speedup over the TileKernels release that has the op
-    at each token count (``≠``: outputs disagree; ``-``: not run), and our % of the size-matched copy at the
-    largest token count."""
-    lines = ["| op | case | H | peer | " + " | ".join(f"T={t}" for t in tokens) + f" | % copy at T={tokens[-1]} |",
-             "| --- | --- | ---: | --- |" + " ---: |" * (len(tokens) + 1)]
+    """The grid as one line per op and case: for each of its widths (``H:``, the ``x`` dimension of the label),
+    the speedups over the TileKernels release that has the op at each token count in ``tokens`` (``≠``: outputs
+    disagree; ``-``: not run; ``x``: the peer fails)."""
     groups: dict[tuple, dict] = {}
     for r in result["rows"]:
         cell = _grid_cell(r.get("shape", ""))
@@ -458,20 +456,24 @@ def pivot(result: dict, tokens=(1, 128, 4096, 16384)) -> list[str]:
             continue
         case, t, h = cell
         peer = "tk2" if "tk2" in r["peers"] else ("tk1" if "tk1" in r["peers"] else None)
-        groups.setdefault((r["op"], case, h, peer), {})[t] = r
-    for (op, case, h, peer), by_t in groups.items():
-        cells = []
-        for t in tokens:
-            r = by_t.get(t)
-            e = r["peers"].get(peer, {}) if r and peer else {}
-            if "speedup" in e:
-                cells.append(f"{e['speedup']:.2f}" + ("" if e.get("agree", True) else " ≠"))
-            else:
-                cells.append("fails" if "error" in e else "-")
-        last = by_t.get(tokens[-1]) or by_t[max(by_t)]
+        groups.setdefault((r["op"], case, peer), {})[(h, t)] = r
+    width = max((len({h for h, _ in cells}) for cells in groups.values()), default=0)
+    lines = ["| op | case | peer | " + " | ".join(f"H: T={','.join(map(str, tokens))}" for _ in range(width)) + " |",
+             "| --- | --- | --- |" + " --- |" * width]
+    for (op, case, peer), cells in groups.items():
+        row = []
+        for h in sorted({h for h, _ in cells}):
+            parts = []
+            for t in tokens:
+                e = cells[(h, t)]["peers"].get(peer, {}) if (h, t) in cells and peer else {}
+                if "speedup" in e:
+                    parts.append(f"{e['speedup']:.2f}" + ("" if e.get("agree", True) else "≠"))
+                else:
+                    parts.append("x" if "error" in e else "-")
+            row.append(f"{h}: " + " ".join(parts))
+        row += [""] * (width - len(row))
         name = _peers.PEER_NAMES[peer].replace("TileKernels ", "TK ") if peer else "-"
-        pct = 100 * last["copy_us"] / last["us"] if "us" in last and "copy_us" in last else float("nan")
-        lines.append(f"| {op} | {case} | {h} | {name} | " + " | ".join(cells) + f" | {pct:.1f} |")
+        lines.append(f"| {op} | {case} | {name} | " + " | ".join(row) + " |")
     return lines
 
 
