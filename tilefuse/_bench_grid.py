@@ -13,21 +13,17 @@ from __future__ import annotations
 
 import torch
 
+from tilefuse.bench import _SHORT, _flag_names, _randn
+
 HIDDEN = (1536, 2048, 4096, 7168, 18432)
 NORM_HIDDEN = (1536, 2048, 4096, 7168, 8192)  # the RMSNorm ops take hidden <= 8192 (quant.md 5.11); 8192: Llama-3-70B
 TOKENS = (1, 128, 4096, 16384)
 # (use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0): the flag sets of the spec's level >= 1 grid
 FLAGS = ((False, False, False), (False, True, False), (True, True, True))
-_SHORT = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
 def _flags(flags) -> str:
-    col, rnd, packed = flags
-    return "".join(f" {n}" for n, on in (("col", col), ("round", rnd), ("ue8m0", packed)) if on)
-
-
-def _randn(shape, dtype, device) -> torch.Tensor:
-    return torch.randn(*shape, device=device).to(dtype)
+    return _flag_names(*flags)
 
 
 def _on(area: str):

@@ -20,6 +20,8 @@ import sys
 
 import torch
 
+from tilefuse.testing.numeric import calc_diff  # noqa: F401  (agree's inexact rule; re-exported)
+
 PEER_ENV = {"tk2": "TILEFUSE_PEER_TK2", "tk1": "TILEFUSE_PEER_TK1", "liger": "TILEFUSE_PEER_LIGER"}
 PEER_NAMES = {"tk2": "TileKernels 2.1.0", "tk1": "TileKernels 1.0.0", "liger": "Liger-Kernel",
               "compile": "torch.compile(reference)"}
@@ -68,13 +70,6 @@ def tensors(obj) -> list[torch.Tensor]:
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """The logical elements of ``t`` as bytes, in row-major order (strided views compare by what they show)."""
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
-    """``1 - 2 <x, y> / (<x, x> + <y, y>)`` in float64 (0 for equal tensors; quant.md 6.1)."""
-    x, y = x.double(), y.double()
-    denom = (x * x + y * y).sum()
-    return 0.0 if denom == 0 else float(1 - 2 * (x * y).sum() / denom)
 
 
 def agree(ours, theirs, exact: bool) -> tuple[bool, str]:

@@ -23,6 +23,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from tilefuse._peers import tensors as _tensors
+
 _L2_ROTATE_BYTES = 512 << 20
 _SLEEP_CYCLES = 2_000_000  # ~1 ms of GPU time queued ahead of each timed batch (doubled while too short)
 
@@ -65,15 +67,6 @@ def copy_ceiling_gbs() -> float:
     dst = torch.empty_like(src)
     us = median_us(lambda i: dst.copy_(src), 1, calls=3)
     return 2 * n / us / 1e3
-
-
-def _tensors(obj) -> list:
-    """The tensors of a (nested) tuple/list, in order; ``None`` and non-tensors are skipped (quant.md 7.3)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [t for item in obj for t in _tensors(item)]
-    return []
 
 
 def _nbytes(*objs) -> int:

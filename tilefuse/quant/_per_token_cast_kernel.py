@@ -131,9 +131,10 @@ def per_token_cast_kernel(x_dtype: str, fmt: str, hidden: int, npc: int, round_s
     per_byte = 2 if x_dtype == "e2m1" else 1
     E = min(vp * per_byte, npc)                     # logical elements per vector
     vp = E // per_byte
-    row_walk = tile is None and default_tile(x_dtype, fmt, round_sf, mode, prequant, npc)[0] == ROW_WALK_THREADS
+    row_walk = tile is None  # a default tile may be a row walk, whose thread count follows the hidden size
     if tile is None:
         tile = default_tile(x_dtype, fmt, round_sf, mode, prequant, npc)
+    row_walk = row_walk and tile[0] == ROW_WALK_THREADS
     L, C = _lanes(npc, E, tile[2] if len(tile) > 2 else 32)
     threads, per_thread = tile[:2]
     threads = max(threads, L)
