@@ -20,14 +20,16 @@ def test_ncu_summary_one_line_per_kernel():
     stall = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
     header = ["Kernel Name", *s._COLS.values(), stall.format("barrier"), stall.format("selected"),
               stall.format("long_scoreboard"), stall.format("wait")]
-    units = ["", "us", "cycle", "cycle", "%", "%", "%", "Gbyte", "Mbyte", "sector", "register/thread", "", "", "", ""]
+    units = ["", "us", "cycle", "cycle", "%", "%", "%", "Gbyte", "Mbyte", "sector", "register/thread", "", "",
+             "%", "%", "inst", "", "", "", ""]
     row = ["k_kernel", "25.0", "40,000", "50,000", "32.5", "81.0", "39.5", "0.036", "31.5", "1,000,000", "40",
-           "4.3", "9.0", "9.3", "1.5"]
+           "528", "128", "62.5", "91.0", "1,500,000", "4.3", "9.0", "9.3", "1.5"]
     lines = s.summarize([header, units, row])
     assert len(lines) == 2
     cells = [c.strip() for c in lines[1].split("|")]
-    assert cells[:10] == ["k_kernel", "25.0", "80.0", "32.5", "81.0", "39.5", "36.0", "31.5", "32.0", "40"]
-    assert cells[10] == "long_scoreboard 9.3, barrier 4.3, wait 1.5"
+    assert cells[:14] == ["k_kernel", "25.0", "80.0", "32.5", "81.0", "39.5", "91.0", "36.0", "31.5", "32.0", "40",
+                          "528 x 128", "62.5", "1.5"]
+    assert cells[14] == "long_scoreboard 9.3, barrier 4.3, wait 1.5"
 
 
 def test_bench_markdown_renders_a_bench_json(tmp_path, capsys):

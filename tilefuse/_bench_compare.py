@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -163,12 +164,12 @@ def measure(case, peers: list[str], timers: tuple[str, ...], with_compile: bool 
 def _warm_worker(args) -> int:
     """Run each case of ``indices`` once on us and on the in-process peers, so that the kernels of every
     implementation are compiled into the disk caches before anything is timed; returns the failures."""
-    quick, ops, indices, peers, child, compile_idx = args
+    quick, ops, indices, peers, child, compile_idx, match = args
     import torch._inductor.config as inductor_config
 
     inductor_config.compile_threads = 1
     _setup_compile()
-    cases = select_cases(quick, ops, ["tk1"] if child else None)
+    cases = select_cases(quick, ops, ["tk1"] if child else None, match)
     failures = 0
     for i in indices:
         case = cases[i]
@@ -189,7 +190,8 @@ def _warm_worker(args) -> int:
     return failures
 
 
-def warm(quick: bool, ops, peers: list[str], cases: list, jobs: int, child: bool, compile_idx: set) -> None:
+def warm(quick: bool, ops, peers: list[str], cases: list, jobs: int, child: bool, compile_idx: set,
+         match: str | None = None) -> None:
     """Compile everything the run will launch, in ``jobs`` spawned processes (TileLang and inductor compile on
     the CPU; their disk caches serve the timing process). The cases of one key (the same kernels at other token
     counts) go to one process, so no kernel is compiled twice at once."""
@@ -201,16 +203,22 @@ def warm(quick: bool, ops, peers: list[str], cases: list, jobs: int, child: bool
     keys = list(dict.fromkeys(c.key or str(i) for i, c in enumerate(cases)))
     slot = {k: j % jobs for j, k in enumerate(keys)}
     share = [[i for i, c in enumerate(cases) if slot[c.key or str(i)] == w] for w in range(jobs)]
-    work = [(quick, ops, share[w], peers, child, compile_idx) for w in range(jobs)]
+    work = [(quick, ops, share[w], peers, child, compile_idx, match) for w in range(jobs)]
     with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         failures = sum(pool.map(_warm_worker, work))
     print(f"warm-up: {n_cases} cases in {jobs} processes, {time.perf_counter() - t0:.0f} s "
           f"({failures} calls failed; their rows will say why)", flush=True)
 
 
-def select_cases(quick: bool, ops, peers: list[str] | None = None) -> list:
+def case_label(case) -> str:
+    """A grid case's shape label without building its inputs (its key with the token count filled in)."""
+    text = case.key.split("|", 1)[-1]
+    return text.replace("0x", f"{case.tokens}x", 1) if case.tokens is not None else text
+
+
+def select_cases(quick: bool, ops, peers: list[str] | None = None, match: str | None = None) -> list:
     """The cases of a run: today's rows (``--quick``) or the grid; in a TileKernels 1.0.0 process only the cases
-    that 1.0.0 has."""
+    that 1.0.0 has; with ``match`` only the grid cases whose label (``case_label``) the regex finds."""
     from tilefuse import bench
     from tilefuse._bench_grid import grid_cases
 
@@ -220,6 +228,9 @@ def select_cases(quick: bool, ops, peers: list[str] | None = None) -> list:
         cases = grid_cases(ops)
     if peers == ["tk1"]:
         cases = [c for c in cases if c.peers and "tk1" in c.peers]
+    if match:
+        pattern = re.compile(match)
+        cases = [c for c in cases if pattern.search(case_label(c))]
     return cases
 
 
@@ -239,18 +250,18 @@ def compile_sample(cases: list, quick: bool) -> set:
 
 
 def run(quick: bool, ops, peers: list[str], timers: tuple[str, ...], warm_jobs: int = 0,
-        child: bool = False, on_row=None) -> dict:
+        child: bool = False, on_row=None, match: str | None = None) -> dict:
     """Time every case on us and on ``peers`` (TileKernels 1.0.0 in a second process unless ``child``)."""
     in_process = [p for p in peers if p != "tk1" or child]
     if "compile" in in_process:
         _setup_compile()
-    cases = select_cases(quick, ops, ["tk1"] if child else None)
+    cases = select_cases(quick, ops, ["tk1"] if child else None, match)
     for p in in_process:
         if p != "compile":
             _peers.load(p)  # fail early, naming the variable, if a peer folder is missing
     compile_idx = compile_sample(cases, quick)
     if warm_jobs > 0:
-        warm(quick, ops, in_process, cases, warm_jobs, child, compile_idx)
+        warm(quick, ops, in_process, cases, warm_jobs, child, compile_idx, match)
     ceiling = 2 * (1 << 30) / copy_us(2 << 30) / 1e3  # the 2 GiB copy (read + written), isolated
     _COPY_CACHE.pop(1 << 30)
     torch.cuda.empty_cache()
@@ -271,11 +282,11 @@ def run(quick: bool, ops, peers: list[str], timers: tuple[str, ...], warm_jobs: 
         if "us" in row or "stream_us" in row:  # of the 2 GiB copy, by the run's first timer
             row["pct_ceiling"] = 100 * row["bytes"] / row.get("us", row.get("stream_us")) / 1e3 / ceiling
     if "tk1" in peers and not child:
-        merge_child(result, run_child(quick, ops, timers, warm_jobs))
+        merge_child(result, run_child(quick, ops, timers, warm_jobs, match))
     return result
 
 
-def run_child(quick: bool, ops, timers, warm_jobs: int) -> dict:
+def run_child(quick: bool, ops, timers, warm_jobs: int, match: str | None = None) -> dict:
     """The TileKernels 1.0.0 cases in a second process; its JSON."""
     import tempfile
 
@@ -287,6 +298,8 @@ def run_child(quick: bool, ops, timers, warm_jobs: int) -> dict:
         cmd.append("--quick")
     if ops:
         cmd += ["--ops", *ops]
+    if match:
+        cmd += ["--match", match]
     print(f"TileKernels 1.0.0 in a second process: {' '.join(cmd[1:])}", flush=True)
     done = subprocess.run(cmd, check=False)
     try:

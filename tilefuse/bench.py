@@ -366,7 +366,8 @@ def _cases() -> list[Case]:
     return cases
 
 
-def list_cases(scale: float = 1.0, ops: list[str] | None = None, quick: bool = True) -> list[dict]:
+def list_cases(scale: float = 1.0, ops: list[str] | None = None, quick: bool = True,
+               match: str | None = None) -> list[dict]:
     """Each case's name, shape and bench bytes, without a GPU: inputs and outputs are fake tensors (shapes
     only, nothing computed), the outputs from the public op's CPU reference. A reference that reads data
     (a data-dependent check) runs on real CPU tensors instead."""
@@ -375,7 +376,7 @@ def list_cases(scale: float = 1.0, ops: list[str] | None = None, quick: bool = T
     from tilefuse._bench_compare import select_cases
 
     rows = []
-    for case in select_cases(quick, ops):
+    for case in select_cases(quick, ops, match=match):
         try:
             with FakeTensorMode():
                 shape, inputs = case.make("cpu", scale)
@@ -669,6 +670,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--ops", nargs="*", default=None, help="op names or areas (quant, transpose)")
     parser.add_argument("--quick", action="store_true",
                         help="only the showcase rows (one per op and flag set) instead of the whole grid")
+    parser.add_argument("--match", default=None, metavar="REGEX",
+                        help="only the grid cases whose label the regex finds, e.g. 'block128x1 ' or '^e4m3 16384x'")
     parser.add_argument("--compare", action="store_true",
                         help="also run every peer that has the op (--peers), same inputs, same process, same timer")
     parser.add_argument("--peers", default="tk2,tk1,liger,compile",
@@ -698,7 +701,7 @@ def main(argv: list[str]) -> int:
         return C.report_main(args.report, args.markdown)
     if args.list:
         print("| op | shape | MB |\n| --- | --- | ---: |")
-        for r in list_cases(ops=args.ops, quick=args.quick):
+        for r in list_cases(ops=args.ops, quick=args.quick, match=args.match):
             print(f"| {r['op']} | {r['shape']} | {r['bytes'] / 1e6:.1f} |")
         return 0
     timers = tuple(t for t in args.timer.split(",") if t)
@@ -731,7 +734,7 @@ def main(argv: list[str]) -> int:
         print(f"  [{i + 1}/{n}] {r['op']} | {r['shape']} | {us:.1f} us{cells}", flush=True)
 
     child = args.child_json is not None
-    result = C.run(args.quick, args.ops, peers, timers, args.warm_jobs, child, progress)
+    result = C.run(args.quick, args.ops, peers, timers, args.warm_jobs, child, progress, args.match)
     if child:
         _save(result, args.child_json)
         return 0

@@ -2,7 +2,10 @@
 
 Usage on the device (``source .gpu/prelude.sh`` first):
   ncu --clock-control none --profile-from-start off --set full -o $OUT/prof \
-      python3 tools/ncu_cases.py OP[:SHAPE_SUBSTRING] ...
+      python3 tools/ncu_cases.py [--peer tk2] OP[:SHAPE_SUBSTRING] ... grid:OP:REGEX ...
+``grid:OP:REGEX`` picks every grid case of OP whose label the regex finds (``bench --list --match``).
+``--peer P`` also calls each picked case on peer P (``tilefuse._peers``), right after ours, so both
+implementations' kernels sit side by side in the report.
 ``mix:LABEL_PREFIX`` picks a stock PyTorch case of ``tools/mix_ceiling.py`` (e.g. ``mix:fp32 fill``), to profile
 next to the row it mirrors. Every selected case is built and called twice first (kernel loads, allocator
 warm-up), outside the range; then each is called once inside it, so ncu sees exactly one launch of each kernel
@@ -13,6 +16,7 @@ import sys
 import torch
 
 from tilefuse import bench
+from tilefuse._bench_compare import _peer_fn, select_cases
 
 
 class _Mix:
@@ -23,7 +27,10 @@ class _Mix:
 
 
 def main(argv: list[str]) -> int:
-    wanted = [a.partition(":") for a in argv if not a.startswith("mix:")]
+    peer = None
+    if argv[:1] == ["--peer"]:
+        peer, argv = argv[1], argv[2:]
+    wanted = [a.partition(":") for a in argv if not a.startswith(("mix:", "grid:"))]
     picked = []
     for a in argv:
         if a.startswith("mix:"):
@@ -38,14 +45,26 @@ def main(argv: list[str]) -> int:
                 if shape in label:
                     picked.append((case, label, inputs))
                     break
+    for a in argv:
+        if a.startswith("grid:"):
+            _, op, regex = a.split(":", 2)
+            for case in select_cases(False, [op], match=regex):
+                label, inputs = case.make("cuda", 1.0)
+                picked.append((case, label, inputs))
+    calls = []
     for case, label, inputs in picked:
-        case.run(*inputs)
-        case.run(*inputs)
+        calls.append((f"{case.name} | {label}", case.run, inputs))
+        fn = _peer_fn(case, peer) if peer else None
+        if fn is not None:
+            calls.append((f"{peer}: {case.name} | {label}", fn, inputs))
+    for _, fn, inputs in calls:
+        fn(*inputs)
+        fn(*inputs)
     torch.cuda.synchronize()
     torch.cuda.profiler.start()
-    for case, label, inputs in picked:
-        print(f"profiling {case.name} | {label}", flush=True)
-        case.run(*inputs)
+    for name, fn, inputs in calls:
+        print(f"profiling {name}", flush=True)
+        fn(*inputs)
         torch.cuda.synchronize()
     torch.cuda.profiler.stop()
     return 0

@@ -5,8 +5,9 @@ issue, latency, partial-sector stores).
     python3 tools/ncu_summary.py raw.csv
 
 Columns: duration; SM active / elapsed cycles (below ~95%: launch ramp, tail or idle SMs); issue-slot use while
-active; L2 throughput and L2 tag lookups (% of peak); DRAM read / write MB; L2 write sectors from the SMs in MB
-(32 bytes each: above the output size means partial-sector stores); registers; the three largest warp stall
+active; L2 throughput and L2 tag lookups (% of peak); DRAM throughput (% of peak); DRAM read / write MB; L2 write sectors from the SMs in MB
+(32 bytes each: above the output size means partial-sector stores); registers; grid and block size; achieved
+occupancy (warps, % of the SM's 64); warp instructions executed (millions); the three largest warp stall
 reasons (cycles per issued instruction).
 """
 from __future__ import annotations
@@ -26,6 +27,11 @@ _COLS = {
     "dram_wr": "dram__bytes_write.sum",
     "l2_wr_sectors": "lts__t_sectors_srcunit_tex_op_write.sum",
     "regs": "launch__registers_per_thread",
+    "grid": "launch__grid_size",
+    "block": "launch__block_size",
+    "occ": "sm__warps_active.avg.pct_of_peak_sustained_active",
+    "dram": "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    "inst": "smsp__inst_executed.sum",
 }
 
 
@@ -48,7 +54,8 @@ def summarize(rows: list[list[str]]) -> list[str]:
     stalls = [(h[len(_STALL):-len("_per_issue_active.ratio")], i) for i, h in enumerate(header)
               if h.startswith(_STALL) and h.endswith("_per_issue_active.ratio")
               and h != _STALL + "selected_per_issue_active.ratio"]  # issuing, not a stall
-    out = ["kernel | us | SM active % | issue % | L2 % | L2 tags % | DRAM rd MB | DRAM wr MB | L2 wr MB | regs | top stalls"]
+    out = ["kernel | us | SM active % | issue % | L2 % | L2 tags % | DRAM % | DRAM rd MB | DRAM wr MB | L2 wr MB | regs"
+           " | grid x block | occupancy % | M inst | top stalls"]
     for r in data:
         get = {name: (_num(r[i]) if i is not None else float("nan")) for name, i in col.items()}
         top = sorted(((_num(r[i]), name) for name, i in stalls), reverse=True)[:3]
@@ -59,10 +66,14 @@ def summarize(rows: list[list[str]]) -> list[str]:
             f"{get['issue']:.1f}",
             f"{get['l2']:.1f}",
             f"{get['tag']:.1f}",
+            f"{get['dram']:.1f}",
             f"{get['dram_rd'] * scale['dram_rd']:.1f}",
             f"{get['dram_wr'] * scale['dram_wr']:.1f}",
             f"{get['l2_wr_sectors'] * 32e-6:.1f}",
             f"{get['regs']:.0f}",
+            f"{get['grid']:.0f} x {get['block']:.0f}",
+            f"{get['occ']:.1f}",
+            f"{get['inst'] * 1e-6:.1f}",
             ", ".join(f"{name} {v:.1f}" for v, name in top),
         ]))
     return out
