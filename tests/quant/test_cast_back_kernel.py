@@ -191,6 +191,19 @@ def test_block_matches_reference(t, block, round_sf, out):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("t", (1, 7, 130, 4001))
+@pytest.mark.parametrize("fmt", ("e4m3", "e2m1"))
+@pytest.mark.parametrize("block", ((128, 1), (4, 1)), ids=str)
+@pytest.mark.parametrize("col", (False, True))
+def test_per_element_sf_row_walk(t, fmt, block, col):
+    """Blocks narrower than a chunk (one sf per element): a thread walks the rows of one sf row block, R = 8 of
+    128 or all 4 of a 4-row block; 576 channels leave chunk columns past the row; row-major and column-major sf."""
+    for out in ("bf16", "fp32"):
+        data, sf = _quantized(t, 576, fmt, block, (col, False, False), OUT[out])
+        _check(data, sf, out, block)
+
+
+@pytest.mark.gpu
 def test_block_col_packed_sf():
     data, sf = _quantized(4001, 2048, "e4m3", (128, 128), (True, True, True))
     _check(data, sf, "fp32", (128, 128))
@@ -360,11 +373,11 @@ def test_unpack_uint8_and_strided_input():
 # knob variants (TILEFUSE_KNOBS sweeps, module doc of _jit.knobs): each must give the reference's bits exactly
 # ---------------------------------------------------------------------------------------------------------
 
-KNOB_VARIANTS = [  # the defaults are SF_HOIST=True, UNPACK_STORE_HINT=2
-    {"SF_HOIST": False, "UNPACK_STORE_HINT": 0},
+KNOB_VARIANTS = [  # the defaults are SF_HOIST=True, UNPACK_STORE_HINT=2, ROW_WALK=4
+    {"SF_HOIST": False, "UNPACK_STORE_HINT": 0, "ROW_WALK": 0},
     {"E4M3_MIN_BLOCKS": 16, "E2M1_MIN_BLOCKS": 16, "E5M6_MIN_BLOCKS": 12},
     {"STORE_HINT": 1, "UNPACK_STORE_HINT": 1, "UNPACK_MIN_BLOCKS": 8},
-    {"STORE_HINT": 2, "E2M1_STORE_HINT": 1},
+    {"STORE_HINT": 2, "E2M1_STORE_HINT": 1, "ROW_WALK": 16},
     {"E2M1_UNROLL": 8, "E5M6_UNROLL": 8, "UNPACK_UNROLL": 8},
 ]
 
@@ -423,6 +436,7 @@ def test_knob_variants_match_reference(knobs, knob_kernels):
         for block in ((128, 1), (128, 128)):
             for out in ("bf16", "fp32"):
                 test_block_matches_reference(t, block, True, out)
+        test_per_element_sf_row_walk(t, "e4m3", (128, 1), True)
     test_block_col_packed_sf()
     test_e2m1_block_32()
     for t in (1, 7, 4001):  # E5M6 (quant.md 2.3): the cast_back_e5m6 bench config and a masked one
