@@ -115,6 +115,17 @@ def test_builds_for_sm90(name, cfg):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("cfg", [("bfloat16", "e4m3", 2048, 32, 128, False, "row", "cast"),
+                                 ("bfloat16", "e2m1", 2048, 128, 32, False, "col", "cast")], ids=str)
+def test_no_round_uses_the_exact_quotients(cfg):
+    """EXACT_DIV: without round_sf the scale pair comes from _tl's FMA-pipe quotients (bit-equal to IEEE
+    division: tests/quant/test_per_channel_cast_kernel.py checks them for M = 448 and 6), no div.rn left."""
+    assert K.EXACT_DIV
+    src = _jit.compile_kernel("per_block_cast", cfg, "sm_90", export=False).get_kernel_source()
+    assert "tf_quot_rn(" in src and "tf_inv_quot_rn(" in src and " / a)" not in src
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("name,cfg", [_ALL[0], ("per_block_cast", ("bfloat16", "e4m3", 576, 32, 32, False, "row",
                                                                    "precomputed")), _ALL[-1]], ids=str)
 def test_pdl_wait_precedes_global_access(name, cfg):

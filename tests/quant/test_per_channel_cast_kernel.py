@@ -8,12 +8,13 @@ there is no strided-input case; the gather's input row count is free, so it runs
 """
 import re
 
+import numpy as np
 import pytest
 import torch
 
 from tilefuse import _jit
-from tilefuse.formats import cdiv
-from tilefuse.quant import _per_channel_cast_kernel as K
+from tilefuse.formats import CLAMP_MIN, cdiv
+from tilefuse.quant import _per_channel_cast_kernel as K, _tl
 from tilefuse.reference import quant as R
 from tilefuse.testing import assert_equal, quant_adversarial
 from tilefuse.testing.generators import QUANT_FILLS
@@ -162,8 +163,9 @@ def test_builds_for_sm90_with_vector_accesses(role):
     assert "__global__" in src and "use_fast_math" not in src
     assert ("*(fp8_e4_16_t*)(Y +" if cfg[4] else "*(fp8_e4_8_t*)(Y +") in src
     assert "__NV_SATFINITE" in src or "(fp8_e4_t)(" in src
-    if cfg[5]:  # gathered rows: one predicated helper load per row (GATHER_LDG)
-        assert f"tf_pcc_ld{_ROW_BYTES[cfg[0]]}((&(xr[" in src
+    words = cfg[0] == "bfloat16" and not cfg[4] and K.BF16_WORDS and K.CAST_REMAT  # rows as 32-bit words
+    if cfg[5] or words:  # gathered rows (GATHER_LDG) or bf16 words: one predicated helper load per row
+        assert f"tf_pcc_ld{_ROW_BYTES[cfg[0]]}((&({'xw' if words else 'xr'}[" in src
     elif cfg[0] == "bfloat16":
         assert "*(uint4*)(X +" in src
     elif cfg[0] == "pair":
@@ -433,7 +435,9 @@ def test_gathered_rows_are_predicated_loads_without_branches(role):
     x_kind = CFG[role][0]
     src = _source(CFG[role])
     body = src[src.index("__launch_bounds__"):]
-    load = re.search(rf"tf_pcc_ld{_ROW_BYTES[x_kind]}\(\(&\(xr\[\(j_\d+ \* 8\)\]\)\), \(&\([XD]\[0\]\)\), (.*), \(0 <= pl\[j_\d+\]\)\);", body)
+    words = x_kind == "bfloat16" and K.BF16_WORDS and K.CAST_REMAT  # bf16 rows as 32-bit words (4 a row)
+    dst = r"xw\[\(j_\d+ \* 4\)\]" if words else r"xr\[\(j_\d+ \* 8\)\]"
+    load = re.search(rf"tf_pcc_ld{_ROW_BYTES[x_kind]}\(\(&\({dst}\)\), \(&\([XD]\[0\]\)\), (.*), \(0 <= pl\[j_\d+\]\)\);", body)
     assert load, body[:2000]
     assert "if ((0 <= pl[" not in body and "if (0 <= pl[" not in body
     if x_kind == "pair":
@@ -480,3 +484,103 @@ def test_knob_variants_match_reference(knobs, role, knob_kernels):
     again = K.per_channel_cast_launch(x, x_sf, npt, rnd, transpose, pos)
     assert_equal(again[0], first[0])
     assert_equal(again[1], first[1])
+
+
+@pytest.mark.compile
+def test_no_round_uses_the_exact_quotients():
+    """No round_sf, bf16 (EXACT_DIV): the scale pair comes from the FMA-pipe quotients, no div.rn left."""
+    src = _source(CFG["gather"])
+    assert K.EXACT_DIV and "tf_quot_rn(" in src and "tf_inv_quot_rn(" in src
+    assert " / a)" not in src and "/ 0x1.cp+8f" not in src
+
+
+# ---------------------------------------------------------------------------------------------------------
+# _tl.exact_quotient / exact_inverse_quotient: bit equality with IEEE division (CPU, exact binary32 FMA model)
+# ---------------------------------------------------------------------------------------------------------
+
+def _fma32(x, y, z):
+    """binary32 fma (one rounding, ties to even) of float32 arrays: the float64 sum and its exact TwoSum error,
+    rounded once (the error decides only a sum that lies exactly on a binary32 midpoint)."""
+    x, y, z = (np.asarray(v, np.float32).astype(np.float64) for v in (x, y, z))
+    p = x * y  # exact: 48 bits
+    s = p + z
+    bp = s - z
+    err = (p - bp) + (z - (s - bp))
+    r = s.astype(np.float32)
+    d = s - r.astype(np.float64)
+    n = np.nextafter(r, np.where(d > 0, np.float32(np.inf), np.float32(-np.inf)))
+    mid = (d != 0) & (s == (r.astype(np.float64) + n.astype(np.float64)) * 0.5) & (err != 0)
+    return np.where(mid & (np.sign(err) == np.sign(d)), n, r).astype(np.float32)
+
+
+def _mul32(x, y):
+    return (np.asarray(x, np.float32).astype(np.float64) * np.asarray(y, np.float32).astype(np.float64)).astype(
+        np.float32)
+
+
+def _split(a):
+    ab = a.view(np.int32)
+    m = ((ab & 0x007FFFFF) | 0x3F800000).view(np.float32)
+    return ab, m, (ab & 0x7F800000) - 0x3F800000
+
+
+def _model_quot(a, M):
+    """tf_quot_rn of _tl.EXACT_DIV_SRC, step by step."""
+    M = np.float32(M)
+    R = np.float32(1) / M
+    ab, m, e23 = _split(a)
+    q = _mul32(m, R)
+    q = _fma32(_fma32(-q, M, m), R, q)
+    return np.where(ab >= 0x7F800000, a, (q.view(np.int32) + e23).view(np.float32))
+
+
+def _model_inv_quot(M, a):
+    """tf_inv_quot_rn of _tl.EXACT_DIV_SRC, step by step."""
+    M = np.float32(M)
+    ab, m, e23 = _split(a)
+    y = _fma32(m, np.float32(_tl.RCP_START[1]), np.float32(_tl.RCP_START[0]))
+    for _ in range(3):
+        y = _fma32(y, _fma32(-m, y, np.float32(1)), y)
+    q = _mul32(M, y)
+    q = _fma32(_fma32(-q, m, M), y, q)
+    return np.where(ab >= 0x7F800000, np.float32(0), (q.view(np.int32) - e23).view(np.float32))
+
+
+def test_fma_model_is_exact():
+    """The FMA model against exact rationals, including sums on binary32 midpoints."""
+    from fractions import Fraction
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal(4000).astype(np.float32)
+    y = rng.standard_normal(4000).astype(np.float32)
+    z = -_mul32(x, y)  # near-cancellation
+    z[::2] = rng.standard_normal(2000).astype(np.float32)
+    z[1::4] = (_mul32(x, y)[1::4] * np.float32(1 + 2 ** -24)).astype(np.float32)
+    got = _fma32(x, y, z)
+    for a, b, c, g in zip(x.tolist(), y.tolist(), z.tolist(), got.tolist()):
+        exact = Fraction(a) * Fraction(b) + Fraction(c)
+        lo = np.float32(float(exact))  # float() rounds once to binary64, then the candidates around it
+        cands = [lo, np.nextafter(lo, np.float32(np.inf)), np.nextafter(lo, np.float32(-np.inf))]
+        best = min(cands, key=lambda v: (abs(Fraction(float(v)) - exact), int(np.float32(v).view(np.int32)) & 1))
+        assert g == best, (a, b, c)
+
+
+@pytest.mark.parametrize("M", [448.0, 6.0])
+def test_exact_quotients_equal_ieee_division_on_every_mantissa(M):
+    """For every binary32 m in [1, 2) (the helpers work on the mantissa; the exponent goes on exactly),
+    both quotients equal numpy's IEEE binary32 division; plus every binade with sampled mantissas, the
+    domain's edges and +inf."""
+    m = (np.arange(2 ** 23, dtype=np.uint32) | np.uint32(0x3F800000)).view(np.float32)
+    Mf = np.float32(M)
+    assert np.array_equal(_model_quot(m, M).view(np.int32), (m / Mf).view(np.int32))
+    assert np.array_equal(_model_inv_quot(M, m).view(np.int32), (Mf / m).view(np.int32))
+    lo = np.float32(max(CLAMP_MIN["e4m3" if M == 448.0 else "e2m1"], M * 2.0 ** -126))
+    rng = np.random.default_rng(11)
+    mant = rng.integers(0, 2 ** 23, 4096, dtype=np.int64)
+    a = np.concatenate([((np.int64(e) << 23) | mant).astype(np.int32).view(np.float32) for e in range(1, 255)])
+    a = np.concatenate([a, [lo, np.nextafter(lo, np.float32(1)), np.finfo(np.float32).max, np.float32(1)]])
+    a = a[a >= lo].astype(np.float32)
+    with np.errstate(over="ignore"):
+        assert np.array_equal(_model_quot(a, M).view(np.int32), (a / Mf).view(np.int32))
+        assert np.array_equal(_model_inv_quot(M, a).view(np.int32), (Mf / a).view(np.int32))
+    inf = np.array([np.inf], np.float32)
+    assert _model_quot(inf, M)[0] == np.inf and _model_inv_quot(M, inf)[0] == 0.0

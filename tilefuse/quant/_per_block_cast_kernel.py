@@ -177,6 +177,11 @@ LOSSLESS_PRMT = 1
 # CAST_PDL: programmatic dependent launch (see _per_token_cast_kernel.PDL) in per_block_cast and its sf-only and
 # precomputed-sf variants. Same values either way.
 CAST_PDL = 1
+# EXACT_DIV: without round_sf, the scale pair a / M, M / a of per_block_cast and its sf-only variant from
+# ``_tl.exact_quotient`` / ``exact_inverse_quotient`` (the IEEE quotients' bits in FMA-pipe arithmetic) instead of
+# div.rn, whose slow-path subroutine call made ptxas spill at the bf16 cast's 64-register budget (0: div.rn). Same
+# values either way.
+EXACT_DIV = 1
 # LOSSLESS_PDL: programmatic dependent launch (see _per_token_cast_kernel.PDL): the kernel's first statement waits
 # for the stream's previous grid, so its launch and CTA setup overlap that grid's tail (81.0 -> 85.7% at the bench
 # shape, H200). Same values either way.
@@ -231,6 +236,8 @@ def per_block_cast_kernel(x_dtype: str, fmt: str, hidden: int, bm: int, bk: int,
     # bf16 element costs a byte permute and a shift. The e4m3 casts are memory-side and keep bf16 elements
     # (fewer live registers around the block reduction at the two-CTA budget).
     packed = _packed_input(x_dtype, fmt)
+    exact_div = bool(EXACT_DIV) and not round_sf and mode != "precomputed"
+    assert not exact_div or clamp >= M * 2.0 ** -126  # the exact quotients' domain
     wpr = _C // 2 if packed else _C  # stored words per row of a thread's chunk
     x_param = T.Tensor((Tn, hidden // 2), "int32") if packed else T.Tensor((Tn, hidden), x_dtype)
     y_param = (T.Tensor((Tn, hidden), "float8_e4m3fn") if fmt == "e4m3"
@@ -315,8 +322,12 @@ def per_block_cast_kernel(x_dtype: str, fmt: str, hidden: int, bm: int, bk: int,
                     inv[n] = _tl.pow2_inverse_from_exponent(eb)
                 else:
                     eb = 0
-                    sf = a / T.float32(M)
-                    inv[n] = T.float32(M) / a
+                    if exact_div:  # the IEEE quotients' bits without div.rn (the clamp keeps a in their domain)
+                        sf = _tl.exact_quotient(a, M)
+                        inv[n] = _tl.exact_inverse_quotient(M, a)
+                    else:
+                        sf = a / T.float32(M)
+                        inv[n] = T.float32(M) / a
                 if T.And(T.And(lane % lanes_per_block == 0, w % cm.wb == 0), T.And(row0 < Tn, col0 < hidden)):
                     cm.store_sf(SF, row0 // bm, cb, sf, eb)
         if mode != "sf_only":
@@ -335,6 +346,8 @@ def per_block_cast_kernel(x_dtype: str, fmt: str, hidden: int, bm: int, bk: int,
         with T.Kernel(T.ceildiv(hidden, _TILE_H), T.ceildiv(Tn, rows_per_cta), threads=cm.threads) as (bx, by):
             if f16:  # before the annotation below (after it, TileLang dropped the min-blocks bound)
                 _tl.import_cuda_helpers()
+            elif exact_div:
+                T.import_source(_tl.EXACT_DIV_SRC)
             if x_dtype == "bfloat16":
                 T.annotate_min_blocks_per_sm(cast_blocks)
             if CAST_PDL:

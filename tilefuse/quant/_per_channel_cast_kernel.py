@@ -39,13 +39,19 @@ the gathered rows through one predicated vector load each (a C++ helper; TileLan
 check and address arithmetic cost ~25 instructions a row). None changes a value: maxima are order-free and the
 widening and products are exact or repeated. ``CAST_PDL`` / ``CAST_PDL_TRIGGER``:
 programmatic dependent launch (the wait comes before every global access; no value changes); ``TRANSPOSE_PDL``
-the same wait in the transposed path.
+the same wait in the transposed path. ``BF16_WORDS``: plain bf16 rows held as 32-bit words of two elements
+(widened by a shift or a mask; the store's widening through inline PTX so nvcc cannot keep the max's 64 widened
+values instead), ``EXACT_DIV``: the no-round scale pair without div.rn (``_tl.exact_quotient``: the same bits),
+``NOROUND_MIN_WARPS``: the no-round configs' own launch bounds. Together the first two make the bf16 no-round
+cast fit 72 registers without spills.
 """
 import torch
 
 from tilefuse import _jit, _ops
 from tilefuse.formats import CLAMP_MIN, FMT_MAX
-from tilefuse.quant._tl import pow2_from_exponent, pow2_inverse_from_exponent, pow2_sf_exponent
+from tilefuse.quant import _tl
+from tilefuse.quant._tl import (exact_inverse_quotient, exact_quotient, pow2_from_exponent,
+                                pow2_inverse_from_exponent, pow2_sf_exponent)
 
 _BM = 128        # rows per CTA (one 128-row block, or four 32-row blocks)
 _C = 8           # channels per thread
@@ -76,6 +82,15 @@ CAST_PDL_TRIGGER = False  # with CAST_PDL: griddepcontrol.launch_dependents righ
                           # successor's CTAs may launch during this grid's last wave (they wait for its end)
 PAIR_REMAT = True  # pairs: compute data * sf_in again for the store instead of holding the 64 binary32 products
                    # (the same two roundings: bit-identical; 96 -> 64 registers)
+BF16_WORDS = True  # non-transposed plain bf16 input (with CAST_REMAT; gathered rows with GATHER_LDG): the rows held
+                   # as 32-bit words of two elements (loaded by the predicated-load helpers), each half widened
+                   # exactly by a shift or a mask; False: a bf16 array, which nvcc splits into 16-bit halves held
+                   # in 64 registers (spills at the 7-CTA cap)
+EXACT_DIV = True  # no round_sf, bf16 input: the scale pair a / M, M / a from _tl.exact_quotient and
+                  # exact_inverse_quotient (the IEEE quotients' bits in FMA-pipe arithmetic, no div.rn slow-path
+                  # call) instead of div.rn (False)
+NOROUND_MIN_WARPS = None  # no round_sf, non-transposed plain input: MIN_WARPS of its own (None: MIN_WARPS); 24 =
+                          # 6 CTAs at 80 registers, where div.rn does not spill
 GATHER_LDG = True  # gathered rows: each row's data (and a pair's sf) through one predicated load (C++ helpers,
                    # zeros for negative entries) instead of TileLang's per-row branch, bounds check and address
                    # arithmetic (pairs: 971 -> 839 instructions a thread)
@@ -97,6 +112,14 @@ __device__ __forceinline__ void tf_pcc_ld32(void* dst, const void* src, long lon
   reinterpret_cast<uint4*>(dst)[0] = v; reinterpret_cast<uint4*>(dst)[1] = w; }
 __device__ __forceinline__ float tf_pcc_ldf(const float* src, long long off, bool ok) {
   return ok ? __ldg(src + off) : 0.0f; }
+"""
+# BF16_WORDS: the store's widening of a word's bf16 halves by byte permutes in inline PTX, opaque to nvcc, so it
+# cannot reuse the max's widened values (64 live registers) instead of widening the 32 words again
+_BF16_WIDEN_SRC = """
+__device__ __forceinline__ float tf_pcc_bf16_lo(unsigned w) {
+  unsigned r; asm("prmt.b32 %0, %1, %2, 0x1044;" : "=r"(r) : "r"(w), "r"(0u)); return __uint_as_float(r); }
+__device__ __forceinline__ float tf_pcc_bf16_hi(unsigned w) {
+  unsigned r; asm("prmt.b32 %0, %1, %2, 0x3244;" : "=r"(r) : "r"(w), "r"(0u)); return __uint_as_float(r); }
 """
 _PAIR_NPC = 128  # per-token block width of a pre-quantized input (quant.md 3.10)
 _TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float8_e4m3fn: "pair"}
@@ -139,10 +162,27 @@ def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, 
     itemsize = {"pair": 1, "bfloat16": 2, "float32": 4}[x_kind]
     row_bytes = _C * itemsize  # one thread's bytes of one row: 8 (pairs), 16 (bf16) or 32 (fp32)
     gather_ldg = gather and GATHER_LDG
+    words = BF16_WORDS and remat and x_kind == "bfloat16" and (gather_ldg or not gather)
     pair_remat = pair and PAIR_REMAT  # pairs: data * sf_in computed twice (for the max, then for the store)
     min_warps = MIN_WARPS if not pair or PAIR_MIN_WARPS is None else PAIR_MIN_WARPS
+    if not round_sf and not pair and NOROUND_MIN_WARPS is not None:
+        min_warps = NOROUND_MIN_WARPS
+    exact_div = EXACT_DIV and not round_sf and x_kind == "bfloat16"
+    assert not exact_div or clamp >= M * 2.0 ** -126  # the exact quotients' domain
+    cuda_src = ((_GATHER_LDG_SRC + _BF16_WIDEN_SRC if words else _GATHER_LDG_SRC if gather_ldg else "")
+                + (_tl.EXACT_DIV_SRC if exact_div else ""))
+    import_src = len(cuda_src) > 0
     min_blocks = _MIN_BLOCKS if transpose else max(1, min_warps // NW)
     pdl = TRANSPOSE_PDL if transpose else CAST_PDL
+
+    def half(xw, j, v: int, opaque: bool = False):
+        """Exact binary32 value of bf16 element v (a Python int) of row j held as words (element 2k low);
+        ``opaque``: through the inline-PTX permutes (not merged with the plain shift / mask)."""
+        assert isinstance(v, int)
+        w = xw[j * (_C // 2) + v // 2]
+        if opaque:
+            return T.call_extern("float32", "tf_pcc_bf16_hi" if v % 2 else "tf_pcc_bf16_lo", w)
+        return T.reinterpret(T.shift_left(w, T.uint32(16)) if v % 2 == 0 else w & T.uint32(0xFFFF0000), "float32")
 
     Tn, NBM, Tin = T.dynamic("num_tokens, num_row_blocks, num_in_tokens")
     Ts = Tin if gather else Tn  # rows of the input
@@ -166,6 +206,7 @@ def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, 
             col0 = bx * BC + cl * _C
             live = T.And(row0 < Tn, col0 < hidden)  # all 8 rows (Tn % 8 == 0) and all 8 channels
             xr = T.alloc_local((RPT * _C,), raw_dtype)
+            xw = T.alloc_local((RPT * _C // 2,), "uint32")
             xl = T.alloc_local((RPT * _C,), "float32")
             sl = T.alloc_local((RPT,), "float32")
             pl = T.alloc_local((RPT,), "int32")
@@ -178,15 +219,15 @@ def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, 
             xp = T.alloc_local((_C,), "float32")
             if transpose:
                 ys = T.alloc_shared((BC, _BM), "float8_e4m3fn")  # the CTA's transposed e4m3 tile (8 KB)
-            if gather_ldg:
-                T.import_source(_GATHER_LDG_SRC)
+            if import_src:  # one import per kernel (a second replaces the first)
+                T.import_source(cuda_src)
             if pdl:  # before any global access: the previous grid has completed and its writes are visible
                 T.pdl_sync()
                 if CAST_PDL_TRIGGER:
                     T.pdl_trigger()
             # 1. issue every load of the thread before any use (8 independent vector loads in flight);
             # missing rows (past Tn, other channel tiles, negative gather entries) read +0 (pairs: sf 0 too)
-            if not gather_ldg:
+            if not gather_ldg and not words:
                 for i in T.unroll(RPT * _C):
                     xr[i] = T.cast(0, raw_dtype)
                 if pair:
@@ -202,7 +243,8 @@ def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, 
                     pl[j] = T.min(pl[j], Tin - 1)  # clamp like the reference's gather (int32: Tin < 2^31)
             if gather_ldg:  # per row one predicated vector load (and sf load), zeros for negative entries
                 for j in T.unroll(RPT):
-                    T.call_extern("handle", f"tf_pcc_ld{row_bytes}", T.address_of(xr[j * _C]),
+                    T.call_extern("handle", f"tf_pcc_ld{row_bytes}",
+                                  T.address_of(xw[j * _C // 2]) if words else T.address_of(xr[j * _C]),
                                   T.address_of(X[0, 0]), (T.cast(pl[j], "int64") * hidden + col0) * itemsize,
                                   pl[j] >= 0)
                     if pair:
@@ -216,6 +258,10 @@ def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, 
                             xr[j * _C + v] = X[pl[j], col0 + v]
                         if pair:
                             sl[j] = S[pl[j], col0 // _PAIR_NPC]
+            elif words:  # one predicated 16-byte load per row (zeros when not live)
+                for j in T.unroll(RPT):
+                    T.call_extern("handle", "tf_pcc_ld16", T.address_of(xw[j * _C // 2]), T.address_of(X[0, 0]),
+                                  (T.cast(row0 + j, "int64") * hidden + col0) * itemsize, live)
             else:
                 if live:
                     for j in T.unroll(RPT):
@@ -240,13 +286,17 @@ def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, 
                 if pair_remat:
                     for v in T.vectorized(_C):
                         xp[v] = T.cast(xr[j * _C + v], "float32")
-                for v in T.unroll(_C):
-                    if remat:
-                        am[v] = T.max(am[v], T.abs(T.cast(xr[j * _C + v], "float32")))
-                    elif pair_remat:
-                        am[v] = T.max(am[v], T.abs(xp[v] * sl[j]))
-                    else:
-                        am[v] = T.max(am[v], T.abs(xl[j * _C + v]))
+                if words:
+                    for v in _tl.statically(_C):
+                        am[v] = T.max(am[v], T.abs(half(xw, j, v)))
+                else:
+                    for v in T.unroll(_C):
+                        if remat:
+                            am[v] = T.max(am[v], T.abs(T.cast(xr[j * _C + v], "float32")))
+                        elif pair_remat:
+                            am[v] = T.max(am[v], T.abs(xp[v] * sl[j]))
+                        else:
+                            am[v] = T.max(am[v], T.abs(xl[j * _C + v]))
             for v in T.unroll(_C):
                 # xor offsets CL, 2 CL, ... < 32 over the warp's row lanes (default 8, 16)
                 if RLW >= 2:
@@ -273,13 +323,21 @@ def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, 
                     eb = pow2_sf_exponent(a, M)
                     sfl[v] = pow2_from_exponent(eb)
                     inv[v] = pow2_inverse_from_exponent(eb)
+                elif exact_div:  # the pair comes below, from a (kept in am)
+                    am[v] = a
                 else:
                     sfl[v] = a / T.float32(M)
                     inv[v] = T.float32(M) / a
             if live:
                 if rl % (npt // RPT) == 0:
+                    if exact_div:  # the IEEE quotient's bits without div.rn (a in [clamp, inf] is in its domain)
+                        for v in T.unroll(_C):
+                            sfl[v] = exact_quotient(am[v], M)
                     for v in T.vectorized(_C):
                         SF[row0 // npt, col0 + v] = sfl[v]
+                if exact_div:  # after the sf store: sf and sf_inv are never live together
+                    for v in T.unroll(_C):
+                        inv[v] = exact_inverse_quotient(M, am[v])
                 # 4. narrowed data (satfinite E4M3): one 8-byte store per row, or (transposed) 8 rows of a
                 # channel into the shared tile, 16-byte chunks XOR-swizzled by the channel lane (conflict-free)
                 if transpose:
@@ -292,7 +350,12 @@ def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, 
                             ys[cl * _C + v, T.bitwise_xor(rl // 2, cl) * 16 + (rl % 2) * RPT + j] = yb[j]
                 else:
                     for j in T.unroll(RPT):
-                        if remat:  # the same exact widening of the same input, done again
+                        if words:  # the same exact widening, done again; contiguous operands for packed F2FP
+                            for v in _tl.statically(_C):
+                                xp[v] = half(xw, j, v, opaque=True) * inv[v]
+                            for v in T.vectorized(_C):
+                                yb[v] = T.cast(xp[v], "float8_e4m3fn")
+                        elif remat:  # the same exact widening of the same input, done again
                             for v in T.vectorized(_C):
                                 yb[v] = T.cast(T.cast(xr[j * _C + v], "float32") * inv[v], "float8_e4m3fn")
                         elif pair_remat:  # the same data * sf_in product, done again (order B)

@@ -175,3 +175,57 @@ def e2m1_pack_of_f16_halves(h):
     signs_even = gather(packed, 0x00D9)
     signs_odd = gather(packed, 0x00FB)
     return (low + high * T.uint32(16)) | (signs_even & T.uint32(0x08080808)) | (signs_odd & T.uint32(0x80808080))
+
+
+# IEEE quotients of the scale pair (quant.md 1.4: ``a ⊘ M`` and ``M ⊘ a``) in FMA-pipe arithmetic, without
+# ``div.rn.f32``: its slow path is a called subroutine, and under a tight launch-bounds register cap ptxas spills
+# the values live across that call. Valid for a constant ``M >= 4`` and binary32 ``a`` in ``[M 2^-126, +inf]``
+# (both quotients normal, or a = +inf: ``(inf, 0)``); NaN is outside the domain. With ``a = m 2^e``, m in [1, 2),
+# ``RN(a / M) = RN(m / M) 2^e`` and ``RN(M / a) = RN(M / m) 2^-e`` (rounding commutes with scaling by a power of
+# two while the result is normal), the power of two applied exactly as ``e << 23`` on the bits. ``RN(m / M)``:
+# ``q = m R`` (R = RN(1 / M)) and one remainder correction ``q + (m - q M) R``; ``RN(M / m)``: ``y ~ 1 / m`` from
+# a linear start and three Newton steps, ``q = M y`` and one remainder correction. Every step is an ``fma.rn`` /
+# ``mul.rn`` (no contraction); the result equals IEEE division for every m of the binade, for M = 448 and 6
+# (tests/quant/test_per_channel_cast_kernel.py checks all 2^23 of them with an exact binary32 FMA model).
+RCP_START = (float.fromhex("0x1.69696ap+0"), float.fromhex("-0x1.e1e1e2p-2"))  # binary32 24/17, -8/17
+EXACT_DIV_SRC = """
+__device__ __forceinline__ float tf_quot_rn(float a, float M, float R) {
+  int ab = __float_as_int(a);
+  float m = __int_as_float((ab & 0x007FFFFF) | 0x3F800000);
+  int e23 = (ab & 0x7F800000) - 0x3F800000;
+  float q = __fmul_rn(m, R);
+  q = __fmaf_rn(__fmaf_rn(-q, M, m), R, q);
+  return ab >= 0x7F800000 ? a : __int_as_float(__float_as_int(q) + e23); }
+__device__ __forceinline__ float tf_inv_quot_rn(float M, float a) {
+  int ab = __float_as_int(a);
+  float m = __int_as_float((ab & 0x007FFFFF) | 0x3F800000);
+  int e23 = (ab & 0x7F800000) - 0x3F800000;
+  float y = __fmaf_rn(m, %(c1)s, %(c0)s);
+  for (int i = 0; i < 3; ++i) y = __fmaf_rn(y, __fmaf_rn(-m, y, 1.0f), y);
+  float q = __fmul_rn(M, y);
+  q = __fmaf_rn(__fmaf_rn(-q, m, M), y, q);
+  return ab >= 0x7F800000 ? 0.0f : __int_as_float(__float_as_int(q) - e23); }
+""" % {"c0": RCP_START[0].hex() + "f", "c1": RCP_START[1].hex() + "f"}
+
+
+def _rcp_f32(m: float) -> float:
+    """RN(1 / m) in binary32, for a binary32 m."""
+    import numpy as np
+
+    return float(np.float32(1.0) / np.float32(m))
+
+
+def exact_quotient(a, fmt_max: float):
+    """``a ⊘ fmt_max`` bit for bit (IEEE binary32 division) for ``a`` in the domain above; needs
+    ``EXACT_DIV_SRC`` imported by the kernel."""
+    T = _tl()
+    assert fmt_max >= 4.0
+    return T.call_extern("float32", "tf_quot_rn", a, T.float32(fmt_max), T.float32(_rcp_f32(fmt_max)))
+
+
+def exact_inverse_quotient(fmt_max: float, a):
+    """``fmt_max ⊘ a`` bit for bit (IEEE binary32 division) for ``a`` in the domain above (+inf gives 0); needs
+    ``EXACT_DIV_SRC`` imported by the kernel."""
+    T = _tl()
+    assert fmt_max >= 4.0
+    return T.call_extern("float32", "tf_inv_quot_rn", T.float32(fmt_max), a)
