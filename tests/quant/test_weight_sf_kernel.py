@@ -81,6 +81,25 @@ def test_cast_and_cast_back_launcher_binds_kernel_parameters(xd, t, width, monke
         assert calls[0].env["row_stride"] == stride
 
 
+@pytest.mark.parametrize("balance", (True, False))
+@pytest.mark.parametrize("threads,r_max", ((128, 8), (128, 4), (64, 4)))
+@pytest.mark.parametrize("xd", ("bfloat16", "float32"))
+def test_cast_and_cast_back_tile_rule_cpu(xd, threads, r_max, balance, monkeypatch):
+    """Every width (multiples of 64 up to 32768): NX CTAs of R vectors per thread cover the row, R <= R_MAX,
+    with the fewest CTAs; BALANCE_R: the fewest vectors per thread for those CTAs (bench widths spelled out)."""
+    for name, value in (("THREADS", threads), ("R_MAX", r_max), ("BALANCE_R", balance)):
+        monkeypatch.setattr(CB, name, value)
+    vec = 8 if xd == "bfloat16" else 4
+    for h in range(64, 32768 + 1, 64):
+        vpr = h // vec
+        r, nx = CB.tile(xd, h)
+        assert 1 <= r <= r_max and nx * r * threads >= vpr and (nx - 1) * r_max * threads < vpr, h
+        if balance:
+            assert nx * (r - 1) * threads < vpr, h
+    if (xd, threads, r_max, balance) == ("bfloat16", 128, 8, True):
+        assert [CB.tile(xd, h) for h in (1536, 2048, 4096, 7168, 18432)] == [(2, 1), (2, 1), (4, 1), (7, 1), (6, 3)]
+
+
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -280,6 +299,34 @@ def test_cast_and_cast_back_many_rows_gpu():
     CB.cast_and_cast_back_launch(x, "e4m3", 128, round_sf=True)
     torch.cuda.synchronize()
     assert_equal(x, want)
+
+
+# cast_and_cast_back knob variants: the wide-tile code (every pass reads a kept binary32 copy, R = min(R_MAX,
+# ceil(vectors / THREADS)), one register cap), smaller tiles, and 64-thread CTAs; each gives the reference's bits.
+CB_KNOB_VARIANTS = [
+    {"WIDE_TILE": True, "BALANCE_R": False, "E2M1_DIV_MIN_BLOCKS": None},
+    {"R_MAX": 4},
+    {"THREADS": 64, "R_MAX": 4, "MIN_BLOCKS": 16},
+]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", CB_KNOB_VARIANTS, ids=str)
+@pytest.mark.parametrize("cfg", [c for c in CB.test_configs() if c[2] != 2048 or c[3] == 32], ids=str)
+def test_cast_and_cast_back_knob_variants_gpu(cfg, knobs, knob_kernels):
+    """Wide rows and npc 32 built with a knob variant (compiled here, outside the caches): strided rows, in
+    place, bit-exact against the reference; the row tail past H is untouched."""
+    knob_kernels(CB, knobs)
+    xd, fmt, h, npc, mode = cfg
+    g = torch.Generator(device="cuda").manual_seed(h + npc)
+    base = _adversarial(torch.randn((515, h + 64), generator=g, device="cuda") * 3, fmt).to(DT[xd])
+    x = base.clone()[:, :h]
+    want = per_token_cast_and_cast_back_values(x.clone(), fmt, npc, mode == "round", mode == "e4m3")
+    CB.cast_and_cast_back_launch(x, fmt, npc, mode == "round", mode == "e4m3")
+    torch.cuda.synchronize()
+    assert_equal(x, want, check_stride=False)
+    assert_equal(x._base[:, h:], base[:, h:], check_stride=False)
 
 
 # Knob variants (TILEFUSE_KNOBS sweeps, module doc of _jit.knobs): each must give the reference's bits exactly.

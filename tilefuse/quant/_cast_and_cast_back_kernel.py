@@ -4,11 +4,14 @@ Per ``(1, npc)`` group: amax of ``|x|`` (binary32), ``a = max(amax, clamp)``, th
 1.4 (plain IEEE divisions, the power-of-two bit rule, or an E4M3 sf with ``sf_inv = 1 / float(sf_q)``), and
 ``x <- round_{x.dtype}(decode(narrow(x * sf_inv)) * sf)``. Fast-math is off, so every division is IEEE.
 
-Mapping: CTA ``(row, bx)`` owns vectors ``(bx * R + j) * threads + tx`` (j < R) of one row, R up to 8 (the
-whole of a 7168-wide bf16 row in one CTA; no per-element index division). A group is ``L = npc / E``
+Mapping: CTA ``(row, bx)`` owns vectors ``(bx * R + j) * THREADS + tx`` (j < R) of one row (see ``tile``: R up
+to R_MAX, a 7168-wide bf16 row in one CTA of 7; no per-element index division). A group is ``L = npc / E``
 consecutive vectors (E elements of 16 bytes), always L aligned lanes of one warp because ``H % npc == 0``;
-its maximum is a register max and a shuffle butterfly over those lanes. Every thread runs the shuffles (out-of-range columns hold zeros), so the
-butterfly never diverges. No shared memory, no atomics, no dependence on T: deterministic, batch-invariant.
+its maximum is a register max and a shuffle butterfly over those lanes. Every thread runs the shuffles
+(out-of-range columns hold zeros), so the butterfly never diverges. Only the loaded vectors stay live from the
+loads to the stores (each pass widens them to binary32 again), and each group's sf pair is computed just
+before its quantize, where the fewest vectors are live across the divisions' slow-path calls. No shared
+memory, no atomics, no dependence on T: deterministic, batch-invariant.
 """
 import torch
 
@@ -18,8 +21,31 @@ from tilefuse.quant import _tl
 from tilefuse.quant._cast_back_kernel import _decode_e2m1  # fp32 of an E2M1 nibble (bit assembly)
 
 _TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
-_THREADS = 128
-_R_MAX = 8  # at most 8 vectors (128 bytes) per thread
+# Tuning knobs (TILEFUSE_KNOBS, see _jit.knobs); none changes a result bit.
+THREADS = 128
+R_MAX = 8         # at most R_MAX vectors (16 R_MAX bytes) per thread
+MIN_BLOCKS = 8    # __launch_bounds__(THREADS, MIN_BLOCKS): a cap of 65536 / (THREADS MIN_BLOCKS) registers (0: none)
+# R per config: BALANCE_R spreads a row over the fewest CTAs that hold it at <= R_MAX vectors per thread, with the
+# fewest vectors per thread that still cover it (18432 bf16: 3 CTAs of 6, not 3 of 8 with a quarter idle);
+# otherwise R = min(R_MAX, ceil(vectors per row / THREADS)).
+BALANCE_R = True
+# WIDE_TILE keeps a binary32 copy of the whole tile from the amax pass to the quantize pass (8 registers per
+# bf16 vector, which spills under the register cap from R = 7 on); otherwise only the loaded 16-byte vectors
+# stay live (4 registers each) and every pass widens them again (the widening of bf16 is exact and cheap).
+WIDE_TILE = False
+# The cap of e2m1 configs whose sf takes IEEE divisions (sf modes plain and e4m3): each division's slow-path
+# call pins registers, and with the e2m1 arithmetic R = 7 spills under 64 registers (None: MIN_BLOCKS).
+E2M1_DIV_MIN_BLOCKS = 6
+
+
+def tile(x_dtype: str, hidden: int) -> tuple[int, int]:
+    """(R, NX) of a config: vectors per thread and CTAs per row."""
+    vpr = hidden // (16 // (2 if x_dtype == "bfloat16" else 4))
+    if BALANCE_R:
+        nx = -(-vpr // (THREADS * R_MAX))
+        return -(-vpr // (THREADS * nx)), nx
+    r = min(R_MAX, -(-vpr // THREADS))
+    return r, -(-vpr // (THREADS * r))
 
 
 def e2m1_nibble(v):
@@ -67,25 +93,28 @@ def cast_and_cast_back_kernel(x_dtype: str, fmt: str, hidden: int, npc: int, sf_
     E = 16 // eb_                    # elements per 16-byte vector
     L = npc // E                     # lanes per group (2..32, a power of two)
     assert hidden % npc == 0 and npc % E == 0 and 1 <= L <= 32 and L & (L - 1) == 0
-    VPR = hidden // E                # vectors per row
     clamp = F.default_clamp_min(fmt, sf_mode == "e4m3")
     Tn, S = T.dynamic("num_tokens, row_stride")
 
     x_param = T.StridedTensor((Tn, hidden), (S, 1), x_dtype)
-    R = min(_R_MAX, -(-VPR // _THREADS))  # vectors per thread, all loaded before the first is used
-    NX = -(-VPR // (_THREADS * R))        # CTAs per row
+    R, NX = tile(x_dtype, hidden)  # R vectors per thread, all loaded before the first is used; NX CTAs per row
+    min_blocks = MIN_BLOCKS
+    if fmt == "e2m1" and sf_mode != "round" and E2M1_DIV_MIN_BLOCKS is not None:
+        min_blocks = E2M1_DIV_MIN_BLOCKS
 
     @T.prim_func
     def cast_and_cast_back(X: x_param):
         T.assume(S % E == 0)
-        with T.Kernel(Tn, NX, threads=_THREADS) as (row, bx):  # rows on grid x (y is limited to 65535)
-            T.annotate_min_blocks_per_sm(8)  # <= 64 registers: 8 rows (8 x 14 KB of loads at H = 7168) per SM
+        with T.Kernel(Tn, NX, threads=THREADS) as (row, bx):  # rows on grid x (y is limited to 65535)
+            if min_blocks:
+                T.annotate_min_blocks_per_sm(min_blocks)
             tx = T.get_thread_binding()
             raw = T.alloc_local((R, E), x_dtype)
-            v = T.alloc_local((R, E), "float32")
             am = T.alloc_local((R,), "float32")
+            if WIDE_TILE:
+                v = T.alloc_local((R, E), "float32")
             for j in T.unroll(R):
-                col = ((bx * R + j) * _THREADS + tx) * E
+                col = ((bx * R + j) * THREADS + tx) * E
                 if col < hidden:
                     for e in T.vectorized(E):
                         raw[j, e] = X[row, col + e]
@@ -95,25 +124,32 @@ def cast_and_cast_back_kernel(x_dtype: str, fmt: str, hidden: int, npc: int, sf_
             for j in T.unroll(R):
                 am[j] = T.float32(0.0)
                 for e in T.unroll(E):
-                    v[j, e] = T.cast(raw[j, e], "float32")
-                    am[j] = T.max(am[j], T.abs(v[j, e]))
+                    if WIDE_TILE:
+                        v[j, e] = T.cast(raw[j, e], "float32")
+                        am[j] = T.max(am[j], T.abs(v[j, e]))
+                    else:
+                        am[j] = T.max(am[j], T.abs(T.cast(raw[j, e], "float32")))
                 for st in T.unroll(L.bit_length() - 1):
                     am[j] = T.max(am[j], T.shfl_xor(am[j], T.shift_right(L // 2, st)))
             for j in T.unroll(R):
-                col = ((bx * R + j) * _THREADS + tx) * E
+                col = ((bx * R + j) * THREADS + tx) * E
                 sf, inv = sf_and_inv(T.max(am[j], T.float32(clamp)), fmt, sf_mode)
                 if fmt == "e4m3":
                     # the E4M3 conversion saturates finite values to +-448 and keeps NaN (as the reference)
                     qb = T.alloc_local((E,), "float8_e4m3fn")
                     for e in T.vectorized(E):
-                        qb[e] = T.cast(v[j, e] * inv, "float8_e4m3fn")
+                        if WIDE_TILE:
+                            qb[e] = T.cast(v[j, e] * inv, "float8_e4m3fn")
+                        else:
+                            qb[e] = T.cast(T.cast(raw[j, e], "float32") * inv, "float8_e4m3fn")
                     for e in T.unroll(E):
                         raw[j, e] = T.cast(T.cast(qb[e], "float32") * sf, x_dtype)
                 else:
                     for e in T.unroll(E):
                         # halving the scaled value is exact where the code is decided (normal range);
                         # NaN gives code 7 (quant.md 1.7)
-                        d = _decode_e2m1(_tl.e2m1_nibble_of_half((v[j, e] * inv) * T.float32(0.5)))
+                        xv = v[j, e] if WIDE_TILE else T.cast(raw[j, e], "float32")
+                        d = _decode_e2m1(_tl.e2m1_nibble_of_half((xv * inv) * T.float32(0.5)))
                         raw[j, e] = T.cast(d * sf, x_dtype)
                 if col < hidden:
                     for e in T.vectorized(E):
@@ -135,6 +171,10 @@ def test_configs() -> list[tuple]:
             for mode in ("plain", "round", "e4m3")]
     cfgs += [("bfloat16", "e4m3", 2048, npc, "plain") for npc in (16, 32, 64)]
     cfgs += [("float32", "e2m1", 2048, 16, "round")]
+    # wide rows (tile: a part-filled last vector slot, R = 7, three CTAs per row, five with an idle tail)
+    cfgs += [("bfloat16", "e4m3", 1536, 128, "plain"), ("bfloat16", "e4m3", 7168, 128, "plain"),
+             ("bfloat16", "e2m1", 7168, 128, "e4m3"), ("bfloat16", "e4m3", 18432, 128, "round"),
+             ("float32", "e2m1", 18432, 128, "plain")]
     return cfgs
 
 
