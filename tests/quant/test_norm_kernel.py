@@ -152,6 +152,44 @@ def test_backward_dx_stores_skip_l1_on_the_register_path(cfg, stages, na, monkey
     assert ("nf_st16_na(" in body) == na
 
 
+def test_forward_register_cap_rule():
+    """The bf16 forward's rows per SM (its register cap) by vectors per thread: the quantizing op 12 at <= 2
+    (H <= 2048), 5 at >= 8 (H > 7168), 8 between; norm_forward 6 everywhere. 8 for both restores one rule."""
+    assert [K._fwd_blocks(True, c) for c in (1, 2, 3, 7, 8)] == [12, 12, 8, 8, 5]
+    assert {K._fwd_blocks(False, c) for c in (1, 2, 3, 7, 8)} == {6}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("h,blocks", [(8192, 5), (1536, 12)])
+def test_forward_cast_launch_bounds(h, blocks):
+    """FWD_BLOCKS_QUANT_WIDE / _NARROW reach the kernel as its minimum CTAs per SM."""
+    import tilelang
+
+    cfg = ("bfloat16", h, True, False, True, "row", True, False, False, 0)
+    src = tilelang.compile(K.norm_forward_kernel(*cfg), target={"kind": "cuda", "arch": "sm_90"},
+                           execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
+    assert f"__launch_bounds__(128, {blocks})" in src
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("cfg", [("bfloat16", 8192, True, False), ("bfloat16", 1536, False, True)], ids=str)
+def test_backward_hold_dx_pass_reads_the_shared_row(cfg):
+    """BWD_HOLD (default): the register path's row loop reads x and dy from global memory once (the next row's
+    loads); the reduction pass copies each vector to the shared row and the dx pass reads it back (four
+    nf_copy16 calls per vector), with no barrier beyond the reduction's two."""
+    import tilelang
+
+    assert K.BWD_HOLD and K.BWD_STAGES == 0
+    src = tilelang.compile(K.norm_backward_kernel(*cfg), target={"kind": "cuda", "arch": "sm_90"},
+                           execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
+    body = src[src.index("__launch_bounds__"):]
+    loop = body[body.index("for (int k = 0;"):]
+    loop = loop[:loop.index("\n  }\n") + 4]   # the row loop (to its closing brace)
+    assert loop.count("__syncthreads()") == 2
+    assert loop.count("nf_copy16(") == 4
+    assert loop.count("*(uint4*)(X + ") == 1 and loop.count("*(uint4*)(DY + ") == 1
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("cfg", [("bfloat16", 4096, True, True), ("bfloat16", 576, False, False)], ids=str)
 def test_backward_pipe_builds_for_sm90(cfg, monkeypatch):
@@ -694,6 +732,7 @@ KNOB_VARIANTS = [  # the defaults: BWD_STAGES=0, BWD_STAGES_NW=0 (BWD_PIPE off),
     {"WG_ASSIGN": False, "RED_PDL": False},
     {"FWD_W_EARLY": False},
     {"BWD_STORE_NA": False},
+    {"BWD_HOLD": False},
 ]
 
 
@@ -745,6 +784,28 @@ def test_knob_variants_bit_identical_gpu(knobs, scale, has_rg, knob_kernels):
     dy[5, 11], dy[300, 4000] = float("nan"), -float("inf")
     want = _knob_outputs(x, w, dy, rstd, rg, scale)
     knob_kernels(K, knobs)
+    got = _knob_outputs(x, w, dy, rstd, rg, scale)
+    for i, (g, e) in enumerate(zip(got, want)):
+        assert torch.equal(g, e), f"output {i}"
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", [8192, 1536])
+@pytest.mark.parametrize("scale,has_rg", [(1.0, False), (0.75, True)])
+def test_wide_and_narrow_rows_knob_variants_bit_identical_gpu(h, scale, has_rg, knob_kernels):
+    """At H = 8192 (three vectors per backward thread, eight per forward thread) and H = 1536 (two): the previous
+    register caps and the backward's dx pass reading the row from global memory again (FWD_BLOCKS_QUANT_WIDE = 8,
+    FWD_BLOCKS_QUANT_NARROW = 8, BWD_HOLD = False) give the defaults' bits, NaN and inf inputs included."""
+    t = 1001
+    x, _, w = _inputs(t, h, torch.bfloat16, residual=False)
+    dy = torch.randn((t, h), device="cuda").to(torch.bfloat16)
+    rg = torch.randn((t, h), device="cuda").to(torch.bfloat16) if has_rg else None
+    rstd = torch.rand((t,), device="cuda") + 0.5
+    x[3, 5], x[700, 9] = float("nan"), float("inf")
+    dy[5, 11], dy[300, h - 1] = float("nan"), -float("inf")
+    want = _knob_outputs(x, w, dy, rstd, rg, scale)
+    knob_kernels(K, {"FWD_BLOCKS_QUANT_WIDE": 8, "FWD_BLOCKS_QUANT_NARROW": 8, "BWD_HOLD": False})
     got = _knob_outputs(x, w, dy, rstd, rg, scale)
     for i, (g, e) in enumerate(zip(got, want)):
         assert torch.equal(g, e), f"output {i}"

@@ -55,6 +55,17 @@ _SMS = 132         # an H200's SMs: the bf16 backward's CTA count is sized for a
                    # results never depend on the GPU that runs them)
 
 
+def _fwd_blocks(quant: bool, vectors: int) -> int:
+    """Rows (CTAs) per SM the bf16 forward's register cap provides for, by its 16-byte vectors per thread: the
+    quantizing op FWD_BLOCKS_QUANT_NARROW at <= 2, FWD_BLOCKS_QUANT_WIDE at >= 8, else FWD_BLOCKS_QUANT;
+    norm_forward FWD_BLOCKS. Scheduling only: the same arithmetic."""
+    if not quant:
+        return FWD_BLOCKS
+    if vectors <= 2:
+        return FWD_BLOCKS_QUANT_NARROW
+    return FWD_BLOCKS_QUANT_WIDE if vectors >= 8 else FWD_BLOCKS_QUANT
+
+
 def _clusters(x_dtype: str, has_weight: bool) -> int:
     """CTAs per cluster of the backward (``_CL_BF16`` in bf16 with a weight, else 1)."""
     return _CL_BF16 if (x_dtype == "bfloat16" and has_weight) else 1
@@ -109,6 +120,13 @@ FWD_W_EARLY = True   # with FWD_W_AHEAD: block 0's weight load first, then a bar
                      # (89.2-89.4 -> 90.7% of the copy ceiling), norm_forward 94.0 -> 94.5%
 FWD_BLOCKS = 6    # bf16 norm_forward CTAs (rows) resident per SM: <= 80 registers, no spills
 FWD_BLOCKS_QUANT = 8  # the quantizing bf16 forward: <= 64 registers (it needs 72 unconstrained: 7 per SM)
+FWD_BLOCKS_QUANT_WIDE = 5  # FWD_BLOCKS_QUANT for rows of more than 7 vectors per thread (bf16 H > 7168): <= 96
+                           # registers. ptxas, H = 8192 with round_sf: 64 registers spill 60-76 bytes (Nsight Compute:
+                           # 2.4 M local requests, +50 MB DRAM writes at 16384 rows), 80 spill 0-4, 96 none (89 used).
+                           # 8 restores the single rule
+FWD_BLOCKS_QUANT_NARROW = 12  # FWD_BLOCKS_QUANT for rows of at most 2 vectors per thread (bf16 H <= 2048): <= 40
+                              # registers, 12 rows per SM (unconstrained it takes 42, allocated as 48: 10 per SM).
+                              # 8 restores the single rule
 BWD_STAGES = 0     # norm_backward: 0 = rows loaded into registers one row ahead; S >= 2 = an S-stage
                    # shared-memory ring filled by per-thread cp.async (each thread copies and later reads only its
                    # own 16-byte vectors: no barrier), S - 1 rows of x, dy and rstd in flight per CTA (bf16; fp32:
@@ -140,6 +158,13 @@ BWD_STORE_NA = True  # register path without residual_out_grad: dx stores do not
                      # 90.5-90.6 -> 89.5-89.9 us, H = 4096 55.8-55.9 -> 55.4-55.5, H = 2048 30.1 -> 29.9; without a
                      # weight H = 4096 54.7-54.8 -> 50.3, H = 7168 even. With residual_out_grad (its rows read in the
                      # dx pass) 122 -> 129 us at H = 7168: off there
+BWD_HOLD = True    # bf16 register path: the reduction pass copies each vector of the row (x, dy) from its registers
+                   # into a shared row buffer, each thread its own vectors (read back only by itself: no barrier),
+                   # and the dx pass reads it there. False: the dx pass reads the row from global memory again,
+                   # hoping for L1 hits (Nsight Compute, bf16 16384 x 8192: 3% hits, the re-reads doubling the L2 read
+                   # traffic and adding 9% DRAM reads). Keeping the row in registers instead spills under the
+                   # 72-register cap at every H (ptxas, C = 2 and 3). Same arithmetic; 2 H bytes more shared memory
+                   # per CTA
 BWD_PDL = False    # norm_backward: programmatic dependent launch (griddepcontrol.wait before any global access)
 RED_PDL = True     # weight-gradient reduce: programmatic dependent launch (it waits for the dx kernel's partials)
 BWD_TRIGGER = False  # norm_backward: launch the dependent grid (the reduce, with RED_PDL) at the start instead of at
@@ -181,6 +206,10 @@ __device__ __forceinline__ void nf_st16_na(void* g, const void* s) {
   memcpy(&v, s, 16);
   asm volatile("st.global.L1::no_allocate.v4.u32 [%0], {%1, %2, %3, %4};"
                : : "l"(g), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory"); }
+// 16 bytes between a thread's registers and shared memory (BWD_HOLD's staged row: an extern call, so that
+// TileLang's barrier planner, which cannot see that each thread reads back only its own vectors, adds none)
+__device__ __forceinline__ void nf_copy16(void* d, const void* s) {
+  *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(s); }
 """
 # thread-block cluster helpers (the bf16 backward with a weight: _CL_BF16)
 _CLUSTER_HELPERS = """
@@ -436,7 +465,7 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
             T.assume(BS % 16 == 0)
         with T.Kernel(Tn, B, threads=_THREADS) as (t, b):
             if x_dtype == "bfloat16":
-                T.annotate_min_blocks_per_sm(FWD_BLOCKS_QUANT if quant else FWD_BLOCKS)  # rows per SM: loads in flight
+                T.annotate_min_blocks_per_sm(_fwd_blocks(quant, C))  # rows per SM: loads in flight
             if words:
                 T.import_source(_CUDA_HELPERS)
             if FWD_PDL:
@@ -466,8 +495,9 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
     """Factory: ``dx`` per row and the per-CTA partial weight gradients ``(NP, hidden)`` fp32 (module doc).
 
     Registers hold only the weight-gradient accumulators and one row of x and dy: the row is loaded one
-    iteration ahead (its loads are in flight during the previous row's reduction and dx), and the dx pass
-    reads the current row's x and dy again (L1 hits: the lines were loaded one row earlier)."""
+    iteration ahead (its loads are in flight during the previous row's reduction and dx); the dx pass reads the
+    current row's x and dy from a shared copy each thread made of its own vectors (bf16, BWD_HOLD), else from
+    global memory again."""
     import tilelang.language as T
 
     E = 16 // (2 if x_dtype == "bfloat16" else 4)
@@ -617,6 +647,98 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
             else:
                 a = a + xh * g
         return a
+
+    @T.macro
+    def dx_held(xc, dc, c, row, col, W, RG, DX, wl, io, r, mean, out_scale, na):
+        """``dx_vector`` with x and dy of vector ``c`` of the local ``xc``, ``dc``."""
+        if has_weight:
+            for e in T.vectorized(E):
+                wl[e] = W[col + e]
+        if has_res_grad:
+            rg = T.alloc_local((E,), x_dtype)
+            for e in T.vectorized(E):
+                rg[e] = RG[row, col + e]
+        for e in T.unroll(E):
+            io[e] = T.cast(_dx_value(T, f32(xc, c, e), f32(dc, c, e), f32(wl, e) if has_weight else None,
+                                     r, mean, out_scale, f32(rg, e) if has_res_grad else None), x_dtype)
+        if na:
+            T.call_extern("void", "nf_st16_na", T.address_of(DX[row, col]), T.address_of(io[0]))
+        else:
+            for e in T.vectorized(E):
+                DX[row, col + e] = io[e]
+
+    def make_hold_body():
+        """BWD_HOLD: ``make_body`` whose dx pass reads the row from the shared ``xs``, ``ds``: the reduction pass
+        copies each vector of ``xn``, ``dn`` there (``nf_copy16``) before the next row's loads reuse the
+        registers."""
+        @T.macro
+        def body(DY, X, W, Rstd, RG, DX, Part, p, out_scale):
+            tx = T.get_thread_binding()
+            xn = T.alloc_local((C, E), x_dtype)     # the row to reduce next (loaded one iteration ahead)
+            dn = T.alloc_local((C, E), x_dtype)
+            xc = T.alloc_local((1, E), x_dtype)     # the dx pass: one vector of the row from xs, ds
+            dc = T.alloc_local((1, E), x_dtype)
+            wacc = T.alloc_local((C, E), "float32")
+            wl = T.alloc_local((E,), x_dtype)
+            io = T.alloc_local((E,), x_dtype)
+            red = T.alloc_shared((NW,), "float32")
+            acc = T.alloc_var("float32")
+            accs = T.alloc_shared((hidden,), "float32") if CL > 1 else None
+            ws = T.alloc_shared((hidden,), x_dtype) if has_weight else W
+            xs = T.alloc_shared((hidden,), x_dtype)
+            ds = T.alloc_shared((hidden,), x_dtype)
+            for c in T.unroll(C):
+                col = (c * TB + tx) * E
+                if has_weight:
+                    if col < hidden:
+                        for e in T.vectorized(E):
+                            ws[col + e] = W[col + e]
+                for e in T.unroll(E):
+                    wacc[c, e] = T.float32(0.0)
+                for e in T.vectorized(E):
+                    xn[c, e] = T.cast(0, x_dtype)
+                    dn[c, e] = T.cast(0, x_dtype)
+                if T.And(col < hidden, p < Tn):
+                    for e in T.vectorized(E):
+                        xn[c, e] = X[p, col + e]
+                    for e in T.vectorized(E):
+                        dn[c, e] = DY[p, col + e]
+            for k in T.serial(T.ceildiv(Tn, NP)):
+                row = k * NP + p
+                if row < Tn:
+                    r = Rstd[row]
+                    acc = T.float32(0.0)
+                    for c in T.unroll(C):
+                        col = (c * TB + tx) * E
+                        for e in T.vectorized(E):
+                            wl[e] = T.cast(1, x_dtype)
+                        if has_weight:
+                            if col < hidden:
+                                for e in T.vectorized(E):
+                                    wl[e] = ws[col + e]
+                        acc = accumulate(acc, xn, dn, (c,), wl, wacc, c, r, out_scale)
+                        if col < hidden:
+                            T.call_extern("void", "nf_copy16", T.address_of(xs[col]), T.address_of(xn[c, 0]))
+                            T.call_extern("void", "nf_copy16", T.address_of(ds[col]), T.address_of(dn[c, 0]))
+                    # the next row's loads, in flight during this row's reduction and dx pass
+                    for c in T.unroll(C):
+                        col = (c * TB + tx) * E
+                        if T.And(col < hidden, row + NP < Tn):
+                            for e in T.vectorized(E):
+                                xn[c, e] = X[row + NP, col + e]
+                            for e in T.vectorized(E):
+                                dn[c, e] = DY[row + NP, col + e]
+                    mean = block_total(acc, red, tx) / T.float32(hidden)
+                    for c in T.unroll(C):
+                        col = (c * TB + tx) * E
+                        if col < hidden:
+                            T.call_extern("void", "nf_copy16", T.address_of(xc[0, 0]), T.address_of(xs[col]))
+                            T.call_extern("void", "nf_copy16", T.address_of(dc[0, 0]), T.address_of(ds[col]))
+                            dx_held(xc, dc, 0, row, col, ws, RG, DX, wl, io, r, mean, out_scale,
+                                    BWD_STORE_NA and not has_res_grad)
+            store_partial(Part, wacc, p, tx, accs)
+
+        return body
 
     def make_body():
         """The kernel body: rows in registers, loaded one row ahead. The weight comes from shared memory, where
@@ -822,7 +944,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
             T.sync_threads()
 
     if not ST:
-        body = make_body()
+        body = make_hold_body() if BWD_HOLD and x_dtype == "bfloat16" else make_body()
     elif BWD_PIPE and ST == 3 and RR:   # (bf16: its rstd comes through the ring)
         body = make_ring_body(pipe_rows)
     else:
