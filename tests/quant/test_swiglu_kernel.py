@@ -794,3 +794,99 @@ def test_pcc_transposed_store_source(stage, monkeypatch):
     assert ("(fp8_e4_t*)ys)" in tail and "& (int64_t)7) * (int64_t)16)" in tail) == stage  # 8 lanes x 16 bytes
     plain = _knob_source(monkeypatch, {}, "swiglu_fwd_pcc", (7168, 128, True, False, None))
     assert "(fp8_e4_t*)ys)" not in plain
+
+
+# ---- wide rows (npc = 128): chunks per lane capped by wider teams, or a serial loop over unrolled chunks ----
+
+# (x dtype, H, npc, col, round_sf, packed, weighted, skip, clamp, count) at 2H = 36864 (the bench's widest rows)
+WIDE_FWD_CASES = (
+    ("bfloat16", 18432, 128, False, False, False, False, False, None, False),
+    ("bfloat16", 18432, 128, True, True, True, False, False, 0.5, False),
+    ("bfloat16", 18432, 128, True, True, False, True, True, 0.5, True),
+    ("float32", 18432, 128, False, True, False, False, False, 10.0, False),
+)
+# the default (wider teams), the previous tiling (64-lane teams, every chunk unrolled), the serial loops
+WIDE_FWD_KNOBS = (
+    {},
+    {"FWD_PTC_MAX_CHUNKS": 0},
+    {"FWD_PTC_MAX_CHUNKS": 0, "FWD_PTC_UNROLL": 9},
+    {"FWD_PTC_SF_BYTES": False, "FWD_PTC_UNROLL": 12},
+)
+
+
+def _tiling(monkeypatch, knobs, *args):
+    for k, v in knobs.items():
+        monkeypatch.setattr(K, k, v)
+    return K.fwd_ptc_tiling(*args)
+
+
+def test_fwd_ptc_tiling_caps_chunks_per_lane(monkeypatch):
+    """FWD_PTC_MAX_CHUNKS: a lane walks at most 16 chunks where a power-of-two team up to FWD_PTC_MAX_TEAM lanes allows
+    it (one row per CTA, the 64-register budget kept); rows that fit keep their 64-lane team; 0 restores 64 lanes."""
+    t = _tiling(monkeypatch, {}, "bfloat16", 18432, 128, "row")
+    assert (t["L"], t["C"], t["U"], t["threads"], t["min_blocks"]) == (256, 9, 9, 256, 4)
+    t = _tiling(monkeypatch, {}, "float32", 18432, 128, "col")
+    assert (t["L"], t["C"], t["threads"], t["min_blocks"]) == (512, 9, 512, 2)
+    t = _tiling(monkeypatch, {}, "bfloat16", 18432, 128, "col_packed")
+    assert (t["L"], t["C"], t["byte_sf"]) == (256, 9, True)
+    for h, c in ((1024, 2), (2048, 4), (4096, 8), (7168, 14)):  # unchanged
+        t = _tiling(monkeypatch, {}, "bfloat16", h, 128, "row")
+        assert (t["L"], t["C"], t["threads"], t["min_blocks"]) == (64, c, 64, 16)
+    t = _tiling(monkeypatch, {}, "bfloat16", 1536, 1536, "row")  # npc = H: the whole row, no cap
+    assert (t["L"], t["C"], t["min_blocks"]) == (32, 6, 0)
+    t = _tiling(monkeypatch, {"FWD_PTC_MAX_CHUNKS": 0}, "bfloat16", 18432, 128, "row")
+    assert (t["L"], t["C"], t["U"], t["threads"], t["min_blocks"]) == (64, 36, 36, 64, 16)
+
+
+def test_fwd_ptc_tiling_serial_loop(monkeypatch):
+    """FWD_PTC_UNROLL: the loop body is the largest divisor of the chunk count in (FWD_PTC_DEPTH, UNROLL]; packed words
+    gathered over stages (one-warp teams) never straddle two iterations; lanes with few chunks stay unrolled."""
+    t = _tiling(monkeypatch, {"FWD_PTC_MAX_CHUNKS": 0, "FWD_PTC_UNROLL": 9}, "bfloat16", 18432, 128, "row")
+    assert (t["C"], t["U"]) == (36, 9)
+    t = _tiling(monkeypatch, {"FWD_PTC_MAX_CHUNKS": 0, "FWD_PTC_UNROLL": 8}, "bfloat16", 7168, 128, "row")
+    assert (t["C"], t["U"]) == (14, 7)
+    t = _tiling(monkeypatch, {"FWD_PTC_SF_BYTES": False, "FWD_PTC_UNROLL": 12}, "bfloat16", 18432, 128, "col_packed")
+    assert (t["L"], t["C"], t["U"], t["byte_sf"]) == (32, 72, 12, False)
+    t = _tiling(monkeypatch, {"FWD_PTC_SF_BYTES": False, "FWD_PTC_UNROLL": 3}, "bfloat16", 18432, 128, "col_packed")
+    assert t["U"] == 72  # 3 chunks = 6 groups: half a word left over; no other divisor in (2, 3]
+    t = _tiling(monkeypatch, {"FWD_PTC_UNROLL": 9}, "bfloat16", 4096, 128, "row")
+    assert (t["C"], t["U"]) == (8, 8)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("knobs", WIDE_FWD_KNOBS[:3], ids=str)
+def test_fwd_ptc_wide_row_source(knobs, monkeypatch):
+    """2H = 36864: 256-lane row CTAs with 9 unrolled chunks a lane (default), 64-lane teams with 36 (MAX_CHUNKS=0), or
+    a serial loop of 4 iterations of 9 chunks whose loads ahead are guarded (UNROLL=9). Every register-slot index is
+    static: no local-memory arrays."""
+    _jit.registered()
+    src = _knob_source(monkeypatch, knobs, "swiglu_fwd_ptc", K._fwd_ptc_cfg(*WIDE_FWD_CASES[1]))
+    body = src[src.index("__launch_bounds__"):]
+    if not knobs:
+        assert body.startswith("__launch_bounds__(256, 4)") and "for (int j" not in body
+    else:
+        assert body.startswith("__launch_bounds__(64, 16)")
+    if knobs.get("FWD_PTC_UNROLL"):
+        assert "for (int j = 0; j < 4; ++j) {" in body and "if (j < 3) {" in body
+    else:
+        assert "for (int j" not in body
+    assert not re.search(r"for \(int (s|si|u|c) ", body)  # stages and slots unrolled (static slot indices)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", WIDE_FWD_KNOBS, ids=str)
+@pytest.mark.parametrize("t", (1, 7, 257))
+@pytest.mark.parametrize("case", WIDE_FWD_CASES, ids=str)
+def test_fwd_ptc_wide_rows_match_reference(case, t, knobs, knob_kernels):
+    """2H = 36864 under each wide-row tiling gives the reference's bits (sf, e4m3, clamp counts)."""
+    knob_kernels(K, knobs)
+    _fwd_check(case, *_fwd_inputs(t, case[0], case[1], case[6], case[7]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", WIDE_FWD_KNOBS, ids=str)
+@pytest.mark.parametrize("fill", ("zero_blocks", "huge"))
+def test_fwd_ptc_wide_rows_adversarial(fill, knobs, knob_kernels):
+    knob_kernels(K, knobs)
+    case = WIDE_FWD_CASES[1]
+    _fwd_check(case, *_fwd_inputs(33, case[0], case[1], case[6], case[7], fill))

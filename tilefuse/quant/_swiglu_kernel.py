@@ -6,7 +6,9 @@ One pass each: the input is read once and every output written once; no intermed
   chunks of E elements (one 16-byte vector of ``l`` and one of ``r``) at columns ``c*L*E + q*E``. With
   ``npc == 128`` every chunk is quantized on its own (a group is ``128 / E`` adjacent lanes: register max,
   then a shuffle butterfly); with ``npc == H`` the whole row stays in registers and the butterfly spans the
-  team. Packed UE8M0 words are gathered by the team's lane 0 through shuffles.
+  team. Packed UE8M0 words are gathered by the team's lane 0 through shuffles. Wide rows (npc == 128) get teams of up
+  to FWD_PTC_MAX_TEAM lanes so that a lane's straight-line walk stays within FWD_PTC_MAX_CHUNKS chunks (instruction
+  cache), or (FWD_PTC_UNROLL) walk their chunks in a serial loop over a few unrolled ones.
 * ``swiglu_bwd_ptc`` (3.13): the same row/team mapping over the ``H`` gate/up column pairs; ``dx`` and ``dy``
   groups (``npc`` in {32, 128}) are quantized from binary32; the weight-gradient row sum is a fixed
   butterfly (deterministic).
@@ -26,7 +28,8 @@ count: results are deterministic and batch-invariant. Clamp constants are baked 
 binary32 bit patterns.
 
 Tuning knobs (module constants read by the factories, overridable through ``TILEFUSE_KNOBS``; tiling and
-scheduling only, never the arithmetic): FWD_PTC_DEPTH, FWD_PTC_ROW_THREADS; BWD_MIN_BLOCKS, BWD_THREADS,
+scheduling only, never the arithmetic): FWD_PTC_DEPTH, FWD_PTC_ROW_THREADS, FWD_PTC_MIN_BLOCKS,
+FWD_PTC_SF_BYTES, FWD_PTC_MAX_CHUNKS, FWD_PTC_MAX_TEAM, FWD_PTC_UNROLL; BWD_MIN_BLOCKS, BWD_THREADS,
 BWD_DEPTH, BWD_ROW_THREADS, BWD_ROW_WARPS, BWD_ROW_WARPS_MIN_BLOCKS, BWD_PDL, BWD_PDL_TRIGGER, BWD_L2_PREFETCH,
 BWD_WG_ZERO, BWD_WG_STAGE; PCC_MIN_BLOCKS, PCC_PDL.
 """
@@ -173,10 +176,57 @@ FWD_PTC_MIN_BLOCKS = 16
 # packed sf (npc == 128): teams of up to FWD_PTC_ROW_THREADS lanes as well, each group's UE8M0 byte stored on its own
 # (a word's four groups then span two warps); False: one-warp teams, the word gathered by shuffles and stored whole
 FWD_PTC_SF_BYTES = True
+# npc == 128, teams wider than a warp: the most chunks a lane walks. A lane's walk is straight-line code (~300
+# instructions a chunk), which past a few dozen chunks no longer fits the instruction cache; a row with more chunks
+# per lane gets a team twice as wide (one row per CTA, up to FWD_PTC_MAX_TEAM lanes) until it fits (2H = 36864:
+# 256 lanes, 9 chunks each, instead of 64 lanes, 36 chunks each). 0 = teams of FWD_PTC_ROW_THREADS lanes at most
+FWD_PTC_MAX_CHUNKS = 16
+# the same bound for IEEE-divided sf (no round_sf): the division's instructions make a lane's chunks dearer, and
+# narrower walks (wider teams) pay from 2H = 4096 on (None: FWD_PTC_MAX_CHUNKS)
+FWD_PTC_MAX_CHUNKS_DIV = 4
+FWD_PTC_MAX_TEAM = 1024
+# npc == 128: a lane with more chunks than this walks them in a serial loop whose body is U chunks, U the largest
+# divisor of the lane's chunk count in (FWD_PTC_DEPTH, this] (register slots rotate modulo U, so every index stays
+# static); 0 = every chunk unrolled
+FWD_PTC_UNROLL = 0
 _SW_ST8 = """
 __device__ __forceinline__ void tf_sw_st8(void* base, long long off, int v) {
   static_cast<unsigned char*>(base)[off] = static_cast<unsigned char>(v); }
 """
+
+
+def fwd_ptc_tiling(x_dtype: str, hidden: int, npc: int, sf_layout: str, round_sf: bool = True) -> dict:
+    """The tiling of ``swiglu_fwd_ptc`` for a static config under the current knobs: ``L`` lanes per row, ``C``
+    chunks per lane, ``U`` chunks unrolled per serial-loop iteration (``C``: no loop), ``threads`` per CTA,
+    ``min_blocks`` (0: no register cap) and ``byte_sf`` (packed UE8M0 bytes stored one by one)."""
+    E = 16 // (2 if x_dtype == "bfloat16" else 4)  # elements per chunk (one 16-byte vector)
+    nch = hidden // E                  # chunks per row
+    per_chunk = npc != hidden          # npc == 128: each chunk quantized on its own
+    # teams wider than a warp only where nothing crosses warps (per-chunk groups; packed words gathered inside a warp,
+    # or, FWD_PTC_SF_BYTES, stored a byte per group where a stage covers whole words: every byte is then written)
+    L_wide = _team_cap(nch, FWD_PTC_ROW_THREADS)
+    max_chunks = FWD_PTC_MAX_CHUNKS if round_sf or FWD_PTC_MAX_CHUNKS_DIV is None else FWD_PTC_MAX_CHUNKS_DIV
+    while (max_chunks and L_wide > 32 and nch // L_wide > max_chunks
+           and 2 * L_wide <= FWD_PTC_MAX_TEAM and nch % (2 * L_wide) == 0):
+        L_wide *= 2
+    packed_bytes = FWD_PTC_SF_BYTES and (L_wide * E // npc) % 4 == 0
+    wide = per_chunk and (sf_layout != "col_packed" or packed_bytes)
+    L = L_wide if wide else _team_cap(nch, 32)
+    byte_sf = sf_layout == "col_packed" and L > 32  # a packed word's groups span two warps: one byte store each
+    C = nch // L
+    threads = max(64, L)               # small CTAs: at the bench shape (3296 rows, 2 per CTA) every SM gets 12-13
+    gps = L * E // npc if per_chunk else 1  # groups per stage
+    # not npc == H (the whole row in registers) nor one-warp packed; wider CTAs keep the per-thread register budget of
+    # FWD_PTC_MIN_BLOCKS 64-thread CTAs
+    min_blocks = max(1, FWD_PTC_MIN_BLOCKS * 64 // threads) if wide and FWD_PTC_MIN_BLOCKS else 0
+    # FWD_PTC_UNROLL: U > FWD_PTC_DEPTH (a chunk loaded ahead lands in a slot whose chunk is done); packed words
+    # gathered over stages must not straddle iterations (U * gps % 4 == 0)
+    gather = sf_layout == "col_packed" and not byte_sf
+    U = C
+    if per_chunk and FWD_PTC_UNROLL and C > FWD_PTC_UNROLL:
+        U = next((u for u in range(FWD_PTC_UNROLL, FWD_PTC_DEPTH, -1)
+                  if C % u == 0 and not (gather and u * gps % 4)), C)
+    return dict(L=L, C=C, U=U, threads=threads, min_blocks=min_blocks, byte_sf=byte_sf)
 
 
 def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, sf_layout: str, weighted: bool,
@@ -189,34 +239,49 @@ def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, s
     """
     import tilelang.language as T
 
-    eb_x = 2 if x_dtype == "bfloat16" else 4
-    E = 16 // eb_x                     # elements per chunk (one 16-byte vector)
-    nch = hidden // E                  # chunks per row
+    E = 16 // (2 if x_dtype == "bfloat16" else 4)  # elements per chunk (one 16-byte vector)
     per_chunk = npc != hidden          # npc == 128: each chunk quantized on its own
-    # teams wider than a warp only where nothing crosses warps (per-chunk groups; packed words gathered inside a warp,
-    # or, FWD_PTC_SF_BYTES, stored a byte per group where a stage covers whole words: every byte is then written)
-    L_wide = _team_cap(nch, FWD_PTC_ROW_THREADS)
-    packed_bytes = FWD_PTC_SF_BYTES and (L_wide * E // npc) % 4 == 0
-    wide = per_chunk and (sf_layout != "col_packed" or packed_bytes)
-    L = L_wide if wide else _team_cap(nch, 32)
-    byte_sf = sf_layout == "col_packed" and L > 32  # a packed word's groups span two warps: one byte store each
-    C = nch // L                       # chunks per lane
-    threads = max(64, L)               # small CTAs: at the bench shape (3296 rows, 2 per CTA) every SM gets 12-13
+    tiling = fwd_ptc_tiling(x_dtype, hidden, npc, sf_layout, round_sf)
+    L, C, U, threads = tiling["L"], tiling["C"], tiling["U"], tiling["threads"]
+    min_blocks, byte_sf = tiling["min_blocks"], tiling["byte_sf"]
     BM = threads // L                  # rows per CTA
     Lg = npc // E if per_chunk else L  # lanes per group (a chunk-group) or the whole team
     assert Lg <= L and L % Lg == 0
     ng = hidden // npc
     n_words = -(-ng // 4)
-    stages = [[c] for c in range(C)] if per_chunk else [list(range(C))]
+    n_stages = C if per_chunk else 1   # npc == H: one stage, the whole row
     gps = L * E // npc if per_chunk else 1  # groups per stage
     # npc == 128: chunk c + D's loads are issued before chunk c is processed (registers stay bounded); npc == H
     # needs the whole row first
     # (FWD_PTC_DEPTH chunks ahead: each warp walks its row chunk by chunk, so the loads in flight per warp, not
     # the issue rate, bound it when the whole grid is resident at once)
     D = FWD_PTC_DEPTH
-    min_blocks = FWD_PTC_MIN_BLOCKS if wide else 0  # not npc == H (the whole row in registers) nor one-warp packed
     first_loads = list(range(min(D, C))) if per_chunk else list(range(C))
-    next_loads = [[si + D] if per_chunk and si + D < C else [] for si in range(len(stages))]
+    # U < C (FWD_PTC_UNROLL): stage si = j * U + u (a serial loop over j, u unrolled) in register slot u; its chunk
+    # si + D is loaded into slot (u + D) % U, whose chunk is done (D < U)
+    S = U if per_chunk else C  # register slots
+    stage_ids, slot_ids = list(range(n_stages)), list(range(U))  # Python lists: unrolled (a range would be a loop)
+
+    def stage_of(j, u):
+        return j * U + u
+
+    def chunk_slots(si, u):
+        """(chunk, slot) pairs of stage ``si`` (``u`` within its iteration)."""
+        return [(si, u)] if per_chunk else [(c, c) for c in range(C)]
+
+    def next_load(si, u):
+        """[(chunk, slot, guard)] loaded ahead at stage ``si``: chunk si + D (guard: it exists; a Python bool when
+        the walk is unrolled)."""
+        if not per_chunk or not D:
+            return []
+        cond = si + D < C
+        if isinstance(cond, bool) and not cond:
+            return []
+        return [(si + D, (u + D) % U, cond)]
+
+    def word_done(si, u):
+        """The packed word gathered so far is complete after stage ``si``."""
+        return (u + 1) * gps % 4 == 0 or (U == C and si == n_stages - 1)
 
     # unused optional inputs are passed as 1-element dummies, hence their own sizes
     Tn, P, NW, NI, NE = T.dynamic("num_tokens, sf_pad, num_weights, num_p2t, num_p2e")
@@ -234,19 +299,77 @@ def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, s
     cnt_param = T.Tensor((3,), "int64")
 
     @T.macro
-    def load_chunk(X, xl, xr, row, q, ok, c):
-        """Chunk ``c`` of this lane's gate (``xl``) and up (``xr``) vectors of ``row``; zeros when not ``ok``."""
+    def load_chunk(X, xl, xr, row, q, ok, c, s):
+        """Chunk ``c`` of this lane's gate (``xl``) and up (``xr``) vectors of ``row`` into register slot ``s``; zeros
+        when not ``ok``."""
         col = c * (L * E) + q * E
         if ok:
             for v in T.vectorized(E):
-                xl[c, v] = X[row, col + v]
+                xl[s, v] = X[row, col + v]
             for v in T.vectorized(E):
-                xr[c, v] = X[row, hidden + col + v]
+                xr[s, v] = X[row, hidden + col + v]
         else:
             for v in T.vectorized(E):
-                xl[c, v] = T.cast(0, x_dtype)
+                xl[s, v] = T.cast(0, x_dtype)
             for v in T.vectorized(E):
-                xr[c, v] = T.cast(0, x_dtype)
+                xr[s, v] = T.cast(0, x_dtype)
+
+    @T.macro
+    def stage(X, Y, SF, xl, xr, act, lc, rc, tv, qv, yb, am, w, word, cnt, row, q, ok, si, u):
+        """Stage ``si`` (its chunk, or the whole row for npc == H; ``u``: its slot within the loop body): loads
+        ahead, clamp counts, act, group max, sf store, e4m3 store."""
+        for c, s, has in next_load(si, u):
+            if has:
+                load_chunk(X, xl, xr, row, q, ok, c, s)
+        if count:
+            c_ = _f32(T, clamp_bits)
+            for c, s in chunk_slots(si, u):
+                for e in T.unroll(E):
+                    lv = T.cast(xl[s, e], "float32")
+                    rv = T.cast(xr[s, e], "float32")
+                    cnt[0] = cnt[0] + T.if_then_else(T.And(ok, lv > c_), 1, 0)
+                    cnt[1] = cnt[1] + T.if_then_else(T.And(ok, rv > c_), 1, 0)
+                    cnt[2] = cnt[2] + T.if_then_else(T.And(ok, rv < -c_), 1, 0)
+        am[0] = T.float32(0.0)
+        for c, s in chunk_slots(si, u):
+            for e in T.unroll(E):
+                lc[e], rc[e], tv[e] = _act_parts(T, T.cast(xl[s, e], "float32"),
+                                                 T.cast(xr[s, e], "float32"), clamp_bits)
+                _, qv[e] = _recip_and_quotient(T, lc[e], tv[e])
+            # shared-reciprocal division unless one |l| is large, inf or NaN (then redo with /)
+            if _outside(T, _abs_sum(T, lc, E), T.float32(0.0), T.float32(_FAST_ABS_SUM)):
+                for e in T.unroll(E):
+                    qv[e] = lc[e] / tv[e]
+            for e in T.unroll(E):
+                a = qv[e] * rc[e]
+                if weighted:
+                    a = a * w[0]
+                act[s, e] = a
+                am[0] = T.max(am[0], T.abs(act[s, e]))
+        for st in T.unroll(Lg.bit_length() - 1):  # group max: butterfly over Lg lanes
+            am[0] = T.max(am[0], T.shfl_xor(am[0], T.shift_right(Lg // 2, st)))
+        sf, inv, eb = _scale_pair(T, am[0], sf_clamp_bits, round_sf)
+        # sf store: the first lane of each group
+        g = si * gps + q // Lg
+        if byte_sf:  # the group's UE8M0 byte at byte g % 4 of word g // 4 (little-endian, quant.md 1.5)
+            if T.And(ok, q % Lg == 0):
+                T.call_extern("handle", "tf_sw_st8", T.address_of(SF[0, 0]),
+                              (T.cast(row, "int64") + (g // 4) * T.cast(P, "int64")) * 4 + g % 4, eb)
+        elif sf_layout == "col_packed":  # lane 0 gathers the stage's exponents into its word
+            word[0] = word[0] | _stage_bytes(T, eb, u * gps, gps, Lg, L)
+            if word_done(si, u):
+                if T.And(ok, q == 0):
+                    SF[row, si * gps // 4] = word[0]
+                word[0] = 0
+        elif T.And(ok, q % Lg == 0):
+            SF[row, g] = sf
+        for c, s in chunk_slots(si, u):
+            col = c * (L * E) + q * E
+            if ok:
+                for e in T.vectorized(E):
+                    yb[e] = T.cast(act[s, e] * inv, "float8_e4m3fn")
+                for e in T.vectorized(E):
+                    Y[row, col + e] = yb[e]
 
     @T.macro
     def body(X, P2T, W, P2E, Y, SF, CNT):
@@ -258,9 +381,9 @@ def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, s
             tx = T.get_thread_binding()
             q = tx % L
             row = bx * BM + tx // L
-            xl = T.alloc_local((C, E), x_dtype)
-            xr = T.alloc_local((C, E), x_dtype)
-            act = T.alloc_local((C, E), "float32")
+            xl = T.alloc_local((S, E), x_dtype)
+            xr = T.alloc_local((S, E), x_dtype)
+            act = T.alloc_local((S, E), "float32")
             lc = T.alloc_local((E,), "float32")
             rc = T.alloc_local((E,), "float32")
             tv = T.alloc_local((E,), "float32")
@@ -274,7 +397,7 @@ def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, s
             if skip:
                 ok = T.And(ok, P2E[T.min(row, Tn - 1)] >= 0)
             for c in first_loads:
-                load_chunk(X, xl, xr, row, q, ok, c)
+                load_chunk(X, xl, xr, row, q, ok, c, c)
             w[0] = T.float32(1.0)
             if weighted:
                 p = T.if_then_else(row < Tn, P2T[T.min(row, Tn - 1)], -1)
@@ -283,58 +406,14 @@ def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, s
                 for k in T.unroll(3):
                     cnt[k] = 0
             word[0] = 0
-            for si, chunks in enumerate(stages):
-                for c in next_loads[si]:
-                    load_chunk(X, xl, xr, row, q, ok, c)
-                if count:
-                    c_ = _f32(T, clamp_bits)
-                    for c in chunks:
-                        for e in T.unroll(E):
-                            lv = T.cast(xl[c, e], "float32")
-                            rv = T.cast(xr[c, e], "float32")
-                            cnt[0] = cnt[0] + T.if_then_else(T.And(ok, lv > c_), 1, 0)
-                            cnt[1] = cnt[1] + T.if_then_else(T.And(ok, rv > c_), 1, 0)
-                            cnt[2] = cnt[2] + T.if_then_else(T.And(ok, rv < -c_), 1, 0)
-                am[0] = T.float32(0.0)
-                for c in chunks:
-                    for e in T.unroll(E):
-                        lc[e], rc[e], tv[e] = _act_parts(T, T.cast(xl[c, e], "float32"),
-                                                         T.cast(xr[c, e], "float32"), clamp_bits)
-                        _, qv[e] = _recip_and_quotient(T, lc[e], tv[e])
-                    # shared-reciprocal division unless one |l| is large, inf or NaN (then redo with /)
-                    if _outside(T, _abs_sum(T, lc, E), T.float32(0.0), T.float32(_FAST_ABS_SUM)):
-                        for e in T.unroll(E):
-                            qv[e] = lc[e] / tv[e]
-                    for e in T.unroll(E):
-                        a = qv[e] * rc[e]
-                        if weighted:
-                            a = a * w[0]
-                        act[c, e] = a
-                        am[0] = T.max(am[0], T.abs(act[c, e]))
-                for st in T.unroll(Lg.bit_length() - 1):  # group max: butterfly over Lg lanes
-                    am[0] = T.max(am[0], T.shfl_xor(am[0], T.shift_right(Lg // 2, st)))
-                sf, inv, eb = _scale_pair(T, am[0], sf_clamp_bits, round_sf)
-                # sf store: the first lane of each group
-                g = si * gps + q // Lg
-                if byte_sf:  # the group's UE8M0 byte at byte g % 4 of word g // 4 (little-endian, quant.md 1.5)
-                    if T.And(ok, q % Lg == 0):
-                        T.call_extern("handle", "tf_sw_st8", T.address_of(SF[0, 0]),
-                                      (T.cast(row, "int64") + (g // 4) * T.cast(P, "int64")) * 4 + g % 4, eb)
-                elif sf_layout == "col_packed":  # lane 0 gathers the stage's exponents into its word
-                    word[0] = word[0] | _stage_bytes(T, eb, si * gps, gps, Lg, L)
-                    if (si + 1) * gps % 4 == 0 or si == len(stages) - 1:
-                        if T.And(ok, q == 0):
-                            SF[row, si * gps // 4] = word[0]
-                        word[0] = 0
-                elif T.And(ok, q % Lg == 0):
-                    SF[row, g] = sf
-                for c in chunks:
-                    col = c * (L * E) + q * E
-                    if ok:
-                        for e in T.vectorized(E):
-                            yb[e] = T.cast(act[c, e] * inv, "float8_e4m3fn")
-                        for e in T.vectorized(E):
-                            Y[row, col + e] = yb[e]
+            if U == C:  # every stage unrolled
+                for si in stage_ids:
+                    stage(X, Y, SF, xl, xr, act, lc, rc, tv, qv, yb, am, w, word, cnt, row, q, ok, si, si)
+            else:
+                for j in T.serial(C // U):
+                    for u in slot_ids:
+                        stage(X, Y, SF, xl, xr, act, lc, rc, tv, qv, yb, am, w, word, cnt, row, q, ok,
+                              stage_of(j, u), u)
             if count:
                 for k in T.unroll(3):
                     for st in T.unroll(5):  # warp sum
