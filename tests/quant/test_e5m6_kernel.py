@@ -44,10 +44,12 @@ def test_cast_back_builds_for_sm90(cfg):
 
 def test_tiling_covers_each_row():
     """L lanes x NG groups of 8 cover the row; rows are whole warps; >= 128 threads per CTA."""
-    for hidden in (8, 64, 576, 2048, 2560, 3072, 4096, 6144, 7168, 16384, 65536):
+    for hidden in (8, 64, 576, 2048, 2560, 3072, 4096, 6144, 7168, 16384, 18432, 32768, 40000, 65536):
         lanes, ng, rows = K._tiling(hidden)
         assert lanes % 32 == 0 and lanes * rows >= 128
         assert (ng - 1) * lanes < hidden // 8 <= ng * lanes and ng <= 8
+        assert lanes <= K.MAX_LANES or hidden > K.MAX_LANES * 64  # wider lanes only where 8 groups do not fit
+    assert K._tiling(18432)[:2] == (K.MAX_LANES, -(-18432 // 8 // K.MAX_LANES))
     assert K._tiling(65536 + 8 * 1024 * 8) is None
 
 

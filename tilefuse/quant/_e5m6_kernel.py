@@ -9,8 +9,8 @@ truncated, ``>= 2^16`` to inf, NaN payload kept), its top 12 bits, plus one when
 NaN products are first made the positive canonical NaN, as the reference does. Eight codes become three
 words ``W0 W1 W2`` (big-endian bit string) stored as little-endian uint32.
 
-Tiling (SIMT): ``L`` threads (a power of two >= 32) per row, each holding about four groups of eight values
-in registers; the row maximum is a warp-shuffle reduction, then one shared-memory step across the row's
+Tiling (SIMT): ``L`` threads (a power of two >= 32, at most ``MAX_LANES`` where 8 groups each fit) per row, each
+holding about four groups of eight values in registers; the row maximum is a warp-shuffle reduction, then one shared-memory step across the row's
 warps (max is exact in any order). Nothing depends on the token count: deterministic and batch-invariant.
 """
 import torch
@@ -27,6 +27,10 @@ _MAX_PER_THREAD = 64
 # MIN_BLOCKS > 0: __launch_bounds__(threads, MIN_BLOCKS), a register cap of 65536 / (threads * MIN_BLOCKS) (0: none;
 # 256 lanes hold 50 registers: 4 CTAs = 56 KB of loads per SM; 5 fit at <= 48).
 MIN_BLOCKS = 0
+# MAX_LANES: the most threads per row (a power of two) while a thread's groups fit (at most 8; rows wider than
+# MAX_LANES * 64 take up to 1024 lanes); wider rows give each thread more groups.
+# 512: two CTAs per SM at 18432 channels instead of one 1024-thread CTA (H200, bf16 16384 x 18432: 511 -> 280 us)
+MAX_LANES = 512
 
 _PACKED_HELPERS = """
 template <typename B> __device__ __forceinline__ unsigned tf_bf16x2_bits(B lo, B hi) {
@@ -51,7 +55,7 @@ def _tiling(hidden: int) -> tuple[int, int, int] | None:
     """
     g8 = hidden // 8
     lanes = 32
-    while lanes < 1024 and lanes * 4 < g8:
+    while lanes < 1024 and (lanes * 4 < g8 if lanes < MAX_LANES else -(-g8 // lanes) > 8):
         lanes *= 2
     ng = -(-g8 // lanes)
     if ng > 8:
