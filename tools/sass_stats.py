@@ -3,7 +3,8 @@
     python tools/sass_stats.py per_token_cast "('bfloat16','e2m1',7168,128,True,'col_packed','cast')" \
         --elems-per-thread 32 --elements 58720256 --bytes 147.3e6
 
-Compiles the config for sm_90 (TileLang + nvcc here), disassembles it (``cuobjdump``: set CUOBJDUMP or put it on
+``--resources`` prints only ptxas's register, stack-frame and spill counts (the first check for a spilling config;
+no disassembler needed). Compiles the config for sm_90 (TileLang + nvcc here), disassembles it (``cuobjdump``: set CUOBJDUMP or put it on
 PATH; ``pip download nvidia-cuda-cuobjdump`` has one) and counts the instructions of the main path (up to the
 first EXIT; slow-path subroutines such as IEEE division's come after it) by issue class:
 
@@ -79,10 +80,27 @@ def sass(src: str) -> tuple[str, str]:
     return listing, res
 
 
+def ptxas_resources(src: str) -> str:
+    """ptxas's resource lines for ``src`` (registers, stack frame, spill stores and loads): no cuobjdump needed."""
+    import tilelang
+
+    tl = os.path.dirname(tilelang.__file__)
+    with tempfile.TemporaryDirectory() as d:
+        cu = os.path.join(d, "k.cu")
+        open(cu, "w").write(src)
+        done = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-O3", "-std=c++17", f"-I{tl}/src",
+                               f"-I{tl}/3rdparty/cutlass/include", "-DENABLE_BF16", "-w", "-Xptxas", "-v",
+                               "-o", os.path.join(d, "k.cubin"), cu], capture_output=True, text=True)
+    return "\n".join(ln.strip() for ln in done.stderr.splitlines() if "Used" in ln or "spill" in ln or "error" in ln)
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("name")
     p.add_argument("config", help="the static config as a Python tuple literal")
+    p.add_argument("--resources", action="store_true",
+                   help="only ptxas's registers, stack frame and spills (no cuobjdump needed; TILEFUSE_KNOBS applies)")
+    p.add_argument("--source", default=None, help="also write the generated CUDA source to this file")
     p.add_argument("--elems-per-thread", type=float, default=None)
     p.add_argument("--elements", type=float, default=None, help="elements of the whole problem")
     p.add_argument("--bytes", type=float, default=None, help="bytes the problem moves (for the memory time)")
@@ -90,7 +108,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--ceiling", type=float, default=4270.0, help="copy ceiling, GB/s")
     p.add_argument("--dump", action="store_true", help="print the main-path listing")
     args = p.parse_args(argv)
-    listing, res = sass(kernel_source(args.name, ast.literal_eval(args.config)))
+    src = kernel_source(args.name, ast.literal_eval(args.config))
+    if args.source:
+        with open(args.source, "w") as f:
+            f.write(src)
+    if args.resources:
+        print(ptxas_resources(src))
+        return 0
+    listing, res = sass(src)
     lines = [re.sub(r"\s*/\*[0-9a-fx]+\*/\s*$", "", ln).strip() for ln in listing.splitlines()
              if re.match(r"\s+/\*[0-9a-f]{4,6}\*/", ln)]
     lines = [re.sub(r"^/\*[0-9a-f]{4,6}\*/\s*", "", ln) for ln in lines]
