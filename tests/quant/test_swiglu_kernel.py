@@ -890,3 +890,60 @@ def test_fwd_ptc_wide_rows_adversarial(fill, knobs, knob_kernels):
     knob_kernels(K, knobs)
     case = WIDE_FWD_CASES[1]
     _fwd_check(case, *_fwd_inputs(33, case[0], case[1], case[6], case[7], fill))
+
+
+# ---- FWD_PTC_UPFRONT: lanes with few chunks issue every load up front ----
+
+# (x dtype, H, npc, col, round_sf, packed, weighted, skip, clamp, count) at 2H = 4096 (4 chunks a lane): the bench's
+# round / packed-round rows, and the IEEE-divided row (which changes from 2 to 3 chunks ahead as well)
+UPFRONT_FWD_CASES = (
+    ("bfloat16", 2048, 128, False, True, False, False, False, None, False),
+    ("bfloat16", 2048, 128, True, True, True, False, False, 0.5, False),
+    ("bfloat16", 2048, 128, False, False, False, True, True, 0.5, True),
+)
+
+
+def test_fwd_ptc_tiling_upfront(monkeypatch):
+    """A lane with at most FWD_PTC_UPFRONT chunks loads them all before its first chunk (D = C - 1); longer walks
+    and the whole-row (npc = H) kernel keep FWD_PTC_DEPTH; 0 restores DEPTH everywhere."""
+    for args, d in (((2048, 128, "row", True), 3), ((2048, 128, "col_packed", True), 3),
+                    ((4096, 128, "row", False), 3),   # 128-lane teams: 4 chunks
+                    ((1536, 128, "row", True), 2),    # 3 chunks: DEPTH 2 already loads them all
+                    ((4096, 128, "row", True), 2),    # 8 chunks
+                    ((1536, 1536, "row", True), 2)):
+        t = _tiling(monkeypatch, {"FWD_PTC_UPFRONT": 4}, "bfloat16", args[0], args[1], args[2], args[3])
+        assert t["D"] == d, (args, t)
+    t = _tiling(monkeypatch, {"FWD_PTC_UPFRONT": 0}, "bfloat16", 2048, 128, "row", True)
+    assert (t["L"], t["C"], t["D"]) == (64, 4, 2)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("upfront", (4, 0))
+def test_fwd_ptc_upfront_source(upfront, monkeypatch):
+    """2H = 4096: every one of a lane's 8 vector loads (4 chunks, gate and up) precedes its first exp with
+    FWD_PTC_UPFRONT=4; 0 (the default) leaves the 4th chunk's two loads to the second stage."""
+    _jit.registered()
+    src = _knob_source(monkeypatch, {"FWD_PTC_UPFRONT": upfront}, "swiglu_fwd_ptc",
+                       K._fwd_ptc_cfg(*UPFRONT_FWD_CASES[0]))
+    body = src[src.index("__launch_bounds__"):]
+    first_exp = body.index("expf(")
+    assert body.count("= *(uint4*)(X + ") == 8
+    assert body[:first_exp].count("= *(uint4*)(X + ") == (8 if upfront else 6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("upfront", (4, 0))
+@pytest.mark.parametrize("t", (1, 7, 4001))
+@pytest.mark.parametrize("case", UPFRONT_FWD_CASES, ids=str)
+def test_fwd_ptc_upfront_matches_reference(case, t, upfront, knob_kernels):
+    """2H = 4096 with all loads up front (FWD_PTC_UPFRONT=4) and two chunks ahead (0): the reference's bits."""
+    knob_kernels(K, {"FWD_PTC_UPFRONT": upfront})
+    _fwd_check(case, *_fwd_inputs(t, case[0], case[1], case[6], case[7]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fill", ("zero_blocks", "huge", "subnormal"))
+def test_fwd_ptc_upfront_adversarial(fill, knob_kernels):
+    knob_kernels(K, {"FWD_PTC_UPFRONT": 4})
+    case = UPFRONT_FWD_CASES[1]
+    _fwd_check(case, *_fwd_inputs(129, case[0], case[1], case[6], case[7], fill))

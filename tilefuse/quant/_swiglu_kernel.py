@@ -29,9 +29,9 @@ binary32 bit patterns.
 
 Tuning knobs (module constants read by the factories, overridable through ``TILEFUSE_KNOBS``; tiling and
 scheduling only, never the arithmetic): FWD_PTC_DEPTH, FWD_PTC_ROW_THREADS, FWD_PTC_MIN_BLOCKS,
-FWD_PTC_SF_BYTES, FWD_PTC_MAX_CHUNKS, FWD_PTC_MAX_TEAM, FWD_PTC_UNROLL; BWD_MIN_BLOCKS, BWD_THREADS,
-BWD_DEPTH, BWD_ROW_THREADS, BWD_ROW_WARPS, BWD_ROW_WARPS_MIN_BLOCKS, BWD_PDL, BWD_PDL_TRIGGER, BWD_L2_PREFETCH,
-BWD_WG_ZERO, BWD_WG_STAGE; PCC_MIN_BLOCKS, PCC_PDL.
+FWD_PTC_SF_BYTES, FWD_PTC_MAX_CHUNKS, FWD_PTC_MAX_TEAM, FWD_PTC_UNROLL, FWD_PTC_UPFRONT; BWD_MIN_BLOCKS,
+BWD_THREADS, BWD_DEPTH, BWD_ROW_THREADS, BWD_ROW_WARPS, BWD_ROW_WARPS_MIN_BLOCKS, BWD_PDL, BWD_PDL_TRIGGER,
+BWD_L2_PREFETCH, BWD_WG_ZERO, BWD_WG_STAGE; PCC_MIN_BLOCKS, PCC_PDL.
 """
 
 import struct
@@ -189,6 +189,12 @@ FWD_PTC_MAX_TEAM = 1024
 # divisor of the lane's chunk count in (FWD_PTC_DEPTH, this] (register slots rotate modulo U, so every index stays
 # static); 0 = every chunk unrolled
 FWD_PTC_UNROLL = 0
+# npc == 128: a lane with at most this many chunks issues all its loads up front (DEPTH C - 1 for it; 0, the
+# default: DEPTH everywhere). ptxas gives the loads issued at the start one scoreboard, and hoists a later chunk's
+# loads above the first use of an earlier chunk's up half, which then waits on that scoreboard for the later loads
+# too: one more DRAM latency per lane (2H = 4096, 4 chunks: with round_sf, not with the divisions' branches in the
+# way). 4 is the variant for that case; the default stays 0 until it is timed against it.
+FWD_PTC_UPFRONT = 0
 _SW_ST8 = """
 __device__ __forceinline__ void tf_sw_st8(void* base, long long off, int v) {
   static_cast<unsigned char*>(base)[off] = static_cast<unsigned char>(v); }
@@ -198,7 +204,8 @@ __device__ __forceinline__ void tf_sw_st8(void* base, long long off, int v) {
 def fwd_ptc_tiling(x_dtype: str, hidden: int, npc: int, sf_layout: str, round_sf: bool = True) -> dict:
     """The tiling of ``swiglu_fwd_ptc`` for a static config under the current knobs: ``L`` lanes per row, ``C``
     chunks per lane, ``U`` chunks unrolled per serial-loop iteration (``C``: no loop), ``threads`` per CTA,
-    ``min_blocks`` (0: no register cap) and ``byte_sf`` (packed UE8M0 bytes stored one by one)."""
+    ``D`` chunks loaded ahead, ``min_blocks`` (0: no register cap) and ``byte_sf`` (packed UE8M0 bytes stored one
+    by one)."""
     E = 16 // (2 if x_dtype == "bfloat16" else 4)  # elements per chunk (one 16-byte vector)
     nch = hidden // E                  # chunks per row
     per_chunk = npc != hidden          # npc == 128: each chunk quantized on its own
@@ -222,11 +229,12 @@ def fwd_ptc_tiling(x_dtype: str, hidden: int, npc: int, sf_layout: str, round_sf
     # FWD_PTC_UNROLL: U > FWD_PTC_DEPTH (a chunk loaded ahead lands in a slot whose chunk is done); packed words
     # gathered over stages must not straddle iterations (U * gps % 4 == 0)
     gather = sf_layout == "col_packed" and not byte_sf
+    D = max(FWD_PTC_DEPTH, C - 1) if per_chunk and C <= FWD_PTC_UPFRONT else FWD_PTC_DEPTH
     U = C
     if per_chunk and FWD_PTC_UNROLL and C > FWD_PTC_UNROLL:
-        U = next((u for u in range(FWD_PTC_UNROLL, FWD_PTC_DEPTH, -1)
+        U = next((u for u in range(FWD_PTC_UNROLL, D, -1)
                   if C % u == 0 and not (gather and u * gps % 4)), C)
-    return dict(L=L, C=C, U=U, threads=threads, min_blocks=min_blocks, byte_sf=byte_sf)
+    return dict(L=L, C=C, U=U, D=D, threads=threads, min_blocks=min_blocks, byte_sf=byte_sf)
 
 
 def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, sf_layout: str, weighted: bool,
@@ -255,7 +263,7 @@ def swiglu_fwd_ptc_kernel(x_dtype: str, hidden: int, npc: int, round_sf: bool, s
     # needs the whole row first
     # (FWD_PTC_DEPTH chunks ahead: each warp walks its row chunk by chunk, so the loads in flight per warp, not
     # the issue rate, bound it when the whole grid is resident at once)
-    D = FWD_PTC_DEPTH
+    D = tiling["D"]
     first_loads = list(range(min(D, C))) if per_chunk else list(range(C))
     # U < C (FWD_PTC_UNROLL): stage si = j * U + u (a serial loop over j, u unrolled) in register slot u; its chunk
     # si + D is loaded into slot (u + D) % U, whose chunk is done (D < U)
