@@ -249,6 +249,82 @@ def test_cast_fp32_input(t):
     _check_cast(_x(t, 576, torch.float32, scale=100.0), "e4m3", (128, 128), True, True, True)
 
 
+# fp32 input with 128-row blocks at the 128 x 128 CTA tile (FP32_NARROW_MAX_H): 16 lanes per row, two row groups
+# per warp. H = 576: a partial last tile (half its lanes past the end) and a partial 128-channel block; 1536 and 4096:
+# whole tiles; T = 1, 7: one partial CTA row; 4001, 4099: many CTA rows, partial last block.
+NARROW_TILE = {"FP32_NARROW_MAX_H": 4096}  # the 128 x 128 tile up to 4096 channels (off by default until timed)
+FP32_NARROW = (("e4m3", (128, 128), True, True, True), ("e4m3", (128, 128), False, False, False),
+               ("e2m1", (128, 128), True, True, True), ("e2m1", (128, 32), True, False, False))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", (1, 7, 4001, 4099))
+@pytest.mark.parametrize("hidden", (576, 1536, 4096))
+@pytest.mark.parametrize("cfg", FP32_NARROW, ids=str)
+def test_cast_fp32_narrow_tile(t, hidden, cfg, knob_kernels):
+    knob_kernels(K, NARROW_TILE)
+    fmt, block, col, rnd, packed = cfg
+    assert K.row_lanes("float32", hidden, block[0]) == 16  # the geometry under test
+    _check_cast(_x(t, hidden, torch.float32, scale=50.0), fmt, block, col, rnd, packed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden", (576, 1536))
+@pytest.mark.parametrize("cfg", FP32_NARROW, ids=str)
+def test_adversarial_fp32_narrow_tile(hidden, cfg, knob_kernels):
+    knob_kernels(K, NARROW_TILE)
+    fmt, block, col, rnd, packed = cfg
+    _check_cast(_adversarial(4001, hidden, torch.float32, *block), fmt, block, col, rnd, packed)
+    _check_cast(_nan_inf_x(300, hidden, *block).float(), fmt, block, col, rnd, packed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", (7, 4001))
+def test_sf_only_and_precomputed_fp32_narrow_tile(t, knob_kernels):
+    knob_kernels(K, NARROW_TILE)
+    x = _x(t, 576, torch.float32, scale=10.0)
+    _poison()
+    got = K.per_block_cast_launch(x, "e4m3", (128, 128), True, True, True, mode="sf_only")
+    r_sf = R.cast(x, "e4m3", (128, 128), round_sf=True, use_tma_aligned_col_major_sf=True, use_packed_ue8m0=True)[1]
+    _compare_sf(got, r_sf, 576, 128)
+    sf = _precomputed_sf(t, 128, 128, 576)
+    _poison()
+    got = K.per_block_cast_launch(x, "e4m3", (128, 128), mode="precomputed", sf=sf)
+    torch.cuda.synchronize()
+    assert_equal(got, R.cast(x, "e4m3", (128, 128), sf=sf))
+
+
+@pytest.mark.gpu
+def test_fp32_narrow_tile_batch_invariant(knob_kernels):
+    """Row slices at CTA-row and block boundaries give the full input's rows and sf (the 128 x 128 tile)."""
+    knob_kernels(K, NARROW_TILE)
+    x = _x(4099, 1536, torch.float32, scale=5.0)
+    out, sf = _cast(x, "e4m3", (128, 128), False, False, False)
+    for lo, hi in ((0, 1), (128, 135), (3968, 4099)):
+        o, s = _cast(x[lo:hi], "e4m3", (128, 128), False, False, False)
+        assert_equal(o, out[lo:hi])
+        assert_equal(s, sf[lo // 128:cdiv(hi, 128)])
+
+
+# Knob variants of the fp32 128-row-block cast: each must give the default kernel's bits.
+FP32_KNOB_VARIANTS = [{"FP32_NARROW_MAX_H": 4096},                         # the 128 x 128 tile, 3 CTAs per SM
+                      {"FP32_NARROW_MAX_H": 4096, "FP32_NARROW_CTAS": 0},  # no residency bound (2 CTAs per SM)
+                      {"FP32_NARROW_MAX_H": 18432}]                        # the narrow tile at every bench width
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", FP32_KNOB_VARIANTS, ids=str)
+def test_fp32_knob_variants(knobs, knob_kernels):
+    cases = [(_x(t, h, torch.float32, scale=50.0), cfg) for t, h in ((7, 576), (4001, 1536), (4099, 7168))
+             for cfg in FP32_NARROW]
+    want = [_cast(x, *cfg) for x, cfg in cases]
+    knob_kernels(K, knobs)
+    for (x, cfg), (w_out, w_sf) in zip(cases, want):
+        out, sf = _cast(x, *cfg)
+        assert_equal(out, w_out)
+        _compare_sf(sf, w_sf, x.size(1), cfg[1][1])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", (1, 4001))
 def test_sf_only_equals_cast_sf_and_reference(t):

@@ -13,9 +13,11 @@ Geometry: a thread owns ``8 rows x 8 channels`` (per row one 16-byte bf16 / 32-b
 vector load and one 8-byte e4m3 / 4-byte e2m1 store); a warp's 32 lanes cover 256 consecutive channels;
 warps stack along rows. A block's maximum is a register reduction over the thread's rows, an xor-shuffle
 over the ``bk / 8`` lanes of the block and, for blocks taller than 8 rows, a max over the block's warps
-through shared memory. One CTA per tile of ``8 W`` rows x 256 channels. No atomics, and no value depends on
-the tiling (a block's maximum is the same max over the same elements): results are deterministic and
-batch-invariant. Arithmetic is the spec's, in binary32 with IEEE division (fast-math off);
+through shared memory. One CTA per tile of ``8 W`` rows x 256 channels. fp32 input with 128-row blocks up to
+``FP32_NARROW_MAX_H`` channels: 16 lanes per row, a warp's two halves on consecutive 8-row groups (one more
+xor-shuffle joins them), CTA = one 128 x 128 tile of 8 warps, so several CTAs share an SM. No atomics, and
+no value depends on the tiling (a block's maximum is the same max over the same elements): results are
+deterministic and batch-invariant. Arithmetic is the spec's, in binary32 with IEEE division (fast-math off);
 maxima use ``fmaxf``, which ignores NaN like the reference (1.7).
 """
 import torch
@@ -53,19 +55,21 @@ def _resident_ctas(threads: int, regs: int) -> int:
     return max(1, min(65536 // (threads * regs), 2048 // threads, max(3, 768 // threads)))
 
 
-def _geometry(bm: int, warps: int = 8) -> tuple[int, int, int]:
-    """(NB blocks per thread along rows, WB warps per block along rows, W warps per CTA) for block height bm.
+def _geometry(bm: int, warps: int = 8, groups: int = 1) -> tuple[int, int, int]:
+    """(NB blocks per thread along rows, WB warps per block along rows, W warps per CTA) for block height bm,
+    with ``groups`` row groups of 8 rows per warp (1: a warp's 32 lanes span one row group; 2: 16 lanes each).
 
-    bm >= 8: a thread's 8 rows lie in one block and a block spans ``bm / 8`` warps. bm < 8: a thread's rows
-    span ``8 / bm`` whole blocks. A CTA has ``warps`` warps (8 by default; more when one block needs more, i.e.
-    16 for bm = 128), i.e. ``8 * W`` rows. The tiling never changes any value, only which CTA computes it.
+    bm >= 8: a thread's 8 rows lie in one block and a block spans ``bm / (8 groups)`` warps. bm < 8: a thread's
+    rows span ``8 / bm`` whole blocks. A CTA has ``warps`` warps (8 by default; more when one block needs more,
+    i.e. 16 for bm = 128 with one group per warp), i.e. ``8 * groups * W`` rows. The tiling never changes any
+    value, only which CTA computes it.
     """
     assert warps & (warps - 1) == 0 and 1 <= warps <= 16
     if bm >= _RPT:
-        assert bm % _RPT == 0 and bm <= 128
-        wb = bm // _RPT
+        assert bm % (_RPT * groups) == 0 and bm <= 128
+        wb = bm // (_RPT * groups)
         return 1, wb, max(wb, warps)
-    assert _RPT % bm == 0
+    assert _RPT % bm == 0 and groups == 1
     return _RPT // bm, 1, warps
 
 
@@ -78,10 +82,15 @@ def _layout(col: bool, packed: bool) -> str:
 class _Common:
     """Kernel pieces shared by both factories for block shape ``(bm, bk)`` and sf layout ``sf_layout``."""
 
-    def __init__(self, T, bm: int, bk: int, sf_layout: str, warps: int = 8):
-        assert _C <= bk <= _TILE_H and bk & (bk - 1) == 0
-        self.nb, self.wb, self.W = _geometry(bm, warps)
-        self.rows_per_cta = _RPT * self.W
+    def __init__(self, T, bm: int, bk: int, sf_layout: str, warps: int = 8, row_lanes: int = _LANES):
+        # row_lanes: lanes along a row (32: a warp spans 256 channels of one row group; 16: 128 channels of two)
+        assert row_lanes in (16, _LANES)
+        self.row_lanes = row_lanes
+        self.groups = groups = _LANES // row_lanes
+        self.tile_h = _C * row_lanes  # channels per CTA
+        assert _C <= bk <= self.tile_h and bk & (bk - 1) == 0
+        self.nb, self.wb, self.W = _geometry(bm, warps, groups)
+        self.rows_per_cta = _RPT * groups * self.W
         self.threads = _LANES * self.W
         nb, wb = self.nb, self.wb
         log2_lanes = (bk // _C).bit_length() - 1
@@ -89,11 +98,14 @@ class _Common:
         @T.macro
         def block_max(vals, w, lane, red):
             """``vals[n]`` (a thread's partial max over its n-th row block) becomes the max over the whole
-            block: xor-shuffles over the block's lanes, then (blocks taller than 8 rows) a max over the
-            block's warps, whose partial maxima go through the shared buffer ``red`` (``W * 32`` entries)."""
+            block: xor-shuffles over the block's lanes (and the warp's row groups), then (blocks taller than
+            a warp's rows) a max over the block's warps, whose partial maxima go through the shared buffer
+            ``red`` (``W * 32`` entries)."""
             for s in T.unroll(log2_lanes):
                 for n in T.unroll(nb):
                     vals[n] = T.max(vals[n], T.shfl_xor(vals[n], T.shift_left(1, s)))
+            for s in range(row_lanes.bit_length() - 1, 5):  # a warp's row groups lie in one block (bm >= 16)
+                vals[0] = T.max(vals[0], T.shfl_xor(vals[0], 1 << s))
             if wb > 1:
                 red[w * _LANES + lane] = vals[0]
                 T.sync_threads()
@@ -123,6 +135,12 @@ class _Common:
         if sf_layout == "col":
             return T.Tensor((nbk, pad), "float32")
         return T.Tensor((cdiv(nbk, 4), pad, 4), "uint8")
+
+
+def row_lanes(x_dtype: str, hidden: int, bm: int) -> int:
+    """Lanes along a row of a per_block_cast config (``FP32_NARROW_MAX_H``): 16 (CTA = 128 x 128) for fp32 input
+    with 128-row blocks up to that hidden size, else 32 (CTA = 8 W rows x 256 channels)."""
+    return 16 if x_dtype == "float32" and bm == 128 and hidden <= FP32_NARROW_MAX_H else _LANES
 
 
 def default_warps(x_dtype: str, fmt: str, bm: int, mode: str) -> int:
@@ -182,6 +200,16 @@ CAST_PDL = 1
 # div.rn, whose slow-path subroutine call made ptxas spill at the bf16 cast's 64-register budget (0: div.rn). Same
 # values either way.
 EXACT_DIV = 1
+# FP32_NARROW_MAX_H: fp32 input with 128-row blocks at hidden <= FP32_NARROW_MAX_H runs CTAs of one 128 x 128 tile
+# (16 lanes along a row, two row groups per warp, 8 warps: 256 threads) instead of 128 x 256 (32 lanes, 16 warps):
+# the 64 binary32 values a thread holds need about 90 registers, so a 512-thread CTA is alone on its SM and the
+# SM's loads stop while it reduces and stores; 256-thread CTAs share the SM, one's loads overlapping another's
+# reduction, and the grid's last wave is finer. Wider rows keep the 256-channel tile (their grids are many waves
+# deep already). 0 (the default until timed against today's tile; 4096 is the candidate): always 256 channels.
+# FP32_NARROW_CTAS: CTAs per SM those CTAs ask nvcc for (the register budget 65536 / (256 ctas)); 0 = no bound
+# (2 CTAs at ~90 registers). Same values either way.
+FP32_NARROW_MAX_H = 0
+FP32_NARROW_CTAS = 3
 # LOSSLESS_PDL: programmatic dependent launch (see _per_token_cast_kernel.PDL): the kernel's first statement waits
 # for the stream's previous grid, so its launch and CTA setup overlap that grid's tail (81.0 -> 85.7% at the bench
 # shape, H200). Same values either way.
@@ -220,8 +248,10 @@ def per_block_cast_kernel(x_dtype: str, fmt: str, hidden: int, bm: int, bk: int,
     assert not (sf_layout == "col_packed" and not round_sf)
     M = FMT_MAX[fmt]
     clamp = CLAMP_MIN[fmt]
-    cm = _Common(T, bm, bk, sf_layout, default_warps(x_dtype, fmt, bm, mode) if warps is None else warps)
-    nb, W, rows_per_cta = cm.nb, cm.W, cm.rows_per_cta
+    cm = _Common(T, bm, bk, sf_layout, default_warps(x_dtype, fmt, bm, mode) if warps is None else warps,
+                 row_lanes(x_dtype, hidden, bm))
+    nb, W, rows_per_cta, rl = cm.nb, cm.W, cm.rows_per_cta, cm.row_lanes
+    narrow_ctas = FP32_NARROW_CTAS if rl < _LANES else 0
     lanes_per_block = bk // _C
     nbk = cdiv(hidden, bk)
     # packed-binary16 e2m1 encoder (exact for bf16 input with a power-of-two sf), else the binary32 one
@@ -328,7 +358,9 @@ def per_block_cast_kernel(x_dtype: str, fmt: str, hidden: int, bm: int, bk: int,
                     else:
                         sf = a / T.float32(M)
                         inv[n] = T.float32(M) / a
-                if T.And(T.And(lane % lanes_per_block == 0, w % cm.wb == 0), T.And(row0 < Tn, col0 < hidden)):
+                # one thread per block: the first of its lanes, in the first row group of its first warp
+                first = lane % lanes_per_block == 0 if rl == _LANES else T.And(lane % lanes_per_block == 0, lane < rl)
+                if T.And(T.And(first, w % cm.wb == 0), T.And(row0 < Tn, col0 < hidden)):
                     cm.store_sf(SF, row0 // bm, cb, sf, eb)
         if mode != "sf_only":
             for j in T.unroll(_RPT):
@@ -343,20 +375,26 @@ def per_block_cast_kernel(x_dtype: str, fmt: str, hidden: int, bm: int, bk: int,
 
     @T.macro
     def body(X, Y, SF):
-        with T.Kernel(T.ceildiv(hidden, _TILE_H), T.ceildiv(Tn, rows_per_cta), threads=cm.threads) as (bx, by):
+        with T.Kernel(T.ceildiv(hidden, cm.tile_h), T.ceildiv(Tn, rows_per_cta), threads=cm.threads) as (bx, by):
             if f16:  # before the annotation below (after it, TileLang dropped the min-blocks bound)
                 _tl.import_cuda_helpers()
             elif exact_div:
                 T.import_source(_tl.EXACT_DIV_SRC)
             if x_dtype == "bfloat16":
                 T.annotate_min_blocks_per_sm(cast_blocks)
+            elif narrow_ctas:
+                T.annotate_min_blocks_per_sm(narrow_ctas)
             if CAST_PDL:
                 T.pdl_sync()
             tx = T.get_thread_binding()
             lane = tx % _LANES
             w = tx // _LANES
-            row0 = by * rows_per_cta + w * _RPT
-            col0 = bx * _TILE_H + lane * _C
+            if rl == _LANES:
+                row0 = by * rows_per_cta + w * _RPT
+                col0 = bx * _TILE_H + lane * _C
+            else:  # row group tx // rl (warp w holds groups 2w, 2w + 1), lane tx % rl along the row
+                row0 = by * rows_per_cta + (tx // rl) * _RPT
+                col0 = bx * cm.tile_h + (tx % rl) * _C
             # raw input words (bf16 kept 2 per register: half the registers), widened on use
             xr = T.alloc_local((_RPT * wpr,), "int32" if packed else x_dtype)
             inv = T.alloc_local((nb,), "float32")
@@ -600,13 +638,20 @@ LOSSLESS_OUT_BLOCKS = ((1, 128), (32, 32), (128, 128))      # per_block_cast_los
 def _cast_configs() -> list[tuple]:
     """per_block_cast configs of the GPU tests (and the compile tier): every block x format x flag set at
     H = 576 (a partial 128-channel block and a partial CTA tile), (128,128) at H = 7168, the mixed blocks
-    with plain fp32 sf (row and col), fp32 input, sf-only and precomputed."""
+    with plain fp32 sf (row and col), fp32 input (its 128 x 128 CTA tile in every mode), sf-only and
+    precomputed."""
     cfgs = [("bfloat16", fmt, 576, bm, bk, rnd, _layout(col, packed), "cast")
             for bm, bk in BLOCKS for fmt in ("e4m3", "e2m1") for col, rnd, packed in FLAG_SETS]
     cfgs += [("bfloat16", fmt, 7168, 128, 128, True, "col_packed", "cast") for fmt in ("e4m3", "e2m1")]
     cfgs += [("bfloat16", "e4m3", 2048, 32, 128, False, "row", "cast"),
              ("bfloat16", "e2m1", 2048, 128, 32, False, "col", "cast"),
              ("float32", "e4m3", 576, 128, 128, True, "col_packed", "cast"),
+             # fp32 with 128-row blocks at the 128 x 128 CTA tile (FP32_NARROW_MAX_H)
+             ("float32", "e4m3", 1536, 128, 128, False, "row", "cast"),
+             ("float32", "e2m1", 576, 128, 128, True, "col_packed", "cast"),
+             ("float32", "e2m1", 2048, 128, 32, False, "col", "cast"),
+             ("float32", "e4m3", 576, 128, 128, True, "col_packed", "sf_only"),
+             ("float32", "e4m3", 576, 128, 128, False, "row", "precomputed"),
              ("bfloat16", "e2m1", 576, 128, 128, True, "col_packed", "sf_only"),
              ("bfloat16", "e4m3", 576, 32, 32, False, "row", "precomputed"),
              ("bfloat16", "e2m1", 576, 128, 128, False, "row", "precomputed")]
