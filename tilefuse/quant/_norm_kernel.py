@@ -541,13 +541,9 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
     block_total = _block_total(T, NW, wait_readers=True)
 
     @T.macro
-    def dx_vector(XR, DR, i, row, col, W, RG, DX, wl, xl, dl, io, r, mean, out_scale, na=False):
-        """dx of row ``row`` at columns ``col .. col + E``: x and dy from ``XR[i, col:]`` and ``DR[i, col:]`` (the row
-        in global memory, or its shared-ring stage). ``na``: the store does not allocate in L1."""
-        for e in T.vectorized(E):
-            xl[e] = XR[i, col + e]
-        for e in T.vectorized(E):
-            dl[e] = DR[i, col + e]
+    def dx_store(XV, DV, lead, row, col, W, RG, DX, wl, io, r, mean, out_scale, na):
+        """dx of row ``row`` at columns ``col .. col + E`` from the local vectors ``XV[*lead, :]``, ``DV[*lead, :]``
+        of x and dy. ``na``: the store does not allocate in L1."""
         if has_weight:
             for e in T.vectorized(E):
                 wl[e] = W[col + e]
@@ -556,13 +552,23 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
             for e in T.vectorized(E):
                 rg[e] = RG[row, col + e]
         for e in T.unroll(E):
-            io[e] = T.cast(_dx_value(T, f32(xl, e), f32(dl, e), f32(wl, e) if has_weight else None,
+            io[e] = T.cast(_dx_value(T, f32(XV, *lead, e), f32(DV, *lead, e), f32(wl, e) if has_weight else None,
                                      r, mean, out_scale, f32(rg, e) if has_res_grad else None), x_dtype)
         if na:   # (a 16-byte vector: E elements)
             T.call_extern("void", "nf_st16_na", T.address_of(DX[row, col]), T.address_of(io[0]))
         else:
             for e in T.vectorized(E):
                 DX[row, col + e] = io[e]
+
+    @T.macro
+    def dx_vector(XR, DR, i, row, col, W, RG, DX, wl, xl, dl, io, r, mean, out_scale, na=False):
+        """``dx_store`` with x and dy from ``XR[i, col:]`` and ``DR[i, col:]`` (the row in global memory, or its
+        shared-ring stage)."""
+        for e in T.vectorized(E):
+            xl[e] = XR[i, col + e]
+        for e in T.vectorized(E):
+            dl[e] = DR[i, col + e]
+        dx_store(xl, dl, (), row, col, W, RG, DX, wl, io, r, mean, out_scale, na)
 
     @T.macro
     def dx_row(XR, DR, i, row, W, RG, DX, wl, xl, dl, io, tx, r, mean, out_scale, na=False):
@@ -648,116 +654,34 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                 a = a + xh * g
         return a
 
-    @T.macro
-    def dx_held(xc, dc, c, row, col, W, RG, DX, wl, io, r, mean, out_scale, na):
-        """``dx_vector`` with x and dy of vector ``c`` of the local ``xc``, ``dc``."""
-        if has_weight:
-            for e in T.vectorized(E):
-                wl[e] = W[col + e]
-        if has_res_grad:
-            rg = T.alloc_local((E,), x_dtype)
-            for e in T.vectorized(E):
-                rg[e] = RG[row, col + e]
-        for e in T.unroll(E):
-            io[e] = T.cast(_dx_value(T, f32(xc, c, e), f32(dc, c, e), f32(wl, e) if has_weight else None,
-                                     r, mean, out_scale, f32(rg, e) if has_res_grad else None), x_dtype)
-        if na:
-            T.call_extern("void", "nf_st16_na", T.address_of(DX[row, col]), T.address_of(io[0]))
-        else:
-            for e in T.vectorized(E):
-                DX[row, col + e] = io[e]
-
-    def make_hold_body():
-        """BWD_HOLD: ``make_body`` whose dx pass reads the row from the shared ``xs``, ``ds``: the reduction pass
-        copies each vector of ``xn``, ``dn`` there (``nf_copy16``) before the next row's loads reuse the
-        registers."""
-        @T.macro
-        def body(DY, X, W, Rstd, RG, DX, Part, p, out_scale):
-            tx = T.get_thread_binding()
-            xn = T.alloc_local((C, E), x_dtype)     # the row to reduce next (loaded one iteration ahead)
-            dn = T.alloc_local((C, E), x_dtype)
-            xc = T.alloc_local((1, E), x_dtype)     # the dx pass: one vector of the row from xs, ds
-            dc = T.alloc_local((1, E), x_dtype)
-            wacc = T.alloc_local((C, E), "float32")
-            wl = T.alloc_local((E,), x_dtype)
-            io = T.alloc_local((E,), x_dtype)
-            red = T.alloc_shared((NW,), "float32")
-            acc = T.alloc_var("float32")
-            accs = T.alloc_shared((hidden,), "float32") if CL > 1 else None
-            ws = T.alloc_shared((hidden,), x_dtype) if has_weight else W
-            xs = T.alloc_shared((hidden,), x_dtype)
-            ds = T.alloc_shared((hidden,), x_dtype)
-            for c in T.unroll(C):
-                col = (c * TB + tx) * E
-                if has_weight:
-                    if col < hidden:
-                        for e in T.vectorized(E):
-                            ws[col + e] = W[col + e]
-                for e in T.unroll(E):
-                    wacc[c, e] = T.float32(0.0)
-                for e in T.vectorized(E):
-                    xn[c, e] = T.cast(0, x_dtype)
-                    dn[c, e] = T.cast(0, x_dtype)
-                if T.And(col < hidden, p < Tn):
-                    for e in T.vectorized(E):
-                        xn[c, e] = X[p, col + e]
-                    for e in T.vectorized(E):
-                        dn[c, e] = DY[p, col + e]
-            for k in T.serial(T.ceildiv(Tn, NP)):
-                row = k * NP + p
-                if row < Tn:
-                    r = Rstd[row]
-                    acc = T.float32(0.0)
-                    for c in T.unroll(C):
-                        col = (c * TB + tx) * E
-                        for e in T.vectorized(E):
-                            wl[e] = T.cast(1, x_dtype)
-                        if has_weight:
-                            if col < hidden:
-                                for e in T.vectorized(E):
-                                    wl[e] = ws[col + e]
-                        acc = accumulate(acc, xn, dn, (c,), wl, wacc, c, r, out_scale)
-                        if col < hidden:
-                            T.call_extern("void", "nf_copy16", T.address_of(xs[col]), T.address_of(xn[c, 0]))
-                            T.call_extern("void", "nf_copy16", T.address_of(ds[col]), T.address_of(dn[c, 0]))
-                    # the next row's loads, in flight during this row's reduction and dx pass
-                    for c in T.unroll(C):
-                        col = (c * TB + tx) * E
-                        if T.And(col < hidden, row + NP < Tn):
-                            for e in T.vectorized(E):
-                                xn[c, e] = X[row + NP, col + e]
-                            for e in T.vectorized(E):
-                                dn[c, e] = DY[row + NP, col + e]
-                    mean = block_total(acc, red, tx) / T.float32(hidden)
-                    for c in T.unroll(C):
-                        col = (c * TB + tx) * E
-                        if col < hidden:
-                            T.call_extern("void", "nf_copy16", T.address_of(xc[0, 0]), T.address_of(xs[col]))
-                            T.call_extern("void", "nf_copy16", T.address_of(dc[0, 0]), T.address_of(ds[col]))
-                            dx_held(xc, dc, 0, row, col, ws, RG, DX, wl, io, r, mean, out_scale,
-                                    BWD_STORE_NA and not has_res_grad)
-            store_partial(Part, wacc, p, tx, accs)
-
-        return body
-
-    def make_body():
+    def make_body(hold: bool):
         """The kernel body: rows in registers, loaded one row ahead. The weight comes from shared memory, where
         each thread copies its own vectors once (no barrier: no thread reads another's): read from global memory,
-        ptxas keeps its 16 values in registers from the reduction pass to the dx pass and spills (72 registers)."""
+        ptxas keeps its 16 values in registers from the reduction pass to the dx pass and spills (72 registers).
+        ``hold`` (BWD_HOLD): the dx pass reads the row from the shared ``xs``, ``ds``, where the reduction pass
+        copies each vector of ``xn``, ``dn`` (``nf_copy16``) before the next row's loads reuse the registers;
+        otherwise it reads the row from global memory again."""
         @T.macro
         def body(DY, X, W, Rstd, RG, DX, Part, p, out_scale):
             tx = T.get_thread_binding()
             xn = T.alloc_local((C, E), x_dtype)     # the row to reduce next (loaded one iteration ahead)
             dn = T.alloc_local((C, E), x_dtype)
+            if hold:
+                xc = T.alloc_local((1, E), x_dtype)     # the dx pass: one vector of the row from xs, ds
+                dc = T.alloc_local((1, E), x_dtype)
             wacc = T.alloc_local((C, E), "float32")
             wl = T.alloc_local((E,), x_dtype)
-            xl = T.alloc_local((E,), x_dtype)
-            dl = T.alloc_local((E,), x_dtype)
+            if not hold:
+                xl = T.alloc_local((E,), x_dtype)
+                dl = T.alloc_local((E,), x_dtype)
             io = T.alloc_local((E,), x_dtype)
             red = T.alloc_shared((NW,), "float32")
             acc = T.alloc_var("float32")
             accs = T.alloc_shared((hidden,), "float32") if CL > 1 else None   # the cluster's sums
             ws = T.alloc_shared((hidden,), x_dtype) if has_weight else W
+            if hold:
+                xs = T.alloc_shared((hidden,), x_dtype)
+                ds = T.alloc_shared((hidden,), x_dtype)
             for c in T.unroll(C):
                 col = (c * TB + tx) * E
                 if has_weight:
@@ -788,6 +712,10 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                                 for e in T.vectorized(E):
                                     wl[e] = ws[col + e]
                         acc = accumulate(acc, xn, dn, (c,), wl, wacc, c, r, out_scale)
+                        if hold:
+                            if col < hidden:
+                                T.call_extern("void", "nf_copy16", T.address_of(xs[col]), T.address_of(xn[c, 0]))
+                                T.call_extern("void", "nf_copy16", T.address_of(ds[col]), T.address_of(dn[c, 0]))
                     # the next row's loads, in flight during this row's reduction and dx pass
                     for c in T.unroll(C):
                         col = (c * TB + tx) * E
@@ -797,8 +725,17 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
                             for e in T.vectorized(E):
                                 dn[c, e] = DY[row + NP, col + e]
                     mean = block_total(acc, red, tx) / T.float32(hidden)
-                    dx_row(X, DY, row, row, ws, RG, DX, wl, xl, dl, io, tx, r, mean, out_scale,
-                           BWD_STORE_NA and not has_res_grad)
+                    if hold:
+                        for c in T.unroll(C):
+                            col = (c * TB + tx) * E
+                            if col < hidden:
+                                T.call_extern("void", "nf_copy16", T.address_of(xc[0, 0]), T.address_of(xs[col]))
+                                T.call_extern("void", "nf_copy16", T.address_of(dc[0, 0]), T.address_of(ds[col]))
+                                dx_store(xc, dc, (0,), row, col, ws, RG, DX, wl, io, r, mean, out_scale,
+                                         BWD_STORE_NA and not has_res_grad)
+                    else:
+                        dx_row(X, DY, row, row, ws, RG, DX, wl, xl, dl, io, tx, r, mean, out_scale,
+                               BWD_STORE_NA and not has_res_grad)
             store_partial(Part, wacc, p, tx, accs)
 
         return body
@@ -944,7 +881,7 @@ def norm_backward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_res_gr
             T.sync_threads()
 
     if not ST:
-        body = make_hold_body() if BWD_HOLD and x_dtype == "bfloat16" else make_body()
+        body = make_body(bool(BWD_HOLD) and x_dtype == "bfloat16")
     elif BWD_PIPE and ST == 3 and RR:   # (bf16: its rstd comes through the ring)
         body = make_ring_body(pipe_rows)
     else:
