@@ -135,6 +135,22 @@ def test_report_renders_saved_runs(tmp_path):
     assert "geomean speedup 1.200x" in text and "| per_token_cast | bf16 TxH npc128 e4m3 | TK 2.1.0 | 7168: - - 1.20 - |" in text
 
 
+def test_report_side_by_side_puts_each_run_in_a_column(tmp_path, capsys):
+    """The first run's cases in order, each run's µs of the case and its speedup over the first run's 2.1.0 time; a
+    case a later run lacks shows '-'."""
+    import json
+
+    a, b = tmp_path / "base.json", tmp_path / "wide.json"
+    a.write_text(json.dumps({"rows": [_row("cast_back", "e4m3 4096x2048 block128x1 -> bf16", 10, 12),
+                                      _row("cast_back", "e4m3 16384x2048 block128x1 -> bf16", 40, 36)]}))
+    b.write_text(json.dumps({"rows": [{"op": "cast_back", "shape": "e4m3 4096x2048 block128x1 -> bf16", "us": 8.0}]}))
+    assert C.report_main([str(a), str(b)], None, variants=True) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("| op | case | MB | peer µs | base µs | wide µs | base speedup | wide speedup |")
+    assert lines[2].endswith("| 12.0 | 10.0 | 8.0 | 1.20x | 1.50x |")
+    assert lines[3].endswith("| 36.0 | 40.0 | - | 0.90x | - |")
+
+
 def test_peer_load_names_the_variable(monkeypatch):
     monkeypatch.delenv("TILEFUSE_PEER_TK2", raising=False)
     monkeypatch.setattr(_peers, "_LOADED", {})

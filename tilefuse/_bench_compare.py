@@ -490,12 +490,39 @@ def pivot(result: dict, tokens=(1, 128, 4096, 16384)) -> list[str]:
     return lines
 
 
-def report_main(paths: list[str], markdown: str | None) -> int:
-    """``bench --report A.json [B.json ...]``: the tables of saved runs (merged in order), without a GPU."""
+def side_by_side(results: list[dict], names: list[str]) -> list[str]:
+    """One line per case of the first run: our µs in each run (e.g. the same cases under several TILEFUSE_KNOBS),
+    and each run's speedup over the first run's TileKernels time of the case (2.1.0, else 1.0.0), where it has one."""
+    others = [{(r["op"], r.get("shape")): r for r in res["rows"]} for res in results]
+    lines = ["| op | case | MB | peer µs | " + " | ".join(f"{n} µs" for n in names) + " | "
+             + " | ".join(f"{n} speedup" for n in names) + " |",
+             "| --- | --- | ---: | ---: | " + " | ".join("---:" for _ in names * 2) + " |"]
+    for row in results[0]["rows"]:
+        key = (row["op"], row.get("shape"))
+        peer = next((row.get("peers", {}).get(p, {}).get("us") for p in ("tk2", "tk1")
+                     if row.get("peers", {}).get(p, {}).get("us")), None)
+        us = [o.get(key, {}).get("us") for o in others]
+        cells = [f"{u:.1f}" if u else "-" for u in us]
+        speed = [f"{peer / u:.2f}x" if u and peer else "-" for u in us]
+        lines.append(f"| {row['op']} | {row.get('shape')} | {row.get('bytes', 0) / 1e6:.0f} | "
+                     f"{f'{peer:.1f}' if peer else '-'} | " + " | ".join(cells + speed) + " |")
+    return lines
+
+
+def report_main(paths: list[str], markdown: str | None, variants: bool = False) -> int:
+    """``bench --report A.json [B.json ...]``: the tables of saved runs (merged in order), without a GPU; with
+    ``variants`` (``--side-by-side``) one column per run instead (``side_by_side``)."""
     results = []
     for p in paths:
         with open(p) as f:
             results.append(json.load(f))
+    if variants:
+        lines = side_by_side(results, [os.path.splitext(os.path.basename(p))[0] for p in paths])
+        print("\n".join(lines))
+        if markdown:
+            with open(markdown, "w") as f:
+                f.write("\n".join(lines) + "\n")
+        return 0
     res = merge(results)
     peers = [p for p in ("tk2", "tk1", "liger", "compile") if any(p in r.get("peers", {}) for r in res["rows"])]
     runs = "; ".join(f"{r['date']} ({r['rows']} rows, 2 GiB copy {r['copy_ceiling_gbs']:.0f} GB/s)"

@@ -686,6 +686,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--plot", default=None, help="write a PNG of the speedup over each peer")
     parser.add_argument("--report", nargs="+", default=None, metavar="JSON",
                         help="print (and with --markdown write) the tables of saved runs, merged in order; no GPU")
+    parser.add_argument("--side-by-side", action="store_true",
+                        help="with --report: one column per saved run (the same cases under other TILEFUSE_KNOBS)")
     parser.add_argument("--child-json", default=None, help=argparse.SUPPRESS)  # the TileKernels 1.0.0 process
     parser.add_argument("--host-overhead", action="store_true", help="also time one-row calls on the host")
     parser.add_argument("--no-compile-ref", action="store_true",
@@ -698,7 +700,7 @@ def main(argv: list[str]) -> int:
                         help="per_token_cast tile sweep, e.g. 256x4,512x8 (threads x pairs per thread)")
     args = parser.parse_args(argv)
     if args.report:
-        return C.report_main(args.report, args.markdown)
+        return C.report_main(args.report, args.markdown, args.side_by_side)
     if args.list:
         print("| op | shape | MB |\n| --- | --- | ---: |")
         for r in list_cases(ops=args.ops, quick=args.quick, match=args.match):

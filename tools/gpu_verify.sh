@@ -9,7 +9,9 @@
 # PRECOMPILE=1 (compile every registered config missing from the cache first; T_COMPILE limits it),
 # COMPILE_REF=1 (also time torch.compile of each reference: minutes of compiling),
 # VARIANTS=FILE (after the bench: for each line "OPS|KNOBS", the bench of OPS again with TILEFUSE_KNOBS=KNOBS;
-# pack those kernels first with VARIANTS=FILE bash tools/pack_kernel_cache.sh; T_VARIANT limits each).
+# pack those kernels first with VARIANTS=FILE bash tools/pack_kernel_cache.sh; T_VARIANT limits each; with
+# MATCH=REGEX the bench and every variant run the grid cases the regex picks, and a side-by-side table of all
+# runs closes the log).
 set -o pipefail
 OUT=${OUT:-logs}; mkdir -p "$OUT"
 export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-/tmp/tlcache}
@@ -25,7 +27,8 @@ if [ -n "${PRECOMPILE:-}" ]; then  # compile what the packed cache lacks, 16 at 
   timeout ${T_COMPILE:-300} python3 -m tilefuse precompile --jobs 16 2>&1 | grep -E "^compiled|^FAILED|^native" | tee "$OUT/precompile.log"
 fi
 if [ "${OPS:-}" != "none" ]; then
-  timeout ${T_BENCH:-240} python3 -m tilefuse bench $([ -z "${GRID:-}" ] && echo --quick) ${OPS:+--ops $OPS} \
+  timeout ${T_BENCH:-240} python3 -m tilefuse bench $([ -z "${GRID:-}${MATCH:-}" ] && echo --quick) ${OPS:+--ops $OPS} \
+    ${MATCH:+--match "$MATCH"} \
     $([ -z "${COMPILE_REF:-}" ] && echo --no-compile-ref) \
     ${BENCH_ARGS:-} \
     --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -60
@@ -35,9 +38,12 @@ if [ -n "${VARIANTS:-}" ]; then
   while IFS='|' read -r vops vknobs; do
     case "$vops" in ''|'#'*) continue ;; esac
     n=$((n + 1)); echo "## variant $n: $vops | $vknobs" | tee -a "$OUT/variants.log"
-    TILEFUSE_KNOBS="$vknobs" timeout ${T_VARIANT:-90} python3 -m tilefuse bench --quick --ops $vops --no-compile-ref \
+    TILEFUSE_KNOBS="$vknobs" timeout ${T_VARIANT:-90} python3 -m tilefuse bench $([ -z "${MATCH:-}" ] && echo --quick) \
+      --ops $vops ${MATCH:+--match "$MATCH" --warm-jobs 16} --no-compile-ref \
       --json "$OUT/variant-$n.json" 2>&1 | grep -E "^  " | tee -a "$OUT/variants.log"
   done < "$VARIANTS"
+  python3 -m tilefuse bench --report "$OUT/bench.json" $(ls "$OUT"/variant-*.json | sort -V) --side-by-side \
+    --markdown "$OUT/variants.md" > /dev/null && cat "$OUT/variants.md"
 fi
 if [ "${TESTS:-}" != "none" ]; then  # the knob-variant tests compile on the device: run them after the rest
   if [ -z "${KNOB_ONLY:-}" ]; then
