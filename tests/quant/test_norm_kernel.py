@@ -834,3 +834,193 @@ def test_fp32_backward_ring_matches_register_path_gpu(h, has_w, has_rg, knob_ker
     got = run()
     for i, (g, e) in enumerate(zip(got, want)):
         assert torch.equal(g, e), f"output {i}"
+
+
+# FWD_HALF_ROWS (off by default): rows whose last vector slot leaves threads 64-127 idle take 64 threads each, two
+# rows per CTA, in the same order of the sum of squares: the default's bits.
+HALF_SF = [(False, False, False), (False, True, False), (True, True, True)]   # (col, round_sf, packed)
+
+
+def _forward_source(cfg) -> str:
+    """The generated CUDA of one forward config (lowered only: no nvcc)."""
+    import tilelang
+    from tilelang import tvm
+
+    tgt = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    with tgt, tvm.transform.PassContext(config=dict(_jit._PASS_CONFIGS)):
+        return tilelang.lower(K.norm_forward_kernel(*cfg), target=tgt).kernel_source
+
+
+def test_half_rows_rule(monkeypatch):
+    """FWD_HALF_ROWS applies where ceil(V / 64) is odd for a row of V 16-byte vectors (bf16 H = 512, 1536, 2560;
+    fp32 H = 576, 768), not at bf16 H = 576, 2048, 7168; off by default."""
+    vectors = {"bf16 512": 64, "bf16 576": 72, "bf16 1536": 192, "bf16 2048": 256, "bf16 2560": 320,
+               "bf16 7168": 896, "fp32 576": 144, "fp32 768": 192, "fp32 1536": 384}
+    assert not any(K._half_rows(v) for v in vectors.values())
+    monkeypatch.setattr(K, "FWD_HALF_ROWS", True)
+    assert {k for k, v in vectors.items() if K._half_rows(v)} == {"bf16 512", "bf16 1536", "bf16 2560", "fp32 576",
+                                                                   "fp32 768"}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("h", [576, 2048, 7168])
+def test_half_rows_leave_other_widths_alone(h, monkeypatch):
+    """Where the rule does not apply the knob changes nothing: the same generated CUDA."""
+    cfgs = [("bfloat16", h, True, False, True, "col_packed", True, False, False, 0),
+            ("bfloat16", h, True, True, False, "row", False, False, True, 0)]
+    want = [_forward_source(c) for c in cfgs]
+    monkeypatch.setattr(K, "FWD_HALF_ROWS", True)
+    assert [_forward_source(c) for c in cfgs] == want
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("rnd,layout", [(False, "row"), (True, "row"), (True, "col_packed")], ids=str)
+def test_half_rows_builds_for_sm90(rnd, layout, monkeypatch):
+    """bf16 H = 1536 with FWD_HALF_ROWS: a CTA of 128 threads per row pair, 3 vectors per thread, two
+    accumulators, 8 CTAs per SM in the launch bounds (ptxas: 40-47 registers, no spills); it builds."""
+    import tilelang
+
+    monkeypatch.setattr(K, "FWD_HALF_ROWS", True)
+    cfg = ("bfloat16", 1536, True, False, True, layout, rnd, False, False, 0)
+    src = tilelang.compile(K.norm_forward_kernel(*cfg), target={"kind": "cuda", "arch": "sm_90"},
+                           execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
+    assert "__launch_bounds__(128, 8)" in src and "bfloat16_t io[24];" in src and "acc2" in src
+
+
+def _rstd_in_kernel_order(h_in, eps):
+    """rstd with the forward's fixed order of the sum of squares (the 128-thread layout): thread tx adds the
+    squares of its vectors c * 128 + tx in order, element by element; a butterfly over each warp; the four warp
+    sums in warp order; then ``rsqrtf(S / H + eps)`` (a true division, torch's CUDA rsqrt). The squares of bf16
+    values of normal scale are exact in binary32, so the kernel's fused multiply-adds equal these adds."""
+    hf = h_in.float()
+    t, hdim = hf.shape
+    n, e_per = K._THREADS, 16 // h_in.element_size()
+    c_n = -(-hdim // e_per // n)
+    sq = torch.zeros((t, c_n * n * e_per), device=hf.device)
+    sq[:, :hdim] = hf * hf
+    sq = sq.view(t, c_n, n, e_per)
+    acc = torch.zeros((t, n), device=hf.device)
+    for c in range(c_n):
+        for e in range(e_per):
+            acc = acc + sq[:, c, :, e]
+    lanes = acc.view(t, n // 32, 32)
+    idx = torch.arange(32, device=hf.device)
+    for m in (16, 8, 4, 2, 1):
+        lanes = lanes + lanes[:, :, idx ^ m]
+    tot = lanes[:, 0, 0]
+    for w in range(1, n // 32):
+        tot = tot + lanes[:, w, 0]
+    eps_t = torch.tensor(eps, dtype=torch.float32, device=hf.device)
+    return torch.rsqrt(tot / torch.full_like(tot, hdim) + eps_t)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", [1536, 576, 7168])
+@pytest.mark.parametrize("has_w", [True, False])
+def test_forward_sum_order_gpu(h, has_w):
+    """The default forward's rstd equals the fixed-order reference (_rstd_in_kernel_order) bit for bit."""
+    for t in (1, 7, 4001):
+        x, _, w = _inputs(t, h, torch.bfloat16, residual=False, weight=has_w)
+        rstd = K.norm_forward_launch(x, w, 1e-6, None, 1.0, with_rstd=True, quant=True, round_sf=True)[3]
+        assert_equal(rstd, _rstd_in_kernel_order(x, 1e-6))
+
+
+def _half_rows_outputs(x, xs, w, r, col, rnd, packed):
+    """The quantizing forward of clean rows x (the plan path with rstd, the bench kernel without it, and the
+    launcher with a residual, the bf16 copy and rstd) and of rows xs with NaN and inf."""
+    kw = dict(quant=True, use_tma_aligned_col_major_sf=col, round_sf=rnd, use_packed_ue8m0=packed)
+    plain = K.norm_forward_launch(x, w, 1e-6, None, 0.75, with_rstd=True, **kw)
+    bench = K.norm_forward_launch(x, w, 1e-6, None, 0.75, **kw)
+    res = K.norm_forward_launch(x, w, 1e-6, r, 0.75, with_rstd=True, with_out_bf16=True, **kw)
+    special = K.norm_forward_launch(xs, w, 1e-6, None, 0.75, with_rstd=True, **kw)
+    return plain, bench, res, special
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("col,rnd,packed", HALF_SF, ids=str)
+@pytest.mark.parametrize("has_w", [True, False])
+def test_half_rows_bit_identical_gpu(has_w, col, rnd, packed, knob_kernels):
+    """bf16 H = 1536, T = 1, 7, 4001 (an odd T leaves the last CTA's second row empty): FWD_HALF_ROWS gives the
+    default kernel's bits (NaN and inf rows included) and the reference's: rstd of the fixed order bit for bit,
+    o from that rstd, the cast of o exactly."""
+    h, dtype = 1536, torch.bfloat16
+    data, want = {}, {}
+    for t in (1, 7, 4001):
+        x, r, w = _inputs(t, h, dtype, residual=True, weight=has_w)
+        xs = x.clone()
+        xs[0, 5] = float("nan")
+        xs[t // 2, 700] = float("inf")
+        xs[t - 1, 1535] = -float("inf")
+        data[t] = (x, xs, w, r)
+        want[t] = _half_rows_outputs(x, xs, w, r, col, rnd, packed)
+    knob_kernels(K, {"FWD_HALF_ROWS": True})
+    for t, (x, xs, w, r) in data.items():
+        got = _half_rows_outputs(x, xs, w, r, col, rnd, packed)
+        for i, (g, e) in enumerate(zip(got, want[t])):
+            for j, (gg, ee) in enumerate(zip(g, e)):
+                assert (gg is None) == (ee is None), (t, i, j)
+                if gg is not None:
+                    assert torch.equal(_bits(gg), _bits(ee)), f"t={t} launch {i} output {j}"
+        (out, sf, _, rstd, _), bench, (r_out_res, r_sf_res, bf, rstd_res, res_out) = got[0], got[1], got[2]
+        assert_equal(rstd, _rstd_in_kernel_order(x, 1e-6))
+        assert_equal(bench[0], out)
+        assert_equal(bench[1], sf)
+        _, _, rh = norm_forward_ref(x, w, 1e-6, r, 0.75)
+        assert_equal(res_out, rh)
+        assert_equal(rstd_res, _rstd_in_kernel_order(rh, 1e-6))
+        for (o_k, sf_k), h_in, s in (((out, sf), x, rstd), ((r_out_res, r_sf_res), rh, rstd_res)):
+            o = _o_from_rstd(h_in, w, s, 0.75, dtype)
+            q, q_sf = ref_cast(o, "e4m3", (1, 32), round_sf=rnd, use_tma_aligned_col_major_sf=col,
+                               use_packed_ue8m0=packed)
+            assert_equal(o_k, q)
+            g_sf, w_sf = sf_k.contiguous(), q_sf.contiguous()
+            if packed:
+                g_sf, w_sf = clear_unused_sf(g_sf, h, 32), clear_unused_sf(w_sf, h, 32)
+            assert_equal(g_sf, w_sf)
+        assert_equal(bf, _o_from_rstd(rh, w, rstd_res, 0.75, dtype).to(torch.bfloat16))
+
+
+@gpu
+@pytest.mark.gpu
+def test_half_rows_knob_outputs_gpu(knob_kernels):
+    """bf16 H = 1536, T = 1001 with NaN and inf: FWD_HALF_ROWS gives the defaults' bits in every forward of
+    _knob_outputs (norm_forward, 3-D rows, residual, rstd, the bf16 copy, row-major sf, mega-MoE words)."""
+    h, t = 1536, 1001
+    x, _, w = _inputs(t, h, torch.bfloat16, residual=False)
+    dy = torch.randn((t, h), device="cuda").to(torch.bfloat16)
+    rstd = torch.rand((t,), device="cuda") + 0.5
+    x[3, 5], x[700, 9] = float("nan"), float("inf")
+    want = _knob_outputs(x, w, dy, rstd, None, 0.75)
+    knob_kernels(K, {"FWD_HALF_ROWS": True})
+    got = _knob_outputs(x, w, dy, rstd, None, 0.75)
+    for i, (g, e) in enumerate(zip(got, want)):
+        assert torch.equal(g, e), f"output {i}"
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("xd,h", [("bfloat16", 512), ("bfloat16", 2560), ("float32", 768), ("float32", 576)], ids=str)
+def test_half_rows_other_widths_gpu(xd, h, knob_kernels):
+    """The other widths the rule takes (one vector slot, five, fp32): FWD_HALF_ROWS gives the defaults' bits,
+    norm_forward and the quantizing op (col, round, packed), T = 1, 7, 4001, NaN and inf included."""
+    dtype = DT[xd]
+
+    def run(x, w, r):
+        f = K.norm_forward_launch(x, w, 1e-6, r, 0.75, with_rstd=True)
+        q = K.norm_forward_launch(x, None, 1e-6, None, 0.75, with_rstd=True, quant=True,
+                                  use_tma_aligned_col_major_sf=True, round_sf=True, use_packed_ue8m0=True)
+        return [_bits(v) for v in (f[0], f[3], f[4], q[0], q[1], q[3])]
+
+    data, want = {}, {}
+    for t in (1, 7, 4001):
+        x, r, w = _inputs(t, h, dtype)
+        x[t - 1, 3] = float("nan")
+        x[0, h - 1] = float("inf")
+        data[t] = (x, w, r)
+        want[t] = run(x, w, r)
+    knob_kernels(K, {"FWD_HALF_ROWS": True})
+    for t, (x, w, r) in data.items():
+        for i, (g, e) in enumerate(zip(run(x, w, r), want[t])):
+            assert torch.equal(g, e), f"t={t} output {i}"

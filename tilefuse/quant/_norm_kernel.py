@@ -7,7 +7,9 @@ with a residual), the sum of squares (thread sum, warp butterfly, one shared slo
 adds the warp sums in warp order: a fixed order), ``rstd = rsqrtf(S / H + eps)``,
 ``o = round((h * rstd) * (w * out_scale))``. The quantizing variant then casts ``o`` exactly as
 ``per_token_cast(o, 'e4m3', 32)`` (1.4, 1.6): a 32-channel group is ``L`` consecutive lanes, its maximum a
-shuffle butterfly; packed UE8M0 words (and mega-MoE words) collect the four group bytes by shuffles.
+shuffle butterfly; packed UE8M0 words (and mega-MoE words) collect the four group bytes by shuffles. With
+FWD_HALF_ROWS, rows whose last vector slot would leave threads 64-127 idle take 64 threads each, two rows per CTA,
+and add their squares in the same order (``_pair_total``).
 
 Backward: a fixed grid of ``NP`` CTAs (``_bwd_ctas``: a constant of the dtype, H and whether there is a
 weight); CTA ``p`` walks rows
@@ -66,6 +68,12 @@ def _fwd_blocks(quant: bool, vectors: int) -> int:
     return FWD_BLOCKS_QUANT_WIDE if vectors >= 8 else FWD_BLOCKS_QUANT
 
 
+def _half_rows(vectors: int) -> bool:
+    """FWD_HALF_ROWS applies to a forward row of ``vectors`` 16-byte vectors: ``_THREADS`` threads would leave
+    threads 64-127 idle in its last vector slot (``ceil(vectors / 64)`` odd)."""
+    return FWD_HALF_ROWS and -(-vectors // (_THREADS // 2)) % 2 == 1
+
+
 def _clusters(x_dtype: str, has_weight: bool) -> int:
     """CTAs per cluster of the backward (``_CL_BF16`` in bf16 with a weight, else 1)."""
     return _CL_BF16 if (x_dtype == "bfloat16" and has_weight) else 1
@@ -118,6 +126,16 @@ FWD_W_EARLY = True   # with FWD_W_AHEAD: block 0's weight load first, then a bar
                      # registers), a full round trip after x arrived; no load moves across a barrier. Scheduling
                      # only: the same values. H200, bench shape: norm_forward_and_per_token_cast 46.7 -> 46.0 us
                      # (89.2-89.4 -> 90.7% of the copy ceiling), norm_forward 94.0 -> 94.5%
+FWD_HALF_ROWS = False  # forward rows whose last vector slot leaves threads 64-127 idle (ceil(V / 64) odd for a row of
+                       # V 16-byte vectors: bf16 H = 512, 1536, 2560, ..., fp32 H = 768, ...): 64 threads per row, two
+                       # rows per 128-thread CTA. Row thread j holds vectors j + 64 s, s = 0, 1, ...: the vectors of the
+                       # 128-thread layout's thread j (even s) and thread j + 64 (odd s). It keeps their two sums apart
+                       # (each over its slots in order), butterflies each over its warp and adds the four warp sums in
+                       # the 128-thread layout's warp order (_pair_total): the same bits. Other widths keep one row per
+                       # CTA
+FWD_HALF_BLOCKS = 0    # with FWD_HALF_ROWS: CTAs (row pairs) per SM of the launch bounds; 0 = _fwd_blocks by the
+                       # vectors per thread (bf16 H = 1536: 3, so 8, <= 64 registers; ptxas takes 40-48, no spills,
+                       # so 10 CTAs = 20 rows fit). 12 (<= 40 registers) spills 8-12 bytes with IEEE sf
 FWD_BLOCKS = 6    # bf16 norm_forward CTAs (rows) resident per SM: <= 80 registers, no spills
 FWD_BLOCKS_QUANT = 8  # the quantizing bf16 forward: <= 64 registers (it needs 72 unconstrained: 7 per SM)
 FWD_BLOCKS_QUANT_WIDE = 5  # FWD_BLOCKS_QUANT for rows of more than 7 vectors per thread (bf16 H > 7168): <= 96
@@ -266,6 +284,36 @@ def _block_total(T, NW: int, wait_readers: bool):
     return block_total
 
 
+def _pair_total(T, TPR: int):
+    """A macro ``pair_total(acc, acc2, red, tx)`` for rows of ``TPR`` (half the CTA's) threads, two per CTA:
+    the row's total of its threads' ``acc`` (the sums of the 128-thread layout's threads 0 .. TPR - 1) and
+    ``acc2`` (those of its threads TPR .. 127). Each is butterflied over its warp; the row's warp sums go to
+    shared ``red[4 r ..]`` (row r of the CTA) in the 128-thread layout's warp order (acc's warps, then acc2's)
+    and are added in that order: the bits of ``_block_total`` over the 128-thread layout."""
+    RW = TPR // 32   # warps per row
+
+    @T.macro
+    def pair_total(acc, acc2, red, tx):
+        ta = T.alloc_var("float32")
+        tb = T.alloc_var("float32")
+        ta = acc
+        tb = acc2
+        for st in T.unroll(5):
+            ta = ta + T.shfl_xor(ta, T.shift_right(16, st))
+            tb = tb + T.shfl_xor(tb, T.shift_right(16, st))
+        base = (tx // TPR) * (2 * RW)
+        if tx % 32 == 0:
+            red[base + (tx % TPR) // 32] = ta
+            red[base + RW + (tx % TPR) // 32] = tb
+        T.sync_threads()
+        ta = red[base]
+        for i in T.unroll(1, 2 * RW):
+            ta = ta + red[base + i]
+        return ta
+
+    return pair_total
+
+
 def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residual: bool, quant: bool,
                         sf_layout: str, round_sf: bool, with_bf16: bool, with_rstd: bool, mega_bm: int = 0):
     """Factory for one static config (see module doc).
@@ -276,9 +324,14 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
 
     E = 16 // (2 if x_dtype == "bfloat16" else 4)   # elements per 16-byte vector
     VPR = hidden // E
-    C = -(-VPR // _THREADS)                          # vectors per thread
+    HALF = _half_rows(VPR)                           # two rows per CTA (FWD_HALF_ROWS)
+    TPR = _THREADS // 2 if HALF else _THREADS        # threads per row
+    RPC = _THREADS // TPR                            # rows per CTA
+    C = -(-VPR // TPR)                               # vectors per thread
     NW = _THREADS // 32
     block_total = _block_total(T, NW, wait_readers=False)
+    pair_total = _pair_total(T, TPR)
+    blocks = (FWD_HALF_BLOCKS if HALF else 0) or _fwd_blocks(quant, C)   # CTAs per SM of the launch bounds
     L = _NPC // E                                    # lanes per 32-channel group
     ng = hidden // _NPC
     nw4 = -(-ng // 4)
@@ -317,24 +370,36 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
     rstd_p = T.Tensor((B, Tn), "float32") if with_rstd else dummy("float32")
     mega_p = T.StridedTensor((hidden // 128, MR), (ML, 1), "int32") if mega_bm else dummy("int32")
 
+    # FWD_HALF_ROWS: row t of a CTA's two may be past the last row; it loads and stores nothing, but takes part in the
+    # CTA's barriers
+    def live(t, col):   # row t's column col exists (its loads and stores)
+        return T.And(t < Tn, col < hidden) if HALF else col < hidden
+
+    def row_thread(tx):   # the thread's index in its row
+        return tx % TPR if HALF else tx
+
+    def row_lead(t, tx):   # the thread that stores the row's rstd
+        return T.And(t < Tn, tx % TPR == 0) if HALF else tx == 0
+
     # the kernel body: row (b, t)
     @T.macro
     def body(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale, t, b):
         tx = T.get_thread_binding()
+        j = row_thread(tx)
         io = T.alloc_local((C, E), x_dtype)   # h = round(x + res) in x.dtype: binary32 values are float(io)
-        red = T.alloc_shared((NW,), "float32")
+        red = T.alloc_shared((NW * RPC,), "float32")
         acc = T.alloc_var("float32")
         wn = T.alloc_local((E,), x_dtype)     # FWD_W_AHEAD: the next block's weight vector
         if W_AHEAD and FWD_W_EARLY:   # block 0's weight first, a barrier keeping it ahead of the row's loads
-            if tx * E < hidden:
+            if j * E < hidden:
                 for e in T.vectorized(E):
-                    wn[e] = W[tx * E + e]
+                    wn[e] = W[j * E + e]
             T.sync_threads()
         # 1. h = x (+ residual, rounded to x.dtype and written to residual_out); sum of squares
         acc = T.float32(0.0)
         for c in T.unroll(C):
-            col = (c * _THREADS + tx) * E
-            if col < hidden:
+            col = (c * TPR + j) * E
+            if live(t, col):
                 for e in T.vectorized(E):
                     io[c, e] = X[b, t, col + e]
                 if has_residual:
@@ -349,21 +414,37 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
                 for e in T.vectorized(E):
                     io[c, e] = T.cast(0, x_dtype)
         if W_AHEAD and not FWD_W_EARLY:
-            if tx * E < hidden:
+            if j * E < hidden:
                 for e in T.vectorized(E):
-                    wn[e] = W[tx * E + e]
-        for c in T.unroll(C):
-            for e in T.unroll(E):
-                hv = f32(io, c, e)
-                acc = acc + hv * hv
-        rstd = T.rsqrt(block_total(acc, red, tx) / T.float32(hidden) + eps)
+                    wn[e] = W[j * E + e]
+        if not HALF:
+            for c in T.unroll(C):
+                for e in T.unroll(E):
+                    hv = f32(io, c, e)
+                    acc = acc + hv * hv
+            rstd = T.rsqrt(block_total(acc, red, tx) / T.float32(hidden) + eps)
+        else:
+            # the 128-thread layout's thread j holds the even slots, its thread j + TPR the odd ones: each sum in
+            # slot order (its padded slots add 0 * 0, which leaves a sum of squares unchanged)
+            acc2 = T.alloc_var("float32")
+            acc2 = T.float32(0.0)
+            for k in T.unroll((C + 1) // 2):
+                for e in T.unroll(E):
+                    hv = f32(io, 2 * k, e)
+                    acc = acc + hv * hv
+            if C > 1:
+                for k in T.unroll(C // 2):
+                    for e in T.unroll(E):
+                        hv = f32(io, 2 * k + 1, e)
+                        acc2 = acc2 + hv * hv
+            rstd = T.rsqrt(pair_total(acc, acc2, red, tx) / T.float32(hidden) + eps)
         if with_rstd:
-            if tx == 0:
+            if row_lead(t, tx):
                 Rstd[b, t] = rstd
         # 2. per vector: o = round((h * rstd) * (w * out_scale)); the quantizing op then casts o exactly as
         #    per_token_cast(o, 'e4m3', 32) (its 32-channel group: L lanes of this vector index)
         for c in T.unroll(C):
-            col = (c * _THREADS + tx) * E
+            col = (c * TPR + j) * E
             g = col // _NPC
             of = T.alloc_local((E,), "float32")
             ob = T.alloc_local((E,), x_dtype)
@@ -373,9 +454,9 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
                     if W_AHEAD:
                         for e in T.vectorized(E):
                             ww[e] = wn[e]
-                        if T.And(c + 1 < C, col + _THREADS * E < hidden):
+                        if T.And(c + 1 < C, col + TPR * E < hidden):
                             for e in T.vectorized(E):
-                                wn[e] = W[col + _THREADS * E + e]
+                                wn[e] = W[col + TPR * E + e]
                     else:
                         for e in T.vectorized(E):
                             ww[e] = W[col + e]
@@ -390,14 +471,14 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
             for e in T.vectorized(E):
                 ob[e] = T.cast(of[e], x_dtype)
             if with_bf16:
-                if col < hidden:
+                if live(t, col):
                     bb = T.alloc_local((E,), "bfloat16")
                     for e in T.vectorized(E):
                         bb[e] = T.cast(ob[e], "bfloat16")
                     for e in T.vectorized(E):
                         Bf[b, t, col + e] = bb[e]
             if not quant:
-                if col < hidden:
+                if live(t, col):
                     for e in T.vectorized(E):
                         Out[b, t, col + e] = ob[e]
             else:
@@ -426,7 +507,7 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
                     byte = T.if_then_else(col < hidden, eb, 0)
                     word = (byte | T.shift_left(T.shfl_down(byte, L), 8) | T.shift_left(T.shfl_down(byte, 2 * L), 16)
                             | T.shift_left(T.shfl_down(byte, 3 * L), 24))
-                    lead = T.And(col < hidden, T.And(tx % L == 0, g % 4 == 0))
+                    lead = T.And(live(t, col), T.And(j % L == 0, g % 4 == 0))
                     if packed:
                         if lead:
                             SF[b, t, g // 4] = word
@@ -437,9 +518,9 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
                                     + (i % 32) * 4 + (i % 128) // 32)
                             Mega[g // 4, mrow] = word
                 if not packed:
-                    if T.And(col < hidden, tx % L == 0):
+                    if T.And(live(t, col), j % L == 0):
                         SF[b, t, g] = sf
-                if col < hidden:
+                if live(t, col):
                     # the E4M3 conversion saturates finite values to +-448 and keeps NaN
                     qb = T.alloc_local((E,), "float8_e4m3fn")
                     for e in T.vectorized(E):
@@ -463,14 +544,18 @@ def norm_forward_kernel(x_dtype: str, hidden: int, has_weight: bool, has_residua
         if with_bf16:
             T.assume(BB % 16 == 0)
             T.assume(BS % 16 == 0)
-        with T.Kernel(Tn, B, threads=_THREADS) as (t, b):
+        with T.Kernel(T.ceildiv(Tn, RPC) if HALF else Tn, B, threads=_THREADS) as (t, b):
             if x_dtype == "bfloat16":
-                T.annotate_min_blocks_per_sm(_fwd_blocks(quant, C))  # rows per SM: loads in flight
+                T.annotate_min_blocks_per_sm(blocks)  # rows (row pairs) per SM: loads in flight
             if words:
                 T.import_source(_CUDA_HELPERS)
             if FWD_PDL:
                 T.pdl_sync()
-            body(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale, t, b)
+            if HALF:   # row pair t: rows 2 t (threads 0 .. TPR - 1) and 2 t + 1
+                body(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale,
+                     t * RPC + T.get_thread_binding() // TPR, b)
+            else:
+                body(X, W, Res, ResOut, Out, SF, Bf, Rstd, Mega, eps, out_scale, t, b)
 
     return norm_forward
 
