@@ -105,6 +105,9 @@ def test_pivot_groups_token_counts_of_one_case():
     assert lines[0] == "| op | case | peer | H: T=1,128,4096,16384 | H: T=1,128,4096,16384 |"
     assert lines[2] == "| a | bf16 TxH npc128 | TK 2.1.0 | 2048: 1.50 1.00 0.90 1.10≠ | 7168: x - 2.00 - |"
     assert C._grid_cell("bf16 (8, 4096, 7168)") == ("bf16 (8, T, H)", 4096, 7168)
+    # a second shape of the same rows (unpack's int8 view) does not split the case by token count
+    assert C._grid_cell("e2m1 4096x1536 (int8 4096x768) -> bf16") == ("e2m1 TxH (int8 TxW) -> bf16", 4096, 1536)
+    assert C._grid_cell("e2m1 128x2048 (int8 128x1024) -> bf16")[0] == "e2m1 TxH (int8 TxW) -> bf16"
 
 
 def test_merge_lets_later_runs_replace_rows():

@@ -447,14 +447,16 @@ _SHAPE = __import__("re").compile(r"(\d+)x(\d+)|\((\d+), (\d+), (\d+)\)")
 
 
 def _grid_cell(shape: str) -> tuple[str, int, int] | None:
-    """``(case with the shape blanked, tokens, hidden)`` of a grid label, from its first ``TxH`` or ``(B, T, H)``."""
+    """``(case with the shape blanked, tokens, hidden)`` of a grid label, from its first ``TxH`` or ``(B, T, H)``
+    (later ``TxW`` shapes of the same token count blanked as well)."""
     m = _SHAPE.search(shape)
     if m is None:
         return None
     if m.group(1):
         t, h, blank = int(m.group(1)), int(m.group(2)), "TxH"
-    else:
-        t, h, blank = int(m.group(4)), int(m.group(5)), f"({m.group(3)}, T, H)"
+        # a second shape of the same rows (e.g. unpack's "(int8 4096x768)") is blanked too
+        return shape[:m.start()] + blank + re.sub(rf"\b{t}x\d+", "TxW", shape[m.end():]), t, h
+    t, h, blank = int(m.group(4)), int(m.group(5)), f"({m.group(3)}, T, H)"
     return shape[:m.start()] + blank + shape[m.end():], t, h
 
 
