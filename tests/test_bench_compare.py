@@ -126,6 +126,18 @@ def test_compile_sample_takes_one_case_per_op():
     assert C.compile_sample(GRID[:5], True) == set(range(5))
 
 
+def test_match_selects_grid_cases_by_their_label():
+    """``case_label`` is the label ``make`` builds (checked on the one-token cases, cheap to build), and
+    ``--match`` keeps exactly the cases whose label the regex finds."""
+    one = [c for c in GRID if c.tokens == 1]
+    assert one and all(C.case_label(c) == c.make("cpu", 1.0)[0] for c in one)
+    picked = C.select_cases(False, ["cast_back"], match=r"^e4m3 16384x\d+ block128x1 ")
+    assert picked and all(c.name == "cast_back" and c.tokens == 16384 and "block128x1 " in C.case_label(c)
+                          for c in picked)
+    assert len(picked) == sum(1 for c in GRID if c.name == "cast_back" and c.tokens == 16384
+                              and " block128x1 " in C.case_label(c) and C.case_label(c).startswith("e4m3"))
+
+
 def test_report_renders_saved_runs(tmp_path):
     import json
 

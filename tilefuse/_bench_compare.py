@@ -213,7 +213,7 @@ def warm(quick: bool, ops, peers: list[str], cases: list, jobs: int, child: bool
 def case_label(case) -> str:
     """A grid case's shape label without building its inputs (its key with the token count filled in)."""
     text = case.key.split("|", 1)[-1]
-    return text.replace("0x", f"{case.tokens}x", 1) if case.tokens is not None else text
+    return re.sub(r"\b0x", f"{case.tokens}x", text) if case.tokens is not None else text
 
 
 def select_cases(quick: bool, ops, peers: list[str] | None = None, match: str | None = None) -> list:
@@ -518,14 +518,17 @@ def report_main(paths: list[str], markdown: str | None, variants: bool = False) 
     for p in paths:
         with open(p) as f:
             results.append(json.load(f))
-    if variants:
-        lines = side_by_side(results, [os.path.splitext(os.path.basename(p))[0] for p in paths])
-        print("\n".join(lines))
-        if markdown:
-            with open(markdown, "w") as f:
-                f.write("\n".join(lines) + "\n")
-        return 0
-    res = merge(results)
+    lines = (side_by_side(results, [os.path.splitext(os.path.basename(p))[0] for p in paths]) if variants
+             else report_lines(merge(results)))
+    print("\n".join(lines))
+    if markdown:
+        with open(markdown, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return 0
+
+
+def report_lines(res: dict) -> list[str]:
+    """The tables of a merged result: the summaries, the grid pivot and the torch.compile sample."""
     peers = [p for p in ("tk2", "tk1", "liger", "compile") if any(p in r.get("peers", {}) for r in res["rows"])]
     runs = "; ".join(f"{r['date']} ({r['rows']} rows, 2 GiB copy {r['copy_ceiling_gbs']:.0f} GB/s)"
                      if r["copy_ceiling_gbs"] else f"{r['date']} ({r['rows']} rows)" for r in res["runs"])
@@ -545,8 +548,4 @@ def report_main(paths: list[str], markdown: str | None, variants: bool = False) 
                              f"{e['check']} |")
             else:
                 lines.append(f"| {r['op']} | {r['shape']} | {r.get('us', 0):.1f} | fails: {e.get('error', '')[:60]} | | |")
-    print("\n".join(lines))
-    if markdown:
-        with open(markdown, "w") as f:
-            f.write("\n".join(lines) + "\n")
-    return 0
+    return lines
