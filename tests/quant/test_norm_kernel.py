@@ -482,6 +482,19 @@ def test_forward_gpu(t, xd, h, has_w, has_r):
         assert_equal(s1, rstd[:1])
 
 
+def _assert_cast_of(o, out, sf, h, round_sf, col, packed):
+    """``out``, ``sf`` are the reference's per_token_cast(o, 'e4m3', 32) with these sf flags (packed words compared
+    on their used bytes); returns the reference's sf."""
+    r_out, r_sf = ref_cast(o, "e4m3", (1, 32), round_sf=round_sf, use_tma_aligned_col_major_sf=col,
+                           use_packed_ue8m0=packed)
+    assert_equal(out, r_out)
+    got, want = sf.contiguous(), r_sf.contiguous()
+    if packed:
+        got, want = clear_unused_sf(got, h, 32), clear_unused_sf(want, h, 32)
+    assert_equal(got, want)
+    return r_sf
+
+
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", TOKENS)
@@ -504,14 +517,8 @@ def test_forward_cast_gpu(t, xd, col, round_sf, packed):
     torch.testing.assert_close(rstd, rrstd, rtol=rtol_sum(h), atol=0)
     o = _o_from_rstd(rh, w, rstd, 1.0, dtype)
     assert_equal(bf, o.to(torch.bfloat16))
-    r_out, r_sf = ref_cast(o, "e4m3", (1, 32), round_sf=round_sf, use_tma_aligned_col_major_sf=col,
-                           use_packed_ue8m0=packed)
-    assert_equal(out, r_out)
+    r_sf = _assert_cast_of(o, out, sf, h, round_sf, col, packed)
     assert sf.shape == r_sf.shape and (sf.stride() == r_sf.stride() or t == 0)
-    got, want = sf.contiguous(), r_sf.contiguous()
-    if packed:
-        got, want = clear_unused_sf(got, h, 32), clear_unused_sf(want, h, 32)
-    assert_equal(got, want)
 
 
 @gpu
@@ -710,13 +717,7 @@ def test_forward_cast_nan_inf_gpu(fill, col, round_sf, packed):
     nan = bf.isnan()
     assert torch.equal(nan, o.isnan())  # NaN payloads are not part of the contract
     assert_equal(torch.where(nan, 0, bf), torch.where(nan, 0, o.to(torch.bfloat16)))
-    r_out, r_sf = ref_cast(o, "e4m3", (1, 32), round_sf=round_sf, use_tma_aligned_col_major_sf=col,
-                           use_packed_ue8m0=packed)
-    assert_equal(out, r_out)
-    got, want = sf.contiguous(), r_sf.contiguous()
-    if packed:
-        got, want = clear_unused_sf(got, h, 32), clear_unused_sf(want, h, 32)
-    assert_equal(got, want)
+    _assert_cast_of(o, out, sf, h, round_sf, col, packed)
 
 
 # Knob variants (TILEFUSE_KNOBS sweeps, module doc of _jit.knobs): each must give the default's bits exactly.
@@ -972,13 +973,7 @@ def test_half_rows_bit_identical_gpu(has_w, col, rnd, packed, knob_kernels):
         assert_equal(rstd_res, _rstd_in_kernel_order(rh, 1e-6))
         for (o_k, sf_k), h_in, s in (((out, sf), x, rstd), ((r_out_res, r_sf_res), rh, rstd_res)):
             o = _o_from_rstd(h_in, w, s, 0.75, dtype)
-            q, q_sf = ref_cast(o, "e4m3", (1, 32), round_sf=rnd, use_tma_aligned_col_major_sf=col,
-                               use_packed_ue8m0=packed)
-            assert_equal(o_k, q)
-            g_sf, w_sf = sf_k.contiguous(), q_sf.contiguous()
-            if packed:
-                g_sf, w_sf = clear_unused_sf(g_sf, h, 32), clear_unused_sf(w_sf, h, 32)
-            assert_equal(g_sf, w_sf)
+            _assert_cast_of(o, o_k, sf_k, h, rnd, col, packed)
         assert_equal(bf, _o_from_rstd(rh, w, rstd_res, 0.75, dtype).to(torch.bfloat16))
 
 
