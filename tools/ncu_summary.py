@@ -5,10 +5,10 @@ issue, latency, partial-sector stores).
     python3 tools/ncu_summary.py raw.csv
 
 Columns: duration; SM active / elapsed cycles (below ~95%: launch ramp, tail or idle SMs); issue-slot use while
-active; L2 throughput and L2 tag lookups (% of peak); DRAM throughput (% of peak); DRAM read / write MB; L2 write sectors from the SMs in MB
-(32 bytes each: above the output size means partial-sector stores); registers; grid and block size; achieved
-occupancy (warps, % of the SM's 64); warp instructions executed (millions); the three largest warp stall
-reasons (cycles per issued instruction).
+active; L2 throughput and L2 tag lookups (% of peak); DRAM throughput (% of peak); DRAM read / write MB; L2 write
+sectors from the SMs in MB (32 bytes each: above the output size means partial-sector stores); registers; grid and
+block size; achieved occupancy (warps, % of the SM's 64); warp instructions executed (millions); the three largest
+warp stall reasons (cycles per issued instruction).
 """
 from __future__ import annotations
 

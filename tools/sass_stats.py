@@ -3,10 +3,11 @@
     python tools/sass_stats.py per_token_cast "('bfloat16','e2m1',7168,128,True,'col_packed','cast')" \
         --elems-per-thread 32 --elements 58720256 --bytes 147.3e6
 
-``--resources`` prints only ptxas's register, stack-frame and spill counts (the first check for a spilling config;
-no disassembler needed). Compiles the config for sm_90 (TileLang + nvcc here), disassembles it (``cuobjdump``: set CUOBJDUMP or put it on
-PATH; ``pip download nvidia-cuda-cuobjdump`` has one) and counts the instructions of the main path (up to the
-first EXIT; slow-path subroutines such as IEEE division's come after it) by issue class:
+``--resources`` prints only ptxas's register, stack-frame and spill counts (the first check for a spilling
+config; no disassembler needed). Otherwise it compiles the config for sm_90 (TileLang + nvcc here), disassembles
+it (``cuobjdump``: set CUOBJDUMP or put it on PATH; ``pip download nvidia-cuda-cuobjdump`` has one) and counts the
+instructions of the main path (up to the first EXIT; slow-path subroutines such as IEEE division's come after it)
+by issue class:
 
 - fma: FADD/FMUL/FFMA/HADD2/HMUL2/HFMA2 (full rate: one warp instruction per clock per SM sub-partition),
 - alu: integer, logic, shifts, compares, min/max, select, PRMT, F2FP packing (half rate),

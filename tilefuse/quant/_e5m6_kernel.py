@@ -10,8 +10,9 @@ NaN products are first made the positive canonical NaN, as the reference does. E
 words ``W0 W1 W2`` (big-endian bit string) stored as little-endian uint32.
 
 Tiling (SIMT): ``L`` threads (a power of two >= 32, at most ``MAX_LANES`` where 8 groups each fit) per row, each
-holding about four groups of eight values in registers; the row maximum is a warp-shuffle reduction, then one shared-memory step across the row's
-warps (max is exact in any order). Nothing depends on the token count: deterministic and batch-invariant.
+holding about four groups of eight values in registers; the row maximum is a warp-shuffle reduction, then one
+shared-memory step across the row's warps (max is exact in any order). Nothing depends on the token count:
+deterministic and batch-invariant.
 """
 import torch
 

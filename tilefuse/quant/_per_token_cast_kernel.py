@@ -43,7 +43,7 @@ NARROW_TILE = (448, 4, 8)
 
 
 def default_tile(x_dtype: str, fmt: str, round_sf: bool, mode: str, prequant: bool, npc: int,
-                 hidden: int = 0) -> tuple:
+                 hidden: int) -> tuple:
     """The tile of a static config: the fastest measured on the H200 at 8192 x 7168, npc 128 (docs/BENCHMARKS.md):
 
     - e4m3 with power-of-two sf or given sf: 448 threads, 2 vectors each: 28 slots of 16 lanes, so a CTA
