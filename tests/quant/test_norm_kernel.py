@@ -160,7 +160,7 @@ def test_forward_register_cap_rule():
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("h,blocks", [(8192, 5), (1536, 12)])
+@pytest.mark.parametrize("h,blocks", [(8192, 5), (2048, 12)])
 def test_forward_cast_launch_bounds(h, blocks):
     """FWD_BLOCKS_QUANT_WIDE / _NARROW reach the kernel as its minimum CTAs per SM."""
     import tilelang
@@ -837,8 +837,8 @@ def test_fp32_backward_ring_matches_register_path_gpu(h, has_w, has_rg, knob_ker
         assert torch.equal(g, e), f"output {i}"
 
 
-# FWD_HALF_ROWS (off by default): rows whose last vector slot leaves threads 64-127 idle take 64 threads each, two
-# rows per CTA, in the same order of the sum of squares: the default's bits.
+# FWD_HALF_ROWS (on by default; False is the one-row-per-CTA layout): rows whose last vector slot leaves threads 64-127 idle take 64 threads each, two
+# rows per CTA, in the same order of the sum of squares: the one-row layout's bits.
 HALF_SF = [(False, False, False), (False, True, False), (True, True, True)]   # (col, round_sf, packed)
 
 
@@ -854,13 +854,14 @@ def _forward_source(cfg) -> str:
 
 def test_half_rows_rule(monkeypatch):
     """FWD_HALF_ROWS applies where ceil(V / 64) is odd for a row of V 16-byte vectors (bf16 H = 512, 1536, 2560;
-    fp32 H = 576, 768), not at bf16 H = 576, 2048, 7168; off by default."""
+    fp32 H = 576, 768), not at bf16 H = 576, 2048, 7168; False turns it off everywhere."""
     vectors = {"bf16 512": 64, "bf16 576": 72, "bf16 1536": 192, "bf16 2048": 256, "bf16 2560": 320,
                "bf16 7168": 896, "fp32 576": 144, "fp32 768": 192, "fp32 1536": 384}
-    assert not any(K._half_rows(v) for v in vectors.values())
-    monkeypatch.setattr(K, "FWD_HALF_ROWS", True)
+    assert K.FWD_HALF_ROWS is True
     assert {k for k, v in vectors.items() if K._half_rows(v)} == {"bf16 512", "bf16 1536", "bf16 2560", "fp32 576",
                                                                    "fp32 768"}
+    monkeypatch.setattr(K, "FWD_HALF_ROWS", False)
+    assert not any(K._half_rows(v) for v in vectors.values())
 
 
 @pytest.mark.compile
@@ -869,6 +870,7 @@ def test_half_rows_leave_other_widths_alone(h, monkeypatch):
     """Where the rule does not apply the knob changes nothing: the same generated CUDA."""
     cfgs = [("bfloat16", h, True, False, True, "col_packed", True, False, False, 0),
             ("bfloat16", h, True, True, False, "row", False, False, True, 0)]
+    monkeypatch.setattr(K, "FWD_HALF_ROWS", False)
     want = [_forward_source(c) for c in cfgs]
     monkeypatch.setattr(K, "FWD_HALF_ROWS", True)
     assert [_forward_source(c) for c in cfgs] == want
@@ -944,9 +946,10 @@ def _half_rows_outputs(x, xs, w, r, col, rnd, packed):
 @pytest.mark.parametrize("has_w", [True, False])
 def test_half_rows_bit_identical_gpu(has_w, col, rnd, packed, knob_kernels):
     """bf16 H = 1536, T = 1, 7, 4001 (an odd T leaves the last CTA's second row empty): FWD_HALF_ROWS gives the
-    default kernel's bits (NaN and inf rows included) and the reference's: rstd of the fixed order bit for bit,
+    one-row kernel's bits (NaN and inf rows included) and the reference's: rstd of the fixed order bit for bit,
     o from that rstd, the cast of o exactly."""
     h, dtype = 1536, torch.bfloat16
+    knob_kernels(K, {"FWD_HALF_ROWS": False})
     data, want = {}, {}
     for t in (1, 7, 4001):
         x, r, w = _inputs(t, h, dtype, residual=True, weight=has_w)
@@ -980,13 +983,14 @@ def test_half_rows_bit_identical_gpu(has_w, col, rnd, packed, knob_kernels):
 @gpu
 @pytest.mark.gpu
 def test_half_rows_knob_outputs_gpu(knob_kernels):
-    """bf16 H = 1536, T = 1001 with NaN and inf: FWD_HALF_ROWS gives the defaults' bits in every forward of
+    """bf16 H = 1536, T = 1001 with NaN and inf: FWD_HALF_ROWS gives the one-row kernel's bits in every forward of
     _knob_outputs (norm_forward, 3-D rows, residual, rstd, the bf16 copy, row-major sf, mega-MoE words)."""
     h, t = 1536, 1001
     x, _, w = _inputs(t, h, torch.bfloat16, residual=False)
     dy = torch.randn((t, h), device="cuda").to(torch.bfloat16)
     rstd = torch.rand((t,), device="cuda") + 0.5
     x[3, 5], x[700, 9] = float("nan"), float("inf")
+    knob_kernels(K, {"FWD_HALF_ROWS": False})
     want = _knob_outputs(x, w, dy, rstd, None, 0.75)
     knob_kernels(K, {"FWD_HALF_ROWS": True})
     got = _knob_outputs(x, w, dy, rstd, None, 0.75)
@@ -998,7 +1002,7 @@ def test_half_rows_knob_outputs_gpu(knob_kernels):
 @pytest.mark.gpu
 @pytest.mark.parametrize("xd,h", [("bfloat16", 512), ("bfloat16", 2560), ("float32", 768), ("float32", 576)], ids=str)
 def test_half_rows_other_widths_gpu(xd, h, knob_kernels):
-    """The other widths the rule takes (one vector slot, five, fp32): FWD_HALF_ROWS gives the defaults' bits,
+    """The other widths the rule takes (one vector slot, five, fp32): FWD_HALF_ROWS gives the one-row kernel's bits,
     norm_forward and the quantizing op (col, round, packed), T = 1, 7, 4001, NaN and inf included."""
     dtype = DT[xd]
 
@@ -1008,6 +1012,7 @@ def test_half_rows_other_widths_gpu(xd, h, knob_kernels):
                                   use_tma_aligned_col_major_sf=True, round_sf=True, use_packed_ue8m0=True)
         return [_bits(v) for v in (f[0], f[3], f[4], q[0], q[1], q[3])]
 
+    knob_kernels(K, {"FWD_HALF_ROWS": False})
     data, want = {}, {}
     for t in (1, 7, 4001):
         x, r, w = _inputs(t, h, dtype)

@@ -252,7 +252,7 @@ def test_cast_fp32_input(t):
 # fp32 input with 128-row blocks at the 128 x 128 CTA tile (FP32_NARROW_MAX_H): 16 lanes per row, two row groups
 # per warp. H = 576: a partial last tile (half its lanes past the end) and a partial 128-channel block; 1536 and 4096:
 # whole tiles; T = 1, 7: one partial CTA row; 4001, 4099: many CTA rows, partial last block.
-NARROW_TILE = {"FP32_NARROW_MAX_H": 4096}  # the 128 x 128 tile up to 4096 channels (off by default until timed)
+NARROW_TILE = {"FP32_NARROW_MAX_H": 4096}  # the 128 x 128 tile up to 4096 channels (the default)
 FP32_NARROW = (("e4m3", (128, 128), True, True, True), ("e4m3", (128, 128), False, False, False),
                ("e2m1", (128, 128), True, True, True), ("e2m1", (128, 32), True, False, False))
 
@@ -307,7 +307,7 @@ def test_fp32_narrow_tile_batch_invariant(knob_kernels):
 
 
 # Knob variants of the fp32 128-row-block cast: each must give the default kernel's bits.
-FP32_KNOB_VARIANTS = [{"FP32_NARROW_MAX_H": 4096},                         # the 128 x 128 tile, 3 CTAs per SM
+FP32_KNOB_VARIANTS = [{"FP32_NARROW_MAX_H": 0},                            # the 128 x 256 tile at every width
                       {"FP32_NARROW_MAX_H": 4096, "FP32_NARROW_CTAS": 0},  # no residency bound (2 CTAs per SM)
                       {"FP32_NARROW_MAX_H": 18432}]                        # the narrow tile at every bench width
 

@@ -234,25 +234,11 @@ def test_per_channel_cast_matches_reference(t, role):
 @pytest.mark.parametrize("hidden", (1536, 2048, 7168))
 @pytest.mark.parametrize("rnd", (False, True))
 def test_per_channel_cast_bench_widths_match_reference(t, hidden, rnd):
-    """Plain bf16 rows at the bench widths (WORDS_MIN_WARPS: 8 CTAs per SM), ragged token counts (a partial
+    """Plain bf16 rows at the bench widths, ragged token counts (a partial
     CTA row of 8 or 136 rows) and the adversarial strips, against the reference."""
     _check(_x(t, hidden, scale=3.0), None, 128, rnd)
     if t == 4096:
         _check(_adversarial(t, hidden, torch.bfloat16, 128), None, 128, rnd)
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("role", ("cast_bf16", "cast_fp32", "gather"))
-def test_plain_bf16_rows_take_their_own_launch_bounds(role, monkeypatch):
-    """WORDS_MIN_WARPS=32: plain (non-gathered) bf16 rows ask for 8 CTAs of 128 threads; fp32 and gathered rows keep
-    MIN_WARPS (7)."""
-    import tilelang
-
-    monkeypatch.setattr(K, "WORDS_MIN_WARPS", 32)
-    src = tilelang.compile(K.per_channel_cast_kernel(*CFG[role]), target={"kind": "cuda", "arch": "sm_90"},
-                           execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
-    want = 8 if role == "cast_bf16" else K.MIN_WARPS // 4
-    assert f"__launch_bounds__(128, {want})" in src
 
 
 @pytest.mark.gpu
@@ -447,11 +433,9 @@ KNOB_VARIANTS = [
     {"PAIR_REMAT": False, "PAIR_MIN_WARPS": 20},
     {"CAST_PDL": True, "TRANSPOSE_PDL": False},
     {"CAST_PDL": True, "CAST_PDL_TRIGGER": True},
-    {"CAST_CL": 4, "WORDS_MIN_WARPS": None},
-    {"CAST_CL": 4, "CAST_PDL": True, "CAST_PDL_TRIGGER": True, "WORDS_MIN_WARPS": None},
-    {"CAST_CL": 4, "CAST_RPT": 4, "MIN_WARPS": 40, "WORDS_MIN_WARPS": None},
-    {"WORDS_MIN_WARPS": 32},  # plain bf16 rows at 8 CTAs per SM
-    {"WORDS_MIN_WARPS": 24},
+    {"CAST_CL": 4},
+    {"CAST_CL": 4, "CAST_PDL": True, "CAST_PDL_TRIGGER": True},
+    {"CAST_CL": 4, "CAST_RPT": 4, "MIN_WARPS": 40},
 ]
 
 

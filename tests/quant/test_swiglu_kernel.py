@@ -921,7 +921,7 @@ def test_fwd_ptc_tiling_upfront(monkeypatch):
 @pytest.mark.parametrize("upfront", (4, 0))
 def test_fwd_ptc_upfront_source(upfront, monkeypatch):
     """2H = 4096: every one of a lane's 8 vector loads (4 chunks, gate and up) precedes its first exp with
-    FWD_PTC_UPFRONT=4; 0 (the default) leaves the 4th chunk's two loads to the second stage."""
+    FWD_PTC_UPFRONT=4 (the default); 0 leaves the 4th chunk's two loads to the second stage."""
     _jit.registered()
     src = _knob_source(monkeypatch, {"FWD_PTC_UPFRONT": upfront}, "swiglu_fwd_ptc",
                        K._fwd_ptc_cfg(*UPFRONT_FWD_CASES[0]))

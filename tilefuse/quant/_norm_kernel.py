@@ -126,7 +126,7 @@ FWD_W_EARLY = True   # with FWD_W_AHEAD: block 0's weight load first, then a bar
                      # registers), a full round trip after x arrived; no load moves across a barrier. Scheduling
                      # only: the same values. H200, bench shape: norm_forward_and_per_token_cast 46.7 -> 46.0 us
                      # (89.2-89.4 -> 90.7% of the copy ceiling), norm_forward 94.0 -> 94.5%
-FWD_HALF_ROWS = False  # forward rows whose last vector slot leaves threads 64-127 idle (ceil(V / 64) odd for a row of
+FWD_HALF_ROWS = True   # forward rows whose last vector slot leaves threads 64-127 idle (ceil(V / 64) odd for a row of
                        # V 16-byte vectors: bf16 H = 512, 1536, 2560, ..., fp32 H = 768, ...): 64 threads per row, two
                        # rows per 128-thread CTA. Row thread j holds vectors j + 64 s, s = 0, 1, ...: the vectors of the
                        # 128-thread layout's thread j (even s) and thread j + 64 (odd s). It keeps their two sums apart

@@ -205,10 +205,11 @@ EXACT_DIV = 1
 # the 64 binary32 values a thread holds need about 90 registers, so a 512-thread CTA is alone on its SM and the
 # SM's loads stop while it reduces and stores; 256-thread CTAs share the SM, one's loads overlapping another's
 # reduction, and the grid's last wave is finer. Wider rows keep the 256-channel tile (their grids are many waves
-# deep already). 0 (the default until timed against today's tile; 4096 is the candidate): always 256 channels.
+# deep already); H200, fp32 e4m3 at 4096 tokens and H = 1536-4096: 0.86-0.97x -> 0.97-1.08x of TileKernels 2.1.0, and
+# at 7168 the two tiles tie. 0: always 256 channels.
 # FP32_NARROW_CTAS: CTAs per SM those CTAs ask nvcc for (the register budget 65536 / (256 ctas)); 0 = no bound
 # (2 CTAs at ~90 registers). Same values either way.
-FP32_NARROW_MAX_H = 0
+FP32_NARROW_MAX_H = 4096
 FP32_NARROW_CTAS = 3
 # LOSSLESS_PDL: programmatic dependent launch (see _per_token_cast_kernel.PDL): the kernel's first statement waits
 # for the stream's previous grid, so its launch and CTA setup overlap that grid's tail (81.0 -> 85.7% at the bench

@@ -17,7 +17,7 @@ warps through shared memory.
 
 Memory side: every thread first issues all 8 of its row loads (predicated, no use in between; missing rows
 stay +0), so 8 independent 16-byte loads (bf16) are in flight per thread, and the launch bounds keep 7 CTAs
-(28 warps, ~112 KB of bf16 loads; pairs 8 CTAs; plain bf16 rows 8 with WORDS_MIN_WARPS=32) per SM. One predicate
+(28 warps, ~112 KB of bf16 loads; pairs 8 CTAs) per SM. One predicate
 covers a thread's 8 rows: the launcher
 asserts ``T_out % 8 == 0`` (the public ops give % 16 or % 128). Data leaves as one 8-byte store per row;
 transposed, each thread writes 8 rows of a channel (8 bytes) into an 8 KB shared tile (16-byte chunks
@@ -43,8 +43,7 @@ programmatic dependent launch (the wait comes before every global access; no val
 the same wait in the transposed path. ``BF16_WORDS``: plain bf16 rows held as 32-bit words of two elements
 (widened by a shift or a mask; the store's widening through inline PTX so nvcc cannot keep the max's 64 widened
 values instead), ``EXACT_DIV``: the no-round scale pair without div.rn (``_tl.exact_quotient``: the same bits),
-``NOROUND_MIN_WARPS``: the no-round configs' own launch bounds, ``WORDS_MIN_WARPS`` those of plain bf16 rows held
-as words. Together the first two make the bf16 no-round cast fit 64 registers without spills.
+``NOROUND_MIN_WARPS``: the no-round configs' own launch bounds. Together the first two make the bf16 no-round cast fit 64 registers without spills.
 """
 import torch
 
@@ -92,9 +91,6 @@ EXACT_DIV = True  # no round_sf, bf16 input: the scale pair a / M, M / a from _t
                   # call) instead of div.rn (False)
 NOROUND_MIN_WARPS = None  # no round_sf, non-transposed plain input: MIN_WARPS of its own (None: MIN_WARPS); 24 =
                           # 6 CTAs at 80 registers, where div.rn does not spill
-WORDS_MIN_WARPS = None  # plain (non-gathered) bf16 rows held as words (BF16_WORDS): MIN_WARPS of their own, round_sf
-                        # or not (None, the default until timed: MIN_WARPS / NOROUND_MIN_WARPS); 32 = 8 CTAs per SM
-                        # at 64 registers, no spills, all 8 row loads still issued before the first use
 GATHER_LDG = True  # gathered rows: each row's data (and a pair's sf) through one predicated load (C++ helpers,
                    # zeros for negative entries) instead of TileLang's per-row branch, bounds check and address
                    # arithmetic (pairs: 971 -> 839 instructions a thread)
@@ -171,8 +167,6 @@ def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, 
     min_warps = MIN_WARPS if not pair or PAIR_MIN_WARPS is None else PAIR_MIN_WARPS
     if not round_sf and not pair and NOROUND_MIN_WARPS is not None:
         min_warps = NOROUND_MIN_WARPS
-    if words and not gather and not transpose and WORDS_MIN_WARPS is not None:
-        min_warps = WORDS_MIN_WARPS
     exact_div = EXACT_DIV and not round_sf and x_kind == "bfloat16"
     assert not exact_div or clamp >= M * 2.0 ** -126  # the exact quotients' domain
     cuda_src = ((_GATHER_LDG_SRC + _BF16_WIDEN_SRC if words else _GATHER_LDG_SRC if gather_ldg else "")

@@ -189,12 +189,13 @@ FWD_PTC_MAX_TEAM = 1024
 # divisor of the lane's chunk count in (FWD_PTC_DEPTH, this] (register slots rotate modulo U, so every index stays
 # static); 0 = every chunk unrolled
 FWD_PTC_UNROLL = 0
-# npc == 128: a lane with at most this many chunks issues all its loads up front (DEPTH C - 1 for it; 0, the
-# default: DEPTH everywhere). ptxas gives the loads issued at the start one scoreboard, and hoists a later chunk's
+# npc == 128: a lane with at most this many chunks issues all its loads up front (DEPTH C - 1 for it; 0:
+# DEPTH everywhere). ptxas gives the loads issued at the start one scoreboard, and hoists a later chunk's
 # loads above the first use of an earlier chunk's up half, which then waits on that scoreboard for the later loads
 # too: one more DRAM latency per lane (2H = 4096, 4 chunks: with round_sf, not with the divisions' branches in the
-# way). 4 is the variant for that case; the default stays 0 until it is timed against it.
-FWD_PTC_UPFRONT = 0
+# way). 4: 2H = 4096 at 4096 tokens with round_sf 0.86-0.90x -> 0.98-0.99x of TileKernels 2.1.0 (H200); the other
+# widths are unchanged or faster.
+FWD_PTC_UPFRONT = 4
 _SW_ST8 = """
 __device__ __forceinline__ void tf_sw_st8(void* base, long long off, int v) {
   static_cast<unsigned char*>(base)[off] = static_cast<unsigned char>(v); }
