@@ -251,8 +251,8 @@ def test_cast_fp32_input(t):
 
 # fp32 input with 128-row blocks at the 128 x 128 CTA tile (FP32_NARROW_MAX_H): 16 lanes per row, two row groups
 # per warp. H = 576: a partial last tile (half its lanes past the end) and a partial 128-channel block; 1536 and 4096:
-# whole tiles; T = 1, 7: one partial CTA row; 4001, 4099: many CTA rows, partial last block.
-NARROW_TILE = {"FP32_NARROW_MAX_H": 4096}  # the 128 x 128 tile up to 4096 channels (the default)
+# whole tiles; T = 1, 7: one partial CTA row; 4001, 4099: many CTA rows, partial last block. The shipped kernels
+# (FP32_NARROW_MAX_H = 4096 is the default).
 FP32_NARROW = (("e4m3", (128, 128), True, True, True), ("e4m3", (128, 128), False, False, False),
                ("e2m1", (128, 128), True, True, True), ("e2m1", (128, 32), True, False, False))
 
@@ -261,8 +261,7 @@ FP32_NARROW = (("e4m3", (128, 128), True, True, True), ("e4m3", (128, 128), Fals
 @pytest.mark.parametrize("t", (1, 7, 4001, 4099))
 @pytest.mark.parametrize("hidden", (576, 1536, 4096))
 @pytest.mark.parametrize("cfg", FP32_NARROW, ids=str)
-def test_cast_fp32_narrow_tile(t, hidden, cfg, knob_kernels):
-    knob_kernels(K, NARROW_TILE)
+def test_cast_fp32_narrow_tile(t, hidden, cfg):
     fmt, block, col, rnd, packed = cfg
     assert K.row_lanes("float32", hidden, block[0]) == 16  # the geometry under test
     _check_cast(_x(t, hidden, torch.float32, scale=50.0), fmt, block, col, rnd, packed)
@@ -271,8 +270,7 @@ def test_cast_fp32_narrow_tile(t, hidden, cfg, knob_kernels):
 @pytest.mark.gpu
 @pytest.mark.parametrize("hidden", (576, 1536))
 @pytest.mark.parametrize("cfg", FP32_NARROW, ids=str)
-def test_adversarial_fp32_narrow_tile(hidden, cfg, knob_kernels):
-    knob_kernels(K, NARROW_TILE)
+def test_adversarial_fp32_narrow_tile(hidden, cfg):
     fmt, block, col, rnd, packed = cfg
     _check_cast(_adversarial(4001, hidden, torch.float32, *block), fmt, block, col, rnd, packed)
     _check_cast(_nan_inf_x(300, hidden, *block).float(), fmt, block, col, rnd, packed)
@@ -280,8 +278,7 @@ def test_adversarial_fp32_narrow_tile(hidden, cfg, knob_kernels):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", (7, 4001))
-def test_sf_only_and_precomputed_fp32_narrow_tile(t, knob_kernels):
-    knob_kernels(K, NARROW_TILE)
+def test_sf_only_and_precomputed_fp32_narrow_tile(t):
     x = _x(t, 576, torch.float32, scale=10.0)
     _poison()
     got = K.per_block_cast_launch(x, "e4m3", (128, 128), True, True, True, mode="sf_only")
@@ -295,12 +292,13 @@ def test_sf_only_and_precomputed_fp32_narrow_tile(t, knob_kernels):
 
 
 @pytest.mark.gpu
-def test_fp32_narrow_tile_batch_invariant(knob_kernels):
-    """Row slices at CTA-row and block boundaries give the full input's rows and sf (the 128 x 128 tile)."""
-    knob_kernels(K, NARROW_TILE)
+def test_fp32_narrow_tile_batch_invariant():
+    """Row slices of whole 128-row blocks (a CTA row each), the last one partial at the input's end, give the full
+    input's rows and sf (the 128 x 128 tile). A slice that cuts a block changes its maximum, so it is not one."""
+    assert K.row_lanes("float32", 1536, 128) == 16
     x = _x(4099, 1536, torch.float32, scale=5.0)
     out, sf = _cast(x, "e4m3", (128, 128), False, False, False)
-    for lo, hi in ((0, 1), (128, 135), (3968, 4099)):
+    for lo, hi in ((0, 128), (128, 640), (3968, 4099)):
         o, s = _cast(x[lo:hi], "e4m3", (128, 128), False, False, False)
         assert_equal(o, out[lo:hi])
         assert_equal(s, sf[lo // 128:cdiv(hi, 128)])
