@@ -49,6 +49,12 @@ KERNEL_MODULES = (
     "tilefuse.quant._norm_kernel",
     "tilefuse.quant._weight_sf_kernel",
     "tilefuse.quant._cast_and_cast_back_kernel",
+    "tilefuse.moe._topk_kernel",
+    "tilefuse.moe._top2_sum_gate_kernel",
+    "tilefuse.moe._moe_gate_kernel",
+    "tilefuse.moe._mapping_kernel",
+    "tilefuse.moe._shuffle_kernel",
+    "tilefuse.moe._count_kernel",
 )
 
 # Modules of TileLang helpers that kernels import: their source is part of every kernel's cache key.

@@ -1,6 +1,6 @@
 """CUDA dispatch of every MoE op (gpu tier): outputs live on the input's device and equal the CPU results.
 
-Until kernels exist CUDA tensors run the reference, so the comparison is exact except where CUDA's
+CUDA tensors run the kernels, CPU tensors the reference, so the comparison is exact except where CUDA's
 elementwise math (exp, softplus, sigmoid) may differ by an ulp from the CPU's: there, indices must
 agree and values are compared with a few-ulp tolerance.
 """

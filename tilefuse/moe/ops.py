@@ -1,5 +1,5 @@
-"""Public MoE routing ops (moe.md §2): validate on the host, then run the reference (CPU, and CUDA until
-kernels exist).
+"""Public MoE routing ops (moe.md §2): validate on the host, then run the TileLang kernel (CUDA tensors,
+``tilefuse/moe/_*_kernel.py``) or the reference (any other device).
 
 Host-side errors name the argument: ``TypeError`` for wrong types/dtypes, ``ValueError`` for shapes,
 values and devices. Conditions that need the data (moe.md's device-side assertions: non-finite logits,
@@ -14,6 +14,12 @@ import torch
 
 from tilefuse import _check, formats
 from tilefuse._registry import public
+from tilefuse.moe import _count_kernel as _CK
+from tilefuse.moe import _mapping_kernel as _MK
+from tilefuse.moe import _moe_gate_kernel as _GK
+from tilefuse.moe import _shuffle_kernel as _SH
+from tilefuse.moe import _top2_sum_gate_kernel as _SG
+from tilefuse.moe import _topk_kernel as _TK
 from tilefuse.reference import moe as ref
 
 __all__ = [
@@ -109,7 +115,7 @@ def _assert_gate_data(op: str, logits, checked_rows, fix_routing_mask, unmapped_
 # Top-k and gates
 # ----------------------------------------------------------------------------------------------------
 
-@public("moe")
+@public("moe", path="kernel")
 def topk_gate(scores: torch.Tensor, num_topk: int) -> torch.Tensor:
     """Indices (int64 (T, K)) of the K largest scores per row, descending, ties -> smaller index (§2.1).
 
@@ -118,10 +124,12 @@ def topk_gate(scores: torch.Tensor, num_topk: int) -> torch.Tensor:
     op = "topk_gate"
     _check.tensor(op, "scores", scores, dtype=FP32, ndim=2, contiguous=True)
     _check.integer(op, "num_topk", num_topk, min=1, max=scores.size(1))
+    if scores.is_cuda:
+        return _TK.topk_gate_cuda(scores, num_topk)
     return ref.stable_topk(scores, num_topk)
 
 
-@public("moe")
+@public("moe", path="kernel")
 def topk_sum_and_topk_group_idx(scores: torch.Tensor, num_topk_sum: int, num_topk_groups: int) -> torch.Tensor:
     """Best ``num_topk_groups`` groups per token ranked by the sum of their top-1/top-2 scores (§2.3)."""
     op = "topk_sum_and_topk_group_idx"
@@ -132,10 +140,12 @@ def topk_sum_and_topk_group_idx(scores: torch.Tensor, num_topk_sum: int, num_top
                         f"{tuple(scores.shape)}")
     _check.integer(op, "num_topk_sum", num_topk_sum, min=1, max=min(2, per_group))
     _check.integer(op, "num_topk_groups", num_topk_groups, min=1, max=groups)
+    if scores.is_cuda:
+        return _TK.topk_sum_and_topk_group_idx_cuda(scores, num_topk_sum, num_topk_groups)
     return ref.topk_sum_and_topk_group_idx(scores, num_topk_sum, num_topk_groups)
 
 
-@public("moe")
+@public("moe", path="kernel")
 def top2_sum_gate(logits, bias, num_topk, num_topk_groups, num_groups, use_shared_as_routed, num_shared_experts,
                   routed_scaling_factor, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks, scoring_func, mask=None,
                   fix_routing_mask=None, to_physical_map=None, logical_count=None, unmapped_topk_idx=None):
@@ -202,12 +212,17 @@ def top2_sum_gate(logits, bias, num_topk, num_topk_groups, num_groups, use_share
         return (torch.empty(0, num_topk + num_shared, dtype=INT64, device=device),
                 torch.empty(0, num_topk + num_shared, dtype=FP32, device=device))
     _assert_gate_data(op, logits, _row_flags(mask, rows, device), fix_routing_mask, unmapped_topk_idx, logical_count)
+    if logits.is_cuda:
+        return _SG.top2_sum_gate_cuda(logits, bias, num_topk, num_topk_groups, num_groups, use_shared_as_routed,
+                                      num_shared_experts, routed_scaling_factor, ep_rank, num_ep_ranks, tp_rank,
+                                      num_tp_ranks, scoring_func, mask, fix_routing_mask, to_physical_map,
+                                      logical_count, unmapped_topk_idx)
     return ref.top2_sum_gate(logits, bias, num_topk, num_topk_groups, num_groups, use_shared_as_routed,
                              num_shared_experts, routed_scaling_factor, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks,
                              scoring_func, mask, fix_routing_mask, to_physical_map, logical_count, unmapped_topk_idx)
 
 
-@public("moe")
+@public("moe", path="kernel")
 def moe_topk_gate_forward(logits, num_topk, use_shared_as_routed, num_shared_experts, routed_scaling_factor, ep_rank,
                           scoring_func="sqrtsoftplus", mask=None, bias=None, image_bias=None, image_token_mask=None,
                           fix_routing_mask=None, to_physical_map=None, logical_count=None, unmapped_topk_idx=None,
@@ -262,6 +277,11 @@ def moe_topk_gate_forward(logits, num_topk, use_shared_as_routed, num_shared_exp
             _assert_data(logical_count.to(INT64).sum() >= width, op,
                          f"force_random needs sum(logical_count) >= num_topk + num_shared_experts ({width})")
     _assert_gate_data(op, logits, checked, fix_routing_mask, unmapped_topk_idx, logical_count)
+    if logits.is_cuda:
+        return _GK.moe_topk_gate_forward_cuda(logits, num_topk, use_shared_as_routed, num_shared_experts,
+                                              routed_scaling_factor, ep_rank, scoring_func, mask, bias, image_bias,
+                                              image_token_mask, fix_routing_mask, to_physical_map, logical_count,
+                                              unmapped_topk_idx, out, force_random=force_random, scores=scores)
     return ref.moe_topk_gate_forward(logits, num_topk, use_shared_as_routed, num_shared_experts, routed_scaling_factor,
                                      ep_rank, scoring_func, mask, bias, image_bias, image_token_mask, fix_routing_mask,
                                      to_physical_map, logical_count, unmapped_topk_idx, out,
@@ -276,10 +296,10 @@ def moe_topk_gate(*args, **kwargs):
 
 moe_topk_gate.__name__ = moe_topk_gate.__qualname__ = "moe_topk_gate"
 moe_topk_gate.__doc__ = "Alias of moe_topk_gate_forward (moe.md §2.13)."
-public("moe")(moe_topk_gate)
+public("moe", path="kernel")(moe_topk_gate)
 
 
-@public("moe")
+@public("moe", path="kernel")
 def moe_topk_gate_backward(scores, topk_idx, topk_weights, grad_topk_weights, routed_scaling_factor,
                            scoring_func="sqrtsoftplus", mask=None, grad_scores_sum=None, out=None):
     """Gradient of the v2.1 gate's routed weights (and optional auxiliary term) w.r.t. the logits (§2.14).
@@ -315,15 +335,20 @@ def moe_topk_gate_backward(scores, topk_idx, topk_weights, grad_topk_weights, ro
     if rows == 0:
         return torch.empty(0, num_routed, dtype=FP32, device=device) if out is None else out
     _assert_data((topk_idx >= -1) & (topk_idx < num_routed), op, f"topk_idx must be -1 or in [0, {num_routed})")
+    if scores.is_cuda:
+        return _GK.moe_topk_gate_backward_cuda(scores, topk_idx, topk_weights, grad_topk_weights,
+                                               routed_scaling_factor, scoring_func, mask, grad_scores_sum, out)
     return ref.moe_topk_gate_backward(scores, topk_idx, topk_weights, grad_topk_weights, routed_scaling_factor,
                                       scoring_func, mask, grad_scores_sum, out)
 
 
-@public("moe")
+@public("moe", path="kernel")
 def normalize_weight(topk_weights: torch.Tensor):
     """``(denominator (T,), normalized (T, K))`` with the v1 denominator ``(((1e-20 + w0) + w1) + ...)`` (§2.4)."""
     op = "normalize_weight"
     _check.tensor(op, "topk_weights", topk_weights, dtype=FP32, ndim=2, contiguous=True)
+    if topk_weights.is_cuda:
+        return _TK.normalize_weight_cuda(topk_weights)
     return ref.normalize_weight(topk_weights)
 
 
@@ -331,7 +356,7 @@ def normalize_weight(topk_weights: torch.Tensor):
 # Fused layout
 # ----------------------------------------------------------------------------------------------------
 
-@public("moe")
+@public("moe", path="kernel")
 def get_fused_mapping(topk_idx: torch.Tensor, num_experts: int, num_expanded_tokens: int, alignment: int,
                       force_no_sync: bool = False, *, num_sms: int | None = None):
     """Expert-major fused layout of §1.5 / §2.5 as the 8-tuple ``(pos_to_expert, pos_to_token,
@@ -357,6 +382,8 @@ def get_fused_mapping(topk_idx: torch.Tensor, num_experts: int, num_expanded_tok
         needed = ((counts + alignment - 1) // alignment * alignment).sum()
         _assert_data(needed <= num_expanded_tokens, op,
                      f"num_expanded_tokens ({num_expanded_tokens}) must hold every aligned expert segment")
+    if topk_idx.is_cuda and num_sms is None:  # upstream's worker order (num_sms) stays on the reference
+        return _MK.get_fused_mapping_cuda(topk_idx, num_experts, num_expanded_tokens, alignment, force_no_sync)
     return ref.get_fused_mapping(topk_idx, num_experts, num_expanded_tokens, alignment, force_no_sync, num_sms=num_sms)
 
 
@@ -368,16 +395,18 @@ def _check_expand_maps(op: str, rows: int, token_topk_to_pos, pos_to_expert, dev
     _assert_data(token_topk_to_pos < size, op, f"token_topk_to_pos entries must be < len(pos_to_expert) = {size}")
 
 
-@public("moe")
+@public("moe", path="kernel")
 def expand_to_fused(x: torch.Tensor, token_topk_to_pos: torch.Tensor, pos_to_expert: torch.Tensor) -> torch.Tensor:
     """``(N, H)`` copy of x's rows to their fused positions; padding rows are zero (§2.6). Any dtype."""
     op = "expand_to_fused"
     _check.tensor(op, "x", x, ndim=2, contiguous=True)
     _check_expand_maps(op, x.size(0), token_topk_to_pos, pos_to_expert, x.device)
+    if x.is_cuda:
+        return _SH.expand_to_fused_cuda(x, token_topk_to_pos, pos_to_expert)
     return ref.expand_to_fused(x, token_topk_to_pos, pos_to_expert)
 
 
-@public("moe")
+@public("moe", path="kernel")
 def expand_to_fused_with_sf(x, num_per_channels: int, token_topk_to_pos: torch.Tensor, pos_to_expert: torch.Tensor,
                             use_tma_aligned_col_major_sf: bool = False):
     """expand_to_fused of a quantized pair ``(data, sf)`` -> ``(out (N, H), out_sf (N, H_sf))`` (§2.7).
@@ -400,11 +429,14 @@ def expand_to_fused_with_sf(x, num_per_channels: int, token_topk_to_pos: torch.T
     _check.expect(sf.dtype != INT32 or use_tma_aligned_col_major_sf, op,
                   "x[1] (packed UE8M0 int32 sf) requires use_tma_aligned_col_major_sf=True")
     _check_expand_maps(op, rows, token_topk_to_pos, pos_to_expert, data.device)
+    if data.is_cuda:
+        return _SH.expand_to_fused_with_sf_cuda((data, sf), num_per_channels, token_topk_to_pos, pos_to_expert,
+                                                use_tma_aligned_col_major_sf)
     return ref.expand_to_fused_with_sf((data, sf), num_per_channels, token_topk_to_pos, pos_to_expert,
                                        use_tma_aligned_col_major_sf)
 
 
-@public("moe")
+@public("moe", path="kernel")
 def reduce_fused(x, topk_weights, token_topk_to_pos, fp8_format: str = "", sf=None, out=None):
     """Combine fused rows to tokens (§2.8): ``out[t] = sf * sum_k w_k * x_sf[p_k] * x[p_k]`` as an fp32 FMA
     chain in slot order, skipping ``p_k = -1``; output in x's dtype, or e4m3 (saturating) with
@@ -435,6 +467,8 @@ def reduce_fused(x, topk_weights, token_topk_to_pos, fp8_format: str = "", sf=No
     out_dtype = torch.float8_e4m3fn if fp8_format == "e4m3" else data.dtype
     _check.optional(op, "out", out, dtype=out_dtype, shape=(rows, hidden), device=device)
     _assert_data(token_topk_to_pos < size, op, f"token_topk_to_pos entries must be < x rows ({size})")
+    if data.is_cuda:
+        return _SH.reduce_fused_cuda(x, topk_weights, token_topk_to_pos, fp8_format, sf, out)
     return ref.reduce_fused(x, topk_weights, token_topk_to_pos, fp8_format, sf, out=out)
 
 
@@ -442,39 +476,45 @@ def reduce_fused(x, topk_weights, token_topk_to_pos, fp8_format: str = "", sf=No
 # Counting utilities and EP/TP masking
 # ----------------------------------------------------------------------------------------------------
 
-@public("moe")
+@public("moe", path="kernel")
 def aux_fi(topk_idx: torch.Tensor, num_experts: int, num_aux_topk: int) -> torch.Tensor:
     """Per-expert load fraction ``f_e = c_e * E / (T * num_aux_topk)``, fp32 (E,) (§2.9)."""
     op = "aux_fi"
     _check.tensor(op, "topk_idx", topk_idx, dtype=INT64, ndim=2, contiguous=True)
     _check.integer(op, "num_experts", num_experts, min=1)
     _check.integer(op, "num_aux_topk", num_aux_topk, min=1)
+    if topk_idx.is_cuda:  # the kernel asserts the data rule on the device
+        return _CK.aux_fi_cuda(topk_idx, num_experts, num_aux_topk)
     _assert_data((topk_idx >= -1) & (topk_idx < num_experts), op, f"topk_idx entries must be in [-1, {num_experts})")
     return ref.aux_fi(topk_idx, num_experts, num_aux_topk)
 
 
-@public("moe")
+@public("moe", path="kernel")
 def group_count(group_idx: torch.Tensor, num_groups: int) -> torch.Tensor:
     """Number of entries equal to each group id, int32 (num_groups,) (§2.10)."""
     op = "group_count"
     _check.tensor(op, "group_idx", group_idx, dtype=INT64, ndim=2, contiguous=True)
     _check.integer(op, "num_groups", num_groups, min=1)
+    if group_idx.is_cuda:
+        return _CK.group_count_cuda(group_idx, num_groups)
     _assert_data((group_idx >= -1) & (group_idx < num_groups), op, f"group_idx entries must be in [-1, {num_groups})")
     return ref.group_count(group_idx, num_groups)
 
 
-@public("moe")
+@public("moe", path="kernel")
 def inplace_unique_group_indices(group_indices: torch.Tensor, num_groups: int) -> None:
     """In place: per row, repeated non-negative ids become -1 (first occurrence kept) (§2.11)."""
     op = "inplace_unique_group_indices"
     _check.tensor(op, "group_indices", group_indices, dtype=INT64, ndim=2, contiguous=True)
     _check.integer(op, "num_groups", num_groups, min=1, max=MAX_UNIQUE_GROUPS)
+    if group_indices.is_cuda:
+        return _CK.inplace_unique_group_indices_cuda(group_indices, num_groups)
     limit = formats.align(num_groups, 64)
     _assert_data(group_indices < limit, op, f"group_indices entries must be < align(num_groups, 64) = {limit}")
     ref.inplace_unique_group_indices(group_indices, num_groups)
 
 
-@public("moe")
+@public("moe", path="kernel")
 def mask_indices_by_tp(indices: torch.Tensor, n: int, num_ep_ranks: int, tp_rank: int,
                        num_tp_ranks: int) -> torch.Tensor:
     """Keep the experts of TP rank ``tp_rank`` renumbered densely, others -1; same dtype (§1.2, §2.12)."""
@@ -484,4 +524,6 @@ def mask_indices_by_tp(indices: torch.Tensor, n: int, num_ep_ranks: int, tp_rank
     _check.integer(op, "n", n, min=num_ep_ranks)
     _check.integer(op, "num_tp_ranks", num_tp_ranks, min=1)
     _check.integer(op, "tp_rank", tp_rank, min=0, max=num_tp_ranks - 1)
+    if indices.is_cuda:
+        return _CK.mask_indices_by_tp_cuda(indices, n, num_ep_ranks, tp_rank, num_tp_ranks)
     return ref.mask_indices_by_tp(indices, n, num_ep_ranks, tp_rank, num_tp_ranks)

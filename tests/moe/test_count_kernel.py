@@ -1,0 +1,331 @@
+"""Kernel tiers for aux_fi, group_count, inplace_unique_group_indices and mask_indices_by_tp (moe.md §1.2,
+§2.9-§2.12): compile (sm_90, no GPU), launcher bindings and fakes (CPU), and gpu (bit-exact vs the reference
+run on the same CUDA tensors)."""
+import pytest
+import torch
+
+from tilefuse import _jit, moe
+from tilefuse.moe import _count_kernel as K
+from tilefuse.reference import moe as ref
+from tilefuse.testing import assert_equal
+from tests.quant.kernel_binding import fake_jit
+
+TOKENS = (0, 1, 7, 4001, 8192)
+EXPERTS = (8, 72, 256, 384)
+TOPK = (1, 2, 6, 8)
+NAMES = ("moe_count_partial", "moe_count_finish", "moe_unique_group_indices", "moe_mask_indices_by_tp")
+
+
+def _configs():
+    return [(name, cfg) for name in NAMES for cfg in _jit._FACTORIES[name][1]()]
+
+
+# ------------------------------------------------------------------------------------------------- compile
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name,cfg", _configs(), ids=str)
+def test_builds_for_sm90(name, cfg):
+    src = _jit.compile_kernel(name, cfg, "sm_90", export=False).get_kernel_source()
+    assert "__global__" in src and "use_fast_math" not in src
+
+
+# --------------------------------------------------------------------------------------- launcher bindings
+
+@pytest.mark.compile
+@pytest.mark.parametrize("rows,k,bins", [(1, 1, 8), (7, 6, 72), (8192, 8, 256), (70000, 8, 384), (4001, 2, 8192)],
+                         ids=str)
+def test_count_launchers_bind_kernel_parameters(rows, k, bins, monkeypatch):
+    """Both passes of aux_fi and group_count get the flat entries, a (C, E) partial buffer with C within the
+    limits, and the output; the chunks cover every entry."""
+    calls = fake_jit(monkeypatch)
+    x = torch.randint(-1, bins, (rows, k))
+    K.aux_fi_launch(x, bins, k)
+    K.group_count_launch(x, bins)
+    assert [(c.name, c.cfg) for c in calls] == [("moe_count_partial", ()), ("moe_count_finish", ("fi",)),
+                                               ("moe_count_partial", ()), ("moe_count_finish", ("count",))]
+    for c in calls:
+        chunks = c.env["num_chunks"]
+        assert c.env["num_bins"] == bins and 1 <= chunks <= K.MAX_CHUNKS
+        assert chunks * bins <= max(K.PARTIAL_BUDGET, bins)
+        if c.name == "moe_count_partial":
+            assert c.env["num_entries"] == rows * k
+            span = -(-rows * k // chunks)
+            assert (chunks - 1) * span < rows * k <= chunks * span
+
+
+@pytest.mark.compile
+def test_launchers_bind_unique_and_mask(monkeypatch):
+    calls = fake_jit(monkeypatch)
+    g = torch.randint(-1, 72, (33, 6))
+    K.inplace_unique_group_indices_launch(g, 72)
+    for dtype in (torch.int64, torch.int32):
+        K.mask_indices_by_tp_launch(torch.randint(-1, 300, (33, 6), dtype=dtype), 256, 8, 1, 4)
+    assert [(c.name, c.cfg, c.env["num_tokens" if "unique" in c.name else "num_entries"]) for c in calls] == [
+        ("moe_unique_group_indices", (6,), 33), ("moe_mask_indices_by_tp", ("int64",), 198),
+        ("moe_mask_indices_by_tp", ("int32",), 198)]
+
+
+def test_empty_inputs_launch_nothing(monkeypatch):
+    calls = fake_jit(monkeypatch)
+    for k in (0, 6):
+        x = torch.empty(0 if k else 5, k, dtype=torch.int64)
+        assert K.aux_fi_launch(x, 9, 2).tolist() == [0.0] * 9
+        assert K.group_count_launch(x, 9).tolist() == [0] * 9
+        assert K.inplace_unique_group_indices_launch(x, 9) is None
+        assert K.mask_indices_by_tp_launch(x, 8, 4, 0, 2).shape == x.shape
+    assert calls == []
+
+
+def test_unsupported_sizes_take_the_reference(monkeypatch):
+    """E beyond the shared histogram, K beyond the unrolled row, P * num_tp_ranks >= 2^31: the reference."""
+    calls = fake_jit(monkeypatch)
+    x = torch.randint(-1, K.MAX_BINS + 5, (5, 3))
+    assert torch.equal(K.group_count_launch(x, K.MAX_BINS + 5), ref.group_count(x, K.MAX_BINS + 5))
+    assert torch.equal(K.aux_fi_launch(x, K.MAX_BINS + 5, 3), ref.aux_fi(x, K.MAX_BINS + 5, 3))
+    g = torch.randint(-1, 8, (4, K.MAX_UNIQUE_K + 1))
+    want = g.clone()
+    ref.inplace_unique_group_indices(want, 8)
+    K.inplace_unique_group_indices_launch(g, 8)
+    assert torch.equal(g, want)
+    v = torch.randint(-1, 2 ** 40, (4, 3))
+    assert torch.equal(K.mask_indices_by_tp_launch(v, 2 ** 33, 4, 1, 2), ref.mask_indices_by_tp(v, 2 ** 33, 4, 1, 2))
+    assert calls == []
+
+
+def test_reference_fallbacks_check_the_data_rule():
+    """The fallbacks assert the ops' data rules as the kernels do on the device (RuntimeError on the CPU)."""
+    bins = K.MAX_BINS + 5
+    with pytest.raises(RuntimeError, match="topk_idx"):
+        K.aux_fi_launch(torch.tensor([[0, bins]]), bins, 2)
+    with pytest.raises(RuntimeError, match="group_idx"):
+        K.group_count_launch(torch.tensor([[-2, 0]]), bins)
+    with pytest.raises(RuntimeError, match="group_indices"):
+        K.inplace_unique_group_indices_launch(torch.full((1, K.MAX_UNIQUE_K + 1), 64), 8)
+
+
+def test_fakes_give_shapes_and_dtypes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(7, 6, dtype=torch.int64)
+        f = torch.ops.tilefuse.aux_fi.default(x, 72, 6)
+        c = torch.ops.tilefuse.group_count.default(x, 72)
+        m = torch.ops.tilefuse.mask_indices_by_tp.default(x.int(), 256, 8, 0, 2)
+        assert torch.ops.tilefuse.inplace_unique_group_indices.default(x, 72) is None
+    assert (f.shape, f.dtype) == ((72,), torch.float32)
+    assert (c.shape, c.dtype) == ((72,), torch.int32)
+    assert (m.shape, m.dtype) == ((7, 6), torch.int32)
+    arg = torch.ops.tilefuse.inplace_unique_group_indices.default._schema.arguments[0]
+    assert arg.name == "group_indices" and arg.alias_info.is_write     # declared as written in place
+
+
+# ----------------------------------------------------------------------------------------------------- gpu
+
+def _poison():
+    """Fill the caching allocator's free memory with 0xFF so unwritten output elements show."""
+    free = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    free.fill_(0xFF)
+    del free
+
+
+def _topk_idx(rows, k, experts, hot=False):
+    """int64 (rows, k) in [-1, E): about a quarter -1; ``hot``: most entries on one expert (contention)."""
+    x = torch.randint(0, experts, (rows, k), device="cuda")
+    x = torch.where(torch.rand(rows, k, device="cuda") < 0.25, -1, x)
+    if hot:
+        x = torch.where(torch.rand(rows, k, device="cuda") < 0.9, experts - 1, x)
+    return x.contiguous()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("experts", EXPERTS)
+@pytest.mark.parametrize("rows", TOKENS)
+def test_counts_match_reference(rows, experts):
+    for k in TOPK:
+        for hot in (False, True):
+            x = _topk_idx(rows, k, experts, hot)
+            for aux in sorted({1, k}):
+                _poison()
+                assert_equal(K.aux_fi_cuda(x, experts, aux), ref.aux_fi(x, experts, aux))
+            _poison()
+            assert_equal(K.group_count_cuda(x, experts), ref.group_count(x, experts))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,k,experts", [(70001, 8, 256), (3, 5, 1), (4001, 6, K.MAX_BINS), (200000, 8, 33),
+                                            (9, 7, K.MAX_BINS + 1)], ids=str)
+def test_counts_sizes_beyond_one_round(rows, k, experts):
+    """Chunks of several rounds (large T), a single expert, the largest histogram and the reference fallback."""
+    x = _topk_idx(rows, k, experts)
+    _poison()
+    assert_equal(K.group_count_cuda(x, experts), ref.group_count(x, experts))
+    assert_equal(K.aux_fi_cuda(x, experts, k), ref.aux_fi(x, experts, k))
+
+
+@pytest.mark.gpu
+def test_counts_all_minus_one_and_strided_slices():
+    x = torch.full((4001, 8), -1, dtype=torch.int64, device="cuda")
+    assert_equal(K.group_count_cuda(x, 256), torch.zeros(256, dtype=torch.int32, device="cuda"))
+    assert_equal(K.aux_fi_cuda(x, 256, 8), torch.zeros(256, device="cuda"))
+    y = _topk_idx(4001, 7, 72)[5:]  # a contiguous view at an odd 8-byte offset
+    assert_equal(K.group_count_cuda(y, 72), ref.group_count(y, 72))
+    assert_equal(K.aux_fi_cuda(y, 72, 7), ref.aux_fi(y, 72, 7))
+
+
+@pytest.mark.gpu
+def test_counts_deterministic_and_split_invariant():
+    """Two runs equal; the counts of a batch are the sums of the counts of its parts (any chunking)."""
+    x = _topk_idx(8192, 8, 256)
+    a, b = K.group_count_cuda(x, 256), K.group_count_cuda(x, 256)
+    assert_equal(a, b)
+    assert_equal(K.aux_fi_cuda(x, 256, 8), K.aux_fi_cuda(x, 256, 8))
+    for cut in (1, 4000, 8191):
+        assert_equal(K.group_count_cuda(x[:cut], 256) + K.group_count_cuda(x[cut:], 256), a)
+
+
+def _groups(rows, k, num_groups, below=False):
+    """int64 (rows, k) group ids with many repeats per row, -1 entries, values in [G, align(G, 64)) and, with
+    ``below``, values < -1."""
+    limit = -(-num_groups // 64) * 64
+    g = torch.randint(0, min(num_groups, 5), (rows, k), device="cuda")
+    wide = torch.randint(0, limit, (rows, k), device="cuda")
+    pick = torch.rand(rows, k, device="cuda")
+    g = torch.where(pick < 0.5, wide, g)
+    g = torch.where(pick > 0.85, -1, g)
+    if below:
+        g = torch.where(pick > 0.95, torch.randint(-4, -1, (rows, k), device="cuda"), g)
+    return g.contiguous()
+
+
+def _unique_expected(g, num_groups):
+    """The kernel's semantics (moe.md §2.11): the reference, with values < -1 left as they are."""
+    low = g < -1
+    want = torch.where(low, -1, g)
+    ref.inplace_unique_group_indices(want, num_groups)
+    return torch.where(low, g, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_groups", (8, 16, 72, 128))
+@pytest.mark.parametrize("rows", TOKENS)
+def test_unique_matches_reference(rows, num_groups):
+    for k in TOPK:
+        g = _groups(rows, k, num_groups)
+        want = g.clone()
+        ref.inplace_unique_group_indices(want, num_groups)
+        assert K.inplace_unique_group_indices_cuda(g, num_groups) is None
+        assert_equal(g, want)
+        h = _groups(rows, k, num_groups, below=True)
+        want = _unique_expected(h, num_groups)
+        K.inplace_unique_group_indices_cuda(h, num_groups)
+        assert_equal(h, want)
+
+
+@pytest.mark.gpu
+def test_unique_spec_example_wide_rows_and_batch_invariance():
+    g = torch.tensor([[3, 3, -1, -1, -2, -2, 70, 70]], device="cuda")
+    K.inplace_unique_group_indices_cuda(g, 72)
+    assert g.tolist() == [[3, -1, -1, -1, -2, -2, 70, -1]]
+    for k in (3, 16, K.MAX_UNIQUE_K):  # K outside the registered configs compiles on first use
+        h = _groups(777, k, 128)
+        want = h.clone()
+        ref.inplace_unique_group_indices(want, 128)
+        K.inplace_unique_group_indices_cuda(h, 128)
+        assert_equal(h, want)
+    big = _groups(8192, 8, 72)
+    whole = big.clone()
+    K.inplace_unique_group_indices_cuda(whole, 72)
+    again = big.clone()
+    K.inplace_unique_group_indices_cuda(again, 72)
+    assert_equal(again, whole)
+    for lo, hi in ((0, 1), (4000, 4007), (8191, 8192)):
+        part = big[lo:hi].clone()
+        K.inplace_unique_group_indices_cuda(part, 72)
+        assert_equal(part, whole[lo:hi])
+
+
+def _tp_values(shape, n, dtype):
+    """Values in [-5, n + 40), plus extremes of the dtype and (int64) values beyond 2^31."""
+    v = torch.randint(-5, n + 40, shape, device="cuda", dtype=dtype)
+    info = torch.iinfo(dtype)
+    extremes = [info.min, -2, info.max, info.max - 1, 2 ** 31 - 1]
+    if dtype == torch.int64:
+        extremes += [2 ** 31, 2 ** 31 + 37, 3 * 2 ** 40 + 5]
+    flat = v.view(-1)
+    count = min(len(extremes), flat.numel())
+    flat[:count] = torch.tensor(extremes[:count], dtype=dtype, device="cuda")
+    return v
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", (torch.int64, torch.int32), ids=str)
+@pytest.mark.parametrize("rows", TOKENS)
+def test_mask_indices_by_tp_matches_reference(rows, dtype):
+    for k, (n, ranks) in zip(TOPK, ((256, 8), (72, 9), (384, 4), (8, 8))):
+        v = _tp_values((rows, k), n, dtype)
+        for num_tp in (1, 2, 3, 4, 8):
+            for tp in sorted({0, num_tp - 1, num_tp // 2}):
+                _poison()
+                assert_equal(K.mask_indices_by_tp_cuda(v, n, ranks, tp, num_tp),
+                             ref.mask_indices_by_tp(v, n, ranks, tp, num_tp))
+
+
+@pytest.mark.gpu
+def test_mask_indices_by_tp_deterministic_and_batch_invariant():
+    v = _tp_values((8192, 8), 256, torch.int64)
+    whole = K.mask_indices_by_tp_cuda(v, 256, 8, 1, 4)
+    assert_equal(K.mask_indices_by_tp_cuda(v, 256, 8, 1, 4), whole)
+    for lo, hi in ((0, 1), (4000, 4007), (8191, 8192)):
+        assert_equal(K.mask_indices_by_tp_cuda(v[lo:hi], 256, 8, 1, 4), whole[lo:hi])
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_equals_eager():
+    x = _topk_idx(4001, 8, 256)
+    g0 = _groups(4001, 8, 72)
+    v = _tp_values((4001, 8), 256, torch.int32)
+
+    def run(g):
+        return (K.aux_fi_cuda(x, 256, 8), K.group_count_cuda(x, 256), K.mask_indices_by_tp_cuda(v, 256, 8, 1, 2),
+                K.inplace_unique_group_indices_cuda(g, 72))
+
+    eager_g = g0.clone()
+    eager = run(eager_g)[:3]
+    run(g0.clone())  # every kernel loaded before capture
+    torch.cuda.synchronize()
+    g = g0.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run(g)[:3]
+    for t in captured:
+        t.fill_(-7)
+    g.copy_(g0)
+    graph.replay()
+    torch.cuda.synchronize()
+    for c, e in zip(captured, eager):
+        assert_equal(c, e)
+    assert_equal(g, eager_g)
+
+
+@pytest.mark.gpu
+def test_torch_compile_equals_eager():
+    x = _topk_idx(4001, 8, 256)
+    v = _tp_values((4001, 6), 256, torch.int64)
+    g0 = _groups(4001, 8, 72)
+
+    def f_kernel(x, v, g):
+        K.inplace_unique_group_indices_cuda(g, 72)
+        return K.aux_fi_cuda(x, 256, 8), K.group_count_cuda(x, 256), K.mask_indices_by_tp_cuda(v, 256, 8, 1, 2)
+
+    def f_public(x, v, g):
+        moe.inplace_unique_group_indices(g, 72)
+        return moe.aux_fi(x, 256, 8), moe.group_count(x, 256), moe.mask_indices_by_tp(v, 256, 8, 1, 2)
+
+    want_g = g0.clone()
+    want = f_kernel(x, v, want_g)
+    for f in (f_kernel, f_public):
+        g = g0.clone()
+        got = torch.compile(f, fullgraph=True)(x, v, g)
+        for a, b in zip(got, want):
+            assert_equal(a, b)
+        assert_equal(g, want_g)

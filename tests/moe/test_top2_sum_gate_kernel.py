@@ -1,0 +1,292 @@
+"""Kernel tiers for the v1 routing gate top2_sum_gate (moe.md §2.2): compile (sm_90, no GPU), launcher binding
+and fallbacks (CPU), and gpu (bit-exact against the reference run on the same CUDA tensors)."""
+import pytest
+import torch
+
+from tilefuse import _jit, moe
+from tilefuse.moe import _top2_sum_gate_kernel as K
+from tilefuse.reference import moe as ref
+from tests.quant.kernel_binding import fake_jit
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+TOKENS = (1, 7, 4001)
+# (E, K, num_groups, num_topk_groups) of the plain configs in K.test_configs()
+SHAPES = ((8, 1, 0, 0), (72, 6, 0, 0), (256, 8, 8, 4), (384, 2, 0, 0), (384, 8, 12, 4))
+SCORINGS = ("sigmoid", "sqrtsoftplus", "softmax")
+# (E, K, G, TG, S, scoring, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks, map columns) with every optional
+# input; each maps to a config of K.test_configs()
+OPTION_CASES = (
+    (72, 6, 4, 4, 2, "sigmoid", 3, 2, 1, 2, 3),           # G == TG: no group restriction
+    (72, 6, 0, 0, 2, "softmax", 2**31 - 7, 1, 0, 1, 4),  # ep_rank + t * 23333 wraps in int32
+    (256, 8, 8, 4, 2, "sigmoid", 5, 4, 1, 2, 4),
+    (256, 8, 8, 4, 2, "softmax", 0, 3, 2, 3, 3),
+    (16, 4, 4, 2, 2, "sqrtsoftplus", 7, 3, 0, 3, 5),
+)
+POISON_F = float("nan")
+POISON_I = -(2**62)
+
+
+def call_args(E, k, G, TG, S, scoring, ep=0, nep=1, tp=0, ntp=1):
+    return (k, TG, G, S > 0, S, 1.5, ep, nep, tp, ntp, scoring)
+
+
+# ------------------------------------------------------------------------------------------------ compile
+
+@pytest.mark.compile
+@pytest.mark.parametrize("cfg", K._configs(), ids=str)
+def test_builds_for_sm90(cfg):
+    src = _jit.compile_kernel("top2_sum_gate", cfg, "sm_90", export=False).get_kernel_source()
+    assert "__global__" in src and "use_fast_math" not in src
+    assert "__expf" not in src and "__fdividef" not in src          # IEEE expf and division, as PyTorch's
+
+
+def test_every_test_call_has_a_registered_config():
+    cfgs = set(K._configs())
+    for E, k, G, TG in SHAPES:
+        for sc in SCORINGS:
+            assert K.gate_config(torch.empty(1, E), k, TG, G, 0, sc, None, None, None, None) in cfgs
+    t = torch.empty(1, 1)
+    for E, k, G, TG, S, sc, *_ in OPTION_CASES:
+        assert K.gate_config(torch.empty(1, E), k, TG, G, S, sc, t, t, t, t) in cfgs
+    assert (256, 8, 8, 4, 0, "sigmoid", False, False, False, False) in cfgs   # the bench
+    assert (256, 8, 8, 4, 0, "sqrtsoftplus", False, False, False, False) in cfgs
+
+
+# ------------------------------------------------------------------------------- launcher (CPU tensors)
+
+def make_inputs(E, k, G, TG, S, rows, device="cpu", d=3, options=True, ties=False):
+    """Random logits / bias and, with ``options``, a mask, fixed routes (duplicates allowed), a row-strided
+    unmapped_topk_idx and a physical map with -1 entries, ids past the physical range and counts past D."""
+    if ties:  # few distinct values: ties in scores, rankings and group sums
+        logits = torch.randint(-3, 4, (rows, E), device=device).float() * 0.5
+        bias = torch.randint(-1, 2, (E,), device=device).float() * 0.25
+    else:
+        logits = torch.randn(rows, E, device=device) * 2
+        bias = torch.randn(E, device=device) * 0.1
+    extra = {}
+    if options:
+        mask = torch.rand(rows, device=device) > 0.2
+        logits[~mask] = float("nan")                                          # masked rows are never read
+        fix = torch.rand(rows, device=device) > 0.7
+        store = torch.full((rows, k + 3), -5, dtype=torch.int64, device=device)
+        unmapped = store[:, :k]
+        unmapped[fix] = torch.randint(0, E, (int(fix.sum()), k), device=device)
+        pmap = torch.randint(-1, E + d + 2, (E + S, d), dtype=torch.int32, device=device)
+        count = torch.randint(1, d + 2, (E + S,), dtype=torch.int32, device=device)
+        extra = dict(mask=mask, fix_routing_mask=fix, to_physical_map=pmap, logical_count=count,
+                     unmapped_topk_idx=unmapped)
+    return logits, bias, extra
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("case", OPTION_CASES, ids=str)
+def test_launcher_binds_kernel_parameters(case, monkeypatch):
+    E, k, G, TG, S, sc, ep, nep, tp, ntp, d = case
+    logits, bias, extra = make_inputs(E, k, G, TG, S, 9, d=d)
+    calls = fake_jit(monkeypatch)
+    idx, w = K.top2_sum_gate_launch(logits, bias, *call_args(E, k, G, TG, S, sc, ep, nep, tp, ntp), **extra)
+    assert idx.shape == w.shape == (9, k + S) and idx.dtype == torch.int64 and w.dtype == torch.float32
+    (call,) = calls
+    assert call.cfg in K._configs()
+    assert call.env["num_tokens"] == 9 and call.env["unmapped_stride"] == k + 3
+    assert call.env["map_rows"] == E + S and call.env["map_cols"] == d
+
+
+@pytest.mark.compile
+def test_launcher_binds_without_options_and_skips_empty(monkeypatch):
+    calls = fake_jit(monkeypatch)
+    logits, bias, _ = make_inputs(256, 8, 8, 4, 0, 5, options=False)
+    K.top2_sum_gate_launch(logits, bias, *call_args(256, 8, 8, 4, 0, "sqrtsoftplus"))
+    idx, w = K.top2_sum_gate_launch(logits[:0], bias, *call_args(256, 8, 8, 4, 0, "sqrtsoftplus"))
+    assert [c.cfg for c in calls] == [(256, 8, 8, 4, 0, "sqrtsoftplus", False, False, False, False)]
+    assert idx.shape == w.shape == (0, 8)
+
+
+def test_unsupported_configs_run_the_reference(monkeypatch):
+    """E > MAX_EXPERTS and num_tp_ranks * P >= 2^31 fall back to the reference (no kernel launch)."""
+    monkeypatch.setattr(_jit, "get", lambda *a: pytest.fail("launched an unsupported config"))
+    E = K.MAX_EXPERTS + 4
+    logits, bias, _ = make_inputs(E, 3, 0, 0, 0, 6, options=False)
+    got = K.top2_sum_gate_launch(logits, bias, *call_args(E, 3, 0, 0, 0, "sigmoid"))
+    want = ref.top2_sum_gate(logits, bias, *call_args(E, 3, 0, 0, 0, "sigmoid"))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    logits, bias, _ = make_inputs(16, 2, 0, 0, 0, 6, options=False)
+    args = call_args(16, 2, 0, 0, 0, "sigmoid", tp=1, ntp=2**28)
+    got = K.top2_sum_gate_launch(logits, bias, *args)
+    want = ref.top2_sum_gate(logits, bias, *args)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert not K.supported((8, 2, 8, 4, 0, "sigmoid", False, False, False, False))   # one expert per group
+    assert K.supported((384, 8, 12, 4, 0, "softmax", False, False, False, False))
+
+
+def test_fake_shapes_cpu():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        logits, bias = torch.empty(5, 72), torch.empty(72)
+        idx, w = torch.ops.tilefuse.top2_sum_gate.default(logits, bias, 6, 0, 0, True, 2, 1.0, 0, 1, 0, 1,
+                                                          "sigmoid", None, None, None, None, None)
+    assert idx.shape == w.shape == (5, 8) and idx.dtype == torch.int64 and w.dtype == torch.float32
+
+
+# ---------------------------------------------------------------------------------------------------- gpu
+
+def poison(monkeypatch):
+    """Kernel outputs start as NaN / a huge negative index, so unwritten elements show."""
+    def new_output(shape, dtype, device):
+        return torch.full(shape, POISON_F if dtype.is_floating_point else POISON_I, dtype=dtype, device=device)
+
+    monkeypatch.setattr(K, "_new_output", new_output)
+
+
+def run_both(logits, bias, args, extra):
+    """(kernel idx, weights, unmapped), (reference idx, weights, unmapped) on the same inputs."""
+    ex_k = dict(extra)
+    ex_r = dict(extra)
+    if "unmapped_topk_idx" in extra:
+        ex_r["unmapped_topk_idx"] = extra["unmapped_topk_idx"].clone()
+    got = K.top2_sum_gate_cuda(logits, bias, *args, **ex_k)
+    want = ref.top2_sum_gate(logits, bias, *args, **ex_r)
+    return (*got, ex_k.get("unmapped_topk_idx")), (*want, ex_r.get("unmapped_topk_idx"))
+
+
+def assert_same(got, want):
+    for g, w in zip(got, want):
+        if w is None:
+            assert g is None
+            continue
+        assert g.dtype == w.dtype and g.shape == w.shape
+        if not torch.equal(g, w):
+            bad = (g != w).nonzero()[:5].tolist()
+            raise AssertionError(f"mismatch at {bad}: got {[g[tuple(b)].item() for b in bad]}, "
+                                 f"want {[w[tuple(b)].item() for b in bad]}")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", TOKENS)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("scoring", SCORINGS)
+def test_matches_reference_gpu(scoring, shape, rows, monkeypatch):
+    poison(monkeypatch)
+    E, k, G, TG = shape
+    logits, bias, _ = make_inputs(E, k, G, TG, 0, rows, "cuda", options=False)
+    assert_same(*run_both(logits, bias, call_args(E, k, G, TG, 0, scoring), {}))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ((72, 6, 0, 0), (256, 8, 8, 4), (384, 8, 12, 4)), ids=str)
+@pytest.mark.parametrize("scoring", SCORINGS)
+def test_ties_gpu(scoring, shape, monkeypatch):
+    """Few distinct logits and bias values: ties in scores, group sums and rankings (smaller index wins)."""
+    poison(monkeypatch)
+    E, k, G, TG = shape
+    logits, bias, _ = make_inputs(E, k, G, TG, 0, 4001, "cuda", options=False, ties=True)
+    assert_same(*run_both(logits, bias, call_args(E, k, G, TG, 0, scoring), {}))
+    zeros = torch.zeros(64, E, device="cuda")                                  # all equal: experts 0..K-1
+    idx, _ = K.top2_sum_gate_cuda(zeros, torch.zeros(E, device="cuda"), *call_args(E, k, G, TG, 0, scoring))
+    assert torch.equal(idx, ref.top2_sum_gate(zeros, torch.zeros(E, device="cuda"),
+                                              *call_args(E, k, G, TG, 0, scoring))[0])
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", (1, 7, 4001, 8192))
+@pytest.mark.parametrize("case", OPTION_CASES, ids=str)
+def test_all_options_gpu(case, rows, monkeypatch):
+    """Mask, fixed routes with duplicates, row-strided unmapped_topk_idx, shared slots, physical map (with -1
+    and out-of-range ids, counts past D), EP/TP renumbering."""
+    poison(monkeypatch)
+    E, k, G, TG, S, sc, ep, nep, tp, ntp, d = case
+    logits, bias, extra = make_inputs(E, k, G, TG, S, rows, "cuda", d=d)
+    got, want = run_both(logits, bias, call_args(E, k, G, TG, S, sc, ep, nep, tp, ntp), extra)
+    assert_same(got, want)
+    assert torch.equal(extra["unmapped_topk_idx"].base[:, k:], torch.full((rows, 3), -5, device="cuda"))
+
+
+@gpu
+@pytest.mark.gpu
+def test_unmapped_only_gpu(monkeypatch):
+    poison(monkeypatch)
+    logits, bias, _ = make_inputs(256, 6, 0, 0, 0, 4001, "cuda", options=False)
+    store = torch.full((4001, 9), -5, dtype=torch.int64, device="cuda")
+    got, want = run_both(logits, bias, call_args(256, 6, 0, 0, 0, "sqrtsoftplus"),
+                         {"unmapped_topk_idx": store[:, :6]})
+    assert_same(got, want)
+    assert torch.equal(got[2], got[0]) and (store[:, 6:] == -5).all()
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("scoring", ("sigmoid", "sqrtsoftplus"))
+def test_bench_shape_gpu(scoring, monkeypatch):
+    poison(monkeypatch)
+    logits, bias, _ = make_inputs(256, 8, 8, 4, 0, 8192, "cuda", options=False)
+    assert_same(*run_both(logits, bias, call_args(256, 8, 8, 4, 0, scoring), {}))
+
+
+@gpu
+@pytest.mark.gpu
+def test_zero_tokens_gpu():
+    logits = torch.empty(0, 256, device="cuda")
+    idx, w = K.top2_sum_gate_cuda(logits, torch.zeros(256, device="cuda"), *call_args(256, 8, 8, 4, 0, "sigmoid"))
+    assert idx.shape == w.shape == (0, 8) and idx.device.type == "cuda"
+
+
+@gpu
+@pytest.mark.gpu
+def test_deterministic_and_batch_invariant_gpu():
+    logits, bias, _ = make_inputs(256, 8, 8, 4, 0, 4001, "cuda", options=False)
+    args = call_args(256, 8, 8, 4, 0, "sqrtsoftplus")
+    a = K.top2_sum_gate_cuda(logits, bias, *args)
+    b = K.top2_sum_gate_cuda(logits, bias, *args)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    for lo, hi in ((0, 1), (1000, 1007), (3990, 4001)):
+        part = K.top2_sum_gate_cuda(logits[lo:hi].clone(), bias, *args)
+        assert torch.equal(part[0], a[0][lo:hi]) and torch.equal(part[1], a[1][lo:hi])
+
+
+@gpu
+@pytest.mark.gpu
+def test_cuda_graph_replay_gpu():
+    E, k, G, TG, S, sc, ep, nep, tp, ntp, d = OPTION_CASES[2]
+    logits, bias, extra = make_inputs(E, k, G, TG, S, 777, "cuda", d=d)
+    args = call_args(E, k, G, TG, S, sc, ep, nep, tp, ntp)
+    K.top2_sum_gate_cuda(logits, bias, *args, **{**extra, "unmapped_topk_idx": extra["unmapped_topk_idx"].clone()})
+    given = extra["unmapped_topk_idx"].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        idx, w = K.top2_sum_gate_cuda(logits, bias, *args, **extra)
+    new_logits, new_bias, _ = make_inputs(E, k, G, TG, S, 777, "cuda", options=False)
+    logits.copy_(torch.where(extra["mask"][:, None], new_logits, logits))
+    bias.copy_(new_bias)
+    extra["unmapped_topk_idx"].copy_(given)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = ref.top2_sum_gate(logits, bias, *args, **{**extra, "unmapped_topk_idx": given})
+    assert_same((idx, w, extra["unmapped_topk_idx"]), (*want, given))
+
+
+@gpu
+@pytest.mark.gpu
+def test_torch_compile_fullgraph_gpu():
+    E, k, G, TG, S, sc, ep, nep, tp, ntp, d = OPTION_CASES[3]
+    logits, bias, extra = make_inputs(E, k, G, TG, S, 301, "cuda", d=d)
+    args = call_args(E, k, G, TG, S, sc, ep, nep, tp, ntp)
+    given = extra["unmapped_topk_idx"].clone()
+    want = ref.top2_sum_gate(logits, bias, *args, **{**extra, "unmapped_topk_idx": given})
+
+    def gate(x, b, m, f, pm, pc, u):
+        return K.top2_sum_gate_cuda(x, b, *args, m, f, pm, pc, u)
+
+    def public(x, b, m, f, pm, pc, u):
+        return moe.top2_sum_gate(x, b, *args, m, f, pm, pc, u)
+
+    for fn in (gate, public):
+        torch._dynamo.reset()
+        u = extra["unmapped_topk_idx"].clone()
+        u[~extra["fix_routing_mask"]] = -5
+        got = torch.compile(fn, fullgraph=True)(logits, bias, extra["mask"], extra["fix_routing_mask"],
+                                                extra["to_physical_map"], extra["logical_count"], u)
+        assert_same((*got, u), (*want, given))

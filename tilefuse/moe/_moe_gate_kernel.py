@@ -1,0 +1,646 @@
+"""TileLang kernels of the v2.1 gate: ``moe_topk_gate_forward`` (moe.md §2.13) and ``moe_topk_gate_backward``
+(§2.14).
+
+One warp per token, 4 tokens per 128-thread CTA, the token count symbolic. Lane ``l`` holds the experts
+``c * 128 + 4 l + j`` (chunk ``c``, ``j < 4``: one 16-byte load per chunk), so a row of up to 384 experts
+lives in at most 12 registers per lane and every per-token reduction is a warp shuffle.
+
+Forward, per token (warp-uniform branches): masked -> -1 / 0 rows; force-random -> the cuRAND Philox4x32-10
+draw of §2.13 step 2 (the counter-based generator evaluated in-kernel) and its minimum-lane de-duplication;
+otherwise sqrt-softplus scores ``sqrtf(x > 20 ? x : log1pf(expf(x)))`` (PyTorch's ``F.softplus(x).sqrt()``
+on CUDA, IEEE operations), the ranking ``u + bias`` (image bias per token), top-k by K rounds of a warp
+arg-max over 64-bit keys (ordered float bits, then the smaller index: a stable descending sort), or the
+caller's fixed routes; weights ``u / (butterfly32(u) + 1e-20) * rho`` with the reference's XOR-butterfly
+order; S shared slots of weight 1; replica choice ``map[l, (ep_rank + 23333 t) mod count[l]]`` with the
+int32 wrap of the reference. Every floating-point step is an explicit round-to-nearest intrinsic, so
+nvcc's FMA contraction cannot change a result: bit-identical to ``tilefuse.reference.moe``.
+
+Backward, per token: fp64 throughout like the reference, in the reference's summation order. PyTorch's
+CUDA ``sum`` over a row of n contiguous values (``Reduce.cuh``; the row count >= 16) is modelled as:
+block width ``bw = min(last_pow2(n'), 32)`` with ``n' = n / 4`` when vectorised (n > 128) else n; thread
+``x < bw`` folds its strided inputs into 4 accumulators (``(v0 + v1) + v2) + v3``), then a shuffle-down
+tree with offsets 1, 2, ..., bw / 2. The K-slot sums use it with n = K (the order is then the same for
+every row count); the auxiliary term's expert sums with n = E_r. Duplicated slots accumulate in slot order.
+"""
+
+import torch
+
+from tilefuse import _jit, _ops
+
+_WARPS = 4                       # tokens per CTA (one warp each)
+_EPS = 1e-20                     # weight-denominator epsilon (§2.13 step 6, §2.14)
+_REPLICA_STRIDE = 23333          # replica choice (§2.13 step 9)
+_FLAGS = ("bias", "fix", "image", "map", "mask", "random", "scores", "unmapped")   # forward's optional inputs
+
+_HELPERS = r"""
+#define TFG_FULL 0xffffffffu
+__device__ __forceinline__ float tfg_ssp(float x) {            // sqrt(softplus(x)), threshold 20, IEEE
+  float s = x > 20.0f ? x : log1pf(expf(x));
+  return __fsqrt_rn(s);
+}
+__device__ __forceinline__ long long tfg_key(float r, int e) {  // larger key: larger r, then smaller e
+  int b = __float_as_int(r);
+  b = b >= 0 ? b : (b ^ 0x7fffffff);
+  return (long long)b * 4294967296ll + (long long)(0xffff - e);
+}
+__device__ __forceinline__ int tfg_key_index(long long k) { return 0xffff - (int)(k & 0xffff); }
+__device__ __forceinline__ long long tfg_warp_max64(long long v) {
+  for (int o = 16; o > 0; o >>= 1) { long long w = __shfl_xor_sync(TFG_FULL, v, o); v = w > v ? w : v; }
+  return v;
+}
+__device__ __forceinline__ long long tfg_warp_sum64(long long v) {   // integer: any order
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(TFG_FULL, v, o);
+  return v;
+}
+__device__ __forceinline__ float tfg_butterfly32(float v) {     // lane l adds lane l ^ o, o = 16 .. 1
+  for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(TFG_FULL, v, o));
+  return v;
+}
+__device__ __forceinline__ float tfg_shfl_f32(float v, int src) { return __shfl_sync(TFG_FULL, v, src); }
+__device__ __forceinline__ int tfg_shfl_i32(int v, int src) { return __shfl_sync(TFG_FULL, v, src); }
+__device__ __forceinline__ double tfg_shfl_f64(double v, int src) { return __shfl_sync(TFG_FULL, v, src); }
+__device__ __forceinline__ double tfg_shfl_down_f64(double v, int o) { return __shfl_down_sync(TFG_FULL, v, o); }
+// torch's block_x_reduce of `v` over lanes [0, width): shuffle-down adds with offsets 1, 2, .., width / 2;
+// lane 0's sum returned to every lane
+__device__ __forceinline__ double tfg_tree_f64(double v, int width) {
+  for (int o = 1; o < width; o <<= 1) v = __dadd_rn(v, __shfl_down_sync(TFG_FULL, v, o));
+  return __shfl_sync(TFG_FULL, v, 0);
+}
+__device__ __forceinline__ long long tfg_none() { return (long long)(1ull << 63); }   // below every key
+__device__ __forceinline__ int tfg_replica(int seed_lo, int t, int count) {   // floor mod of the int32 wrap
+  int base = (int)((unsigned)seed_lo + (unsigned)t * 23333u);
+  int c = count > 0 ? count : 1;
+  int d = base % c;
+  return d < 0 ? d + c : d;
+}
+// Philox4x32-10 (Salmon et al. 2011) of counter (0, 0, c2, c3) and key (k0, k1): words 0 and 1 of the block.
+__device__ __forceinline__ unsigned long long tfg_philox01(unsigned c2, unsigned c3, unsigned k0, unsigned k1) {
+  unsigned c0 = 0u, c1 = 0u;
+  #pragma unroll
+  for (int r = 0; r < 10; ++r) {
+    if (r) { k0 += 0x9E3779B9u; k1 += 0xBB67AE85u; }
+    unsigned hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+    unsigned hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+    unsigned n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+    c0 = n0; c1 = lo1; c2 = n2; c3 = lo0;
+  }
+  return ((unsigned long long)c1 << 32) | c0;
+}
+// Random route of lane `lane` of token t (moe.md §2.13 step 2): (float bits of the uniform << 32) | physical id
+// for lanes < width (every lane of the warp must call it).
+__device__ __forceinline__ unsigned long long tfg_random(int t, int lane, int width, long long nphys,
+                                                       int seed_lo, int seed_hi) {
+  unsigned long long sub = (unsigned long long)t * 32ull + (unsigned long long)lane;
+  unsigned long long xy = tfg_philox01((unsigned)sub, (unsigned)(sub >> 32), (unsigned)seed_lo, (unsigned)seed_hi);
+  unsigned x = (unsigned)xy, y = (unsigned)(xy >> 32);
+  float u = __fadd_rn(__fmul_rn(__uint2float_rn(x), 2.3283064365386963e-10f), 1.1641532182693481e-10f);
+  long long div = nphys - lane;
+  long long c = lane < width ? (long long)((unsigned long long)y % (unsigned long long)(div > 0 ? div : 1))
+                             : 0x7fffffffll;
+  bool resolved = false;
+  long long idx = -1;
+  for (int r = 0; r < width; ++r) {
+    long long m = c;
+    for (int o = 16; o > 0; o >>= 1) { long long w = __shfl_xor_sync(TFG_FULL, m, o); m = w < m ? w : m; }
+    int first = __ffs(__ballot_sync(TFG_FULL, c == m)) - 1;
+    if (lane < width && !resolved && c >= m && lane > first) c += 1;
+    if (lane == first) { idx = m; resolved = true; c = 0x7fffffffll; }
+  }
+  return ((unsigned long long)__float_as_uint(u) << 32) | (unsigned)idx;
+}
+__device__ __forceinline__ int tfg_lo32(unsigned long long v) { return (int)(unsigned)v; }
+__device__ __forceinline__ float tfg_hi_f32(unsigned long long v) { return __uint_as_float((unsigned)(v >> 32)); }
+// sqrt-softplus derivative through u (the reference's fp64 formula): -expm1(-u^2) / (2u), 0 at u <= 0.
+__device__ __forceinline__ double tfg_ssp_grad(double u) {
+  return u > 0.0 ? __ddiv_rn(-expm1(-__dmul_rn(u, u)), __dmul_rn(2.0, u)) : 0.0;
+}
+"""
+
+
+def _chunks(num_experts: int) -> int:
+    return -(-num_experts // 128)
+
+
+def _last_pow2(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Forward (§2.13)
+# ----------------------------------------------------------------------------------------------------
+
+def gate_forward_kernel(num_experts: int, num_topk: int, num_shared: int, flags: str):
+    """Factory: the forward for ``E_r = num_experts`` (``% 4 == 0``, <= 384 is what the tests use, any size
+    compiles), ``K = num_topk``, ``S = num_shared``; ``flags`` is a comma-separated subset of ``_FLAGS`` (the
+    optional tensors present). Absent tensors are bound to 1-element dummies that the code never reads."""
+    import tilelang.language as T
+
+    E, K, S = num_experts, num_topk, num_shared
+    W = K + S
+    fl = set(filter(None, flags.split(",")))
+    assert fl <= set(_FLAGS) and E % 4 == 0 and E < 2 ** 16 and 1 <= K <= min(E, 32) and W <= 32  # 16-bit key index
+    NC = _chunks(E)
+    NV = NC * 4
+    ragged = E % 128 != 0                                 # the last chunk does not cover every lane
+    NL = E + S                                            # rows of the physical map / count
+    Tn, NB, NIB, NIM, NM, NF, NR, NMR, MC, NCNT, NU, US, NSC = T.dynamic(
+        "num_tokens, nb, nib, nim, nm, nf, nr, nmr, map_cols, ncnt, nu, unmapped_stride, nsc")
+    IS0, IS1, WS0, WS1 = T.dynamic("idx_s0, idx_s1, w_s0, w_s1")
+
+    @T.prim_func
+    def gate_forward(L: T.Tensor((Tn, E), "float32"), Bias: T.Tensor((NB,), "float32"),
+                     ImgBias: T.Tensor((NIB,), "float32"), ImgMask: T.Tensor((NIM,), "uint8"),
+                     Mask: T.Tensor((NM,), "uint8"), Fix: T.Tensor((NF,), "uint8"), Rand: T.Tensor((NR,), "uint8"),
+                     Map: T.Tensor((NMR, MC), "int32"), Count: T.Tensor((NCNT,), "int32"),
+                     Unm: T.StridedTensor((NU, K), (US, 1), "int64"),
+                     Idx: T.StridedTensor((Tn, W), (IS0, IS1), "int64"),
+                     Wt: T.StridedTensor((Tn, W), (WS0, WS1), "float32"),
+                     Sc: T.Tensor((NSC, E), "float32"),
+                     rho: T.float32, seed_lo: T.int32, seed_hi: T.int32):
+        with T.Kernel(T.ceildiv(Tn, _WARPS), threads=_WARPS * 32) as bx:
+            T.import_source(_HELPERS)
+            tx = T.get_thread_binding()
+            lane = tx % 32
+            t = bx * _WARPS + tx // 32
+            u = T.alloc_local((NV,), "float32")
+            keys = T.alloc_local((NV,), "int64")
+            best = T.alloc_var("int64")
+            lbest = T.alloc_var("int64")
+            sel = T.alloc_var("int32")
+            usel = T.alloc_var("float32")
+            rnd = T.alloc_var("uint64")
+            nphys = T.alloc_var("int64")
+            phys = T.alloc_var("int64")
+            logical = T.alloc_var("int32")
+            weight = T.alloc_var("float32")
+            den = T.alloc_var("float32")
+            live = T.alloc_var("int32")
+            rand = T.alloc_var("int32")
+            fixed = T.alloc_var("int32")
+            image = T.alloc_var("int32")
+            if t < Tn:
+                live = 1
+                rand = 0
+                if "mask" in fl:
+                    live = T.Cast("int32", Mask[t] != 0)
+                if "random" in fl:
+                    rand = T.Cast("int32", Rand[t] != 0)
+                if live == 0:
+                    # masked (§2.13 step 1): -1 / 0, unmapped -1, scores 0
+                    if lane < W:
+                        Idx[t, lane] = T.int64(-1)
+                        Wt[t, lane] = T.float32(0.0)
+                    if "unmapped" in fl:
+                        if lane < K:
+                            Unm[t, lane] = T.int64(-1)
+                    if "scores" in fl:
+                        for c in T.unroll(NC):
+                            if (not ragged) or c * 128 + lane * 4 < E:
+                                for j in T.vectorized(4):
+                                    Sc[t, c * 128 + lane * 4 + j] = T.float32(0.0)
+                elif rand != 0:
+                    # random routing (§2.13 step 2): distinct physical ids, raw uniform weights
+                    nphys = T.int64(NL)
+                    if "map" in fl:
+                        nphys = T.int64(0)
+                        for i in T.unroll(-(-NL // 32)):
+                            if lane + i * 32 < NL:
+                                nphys = nphys + T.Cast("int64", Count[lane + i * 32])
+                        nphys = T.call_extern("int64", "tfg_warp_sum64", nphys)
+                    rnd = T.call_extern("uint64", "tfg_random", t, lane, W, nphys, seed_lo, seed_hi)
+                    if lane < W:
+                        Idx[t, lane] = T.Cast("int64", T.call_extern("int32", "tfg_lo32", rnd))
+                        Wt[t, lane] = T.call_extern("float32", "tfg_hi_f32", rnd)
+                    if "unmapped" in fl:
+                        if lane < K:
+                            Unm[t, lane] = T.int64(-1)
+                    if "scores" in fl:
+                        for c in T.unroll(NC):
+                            if (not ragged) or c * 128 + lane * 4 < E:
+                                for j in T.vectorized(4):
+                                    Sc[t, c * 128 + lane * 4 + j] = T.float32(0.0)
+                else:
+                    # scores (§2.13 step 3), written unbiased
+                    for c in T.unroll(NC):
+                        for j in T.unroll(4):
+                            u[c * 4 + j] = T.float32(0.0)
+                        if (not ragged) or c * 128 + lane * 4 < E:
+                            for j in T.vectorized(4):
+                                u[c * 4 + j] = L[t, c * 128 + lane * 4 + j]
+                            for j in T.unroll(4):
+                                u[c * 4 + j] = T.call_extern("float32", "tfg_ssp", u[c * 4 + j])
+                            if "scores" in fl:
+                                for j in T.vectorized(4):
+                                    Sc[t, c * 128 + lane * 4 + j] = u[c * 4 + j]
+                    fixed = 0
+                    if "fix" in fl:
+                        fixed = T.Cast("int32", Fix[t] != 0)
+                    sel = 0
+                    if fixed != 0:
+                        # fixed routes (§2.13 step 5): the caller's indices, in order
+                        if lane < K:
+                            sel = T.Cast("int32", T.max(T.min(Unm[t, lane], T.int64(E - 1)), T.int64(0)))
+                    else:
+                        # ranking keys u + b (§2.13 step 4); unused register slots never win
+                        image = 0
+                        if "image" in fl:
+                            image = T.Cast("int32", ImgMask[t] != 0)
+                        for c in T.unroll(NC):
+                            for j in T.unroll(4):
+                                e = c * 128 + lane * 4 + j
+                                keys[c * 4 + j] = T.call_extern("int64", "tfg_none")
+                                if (not ragged) or c * 128 + lane * 4 < E:
+                                    if "image" in fl and "bias" in fl:
+                                        keys[c * 4 + j] = T.call_extern(
+                                            "int64", "tfg_key",
+                                            T.call_extern("float32", "__fadd_rn", u[c * 4 + j],
+                                                          T.if_then_else(image != 0, ImgBias[e], Bias[e])), e)
+                                    elif "image" in fl:
+                                        keys[c * 4 + j] = T.call_extern(
+                                            "int64", "tfg_key",
+                                            T.call_extern("float32", "__fadd_rn", u[c * 4 + j],
+                                                          T.if_then_else(image != 0, ImgBias[e], T.float32(0.0))),
+                                            e)
+                                    elif "bias" in fl:
+                                        keys[c * 4 + j] = T.call_extern(
+                                            "int64", "tfg_key",
+                                            T.call_extern("float32", "__fadd_rn", u[c * 4 + j], Bias[e]), e)
+                                    else:
+                                        keys[c * 4 + j] = T.call_extern("int64", "tfg_key", u[c * 4 + j], e)
+                        # top-k (§2.13 step 5): K rounds of a warp arg-max over the lanes' best keys; lane k
+                        # keeps the k-th winner; only the winner's lane (keys are unique) rescans its keys
+                        lbest = T.call_extern("int64", "tfg_none")
+                        for i in T.unroll(NV):
+                            lbest = T.max(lbest, keys[i])
+                        for k in T.serial(K):
+                            best = T.call_extern("int64", "tfg_warp_max64", lbest)
+                            if lane == k:
+                                sel = T.call_extern("int32", "tfg_key_index", best)
+                            if lbest == best:
+                                lbest = T.call_extern("int64", "tfg_none")
+                                for i in T.unroll(NV):
+                                    if keys[i] == best:
+                                        keys[i] = T.call_extern("int64", "tfg_none")
+                                    lbest = T.max(lbest, keys[i])
+                    # u of each lane's expert: one shuffle per register slot from the owning lane
+                    usel = T.float32(0.0)
+                    for i in T.unroll(NV):
+                        got = T.call_extern("float32", "tfg_shfl_f32", u[i], (sel % 128) // 4)
+                        if (sel // 128) * 4 + sel % 4 == i:
+                            usel = got
+                    if lane >= K:
+                        usel = T.float32(0.0)
+                    # weights (§2.13 step 6): butterfly sum, + 1e-20, u / den * rho; shared slots weight 1
+                    den = T.call_extern("float32", "__fadd_rn", T.call_extern("float32", "tfg_butterfly32", usel),
+                                        T.float32(_EPS))
+                    weight = T.call_extern("float32", "__fmul_rn",
+                                           T.call_extern("float32", "__fdiv_rn", usel, den), rho)
+                    logical = sel
+                    if lane >= K:
+                        logical = E + lane - K
+                        weight = T.float32(1.0)
+                    if "unmapped" in fl:
+                        if lane < K:
+                            Unm[t, lane] = T.Cast("int64", sel)
+                    if lane < W:
+                        phys = T.Cast("int64", logical)
+                        if "map" in fl:
+                            # replica choice (§2.13 step 9); a column past the map gives 0
+                            sel = T.call_extern("int32", "tfg_replica", seed_lo, t,
+                                                Count[T.min(T.max(logical, 0), NL - 1)])
+                            phys = T.int64(0)
+                            if T.And(T.And(logical >= 0, logical < NL), sel < MC):
+                                phys = T.Cast("int64", Map[logical, sel])
+                        Idx[t, lane] = phys
+                        Wt[t, lane] = weight
+
+    return gate_forward
+
+
+def _forward_configs() -> list[tuple]:
+    """The static configs the tests and the bench use (E_r, K, S, flags)."""
+    cfgs = [(256, 8, 0, "bias,scores"), (256, 8, 0, "bias")]                  # the bench shape
+    for e, k in ((8, 1), (72, 2), (256, 6), (384, 8)):
+        cfgs.append((e, k, 0, "bias"))
+    cfgs += [
+        (72, 6, 2, "bias,fix,image,map,mask,scores,unmapped"),
+        (256, 8, 1, "bias,fix,image,map,mask,random,scores,unmapped"),
+        (64, 6, 0, "random"),
+        (32, 2, 0, ""),
+    ]
+    return cfgs
+
+
+_jit.register("moe_topk_gate_forward", gate_forward_kernel, _forward_configs)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Backward (§2.14)
+# ----------------------------------------------------------------------------------------------------
+
+def gate_backward_kernel(num_experts: int, num_topk: int, aux: bool):
+    """Factory: the backward for ``E_r = num_experts`` (``% 4 == 0``), ``K = num_topk`` (<= 32) and, with
+    ``aux``, the auxiliary term (``mask`` and ``grad_scores_sum`` given)."""
+    import tilelang.language as T
+
+    E, K = num_experts, num_topk
+    assert E % 4 == 0 and 1 <= K <= 32
+    NC = _chunks(E)
+    NV = NC * 4
+    ragged = E % 128 != 0
+    kbw = _last_pow2(K)                                   # torch's block width for the K-slot sums
+    vec = E > 128                                         # torch vectorises the expert sums by 4
+    ebw = min(_last_pow2(E // 4 if vec else E), 32)
+    per_lane = -(-E // ebw)                               # strided inputs per thread (unvectorised case)
+    Tn, NM, NH = T.dynamic("num_tokens, nm, nh")
+
+    def tree(acc, width):
+        return T.call_extern("float64", "tfg_tree_f64", acc, width)
+
+    @T.prim_func
+    def gate_backward(Sc: T.Tensor((Tn, E), "float32"), TopIdx: T.Tensor((Tn, K), "int64"),
+                      Wt: T.Tensor((Tn, K), "float32"), G: T.Tensor((Tn, K), "float32"),
+                      Mask: T.Tensor((NM,), "uint8"), H: T.Tensor((NH, E), "float32"),
+                      Out: T.Tensor((Tn, E), "float32"), rho: T.float64, rows_per_seq: T.int32):
+        with T.Kernel(T.ceildiv(Tn, _WARPS), threads=_WARPS * 32) as bx:
+            T.import_source(_HELPERS)
+            tx = T.get_thread_binding()
+            lane = tx % 32
+            t = bx * _WARPS + tx // 32
+            u = T.alloc_local((NV,), "float64")
+            grad = T.alloc_local((NV,), "float64")
+            raw = T.alloc_local((4,), "float32")
+            hv = T.alloc_local((NV,), "float64")
+            acc4 = T.alloc_local((4,), "float64")
+            idx = T.alloc_var("int32")
+            uk = T.alloc_var("float64")
+            gk = T.alloc_var("float64")
+            a = T.alloc_var("float64")
+            b = T.alloc_var("float64")
+            dot = T.alloc_var("float64")
+            usum = T.alloc_var("float64")
+            per_slot = T.alloc_var("float64")
+            idk = T.alloc_var("int32")
+            pk = T.alloc_var("float64")
+            su = T.alloc_var("float64")
+            ah = T.alloc_var("float64")
+            inv = T.alloc_var("float64")
+            seq = T.alloc_var("int32")
+            if t < Tn:
+                # this lane's experts c * 128 + 4 lane + j
+                for c in T.unroll(NC):
+                    for j in T.unroll(4):
+                        u[c * 4 + j] = T.float64(0.0)
+                        grad[c * 4 + j] = T.float64(0.0)
+                    if (not ragged) or c * 128 + lane * 4 < E:
+                        for j in T.vectorized(4):
+                            raw[j] = Sc[t, c * 128 + lane * 4 + j]
+                        for j in T.unroll(4):
+                            u[c * 4 + j] = T.Cast("float64", raw[j])
+                # slot k on lane k: u_k, g_k (0 for -1 slots), g_k * w_k
+                idx = -1
+                uk = T.float64(0.0)
+                gk = T.float64(0.0)
+                a = T.float64(0.0)
+                if lane < K:
+                    idx = T.Cast("int32", TopIdx[t, lane])
+                    if idx >= 0:
+                        uk = T.Cast("float64", Sc[t, T.min(idx, E - 1)])
+                        gk = T.Cast("float64", G[t, lane])
+                    a = T.call_extern("float64", "__dmul_rn", gk, T.Cast("float64", Wt[t, lane]))
+                # torch's K-slot sums: lane x < kbw adds slot x + kbw, then the tree
+                b = T.call_extern("float64", "tfg_shfl_down_f64", a, kbw)
+                if T.And(lane < kbw, lane + kbw < K):
+                    a = a + b
+                dot = tree(a, kbw)
+                b = T.call_extern("float64", "tfg_shfl_down_f64", uk, kbw)
+                if T.And(lane < kbw, lane + kbw < K):
+                    uk = uk + b
+                usum = tree(uk, kbw)
+                per_slot = T.float64(0.0)
+                if idx >= 0:
+                    per_slot = T.call_extern(
+                        "float64", "__ddiv_rn",
+                        T.call_extern("float64", "__dsub_rn", T.call_extern("float64", "__dmul_rn", rho, gk), dot),
+                        T.call_extern("float64", "__dadd_rn", usum, T.float64(_EPS)))
+                # routing term: slots in order onto their experts
+                for k in T.serial(K):
+                    idk = T.call_extern("int32", "tfg_shfl_i32", idx, k)
+                    pk = T.call_extern("float64", "tfg_shfl_f64", per_slot, k)
+                    for c in T.unroll(NC):
+                        for j in T.unroll(4):
+                            if idk == c * 128 + lane * 4 + j:
+                                grad[c * 4 + j] = grad[c * 4 + j] + pk
+                if aux:
+                    # auxiliary term: (h_e - (sum h u) inv) inv, inv = mask ? 1 / sum u : 0
+                    seq = t // T.max(rows_per_seq, 1)
+                    for c in T.unroll(NC):
+                        for j in T.unroll(4):
+                            hv[c * 4 + j] = T.float64(0.0)
+                        if (not ragged) or c * 128 + lane * 4 < E:
+                            for j in T.vectorized(4):
+                                raw[j] = H[seq, c * 128 + lane * 4 + j]
+                            for j in T.unroll(4):
+                                hv[c * 4 + j] = T.Cast("float64", raw[j])
+                    for which in T.unroll(2):
+                        for r in T.unroll(4):
+                            acc4[r] = T.float64(0.0)
+                        if vec:
+                            # thread x: acc_j over its vectors 4 (x + 32 c) + j
+                            for c in T.unroll(NC):
+                                for j in T.unroll(4):
+                                    if which == 0:
+                                        acc4[j] = acc4[j] + u[c * 4 + j]
+                                    else:
+                                        acc4[j] = acc4[j] + T.call_extern("float64", "__dmul_rn", hv[c * 4 + j],
+                                                                          u[c * 4 + j])
+                        else:
+                            # thread x < ebw: acc_(m % 4) over inputs x + m ebw
+                            if lane < ebw:
+                                for m in T.unroll(per_lane):
+                                    if lane + m * ebw < E:
+                                        if which == 0:
+                                            acc4[m % 4] = acc4[m % 4] + T.Cast("float64", Sc[t, lane + m * ebw])
+                                        else:
+                                            acc4[m % 4] = acc4[m % 4] + T.call_extern(
+                                                "float64", "__dmul_rn", T.Cast("float64", H[seq, lane + m * ebw]),
+                                                T.Cast("float64", Sc[t, lane + m * ebw]))
+                        a = ((acc4[0] + acc4[1]) + acc4[2]) + acc4[3]
+                        if which == 0:
+                            su = tree(a, ebw)
+                        else:
+                            ah = tree(a, ebw)
+                    inv = T.float64(0.0)
+                    if Mask[t] != 0:
+                        inv = T.call_extern("float64", "__ddiv_rn", T.float64(1.0), su)
+                    for i in T.unroll(NV):
+                        grad[i] = grad[i] + T.call_extern(
+                            "float64", "__dmul_rn",
+                            T.call_extern("float64", "__dsub_rn", hv[i],
+                                          T.call_extern("float64", "__dmul_rn", ah, inv)), inv)
+                # times the sqrt-softplus derivative, rounded once to fp32
+                for c in T.unroll(NC):
+                    if (not ragged) or c * 128 + lane * 4 < E:
+                        for j in T.unroll(4):
+                            raw[j] = T.call_extern(
+                                "float32", "__double2float_rn",
+                                T.call_extern("float64", "__dmul_rn",
+                                              T.call_extern("float64", "tfg_ssp_grad", u[c * 4 + j]),
+                                              grad[c * 4 + j]))
+                        for j in T.vectorized(4):
+                            Out[t, c * 128 + lane * 4 + j] = raw[j]
+
+    return gate_backward
+
+
+def _backward_configs() -> list[tuple]:
+    cfgs = [(256, 8, False), (256, 8, True)]
+    for e, k in ((8, 1), (72, 2), (256, 6), (384, 8)):
+        cfgs += [(e, k, False), (e, k, True)]
+    return list(dict.fromkeys(cfgs))
+
+
+_jit.register("moe_topk_gate_backward", gate_backward_kernel, _backward_configs)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------------
+
+_DUMMIES: dict = {}
+
+
+def _dummy(device, dtype, cols: int | None = None) -> torch.Tensor:
+    """A cached 1-element (or (1, cols)) tensor bound to an absent optional input (never read)."""
+    key = (device, dtype, cols)
+    t = _DUMMIES.get(key)
+    if t is None:
+        t = _DUMMIES[key] = torch.zeros((1,) if cols is None else (1, cols), dtype=dtype, device=device)
+    return t
+
+
+def _bytes(flags: torch.Tensor) -> torch.Tensor:
+    """A bool row mask as the kernel's flat contiguous uint8 vector."""
+    flags = flags.reshape(-1)
+    if not flags.is_contiguous():
+        flags = flags.contiguous()
+    return flags.view(torch.uint8)
+
+
+def _forward_launch(logits, num_topk: int, num_shared: int, routed_scaling_factor: float, ep_rank: int,
+                    mask, bias, image_bias, image_token_mask, fix_routing_mask, to_physical_map, logical_count,
+                    unmapped_topk_idx, force_random, topk_idx, topk_weights, scores) -> None:
+    """Launch the forward into ``topk_idx`` / ``topk_weights`` (and ``unmapped_topk_idx`` / ``scores`` if
+    given); the arguments are the validated ones of the public op."""
+    rows, experts = logits.shape
+    dev = logits.device
+    f32, u8, i32, i64 = torch.float32, torch.uint8, torch.int32, torch.int64
+    present = {"bias": bias is not None, "fix": fix_routing_mask is not None, "image": image_bias is not None,
+               "map": to_physical_map is not None, "mask": mask is not None, "random": force_random is not None,
+               "scores": scores is not None, "unmapped": unmapped_topk_idx is not None}
+    flags = ",".join(f for f in _FLAGS if present[f])
+    seed = ep_rank % 2 ** 64
+    seed_lo, seed_hi = seed & 0xFFFFFFFF, seed >> 32
+    fn = _jit.get("moe_topk_gate_forward", (experts, num_topk, num_shared, flags))
+    fn(logits,
+       bias if bias is not None else _dummy(dev, f32),
+       image_bias if image_bias is not None else _dummy(dev, f32),
+       _bytes(image_token_mask) if image_token_mask is not None else _dummy(dev, u8),
+       _bytes(mask) if mask is not None else _dummy(dev, u8),
+       _bytes(fix_routing_mask) if fix_routing_mask is not None else _dummy(dev, u8),
+       _bytes(force_random) if force_random is not None else _dummy(dev, u8),
+       to_physical_map if to_physical_map is not None else _dummy(dev, i32, 1),
+       logical_count if logical_count is not None else _dummy(dev, i32),
+       unmapped_topk_idx if unmapped_topk_idx is not None else _dummy(dev, i64, num_topk),
+       topk_idx, topk_weights,
+       scores if scores is not None else _dummy(dev, f32, experts),
+       float(routed_scaling_factor), seed_lo - (seed_lo >> 31 << 32), seed_hi - (seed_hi >> 31 << 32))
+
+
+@_ops.kernel_op("tilefuse::moe_topk_gate_forward",
+                mutates_args=("topk_idx", "topk_weights", "unmapped_topk_idx", "scores"), device_types="cuda")
+def _forward_op(logits: torch.Tensor, num_topk: int, num_shared: int, routed_scaling_factor: float, ep_rank: int,
+                mask: torch.Tensor | None, bias: torch.Tensor | None, image_bias: torch.Tensor | None,
+                image_token_mask: torch.Tensor | None, fix_routing_mask: torch.Tensor | None,
+                to_physical_map: torch.Tensor | None, logical_count: torch.Tensor | None,
+                unmapped_topk_idx: torch.Tensor | None, force_random: torch.Tensor | None, topk_idx: torch.Tensor,
+                topk_weights: torch.Tensor, scores: torch.Tensor | None) -> None:
+    _forward_launch(logits, num_topk, num_shared, routed_scaling_factor, ep_rank, mask, bias, image_bias,
+                    image_token_mask, fix_routing_mask, to_physical_map, logical_count, unmapped_topk_idx,
+                    force_random, topk_idx, topk_weights, scores)
+
+
+@_forward_op.register_fake
+def _(logits, num_topk, num_shared, routed_scaling_factor, ep_rank, mask, bias, image_bias, image_token_mask,
+      fix_routing_mask, to_physical_map, logical_count, unmapped_topk_idx, force_random, topk_idx, topk_weights,
+      scores):
+    return None
+
+
+def moe_topk_gate_forward_cuda(logits, num_topk, use_shared_as_routed, num_shared_experts, routed_scaling_factor,
+                               ep_rank, scoring_func="sqrtsoftplus", mask=None, bias=None, image_bias=None,
+                               image_token_mask=None, fix_routing_mask=None, to_physical_map=None, logical_count=None,
+                               unmapped_topk_idx=None, out=None, *, force_random=None, scores=None):
+    """CUDA ``moe_topk_gate_forward`` (the reference's argument list; validated by the public op). Returns
+    ``(topk_idx, topk_weights)``, the ``out`` pair itself when given."""
+    rows, _ = logits.shape
+    num_shared = num_shared_experts if use_shared_as_routed else 0
+    width = num_topk + num_shared
+    if out is not None:
+        topk_idx, topk_weights = out[0], out[1]
+    else:
+        topk_idx = torch.empty(rows, width, dtype=torch.int64, device=logits.device)
+        topk_weights = torch.empty(rows, width, dtype=torch.float32, device=logits.device)
+    if rows == 0:
+        return topk_idx, topk_weights
+    args = (logits, num_topk, num_shared, float(routed_scaling_factor), int(ep_rank), mask, bias, image_bias,
+            image_token_mask, fix_routing_mask, to_physical_map, logical_count, unmapped_topk_idx, force_random,
+            topk_idx, topk_weights, scores)
+    if torch.compiler.is_compiling():
+        torch.ops.tilefuse.moe_topk_gate_forward(*args)
+    else:
+        _forward_launch(*args)
+    return topk_idx, topk_weights
+
+
+def _backward_launch(scores, topk_idx, topk_weights, grad_topk_weights, routed_scaling_factor: float,
+                     mask, grad_scores_sum, out) -> None:
+    rows, experts = scores.shape
+    dev = scores.device
+    aux = grad_scores_sum is not None
+    fn = _jit.get("moe_topk_gate_backward", (experts, topk_idx.size(1), aux))
+    per_seq = max(rows // grad_scores_sum.size(0), 1) if aux else 1
+    fn(scores, topk_idx, topk_weights, grad_topk_weights,
+       _bytes(mask) if aux else _dummy(dev, torch.uint8),
+       grad_scores_sum if aux else _dummy(dev, torch.float32, experts),
+       out, float(routed_scaling_factor), per_seq)
+
+
+@_ops.kernel_op("tilefuse::moe_topk_gate_backward", mutates_args=("out",), device_types="cuda")
+def _backward_op(scores: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                 grad_topk_weights: torch.Tensor, routed_scaling_factor: float, mask: torch.Tensor | None,
+                 grad_scores_sum: torch.Tensor | None, out: torch.Tensor) -> None:
+    _backward_launch(scores, topk_idx, topk_weights, grad_topk_weights, routed_scaling_factor, mask,
+                     grad_scores_sum, out)
+
+
+@_backward_op.register_fake
+def _(scores, topk_idx, topk_weights, grad_topk_weights, routed_scaling_factor, mask, grad_scores_sum, out):
+    return None
+
+
+def moe_topk_gate_backward_cuda(scores, topk_idx, topk_weights, grad_topk_weights, routed_scaling_factor,
+                                scoring_func="sqrtsoftplus", mask=None, grad_scores_sum=None, out=None):
+    """CUDA ``moe_topk_gate_backward`` (the reference's argument list; validated by the public op): the fp32
+    ``(T, E_r)`` gradient, into ``out`` when given."""
+    if out is None:
+        out = torch.empty(scores.shape, dtype=torch.float32, device=scores.device)
+    if scores.size(0) == 0:
+        return out
+    args = (scores, topk_idx, topk_weights, grad_topk_weights, float(routed_scaling_factor), mask, grad_scores_sum,
+            out)
+    if torch.compiler.is_compiling():
+        torch.ops.tilefuse.moe_topk_gate_backward(*args)
+    else:
+        _backward_launch(*args)
+    return out

@@ -1,0 +1,357 @@
+"""TileLang kernels for ``topk_gate`` (moe.md §2.1), ``topk_sum_and_topk_group_idx`` (§2.3) and
+``normalize_weight`` (§2.4).
+
+Selection. A row's candidates live in the registers of a segment of ``L`` lanes of one warp (``L`` a power of
+two <= 32; ``32 / L`` rows per warp): lane ``l`` holds candidates ``l, l + L, l + 2L, ...`` (so a warp's loads
+are coalesced). Each candidate becomes an int32 *key* whose integer order is the stable descending sort's
+order: ``-0.0`` equals ``+0.0`` and every NaN is above ``+inf`` (torch.sort puts NaN first). K times: each lane
+takes its best key (ties: its smallest index), the segment takes the largest ``(key, -index)`` pair by an XOR
+butterfly on packed 64-bit words, and the winner's key becomes ``INT_MIN``, below every real key. That is the
+spec's repeat-max definition with removal instead of ``-inf`` overwrite, which equals ``stable_topk`` for every
+input, finite or not. Nothing crosses rows, so results do not depend on the batch.
+
+``topk_sum_and_topk_group_idx``: lane ``g`` of a segment of ``L >= G`` lanes scans group ``g`` (its ``n``
+contiguous scores, 16-byte loads when ``n % 4 == 0``) for the largest one or two values in the same key order,
+adds them in fp32, and the group scores are selected like ``topk_gate``'s (one candidate per lane).
+
+``normalize_weight``: one thread per row, ``((1e-20 + w0) + w1) + ...`` in fp32 in slot order (the reference's
+order), then IEEE divisions.
+"""
+import struct
+
+import torch
+
+from tilefuse import _jit, _ops
+from tilefuse.reference import moe as ref
+
+_THREADS = 128             # threads per CTA of the selection kernels (4 warps)
+_NW_THREADS = 64           # threads (rows) per CTA of normalize_weight: 128 CTAs at T = 8192
+MAX_GATE_EXPERTS = 1024    # topk_gate keeps E / 32 keys per lane in registers; larger E runs the reference
+_UNROLL_TOPK = 32          # selection loops up to this K are unrolled (slot registers), longer ones are serial
+_GROUP_CHUNK = 32          # values of a group loaded before they are scanned
+_NW_REG_K = 32             # normalize_weight keeps up to this many weights of a row in registers
+_INT_MIN = -(2 ** 31)
+_EPS_BITS = struct.unpack("<i", struct.pack("<f", ref.EPS))[0]   # fp32 1e-20, as the reference rounds it
+
+_CUDA = """
+// Sortable key of a binary32 score: the integer order is the stable descending sort's order (NaN above +inf,
+// -0.0 == +0.0). Every key is above INT_MIN (the removed / padding key).
+__device__ __forceinline__ int tf_topk_key(float x) {
+  int b = __float_as_int(x);
+  if ((b & 0x7FFFFFFF) > 0x7F800000) return 0x7FFFFFFF;
+  if (b == (int)0x80000000) b = 0;
+  return b < 0 ? (b ^ 0x7FFFFFFF) : b;
+}
+// Index of the best (largest key, then smallest index) candidate of a segment of `width` lanes (a power of
+// two, aligned in the warp); every lane of the segment gets it. The pair is packed so that unsigned order
+// is that ranking: key + 2^31 above, ~index below.
+__device__ __forceinline__ int tf_topk_seg_best(int key, int idx, int width) {
+  unsigned long long p = ((unsigned long long)((unsigned)key ^ 0x80000000u) << 32) | (unsigned)(~idx);
+  for (int o = width >> 1; o > 0; o >>= 1) {
+    unsigned long long q = __shfl_xor_sync(0xffffffffu, p, o);
+    p = q > p ? q : p;
+  }
+  return ~(int)(unsigned)p;
+}
+"""
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _lanes(candidates: int) -> int:
+    """Lanes per row: the candidates, rounded up to a power of two, at most a warp."""
+    return min(32, _pow2_at_least(candidates))
+
+
+def topk_gate_kernel(num_experts: int, num_topk: int):
+    """Factory: scores fp32 ``(T, E)`` -> indices int64 ``(T, K)``, T symbolic. ``L`` lanes per row, ``R`` keys
+    per lane; padding candidates (``l + L j >= E``) hold ``INT_MIN`` and are never selected (K <= E)."""
+    import tilelang.language as T
+
+    E, K = num_experts, num_topk
+    assert 1 <= K <= E <= MAX_GATE_EXPERTS
+    L = _lanes(E)
+    R = -(-E // L)
+    RPC = _THREADS // L                     # rows per CTA
+    unrolled = K <= _UNROLL_TOPK
+    KR = -(-K // L)                         # slot registers per lane (unrolled K)
+    Tn = T.dynamic("num_tokens")
+    s_param = T.Tensor((Tn, E), "float32")
+    y_param = T.Tensor((Tn, K), "int64")
+
+    @T.prim_func
+    def topk_gate(S: s_param, Y: y_param):
+        with T.Kernel(T.ceildiv(Tn, RPC), threads=_THREADS) as bx:
+            T.import_source(_CUDA)
+            tx = T.get_thread_binding()
+            lane = tx % L
+            row = bx * RPC + tx // L
+            key = T.alloc_local((R,), "int32")
+            slot = T.alloc_local((KR,), "int32")
+            best = T.alloc_var("int32")
+            bidx = T.alloc_var("int32")
+            win = T.alloc_var("int32")
+            # every lane of a warp runs the selection (the shuffles name the whole warp); rows past T hold
+            # INT_MIN keys and store nothing
+            for j in T.unroll(R):
+                key[j] = _INT_MIN
+                if row < Tn and (E % L == 0 or lane + L * j < E):
+                    key[j] = T.call_extern("int32", "tf_topk_key", S[row, lane + L * j])
+            for k in (T.unroll(K) if unrolled else T.serial(K)):
+                best = key[0]
+                bidx = lane
+                for j in T.unroll(1, R):
+                    if key[j] > best:   # strict: the lane's smaller index wins ties
+                        best = key[j]
+                        bidx = lane + L * j
+                win = T.call_extern("int32", "tf_topk_seg_best", best, bidx, L)
+                for j in T.unroll(R):
+                    if lane + L * j == win:
+                        key[j] = _INT_MIN
+                if unrolled:
+                    if lane == k % L:
+                        slot[k // L] = win
+                elif row < Tn and lane == k % L:
+                    Y[row, k] = T.cast(win, "int64")
+            if unrolled:
+                for j in T.unroll(KR):
+                    if row < Tn and (K % L == 0 or lane + L * j < K):
+                        Y[row, lane + L * j] = T.cast(slot[j], "int64")
+
+    return topk_gate
+
+
+def topk_group_kernel(num_groups: int, per_group: int, num_topk_sum: int, num_topk_groups: int):
+    """Factory: scores fp32 ``(T, G, n)`` -> group indices int64 ``(T, num_topk_groups)``, T symbolic. Lane
+    ``g < G`` of an ``L``-lane segment owns group ``g``; lanes ``G .. L-1`` hold ``INT_MIN``."""
+    import tilelang.language as T
+
+    G, n, S2, KG = num_groups, per_group, num_topk_sum, num_topk_groups
+    assert 1 <= G <= 32 and 1 <= S2 <= min(2, n) and 1 <= KG <= G
+    L = _lanes(G)
+    RPC = _THREADS // L
+    VEC = 4 if n % 4 == 0 else 1
+    CH = min(n, _GROUP_CHUNK)
+    full, tail = divmod(n, CH)
+    KR = -(-KG // L)
+    Tn = T.dynamic("num_tokens")
+
+    @T.macro
+    def scan(S, row, g, c0, count, vals, tk, tv):
+        """Fold ``count`` values of group ``g`` from column ``c0`` into the running best two (keys ``tk``,
+        values ``tv``; ``tk[0] >= tk[1]``): a value equal to the best goes second (the multiset's top two)."""
+        for i in T.vectorized(count) if VEC == 4 else T.unroll(count):
+            vals[i] = S[row, g, c0 + i]
+        for i in T.unroll(count):
+            kv = T.call_extern("int32", "tf_topk_key", vals[i])
+            if kv > tk[0]:
+                if S2 == 2:
+                    tk[1] = tk[0]
+                    tv[1] = tv[0]
+                tk[0] = kv
+                tv[0] = vals[i]
+            elif S2 == 2 and kv > tk[1]:
+                tk[1] = kv
+                tv[1] = vals[i]
+
+    s_param = T.Tensor((Tn, G, n), "float32")
+    y_param = T.Tensor((Tn, KG), "int64")
+
+    @T.prim_func
+    def topk_group(S: s_param, Y: y_param):
+        with T.Kernel(T.ceildiv(Tn, RPC), threads=_THREADS) as bx:
+            T.import_source(_CUDA)
+            tx = T.get_thread_binding()
+            lane = tx % L
+            row = bx * RPC + tx // L
+            vals = T.alloc_local((CH,), "float32")
+            slot = T.alloc_local((KR,), "int32")
+            tk = T.alloc_local((2,), "int32")
+            tv = T.alloc_local((2,), "float32")
+            key = T.alloc_var("int32")
+            win = T.alloc_var("int32")
+            # every lane of a warp runs the selection (the shuffles name the whole warp); lanes past G and rows
+            # past T hold INT_MIN keys and store nothing
+            key = _INT_MIN
+            if row < Tn and (G == L or lane < G):
+                tk[0] = _INT_MIN
+                tk[1] = _INT_MIN
+                tv[0] = T.float32(0)
+                tv[1] = T.float32(0)
+                for c in T.serial(full):
+                    scan(S, row, lane, c * CH, CH, vals, tk, tv)
+                if tail:
+                    scan(S, row, lane, full * CH, tail, vals, tk, tv)
+                if S2 == 1:
+                    key = T.call_extern("int32", "tf_topk_key", tv[0])
+                else:
+                    key = T.call_extern("int32", "tf_topk_key", tv[0] + tv[1])
+            for k in T.unroll(KG):
+                win = T.call_extern("int32", "tf_topk_seg_best", key, lane, L)
+                if lane == win:
+                    key = _INT_MIN
+                if lane == k % L:
+                    slot[k // L] = win
+            for j in T.unroll(KR):
+                if row < Tn and (KG % L == 0 or lane + L * j < KG):
+                    Y[row, lane + L * j] = T.cast(slot[j], "int64")
+
+    return topk_group
+
+
+def normalize_weight_kernel(num_topk: int):
+    """Factory: weights fp32 ``(T, K)`` -> ``(denominator (T,), normalized (T, K))``, T symbolic; one thread per
+    row, loads and stores as wide as ``K`` allows (16, 8 or 4 bytes)."""
+    import tilelang.language as T
+
+    K = num_topk
+    VEC = 4 if K % 4 == 0 else (2 if K % 2 == 0 else 1)
+    in_regs = K <= _NW_REG_K
+    Tn = T.dynamic("num_tokens")
+
+    w_param = T.Tensor((Tn, K), "float32")
+    d_param = T.Tensor((Tn,), "float32")
+    y_param = T.Tensor((Tn, K), "float32")
+
+    @T.prim_func
+    def normalize_weight(W: w_param, D: d_param, Y: y_param):
+        with T.Kernel(T.ceildiv(Tn, _NW_THREADS), threads=_NW_THREADS) as bx:
+            row = bx * _NW_THREADS + T.get_thread_binding()
+            acc = T.alloc_var("float32")
+            if row < Tn:
+                acc = T.reinterpret(T.int32(_EPS_BITS), "float32")
+                if in_regs:
+                    w = T.alloc_local((K,), "float32")
+                    for c in T.unroll(K // VEC):
+                        for v in T.vectorized(VEC):
+                            w[c * VEC + v] = W[row, c * VEC + v]
+                    for k in T.unroll(K):
+                        acc = acc + w[k]
+                    for k in T.unroll(K):
+                        w[k] = w[k] / acc
+                    D[row] = acc
+                    for c in T.unroll(K // VEC):
+                        for v in T.vectorized(VEC):
+                            Y[row, c * VEC + v] = w[c * VEC + v]
+                else:
+                    for k in T.serial(K):
+                        acc = acc + W[row, k]
+                    D[row] = acc
+                    for k in T.serial(K):
+                        Y[row, k] = W[row, k] / acc
+
+    return normalize_weight
+
+
+# ----------------------------------------------------------------------------------------------------
+# Registration: the static configs the tests and the bench use (any other config compiles on first use)
+# ----------------------------------------------------------------------------------------------------
+
+def _gate_configs() -> list[tuple]:
+    # (E, K): the test grid (bench shape E = 256, K = 8 among them), then odd E, padded lanes, a serial K and the
+    # widest rows
+    return [(e, k) for e in (8, 72, 256, 384) for k in (1, 2, 6, 8)] + [(33, 8), (5, 5), (72, 72), (1024, 9)]
+
+
+def _group_configs() -> list[tuple]:
+    # (G, n, num_topk_sum, num_topk_groups): moe.md §3.2's observed shapes (E = 256 / 72 / 64 / 96), then odd n,
+    # several chunks with a tail, one group; then the bench's other shapes (E = 72 and 384)
+    return [(8, 32, 2, 4), (12, 6, 1, 4), (16, 16, 2, 2), (32, 2, 2, 5), (3, 32, 2, 2), (5, 7, 2, 5),
+            (2, 100, 2, 1), (1, 3, 1, 1), (8, 9, 2, 4), (12, 32, 2, 4)]
+
+
+def _normalize_configs() -> list[tuple]:
+    return [(k,) for k in (1, 2, 6, 8, 9, 13, 40)]
+
+
+_jit.register("topk_gate", topk_gate_kernel, _gate_configs)
+_jit.register("topk_sum_and_topk_group_idx", topk_group_kernel, _group_configs)
+_jit.register("normalize_weight", normalize_weight_kernel, _normalize_configs)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Launchers (arguments validated by tilefuse.moe.ops)
+# ----------------------------------------------------------------------------------------------------
+
+def topk_gate_launch(scores: torch.Tensor, num_topk: int) -> torch.Tensor:
+    rows, experts = scores.shape
+    if experts > MAX_GATE_EXPERTS:
+        return ref.stable_topk(scores, num_topk)
+    out = torch.empty(rows, num_topk, dtype=torch.int64, device=scores.device)
+    if rows:
+        _jit.get("topk_gate", (experts, num_topk))(scores, out)
+    return out
+
+
+def topk_sum_and_topk_group_idx_launch(scores: torch.Tensor, num_topk_sum: int, num_topk_groups: int) -> torch.Tensor:
+    rows, groups, per_group = scores.shape
+    out = torch.empty(rows, num_topk_groups, dtype=torch.int64, device=scores.device)
+    if rows:
+        _jit.get("topk_sum_and_topk_group_idx", (groups, per_group, num_topk_sum, num_topk_groups))(scores, out)
+    return out
+
+
+def normalize_weight_launch(topk_weights: torch.Tensor):
+    rows, k = topk_weights.shape
+    den = torch.empty(rows, dtype=torch.float32, device=topk_weights.device)
+    out = torch.empty(rows, k, dtype=torch.float32, device=topk_weights.device)
+    if rows and k:
+        _jit.get("normalize_weight", (k,))(topk_weights, den, out)
+    elif rows:
+        den.fill_(ref.EPS)
+    return den, out
+
+
+# ---- torch.library registration (torch.compile / fake tensors) ----
+
+@_ops.kernel_op("tilefuse::topk_gate", mutates_args=(), device_types="cuda")
+def _topk_gate_op(scores: torch.Tensor, num_topk: int) -> torch.Tensor:
+    return topk_gate_launch(scores, num_topk)
+
+
+@_topk_gate_op.register_fake
+def _topk_gate_fake(scores, num_topk):
+    return scores.new_empty((scores.size(0), num_topk), dtype=torch.int64)
+
+
+@_ops.kernel_op("tilefuse::topk_sum_and_topk_group_idx", mutates_args=(), device_types="cuda")
+def _topk_group_op(scores: torch.Tensor, num_topk_sum: int, num_topk_groups: int) -> torch.Tensor:
+    return topk_sum_and_topk_group_idx_launch(scores, num_topk_sum, num_topk_groups)
+
+
+@_topk_group_op.register_fake
+def _topk_group_fake(scores, num_topk_sum, num_topk_groups):
+    return scores.new_empty((scores.size(0), num_topk_groups), dtype=torch.int64)
+
+
+@_ops.kernel_op("tilefuse::normalize_weight", mutates_args=(), device_types="cuda")
+def _normalize_weight_op(topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return normalize_weight_launch(topk_weights)
+
+
+@_normalize_weight_op.register_fake
+def _normalize_weight_fake(topk_weights):
+    return (topk_weights.new_empty((topk_weights.size(0),)), topk_weights.new_empty(topk_weights.shape))
+
+
+def topk_gate_cuda(scores: torch.Tensor, num_topk: int) -> torch.Tensor:
+    """CUDA entry for ``topk_gate``: a direct launch in eager mode, the custom op under ``torch.compile``."""
+    if torch.compiler.is_compiling():
+        return torch.ops.tilefuse.topk_gate(scores, num_topk)
+    return topk_gate_launch(scores, num_topk)
+
+
+def topk_sum_and_topk_group_idx_cuda(scores: torch.Tensor, num_topk_sum: int, num_topk_groups: int) -> torch.Tensor:
+    """CUDA entry for ``topk_sum_and_topk_group_idx``."""
+    if torch.compiler.is_compiling():
+        return torch.ops.tilefuse.topk_sum_and_topk_group_idx(scores, num_topk_sum, num_topk_groups)
+    return topk_sum_and_topk_group_idx_launch(scores, num_topk_sum, num_topk_groups)
+
+
+def normalize_weight_cuda(topk_weights: torch.Tensor):
+    """CUDA entry for ``normalize_weight``: ``(denominator (T,), normalized (T, K))``."""
+    if torch.compiler.is_compiling():
+        return torch.ops.tilefuse.normalize_weight(topk_weights)
+    return normalize_weight_launch(topk_weights)
