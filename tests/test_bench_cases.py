@@ -37,6 +37,27 @@ COUNTED = {
     "per_token_cast_and_cast_back": 2,        # x read, x written in place
     "batched_transpose": 2,
     "transpose": 2,
+    # MoE routing (moe.md; tilefuse/_bench_moe.py)
+    "topk_gate": 2,                           # scores, topk_idx
+    "top2_sum_gate": 4,                       # logits, bias, topk_idx, topk_weights
+    "topk_sum_and_topk_group_idx": 2,         # scores, group_idx
+    "moe_topk_gate_forward-1": 4,             # logits, bias, topk_idx, topk_weights
+    "moe_topk_gate_forward-2": 5,             # ... + scores (an output of the training call)
+    "moe_topk_gate": 4,
+    "moe_topk_gate_backward-1": 5,            # scores, topk_idx, topk_weights, grad_topk_weights, grad_logits
+    "moe_topk_gate_backward-2": 7,            # ... + mask, grad_scores_sum
+    "normalize_weight": 3,                    # weights, denominator, normalized
+    "get_fused_mapping": 8,                   # topk_idx + the seven maps (the count list is no tensor)
+    "expand_to_fused": 4,                     # x, token_topk_to_pos, pos_to_expert, out
+    "expand_to_fused_with_sf": 6,             # data, sf, token_topk_to_pos, pos_to_expert, out, out_sf
+    "reduce_fused-1": 4,                      # x, weights, token_topk_to_pos, out
+    "reduce_fused-2": 6,                      # x, x_sf, weights, token_topk_to_pos, sf, out (e4m3)
+    "reduce_fused-3": 4,
+    "reduce_fused-4": 6,
+    "aux_fi": 2,
+    "group_count": 2,
+    "inplace_unique_group_indices": 2,        # read, written in place
+    "mask_indices_by_tp": 2,
 }
 
 CASES = bench._cases()
@@ -136,3 +157,31 @@ def test_host_overhead_table_ratios_per_group():
     lines = host_overhead_table(rows)
     assert lines[4] == "| row | tilefuse.quant.per_token_cast (public op) | 10.00 | 1.25x | 0.62x |"
     assert lines[5] == "| other public ops | norm_forward (weight) | 12.00 | - | - |"
+
+
+def test_moe_bytes_by_hand():
+    """MoE rows at T = 8192, 256 experts, top-8, hidden 7168: each input read once, each output written once."""
+    from tilefuse import _bench_moe
+
+    t, k, e, h = 8192, 8, 256, 7168
+    got, _ = _full_scale_bytes("top2_sum_gate", "fp32 8192x256 top8 groups 8/4 sigmoid")
+    assert got == t * e * 4 + e * 4 + t * k * 8 + t * k * 4  # logits, bias -> topk_idx int64, topk_weights fp32
+    got, _ = _full_scale_bytes("get_fused_mapping", "int64 8192x8 (256 experts) align128 force_no_sync")
+    bound = (t * k + 127 * e) // 128 * 128  # the caller's upper bound of the aligned total
+    assert got == t * k * 8 + 3 * bound * 4 + t * k * 4 + 3 * e * 4
+    rows, _ = _bench_moe.routing(t)
+    n = _bench_moe._aligned_total(rows, e, 128)
+    got, _ = _full_scale_bytes("expand_to_fused", "bf16 8192x7168 -> fused rows (top8, 256 experts")
+    assert got == t * h * 2 + t * k * 4 + n * 4 + n * h * 2  # x, token_topk_to_pos, pos_to_expert -> (N, H)
+    recv, _ = _bench_moe.routing(t, 8)
+    routed = sum(v >= 0 for r in recv for v in r)  # alignment 1: the fused buffer holds exactly the routed rows
+    got, _ = _full_scale_bytes("reduce_fused", "fused rows -> 8192x7168 (top8, EP 1/8 recv: 32 local, align1) bf16 "
+                                               "+ x_sf")
+    assert got == routed * h * 2 + routed * 4 + t * k * 4 + t * k * 4 + 4 + t * h  # x, x_sf, w, map, sf -> e4m3
+
+
+def test_moe_cases_list_without_a_gpu(capsys):
+    assert bench.main(["--list", "--quick", "--ops", "moe"]) == 0
+    out = capsys.readouterr().out
+    assert "| topk_gate | fp32 8192x256 top8 | 8.9 |" in out
+    assert out.count("| get_fused_mapping |") == 4 and "per_token_cast" not in out

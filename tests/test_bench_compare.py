@@ -6,10 +6,12 @@ import pytest
 import torch
 
 from tilefuse import _bench_compare as C
-from tilefuse import _peers, _registry, quant, transpose
+from tilefuse import _bench_moe, _peers, _registry, moe, quant, transpose
 from tilefuse._bench_grid import HIDDEN, TOKENS, grid_cases
 
 GRID = grid_cases()
+MOE_GRID = [c for c in GRID if c.name in _bench_moe.OPS]
+QT_GRID = [c for c in GRID if c.name not in _bench_moe.OPS]  # quant and transpose: the hidden-size grid
 # the small cases of the grid, run on the CPU (each op's reference path)
 SMALL = [c for c in GRID if c.tokens == 128 and ("x1536" in c.key or " 1536)" in c.key or "x3072" in c.key)]
 
@@ -23,9 +25,9 @@ def test_every_quant_and_transpose_kernel_op_is_in_the_grid():
 
 def test_grid_spans_hidden_sizes_and_token_counts():
     assert len(HIDDEN) >= 5 and min(HIDDEN) == 1536 and max(HIDDEN) == 18432
-    for name in {c.name for c in GRID}:
-        tokens = {c.tokens for c in GRID if c.name == name}
-        keys = {c.key for c in GRID if c.name == name}
+    for name in {c.name for c in QT_GRID}:
+        tokens = {c.tokens for c in QT_GRID if c.name == name}
+        keys = {c.key for c in QT_GRID if c.name == name}
         assert tokens >= {128, 4096} and tokens <= set(TOKENS), name
         assert len(keys) >= 5, name  # five hidden sizes (times the flag sets)
     ptc = {c.key.split("|")[1] for c in GRID if c.name == "per_token_cast"}
@@ -36,7 +38,7 @@ def test_grid_spans_hidden_sizes_and_token_counts():
 def test_every_grid_case_names_a_peer_or_a_reference():
     for c in GRID:
         assert c.ref is not None and (c.peers or c.name in ("per_token_cast_and_cast_back",)), c.key
-        assert c.key and c.tokens in TOKENS
+        assert c.key and c.tokens in (_bench_moe.TOKENS if c in MOE_GRID else TOKENS)
 
 
 @pytest.mark.parametrize("case", SMALL, ids=[c.key for c in SMALL])
@@ -182,3 +184,153 @@ def test_cli_rejects_unknown_peers_and_timers():
         bench.main(["--compare", "--peers", "tk3"])
     with pytest.raises(SystemExit):
         bench.main(["--timer", "wall"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# MoE routing cases (tilefuse/_bench_moe.py)
+# ---------------------------------------------------------------------------------------------------------------
+
+MOE_ONE = [c for c in MOE_GRID if c.tokens == 1]  # one-token cases: cheap to build and run on the CPU
+
+
+def test_moe_grid_covers_every_op_at_the_issue_shapes():
+    """Every MoE op (the alias is a --quick row only) at T in {1, 4096, 8192, 16384}; the gates also at 72 and 384
+    experts; the fused-layout and counting ops on the whole expert set and on an EP receive side."""
+    from tilefuse import bench
+
+    assert {c.name for c in MOE_GRID} == set(_bench_moe.OPS) - {"moe_topk_gate"}
+    quick = [c for c in bench._cases() if c.name in _bench_moe.OPS]
+    assert {c.name for c in quick} == set(_bench_moe.OPS) and all(c.tokens == 8192 for c in quick)
+    registered = {name.split(".", 1)[1] for name in _registry.load_all() if name.startswith("moe.")}
+    assert registered == set(_bench_moe.OPS)
+    for name in {c.name for c in MOE_GRID}:
+        assert {c.tokens for c in MOE_GRID if c.name == name} == {1, 4096, 8192, 16384}, name
+    for gate in ("topk_gate", "top2_sum_gate", "moe_topk_gate_forward", "moe_topk_gate_backward"):
+        widths = {C._grid_cell(C.case_label(c))[2] for c in MOE_GRID if c.name == gate}
+        assert widths == {72, 256, 384}, gate
+    v1 = [C.case_label(c) for c in quick if c.name == "top2_sum_gate"]
+    assert v1 and all("8192x256 top8 groups 8/4" in label for label in v1)
+    assert any("sqrtsoftplus +bias" in C.case_label(c) for c in quick if c.name == "moe_topk_gate_forward")
+    for name in ("get_fused_mapping", "expand_to_fused", "expand_to_fused_with_sf", "reduce_fused", "group_count"):
+        labels = [C.case_label(c) for c in MOE_GRID if c.name == name]
+        assert any("EP 1/8 recv" in label for label in labels) and any("256 experts" in label for label in labels)
+    sync = [C.case_label(c) for c in MOE_GRID if c.name == "get_fused_mapping"]
+    assert any("host sync" in label for label in sync) and any("force_no_sync" in label for label in sync)
+    assert any("-> e4m3" in C.case_label(c) for c in MOE_GRID if c.name == "reduce_fused")
+
+
+def test_moe_labels_are_unique_and_match_selects_them():
+    labels = [(c.name, C.case_label(c)) for c in MOE_GRID]
+    assert len(set(labels)) == len(labels)
+    quick = C.select_cases(True, ["moe"])
+    assert len({(c.name, C.case_label(c)) for c in quick}) == len(quick)
+    assert all(C.case_label(c) == c.make("meta", 1.0)[0] for c in quick)
+    picked = C.select_cases(False, ["moe"], match=r"^int64 16384x8 \(EP 1/8 recv")
+    assert picked and all(c.tokens == 16384 and c.name in _bench_moe.OPS for c in picked)
+    assert {c.name for c in picked} == {"get_fused_mapping", "aux_fi", "group_count"}
+    assert [c.key for c in C.select_cases(False, ["reduce_fused"], match="-> e4m3")] == [
+        c.key for c in MOE_GRID if c.name == "reduce_fused" and "-> e4m3" in C.case_label(c)]
+    assert [c.name for c in C.select_cases(True, ["topk_gate"], match="8192x256")] == ["topk_gate"]
+    # a 1.0.0 process keeps the v1 ops only
+    tk1 = {c.name for c in C.select_cases(True, ["moe"], ["tk1"])}
+    assert tk1 == set(_bench_moe.PEER_FUNCTIONS["tk1"])
+
+
+class _Recorder:
+    """A stand-in peer module: ``.moe`` is ours, recording which functions a peer adapter calls."""
+
+    def __init__(self):
+        self.called: list[str] = []
+        recorder = self
+
+        class Moe:
+            def __getattr__(self, name):
+                recorder.called.append(name)
+                return getattr(moe, name)
+
+        self.moe = Moe()
+
+
+@pytest.mark.parametrize("case", MOE_ONE, ids=[c.key for c in MOE_ONE])
+def test_moe_reference_and_peer_adapters_compute_our_op(case):
+    """One-token cases on the CPU: the torch.compile reference and each peer adapter (against a stand-in module
+    holding our ops) give our outputs by the case's own comparison, and each adapter calls the peer function of
+    the op's name, one that the peer has."""
+    torch.manual_seed(0)
+    _, inputs = case.make("cpu", 1.0)
+    ours = case.run(*C._clone(inputs))
+    ok, text = C._agree(case, "compile", ours, case.ref(*C._clone(inputs)))
+    assert ok, f"reference: {text}"
+    assert case.peers
+    for peer, call in case.peers.items():
+        stand_in = _Recorder()
+        ok, text = C._agree(case, peer, ours, call(stand_in, *C._clone(inputs)))
+        assert ok, f"{peer}: {text}"
+        assert stand_in.called == [case.name] and case.name in _bench_moe.PEER_FUNCTIONS[peer], peer
+
+
+def test_moe_peer_adapters_cover_each_peers_ops():
+    """The quick rows' adapters, recorded: TileKernels 2.1.0 is asked for its five MoE functions, 1.0.0 for its
+    twelve, and no case asks a peer for a function it lacks."""
+    from tilefuse import bench
+
+    asked: dict[str, set] = {}
+    for case in bench._cases():
+        if case.name not in _bench_moe.OPS:
+            continue
+        _, inputs = case.make("cpu", 1 / 64)
+        for peer, call in case.peers.items():
+            stand_in = _Recorder()
+            call(stand_in, *C._clone(inputs))
+            asked.setdefault(peer, set()).update(stand_in.called)
+    assert asked == {p: set(names) for p, names in _bench_moe.PEER_FUNCTIONS.items()}
+
+
+def test_routing_draw_is_gate_like():
+    rows, local = _bench_moe.routing(2000)
+    assert local == 256 and len(rows) == 2000
+    assert all(len(set(r)) == 8 and all(0 <= e < 256 for e in r) for r in rows)
+    recv, local = _bench_moe.routing(2000, 8)
+    assert local == 32 and len(recv) == 2000
+    assert all(any(e >= 0 for e in r) and all(-1 <= e < 32 for e in r) for r in recv)
+    assert any(-1 in r for r in recv)
+    kept = [e for r in recv for e in r if e >= 0]
+    assert len(set(kept)) == 32 and all(len({e for e in r if e >= 0}) == sum(e >= 0 for e in r) for r in recv)
+    assert _bench_moe.routing(100, 8) == _bench_moe.routing(100, 8)  # rebuilt inputs have the same shapes
+
+
+def test_fused_mapping_agree_ignores_only_the_in_segment_order():
+    """Upstream's row order (the reference's num_sms order model) agrees order-free with ours; a map that points a
+    slot at another row of its segment, or different segments, does not."""
+    from tilefuse.reference import moe as R
+
+    rows, local = _bench_moe.routing(300, 8, seed=3)
+    idx = torch.tensor(rows, dtype=torch.int64)
+    ours = moe.get_fused_mapping(idx, local, 0, 16)
+    upstream = R.get_fused_mapping(idx, local, 0, 16, num_sms=7)
+    assert not _peers.agree(ours[:7], upstream[:7], True)[0]  # the order differs ...
+    assert _peers.fused_mapping_agree(ours, upstream) == (True, "bitwise up to the row order inside segments")
+    assert _peers.fused_mapping_agree(ours, ours) == (True, "bitwise")
+    bound = (idx.numel() + 15 * local) // 16 * 16
+    no_sync = moe.get_fused_mapping(idx, local, bound, 16, True)
+    assert _peers.fused_mapping_agree(no_sync, R.get_fused_mapping(idx, local, bound, 16, True, num_sms=132))[0]
+    bad = list(upstream)
+    tt2p = bad[3].clone()
+    a, b = [(t, k) for t in range(idx.size(0)) for k in range(8) if rows[t][k] == 0][:2]
+    tt2p[a], tt2p[b] = upstream[3][b], upstream[3][a]  # two slots of expert 0 swap rows: the maps disagree
+    bad[3] = tt2p
+    assert not _peers.fused_mapping_agree(ours, tuple(bad))[0]
+    assert not _peers.fused_mapping_agree(ours, moe.get_fused_mapping(idx, local, 0, 32))[0]
+
+
+def test_in_place_cases_are_restored_outside_the_timed_call():
+    case = next(c for c in _bench_moe.quick_cases(["inplace_unique_group_indices"]))
+    assert case.in_place
+    _, inputs = case.make("cpu", 1 / 64)
+    original = C._clone(inputs)
+    restore = C._restorer(case, inputs)
+    out = case.run(*inputs)
+    assert out is inputs[0] and not torch.equal(inputs[0], original[0])  # the draw has repeated groups
+    restore()
+    assert torch.equal(inputs[0], original[0])
+    assert C._restorer(MOE_ONE[0], MOE_ONE[0].make("cpu", 1.0)[1]) is None

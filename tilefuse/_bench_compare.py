@@ -9,6 +9,10 @@ Timers (named in every table):
 - ``stream``: ``bench.median_us``, back-to-back calls over rotating input sets. It flatters kernels that overlap
   their neighbours (PDL), so it is never used for a speedup.
 
+In-place cases (``Case.in_place``: ``inplace_unique_group_indices``) are restored from a pristine copy before each
+isolated call, ahead of the flush (untimed); the stream timer cannot do that, so its back-to-back calls after the
+first see an already de-duplicated input (the same reads, fewer writes).
+
 The ceiling of a row is a device copy of the same number of bytes (bytes read + written), timed the same way
 in the same run; the 2 GiB copy is reported beside it. TileKernels 1.0.0 runs in a second process (both releases
 are ``tile_kernels``), which times its cases on us and on 1.0.0 the same way; its rows are merged by case.
@@ -35,12 +39,15 @@ _FLUSH = None
 _COPY_CACHE: dict[int, float] = {}
 
 
-def isolated_us(fn, reps: int = 25, warmup: int = 2) -> float:
-    """Median µs of ``fn()`` timed alone after an L2 flush (see the module docstring)."""
+def isolated_us(fn, reps: int = 25, warmup: int = 2, setup=None) -> float:
+    """Median µs of ``fn()`` timed alone after an L2 flush (see the module docstring). ``setup()``, where given,
+    runs before each call's flush, outside the timed region (an in-place op's inputs restored)."""
     global _FLUSH
     if _FLUSH is None:
         _FLUSH = torch.empty(_FLUSH_BYTES, dtype=torch.int8, device="cuda")
     for _ in range(warmup):
+        if setup is not None:
+            setup()
         fn()
     torch.cuda.synchronize()
     sleep, times = _ISO_SLEEP_CYCLES, []
@@ -48,6 +55,8 @@ def isolated_us(fn, reps: int = 25, warmup: int = 2) -> float:
         marks = []
         for _ in range(reps - len(times)):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if setup is not None:
+                setup()
             _FLUSH.zero_()
             torch.cuda._sleep(sleep)
             start.record()
@@ -103,6 +112,24 @@ def _peer_fn(case, peer: str):
     return lambda *inputs: call(module, *inputs)
 
 
+def _restorer(case, inputs):
+    """For an in-place case, ``setup()`` copying a pristine clone back into ``inputs`` (None otherwise)."""
+    if not getattr(case, "in_place", False):
+        return None
+    pairs = list(zip(_peers.tensors(inputs), _peers.tensors(_clone(inputs))))
+
+    def setup():
+        for work, pristine in pairs:
+            work.copy_(pristine)
+    return setup
+
+
+def _agree(case, peer: str, ours, theirs) -> tuple[bool, str]:
+    """The case's comparison for ``peer`` (``Case.check``), else ``_peers.agree`` with the case's exactness."""
+    check = (getattr(case, "check", None) or {}).get(peer)
+    return check(ours, theirs) if check is not None else _peers.agree(ours, theirs, case.exact)
+
+
 def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ''}"
 
@@ -126,14 +153,17 @@ def measure(case, peers: list[str], timers: tuple[str, ...], with_compile: bool 
         ours = case.run(*_clone(inputs))
         nbytes = counted_bytes(inputs, ours)
         row["bytes"] = nbytes
+        restore = _restorer(case, inputs)  # in-place ops: each isolated call sees the original input
         if "isolated" in timers:
-            row["us"] = isolated_us(lambda: case.run(*inputs))
+            row["us"] = isolated_us(lambda: case.run(*inputs), setup=restore)
             row["copy_us"] = copy_us(nbytes)
         if "stream" in timers:
             sets = [inputs] + [case.make("cuda", 1.0)[1]
                                for _ in range(min(3, -(-_L2_ROTATE_BYTES // max(1, _nbytes(inputs))) - 1))]
             row["stream_us"] = median_us(lambda i: case.run(*sets[i % len(sets)]), len(sets))
             del sets
+        if restore is not None:
+            restore()  # the peers see the original input too
     except Exception as exc:  # our op failed on this case: say so, keep going
         row.setdefault("shape", "?")
         row["error"] = _error(exc)
@@ -146,13 +176,15 @@ def measure(case, peers: list[str], timers: tuple[str, ...], with_compile: bool 
             if fn is None:
                 continue
             theirs = fn(*_clone(inputs))
-            ok, text = _peers.agree(ours, theirs, case.exact)
+            ok, text = _agree(case, peer, ours, theirs)
             entry = {"agree": ok, "check": text}
             if "isolated" in timers:
-                entry["us"] = isolated_us(lambda: fn(*inputs))
+                entry["us"] = isolated_us(lambda: fn(*inputs), setup=restore)
                 entry["speedup"] = entry["us"] / row["us"]
             else:
                 entry["stream_us"] = median_us(lambda i: fn(*inputs), 1)
+            if restore is not None:
+                restore()
             del theirs
         except Exception as exc:  # a peer that fails on a case gets a row that says so
             entry = {"error": _error(exc)}

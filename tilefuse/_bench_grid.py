@@ -1,4 +1,6 @@
-"""The bench grid: every quant and transpose op over the hidden sizes, token counts and flag sets users call.
+"""The bench grid: every quant and transpose op over the hidden sizes, token counts and flag sets users call, and
+the MoE routing ops over theirs (``tilefuse._bench_moe``: T in {1, 4096, 8192, 16384}, 256 experts top-8, the
+gates also at 72 and 384 experts).
 
 Hidden sizes come from public model configs (DeepSeek-V3: q_lora_rank 1536, moe_intermediate 2048, hidden 7168,
 intermediate 18432; Llama-3-8B: hidden 4096); token counts are 1 (decode), 128, 4096 and 16384 (prefill and
@@ -242,6 +244,11 @@ def grid_cases(ops: list[str] | None = None) -> list:
             lambda t, h, d, dt=dt: (_randn((8, t, h), dt, d),),
             lambda ns, x: ns.batched_transpose(x), lambda x: x.transpose(1, 2).contiguous(), tk2=False, tk1=True,
             tokens=TOKENS[1:3], area="transpose")
+
+    # MoE routing (moe.md): their own token counts, expert counts and routing draws (tilefuse._bench_moe)
+    from tilefuse import _bench_moe
+
+    cases += _bench_moe.grid_cases(ops)
     return cases
 
 

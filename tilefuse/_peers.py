@@ -93,3 +93,37 @@ def agree(ours, theirs, exact: bool) -> tuple[bool, str]:
     if worst == 0.0:
         return True, "bitwise"
     return worst < 1e-6, f"calc_diff {worst:.1e}"
+
+
+def _canonical_fused_mapping(res) -> tuple:
+    """``get_fused_mapping``'s seven tensors with the rows of each expert segment put in ascending flat-slot order
+    (``pos_to_token_topk``; padding rows last), ``token_topk_to_pos`` renumbered to match. Upstream orders a
+    segment's rows by SM worker (moe.md 1.5), ours by token: any consistent layout of the same segments maps to
+    one canonical form, and an inconsistent one (a map pointing at the wrong row) does not."""
+    p2e, p2t, p2tt, tt2p, start, end, counts = res[:7]
+    n = p2e.numel()
+    pos = torch.arange(n, device=p2e.device)
+    segment = torch.searchsorted(end.to(torch.int64).contiguous(), pos, right=True)  # E for the tail past the total
+    slots = tt2p.numel()
+    key = segment * (slots + 1) + torch.where(p2tt >= 0, p2tt.to(torch.int64), slots)
+    perm = torch.sort(key, stable=True).indices
+    inv = torch.empty_like(perm)
+    inv[perm] = pos
+    old = tt2p.to(torch.int64)
+    new = torch.where(old >= 0, inv[old.clamp(0, max(n - 1, 0))] if n else old, old).to(tt2p.dtype)
+    return p2e[perm], p2t[perm], p2tt[perm], new, start, end, counts
+
+
+def fused_mapping_agree(ours, theirs) -> tuple[bool, str]:
+    """``agree`` for ``get_fused_mapping``: the count lists equal, the segments (starts, ends, aligned counts)
+    bitwise equal, and the maps bitwise equal after both are put in the canonical in-segment order."""
+    if list(ours[7]) != list(theirs[7]):
+        return False, "num_tokens_per_expert lists differ"
+    for i in range(7):
+        if tuple(ours[i].shape) != tuple(theirs[i].shape) or ours[i].dtype != theirs[i].dtype:
+            return False, f"output {i}: {tuple(ours[i].shape)} {ours[i].dtype} vs {tuple(theirs[i].shape)} " \
+                          f"{theirs[i].dtype}"
+    if agree(ours[:7], theirs[:7], True)[0]:
+        return True, "bitwise"
+    ok, text = agree(_canonical_fused_mapping(ours), _canonical_fused_mapping(theirs), True)
+    return ok, "bitwise up to the row order inside segments" if ok else f"canonical order: {text}"

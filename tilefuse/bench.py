@@ -2,8 +2,8 @@
 host overhead (DESIGN.md).
 
 The cases: the grid of ``tilefuse._bench_grid`` (every quant and transpose op over hidden sizes, token counts and
-flag sets), or with ``--quick`` the showcase rows of ``_cases`` (one per op and flag set, at the spec's benchmark
-shapes, quant.md 7.3). ``tilefuse._bench_compare`` times them: each call alone after an L2 flush (``isolated``, the
+flag sets; the MoE routing ops of ``tilefuse._bench_moe``), or with ``--quick`` the showcase rows of ``_cases`` (one
+per op and flag set, at the spec's benchmark shapes, quant.md 7.3; MoE at T = 8192, 256 experts, top-8). ``tilefuse._bench_compare`` times them: each call alone after an L2 flush (``isolated``, the
 default) or back to back (``stream``, :func:`median_us`), with a device copy of the same bytes and the 2 GiB copy
 as ceilings; ``--compare`` adds the peers (``tilefuse._peers``). GB/s counts each input read once and each output
 written once (decimal). Every case calls the public op; ``--list`` prints each case's shape and bytes without a
@@ -85,7 +85,10 @@ class Case(NamedTuple):
     benchmark shape times ``scale`` (each dimension kept on its alignment); ``run(*inputs)`` calls the public
     op; ``ref(*inputs)``, where given, is the reference timed under ``torch.compile``; ``peers`` maps a peer
     (``tilefuse._peers``) to ``fn(peer_module, *inputs)``, the same op in the peer's API; ``exact``: the spec makes
-    the outputs bit-exact (else peers are compared by ``calc_diff``)."""
+    the outputs bit-exact (else peers are compared by ``calc_diff``); ``check`` maps a peer to its own comparison
+    ``fn(ours, theirs) -> (ok, text)`` where ``_peers.agree(exact)`` is not the rule (e.g. get_fused_mapping's
+    order-free one); ``in_place``: the op writes its inputs, so the isolated timer restores them from a pristine
+    copy before each timed call (outside the timed region)."""
     name: str
     make: Callable[[str, float], tuple[str, tuple]]
     run: Callable[..., object]
@@ -94,6 +97,8 @@ class Case(NamedTuple):
     exact: bool = True
     key: str = ""  # cases with one key launch the same kernels (they differ in the token count only)
     tokens: int = 0  # the grid's token count
+    check: dict | None = None
+    in_place: bool = False
 
 
 def _dim(n: int, scale: float, align: int = 1) -> int:
@@ -363,6 +368,11 @@ def _cases() -> list[Case]:
     row("batched_transpose", batched, lambda ns, x: ns.batched_transpose(x), lambda x: x.transpose(1, 2).contiguous(),
         "tk1", area="transpose")
     row("transpose", strided, lambda ns, x: ns.transpose(x), lambda x: x.t().contiguous(), "tk1", area="transpose")
+
+    # MoE routing (moe.md; issue 25): T = 8192, 256 experts, top-8, hidden 7168 (tilefuse._bench_moe)
+    from tilefuse import _bench_moe
+
+    cases += _bench_moe.quick_cases()
     return cases
 
 
@@ -371,7 +381,8 @@ def list_cases(scale: float = 1.0, ops: list[str] | None = None, quick: bool = T
     """Each case's name, shape and bench bytes, without a GPU: inputs and outputs are fake tensors (shapes
     only, nothing computed), the outputs from the public op's CPU reference. A reference that reads data
     (a data-dependent check) runs on real CPU tensors instead."""
-    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+    from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
+                                               FakeTensorMode)
 
     from tilefuse._bench_compare import select_cases
 
@@ -381,7 +392,7 @@ def list_cases(scale: float = 1.0, ops: list[str] | None = None, quick: bool = T
             with FakeTensorMode():
                 shape, inputs = case.make("cpu", scale)
                 nbytes = counted_bytes(inputs, case.run(*inputs))
-        except DataDependentOutputException:
+        except (DataDependentOutputException, DynamicOutputShapeException):
             shape, inputs = case.make("cpu", scale)
             nbytes = counted_bytes(inputs, case.run(*inputs))
         rows.append({"op": case.name, "shape": shape, "bytes": nbytes})
@@ -411,24 +422,29 @@ def _trace_configs(ops: list[str] | None, grid: bool = True) -> list[tuple[str, 
     replaced by a recorder."""
     import warnings
 
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
+                                               FakeTensorMode)
 
-    from tilefuse import _jit
+    from tilefuse import _jit, _registry
     from tilefuse._bench_compare import select_cases
 
+    registry = _registry.load_all()
     seen: dict[tuple[str, tuple], None] = {}
     real_get, real_getitem = _jit.get, torch.Tensor.__getitem__
 
     def getitem(t, index):
-        """Basic indexing (ints, unit-step slices) as select/narrow: Python indexing of a fake CUDA tensor
-        asks for a CUDA device guard, which a CPU-only torch lacks."""
+        """Basic indexing (ints, unit-step slices, None) as select/narrow/unsqueeze: Python indexing of a fake
+        CUDA tensor asks for a CUDA device guard, which a CPU-only torch lacks."""
         if not isinstance(index, tuple):
             index = (index,)
-        if not all(isinstance(i, int) or (isinstance(i, slice) and i.step in (None, 1)) for i in index):
+        if not all(i is None or isinstance(i, int) or (isinstance(i, slice) and i.step in (None, 1)) for i in index):
             return real_getitem(t, index)
         dim = 0
         for i in index:
-            if isinstance(i, int):
+            if i is None:  # a new axis (e.g. a row mask broadcast as mask[:, None])
+                t = t.unsqueeze(dim)
+                dim += 1
+            elif isinstance(i, int):
                 t = t.select(dim, i)
             else:
                 start, stop, _ = i.indices(t.size(dim))
@@ -440,25 +456,43 @@ def _trace_configs(ops: list[str] | None, grid: bool = True) -> list[tuple[str, 
         seen[(name, config)] = None
         return lambda *args: None
 
-    _jit.get, torch.Tensor.__getitem__ = record, getitem
+    def contiguous(t, memory_format=torch.contiguous_format):
+        return t if t.is_contiguous(memory_format=memory_format) else t.clone(memory_format=memory_format)
+
+    # ``~t`` and ``t.contiguous()`` of a fake CUDA tensor ask for the device guard too; these spellings do not
+    real = (torch.Tensor.__getitem__, torch.Tensor.__invert__, torch.Tensor.contiguous)
+    _jit.get = record
+    torch.Tensor.__getitem__, torch.Tensor.__invert__, torch.Tensor.contiguous = (
+        getitem, lambda t: torch.bitwise_not(t), contiguous)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # data_ptr() of a fake tensor (the launchers' alignment checks)
             quick = select_cases(True, ops)
             for case in quick + (select_cases(False, ops) if grid else []):
+                if registry.get(f"{_area(case.name)}.{case.name}", {}).get("path") == "reference":
+                    continue  # no kernel yet: CUDA tensors take the reference, which launches nothing to trace
                 try:
                     with FakeTensorMode(allow_non_fake_inputs=True):
                         case.run(*case.make("cuda", 1.0)[1])
+                except (DataDependentOutputException, DynamicOutputShapeException):
+                    # the op syncs with the host (get_fused_mapping with N = 0 reads the counts back): shapes alone
+                    # cannot run it; its kernels are the ones the same op's no-sync case traces
+                    continue
                 except Exception as exc:  # a launcher step fake CUDA tensors cannot take: say which case
                     if case in quick:  # the grid's cases that make inputs with our ops are compiled on first use
                         raise RuntimeError(f"bench_configs: the {case.name} case failed on fake CUDA tensors: "
                                            f"{type(exc).__name__}: {exc}") from exc
     finally:
-        _jit.get, torch.Tensor.__getitem__ = real_get, real_getitem
+        _jit.get = real_get
+        torch.Tensor.__getitem__, torch.Tensor.__invert__, torch.Tensor.contiguous = real
     return list(seen)
 
 
 def _area(name: str) -> str:
+    from tilefuse._bench_moe import OPS as MOE_OPS
+
+    if name in MOE_OPS:
+        return "moe"
     return "transpose" if name in ("transpose", "batched_transpose") else "quant"
 
 
@@ -667,7 +701,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m tilefuse bench")
     parser.add_argument("--list", action="store_true",
                         help="print the cases (op, shape, bytes) without running them (no GPU needed)")
-    parser.add_argument("--ops", nargs="*", default=None, help="op names or areas (quant, transpose)")
+    parser.add_argument("--ops", nargs="*", default=None, help="op names or areas (quant, transpose, moe)")
     parser.add_argument("--quick", action="store_true",
                         help="only the showcase rows (one per op and flag set) instead of the whole grid")
     parser.add_argument("--match", default=None, metavar="REGEX",

@@ -1,0 +1,334 @@
+"""The bench cases of the MoE routing ops (``tilefuse.moe``, moe.md): the ``--quick`` rows and the grid rows.
+
+Shapes are issue #25's: T = 8192 tokens, 256 routed experts, top-8, hidden 7168 (bf16; e4m3 + per-token sf for
+``expand_to_fused_with_sf``); the v1 gate (``top2_sum_gate``) with 8 groups / top-4 groups, the v2.1 gate
+(``moe_topk_gate_forward``) with sqrt-softplus and a bias. The grid adds T = 1 (one-token gate calls), 4096 and
+16384, and for the gates E in {72, 384} (no group limit there: 384 experts in 8 groups would be 48 per group, over
+the kernel's 32).
+
+Routing indices come from a gate-like draw in plain Python (so the cases also build on fake tensors): every row
+picks ``top-8`` distinct experts of 256 uniformly. Two index spaces:
+
+- ``ep1``: one rank holds all 256 experts (the gate's own output; no -1);
+- ``ep8`` ("EP 1/8 recv"): the receive side of EP rank 0 of 8 (moe.md 1.6): 32 local experts, slots routed
+  elsewhere are -1, rows with no local slot are redrawn (a received token has at least one), so the row count
+  stays T.
+
+The fused-layout inputs (maps, fused rows) are built once per case by our own public ops, the sizes from the
+draw's counts (no host sync). ``reduce_fused`` reads a fused buffer of exactly the routed rows (alignment 1), so
+"each input read once" holds for it: with padded segments the padding rows would be counted but never read.
+
+The labels hold the token count as ``{T}x`` (``_bench_compare.case_label`` and ``--match`` read it from the key).
+Bytes are the harness's rule (each input tensor read once, each output tensor written once). Agreement: bitwise
+where moe.md says exact; ``calc_diff`` for the gates' weights and ``aux_fi`` (upstream's weights, atomics and the
+backward's fast math are not bit-exact), and for 2.1.0's ``normalize_weight`` (its butterfly denominator);
+``get_fused_mapping`` order-free (``_peers.fused_mapping_agree``: upstream orders a segment's rows by SM worker).
+``inplace_unique_group_indices`` is ``Case.in_place``: the isolated timer restores its input before each call.
+
+Peers: TileKernels 2.1.0 (``tk2``) has ``topk_gate``, ``normalize_weight``, ``moe_topk_gate_forward`` /
+``moe_topk_gate`` and ``moe_topk_gate_backward``; TileKernels 1.0.0 (``tk1``, a second process) has the v1 ops.
+Every peer call is written once against the module that holds the ops (``tilefuse.moe`` / ``tile_kernels.moe``):
+the signatures agree (moe.md 2, 5.2).
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from tilefuse.bench import _dim, _randn
+
+OPS = ("topk_gate", "top2_sum_gate", "topk_sum_and_topk_group_idx", "moe_topk_gate_forward", "moe_topk_gate",
+       "moe_topk_gate_backward", "normalize_weight", "get_fused_mapping", "expand_to_fused",
+       "expand_to_fused_with_sf", "reduce_fused", "aux_fi", "group_count", "inplace_unique_group_indices",
+       "mask_indices_by_tp")
+TOKENS = (1, 4096, 8192, 16384)
+QUICK_TOKENS = 8192
+EXPERTS = 256
+GATE_EXPERTS = (256, 72, 384)
+TOPK = 8
+HIDDEN = 7168
+ALIGN = 128          # the fused layout's segment alignment (upstream's get_fused_mapping benchmark)
+RSF = 2.5            # routed_scaling_factor (DeepSeek-V3)
+EP_RANKS = 8         # the receive-side cases: EP rank 0 of 8
+# peer -> the tile_kernels.moe functions its adapters call (the tests check the adapters against this)
+PEER_FUNCTIONS = {
+    "tk2": ("topk_gate", "normalize_weight", "moe_topk_gate_forward", "moe_topk_gate", "moe_topk_gate_backward"),
+    "tk1": ("topk_gate", "top2_sum_gate", "topk_sum_and_topk_group_idx", "normalize_weight", "get_fused_mapping",
+            "expand_to_fused", "expand_to_fused_with_sf", "reduce_fused", "aux_fi", "group_count",
+            "inplace_unique_group_indices", "mask_indices_by_tp"),
+}
+
+
+def routing(tokens: int, ranks: int = 1, experts: int = EXPERTS, topk: int = TOPK,
+            seed: int = 0) -> tuple[list[list[int]], int]:
+    """``(rows, local experts)``: ``tokens`` rows of ``topk`` distinct experts of ``experts`` drawn uniformly; with
+    ``ranks > 1`` the receive side of rank 0 (local ids ``< experts // ranks``, others -1, no all -1 row)."""
+    rng = random.Random(seed * 1_000_003 + tokens * 31 + ranks)
+    local = experts // ranks
+    rows = []
+    for _ in range(tokens):
+        while True:
+            row = [e if e < local else -1 for e in rng.sample(range(experts), topk)]
+            if ranks == 1 or any(e >= 0 for e in row):
+                break
+        rows.append(row)
+    return rows, local
+
+
+def _counts(rows: list[list[int]], experts: int) -> list[int]:
+    counts = [0] * experts
+    for row in rows:
+        for e in row:
+            if e >= 0:
+                counts[e] += 1
+    return counts
+
+
+def _aligned_total(rows, experts: int, align: int) -> int:
+    return sum(-(-c // align) * align for c in _counts(rows, experts))
+
+
+_EP = {1: "256 experts", EP_RANKS: f"EP 1/{EP_RANKS} recv: 32 local"}
+
+
+class _Spec:
+    """One MoE case family: ``label(T)``, ``make(T, H, device) -> inputs``, ``call(ns, *inputs)`` for us and the
+    peers (``ns`` = ``tilefuse.moe`` or ``tile_kernels.moe``), the torch.compile reference, the peers, agreement."""
+
+    def __init__(self, name, label, make, call, ref, peers=("tk1",), exact=True, check=None, in_place=False,
+                 tokens=TOKENS, quick=True):
+        self.name, self.label, self.make, self.call, self.ref = name, label, make, call, ref
+        self.peers, self.exact, self.check, self.in_place, self.tokens, self.quick = (
+            peers, exact, check, in_place, tokens, quick)
+
+    def case(self, t: int):
+        from tilefuse import moe as ours
+        from tilefuse.bench import Case
+
+        call = self.call
+
+        def make(device, scale, t=t):
+            tt, h = _dim(t, scale), _dim(HIDDEN, scale, 256)
+            label = self.label(tt)
+            if h != HIDDEN:
+                label = label.replace(f"x{HIDDEN}", f"x{h}")
+            return label, self.make(tt, h, device)
+
+        peers = {p: (lambda tk, *a: call(tk.moe, *a)) for p in self.peers}
+        return Case(self.name, make, lambda *a: call(ours, *a), self.ref, peers, self.exact,
+                    f"{self.name}|{self.label(0)}", t, self.check, self.in_place)
+
+
+def _specs() -> list[_Spec]:
+    from tilefuse import _peers
+    from tilefuse import moe as M
+    from tilefuse import quant as Q
+    from tilefuse.reference import moe as R
+
+    specs: list[_Spec] = []
+    close = {"tk2": lambda o, t: _peers.agree(o, t, False)}  # v2.1's butterfly denominator vs v1's sequential one
+
+    # --- gates (moe.md 2.1-2.4, 2.13-2.14) ---------------------------------------------------------------------
+    for e in GATE_EXPERTS:
+        quick = e == EXPERTS
+        specs.append(_Spec(
+            "topk_gate", lambda t, e=e: f"fp32 {t}x{e} top{TOPK}",
+            lambda t, h, d, e=e: (_randn((t, e), torch.float32, d),),
+            lambda ns, s: ns.topk_gate(s, TOPK), lambda s: R.stable_topk(s, TOPK), ("tk2", "tk1"), quick=quick))
+
+        # v1 gate: 256 experts in 8 groups, top-4 groups (DeepSeek-V3); 72 and 384 without a group limit
+        groups = (8, 4) if e == EXPERTS else (0, 0)
+        for scoring in (("sigmoid", "sqrtsoftplus", "softmax") if e == EXPERTS else ("sigmoid",)):
+            tag = f"groups {groups[0]}/{groups[1]}" if groups[0] else "no groups"
+            specs.append(_Spec(
+                "top2_sum_gate", lambda t, e=e, tag=tag, s=scoring: f"fp32 {t}x{e} top{TOPK} {tag} {s} +bias rsf{RSF}",
+                lambda t, h, d, e=e: (_randn((t, e), torch.float32, d), 0.1 * torch.randn(e, device=d)),
+                lambda ns, x, b, g=groups, s=scoring: ns.top2_sum_gate(x, b, TOPK, g[1], g[0], False, 0, RSF, 0, 1, 0,
+                                                                        1, s),
+                lambda x, b, g=groups, s=scoring: R.top2_sum_gate(x, b, TOPK, g[1], g[0], False, 0, RSF, 0, 1, 0, 1,
+                                                                  s),
+                exact=False, quick=quick))
+
+        g, n = (12, 32) if e == 384 else (8, e // 8)  # <= 32 groups; the gate's group layout where it has one
+        specs.append(_Spec(
+            "topk_sum_and_topk_group_idx", lambda t, g=g, n=n: f"fp32 {t}x{g}x{n} top2-sum top4 groups",
+            lambda t, h, d, g=g, n=n: (_randn((t, g, n), torch.float32, d),),
+            lambda ns, s: ns.topk_sum_and_topk_group_idx(s, 2, 4), lambda s: R.topk_sum_and_topk_group_idx(s, 2, 4),
+            quick=quick))
+
+        def gate_inputs(t, h, d, e=e):
+            return _randn((t, e), torch.float32, d), 0.1 * torch.randn(e, device=d)
+
+        def v2_fwd(ns, x, b):
+            return ns.moe_topk_gate_forward(x, TOPK, False, 0, RSF, 0, "sqrtsoftplus", bias=b)
+
+        def v2_fwd_train(ns, x, b):
+            """The training call: the unbiased scores (the backward's input) as a third output. Without a physical
+            map or masks the indices are the logical ones the backward takes: no ``unmapped_topk_idx`` needed."""
+            scores = torch.empty_like(x)
+            idx, w = ns.moe_topk_gate_forward(x, TOPK, False, 0, RSF, 0, "sqrtsoftplus", bias=b, scores=scores)
+            return idx, w, scores
+
+        base = f"top{TOPK} sqrtsoftplus +bias rsf{RSF}"
+        specs.append(_Spec("moe_topk_gate_forward", lambda t, e=e: f"fp32 {t}x{e} {base}", gate_inputs, v2_fwd,
+                           lambda x, b: v2_fwd(R, x, b), ("tk2",), exact=False, quick=quick))
+        specs.append(_Spec("moe_topk_gate_forward", lambda t, e=e: f"fp32 {t}x{e} {base} -> scores",
+                           gate_inputs, v2_fwd_train, lambda x, b: v2_fwd_train(R, x, b), ("tk2",), exact=False,
+                           quick=quick))
+        if quick:
+            specs.append(_Spec("moe_topk_gate", lambda t, e=e: f"fp32 {t}x{e} {base} (alias)", gate_inputs,
+                               lambda ns, x, b: ns.moe_topk_gate(x, TOPK, False, 0, RSF, 0, "sqrtsoftplus", bias=b),
+                               lambda x, b: v2_fwd(R, x, b), ("tk2",), exact=False, tokens=(), quick=True))
+
+        for aux in (False, True):
+            def bwd_inputs(t, h, d, e=e, aux=aux, gate_inputs=gate_inputs):
+                """The backward of the training forward above: its scores, (logical) indices and weights, a random
+                weight gradient; with ``aux`` the sequence-level term (one sequence, every token in the mask)."""
+                x, b = gate_inputs(t, h, d)
+                scores = torch.empty_like(x)
+                idx, w = M.moe_topk_gate_forward(x, TOPK, False, 0, RSF, 0, "sqrtsoftplus", bias=b, scores=scores)
+                extra = (torch.ones(t, dtype=torch.bool, device=d), torch.randn(1, e, device=d)) if aux else ()
+                return (scores, idx.contiguous(), w.contiguous(), torch.randn(t, TOPK, device=d), *extra)
+
+            specs.append(_Spec(
+                "moe_topk_gate_backward",
+                lambda t, e=e, aux=aux: f"fp32 {t}x{e} top{TOPK} sqrtsoftplus rsf{RSF} grad"
+                                        + (" + aux (1 seq)" if aux else ""),
+                bwd_inputs, lambda ns, *a: ns.moe_topk_gate_backward(*a[:4], RSF, "sqrtsoftplus", *a[4:]),
+                lambda *a: R.moe_topk_gate_backward(*a[:4], RSF, "sqrtsoftplus", *a[4:]), ("tk2",), exact=False,
+                quick=quick))
+
+    specs.append(_Spec(
+        "normalize_weight", lambda t: f"fp32 {t}x{TOPK}", lambda t, h, d: (torch.rand(t, TOPK, device=d),),
+        lambda ns, w: ns.normalize_weight(w), R.normalize_weight, ("tk2", "tk1"), check=close))
+
+    # --- fused layout (moe.md 1.5, 2.5-2.8) ---------------------------------------------------------------------
+    def idx_of(t, ranks, d):
+        rows, local = routing(t, ranks)
+        return rows, local, torch.tensor(rows, dtype=torch.int64, device=d).view(t, TOPK)
+
+    def fused_maps(t, ranks, d, align):
+        """topk_idx, its fused maps (our get_fused_mapping; the size from the draw's counts, no host sync)."""
+        rows, local, idx = idx_of(t, ranks, d)
+        maps = M.get_fused_mapping(idx, local, _aligned_total(rows, local, align), align, True)
+        return rows, local, idx, maps
+
+    fused_check = {p: _peers.fused_mapping_agree for p in ("tk1", "compile")}
+    for ranks in (1, EP_RANKS):
+        ep = _EP[ranks]
+        for sync in (True, False):
+            flag = "N=0 (host sync, trimmed)" if sync else "force_no_sync, N = upper bound"
+
+            def gfm_make(t, h, d, ranks=ranks):
+                return (idx_of(t, ranks, d)[2],)
+
+            def gfm(ns, idx, local=EXPERTS // ranks, sync=sync):
+                if sync:
+                    return ns.get_fused_mapping(idx, local, 0, ALIGN)
+                bound = (idx.numel() + (ALIGN - 1) * local) // ALIGN * ALIGN  # what a caller that cannot sync passes
+                return ns.get_fused_mapping(idx, local, bound, ALIGN, True)
+
+            specs.append(_Spec("get_fused_mapping",
+                               lambda t, ep=ep, flag=flag: f"int64 {t}x{TOPK} ({ep}) align{ALIGN} {flag}",
+                               gfm_make, gfm, lambda idx, gfm=gfm: gfm(R, idx), check=fused_check))
+
+        def etf_make(t, h, d, ranks=ranks):
+            _, _, _, maps = fused_maps(t, ranks, d, ALIGN)
+            return _randn((t, h), torch.bfloat16, d), maps[3], maps[0]
+
+        specs.append(_Spec(
+            "expand_to_fused", lambda t, ep=ep: f"bf16 {t}x{HIDDEN} -> fused rows (top{TOPK}, {ep}, align{ALIGN})",
+            etf_make, lambda ns, x, tt2p, p2e: ns.expand_to_fused(x, tt2p, p2e), R.expand_to_fused))
+
+        for col in (False, True):
+            layout = "col ue8m0 sf (int32)" if col else "row fp32 sf"
+
+            def etfsf_make(t, h, d, ranks=ranks, col=col):
+                """The per-token e4m3 cast (npc 128, round) of a bf16 randn; the sf made row-major contiguous, as
+                the op takes it (moe.md 2.7), packed UE8M0 int32 for the column-major output."""
+                _, _, _, maps = fused_maps(t, ranks, d, ALIGN)
+                data, sf = Q.per_token_cast(_randn((t, h), torch.bfloat16, d), "e4m3", 128, None, col, True, col)
+                return (data, sf.contiguous()), maps[3], maps[0]
+
+            specs.append(_Spec(
+                "expand_to_fused_with_sf",
+                lambda t, ep=ep, layout=layout: f"e4m3 pair {t}x{HIDDEN} npc128 {layout} -> fused rows "
+                                                f"(top{TOPK}, {ep}, align{ALIGN})",
+                etfsf_make, lambda ns, x, tt2p, p2e, col=col: ns.expand_to_fused_with_sf(x, 128, tt2p, p2e, col),
+                lambda x, tt2p, p2e, col=col: R.expand_to_fused_with_sf(x, 128, tt2p, p2e, col)))
+
+        for fp8 in (False, True):
+            def rf_make(t, h, d, ranks=ranks, fp8=fp8):
+                """Expert outputs in the fused layout of the draw (alignment 1: every fused row is read), the
+                routing weights; for the e4m3 output a per-row fp32 x_sf and the scalar output sf."""
+                rows, _, _, maps = fused_maps(t, ranks, d, 1)
+                n = maps[0].numel()
+                x = _randn((n, h), torch.bfloat16, d)
+                w = torch.rand(t, TOPK, device=d)
+                if not fp8:
+                    return x, w, maps[3]
+                return (x, torch.rand(n, device=d) + 0.5), w, maps[3], torch.full((1,), 0.5, device=d)
+
+            if fp8:
+                call = lambda ns, x, w, tt2p, sf: ns.reduce_fused(x, w, tt2p, "e4m3", sf)  # noqa: E731
+                ref = lambda x, w, tt2p, sf: R.reduce_fused(x, w, tt2p, "e4m3", sf)  # noqa: E731
+                desc = "bf16 + x_sf, weighted, sf -> e4m3"
+            else:
+                call = lambda ns, x, w, tt2p: ns.reduce_fused(x, w, tt2p)  # noqa: E731
+                ref = lambda x, w, tt2p: R.reduce_fused(x, w, tt2p)  # noqa: E731
+                desc = "bf16, weighted -> bf16"
+            specs.append(_Spec(
+                "reduce_fused", lambda t, ep=ep, desc=desc: f"fused rows -> {t}x{HIDDEN} (top{TOPK}, {ep}, align1) "
+                                                            f"{desc}", rf_make, call, ref))
+
+        # --- counting utilities and EP/TP masking (moe.md 2.9-2.12) -------------------------------------------------
+        def idx_make(t, h, d, ranks=ranks):
+            return (idx_of(t, ranks, d)[2],)
+
+        local = EXPERTS // ranks
+        specs.append(_Spec(
+            "aux_fi", lambda t, ep=ep: f"int64 {t}x{TOPK} ({ep}) num_aux_topk {TOPK}", idx_make,
+            lambda ns, idx, local=local: ns.aux_fi(idx, local, TOPK),
+            lambda idx, local=local: R.aux_fi(idx, local, TOPK), exact=False))
+        specs.append(_Spec(
+            "group_count", lambda t, ep=ep: f"int64 {t}x{TOPK} ({ep})", idx_make,
+            lambda ns, idx, local=local: ns.group_count(idx, local),
+            lambda idx, local=local: R.group_count(idx, local)))
+
+        def groups_make(t, h, d, ranks=ranks):
+            """Group ids of the draw (8 groups of 32 of the 256 experts; the receive side's local ids are group 0,
+            -1 stays -1), repeated within a row where a token picked two experts of one group."""
+            idx = idx_of(t, ranks, d)[2]
+            return (torch.where(idx >= 0, idx // (EXPERTS // 8), idx),)
+
+        def unique(ns, g):
+            ns.inplace_unique_group_indices(g, 8)
+            return g  # written in place: counted as the output
+
+        specs.append(_Spec(
+            "inplace_unique_group_indices", lambda t, ep=ep: f"int64 {t}x{TOPK} group ids ({ep}) 8 groups, in place",
+            groups_make, unique, lambda g: unique(R, g), in_place=True))
+
+    specs.append(_Spec(
+        "mask_indices_by_tp", lambda t: f"int64 {t}x{TOPK} ({_EP[1]}) n 256 ep{EP_RANKS} tp 1/2",
+        lambda t, h, d: (idx_of(t, 1, d)[2],),
+        lambda ns, idx: ns.mask_indices_by_tp(idx, EXPERTS, EP_RANKS, 1, 2),
+        lambda idx: R.mask_indices_by_tp(idx, EXPERTS, EP_RANKS, 1, 2)))
+    return specs
+
+
+def selected(name: str, ops) -> bool:
+    return not ops or any(o in (name, "moe") for o in ops)
+
+
+def quick_cases(ops=None) -> list:
+    """The ``--quick`` rows: every MoE op and flag set at T = 8192, 256 experts."""
+    cases = [s.case(QUICK_TOKENS) for s in _specs() if s.quick and selected(s.name, ops)]
+    return sorted(cases, key=lambda c: OPS.index(c.name))  # stable: one op's rows together
+
+
+def grid_cases(ops=None) -> list:
+    """The grid rows: every MoE case at T in ``TOKENS`` (the gates also at 72 and 384 experts)."""
+    cases = [s.case(t) for s in _specs() if selected(s.name, ops) for t in s.tokens]
+    return sorted(cases, key=lambda c: OPS.index(c.name))
