@@ -85,6 +85,39 @@ def test_key_order_on_every_class_of_value():
     assert keys[0] > keys[1] > keys[2] > keys[3] > keys[4] == keys[5] > keys[6] > keys[7] > keys[8] > -(2 ** 31)
 
 
+def _model_group(scores: np.ndarray, n_sum: int, n_groups: int) -> np.ndarray:
+    """topk_group: lane g scans its group's values in column order keeping the best two keys (a key equal to
+    the best goes second: the multiset's top two), adds their values in fp32, then the lanes' selection."""
+    rows, groups, n = scores.shape
+    keys = _key(scores)
+    tk = np.full((rows, groups, 2), -(2 ** 31), dtype=np.int64)
+    tv = np.zeros((rows, groups, 2), dtype=np.float32)
+    for i in range(n):
+        kv, v = keys[:, :, i], scores[:, :, i]
+        up = kv > tk[..., 0]
+        second = ~up & (kv > tk[..., 1])
+        if n_sum == 2:
+            tk[..., 1] = np.where(up, tk[..., 0], np.where(second, kv, tk[..., 1]))
+            tv[..., 1] = np.where(up, tv[..., 0], np.where(second, v, tv[..., 1]))
+        tk[..., 0] = np.where(up, kv, tk[..., 0])
+        tv[..., 0] = np.where(up, v, tv[..., 0])
+    gs = tv[..., 0] if n_sum == 1 else tv[..., 0] + tv[..., 1]
+    return _model_select(gs.astype(np.float32), n_groups, K._lanes(groups))
+
+
+@pytest.mark.parametrize("cfg", GROUP, ids=_cfg_id)
+def test_group_model_equals_reference(cfg):
+    groups, per_group, n_sum, n_groups = cfg
+    for x in (_ties((257, groups, per_group)), torch.randn(257, groups, per_group)):
+        got = _model_group(x.numpy(), n_sum, n_groups)
+        assert np.array_equal(got, ref.topk_sum_and_topk_group_idx(x, n_sum, n_groups).numpy())
+
+
+def test_normalize_epsilon_is_the_reference_fp32_constant():
+    want = torch.full((1,), ref.EPS, dtype=torch.float32).view(torch.int32).item()
+    assert K._EPS_BITS == want and np.float32(ref.EPS).view(np.int32) == want
+
+
 def test_fakes_give_reference_shapes():
     s = torch.empty(5, 72, device="meta")
     assert K._topk_gate_fake(s, 6).shape == (5, 6) and K._topk_gate_fake(s, 6).dtype == torch.int64
@@ -161,6 +194,96 @@ def test_zero_tokens_and_wide_rows_launch_nothing(monkeypatch):
     wide = torch.randn(4, K.MAX_GATE_EXPERTS + 3)                 # beyond the register budget: the reference
     assert torch.equal(K.topk_gate_launch(wide, 5), ref.stable_topk(wide, 5))
     assert calls == []
+
+
+def _capture_jit(monkeypatch) -> list:
+    """``_jit.get`` replaced by a recorder of each launch's tensors (name, cfg, args)."""
+    calls = []
+    monkeypatch.setattr(_jit, "get", lambda name, cfg: lambda *args: calls.append((name, cfg, args)))
+    return calls
+
+
+def _misaligned(shape, offset=1):
+    """A contiguous fp32 tensor whose start is ``offset`` elements past a fresh allocation."""
+    numel = int(np.prod(shape))
+    return torch.rand(numel + offset)[offset:].view(shape)
+
+
+@pytest.mark.compile
+def test_vector_loads_get_aligned_inputs(monkeypatch):
+    """The 16-byte group loads (n % 4 == 0) and the 8/16-byte weight loads never see a misaligned start: such
+    a (contiguous) view is copied; scalar loads take any start as it is."""
+    calls = _capture_jit(monkeypatch)
+    for shape, align in (((5, 8, 32), 16), ((5, 8, 9), 4)):
+        x = _misaligned(shape)
+        K.topk_sum_and_topk_group_idx_launch(x, 2, 4)
+        got = calls.pop()[2][0]
+        assert got.data_ptr() % align == 0 and torch.equal(got, x) and got.is_contiguous()
+        assert (got.data_ptr() == x.data_ptr()) == (align == 4)
+    for k, align in ((8, 16), (6, 8), (9, 4), (40, 4)):
+        w = _misaligned((5, k))
+        K.normalize_weight_launch(w)
+        got = calls.pop()[2][0]
+        assert got.data_ptr() % align == 0 and torch.equal(got, w) and got.is_contiguous()
+        assert (got.data_ptr() == w.data_ptr()) == (align == 4)
+    aligned = torch.rand(5, 8, 32)
+    K.topk_sum_and_topk_group_idx_launch(aligned, 2, 4)
+    assert calls.pop()[2][0].data_ptr() == aligned.data_ptr()    # nothing copied where the start is aligned
+
+
+def _ffi_recorder():
+    import tvm_ffi
+
+    seen = []
+
+    def kernel(*args):
+        seen.append([(tuple(a.shape), tuple(a.strides), str(a.dtype)) for a in args])
+
+    return tvm_ffi.convert(kernel), seen
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_gate_launcher_plan(monkeypatch, native):
+    """gate_launcher: the native plan (output allocated and kernel called in one C++ call) where the extension
+    is available, the Python path otherwise; both hand the kernel (scores, topk_idx (t, K) int64) and launch
+    nothing at t = 0; one launcher per config."""
+    from tilefuse import _native
+
+    if native:
+        assert _native.module() is not None, _native.error()
+    else:
+        monkeypatch.setattr(_native, "_STATE", {"module": None})
+    fn, seen = _ffi_recorder()
+    monkeypatch.setattr(_jit, "get", lambda name, cfg: fn)
+    monkeypatch.setattr(K, "_GATE_LAUNCHERS", {})
+    launch = K.gate_launcher(72, 6)
+    assert (type(launch).__module__ == "tilefuse_native") == native
+    assert K.gate_launcher(72, 6) is launch
+    for t in (0, 1, 130):
+        x = torch.randn(t, 72)
+        out = launch(x, t)
+        assert out.shape == (t, 6) and out.dtype == torch.int64 and out.is_contiguous()
+        assert seen.pop() == [((t, 72), (72, 1), "float32"), ((t, 6), (6, 1), "int64")] if t else seen == []
+    assert K.topk_gate_launch(torch.randn(3, 72), 6).shape == (3, 6)   # the public launcher takes the same plan
+    assert seen.pop()[1] == ((3, 6), (6, 1), "int64")
+
+
+@pytest.mark.compile
+def test_gate_launcher_caches_no_stand_in(monkeypatch):
+    fake_jit(monkeypatch)
+    monkeypatch.setattr(K, "_GATE_LAUNCHERS", {})
+    K.gate_launcher(72, 6)(torch.randn(2, 72), 2)
+    assert K._GATE_LAUNCHERS == {}
+
+
+def test_fast_path_declines_what_it_cannot_take():
+    """topk_gate_fast answers None (the public op then validates) for anything but an eager CUDA call."""
+    x = torch.randn(4, 72)
+    assert K.topk_gate_fast(x, 6) is None
+    assert K.topk_gate_fast(x.numpy(), 6) is None
+    assert K.topk_gate_fast(torch.empty(4, 72, device="meta"), 6) is None
+    assert K._VALIDATED == {} or all(k[0] == torch.float32 for k in K._VALIDATED)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -333,3 +456,46 @@ def test_torch_compile_through_public_ops():
         got = torch.compile(fn, fullgraph=True)(scores, grouped, w)
         for a, b in zip(got, want):
             _assert_same(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("experts,k", [(256, 8), (72, 6), (8, 1), (1024, 9)])
+def test_topk_gate_fast_path(experts, k):
+    """The eager fast path equals the reference at every token count once its key is validated (first call
+    validates, later calls hit the cache; the token count is free), and declines every call it cannot take."""
+    for t in (1, 7, 4001, 1, 0):
+        scores = _ties((t, experts), DEV)
+        got = K.topk_gate_fast(scores, k)
+        if t == 0 and (torch.float32, scores.stride(), experts, k) not in K._VALIDATED:
+            assert got is None
+            continue
+        _assert_same(got, ref.stable_topk(scores, k))
+    assert (torch.float32, (experts, 1), experts, k) in K._VALIDATED
+    assert type(K._VALIDATED[(torch.float32, (experts, 1), experts, k)]).__module__ == "tilefuse_native"
+    s = torch.randn(9, experts, device=DEV)
+    wide = torch.randn(9, experts + 5, device=DEV)
+    assert K.topk_gate_fast(wide[:, :experts], k) is None                  # not contiguous
+    assert K.topk_gate_fast(s.t(), k) is None
+    assert K.topk_gate_fast(s, experts + 1) is None                       # K > E
+    assert K.topk_gate_fast(s, 0) is None
+    assert K.topk_gate_fast(s, True) is None                              # a bool is no int
+    assert K.topk_gate_fast(s.half(), k) is None
+    assert K.topk_gate_fast(s[None], k) is None
+    assert K.topk_gate_fast(torch.randn(3, K.MAX_GATE_EXPERTS + 1, device=DEV), 4) is None
+
+
+@pytest.mark.gpu
+def test_topk_gate_fast_path_under_graph_capture():
+    scores = _ties((1, 256), DEV)
+    _assert_same(K.topk_gate_fast(scores, 8), ref.stable_topk(scores, 8))   # validated and loaded before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = K.topk_gate_fast(scores, 8)
+    captured.fill_(-1)
+    scores.copy_(_ties((1, 256), DEV))
+    graph.replay()
+    torch.cuda.synchronize()
+    _assert_same(captured, ref.stable_topk(scores, 8))
+
+

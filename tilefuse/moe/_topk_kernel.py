@@ -16,12 +16,17 @@ adds them in fp32, and the group scores are selected like ``topk_gate``'s (one c
 
 ``normalize_weight``: one thread per row, ``((1e-20 + w0) + w1) + ...`` in fp32 in slot order (the reference's
 order), then IEEE divisions.
+
+Launch. Inputs the kernels read with vector loads are copied where their start is not aligned to the vector (a
+contiguous view at an odd storage offset). ``topk_gate`` launches through a native plan (``tilefuse._native``:
+output allocation and kernel call in one C++ call), and ``topk_gate_fast`` is the public op's eager path that
+skips the argument checks for facts that already passed them (one-token calls are host-bound).
 """
 import struct
 
 import torch
 
-from tilefuse import _jit, _ops
+from tilefuse import _jit, _native, _ops
 from tilefuse.reference import moe as ref
 
 _THREADS = 128             # threads per CTA of the selection kernels (4 warps)
@@ -201,13 +206,18 @@ def topk_group_kernel(num_groups: int, per_group: int, num_topk_sum: int, num_to
     return topk_group
 
 
+def _nw_vec(k: int) -> int:
+    """Elements per load / store of a normalize_weight row held in registers."""
+    return 4 if k % 4 == 0 else (2 if k % 2 == 0 else 1)
+
+
 def normalize_weight_kernel(num_topk: int):
     """Factory: weights fp32 ``(T, K)`` -> ``(denominator (T,), normalized (T, K))``, T symbolic; one thread per
     row, loads and stores as wide as ``K`` allows (16, 8 or 4 bytes)."""
     import tilelang.language as T
 
     K = num_topk
-    VEC = 4 if K % 4 == 0 else (2 if K % 2 == 0 else 1)
+    VEC = _nw_vec(K)
     in_regs = K <= _NW_REG_K
     Tn = T.dynamic("num_tokens")
 
@@ -275,21 +285,78 @@ _jit.register("normalize_weight", normalize_weight_kernel, _normalize_configs)
 # Launchers (arguments validated by tilefuse.moe.ops)
 # ----------------------------------------------------------------------------------------------------
 
+def _aligned(x: torch.Tensor, align: int) -> torch.Tensor:
+    """``x`` with a start aligned to ``align`` bytes (the kernel's vector loads): a contiguous view whose start
+    is not (a storage offset that is no multiple of the vector) is copied into a fresh allocation."""
+    return x.clone(memory_format=torch.contiguous_format) if x.data_ptr() % align else x
+
+
+# One-token gate calls are host-bound: the launch of one (E, K) is a native plan (tilefuse._native: the output
+# allocated and the kernel launched in one C++ call) where the extension is available, else the Python path.
+_GATE_LAUNCHERS: dict[tuple, object] = {}
+# Eager calls that already passed the facts the public op checks, keyed by them (dtype, strides, E, K; the
+# token count is free because the strides are the contiguous ones at every token count) -> the launch.
+_VALIDATED: dict[tuple, object] = {}
+_is_compiling = torch.compiler.is_compiling
+
+
+def gate_launcher(experts: int, num_topk: int):
+    """``launch(scores, t) -> topk_idx (t, K)`` of one ``(E, K)`` (E <= MAX_GATE_EXPERTS; the kernel reads fp32
+    scalars, so any fp32 start is aligned): the native plan, or the Python path (torch.empty + the TVM-FFI
+    call) where the extension is unavailable. Cached per config (not for a stand-in ``_jit.get``)."""
+    key = (experts, num_topk)
+    launch = _GATE_LAUNCHERS.get(key)
+    if launch is None:
+        fn = _jit.get("topk_gate", key)
+        launch = _native.plan(fn, torch.float32, 4, 1, [(num_topk, torch.int64, False)])
+        if launch is None:
+            def launch(scores, t, fn=fn, k=num_topk):
+                out = torch.empty(t, k, dtype=torch.int64, device=scores.device)
+                if t:
+                    fn(scores, out)
+                return out
+        if _native._is_ffi(fn):
+            _GATE_LAUNCHERS[key] = launch
+    return launch
+
+
+def topk_gate_fast(scores, num_topk):
+    """The eager fast path of the public ``topk_gate``: the result for a contiguous (row stride E) fp32 CUDA
+    ``(T >= 1, E)`` with an int ``1 <= K <= E <= MAX_GATE_EXPERTS``, without the public op's checks once the
+    same facts passed them; None for every other call (the public op then validates and takes
+    ``topk_gate_cuda``, or raises its error)."""
+    if type(scores) is torch.Tensor and type(num_topk) is int and scores.is_cuda and not _is_compiling():
+        shape = scores.shape
+        if len(shape) == 2:
+            key = (scores.dtype, scores.stride(), shape[1], num_topk)
+            launch = _VALIDATED.get(key)
+            if launch is not None:
+                return launch(scores, shape[0])
+            experts = shape[1]
+            if (shape[0] and scores.dtype == torch.float32 and key[1] == (experts, 1)
+                    and 1 <= num_topk <= experts <= MAX_GATE_EXPERTS):
+                launch = gate_launcher(experts, num_topk)
+                if _GATE_LAUNCHERS.get((experts, num_topk)) is launch:
+                    _VALIDATED[key] = launch
+                return launch(scores, shape[0])
+    return None
+
+
 def topk_gate_launch(scores: torch.Tensor, num_topk: int) -> torch.Tensor:
     rows, experts = scores.shape
     if experts > MAX_GATE_EXPERTS:
         return ref.stable_topk(scores, num_topk)
-    out = torch.empty(rows, num_topk, dtype=torch.int64, device=scores.device)
-    if rows:
-        _jit.get("topk_gate", (experts, num_topk))(scores, out)
-    return out
+    if not rows:  # nothing compiled, loaded or launched
+        return torch.empty(0, num_topk, dtype=torch.int64, device=scores.device)
+    return gate_launcher(experts, num_topk)(scores, rows)
 
 
 def topk_sum_and_topk_group_idx_launch(scores: torch.Tensor, num_topk_sum: int, num_topk_groups: int) -> torch.Tensor:
     rows, groups, per_group = scores.shape
     out = torch.empty(rows, num_topk_groups, dtype=torch.int64, device=scores.device)
     if rows:
-        _jit.get("topk_sum_and_topk_group_idx", (groups, per_group, num_topk_sum, num_topk_groups))(scores, out)
+        x = _aligned(scores, 16) if per_group % 4 == 0 else scores  # the 16-byte loads of a group's scores
+        _jit.get("topk_sum_and_topk_group_idx", (groups, per_group, num_topk_sum, num_topk_groups))(x, out)
     return out
 
 
@@ -298,7 +365,9 @@ def normalize_weight_launch(topk_weights: torch.Tensor):
     den = torch.empty(rows, dtype=torch.float32, device=topk_weights.device)
     out = torch.empty(rows, k, dtype=torch.float32, device=topk_weights.device)
     if rows and k:
-        _jit.get("normalize_weight", (k,))(topk_weights, den, out)
+        vec = _nw_vec(k)
+        w = _aligned(topk_weights, 4 * vec) if vec > 1 and k <= _NW_REG_K else topk_weights
+        _jit.get("normalize_weight", (k,))(w, den, out)
     elif rows:
         den.fill_(ref.EPS)
     return den, out
