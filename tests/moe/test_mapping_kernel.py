@@ -1,9 +1,11 @@
 """get_fused_mapping kernels (tilefuse/moe/_mapping_kernel.py) against the reference (moe.md §1.5, §2.5).
 
-CPU tier: the launcher end to end with the two kernels replaced by a plain-Python model of what each CTA does
-(chunks, warps, rounds of 32 lanes, the padding and tail split over the grid), so the index arithmetic and the
-launcher's trimming are checked without a GPU; the no-launch paths; the fake. Compile tier: every registered config
-builds for sm_90. GPU tier: the kernels themselves, bit-exact against the reference.
+CPU tier: the launcher end to end with the three kernels (count, scan, scatter) replaced by a plain-Python model of
+what each CTA does (chunks, the scan's warps and their row runs, the scatter's warps and rounds of 32 lanes, the
+padding and tail split over the grid, the device assertions), so the index arithmetic, the data rules and the
+launcher's trimming are checked without a GPU; the no-launch and reference paths; the fake against the eager
+launches. Compile tier: every registered config builds for sm_90. GPU tier: the kernels themselves, bit-exact
+against the reference, and their device assertions.
 """
 import warnings
 
@@ -14,7 +16,7 @@ from tilefuse import _jit, moe
 from tilefuse.moe import _mapping_kernel as MK
 from tilefuse.reference import moe as ref
 
-NAMES = ("moe_fused_mapping_count", "moe_fused_mapping_scatter")
+NAMES = ("moe_fused_mapping_count", "moe_fused_mapping_scan", "moe_fused_mapping_scatter")
 
 
 def random_topk(rows: int, k: int, experts: int, unrouted: float = 0.25, device="cpu") -> torch.Tensor:
@@ -39,31 +41,61 @@ def assert_same(got, want):
 
 
 # ----------------------------------------------------------------------------------------------------
-# A model of the two kernels (what each CTA computes), run in place of the launches
+# A model of the three kernels (what each CTA computes), run in place of the launches
 # ----------------------------------------------------------------------------------------------------
 
-def _model_count(x, counts):
-    flat, experts = x.reshape(-1).tolist(), counts.size(1)
-    counts.zero_()
+JUNK = 0x5A5A5A5A
+
+
+def _model_count(x, table):
+    """Rows [0, chunks) of the table; the totals row is left as junk (the scan must write it). An entry outside
+    {-1} u [0, E) is the kernel's device assertion."""
+    flat, experts = x.reshape(-1).tolist(), table.size(1)
+    chunks = table.size(0) - 1
+    assert chunks == -(-len(flat) // MK.CHUNK)
+    table.fill_(JUNK)
+    table[:chunks].zero_()
     for i, v in enumerate(flat):
-        if 0 <= v < experts:
-            counts[i // MK.CHUNK, v] += 1
+        assert -1 <= v < experts, "device_assert: topk_idx entry out of range"
+        if v >= 0:
+            table[i // MK.CHUNK, v] += 1
 
 
-def _model_scatter(capacity, x, counts, pos, ttp, ex, alignment, fill_end):
+def _model_scan(table):
+    """Per CTA of 32 columns: warp w sums its rows [w P, (w + 1) P), the warps' sums are scanned in order, then
+    every row becomes its column's exclusive prefix; the last warp writes the totals row."""
+    chunks, experts = table.size(0) - 1, table.size(1)
+    cells = table.tolist()
+    per = -(-chunks // MK.SCAN_WARPS)
+    for e in range(experts):
+        ranges = [(min(w * per, chunks), min(min(w * per, chunks) + per, chunks)) for w in range(MK.SCAN_WARPS)]
+        own = [sum(cells[c][e] for c in range(lo, hi)) for lo, hi in ranges]
+        for w, (lo, hi) in enumerate(ranges):
+            run = sum(own[:w])
+            if w == MK.SCAN_WARPS - 1:
+                cells[chunks][e] = run + own[w]
+            for c in range(lo, hi):
+                cells[c][e], run = run, run + cells[c][e]
+    table.copy_(torch.tensor(cells, dtype=torch.int32))
+
+
+def _model_scatter(capacity, x, table, pos, ttp, ex, alignment, fill_end):
     flat = x.reshape(-1).tolist()
-    chunks, experts = counts.shape
+    chunks, experts = table.size(0) - 1, table.size(1)
     size = pos.size(1)
     warps, per_lane = MK._geometry(capacity)
     threads, span = 32 * warps, 32 * per_lane
     grid = max(chunks, -(-size // (8 * threads)))
-    table = counts.tolist()
-    total = [sum(table[c][e] for c in range(chunks)) for e in range(experts)]
+    rows = table.tolist()
+    assert JUNK not in rows[chunks], "the totals row was not written"
+    total = rows[chunks]
     aligned = [-(-n // alignment) * alignment for n in total]
     start = [sum(aligned[:e]) for e in range(experts)]
+    if fill_end >= 0:
+        assert sum(aligned) <= fill_end, "device_assert: N must hold every aligned segment"
     out_pos, out_ttp = pos.tolist(), ttp.reshape(-1).tolist()
     for b in range(grid):
-        before = [sum(table[c][e] for c in range(min(b, chunks))) for e in range(experts)]
+        before = rows[min(b, chunks)]
         warp_counts = []
         ranks = {}
         for w in range(warps):                       # phase 1: each warp's rounds of 32 lanes
@@ -105,17 +137,20 @@ def _model_scatter(capacity, x, counts, pos, ttp, ex, alignment, fill_end):
 
 @pytest.fixture
 def model_kernels(monkeypatch):
-    """Route ``_jit.get`` of the two kernels to the model; record the launches."""
+    """Route ``_jit.get`` of the three kernels to the model; record the launches."""
     calls = []
 
     def get(name, cfg):
         assert name in NAMES
 
         def launch(*args):
-            assert cfg == (MK._capacity(args[1].size(1)),)     # args[1]: the (chunks, E) count table
+            table = args[0] if name == NAMES[1] else args[1]     # the (chunks + 1, E) count table
+            assert cfg == (() if name == NAMES[1] else (MK._capacity(table.size(1)),))
             calls.append((name, cfg, [tuple(a.shape) if torch.is_tensor(a) else a for a in args]))
             if name == NAMES[0]:
                 _model_count(*args)
+            elif name == NAMES[1]:
+                _model_scan(*args)
             else:
                 _model_scatter(cfg[0], *args)
         return launch
@@ -141,12 +176,14 @@ def test_launcher_with_kernel_model(model_kernels, rows, k, experts, alignment):
     need = sum(got[7])
     _run_model(model_kernels, topk_idx, experts, need + 3 * alignment + 5, alignment)
     _run_model(model_kernels, topk_idx, experts, need, alignment, force_no_sync=True)
-    chunks = -(-(rows * k) // MK.CHUNK)
+    table = (-(-(rows * k) // MK.CHUNK) + 1, experts)
+    bound = (rows * k + (alignment - 1) * experts) // alignment * alignment
     assert [c[0] for c in model_kernels] == list(NAMES) * 3
-    assert model_kernels[0][2] == [(rows, k), (chunks, experts)]
-    assert model_kernels[1][2][1:] == [(chunks, experts), (3, (rows * k + (alignment - 1) * experts) // alignment
-                                                          * alignment), (rows, k), (3, experts), alignment, 0]
-    assert model_kernels[3][2][2] == (3, need + 3 * alignment + 5) and model_kernels[3][2][6] == need + 3 * alignment + 5
+    assert model_kernels[0][2] == [(rows, k), table]
+    assert model_kernels[1][2] == [table]
+    assert model_kernels[2][2] == [(rows, k), table, (3, bound), (rows, k), (3, experts), alignment, -1]
+    assert model_kernels[5][2][2] == (3, need + 3 * alignment + 5) and model_kernels[5][2][6] == need + 3 * alignment + 5
+    assert model_kernels[8][2][2] == (3, max(need, 1)) and model_kernels[8][2][6] == need
 
 
 def test_launcher_with_kernel_model_ties_and_big_tail(model_kernels):
@@ -154,6 +191,53 @@ def test_launcher_with_kernel_model_ties_and_big_tail(model_kernels):
     topk_idx = tied_topk(600, 8, 72)
     _run_model(model_kernels, topk_idx, 72, 0, 32)
     _run_model(model_kernels, topk_idx, 72, 30000, 32, force_no_sync=True)
+
+
+def test_launcher_with_kernel_model_many_chunks(model_kernels):
+    """17 chunks: the scan's warps own runs of 2, 1 and 0 rows; E = 1000 spans 32 scan CTAs."""
+    topk_idx = random_topk(4100, 8, 1000, unrouted=0.1)
+    _run_model(model_kernels, topk_idx, 1000, 0, 16)
+
+
+def test_zero_size_with_force_no_sync(model_kernels):
+    """N = 0 with force_no_sync: zero-length arrays, valid only when every entry is -1 (asserted otherwise)."""
+    _run_model(model_kernels, torch.full((5, 3), -1), 8, 0, 4, force_no_sync=True)
+    assert model_kernels[-1][2][2] == (3, 1) and model_kernels[-1][2][6] == 0
+    with pytest.raises(AssertionError, match="N must hold"):
+        MK.get_fused_mapping_cuda(random_topk(5, 3, 8, unrouted=0.0), 8, 0, 4, True)
+
+
+@pytest.mark.parametrize("bad", [8, 100, -2])
+def test_data_rules_reach_the_kernels(model_kernels, bad):
+    """The kernels' device assertions (modelled): an entry outside {-1} u [0, E) in every mode; an N smaller than
+    sum a_e with a given N, never in the trimmed mode (the launcher passes fill_end = -1 there)."""
+    topk_idx = random_topk(50, 4, 8)
+    wild = topk_idx.clone()
+    wild[17, 2] = bad
+    for size, sync in ((0, False), (1000, False), (1000, True)):
+        with pytest.raises(AssertionError, match="out of range"):
+            MK.get_fused_mapping_cuda(wild, 8, size, 4, sync)
+    need = sum(_run_model(model_kernels, topk_idx, 8, 0, 4)[7])
+    for sync in (False, True):
+        with pytest.raises(AssertionError, match="N must hold"):
+            MK.get_fused_mapping_cuda(topk_idx, 8, need - 1, 4, sync)
+        _run_model(model_kernels, topk_idx, 8, need, 4, sync)
+
+
+def test_reference_path_past_the_int32_bound(monkeypatch):
+    """Past ``_MAX_INDEX`` the launcher runs the reference and checks the data rules with torch assertions (on
+    CPU: RuntimeError), since the public op leaves them to the CUDA path."""
+    monkeypatch.setattr(_jit, "get", lambda *a: pytest.fail("launched"))
+    monkeypatch.setattr(MK, "_MAX_INDEX", 100)
+    topk_idx = random_topk(30, 4, 8)
+    for size, sync in ((0, False), (200, False), (200, True)):
+        assert_same(MK.get_fused_mapping_cuda(topk_idx, 8, size, 4, sync), ref.get_fused_mapping(topk_idx, 8, size, 4, sync))
+    wild = topk_idx.clone()
+    wild[3, 1] = -2
+    with pytest.raises(RuntimeError, match="topk_idx entries"):
+        MK.get_fused_mapping_cuda(wild, 8, 0, 4, False)
+    with pytest.raises(RuntimeError, match="aligned expert segment"):
+        MK.get_fused_mapping_cuda(topk_idx, 8, 50, 4, True)
 
 
 def test_no_launch_paths(monkeypatch):
@@ -177,6 +261,19 @@ def test_fake_shapes():
         assert pos.dtype == ttp.dtype == ex.dtype == torch.int32
 
 
+@pytest.mark.parametrize("size,fill_end", [(0, 0), (1, 1), (3000, 3000), (4000, -1)])
+def test_fake_matches_the_eager_layout(model_kernels, size, fill_end):
+    """The fake (torch.compile's path) gives the eager launches' shapes, dtypes and strides."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    topk_idx = random_topk(40, 6, 72, unrouted=1.0 if size <= 1 else 0.25)
+    eager = MK._layout(topk_idx, 72, size, 16, fill_end)
+    with FakeTensorMode() as mode:
+        fake = torch.ops.tilefuse.get_fused_mapping(mode.from_tensor(topk_idx), 72, size, 16, fill_end)
+    for e, f in zip(eager, fake, strict=True):
+        assert (e.shape, e.dtype, e.stride()) == (f.shape, f.dtype, f.stride())
+
+
 def test_capacity_and_geometry():
     assert [MK._capacity(e) for e in (1, 256, 257, 512, 513, 1024)] == [256, 256, 512, 512, 1024, 1024]
     for cap in MK.CAPACITIES:
@@ -189,7 +286,7 @@ def test_capacity_and_geometry():
 # ----------------------------------------------------------------------------------------------------
 
 @pytest.mark.compile
-@pytest.mark.parametrize("name,cfg", [(n, c) for n in NAMES for c in MK._configs()], ids=str)
+@pytest.mark.parametrize("name,cfg", [(n, c) for n in NAMES for c in _jit._FACTORIES[n][1]()], ids=str)
 def test_builds_for_sm90(name, cfg):
     import tilelang
 
@@ -200,6 +297,7 @@ def test_builds_for_sm90(name, cfg):
     assert "__global__" in src and "use_fast_math" not in src
     assert "cudaGridDependencySynchronize" in src            # programmatic dependent launch
     assert "atomic" not in src or name == NAMES[0]            # positions never come from atomics
+    assert ("device_assert(" in src) == (name != NAMES[1])    # the data rules (count: indices, scatter: N)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -252,19 +350,56 @@ def test_chunk_boundaries_ties_and_unrouted(slots):
 
 
 @cuda
-def test_deterministic_and_out_of_range_values_ignored():
+def test_deterministic():
     topk_idx = random_topk(8192, 8, 256, device="cuda")
     a = MK.get_fused_mapping_cuda(topk_idx, 256, 0, 128, False)
     b = MK.get_fused_mapping_cuda(topk_idx, 256, 0, 128, False)
     assert_same(a, b)
-    wild = topk_idx.clone()
-    wild[::7, 3] = 300          # outside [0, E): the op asserts on it; the kernel must treat it as unrouted
-    wild[::5, 1] = -9
-    assert_same(MK.get_fused_mapping_cuda(wild, 256, 0, 128, False), ref.get_fused_mapping(wild, 256, 0, 128, False))
-    # a size too small for the segments (the op asserts on it): writes stay inside the arrays
-    out = MK.get_fused_mapping_cuda(topk_idx, 256, 100, 128, True)
-    torch.cuda.synchronize()
-    assert out[0].shape == (100,)
+
+
+@cuda
+def test_many_chunks():
+    """Hundreds of chunks (the scan's warps own 10 rows each) and the widest table."""
+    for experts in (256, 1024):
+        _check(random_topk(40000, 8, experts, unrouted=0.05, device="cuda"), experts, 128)
+
+
+_BAD_DATA = """
+import torch
+from tilefuse.moe import _mapping_kernel as MK
+torch.manual_seed(0)
+x = torch.randint(0, 256, (3000, 8), device="cuda")
+x[::5, 1] = -1
+case = "{case}"
+size, sync = 0, False
+if case == "high":
+    x[1234, 5] = 256
+elif case == "low":
+    x[2999, 7] = -2
+elif case == "small":
+    size, sync = int((x >= 0).sum()) - 1, True   # alignment 1: sum a_e is the routed slots
+MK.get_fused_mapping_cuda(x, 256, size, 1, sync)
+torch.cuda.synchronize()
+print("no error")
+"""
+
+
+@cuda
+@pytest.mark.parametrize("case", ["valid", "high", "low", "small"])
+def test_data_rules_assert_on_device(case):
+    """moe.md 2.5: an entry outside {-1} u [0, E), or a given N below sum a_e, trips the kernels' device-side
+    assertion (in a child process: a device assert leaves the CUDA context unusable); valid data runs clean."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    res = subprocess.run([sys.executable, "-c", _BAD_DATA.format(case=case)], capture_output=True, text=True,
+                         timeout=600, cwd=root)
+    if case == "valid":
+        assert res.returncode == 0 and "no error" in res.stdout, res.stdout + res.stderr
+    else:
+        assert res.returncode != 0 and "no error" not in res.stdout, res.stdout + res.stderr
 
 
 @cuda

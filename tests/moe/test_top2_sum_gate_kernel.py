@@ -1,5 +1,8 @@
 """Kernel tiers for the v1 routing gate top2_sum_gate (moe.md §2.2): compile (sm_90, no GPU), launcher binding
 and fallbacks (CPU), and gpu (bit-exact against the reference run on the same CUDA tensors)."""
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -38,6 +41,11 @@ def test_builds_for_sm90(cfg):
     src = _jit.compile_kernel("top2_sum_gate", cfg, "sm_90", export=False).get_kernel_source()
     assert "__global__" in src and "use_fast_math" not in src
     assert "__expf" not in src and "__fdividef" not in src          # IEEE expf and division, as PyTorch's
+    assert src.count("device_assert(") == 2 + cfg[9]  # finite logits, fixed routes (dead code if no fix), counts
+    if cfg[5] == "softmax":  # the lane sums add stored exp values, like the reference: no fused multiply-add
+        assert "den = __fadd_rn(den, expf(" in src
+    else:                    # PyTorch's sigmoid lambda, verbatim
+        assert ("1.000000e+00*/ / (0x1p+0f/*1.000000e+00*/ + expf(" in src) == (cfg[5] == "sigmoid")
 
 
 def test_every_test_call_has_a_registered_config():
@@ -100,6 +108,137 @@ def test_launcher_binds_without_options_and_skips_empty(monkeypatch):
     idx, w = K.top2_sum_gate_launch(logits[:0], bias, *call_args(256, 8, 8, 4, 0, "sqrtsoftplus"))
     assert [c.cfg for c in calls] == [(256, 8, 8, 4, 0, "sqrtsoftplus", False, False, False, False)]
     assert idx.shape == w.shape == (0, 8)
+
+
+def capture_jit(monkeypatch) -> list:
+    """``_jit.get`` replaced by a recorder of the launch arguments (after checking them with ``bind``)."""
+    from tests.quant.kernel_binding import bind
+
+    calls = []
+
+    def get(name, cfg):
+        func = _jit._FACTORIES[name][0](*cfg)
+        return lambda *args: calls.append((bind(func, args), args))
+
+    monkeypatch.setattr(_jit, "get", get)
+    return calls
+
+
+@pytest.mark.compile
+def test_launcher_input_layouts(monkeypatch):
+    """Layouts the public op accepts but the kernel's binding or 16-byte loads do not: a contiguous logits /
+    bias view at an odd element offset (cloned), a mask of another shape that is not contiguous (made so),
+    and (K = 1) an unmapped_topk_idx with a non-unit last stride (re-viewed in place: writes still land)."""
+    calls = capture_jit(monkeypatch)
+    rows, E = 5, 8
+    flat = torch.randn(rows * E + E + 1)
+    logits, bias = flat[1:1 + rows * E].view(rows, E), flat[rows * E + 1:]
+    assert logits.is_contiguous() and logits.data_ptr() % 16 and bias.data_ptr() % 16
+    mask = (torch.rand(rows, 2) > 0.3)[:, :1]                          # (T, 1), row stride 2
+    store = torch.full((rows, 8), -5, dtype=torch.int64)
+    unmapped = store[:, 3::7]                                            # (T, 1), strides (8, 7)
+    assert unmapped.shape == (rows, 1) and unmapped.stride() == (8, 7)
+    fix = torch.rand(rows) > 0.5
+    K.top2_sum_gate_launch(logits, bias, *call_args(E, 1, 0, 0, 0, "softmax"), mask=mask, fix_routing_mask=fix,
+                           unmapped_topk_idx=unmapped)
+    (env, args), = calls
+    x, b, m, _, u = args[:5]
+    assert x.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0 and torch.equal(x, logits) and torch.equal(b, bias)
+    assert m.is_contiguous() and torch.equal(m.bool(), mask.reshape(rows))
+    assert u.data_ptr() == unmapped.data_ptr() and u.stride() == (8, 1) and env["unmapped_stride"] == 8
+    aligned = torch.randn(rows, E)
+    K.top2_sum_gate_launch(aligned, bias.clone(), *call_args(E, 1, 0, 0, 0, "softmax"), mask=mask,
+                           fix_routing_mask=fix, unmapped_topk_idx=unmapped)
+    assert calls[1][1][0] is aligned                                     # no copy of aligned input
+
+
+def test_fallback_checks_the_data_rules():
+    """The reference fallback (E > MAX_EXPERTS) keeps the public op's data checks (the kernel's are device
+    assertions)."""
+    E = K.MAX_EXPERTS + 4
+    logits, bias, _ = make_inputs(E, 3, 0, 0, 0, 6, options=False)
+    logits[2, 7] = float("inf")
+    with pytest.raises(RuntimeError, match="nan or inf"):
+        K.top2_sum_gate_launch(logits, bias, *call_args(E, 3, 0, 0, 0, "sigmoid"))
+    logits[2, 7] = 0.0
+    mask = torch.ones(6, dtype=torch.bool)
+    mask[2] = False
+    logits[2, 7] = float("nan")                                          # masked rows are not checked
+    K.top2_sum_gate_launch(logits, bias, *call_args(E, 3, 0, 0, 0, "sigmoid"), mask=mask)
+
+
+# the kernel's lane layout and selection, emulated on the CPU (every lane of one warp as a tensor dim)
+
+def emulate_routes(r, E, k, G, TG):
+    """Logical routes (T, K) as the kernel picks them from the ranking scores r (T, E): lane l holds experts
+    c*128 + 4l + j; group top-2 by a max/min XOR butterfly, ranks by shuffles (ties -> smaller group), then K
+    rounds of per-lane then butterfly arg-max (ties -> smaller index) with a live mask."""
+    rows, V = r.size(0), 4 * -(-E // 128)
+    lane = torch.arange(32)
+    slot = torch.arange(V)
+    expert = (slot // 4) * 128 + lane[:, None] * 4 + slot % 4                  # (32, V)
+    owned = expert < E
+    neg = torch.tensor(float("-inf"))
+    rl = torch.where(owned, r[:, expert.clamp(max=E - 1)], neg)               # (T, 32, V)
+
+    def butterfly(vals, merge):
+        for o in (16, 8, 4, 2, 1):
+            vals = merge(vals, [v[:, lane ^ o] for v in vals])
+        return vals
+
+    if G != TG:
+        per = E // G
+        gs = []
+        for g in range(G):
+            a1 = a2 = torch.full((rows, 32), float("-inf"))
+            for v in range(V):
+                inside = (expert[:, v] >= g * per) & (expert[:, v] < (g + 1) * per)
+                a2 = torch.where(inside, torch.maximum(a2, torch.minimum(a1, rl[:, :, v])), a2)
+                a1 = torch.where(inside, torch.maximum(a1, rl[:, :, v]), a1)
+            a1, a2 = butterfly([a1, a2], lambda a, b: [torch.maximum(a[0], b[0]), torch.maximum(
+                torch.maximum(a[1], b[1]), torch.minimum(a[0], b[0]))])
+            assert torch.equal(a1, a1[:, :1].expand(-1, 32)) and torch.equal(a2, a2[:, :1].expand(-1, 32))
+            gs.append(a1[:, 0] + a2[:, 0])
+        gs = torch.stack(gs, 1)                                                # (T, G)
+        gi = torch.arange(G)
+        better = (gs[:, None, :] > gs[:, :, None]) | ((gs[:, None, :] == gs[:, :, None]) & (gi < gi[:, None]))
+        kept = better.sum(2) < TG                                              # (T, G)
+        grp = (expert // per).clamp(max=G - 1)
+        rl = torch.where(kept[:, grp] & owned, rl, neg)
+    live = owned.expand(rows, 32, V).clone()
+    sentinel = K._SENTINEL
+    routes = []
+    for _ in range(k):
+        bv = torch.full((rows, 32), float("-inf"))
+        bi = torch.full((rows, 32), sentinel)
+        for v in range(V):
+            take = live[:, :, v] & ((rl[:, :, v] > bv) | (bi == sentinel))
+            bv = torch.where(take, rl[:, :, v], bv)
+            bi = torch.where(take, expert[:, v], bi)
+
+        def merge(a, b):
+            take = (b[0] > a[0]) | ((b[0] == a[0]) & (b[1] < a[1]))
+            return [torch.where(take, b[0], a[0]), torch.where(take, b[1], a[1])]
+
+        bv, bi = butterfly([bv, bi], merge)
+        assert torch.equal(bi, bi[:, :1].expand(-1, 32))
+        routes.append(bi[:, 0])
+        live &= expert != bi[:, :1, None]
+    return torch.stack(routes, 1)
+
+
+@pytest.mark.parametrize("shape", SHAPES + ((16, 4, 4, 2), (96, 8, 3, 2), (1024, 32, 32, 1), (1024, 8, 32, 31),
+                                            (64, 32, 32, 16), (1024, 5, 0, 0)), ids=str)
+@pytest.mark.parametrize("ties", (False, True))
+def test_emulated_lane_selection_matches_reference(shape, ties):
+    E, k, G, TG = shape
+    logits, bias, _ = make_inputs(E, k, G, TG, 0, 64, options=False, ties=ties)
+    logits[:2] = 0.0                                                           # all equal
+    if ties:
+        bias[: E // 2] = 0.0
+    store = torch.empty(64, k, dtype=torch.int64)
+    ref.top2_sum_gate(logits, bias, *call_args(E, k, G, TG, 0, "sigmoid"), unmapped_topk_idx=store)
+    assert torch.equal(emulate_routes(torch.sigmoid(logits) + bias, E, k, G, TG), store)
 
 
 def test_unsupported_configs_run_the_reference(monkeypatch):
@@ -290,3 +429,82 @@ def test_torch_compile_fullgraph_gpu():
         got = torch.compile(fn, fullgraph=True)(logits, bias, extra["mask"], extra["fix_routing_mask"],
                                                 extra["to_physical_map"], extra["logical_count"], u)
         assert_same((*got, u), (*want, given))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("scoring", SCORINGS)
+@pytest.mark.parametrize("shape", ((72, 6, 0, 0), (384, 8, 12, 4)), ids=str)
+def test_extreme_logits_gpu(scoring, shape, monkeypatch):
+    """Logits spread over +-200: expf overflows and underflows to subnormals (softmax lane sums of
+    subnormal exp values: no fused multiply-add), softplus takes its x > 20 branch, sigmoid saturates."""
+    poison(monkeypatch)
+    E, k, G, TG = shape
+    logits = torch.randn(4001, E, device="cuda") * 60
+    logits[::3] = logits[::3].clamp(-200, 200)
+    logits[1::3, : E // 2] -= 95                                        # x - max < -87: subnormal exp values
+    bias = torch.randn(E, device="cuda") * 0.1
+    assert_same(*run_both(logits, bias, call_args(E, k, G, TG, 0, scoring), {}))
+
+
+@gpu
+@pytest.mark.gpu
+def test_input_layouts_gpu(monkeypatch):
+    """Odd-offset logits / bias (16-byte loads), a non-contiguous (T, 1) mask and a K = 1 unmapped_topk_idx
+    with a non-unit last stride, against the reference on the same views."""
+    poison(monkeypatch)
+    rows, E = 4001, 8
+    flat = torch.randn(rows * E + E + 1, device="cuda") * 2
+    logits, bias = flat[1:1 + rows * E].view(rows, E), flat[rows * E + 1:]
+    mask = (torch.rand(rows, 2, device="cuda") > 0.2)[:, :1]
+    store = torch.full((rows, 8), -5, dtype=torch.int64, device="cuda")
+    fix = torch.rand(rows, device="cuda") > 0.7
+    store[fix, 3] = torch.randint(0, E, (int(fix.sum()),), device="cuda")
+    extra = dict(mask=mask, fix_routing_mask=fix, unmapped_topk_idx=store[:, 3::7])
+    got, want = run_both(logits, bias, call_args(E, 1, 0, 0, 0, "softmax"), extra)
+    assert_same(got, want)
+    kept = torch.ones(8, dtype=torch.bool)
+    kept[3] = False
+    assert (store[:, kept] == -5).all()
+
+
+_ASSERT_CASES = {
+    "clean": "",                                                     # masked rows may hold NaN
+    "nonfinite": "logits[5, 3] = float('inf')",
+    "fixed_negative": "fix[9] = True; unmapped[9, 2] = -1",
+    "fixed_too_large": "fix[9] = True; unmapped[9, 0] = E",
+    "zero_count": "count[E + 1] = 0",
+}
+_ASSERT_SCRIPT = """
+import sys, torch
+from tilefuse.moe import _top2_sum_gate_kernel as K
+E, k, rows = 72, 6, 40
+logits = torch.randn(rows, E, device="cuda")
+mask = torch.ones(rows, dtype=torch.bool, device="cuda")
+mask[7] = False
+logits[7] = float("nan")
+fix = torch.zeros(rows, dtype=torch.bool, device="cuda")
+unmapped = torch.zeros(rows, k, dtype=torch.int64, device="cuda")
+count = torch.ones(E + 2, dtype=torch.int32, device="cuda")
+pmap = (torch.arange(3 * (E + 2), dtype=torch.int32, device="cuda") % (E + 2)).view(E + 2, 3)
+exec(sys.argv[1])
+K.top2_sum_gate_cuda(logits, torch.zeros(E, device="cuda"), k, 0, 0, True, 2, 1.0, 0, 1, 0, 1, "sigmoid",
+                     mask, fix, pmap, count, unmapped)
+torch.cuda.synchronize()
+print("clean run")
+"""
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(_ASSERT_CASES))
+def test_device_asserts_gpu(case):
+    """The data rules of §2.2 step 13 abort the kernel (device_assert; a fresh process per case, since an
+    assertion poisons the CUDA context); the script without a fault runs clean."""
+    res = subprocess.run([sys.executable, "-c", _ASSERT_SCRIPT, _ASSERT_CASES[case]], capture_output=True,
+                         text=True, timeout=300)
+    if case == "clean":
+        assert res.returncode == 0 and "clean run" in res.stdout, res.stderr[-2000:]
+    else:
+        assert res.returncode != 0 and "clean run" not in res.stdout, res.stdout
+        assert "assert" in (res.stderr + res.stdout).lower(), res.stderr[-2000:]

@@ -15,7 +15,12 @@ registers: logits, unbiased scores ``s``, ranking scores ``r``. Per token:
 5. lane ``k < K+S`` maps its slot through the physical map, applies the EP/TP renumbering and writes.
 
 The fp32 operations are the reference's, in its order (IEEE division and sqrt, CUDA ``expf`` / ``log1pf``),
-so indices and weights are bit-identical. Static config: ``(E, K, G, TG, S, scoring, mask, fix, unmapped,
+so indices and weights are bit-identical. Where the reference rounds a value to memory between two of
+its kernels and nvcc could fuse the kernel's product into the next addition (softmax: ``expf`` ends in a
+multiply, the reference adds stored exp values), the addition is ``__fadd_rn``. The data rules of §2.2
+step 13 are device assertions: finite logits of unmasked tokens, fixed routes in ``[0, E_r)``, replica
+counts >= 1 (the count vector spread over the grid's threads); the reference fallback checks them with
+the public op's ``_assert_gate_data``. Static config: ``(E, K, G, TG, S, scoring, mask, fix, unmapped,
 map)``; the token count and the optional tensors' sizes are symbolic, the scaling factor and ranks are
 kernel scalars. Absent optional tensors are passed as a cached one-element dummy and never read.
 """
@@ -59,8 +64,20 @@ def top2_sum_gate_kernel(E: int, K: int, G: int, TG: int, S: int, scoring: str, 
     def expf(v):
         return T.call_extern("float32", "expf", v)
 
+    def add_rn(a, b):
+        """a + b that nvcc never contracts with a product feeding it (expf ends in a multiply)."""
+        return T.call_extern("float32", "__fadd_rn", a, b)
+
+    def nonfinite(v):
+        """1 if v is NaN or +-inf (exponent bits all ones)."""
+        bits = T.reinterpret(v, "uint32")
+        return T.Cast("int32", T.bitwise_and(bits, T.uint32(0x7F800000)) == T.uint32(0x7F800000))
+
     def elementwise_score(x):
-        """s = sigmoid(x) or sqrt(softplus(x)) (moe.md §2.0), in PyTorch's CUDA formulas."""
+        """s = sigmoid(x) or sqrt(softplus(x)) (moe.md §2.0), PyTorch's CUDA expressions verbatim:
+        ``1 / (1 + expf(-x))`` (one lambda in torch too: nvcc fuses expf's final scaling into the ``1 +``
+        in both, exact either way since that scaling is by a power of two) and ``sqrtf`` of a stored
+        ``x > 20 ? x : log1pf(expf(x))`` (torch's ``x * beta`` and ``/ beta`` with beta = 1 are exact)."""
         if scoring == "sigmoid":
             return T.float32(1.0) / (T.float32(1.0) + expf(-x))
         sp = T.if_then_else(x > T.float32(20.0), x, T.call_extern("float32", "log1pf", expf(x)))
@@ -84,6 +101,16 @@ def top2_sum_gate_kernel(E: int, K: int, G: int, TG: int, S: int, scoring: str, 
             tx = T.get_thread_binding()
             lane = tx % 32
             t = bx * WARPS + tx // 32
+            if has_map:
+                # §2.2 step 9: every replica count >= 1, the vector spread over all threads of the grid
+                # (one load each from 9 CTAs on: no thread waits on a serial walk of E_r + S counts)
+                stride = T.cast(T.ceildiv(Tn, WARPS), "int64") * (32 * WARPS)
+                gid = T.cast(bx, "int64") * (32 * WARPS) + tx
+                low = T.alloc_var("int32")
+                low = 0
+                for i in T.serial(T.ceildiv(T.cast(MR, "int64") - gid, stride)):
+                    low = T.bitwise_or(low, T.Cast("int32", Count[gid + i * stride] < 1))
+                T.call_extern("void", "device_assert", low == 0)
             if t < Tn:  # warp-uniform
                 active = T.alloc_var("int32")
                 active = 1
@@ -109,6 +136,12 @@ def top2_sum_gate_kernel(E: int, K: int, G: int, TG: int, S: int, scoring: str, 
                             for j in T.unroll(4):
                                 x[c * 4 + j] = T.float32(0.0)
                                 r[c * 4 + j] = T.float32(0.0)
+                    # §2.2 step 13: every logit of an unmasked token is finite (each is loaded by one lane)
+                    bad = T.alloc_var("int32")
+                    bad = 0
+                    for v in T.unroll(V):
+                        bad = T.bitwise_or(bad, nonfinite(x[v]))
+                    T.call_extern("void", "device_assert", bad == 0)
 
                     # 1. scores; softmax's max and normaliser (uniform over the warp)
                     mx = T.alloc_var("float32")
@@ -122,8 +155,8 @@ def top2_sum_gate_kernel(E: int, K: int, G: int, TG: int, S: int, scoring: str, 
                         for o in T.unroll(5):
                             mx = T.max(mx, T.shfl_xor(mx, T.shift_right(16, o)))
                         for v in T.unroll(V):  # lane sum: chunk ascending, then j (§2.2 step 2)
-                            if owns(lane, v):
-                                den = den + expf(x[v] - mx)
+                            if owns(lane, v):  # the reference adds stored exp values: no fused multiply-add
+                                den = add_rn(den, expf(x[v] - mx))
                         for o in T.unroll(5):
                             den = den + T.shfl_xor(den, T.shift_right(16, o))
                         for v in T.unroll(V):  # ranking: raw logit + bias
@@ -141,6 +174,8 @@ def top2_sum_gate_kernel(E: int, K: int, G: int, TG: int, S: int, scoring: str, 
                     if fixed != 0:  # §2.2 step 5: the given routes, in order
                         if lane < K:
                             route = U[t, lane]
+                            # §2.2 step 5 / 13: fixed routes lie in [0, E_r)
+                            T.call_extern("void", "device_assert", T.And(route >= T.int64(0), route < T.int64(E)))
                     else:
                         if grouped:
                             # 2. multiset top-2 of each group, its sum; lane g keeps gs_g
@@ -235,7 +270,9 @@ def top2_sum_gate_kernel(E: int, K: int, G: int, TG: int, S: int, scoring: str, 
                             base = T.reinterpret(T.cast(ep_rank, "uint32")
                                                  + T.cast(t, "uint32") * T.uint32(REPLICA_STRIDE), "int32")
                             row = T.max(T.min(logical, MR - 1), 0)
-                            d = T.floormod(base, T.max(Count[row], 1))
+                            count = T.alloc_var("int32")
+                            count = T.max(Count[row], 1)
+                            d = T.floormod(base, count)
                             v = 0
                             if T.And(T.And(logical >= 0, logical < MR), d < MD):
                                 v = Map[row, d]
@@ -294,6 +331,7 @@ def test_configs() -> list[tuple]:
         out.append((256, 8, 8, 4, 2, sc, True, True, True, True))
     out.append((16, 4, 4, 2, 2, "sqrtsoftplus", True, True, True, True))
     out.append((256, 6, 0, 0, 0, "sqrtsoftplus", False, False, True, False))
+    out.append((8, 1, 0, 0, 0, "softmax", True, True, True, False))   # K = 1: unmapped's last stride is free
     return list(dict.fromkeys(out))
 
 
@@ -314,6 +352,14 @@ def _dummy(device, dtype, shape):
 def _new_output(shape, dtype, device):
     """Output allocation (a module function so that tests can poison outputs)."""
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _unit_inner(u: torch.Tensor) -> torch.Tensor:
+    """``unmapped_topk_idx`` with a unit last stride, as the kernel's binding requires: the op accepts any
+    last stride when K == 1 (a view of the same elements, so in-place writes still land in the caller's)."""
+    if u.stride(1) == 1:
+        return u
+    return u.as_strided(u.shape, (u.stride(0), 1))
 
 
 def _wrap_int32(v: int) -> int:
@@ -337,6 +383,11 @@ def top2_sum_gate_launch(logits, bias, num_topk, num_topk_groups, num_groups, us
     cfg = gate_config(logits, num_topk, num_topk_groups, num_groups, S, scoring, mask, fix_routing_mask,
                       unmapped_topk_idx, to_physical_map)
     if not supported(cfg) or num_tp_ranks * ranks_p >= 2**31:
+        from tilefuse.moe import ops
+
+        # the kernel checks the data rules itself (device_assert); the reference does not
+        checked = torch.ones(rows, dtype=torch.bool, device=device) if mask is None else mask.reshape(rows)
+        ops._assert_gate_data("top2_sum_gate", logits, checked, fix_routing_mask, unmapped_topk_idx, logical_count)
         return ref.top2_sum_gate(logits, bias, num_topk, num_topk_groups, num_groups, use_shared_as_routed,
                                  num_shared_experts, routed_scaling_factor, ep_rank, num_ep_ranks, tp_rank,
                                  num_tp_ranks, scoring_func, mask, fix_routing_mask, to_physical_map,
@@ -346,9 +397,13 @@ def top2_sum_gate_launch(logits, bias, num_topk, num_topk_groups, num_groups, us
     if rows == 0:
         return idx, weights
     u8 = torch.uint8
-    m = _dummy(device, u8, (1,)) if mask is None else mask.reshape(rows).view(u8)
+    m = _dummy(device, u8, (1,)) if mask is None else mask.reshape(rows).contiguous().view(u8)  # any shape
     f = _dummy(device, u8, (1,)) if fix_routing_mask is None else fix_routing_mask.view(u8)
-    u = _dummy(device, torch.int64, (1, num_topk)) if unmapped_topk_idx is None else unmapped_topk_idx
+    u = _dummy(device, torch.int64, (1, num_topk)) if unmapped_topk_idx is None else _unit_inner(unmapped_topk_idx)
+    if logits.data_ptr() % 16:  # the kernel's 16-byte loads; a contiguous view may start anywhere
+        logits = logits.clone()
+    if bias.data_ptr() % 16:
+        bias = bias.clone()
     pm = _dummy(device, torch.int32, (1, 1)) if to_physical_map is None else to_physical_map
     pc = _dummy(device, torch.int32, (1,)) if logical_count is None else logical_count
     _jit.get("top2_sum_gate", cfg)(logits, bias, m, f, u, pm, pc, idx, weights, float(routed_scaling_factor),

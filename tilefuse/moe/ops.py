@@ -214,12 +214,12 @@ def top2_sum_gate(logits, bias, num_topk, num_topk_groups, num_groups, use_share
     if rows == 0:
         return (torch.empty(0, num_topk + num_shared, dtype=INT64, device=device),
                 torch.empty(0, num_topk + num_shared, dtype=FP32, device=device))
-    _assert_gate_data(op, logits, _row_flags(mask, rows, device), fix_routing_mask, unmapped_topk_idx, logical_count)
-    if logits.is_cuda:
+    if logits.is_cuda:  # the kernel asserts the data rules on the device
         return _SG.top2_sum_gate_cuda(logits, bias, num_topk, num_topk_groups, num_groups, use_shared_as_routed,
                                       num_shared_experts, routed_scaling_factor, ep_rank, num_ep_ranks, tp_rank,
                                       num_tp_ranks, scoring_func, mask, fix_routing_mask, to_physical_map,
                                       logical_count, unmapped_topk_idx)
+    _assert_gate_data(op, logits, _row_flags(mask, rows, device), fix_routing_mask, unmapped_topk_idx, logical_count)
     return ref.top2_sum_gate(logits, bias, num_topk, num_topk_groups, num_groups, use_shared_as_routed,
                              num_shared_experts, routed_scaling_factor, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks,
                              scoring_func, mask, fix_routing_mask, to_physical_map, logical_count, unmapped_topk_idx)
@@ -378,6 +378,17 @@ def get_fused_mapping(topk_idx: torch.Tensor, num_experts: int, num_expanded_tok
     _check.flag(op, "force_no_sync", force_no_sync)
     if num_sms is not None:
         _check.integer(op, "num_sms", num_sms, min=1)
+    if topk_idx.is_cuda and num_sms is None:  # the kernels assert both data rules on the device; upstream's worker
+        return _MK.get_fused_mapping_cuda(topk_idx, num_experts, num_expanded_tokens, alignment, force_no_sync)
+    check_fused_mapping_data(topk_idx, num_experts, num_expanded_tokens, alignment, force_no_sync)  # order: ref
+    return ref.get_fused_mapping(topk_idx, num_experts, num_expanded_tokens, alignment, force_no_sync, num_sms=num_sms)
+
+
+def check_fused_mapping_data(topk_idx, num_experts: int, num_expanded_tokens: int, alignment: int,
+                             force_no_sync: bool) -> None:
+    """get_fused_mapping's data rules as torch assertions (the reference paths): entries in [-1, E), and a given
+    ``num_expanded_tokens`` holds every aligned segment."""
+    op = "get_fused_mapping"
     _assert_data((topk_idx >= -1) & (topk_idx < num_experts), op,
                  f"topk_idx entries must be -1 or in [0, {num_experts})")
     if num_expanded_tokens or force_no_sync:
@@ -385,9 +396,6 @@ def get_fused_mapping(topk_idx: torch.Tensor, num_experts: int, num_expanded_tok
         needed = ((counts + alignment - 1) // alignment * alignment).sum()
         _assert_data(needed <= num_expanded_tokens, op,
                      f"num_expanded_tokens ({num_expanded_tokens}) must hold every aligned expert segment")
-    if topk_idx.is_cuda and num_sms is None:  # upstream's worker order (num_sms) stays on the reference
-        return _MK.get_fused_mapping_cuda(topk_idx, num_experts, num_expanded_tokens, alignment, force_no_sync)
-    return ref.get_fused_mapping(topk_idx, num_experts, num_expanded_tokens, alignment, force_no_sync, num_sms=num_sms)
 
 
 def _check_expand_maps(op: str, rows: int, token_topk_to_pos, pos_to_expert, device) -> None:
