@@ -1,6 +1,12 @@
 """Kernel tiers for aux_fi, group_count, inplace_unique_group_indices and mask_indices_by_tp (moe.md §1.2,
 §2.9-§2.12): compile (sm_90, no GPU), launcher bindings and fakes (CPU), and gpu (bit-exact vs the reference
 run on the same CUDA tensors)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 
@@ -41,8 +47,10 @@ def test_count_launchers_bind_kernel_parameters(rows, k, bins, monkeypatch):
     x = torch.randint(-1, bins, (rows, k))
     K.aux_fi_launch(x, bins, k)
     K.group_count_launch(x, bins)
-    assert [(c.name, c.cfg) for c in calls] == [("moe_count_partial", ()), ("moe_count_finish", ("fi",)),
-                                               ("moe_count_partial", ()), ("moe_count_finish", ("count",))]
+    hist = (K.HIST_SMALL if bins <= K.HIST_SMALL else K.MAX_BINS,)  # the histogram build that holds E
+    assert hist in _jit._FACTORIES["moe_count_partial"][1]()
+    assert [(c.name, c.cfg) for c in calls] == [("moe_count_partial", hist), ("moe_count_finish", ("fi",)),
+                                               ("moe_count_partial", hist), ("moe_count_finish", ("count",))]
     for c in calls:
         chunks = c.env["num_chunks"]
         assert c.env["num_bins"] == bins and 1 <= chunks <= K.MAX_CHUNKS
@@ -63,6 +71,181 @@ def test_launchers_bind_unique_and_mask(monkeypatch):
     assert [(c.name, c.cfg, c.env["num_tokens" if "unique" in c.name else "num_entries"]) for c in calls] == [
         ("moe_unique_group_indices", (6,), 33), ("moe_mask_indices_by_tp", ("int64",), 198),
         ("moe_mask_indices_by_tp", ("int32",), 198)]
+
+
+def _capture(monkeypatch) -> list:
+    """Replace ``_jit.get`` by a recorder of ``(name, cfg, args)``; nothing runs."""
+    calls = []
+    monkeypatch.setattr(_jit, "get", lambda name, cfg: lambda *args: calls.append((name, cfg, args)))
+    return calls
+
+
+def _count_model(flat: np.ndarray, bins: int, denom=None) -> np.ndarray:
+    """numpy model of both counting passes, lane by lane: the partial pass's chunk/round/unroll/thread
+    offsets (each entry must be read exactly once), its per-chunk histograms, then the finish pass's
+    round/unroll/warp walk over the chunk rows (each row exactly once) and its int32 total, or
+    ``(float(total) * float(E)) / denom`` in fp32 with ``denom`` C-cast to binary32 as the host stub does."""
+    n = flat.size
+    chunks, th, u, tile = K._num_chunks(n, bins), K.COUNT_THREADS, K.COUNT_UNROLL, K.COUNT_THREADS * K.COUNT_UNROLL
+    span = (n + chunks - 1) // chunks
+    c, r, uu, tx = np.ix_(np.arange(chunks), np.arange((span + tile - 1) // tile), np.arange(u), np.arange(th))
+    offset = c * span + tx + (r * tile + uu * th)
+    read = offset < np.minimum(c * span + span, n)
+    assert (np.bincount(offset[read], minlength=n) == 1).all()  # every entry once, nothing past N
+    vals = np.where(read, flat[np.where(read, offset, 0)], -1)
+    assert ((vals >= -1) & (vals < bins)).all()  # the device assertion would fire otherwise
+    part = np.zeros((chunks, bins), np.int64)
+    inside = (vals >= 0) & (vals < bins)
+    np.add.at(part, (np.broadcast_to(c, vals.shape)[inside], vals[inside]), 1)
+    warps = K.FINISH_THREADS // 32
+    per_round = warps * K.FINISH_UNROLL
+    rr, fu, g = np.ix_(np.arange((chunks + per_round - 1) // per_round), np.arange(K.FINISH_UNROLL),
+                       np.arange(warps))
+    row = (rr * per_round + fu * warps + g).ravel()
+    row = row[row < chunks]
+    assert np.array_equal(np.sort(row), np.arange(chunks))  # every chunk row once
+    total = part[row].sum(0).astype(np.int32)
+    if denom is None:
+        return total
+    return (total.astype(np.float32) * np.float32(bins)) / np.float32(denom)
+
+
+@pytest.mark.parametrize("rows,k,bins", [(1, 1, 1), (1, 8, 8), (7, 6, 72), (64, 8, 256), (4001, 8, 384),
+                                         (70001, 8, 256), (9, 7, 8192), (20000, 6, 5000), (513, 1, 33)],
+                         ids=str)
+def test_count_passes_model_matches_reference(rows, k, bins, monkeypatch):
+    """The lanes' offsets of both passes (numpy model) read every entry and chunk row once and give the
+    reference's counts and fractions bit for bit, with the denominator the launcher passes."""
+    calls = _capture(monkeypatch)
+    x = torch.randint(0, bins, (rows, k))
+    x = torch.where(torch.rand(rows, k) < 0.25, -1, x)
+    flat = x.reshape(-1).numpy()
+    assert np.array_equal(_count_model(flat, bins), ref.group_count(x, bins).numpy())
+    # num_aux_topk values whose T * num_aux_topk is not an fp32 (the denominator is rounded), and the largest
+    # one below the fp32 overflow (results down to subnormals)
+    for aux in (1, k, 3 * 2 ** 24 + 1, 2 ** 40 + 12345, int(K._FLT_MAX) // rows):
+        calls.clear()
+        K.aux_fi_launch(x, bins, aux)
+        (_, _, (_, _)), (_, cfg, (_, _, denom)) = calls
+        assert cfg == ("fi",) and type(denom) is float
+        want = ref.aux_fi(x, bins, aux).numpy()
+        assert np.array_equal(_count_model(flat, bins, denom).view(np.int32), want.view(np.int32)), aux
+
+
+def test_count_model_subnormal_fractions(monkeypatch):
+    """c * E / FLT_MAX is subnormal: the kernel's fp32 formula (no flush to zero) keeps the reference's bits."""
+    calls = _capture(monkeypatch)
+    tiny = torch.tensor([[0, -1, 2], [-1, 1, -1]])
+    aux = int(K._FLT_MAX) // 2
+    want = ref.aux_fi(tiny, 3, aux).numpy()
+    assert (want > 0).all() and (want < np.finfo(np.float32).tiny).all()
+    K.aux_fi_launch(tiny, 3, aux)
+    denom = calls[1][2][2]
+    assert np.array_equal(_count_model(tiny.reshape(-1).numpy(), 3, denom).view(np.int32), want.view(np.int32))
+
+
+def test_aux_fi_denominator_beyond_fp32_takes_the_reference(monkeypatch):
+    """T * num_aux_topk above the largest fp32: the reference's fp32 fill refuses it (RuntimeError), and so
+    does the launcher (no launch); T = 0 returns zeros whatever num_aux_topk."""
+    calls = fake_jit(monkeypatch)
+    x = torch.randint(-1, 8, (3, 2))
+    for aux in (2 ** 127, 10 ** 40, (int(K._FLT_MAX) + 2 ** 80) // 3 + 1):
+        with pytest.raises(RuntimeError, match="overflow"):
+            ref.aux_fi(x, 8, aux)
+        with pytest.raises(RuntimeError, match="overflow"):
+            K.aux_fi_launch(x, 8, aux)
+    assert K.aux_fi_launch(x[:0], 8, 10 ** 40).tolist() == [0.0] * 8
+    assert calls == []
+    K.aux_fi_launch(x, 8, 2 ** 100)  # 3 * 2^100 is finite in fp32: the kernel
+    K.aux_fi_launch(x[:1], 8, int(K._FLT_MAX))  # the largest finite fp32 itself: the kernel
+    assert [c.name for c in calls] == ["moe_count_partial", "moe_count_finish"] * 2
+
+
+def test_unique_launcher_passes_unit_strides(monkeypatch):
+    """A (T, 1) tensor is torch-contiguous whatever its column stride; the kernel's buffer has strides (K, 1)
+    (TVM checks them): the launcher passes a view with those strides on the same storage."""
+    calls = _capture(monkeypatch)
+    g = torch.randint(-1, 8, (1, 5)).t()  # shape (5, 1), strides (1, 5)
+    h = torch.randint(-1, 8, (1, 1)).as_strided((1, 1), (7, 3))
+    for t in (g, h, torch.randint(-1, 8, (33, 6))[3:]):
+        assert t.is_contiguous()
+        calls.clear()
+        K.inplace_unique_group_indices_launch(t, 8)
+        [(name, cfg, (arg, limit))] = calls
+        assert (name, cfg, limit) == ("moe_unique_group_indices", (t.size(1),), 64)
+        assert arg.shape == t.shape and arg.stride() == (t.size(1), 1) and arg.data_ptr() == t.data_ptr()
+        assert torch.equal(arg, t)
+
+
+_TRUNC = {"Div": lambda a, b: _trunc_div(a, b), "Mod": lambda a, b: a - _trunc_div(a, b) * b}
+_BINARY = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "EQ": np.equal, "NE": np.not_equal,
+           "LT": np.less, "LE": np.less_equal, "GT": np.greater, "GE": np.greater_equal, "And": np.logical_and,
+           "Or": np.logical_or}
+
+
+def _trunc_div(a, b):
+    """C integer division (truncation toward zero), exact for int64."""
+    q = np.floor_divide(a, b)
+    return q + ((a - q * b != 0) & ((a < 0) != (b < 0))).astype(q.dtype)
+
+
+def _c_eval(e, env):
+    """numpy evaluation of a TIR integer expression with C semantics (wrapping arithmetic, truncating / and %,
+    both branches of a select evaluated: the kernel's expressions must be safe for that too)."""
+    name = type(e).__name__
+    dtype = np.bool_ if str(e.dtype) == "bool" else np.dtype(str(e.dtype))
+    ev = lambda x: _c_eval(x, env)  # noqa: E731
+    with np.errstate(over="ignore"):
+        if name == "IntImm":
+            return np.array(e.value).astype(dtype)
+        if name == "Var":
+            return env[e.name]
+        if name == "Cast":
+            return ev(e.value).astype(dtype)
+        if name == "Not":
+            return np.logical_not(ev(e.a))
+        if name in _TRUNC:
+            b = ev(e.b)
+            assert (b != 0).all()
+            return _TRUNC[name](ev(e.a), b).astype(dtype)
+        if name in _BINARY:
+            return _BINARY[name](ev(e.a), ev(e.b)).astype(dtype)
+        if name == "Select":
+            return np.where(ev(e.condition), ev(e.true_value), ev(e.false_value)).astype(dtype)
+        if name == "Call" and e.op.name.endswith("if_then_else"):
+            return np.where(ev(e.args[0]), ev(e.args[1]), ev(e.args[2])).astype(dtype)
+    raise NotImplementedError(name)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype", (torch.int64, torch.int32), ids=str)
+def test_tp_renumber_expression_matches_reference(dtype):
+    """The kernel's TIR formula (32-bit below 2^31, 64-bit above, -1 for negatives) evaluated with C semantics
+    equals the reference on the extremes of the dtype, values just around 2^31 and random values, for every
+    (n, num_ep_ranks, tp_rank, num_tp_ranks) the kernel path takes."""
+    import tilelang  # noqa: F401  (puts TileLang's tvm on the path)
+    from tvm import tirx
+
+    name = str(dtype).replace("torch.", "")
+    info = torch.iinfo(dtype)
+    extremes = [info.min, info.min + 1, -(2 ** 31) + 1, -5, -2, -1, 0, 1, 2 ** 31 - 2, 2 ** 31 - 1, info.max,
+                info.max - 1]
+    if dtype == torch.int64:
+        extremes += [2 ** 31, 2 ** 31 + 1, 2 ** 32 + 7, 3 * 2 ** 40 + 5, 2 ** 62 + 3, -(2 ** 31) - 1]
+    v = torch.cat([torch.tensor(extremes, dtype=dtype), torch.randint(-5, 700, (2000,), dtype=dtype),
+                   torch.randint(info.min, info.max, (2000,), dtype=dtype)])
+    if dtype == torch.int64:
+        v = torch.cat([v, torch.randint(2 ** 31 - 3000, 2 ** 31 + 3000, (2000,))])
+    expr = K.tp_renumber(name, tirx.Var("v", name), *(tirx.Var(s, "int32") for s in ("p", "num_tp", "tp")))
+    cases = [(256, 8, 0, 1), (256, 8, 1, 2), (256, 8, 3, 4), (72, 9, 2, 3), (384, 4, 7, 8), (8, 8, 0, 8),
+             (2 ** 30, 1, 0, 1), (2 ** 31 - 1, 1, 0, 1), (3 * 2 ** 28, 3, 1, 7), (10 ** 9, 7, 5, 14), (5, 5, 0, 3)]
+    for n, ranks, tp, num_tp in cases:
+        p = n // ranks
+        assert p * num_tp <= K._INT32_MAX  # the kernel path
+        env = {"v": v.numpy(), "p": np.int32(p), "num_tp": np.int32(num_tp), "tp": np.int32(tp)}
+        got = _c_eval(expr, env)
+        want = ref.mask_indices_by_tp(v.view(-1, 1), n, ranks, tp, num_tp).view(-1).numpy()
+        assert got.dtype == want.dtype and np.array_equal(got, want), (n, ranks, tp, num_tp)
 
 
 def test_empty_inputs_launch_nothing(monkeypatch):
@@ -163,6 +346,65 @@ def test_counts_sizes_beyond_one_round(rows, k, experts):
 
 
 @pytest.mark.gpu
+def test_aux_fi_rounded_denominators():
+    """T * num_aux_topk that fp32 cannot hold (the denominator rounds as the reference's fill rounds it)."""
+    x = _topk_idx(4001, 8, 256)
+    x[0, 0] = 0  # expert 0 has an entry
+    for aux in (3 * 2 ** 24 + 1, 2 ** 40 + 12345, 2 ** 100 + 1, int(K._FLT_MAX) // 4001):
+        _poison()
+        assert_equal(K.aux_fi_cuda(x, 256, aux), ref.aux_fi(x, 256, aux))
+    tiny = torch.tensor([[0, -1, 2], [-1, 1, -1]], device="cuda")  # c * E / FLT_MAX: subnormal results
+    want = ref.aux_fi(tiny, 3, int(K._FLT_MAX) // 2)
+    assert (want > 0).all() and (want < torch.finfo(torch.float32).tiny).all()
+    assert_equal(K.aux_fi_cuda(tiny, 3, int(K._FLT_MAX) // 2), want)
+
+
+_ASSERT_SCRIPT = """
+import sys
+import torch
+from tilefuse.moe import _count_kernel as K
+
+case = sys.argv[1]
+x = torch.randint(0, 72, (4001, 8), device="cuda")
+g = torch.randint(0, 72, (4001, 8), device="cuda")
+if case == "aux_fi_high":
+    x[1234, 5] = 72
+elif case in ("aux_fi_below", "group_count_below"):
+    x[4000, 7] = -2
+elif case == "unique_high":
+    g[17, 2] = 128  # align(72, 64)
+g[5, 1] = -7  # below -1: allowed by inplace_unique_group_indices (left as it is)
+if case.startswith("aux_fi") or case == "valid":
+    K.aux_fi_cuda(x, 72, 8)
+if case.startswith("group_count") or case == "valid":
+    K.group_count_cuda(x, 72)
+if case.startswith("unique") or case == "valid":
+    K.inplace_unique_group_indices_cuda(g, 72)
+torch.cuda.synchronize()
+assert int(g[5, 1]) == -7
+print("NO ASSERTION")
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["valid", "aux_fi_high", "aux_fi_below", "group_count_below", "unique_high"])
+def test_kernels_assert_the_data_rules(case):
+    """The ops' data rules are device assertions of the kernels themselves (ops.py checks nothing on CUDA):
+    an entry outside [-1, E) (aux_fi, group_count) or >= align(num_groups, 64) (unique) stops the process with
+    a device-side assertion; valid data, values below -1 in unique included, passes. One process per case
+    (a device assertion leaves the CUDA context unusable)."""
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", _ASSERT_SCRIPT, case], capture_output=True, text=True, cwd=root,
+                         env=env, timeout=600)
+    if case == "valid":
+        assert run.returncode == 0 and "NO ASSERTION" in run.stdout, run.stderr[-2000:]
+    else:
+        assert run.returncode != 0 and "NO ASSERTION" not in run.stdout
+        assert "device-side assert" in run.stdout + run.stderr, run.stderr[-2000:]
+
+
+@pytest.mark.gpu
 def test_counts_all_minus_one_and_strided_slices():
     x = torch.full((4001, 8), -1, dtype=torch.int64, device="cuda")
     assert_equal(K.group_count_cuda(x, 256), torch.zeros(256, dtype=torch.int32, device="cuda"))
@@ -226,6 +468,10 @@ def test_unique_spec_example_wide_rows_and_batch_invariance():
     g = torch.tensor([[3, 3, -1, -1, -2, -2, 70, 70]], device="cuda")
     K.inplace_unique_group_indices_cuda(g, 72)
     assert g.tolist() == [[3, -1, -1, -1, -2, -2, 70, -1]]
+    column = _groups(1, 4001, 72).t()  # (T, 1) with strides (1, T): torch-contiguous, no repeats possible
+    want = column.clone()
+    K.inplace_unique_group_indices_cuda(column, 72)
+    assert_equal(column, want)
     for k in (3, 16, K.MAX_UNIQUE_K):  # K outside the registered configs compiles on first use
         h = _groups(777, k, 128)
         want = h.clone()

@@ -6,11 +6,15 @@ Counting (``aux_fi``, ``group_count``) takes two launches and no float atomics:
 1. ``moe_count_partial``: the flat ``(T K,)`` entries are cut into ``C`` equal chunks, one CTA each
    (``C`` from the entry count and E only, at most ``MAX_CHUNKS``: every SM busy at the bench shape). A CTA
    counts its chunk into a shared-memory histogram of E int32 bins (shared integer atomics: a count does
-   not depend on their order) and stores it as row ``c`` of an int32 ``(C, E)`` partial buffer.
+   not depend on their order) and stores it as row ``c`` of an int32 ``(C, E)`` partial buffer. The
+   histogram's shared allocation is static per build: ``HIST_SMALL`` bins for E up to it, else ``MAX_BINS``
+   (a launch-dependent size would make TVM reset the function's dynamic shared-memory limit per call).
 2. ``moe_count_finish``: one CTA per 32 experts; warp ``g`` of a CTA adds chunk rows ``g, g + G, ...`` of
    its 32 columns (every load of a round first), then one warp adds the ``G`` warp sums. ``group_count``
    stores the int32 total; ``aux_fi`` stores ``(float(c) * float(E)) / denom``, the reference's fp32 multiply
-   and IEEE division, ``denom`` being fp32 ``T * num_aux_topk`` rounded once as the reference rounds it.
+   and IEEE division, ``denom`` being fp32 ``T * num_aux_topk`` rounded as the reference rounds it (the
+   Python int to a double, the double to binary32 by a C cast); a denominator beyond the fp32 range takes
+   the reference, which raises as torch does for an fp32 fill that overflows.
 
 Integer sums are exact, so both results are bitwise deterministic and independent of the chunking. Entries
 outside ``[0, E)`` are skipped (as the reference does); values outside ``[-1, E)`` also fail a device assertion
@@ -20,7 +24,9 @@ the first one's tail (programmatic dependent launch).
 ``inplace_unique_group_indices``: one thread per row, ``UNIQUE_ROWS`` rows per CTA. The CTA's rows are staged
 through shared memory with coalesced loads, then each thread scans its row left to right with a 128-bit set
 of the non-negative values seen (two 64-bit registers) and writes -1 over each repeat, in place; nothing
-else is stored. Negative values are never changed. K is static (one build per K).
+else is stored. Negative values are never changed. K is static (one build per K). The kernel's buffer is
+``(T, K)`` with strides ``(K, 1)``: a torch-contiguous tensor whose size-1 dimension has another stride is
+passed as a view with those strides (same storage, same elements).
 
 ``mask_indices_by_tp``: elementwise, int32 or int64 in and out. For ``v = r P + q`` (``0 <= q < P``) it keeps
 ``v`` when ``v >= 0`` and ``r mod num_tp_ranks == tp_rank``, as ``(r div num_tp_ranks) P + q`` (§1.2's second
@@ -47,16 +53,20 @@ COUNT_TRIGGER = True  # with PDL: the partial pass lets the finish pass launch a
                       # wait resident; griddepcontrol.wait still waits for the whole partial grid)
 
 MAX_BINS = 8192       # largest E / num_groups with a kernel (the shared histogram); larger take the reference
+HIST_SMALL = 1024     # bins of the small shared-histogram build (E <= HIST_SMALL); larger E use MAX_BINS bins
 MAX_ENTRIES = 1 << 30  # most T * K entries with a kernel (int32 offsets); more take the reference
 MAX_UNIQUE_K = 32     # widest rows of the unique kernel (K is unrolled); wider take the reference
 _INT32_MAX = 2 ** 31 - 1
+_FLT_MAX = 3.4028234663852886e38  # largest finite binary32 (exact as a double)
 
 
 # ------------------------------------------------------------------------------------------------ counting
 
-def count_partial_kernel():
+def count_partial_kernel(hist_bins: int):
     """Factory: ``X`` int64 ``(N,)`` -> ``Part`` int32 ``(C, E)``, ``Part[c, e]`` = entries equal to ``e`` in
-    chunk ``c`` = ``[c S, min((c + 1) S, N))``, ``S = ceil(N / C)``. N, C and E (<= MAX_BINS) are symbolic."""
+    chunk ``c`` = ``[c S, min((c + 1) S, N))``, ``S = ceil(N / C)``. N, C and E are symbolic; the launcher
+    guarantees ``E <= hist_bins`` (the shared histogram's size). Entries outside ``[-1, E)`` fail a device
+    assertion."""
     import tilelang.language as T
 
     N, C, E = T.dynamic("num_entries num_chunks num_bins")
@@ -69,7 +79,7 @@ def count_partial_kernel():
             if PDL and COUNT_TRIGGER:
                 T.pdl_trigger()
             tx = T.get_thread_binding()
-            hist = T.alloc_shared((MAX_BINS,), "int32")
+            hist = T.alloc_shared((hist_bins,), "int32")
             vals = T.alloc_local((U,), "int64")
             for j in T.serial(T.ceildiv(E, TH)):
                 if j * TH + tx < E:
@@ -157,7 +167,7 @@ def count_finish_kernel(kind: str):
     return count_finish
 
 
-_jit.register("moe_count_partial", count_partial_kernel, lambda: [()])
+_jit.register("moe_count_partial", count_partial_kernel, lambda: sorted({(_hist_bins(1),), (MAX_BINS,)}))
 _jit.register("moe_count_finish", count_finish_kernel, lambda: [("fi",), ("count",)])
 
 
@@ -168,11 +178,16 @@ def _num_chunks(entries: int, bins: int) -> int:
     return max(1, min(-(-entries // tile), MAX_CHUNKS, PARTIAL_BUDGET // bins))
 
 
+def _hist_bins(bins: int) -> int:
+    """The shared histogram build (its bins) for ``bins <= MAX_BINS`` bins."""
+    return HIST_SMALL if bins <= HIST_SMALL < MAX_BINS else MAX_BINS
+
+
 def _count_into(x: torch.Tensor, bins: int, out: torch.Tensor, *denom) -> torch.Tensor:
     """Both passes of a count of ``x``'s entries into ``out`` (finish kind from ``out``'s dtype)."""
     entries = x.numel()
     part = torch.empty((_num_chunks(entries, bins), bins), dtype=torch.int32, device=x.device)
-    _jit.get("moe_count_partial", ())(x.view(entries), part)
+    _jit.get("moe_count_partial", (_hist_bins(bins),))(x.view(entries), part)
     _jit.get("moe_count_finish", ("fi" if denom else "count",))(part, out, *denom)
     return out
 
@@ -190,16 +205,21 @@ def _count_supported(x: torch.Tensor, bins: int) -> bool:
 def aux_fi_launch(topk_idx: torch.Tensor, num_experts: int, num_aux_topk: int) -> torch.Tensor:
     """fp32 ``(E,)`` load fractions; arguments validated by the public op (moe.md §2.9)."""
     rows = topk_idx.size(0)
-    if topk_idx.numel() == 0:  # T = 0 (zeros, as the reference) or K = 0 (no entries: every count is 0)
+    if rows == 0:  # zeros, no division (as the reference)
         return torch.zeros(num_experts, dtype=torch.float32, device=topk_idx.device)
-    if not _count_supported(topk_idx, num_experts):
+    # The fp32 denominator as the reference's torch.full_like(counts, float(v)) makes it: the Python int to a
+    # double, then (the kernel's host stub) a C cast to binary32. torch refuses a fill beyond the fp32 range,
+    # and so does the reference fallback taken then.
+    denom = float(rows * num_aux_topk)
+    if denom > _FLT_MAX or not _count_supported(topk_idx, num_experts):
         from tilefuse.reference import moe as ref
 
         _assert_range(topk_idx, -1, num_experts, f"aux_fi: topk_idx entries must be in [-1, {num_experts})")
         return ref.aux_fi(topk_idx, num_experts, num_aux_topk)
+    if topk_idx.numel() == 0:  # K = 0: no entries, every count is 0
+        return torch.zeros(num_experts, dtype=torch.float32, device=topk_idx.device)
     out = torch.empty(num_experts, dtype=torch.float32, device=topk_idx.device)
-    # the fp32 denominator: the Python int rounded once to binary32 (the reference's torch.full_like(., float(v)))
-    return _count_into(topk_idx, num_experts, out, float(rows * num_aux_topk))
+    return _count_into(topk_idx, num_experts, out, denom)
 
 
 def group_count_launch(group_idx: torch.Tensor, num_groups: int) -> torch.Tensor:
@@ -277,14 +297,39 @@ def inplace_unique_group_indices_launch(group_indices: torch.Tensor, num_groups:
         _assert_range(group_indices, None, limit, "inplace_unique_group_indices: group_indices entries must be < "
                                                   f"align(num_groups, 64) = {limit}")
         return ref.inplace_unique_group_indices(group_indices, num_groups)
+    if group_indices.stride(1) != 1:  # K = 1 with another stride (torch ignores a size-1 dimension's stride)
+        group_indices = group_indices.as_strided((rows, k), (k, 1))
     _jit.get("moe_unique_group_indices", (k,))(group_indices, limit)
     return None
 
 
 # ---------------------------------------------------------------------------------------------- TP masking
 
+def _tp_keep32(v, p, num_tp, tp):
+    """TIR: int32 ``v >= 0`` renumbered for TP rank ``tp`` (§1.2), or -1 (``p, num_tp, tp`` int32, ``p, num_tp
+    >= 1``). ``r = v div p``; ``r p <= v`` and ``(r div num_tp) p <= v``: nothing wraps."""
+    import tilelang.language as T
+
+    r = T.truncdiv(v, p)
+    return T.if_then_else(T.truncmod(r, num_tp) == tp, T.truncdiv(r, num_tp) * p + (v - r * p), T.int32(-1))
+
+
+def tp_renumber(dtype: str, v, p, num_tp, tp):
+    """TIR: the kernel's value for one entry ``v`` of ``dtype``: -1 for ``v < 0``; values below 2^31 take the
+    32-bit divisions, larger int64 ones the 64-bit divisions of the same formula."""
+    import tilelang.language as T
+
+    if dtype == "int32":
+        return T.if_then_else(v >= 0, _tp_keep32(v, p, num_tp, tp), T.int32(-1))
+    p64, n64, t64 = T.cast(p, "int64"), T.cast(num_tp, "int64"), T.cast(tp, "int64")
+    r = T.truncdiv(v, p64)
+    wide = T.if_then_else(T.truncmod(r, n64) == t64, T.truncdiv(r, n64) * p64 + (v - r * p64), T.int64(-1))
+    small = T.cast(_tp_keep32(T.cast(v, "int32"), p, num_tp, tp), "int64")
+    return T.if_then_else(v < 0, T.int64(-1), T.if_then_else(v <= _INT32_MAX, small, wide))
+
+
 def mask_indices_by_tp_kernel(dtype: str):
-    """Factory: ``Y = renumber(X)`` elementwise, ``X``, ``Y`` ``(N,)`` of ``dtype`` (int32 or int64), with
+    """Factory: ``Y = tp_renumber(X)`` elementwise, ``X``, ``Y`` ``(N,)`` of ``dtype`` (int32 or int64), with
     ``P`` = experts per EP rank, ``num_tp`` TP ranks, ``num_tp * P < 2^31``. N is symbolic."""
     import tilelang.language as T
 
@@ -292,20 +337,6 @@ def mask_indices_by_tp_kernel(dtype: str):
     N = T.dynamic("num_entries")
     TH, U = MASK_THREADS, MASK_UNROLL
     tile = TH * U
-
-    def keep32(v, p, num_tp, tp):
-        """Renumbered ``v`` (int32, ``v >= 0``) or -1."""
-        r = T.truncdiv(v, p)
-        return T.if_then_else(T.truncmod(r, num_tp) == tp, T.truncdiv(r, num_tp) * p + (v - r * p), T.int32(-1))
-
-    def renumber(v, p, num_tp, tp):
-        if dtype == "int32":
-            return T.if_then_else(v >= 0, keep32(v, p, num_tp, tp), T.int32(-1))
-        p64, n64, t64 = T.cast(p, "int64"), T.cast(num_tp, "int64"), T.cast(tp, "int64")
-        r = T.truncdiv(v, p64)
-        wide = T.if_then_else(T.truncmod(r, n64) == t64, T.truncdiv(r, n64) * p64 + (v - r * p64), T.int64(-1))
-        small = T.cast(keep32(T.cast(v, "int32"), p, num_tp, tp), "int64")
-        return T.if_then_else(v < 0, T.int64(-1), T.if_then_else(v <= _INT32_MAX, small, wide))
 
     @T.prim_func
     def mask_by_tp(X: T.Tensor((N,), dtype), Y: T.Tensor((N,), dtype), p: T.int32, num_tp: T.int32,
@@ -320,7 +351,7 @@ def mask_indices_by_tp_kernel(dtype: str):
                     vals[u] = X[b * tile + u * TH + tx]
             for u in T.unroll(U):
                 if b * tile + u * TH + tx < N:
-                    Y[b * tile + u * TH + tx] = renumber(vals[u], p, num_tp, tp)
+                    Y[b * tile + u * TH + tx] = tp_renumber(dtype, vals[u], p, num_tp, tp)
 
     return mask_by_tp
 
