@@ -15,12 +15,23 @@ order; S shared slots of weight 1; replica choice ``map[l, (ep_rank + 23333 t) m
 int32 wrap of the reference. Every floating-point step is an explicit round-to-nearest intrinsic, so
 nvcc's FMA contraction cannot change a result: bit-identical to ``tilefuse.reference.moe``.
 
-Backward, per token: fp64 throughout like the reference, in the reference's summation order. PyTorch's
-CUDA ``sum`` over a row of n contiguous values (``Reduce.cuh``; the row count >= 16) is modelled as:
-block width ``bw = min(last_pow2(n'), 32)`` with ``n' = n / 4`` when vectorised (n > 128) else n; thread
-``x < bw`` folds its strided inputs into 4 accumulators (``(v0 + v1) + v2) + v3``), then a shuffle-down
-tree with offsets 1, 2, ..., bw / 2. The K-slot sums use it with n = K (the order is then the same for
-every row count); the auxiliary term's expert sums with n = E_r. Duplicated slots accumulate in slot order.
+Data rules (moe.md §2.13 step 11, §2.14) are device assertions on values the kernels load anyway: finite
+logits of every routed token (neither masked nor random), fixed routes in [0, E_r), topk_idx of the
+backward in [-1, E_r) (on the int64 value); one warp of CTA 0 checks ``logical_count >= 1`` (which implies
+random routing's ``sum(logical_count) >= K + S``, as K <= E_r). Rows wider than ``_MAX_EXPERTS`` run the reference instead (the
+launcher asserts the same rules with ``torch._assert_async``). Launchers pass 16-byte aligned row tensors
+(an odd storage offset goes through a copy).
+
+Backward, per token: fp64 throughout (the reference's precision), one rounding to fp32 at the end, in the
+kernel's own fixed order (``backward_model`` reproduces it bit for bit with element-wise torch ops): the
+K-slot sums ``sum g_k w_k`` and ``sum u_k`` are XOR butterflies over the 32 lanes (slot k on lane k, lanes
+>= K hold +0); duplicated slots accumulate onto their expert in slot order from +0; the auxiliary term's
+``sum_e u_e`` and ``sum_e h_e u_e`` add each lane's experts ``c * 128 + 4 l + j`` (c, then j) from +0, then
+the butterfly. The order depends on nothing but (E_r, K): deterministic and batch-invariant. The reference
+(fp64 torch ops: ``sum``, ``scatter_add_``) rounds in torch's internal order instead, which is no contract
+(moe.md §2.14 calls upstream's backward a numerical recipe); both fp64 results carry errors ~1e-16
+relative to the row's magnitudes, so the fp32 outputs agree to one fp32 ulp plus that (the tests derive
+the bound per element).
 """
 
 import torch
@@ -30,6 +41,7 @@ from tilefuse import _jit, _ops
 _WARPS = 4                       # tokens per CTA (one warp each)
 _EPS = 1e-20                     # weight-denominator epsilon (§2.13 step 6, §2.14)
 _REPLICA_STRIDE = 23333          # replica choice (§2.13 step 9)
+_MAX_EXPERTS = 1024             # wider rows (registers: E / 32 per lane) run the reference (no host sync)
 _FLAGS = ("bias", "fix", "image", "map", "mask", "random", "scores", "unmapped")   # forward's optional inputs
 
 _HELPERS = r"""
@@ -56,15 +68,15 @@ __device__ __forceinline__ float tfg_butterfly32(float v) {     // lane l adds l
   for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(TFG_FULL, v, o));
   return v;
 }
+__device__ __forceinline__ int tfg_nonfinite(float x) {     // 1 for nan / inf
+  return (__float_as_uint(x) & 0x7f800000u) == 0x7f800000u;
+}
 __device__ __forceinline__ float tfg_shfl_f32(float v, int src) { return __shfl_sync(TFG_FULL, v, src); }
 __device__ __forceinline__ int tfg_shfl_i32(int v, int src) { return __shfl_sync(TFG_FULL, v, src); }
 __device__ __forceinline__ double tfg_shfl_f64(double v, int src) { return __shfl_sync(TFG_FULL, v, src); }
-__device__ __forceinline__ double tfg_shfl_down_f64(double v, int o) { return __shfl_down_sync(TFG_FULL, v, o); }
-// torch's block_x_reduce of `v` over lanes [0, width): shuffle-down adds with offsets 1, 2, .., width / 2;
-// lane 0's sum returned to every lane
-__device__ __forceinline__ double tfg_tree_f64(double v, int width) {
-  for (int o = 1; o < width; o <<= 1) v = __dadd_rn(v, __shfl_down_sync(TFG_FULL, v, o));
-  return __shfl_sync(TFG_FULL, v, 0);
+__device__ __forceinline__ double tfg_butterfly32_f64(double v) {   // lane l adds lane l ^ o, o = 16 .. 1
+  for (int o = 16; o > 0; o >>= 1) v = __dadd_rn(v, __shfl_xor_sync(TFG_FULL, v, o));
+  return v;
 }
 __device__ __forceinline__ long long tfg_none() { return (long long)(1ull << 63); }   // below every key
 __device__ __forceinline__ int tfg_replica(int seed_lo, int t, int count) {   // floor mod of the int32 wrap
@@ -121,24 +133,20 @@ def _chunks(num_experts: int) -> int:
     return -(-num_experts // 128)
 
 
-def _last_pow2(n: int) -> int:
-    return 1 << (max(n, 1).bit_length() - 1)
-
-
 # ----------------------------------------------------------------------------------------------------
 # Forward (§2.13)
 # ----------------------------------------------------------------------------------------------------
 
 def gate_forward_kernel(num_experts: int, num_topk: int, num_shared: int, flags: str):
-    """Factory: the forward for ``E_r = num_experts`` (``% 4 == 0``, <= 384 is what the tests use, any size
-    compiles), ``K = num_topk``, ``S = num_shared``; ``flags`` is a comma-separated subset of ``_FLAGS`` (the
-    optional tensors present). Absent tensors are bound to 1-element dummies that the code never reads."""
+    """Factory: the forward for ``E_r = num_experts`` (``% 4 == 0``, at most ``_MAX_EXPERTS``), ``K = num_topk``,
+    ``S = num_shared``; ``flags`` is a comma-separated subset of ``_FLAGS`` (the optional tensors present).
+    Absent tensors are bound to 1-element dummies that the code never reads."""
     import tilelang.language as T
 
     E, K, S = num_experts, num_topk, num_shared
     W = K + S
     fl = set(filter(None, flags.split(",")))
-    assert fl <= set(_FLAGS) and E % 4 == 0 and E < 2 ** 16 and 1 <= K <= min(E, 32) and W <= 32  # 16-bit key index
+    assert fl <= set(_FLAGS) and E % 4 == 0 and E <= _MAX_EXPERTS and 1 <= K <= min(E, 32) and W <= 32
     NC = _chunks(E)
     NV = NC * 4
     ragged = E % 128 != 0                                 # the last chunk does not cover every lane
@@ -178,6 +186,17 @@ def gate_forward_kernel(num_experts: int, num_topk: int, num_shared: int, flags:
             rand = T.alloc_var("int32")
             fixed = T.alloc_var("int32")
             image = T.alloc_var("int32")
+            bad = T.alloc_var("int32")
+            fixed_idx = T.alloc_var("int64")
+            if "map" in fl:
+                # moe.md §2.13 step 9: every replica count >= 1 (one warp of CTA 0 checks the (E_r + S,)
+                # vector); random routing's sum(count) >= K + S follows, as E_r + S >= K + S
+                if T.And(bx == 0, tx < 32):
+                    bad = 0
+                    for i in T.unroll(-(-NL // 32)):
+                        if lane + i * 32 < NL:
+                            bad = bad | T.Cast("int32", Count[lane + i * 32] < 1)
+                    T.call_extern("void", "device_assert", bad == 0)
             if t < Tn:
                 live = 1
                 rand = 0
@@ -220,7 +239,8 @@ def gate_forward_kernel(num_experts: int, num_topk: int, num_shared: int, flags:
                                 for j in T.vectorized(4):
                                     Sc[t, c * 128 + lane * 4 + j] = T.float32(0.0)
                 else:
-                    # scores (§2.13 step 3), written unbiased
+                    # scores (§2.13 step 3), written unbiased; the logits of a routed token must be finite
+                    bad = 0
                     for c in T.unroll(NC):
                         for j in T.unroll(4):
                             u[c * 4 + j] = T.float32(0.0)
@@ -228,10 +248,12 @@ def gate_forward_kernel(num_experts: int, num_topk: int, num_shared: int, flags:
                             for j in T.vectorized(4):
                                 u[c * 4 + j] = L[t, c * 128 + lane * 4 + j]
                             for j in T.unroll(4):
+                                bad = bad | T.call_extern("int32", "tfg_nonfinite", u[c * 4 + j])
                                 u[c * 4 + j] = T.call_extern("float32", "tfg_ssp", u[c * 4 + j])
                             if "scores" in fl:
                                 for j in T.vectorized(4):
                                     Sc[t, c * 128 + lane * 4 + j] = u[c * 4 + j]
+                    T.call_extern("void", "device_assert", bad == 0)
                     fixed = 0
                     if "fix" in fl:
                         fixed = T.Cast("int32", Fix[t] != 0)
@@ -239,7 +261,10 @@ def gate_forward_kernel(num_experts: int, num_topk: int, num_shared: int, flags:
                     if fixed != 0:
                         # fixed routes (§2.13 step 5): the caller's indices, in order
                         if lane < K:
-                            sel = T.Cast("int32", T.max(T.min(Unm[t, lane], T.int64(E - 1)), T.int64(0)))
+                            fixed_idx = Unm[t, lane]
+                            T.call_extern("void", "device_assert",
+                                          T.And(fixed_idx >= T.int64(0), fixed_idx < T.int64(E)))
+                            sel = T.Cast("int32", T.max(T.min(fixed_idx, T.int64(E - 1)), T.int64(0)))
                     else:
                         # ranking keys u + b (§2.13 step 4); unused register slots never win
                         image = 0
@@ -327,6 +352,7 @@ def _forward_configs() -> list[tuple]:
         (256, 8, 1, "bias,fix,image,map,mask,random,scores,unmapped"),
         (64, 6, 0, "random"),
         (32, 2, 0, ""),
+        (72, 6, 1, "fix,map,mask,random,unmapped"),                       # the device-assertion tests
     ]
     return cfgs
 
@@ -339,23 +365,22 @@ _jit.register("moe_topk_gate_forward", gate_forward_kernel, _forward_configs)
 # ----------------------------------------------------------------------------------------------------
 
 def gate_backward_kernel(num_experts: int, num_topk: int, aux: bool):
-    """Factory: the backward for ``E_r = num_experts`` (``% 4 == 0``), ``K = num_topk`` (<= 32) and, with
-    ``aux``, the auxiliary term (``mask`` and ``grad_scores_sum`` given)."""
+    """Factory: the backward for ``E_r = num_experts`` (at most ``_MAX_EXPERTS``; any multiple of 4 uses 16-byte
+    row accesses), ``K = num_topk`` (1 .. 32; the launcher maps K = 0 to one -1 slot) and, with
+    ``aux``, the auxiliary term (``mask`` and ``grad_scores_sum`` given). The order of every sum is the one
+    of ``backward_model`` (module docstring)."""
     import tilelang.language as T
 
     E, K = num_experts, num_topk
-    assert E % 4 == 0 and 1 <= K <= 32
+    assert 1 <= K <= min(E, 32) and E <= _MAX_EXPERTS
     NC = _chunks(E)
     NV = NC * 4
     ragged = E % 128 != 0
-    kbw = _last_pow2(K)                                   # torch's block width for the K-slot sums
-    vec = E > 128                                         # torch vectorises the expert sums by 4
-    ebw = min(_last_pow2(E // 4 if vec else E), 32)
-    per_lane = -(-E // ebw)                               # strided inputs per thread (unvectorised case)
+    vec = E % 4 == 0                                      # 16-byte row accesses; else element by element
     Tn, NM, NH = T.dynamic("num_tokens, nm, nh")
 
-    def tree(acc, width):
-        return T.call_extern("float64", "tfg_tree_f64", acc, width)
+    def f64(name, *args):
+        return T.call_extern("float64", name, *args)
 
     @T.prim_func
     def gate_backward(Sc: T.Tensor((Tn, E), "float32"), TopIdx: T.Tensor((Tn, K), "int64"),
@@ -371,7 +396,7 @@ def gate_backward_kernel(num_experts: int, num_topk: int, aux: bool):
             grad = T.alloc_local((NV,), "float64")
             raw = T.alloc_local((4,), "float32")
             hv = T.alloc_local((NV,), "float64")
-            acc4 = T.alloc_local((4,), "float64")
+            idx64 = T.alloc_var("int64")
             idx = T.alloc_var("int32")
             uk = T.alloc_var("float64")
             gk = T.alloc_var("float64")
@@ -387,115 +412,143 @@ def gate_backward_kernel(num_experts: int, num_topk: int, aux: bool):
             inv = T.alloc_var("float64")
             seq = T.alloc_var("int32")
             if t < Tn:
-                # this lane's experts c * 128 + 4 lane + j
+                # this lane's experts c * 128 + 4 lane + j (0 in the padding of a ragged last chunk)
                 for c in T.unroll(NC):
                     for j in T.unroll(4):
                         u[c * 4 + j] = T.float64(0.0)
                         grad[c * 4 + j] = T.float64(0.0)
-                    if (not ragged) or c * 128 + lane * 4 < E:
-                        for j in T.vectorized(4):
-                            raw[j] = Sc[t, c * 128 + lane * 4 + j]
+                    if vec:
+                        if (not ragged) or c * 128 + lane * 4 < E:
+                            for j in T.vectorized(4):
+                                raw[j] = Sc[t, c * 128 + lane * 4 + j]
+                            for j in T.unroll(4):
+                                u[c * 4 + j] = T.Cast("float64", raw[j])
+                    else:
                         for j in T.unroll(4):
-                            u[c * 4 + j] = T.Cast("float64", raw[j])
-                # slot k on lane k: u_k, g_k (0 for -1 slots), g_k * w_k
+                            if c * 128 + lane * 4 + j < E:
+                                u[c * 4 + j] = T.Cast("float64", Sc[t, c * 128 + lane * 4 + j])
+                # slot k on lane k: u_k, g_k (both 0 for a -1 slot), g_k * w_k; lanes >= K hold +0
                 idx = -1
                 uk = T.float64(0.0)
                 gk = T.float64(0.0)
                 a = T.float64(0.0)
                 if lane < K:
-                    idx = T.Cast("int32", TopIdx[t, lane])
+                    idx64 = TopIdx[t, lane]
+                    # moe.md §2.14: topk_idx is -1 or a routed expert (checked on the int64 value)
+                    T.call_extern("void", "device_assert", T.And(idx64 >= T.int64(-1), idx64 < T.int64(E)))
+                    idx = T.Cast("int32", T.max(T.min(idx64, T.int64(E - 1)), T.int64(-1)))
                     if idx >= 0:
-                        uk = T.Cast("float64", Sc[t, T.min(idx, E - 1)])
+                        uk = T.Cast("float64", Sc[t, idx])
                         gk = T.Cast("float64", G[t, lane])
-                    a = T.call_extern("float64", "__dmul_rn", gk, T.Cast("float64", Wt[t, lane]))
-                # torch's K-slot sums: lane x < kbw adds slot x + kbw, then the tree
-                b = T.call_extern("float64", "tfg_shfl_down_f64", a, kbw)
-                if T.And(lane < kbw, lane + kbw < K):
-                    a = a + b
-                dot = tree(a, kbw)
-                b = T.call_extern("float64", "tfg_shfl_down_f64", uk, kbw)
-                if T.And(lane < kbw, lane + kbw < K):
-                    uk = uk + b
-                usum = tree(uk, kbw)
+                    a = f64("__dmul_rn", gk, T.Cast("float64", Wt[t, lane]))
+                dot = f64("tfg_butterfly32_f64", a)
+                usum = f64("tfg_butterfly32_f64", uk)
                 per_slot = T.float64(0.0)
                 if idx >= 0:
-                    per_slot = T.call_extern(
-                        "float64", "__ddiv_rn",
-                        T.call_extern("float64", "__dsub_rn", T.call_extern("float64", "__dmul_rn", rho, gk), dot),
-                        T.call_extern("float64", "__dadd_rn", usum, T.float64(_EPS)))
-                # routing term: slots in order onto their experts
+                    per_slot = f64("__ddiv_rn", f64("__dsub_rn", f64("__dmul_rn", rho, gk), dot),
+                                   f64("__dadd_rn", usum, T.float64(_EPS)))
+                # routing term: slots in order 0 .. K-1 onto their experts (duplicates accumulate)
                 for k in T.serial(K):
                     idk = T.call_extern("int32", "tfg_shfl_i32", idx, k)
                     pk = T.call_extern("float64", "tfg_shfl_f64", per_slot, k)
                     for c in T.unroll(NC):
                         for j in T.unroll(4):
                             if idk == c * 128 + lane * 4 + j:
-                                grad[c * 4 + j] = grad[c * 4 + j] + pk
+                                grad[c * 4 + j] = f64("__dadd_rn", grad[c * 4 + j], pk)
                 if aux:
-                    # auxiliary term: (h_e - (sum h u) inv) inv, inv = mask ? 1 / sum u : 0
+                    # auxiliary term (h_e - Ah inv) inv, inv = mask ? 1 / Su : 0; Su = sum u, Ah = sum h u:
+                    # each lane sums its register slots in order from +0, then the XOR butterfly
                     seq = t // T.max(rows_per_seq, 1)
+                    su = T.float64(0.0)
+                    ah = T.float64(0.0)
                     for c in T.unroll(NC):
                         for j in T.unroll(4):
                             hv[c * 4 + j] = T.float64(0.0)
-                        if (not ragged) or c * 128 + lane * 4 < E:
-                            for j in T.vectorized(4):
-                                raw[j] = H[seq, c * 128 + lane * 4 + j]
-                            for j in T.unroll(4):
-                                hv[c * 4 + j] = T.Cast("float64", raw[j])
-                    for which in T.unroll(2):
-                        for r in T.unroll(4):
-                            acc4[r] = T.float64(0.0)
                         if vec:
-                            # thread x: acc_j over its vectors 4 (x + 32 c) + j
-                            for c in T.unroll(NC):
+                            if (not ragged) or c * 128 + lane * 4 < E:
+                                for j in T.vectorized(4):
+                                    raw[j] = H[seq, c * 128 + lane * 4 + j]
                                 for j in T.unroll(4):
-                                    if which == 0:
-                                        acc4[j] = acc4[j] + u[c * 4 + j]
-                                    else:
-                                        acc4[j] = acc4[j] + T.call_extern("float64", "__dmul_rn", hv[c * 4 + j],
-                                                                          u[c * 4 + j])
+                                    hv[c * 4 + j] = T.Cast("float64", raw[j])
                         else:
-                            # thread x < ebw: acc_(m % 4) over inputs x + m ebw
-                            if lane < ebw:
-                                for m in T.unroll(per_lane):
-                                    if lane + m * ebw < E:
-                                        if which == 0:
-                                            acc4[m % 4] = acc4[m % 4] + T.Cast("float64", Sc[t, lane + m * ebw])
-                                        else:
-                                            acc4[m % 4] = acc4[m % 4] + T.call_extern(
-                                                "float64", "__dmul_rn", T.Cast("float64", H[seq, lane + m * ebw]),
-                                                T.Cast("float64", Sc[t, lane + m * ebw]))
-                        a = ((acc4[0] + acc4[1]) + acc4[2]) + acc4[3]
-                        if which == 0:
-                            su = tree(a, ebw)
-                        else:
-                            ah = tree(a, ebw)
+                            for j in T.unroll(4):
+                                if c * 128 + lane * 4 + j < E:
+                                    hv[c * 4 + j] = T.Cast("float64", H[seq, c * 128 + lane * 4 + j])
+                        for j in T.unroll(4):
+                            su = f64("__dadd_rn", su, u[c * 4 + j])
+                            ah = f64("__dadd_rn", ah, f64("__dmul_rn", hv[c * 4 + j], u[c * 4 + j]))
+                    su = f64("tfg_butterfly32_f64", su)
+                    ah = f64("tfg_butterfly32_f64", ah)
                     inv = T.float64(0.0)
                     if Mask[t] != 0:
-                        inv = T.call_extern("float64", "__ddiv_rn", T.float64(1.0), su)
+                        inv = f64("__ddiv_rn", T.float64(1.0), su)
                     for i in T.unroll(NV):
-                        grad[i] = grad[i] + T.call_extern(
-                            "float64", "__dmul_rn",
-                            T.call_extern("float64", "__dsub_rn", hv[i],
-                                          T.call_extern("float64", "__dmul_rn", ah, inv)), inv)
+                        grad[i] = f64("__dadd_rn", grad[i],
+                                      f64("__dmul_rn", f64("__dsub_rn", hv[i], f64("__dmul_rn", ah, inv)), inv))
                 # times the sqrt-softplus derivative, rounded once to fp32
                 for c in T.unroll(NC):
-                    if (not ragged) or c * 128 + lane * 4 < E:
+                    for j in T.unroll(4):
+                        raw[j] = T.call_extern("float32", "__double2float_rn",
+                                               f64("__dmul_rn", f64("tfg_ssp_grad", u[c * 4 + j]), grad[c * 4 + j]))
+                    if vec:
+                        if (not ragged) or c * 128 + lane * 4 < E:
+                            for j in T.vectorized(4):
+                                Out[t, c * 128 + lane * 4 + j] = raw[j]
+                    else:
                         for j in T.unroll(4):
-                            raw[j] = T.call_extern(
-                                "float32", "__double2float_rn",
-                                T.call_extern("float64", "__dmul_rn",
-                                              T.call_extern("float64", "tfg_ssp_grad", u[c * 4 + j]),
-                                              grad[c * 4 + j]))
-                        for j in T.vectorized(4):
-                            Out[t, c * 128 + lane * 4 + j] = raw[j]
+                            if c * 128 + lane * 4 + j < E:
+                                Out[t, c * 128 + lane * 4 + j] = raw[j]
 
     return gate_backward
 
 
+def backward_model(scores, topk_idx, topk_weights, grad_topk_weights, routed_scaling_factor, mask=None,
+                   grad_scores_sum=None):
+    """The backward kernel's arithmetic in its own order, with torch element-wise fp64 ops only (no torch
+    reductions): bit-identical to the kernel wherever ``torch.expm1`` (fp64) is the kernel's ``expm1``
+    (same device). The order (module docstring): the K-slot sums and the aux term's expert sums are XOR
+    butterflies over 32 lanes; a lane's aux partial adds its experts ``c * 128 + 4 lane + j`` (c, then j)
+    from +0; duplicated slots accumulate in slot order from +0."""
+    from tilefuse.reference import moe as ref
+
+    f64 = torch.float64
+    rows, experts = scores.shape
+    num_topk = topk_idx.size(1)
+    u = scores.to(f64)
+    valid = topk_idx >= 0
+    idx = topk_idx.clamp(0, experts - 1)
+    zero = torch.zeros((), dtype=f64, device=u.device)
+    u_k = torch.where(valid, u.gather(1, idx), zero)
+    g = torch.where(valid, grad_topk_weights.to(f64), zero)
+    dot = ref.butterfly_sum32(g * topk_weights.to(f64))[:, None]
+    usum = ref.butterfly_sum32(u_k)[:, None]
+    per_slot = torch.where(valid, (routed_scaling_factor * g - dot) / (usum + _EPS), zero)
+    grad = torch.zeros_like(u)
+    for k in range(num_topk):                              # one slot at a time: no duplicate inside a scatter
+        col = idx[:, k:k + 1]
+        grad = grad.scatter(1, col, grad.gather(1, col) + per_slot[:, k:k + 1])   # -1 slots add +0
+    if grad_scores_sum is not None:
+        seq = torch.arange(rows, device=u.device) // max(rows // grad_scores_sum.size(0), 1)
+        h = grad_scores_sum.to(f64)[seq]
+        chunks = _chunks(experts)
+        pad = chunks * 128 - experts
+        lanes_u = torch.nn.functional.pad(u, (0, pad)).view(rows, chunks, 32, 4)
+        lanes_h = torch.nn.functional.pad(h, (0, pad)).view(rows, chunks, 32, 4)
+        su = torch.zeros(rows, 32, dtype=f64, device=u.device)
+        ah = torch.zeros(rows, 32, dtype=f64, device=u.device)
+        for c in range(chunks):
+            for j in range(4):
+                su = su + lanes_u[:, c, :, j]
+                ah = ah + lanes_h[:, c, :, j] * lanes_u[:, c, :, j]
+        su, ah = ref.butterfly_sum32(su)[:, None], ref.butterfly_sum32(ah)[:, None]
+        inv = torch.where(mask.reshape(-1, 1), 1.0 / su, zero)
+        grad = grad + (h - ah * inv) * inv
+    return (ref.sqrt_softplus_grad(u) * grad).to(torch.float32)
+
+
 def _backward_configs() -> list[tuple]:
     cfgs = [(256, 8, False), (256, 8, True)]
-    for e, k in ((8, 1), (72, 2), (256, 6), (384, 8)):
+    for e, k in ((8, 1), (72, 2), (256, 6), (384, 8), (30, 3), (30, 1)):    # 30: rows not a multiple of 4
         cfgs += [(e, k, False), (e, k, True)]
     return list(dict.fromkeys(cfgs))
 
@@ -527,6 +580,12 @@ def _bytes(flags: torch.Tensor) -> torch.Tensor:
     return flags.view(torch.uint8)
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its data is 16-byte aligned (the kernels' vector accesses), else an aligned copy (a
+    contiguous view at an odd storage offset)."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def _forward_launch(logits, num_topk: int, num_shared: int, routed_scaling_factor: float, ep_rank: int,
                     mask, bias, image_bias, image_token_mask, fix_routing_mask, to_physical_map, logical_count,
                     unmapped_topk_idx, force_random, topk_idx, topk_weights, scores) -> None:
@@ -542,7 +601,8 @@ def _forward_launch(logits, num_topk: int, num_shared: int, routed_scaling_facto
     seed = ep_rank % 2 ** 64
     seed_lo, seed_hi = seed & 0xFFFFFFFF, seed >> 32
     fn = _jit.get("moe_topk_gate_forward", (experts, num_topk, num_shared, flags))
-    fn(logits,
+    scores_k = None if scores is None else _aligned(scores)        # a copy is written, then copied back
+    fn(_aligned(logits),
        bias if bias is not None else _dummy(dev, f32),
        image_bias if image_bias is not None else _dummy(dev, f32),
        _bytes(image_token_mask) if image_token_mask is not None else _dummy(dev, u8),
@@ -553,8 +613,10 @@ def _forward_launch(logits, num_topk: int, num_shared: int, routed_scaling_facto
        logical_count if logical_count is not None else _dummy(dev, i32),
        unmapped_topk_idx if unmapped_topk_idx is not None else _dummy(dev, i64, num_topk),
        topk_idx, topk_weights,
-       scores if scores is not None else _dummy(dev, f32, experts),
+       scores_k if scores is not None else _dummy(dev, f32, experts),
        float(routed_scaling_factor), seed_lo - (seed_lo >> 31 << 32), seed_hi - (seed_hi >> 31 << 32))
+    if scores_k is not scores:
+        scores.copy_(scores_k)
 
 
 @_ops.kernel_op("tilefuse::moe_topk_gate_forward",
@@ -593,6 +655,17 @@ def moe_topk_gate_forward_cuda(logits, num_topk, use_shared_as_routed, num_share
         topk_weights = torch.empty(rows, width, dtype=torch.float32, device=logits.device)
     if rows == 0:
         return topk_idx, topk_weights
+    if logits.size(1) > _MAX_EXPERTS:
+        from tilefuse.moe import ops
+        from tilefuse.reference import moe as ref
+
+        ops.check_gate_forward_data(logits, width, mask, fix_routing_mask, unmapped_topk_idx, logical_count,
+                                    force_random)
+        return ref.moe_topk_gate_forward(logits, num_topk, use_shared_as_routed, num_shared_experts,
+                                         routed_scaling_factor, ep_rank, scoring_func, mask, bias, image_bias,
+                                         image_token_mask, fix_routing_mask, to_physical_map, logical_count,
+                                         unmapped_topk_idx, (topk_idx, topk_weights), force_random=force_random,
+                                         scores=scores)
     args = (logits, num_topk, num_shared, float(routed_scaling_factor), int(ep_rank), mask, bias, image_bias,
             image_token_mask, fix_routing_mask, to_physical_map, logical_count, unmapped_topk_idx, force_random,
             topk_idx, topk_weights, scores)
@@ -610,10 +683,13 @@ def _backward_launch(scores, topk_idx, topk_weights, grad_topk_weights, routed_s
     aux = grad_scores_sum is not None
     fn = _jit.get("moe_topk_gate_backward", (experts, topk_idx.size(1), aux))
     per_seq = max(rows // grad_scores_sum.size(0), 1) if aux else 1
-    fn(scores, topk_idx, topk_weights, grad_topk_weights,
+    out_k = _aligned(out)                                           # a copy is written, then copied back
+    fn(_aligned(scores), topk_idx, topk_weights, grad_topk_weights,
        _bytes(mask) if aux else _dummy(dev, torch.uint8),
-       grad_scores_sum if aux else _dummy(dev, torch.float32, experts),
-       out, float(routed_scaling_factor), per_seq)
+       _aligned(grad_scores_sum) if aux else _dummy(dev, torch.float32, experts),
+       out_k, float(routed_scaling_factor), per_seq)
+    if out_k is not out:
+        out.copy_(out_k)
 
 
 @_ops.kernel_op("tilefuse::moe_topk_gate_backward", mutates_args=("out",), device_types="cuda")
@@ -635,8 +711,19 @@ def moe_topk_gate_backward_cuda(scores, topk_idx, topk_weights, grad_topk_weight
     ``(T, E_r)`` gradient, into ``out`` when given."""
     if out is None:
         out = torch.empty(scores.shape, dtype=torch.float32, device=scores.device)
-    if scores.size(0) == 0:
+    rows, experts = scores.shape
+    if rows == 0 or experts == 0:
         return out
+    if experts > _MAX_EXPERTS:
+        from tilefuse.reference import moe as ref
+
+        torch._assert_async(((topk_idx >= -1) & (topk_idx < experts)).all(),
+                            f"moe_topk_gate_backward: topk_idx must be -1 or in [0, {experts})")
+        return ref.moe_topk_gate_backward(scores, topk_idx, topk_weights, grad_topk_weights, routed_scaling_factor,
+                                          scoring_func, mask, grad_scores_sum, out)
+    if topk_idx.size(1) == 0:                          # no routed slot: one -1 slot contributes nothing
+        topk_idx = torch.full((rows, 1), -1, dtype=torch.int64, device=scores.device)
+        topk_weights = grad_topk_weights = torch.zeros((rows, 1), dtype=torch.float32, device=scores.device)
     args = (scores, topk_idx, topk_weights, grad_topk_weights, float(routed_scaling_factor), mask, grad_scores_sum,
             out)
     if torch.compiler.is_compiling():

@@ -111,6 +111,21 @@ def _assert_gate_data(op: str, logits, checked_rows, fix_routing_mask, unmapped_
         _assert_data(logical_count >= 1, op, "logical_count must be >= 1 for every logical expert")
 
 
+def check_gate_forward_data(logits, width: int, mask, fix_routing_mask, unmapped_topk_idx, logical_count,
+                            force_random) -> None:
+    """moe_topk_gate_forward's data rules as torch assertions (the reference paths; the kernel asserts them on the
+    device): those of ``_assert_gate_data`` for rows neither masked nor random, and with ``force_random`` enough
+    replicas for ``width`` distinct draws."""
+    op = "moe_topk_gate_forward"
+    checked = _row_flags(mask, logits.size(0), logits.device)
+    if force_random is not None:
+        checked = checked & ~force_random
+        if logical_count is not None:
+            _assert_data(logical_count.to(INT64).sum() >= width, op,
+                         f"force_random needs sum(logical_count) >= num_topk + num_shared_experts ({width})")
+    _assert_gate_data(op, logits, checked, fix_routing_mask, unmapped_topk_idx, logical_count)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Top-k and gates
 # ----------------------------------------------------------------------------------------------------
@@ -273,18 +288,12 @@ def moe_topk_gate_forward(logits, num_topk, use_shared_as_routed, num_shared_exp
         if out is not None:
             return out[0], out[1]
         return torch.empty(0, width, dtype=INT64, device=device), torch.empty(0, width, dtype=FP32, device=device)
-    checked = _row_flags(mask, rows, device)
-    if force_random is not None:
-        checked = checked & ~force_random
-        if logical_count is not None:
-            _assert_data(logical_count.to(INT64).sum() >= width, op,
-                         f"force_random needs sum(logical_count) >= num_topk + num_shared_experts ({width})")
-    _assert_gate_data(op, logits, checked, fix_routing_mask, unmapped_topk_idx, logical_count)
-    if logits.is_cuda:
+    if logits.is_cuda:  # the kernel asserts the data rules on the device
         return _GK.moe_topk_gate_forward_cuda(logits, num_topk, use_shared_as_routed, num_shared_experts,
                                               routed_scaling_factor, ep_rank, scoring_func, mask, bias, image_bias,
                                               image_token_mask, fix_routing_mask, to_physical_map, logical_count,
                                               unmapped_topk_idx, out, force_random=force_random, scores=scores)
+    check_gate_forward_data(logits, width, mask, fix_routing_mask, unmapped_topk_idx, logical_count, force_random)
     return ref.moe_topk_gate_forward(logits, num_topk, use_shared_as_routed, num_shared_experts, routed_scaling_factor,
                                      ep_rank, scoring_func, mask, bias, image_bias, image_token_mask, fix_routing_mask,
                                      to_physical_map, logical_count, unmapped_topk_idx, out,
@@ -337,10 +346,10 @@ def moe_topk_gate_backward(scores, topk_idx, topk_weights, grad_topk_weights, ro
     _check.optional(op, "out", out, dtype=FP32, shape=(rows, num_routed), contiguous=True, device=device)
     if rows == 0:
         return torch.empty(0, num_routed, dtype=FP32, device=device) if out is None else out
-    _assert_data((topk_idx >= -1) & (topk_idx < num_routed), op, f"topk_idx must be -1 or in [0, {num_routed})")
-    if scores.is_cuda:
+    if scores.is_cuda:  # the kernel asserts the index range on the device
         return _GK.moe_topk_gate_backward_cuda(scores, topk_idx, topk_weights, grad_topk_weights,
                                                routed_scaling_factor, scoring_func, mask, grad_scores_sum, out)
+    _assert_data((topk_idx >= -1) & (topk_idx < num_routed), op, f"topk_idx must be -1 or in [0, {num_routed})")
     return ref.moe_topk_gate_backward(scores, topk_idx, topk_weights, grad_topk_weights, routed_scaling_factor,
                                       scoring_func, mask, grad_scores_sum, out)
 
