@@ -1,6 +1,11 @@
 """Kernel tiers for expand_to_fused, expand_to_fused_with_sf and reduce_fused (moe.md §2.6-§2.8): the tile rules
 and the registered fakes (CPU), every test config builds for sm_90 and every launch binds its kernel's
 parameters (compile), and the kernels equal the reference bit for bit on the H200 (gpu)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -43,6 +48,7 @@ def test_expand_tile_rule_cpu():
             assert threads % 32 == 0 and 32 <= threads <= K.THREADS
             assert 1 <= unroll <= K.UNROLL_MAX and gy * threads * unroll >= chunks
             assert (gy - 1) * threads * K.UNROLL_MAX < chunks and (gy * (unroll - 1)) * threads < chunks
+            assert gy <= formats.cdiv(words * wb, 1024)                  # the launcher's grid-y bound
     assert K.expand_tile(4, 3584) == (4, 896, 128, 7, 1)        # bf16 7168: 7 16-byte vectors per thread
 
 
@@ -52,14 +58,124 @@ def test_reduce_tile_rule_cpu():
         for h in range(256, 32768 + 1, 256):
             v, tx, unroll, gy = K.reduce_tile(dtype, h)
             assert v == vec and v * tx * unroll * gy == h and tx in (32, 64, 128), (dtype, h)
-            assert 1 <= unroll <= K.REDUCE_UNROLL_MAX
+            assert 1 <= unroll <= K.REDUCE_UNROLL_MAX and gy <= h // 128  # the launcher's grid-y bound
     assert K.reduce_tile("bfloat16", 7168) == (8, 128, 7, 1)
+
+
+def _expand_model(data, sf, npc, ttp, pte, col):
+    """CPU model of an expand launch, lane by lane in index form: the launcher's word view and sf layout, the
+    kernel's (bx, by, thread, u) plan, the packed-sf keep mask, the zeroing CTAs. Outputs start poisoned (0xA5
+    bytes) so what the kernel leaves unwritten shows. Returns ``(out, out_sf, sf storage)``."""
+    rows, hidden = data.shape
+    size = pte.numel()
+    xw, wb = K._word_view(data)
+    vec, chunks, threads, unroll, gy = K.expand_tile(wb, xw.size(1))
+    c = ((torch.arange(gy)[:, None, None] * unroll + torch.arange(unroll)[None, :, None]) * threads
+         + torch.arange(threads)[None, None, :]).reshape(-1)
+    c = c[c < chunks]
+    cols = (c[:, None] * vec + torch.arange(vec)).reshape(-1)
+    assert torch.equal(cols.sort().values, torch.arange(xw.size(1)))       # every word once, none past the row
+    out = torch.full((size, hidden * data.element_size()), 0xA5, dtype=torch.uint8)
+    yw = out.view(xw.dtype)
+    if sf is not None:
+        st, out_sf = K._sf_out(sf, size, col)
+        st.view(torch.uint8).fill_(0xA5)
+        words, keep = K._sf_layout(sf, npc, hidden)
+        j = torch.arange(K._cdiv(words, threads) * threads)
+        j = j[j < words]
+        src = sf.view(torch.int32)[:, j]
+        if keep:
+            src[:, -1] &= (1 << (8 * keep)) - 1
+        stw = st.view(torch.int32)
+    t, k = torch.nonzero((ttp >= 0) & (ttp < size), as_tuple=True)          # token CTAs, slot by slot
+    for kk in range(ttp.size(1)):
+        sel = k == kk
+        p = ttp[t[sel], kk].long()
+        yw[p[:, None], cols[None, :]] = xw[t[sel]][:, cols]
+        if sf is not None:
+            if col:
+                stw[j[:, None], p[None, :]] = src[t[sel]].T
+            else:
+                stw[p[:, None], j[None, :]] = src[t[sel]]
+    zr = K.ZERO_ROWS
+    p = torch.arange(K._cdiv(size, zr) * zr)                                 # zeroing CTAs
+    p = p[p < size]
+    p = p[pte[p] < 0]
+    yw[p[:, None], cols[None, :]] = 0
+    if sf is not None:
+        if col:
+            stw[j[:, None], p[None, :]] = 0
+        else:
+            stw[p[:, None], j[None, :]] = 0
+    out = out.view(data.dtype).view(size, hidden)
+    return (out, None, None) if sf is None else (out, out_sf, st)
+
+
+@pytest.mark.parametrize("dtype,hidden,k,sf", K.TEST_EXPAND_SF + [(d, h, k, None) for d, h, k in K.TEST_EXPAND],
+                         ids=str)
+def test_expand_model_equals_reference_cpu(dtype, hidden, k, sf):
+    """The lane model of every test config equals the reference bit for bit on valid maps (trailing padding
+    rows, random packed-UE8M0 high bytes); the column-major storage's pad columns stay unwritten."""
+    rows, experts = 37, 16
+    idx = routed_topk_idx(rows, k, experts, "cpu")
+    maps = ref.get_fused_mapping(idx, experts, 0, 8, False)
+    size = maps[0].numel() + 13
+    maps = ref.get_fused_mapping(idx, experts, size, 8, True)
+    ttp, pte = maps[3], maps[0]
+    data = torch.randint(0, 256, (rows, hidden * dtype.itemsize), dtype=torch.uint8).view(dtype)
+    if sf is None:
+        for t, p in ((ttp, pte), _negative_entries(ttp, pte)):
+            got, _, _ = _expand_model(data, None, 0, t, p, False)
+            assert_equal(got.view(torch.uint8), ref.expand_to_fused(data, t, p).view(torch.uint8))
+        return
+    sf_dtype, npc, col = sf
+    blocks = formats.cdiv(hidden, npc)
+    if sf_dtype == torch.int32:
+        s = torch.randint(-2**31, 2**31 - 1, (rows, formats.cdiv(blocks, 4)), dtype=torch.int32)
+    else:
+        s = torch.rand(rows, blocks) + 0.5
+    got, got_sf, storage = _expand_model(data, s, npc, ttp, pte, col)
+    want, want_sf = ref.expand_to_fused_with_sf((data, s), npc, ttp, pte, col)
+    assert_equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert_equal(got_sf, want_sf)
+    if col:
+        assert storage.shape == (s.size(1), formats.align(size, 4))
+        assert (storage[:, size:].contiguous().view(torch.uint8) == 0xA5).all()
+
+
+def test_e4m3_satfinite_model_equals_reference_cpu():
+    """reduce_fused's e4m3 output is the kernel's cvt.rn.satfinite.e4m3x2.f32 (cutlass float_e4m3_t on sm_90):
+    round to nearest even on the e4m3 grid, a result beyond +-448 (inf included) becomes +-448, the sign of
+    zero kept, NaN stays NaN. A brute-force model of that instruction equals the reference's
+    formats.e4m3_encode on every code, every midpoint and its neighbours, the saturation range and specials."""
+    mags = torch.arange(127, dtype=torch.uint8).view(FP8).double()          # codes 0x00..0x7E, increasing
+    mid = (mags[1:] + mags[:-1]) / 2
+    x = torch.cat([mags, mid, torch.tensor([448.0, 464.0, 470.0, 480.0, 1e4, 3.4e38, float("inf"), 2.0**-149,
+                                             2.0**-126, 2.0**-10, 2.0**-11])]).float()
+    x = torch.cat([x, torch.nextafter(x, torch.tensor(0.0)), torch.nextafter(x, torch.tensor(float("inf"))),
+                   torch.exp(torch.randn(4096) * 6).float()])
+    x = torch.cat([x, -x, torch.tensor([float("nan")])])
+    a = x.abs().double().clamp(max=448.0)
+    hi = torch.searchsorted(mags, a).clamp(max=126)
+    lo = (hi - 1).clamp(min=0)
+    dlo, dhi = a - mags[lo], mags[hi] - a
+    code = torch.where((dlo < dhi) | ((dlo == dhi) & (lo % 2 == 0)), lo, hi)
+    code = code | torch.where(torch.signbit(x), 0x80, 0)
+    got = formats.e4m3_encode(x).view(torch.uint8).long()
+    nan = x.isnan()
+    assert torch.equal(got[~nan], code[~nan])
+    assert formats.e4m3_encode(x)[nan].float().isnan().all()
 
 
 def test_fakes_cpu():
     """The registered fakes give the kernels' output shapes, dtypes and strides (moe.md §2.6-§2.8)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    # N = 0: the reference's column-major sf (what the launcher returns then) has an empty storage's strides
+    empty_col_stride = ref.expand_to_fused_with_sf((torch.zeros(5, 576, dtype=torch.uint8).view(FP8),
+                                                    torch.zeros(5, 2, dtype=torch.int32)), 128,
+                                                   torch.full((5, 6), -1, dtype=torch.int32),
+                                                   torch.empty(0, dtype=torch.int32), True)[1].stride()
     with FakeTensorMode():
         x = torch.empty(5, 576, dtype=torch.bfloat16)
         ttp, pte = torch.empty(5, 6, dtype=torch.int32), torch.empty(38, dtype=torch.int32)
@@ -69,6 +185,9 @@ def test_fakes_cpu():
         o, osf = torch.ops.tilefuse.expand_to_fused_with_sf.default(data, sf, 128, ttp, pte, True)
         assert o.shape == (38, 576) and o.dtype == FP8
         assert osf.shape == (38, 2) and osf.stride() == (1, 40) and osf.dtype == torch.int32
+        empty = torch.empty(0, dtype=torch.int32)
+        o, osf = torch.ops.tilefuse.expand_to_fused_with_sf.default(data, sf, 128, ttp, empty, True)
+        assert osf.shape == (0, 2) and osf.stride() == empty_col_stride
         o, osf = torch.ops.tilefuse.expand_to_fused_with_sf.default(data, torch.empty(5, 5), 128, ttp, pte, False)
         assert osf.shape == (38, 5) and osf.stride() == (5, 1) and osf.dtype == torch.float32
         xr = torch.empty(30, 2048)
@@ -98,6 +217,8 @@ def test_builds_for_sm90(name, cfg):
     src = _jit.compile_kernel(name, cfg, "sm_90", export=False).get_kernel_source()
     assert "__global__" in src and "use_fast_math" not in src
     assert "(int64_t)" in src                             # element offsets in 64 bits (fused buffers > 2^31 elements)
+    # the data rule token_topk_to_pos < N (len(pos_to_expert) / x rows) is the kernel's own device_assert
+    assert "device_assert((top < num_positions));" in src
     if name == "reduce_fused":
         assert "__fmaf_rn" in src                         # the slot chain is fused multiply-adds (moe.md §2.8)
     elif cfg[0] == 4 and cfg[1] % 4 == 0:
@@ -158,19 +279,46 @@ def test_reduce_launcher_binds_kernel_parameters(cfg, monkeypatch):
 
 @pytest.mark.compile
 def test_zero_sizes_launch_nothing(monkeypatch):
-    """T = 0 (expand, reduce) and N = 0 (expand) return the spec's shapes without a launch; reduce with N = 0
-    (every slot -1) launches on a stand-in row."""
+    """T = 0 (expand, reduce), N = 0 (expand; reduce: every slot negative) and K > MAX_TOPK return the
+    reference's results without a launch; those paths check the data rule themselves (the kernels' device_assert
+    does on the others), so a position >= N raises."""
     calls = fake_jit(monkeypatch)
     out = K._expand_launch(torch.zeros(0, 64), None, 0, torch.zeros(0, 2, dtype=torch.int32),
                            torch.zeros(0, dtype=torch.int32), False)
     assert out.shape == (0, 64)
-    out, out_sf = K._expand_launch(torch.zeros(3, 64), torch.zeros(3, 2), 32, torch.full((3, 2), -1, dtype=torch.int32),
-                                   torch.zeros(0, dtype=torch.int32), True)
+    none = torch.tensor([[-1, -1], [-2, -1], [-1, -7]], dtype=torch.int32)
+    out, out_sf = K._expand_launch(torch.zeros(3, 64), torch.zeros(3, 2), 32, none, torch.zeros(0, dtype=torch.int32),
+                                   True)
     assert out.shape == (0, 64) and out_sf.shape == (0, 2)
+    with pytest.raises(RuntimeError, match="len\\(pos_to_expert\\) = 0"):
+        K._expand_launch(torch.zeros(3, 64), None, 0, torch.tensor([[0, -1]] * 3, dtype=torch.int32),
+                         torch.zeros(0, dtype=torch.int32), False)
     y = K._reduce_launch(torch.zeros(4, 256), None, torch.zeros(0, 2, dtype=torch.int32))
-    assert y.shape == (0, 256) and not calls
-    y = K._reduce_launch((torch.zeros(0, 256), torch.zeros(0)), None, torch.full((3, 2), -1, dtype=torch.int32))
-    assert y.shape == (3, 256) and len(calls) == 1 and calls[0].env["num_positions"] == 1
+    assert y.shape == (0, 256)
+    sf = torch.tensor([-0.5])
+    y = K._reduce_launch((torch.zeros(0, 256), torch.zeros(0)), None, none, "e4m3", sf)
+    assert y.shape == (3, 256) and (y.view(torch.uint8) == 0x80).all()        # +0 * -0.5 = -0
+    with pytest.raises(RuntimeError, match="x rows \\(0\\)"):
+        K._reduce_launch(torch.zeros(0, 256), None, torch.tensor([[-1, 0]], dtype=torch.int32))
+    big = K.MAX_TOPK + 1
+    ttp = torch.randperm(200)[:5 * big].view(5, big).to(torch.int32)      # distinct targets (valid maps)
+    ttp = torch.where(torch.rand(5, big) < 0.2, -1, ttp)
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    pte = torch.zeros(200, dtype=torch.int32)
+    assert_equal(K._expand_launch(x, None, 0, ttp, pte, False), ref.expand_to_fused(x, ttp, pte))
+    ttp = torch.where(ttp < 0, ttp, ttp % 40)
+    xr = torch.randn(40, 256)
+    assert_equal(K._reduce_launch(xr, None, ttp), ref.reduce_fused(xr, None, ttp))
+    with pytest.raises(RuntimeError, match="x rows \\(40\\)"):
+        K._reduce_launch(xr, None, torch.full((5, big), 40, dtype=torch.int32))
+    # H = 0: the reference's empty rows (a kernel would have an empty grid)
+    ttp = torch.tensor([[0, 1], [-1, 2]], dtype=torch.int32)
+    pte = torch.zeros(3, dtype=torch.int32)
+    assert K._expand_launch(torch.zeros(2, 0), None, 0, ttp, pte, False).shape == (3, 0)
+    out, out_sf = K._expand_launch(torch.zeros(2, 0), torch.zeros(2, 0), 32, ttp, pte, True)
+    assert out.shape == (3, 0) and out_sf.shape == (3, 0)
+    assert K._reduce_launch(torch.zeros(3, 0), None, ttp).shape == (2, 0)
+    assert not calls
 
 
 # ------------------------------------------------------------------------------------------------ GPU tier
@@ -220,6 +368,18 @@ def test_expand_widths_gpu(dtype, hidden, k):
     _check_expand(x, ttp2, pte2)
     flat = _random_bits(1, 301 * hidden + 1, dtype).view(-1)
     _check_expand(flat[1:].view(301, hidden), ttp, pte)
+    _check_expand(x, *_negative_entries(ttp, pte))
+
+
+def _negative_entries(ttp, pte):
+    """Valid maps where a fifth of the routed slots become arbitrary negative values and their positions padding
+    with arbitrary negative pos_to_expert: every negative slot is skipped, every negative position zeroed
+    (the reference's ``p >= 0`` and ``pos_to_expert < 0``), and the output stays fully defined."""
+    drop = (ttp >= 0) & (torch.rand(ttp.shape, device=ttp.device) < 0.2)
+    neg = torch.randint(-2**31, -1, ttp.shape, dtype=torch.int32, device=ttp.device)
+    pte = pte.clone()
+    pte[ttp[drop].long()] = torch.randint(-2**31, 0, (int(drop.sum()),), dtype=torch.int32, device=ttp.device)
+    return torch.where(drop, neg, ttp), pte
 
 
 @gpu
@@ -424,3 +584,38 @@ def test_reduce_batch_invariance_graph_compile_gpu():
     fn = torch.compile(lambda a, b, c, d, o: moe.reduce_fused((a, b), c, d, out=o), fullgraph=True)
     fn(xd, xs, w, ttp, out)
     assert_equal(out, want)
+
+
+_ASSERT_CHILD = """
+import sys, torch
+from tilefuse.moe import _shuffle_kernel as K
+dev = "cuda"
+def run(last):
+    ttp = torch.tensor([[0, -1], [-3, last]], dtype=torch.int32, device=dev)
+    if sys.argv[1] == "expand":
+        K.expand_to_fused_cuda(torch.ones(2, 576, dtype=torch.bfloat16, device=dev), ttp,
+                               torch.zeros(5, dtype=torch.int32, device=dev))
+    else:
+        K.reduce_fused_cuda(torch.ones(5, 256, device=dev), None, ttp)
+    torch.cuda.synchronize()
+run(4)
+print("valid ok", flush=True)
+run(5)
+print("no assert", flush=True)
+"""
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ("expand", "reduce"))
+def test_data_rule_device_assert_gpu(op):
+    """The data rule the public op no longer checks on the host: a position >= N (len(pos_to_expert), x rows)
+    trips the kernel's device_assert, in-range and negative entries do not. In a child process, since a
+    device-side assertion leaves the CUDA context unusable."""
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))))
+    r = subprocess.run([sys.executable, "-c", _ASSERT_CHILD, op], capture_output=True, text=True, timeout=300,
+                       cwd=root, env=env)
+    assert "valid ok" in r.stdout, r.stdout + r.stderr
+    assert r.returncode != 0 and "no assert" not in r.stdout, r.stdout + r.stderr
+    assert "assert" in (r.stdout + r.stderr).lower(), r.stdout + r.stderr

@@ -10,8 +10,8 @@ dimension holds two kinds of CTA:
   ``p = token_topk_to_pos[bx, k]`` with ``0 <= p < N``: the row is read once and written K times. With scale
   factors the CTAs of the first row chunk also copy the token's sf words (row-major ``(N, H_sf)`` or the
   TMA-aligned column-major storage ``(H_sf, align(N, 4))``; packed UE8M0 words keep only their used bytes).
-* zeroing CTAs ``bx >= T``: ``ZERO_ROWS`` consecutive positions each; a position with
-  ``pos_to_expert[p] < 0`` (padding) gets an all-zero row (and all-zero sf).
+* zeroing CTAs ``bx >= T``: ``ZERO_ROWS`` consecutive positions each (their ``pos_to_expert`` entries loaded
+  together up front); a position with ``pos_to_expert[p] < 0`` (padding) gets an all-zero row (and all-zero sf).
 
 The row is split over ``gy`` CTAs (grid y) only when one CTA would need more than ``UNROLL_MAX`` vectors per
 thread. Positions that are neither padding nor targeted stay unwritten (moe.md §2.6; valid maps have none).
@@ -22,6 +22,11 @@ of input (8 bf16/fp16 or 4 fp32 elements), ``TX`` vectors apart. Per vector: the
 with ``s_k = w[t, k] * x_sf[p]`` (one fp32 multiply, each factor only when given), then ``acc * sf[0]``, then
 the output conversion (RNE; e4m3 saturating to +-448, NaN kept). No shared memory, no atomics: every output
 element is a function of its own row only (deterministic, batch-invariant).
+
+Data rules: both kernels check ``token_topk_to_pos < N`` (N = ``len(pos_to_expert)`` for expand, x's rows for
+reduce) with ``device_assert`` on the entries they load anyway, so the CUDA path needs no host-side check;
+every negative entry is a skipped slot (the reference's ``p >= 0``). The launches that run no kernel (empty
+inputs, K > ``MAX_TOPK``) check the rule with ``torch._assert_async`` instead.
 """
 
 import torch
@@ -36,11 +41,13 @@ THREADS = 128       # threads of an expand CTA (fewer when a row has fewer vecto
 UNROLL_MAX = 8      # vectors per thread before a row is split over more CTAs
 ZERO_ROWS = 8       # positions checked by one zeroing CTA of expand
 REDUCE_UNROLL_MAX = 8
+MAX_TOPK = 32       # slots a kernel unrolls (larger K runs the reference)
 
 _WORD = {4: ("int32", torch.int32), 2: ("int16", torch.int16), 1: ("uint8", torch.uint8)}
 _TL_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
              torch.float8_e4m3fn: "float8_e4m3fn"}
 _MAX_INDEX = 2 ** 31 - 1  # CTA indices and position counts are int32 (element offsets are int64)
+_MAX_GRID_Y = 65535       # CUDA's grid y limit (CTAs per row: <= row bytes / 1024 for expand, <= H / 128 reduce)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -106,9 +113,13 @@ def expand_kernel(word_bytes: int, row_words: int, num_topk: int, sf_mode: str =
             tid = T.get_thread_binding()
             raw = T.alloc_local((unroll * vec,), wdt)
             pos = T.alloc_local((K,), "int32")
+            pte = T.alloc_local((ZR,), "int32")
             if bx < Tn:
+                top = T.alloc_var("int32")  # the largest entry: one compare and one assert call per thread
+                top = -1
                 for k in T.unroll(K):
                     pos[k] = TTP[bx, k]
+                    top = T.max(top, pos[k])
                 for u in T.unroll(unroll):
                     c = (by * unroll + u) * threads + tid
                     if in_row(c):
@@ -134,22 +145,29 @@ def expand_kernel(word_bytes: int, row_words: int, num_topk: int, sf_mode: str =
                                 for k in T.unroll(K):
                                     if target(pos[k]):
                                         store_sf(OSF, pos[k], j, w)
+                # moe.md 2.6 data rule (replaces the host-side check): entries < len(pos_to_expert). Checked
+                # last (an out-of-range slot was skipped): no call site with the row's registers live across it
+                T.call_extern("void", "device_assert", top < N)
             else:
-                for r in T.serial(ZR):
+                # every pos_to_expert load first (independent loads in flight, not one per row in turn)
+                for r in T.unroll(ZR):
+                    pte[r] = 0
+                    if (bx - Tn) * ZR + r < N:
+                        pte[r] = PTE[(bx - Tn) * ZR + r]
+                for r in T.unroll(ZR):
                     p = (bx - Tn) * ZR + r
-                    if p < N:
-                        if PTE[p] < 0:
-                            for u in T.unroll(unroll):
-                                c = (by * unroll + u) * threads + tid
-                                if in_row(c):
-                                    for v in T.vectorized(vec):
-                                        Y[p, c * vec + v] = T.cast(0, wdt)
-                            if with_sf:
-                                if by == 0:
-                                    for i in T.serial(sf_iters):
-                                        j = i * threads + tid
-                                        if j < sf_words:
-                                            store_sf(OSF, p, j, 0)
+                    if pte[r] < 0:  # padding (a position >= N keeps 0: not written)
+                        for u in T.unroll(unroll):
+                            c = (by * unroll + u) * threads + tid
+                            if in_row(c):
+                                for v in T.vectorized(vec):
+                                    Y[p, c * vec + v] = T.cast(0, wdt)
+                        if with_sf:
+                            if by == 0:
+                                for i in T.serial(sf_iters):
+                                    j = i * threads + tid
+                                    if j < sf_words:
+                                        store_sf(OSF, p, j, 0)
 
     x_p = T.Tensor((Tn, row_words), wdt)
     ttp_p = T.Tensor((Tn, K), "int32")
@@ -212,24 +230,36 @@ def _expand_reference(data, sf, num_per_channels, token_topk_to_pos, pos_to_expe
     return ref.expand_to_fused_with_sf((data, sf), num_per_channels, token_topk_to_pos, pos_to_expert, col)
 
 
+def _assert_positions(token_topk_to_pos: torch.Tensor, limit: int, op: str, what: str) -> None:
+    """The op's data rule ``token_topk_to_pos < limit`` on the paths that launch no kernel (the kernels check
+    it themselves with device_assert, so the public op needs no host-side check on CUDA)."""
+    if token_topk_to_pos.numel():
+        torch._assert_async((token_topk_to_pos < limit).all(), f"{op}: token_topk_to_pos entries must be < {what}")
+
+
 def _expand_launch(data, sf, num_per_channels, token_topk_to_pos, pos_to_expert, col):
     """Allocate and launch (arguments validated by the public op); ``sf`` None: plain expand_to_fused."""
     rows, hidden = data.shape
     size = pos_to_expert.numel()
-    if rows == 0 or token_topk_to_pos.size(1) == 0 or (rows + size) * ZERO_ROWS > _MAX_INDEX:
-        # T = 0 or K = 0 (nothing to copy: the reference's zero rows, no kernel), or CTA indices beyond int32
+    k = token_topk_to_pos.size(1)
+    row_bytes = hidden * data.element_size()
+    if (rows == 0 or k == 0 or size == 0 or row_bytes == 0 or k > MAX_TOPK
+            or (rows + size) * ZERO_ROWS > _MAX_INDEX or row_bytes > 1024 * _MAX_GRID_Y):
+        # nothing to copy (T, K, N or H zero: the reference's shapes, no kernel; H = 0 would be an empty grid),
+        # more slots than a kernel unrolls, or a grid beyond CUDA's limits
+        op = "expand_to_fused" if sf is None else "expand_to_fused_with_sf"
+        _assert_positions(token_topk_to_pos, size, op, f"len(pos_to_expert) = {size}")
+        if row_bytes == 0:  # (N, 0) rows and (N, 0) sf in the requested layout
+            out = torch.empty((size, 0), dtype=data.dtype, device=data.device)
+            return out if sf is None else (out, _sf_out(sf, size, col)[1])
         return _expand_reference(data, sf, num_per_channels, token_topk_to_pos, pos_to_expert, col)
     out = torch.empty((size, hidden), dtype=data.dtype, device=data.device)
-    if sf is not None:
-        sf_arg, out_sf = _sf_out(sf, size, col)
-    if size == 0:
-        return out if sf is None else (out, out_sf)
     xw, wb = _word_view(_aligned(data))
     yw = out.view(torch.uint8).view(_WORD[wb][1])
-    k = token_topk_to_pos.size(1)
     if sf is None:
         _jit.get("expand_to_fused", (wb, xw.size(1), k))(xw, token_topk_to_pos, pos_to_expert, yw)
         return out
+    sf_arg, out_sf = _sf_out(sf, size, col)
     words, keep = _sf_layout(sf, num_per_channels, hidden)
     cfg = (wb, xw.size(1), k, "col" if col else "row", words, keep)
     _jit.get("expand_to_fused", cfg)(xw, token_topk_to_pos, pos_to_expert, yw, sf.view(torch.int32),
@@ -281,9 +311,12 @@ def reduce_kernel(in_dtype: str, out_dtype: str, hidden: int, num_topk: int, wit
             acc = T.alloc_local((vec,), "float32")
             res = T.alloc_local((vec,), out_dtype)
             out_sf = T.alloc_var("float32")
+            top = T.alloc_var("int32")  # the largest entry: one compare and one assert call per thread
+            top = -1
             for k in T.unroll(K):
                 pos[k] = TTP[bx, k]
-                ok[k] = (pos[k] >= 0) & (pos[k] < N)
+                top = T.max(top, pos[k])
+                ok[k] = (pos[k] >= 0) & (pos[k] < N)  # every negative entry is skipped, as in the reference
                 scale[k] = T.float32(1.0)
                 if with_weights:
                     scale[k] = W[bx, k]
@@ -315,6 +348,9 @@ def reduce_kernel(in_dtype: str, out_dtype: str, hidden: int, num_topk: int, wit
                         res[v] = T.cast(acc[v], out_dtype)
                 for v in T.vectorized(vec):
                     Y[bx, col + v] = res[v]
+            # moe.md 2.8 data rule (replaces the host-side check): entries < x rows. Checked last (an
+            # out-of-range slot was skipped): no call site with the row's registers live across it
+            T.call_extern("void", "device_assert", top < N)
 
     return reduce_fused
 
@@ -327,17 +363,17 @@ def _reduce_launch(x, topk_weights, token_topk_to_pos, fp8_format="", sf=None, o
     out_dtype = torch.float8_e4m3fn if fp8_format == "e4m3" else data.dtype
     if rows == 0:
         return out if out is not None else torch.empty((0, hidden), dtype=out_dtype, device=data.device)
-    if k == 0:  # no slots: the reference's zeros (times sf)
+    if k == 0 or size == 0 or hidden == 0 or k > MAX_TOPK or hidden > 128 * _MAX_GRID_Y:
+        # no slots, no rows (the rule leaves only negative entries) or H = 0 (an empty grid): the reference's
+        # zeros times sf; or more slots than the kernel unrolls, or a grid beyond CUDA's limits
         from tilefuse.reference import moe as ref
 
+        _assert_positions(token_topk_to_pos, size, "reduce_fused", f"x rows ({size})")
         return ref.reduce_fused(x, topk_weights, token_topk_to_pos, fp8_format, sf, out=out)
     direct = out is not None and out.is_contiguous() and out.data_ptr() % 16 == 0
     y = out if direct else torch.empty((rows, hidden), dtype=out_dtype, device=data.device)
     spare = token_topk_to_pos.view(torch.float32)  # binds the parameters of absent optional inputs (unread)
     flat = spare.view(-1)
-    if size == 0:  # every slot is -1 (validated): the kernel reads no row, but binds a non-empty x
-        data = data.new_zeros((1, hidden))
-        x_sf = None if x_sf is None else flat
     data = _aligned(data)
     cfg = (_TL_DTYPE[data.dtype], _TL_DTYPE[out_dtype], hidden, k, topk_weights is not None, x_sf is not None,
            sf is not None)
@@ -441,7 +477,8 @@ def _(data, sf, num_per_channels, token_topk_to_pos, pos_to_expert, use_tma_alig
     size = pos_to_expert.numel()
     out = data.new_empty((size, data.size(1)))
     if use_tma_aligned_col_major_sf:
-        return out, sf.new_empty_strided((size, sf.size(1)), (1, (size + 3) // 4 * 4))
+        # N = 0: the strides of an empty (H_sf, 0) storage transposed, as the launcher (the reference) returns
+        return out, sf.new_empty_strided((size, sf.size(1)), (1, (size + 3) // 4 * 4 if size else 1))
     return out, sf.new_empty((size, sf.size(1)))
 
 

@@ -412,7 +412,8 @@ def _check_expand_maps(op: str, rows: int, token_topk_to_pos, pos_to_expert, dev
     _check.tensor(op, "token_topk_to_pos", token_topk_to_pos, shape=(rows, None))
     _check.tensor(op, "pos_to_expert", pos_to_expert, dtype=INT32, ndim=1, contiguous=True, device=device)
     size = pos_to_expert.numel()
-    _assert_data(token_topk_to_pos < size, op, f"token_topk_to_pos entries must be < len(pos_to_expert) = {size}")
+    if not token_topk_to_pos.is_cuda:  # the CUDA kernels assert it on the device
+        _assert_data(token_topk_to_pos < size, op, f"token_topk_to_pos entries must be < len(pos_to_expert) = {size}")
 
 
 @public("moe", path="kernel")
@@ -486,9 +487,9 @@ def reduce_fused(x, topk_weights, token_topk_to_pos, fp8_format: str = "", sf=No
             _check.fail(op, f"sf must have one element, got shape {tuple(sf.shape)}")
     out_dtype = torch.float8_e4m3fn if fp8_format == "e4m3" else data.dtype
     _check.optional(op, "out", out, dtype=out_dtype, shape=(rows, hidden), device=device)
-    _assert_data(token_topk_to_pos < size, op, f"token_topk_to_pos entries must be < x rows ({size})")
-    if data.is_cuda:
+    if data.is_cuda:  # the kernel asserts token_topk_to_pos < x rows on the device
         return _SH.reduce_fused_cuda(x, topk_weights, token_topk_to_pos, fp8_format, sf, out)
+    _assert_data(token_topk_to_pos < size, op, f"token_topk_to_pos entries must be < x rows ({size})")
     return ref.reduce_fused(x, topk_weights, token_topk_to_pos, fp8_format, sf, out=out)
 
 

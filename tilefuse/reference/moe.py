@@ -465,6 +465,8 @@ def expand_to_fused(x: torch.Tensor, token_topk_to_pos: torch.Tensor, pos_to_exp
     """
     rows, hidden = x.shape
     size = pos_to_expert.numel()
+    if hidden == 0:                                                     # no bytes to view back as x's dtype
+        return x.new_zeros((size, 0))
     raw = x.contiguous().view(torch.uint8)                              # (T, H * itemsize)
     out = torch.zeros(size + 1, raw.size(1), dtype=torch.uint8, device=x.device)
     pos = token_topk_to_pos.to(torch.int64)
