@@ -382,6 +382,21 @@ def gate_backward_kernel(num_experts: int, num_topk: int, aux: bool):
     def f64(name, *args):
         return T.call_extern("float64", name, *args)
 
+    @T.macro
+    def load_chunk(dst, src, raw, r, c, lane):
+        """Chunk c of row r of src into dst[4c .. 4c + 3] as fp64 (this lane's experts c * 128 + 4 lane + j;
+        dst keeps its +0 past E)."""
+        if vec:
+            if (not ragged) or c * 128 + lane * 4 < E:
+                for j in T.vectorized(4):
+                    raw[j] = src[r, c * 128 + lane * 4 + j]
+                for j in T.unroll(4):
+                    dst[c * 4 + j] = T.Cast("float64", raw[j])
+        else:
+            for j in T.unroll(4):
+                if c * 128 + lane * 4 + j < E:
+                    dst[c * 4 + j] = T.Cast("float64", src[r, c * 128 + lane * 4 + j])
+
     @T.prim_func
     def gate_backward(Sc: T.Tensor((Tn, E), "float32"), TopIdx: T.Tensor((Tn, K), "int64"),
                       Wt: T.Tensor((Tn, K), "float32"), G: T.Tensor((Tn, K), "float32"),
@@ -417,16 +432,7 @@ def gate_backward_kernel(num_experts: int, num_topk: int, aux: bool):
                     for j in T.unroll(4):
                         u[c * 4 + j] = T.float64(0.0)
                         grad[c * 4 + j] = T.float64(0.0)
-                    if vec:
-                        if (not ragged) or c * 128 + lane * 4 < E:
-                            for j in T.vectorized(4):
-                                raw[j] = Sc[t, c * 128 + lane * 4 + j]
-                            for j in T.unroll(4):
-                                u[c * 4 + j] = T.Cast("float64", raw[j])
-                    else:
-                        for j in T.unroll(4):
-                            if c * 128 + lane * 4 + j < E:
-                                u[c * 4 + j] = T.Cast("float64", Sc[t, c * 128 + lane * 4 + j])
+                    load_chunk(u, Sc, raw, t, c, lane)
                 # slot k on lane k: u_k, g_k (both 0 for a -1 slot), g_k * w_k; lanes >= K hold +0
                 idx = -1
                 uk = T.float64(0.0)
@@ -464,16 +470,7 @@ def gate_backward_kernel(num_experts: int, num_topk: int, aux: bool):
                     for c in T.unroll(NC):
                         for j in T.unroll(4):
                             hv[c * 4 + j] = T.float64(0.0)
-                        if vec:
-                            if (not ragged) or c * 128 + lane * 4 < E:
-                                for j in T.vectorized(4):
-                                    raw[j] = H[seq, c * 128 + lane * 4 + j]
-                                for j in T.unroll(4):
-                                    hv[c * 4 + j] = T.Cast("float64", raw[j])
-                        else:
-                            for j in T.unroll(4):
-                                if c * 128 + lane * 4 + j < E:
-                                    hv[c * 4 + j] = T.Cast("float64", H[seq, c * 128 + lane * 4 + j])
+                        load_chunk(hv, H, raw, seq, c, lane)
                         for j in T.unroll(4):
                             su = f64("__dadd_rn", su, u[c * 4 + j])
                             ah = f64("__dadd_rn", ah, f64("__dmul_rn", hv[c * 4 + j], u[c * 4 + j]))
