@@ -165,6 +165,7 @@ def test_top2_zero_tokens_and_errors():
     cases = [(dict(num_topk=9), "num_topk"), (dict(scoring_func="identity"), "scoring_func"),
              (dict(scoring_func="cosine"), "not a valid ScoringFunc"), (dict(num_groups=4), "both be 0 or both > 0"),
              (dict(num_groups=4, num_topk_groups=1, num_topk=3), "num_topk"),
+             (dict(num_groups=8, num_topk_groups=4), "2 to 32 experts per group"),   # one expert a group: no top-2
              (dict(use_shared_as_routed=True, num_shared_experts=2), "to_physical_map"),
              (dict(use_shared_as_routed=True, num_shared_experts=3), "num_shared_experts"),
              (dict(tp_rank=1), "tp_rank")]

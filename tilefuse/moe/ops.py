@@ -193,8 +193,9 @@ def top2_sum_gate(logits, bias, num_topk, num_topk_groups, num_groups, use_share
     if num_groups != num_topk_groups:
         if not (num_groups <= MAX_GROUPS):
             _check.fail(op, f"num_groups must be <= {MAX_GROUPS} for group-limited routing, got {num_groups}")
-        if not (num_routed // num_groups <= 32):
-            _check.fail(op, f"logits must have at most 32 experts per group, got {num_routed // num_groups}")
+        if not (2 <= num_routed // num_groups <= 32):  # groups rank by the sum of their top-2 scores
+            _check.fail(op, f"logits must have 2 to 32 experts per group for group-limited routing, got "
+                            f"{num_routed // num_groups}")
         candidates = num_topk_groups * (num_routed // num_groups)
         if not (num_topk <= candidates):
             _check.fail(op, f"num_topk must be <= num_topk_groups * experts per group ({candidates}), got {num_topk}")
