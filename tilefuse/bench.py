@@ -514,9 +514,37 @@ def _interleaved_call_us(calls: list, batch: int = 200, rounds: int = 11) -> lis
     return [statistics.median(v) for v in samples]
 
 
+def _gate_host_calls() -> dict:
+    """The one-token gate calls of issue 25's host target (<= 1.5x a bare TileLang call of the same kernel with
+    preallocated outputs): topk_gate and moe_topk_gate_forward (sqrtsoftplus + bias), bare and public."""
+    from tilefuse import _jit, moe
+    from tilefuse.moe import _moe_gate_kernel as G
+
+    scores = torch.randn(1, 256, device="cuda")
+    idx = torch.empty(1, 8, dtype=torch.int64, device="cuda")
+    wts = torch.empty(1, 8, dtype=torch.float32, device="cuda")
+    bias = torch.randn(256, device="cuda")
+    topk = _jit.get_jit_kernel("topk_gate", (256, 8))
+    gate = _jit.get_jit_kernel("moe_topk_gate_forward", (256, 8, 0, "bias"))
+    d = "cuda"
+    gate_args = (scores, bias, G._dummy(d, torch.float32), G._dummy(d, torch.uint8), G._dummy(d, torch.uint8),
+                 G._dummy(d, torch.uint8), G._dummy(d, torch.uint8), G._dummy(d, torch.int32, 1),
+                 G._dummy(d, torch.int32), G._dummy(d, torch.int64, 8), idx, wts, G._dummy(d, torch.float32, 256),
+                 2.5, 0, 0)
+    g1, g2 = "topk_gate, 256 experts, top-8", "moe_topk_gate_forward, 256 experts, top-8, bias"
+    return [
+        (g1, "bare TileLang kernel call (JITKernel, preallocated output)", lambda: topk(scores, idx)),
+        (g1, "tilefuse.moe.topk_gate (public op)", lambda: moe.topk_gate(scores, 8)),
+        (g2, "bare TileLang kernel call (JITKernel, preallocated outputs)", lambda: gate(*gate_args)),
+        (g2, "tilefuse.moe.moe_topk_gate_forward (public op)",
+         lambda: moe.moe_topk_gate_forward(scores, 8, False, 0, 2.5, 0, bias=bias)),
+    ]
+
+
 def host_overhead(iters: int = 2000) -> list[dict]:
-    """Median wall µs per call at one row (7168 bf16 channels -> e4m3), for two sf layouts, and of six other
-    public ops at one row (their bench rows' configs; group "other public ops", no baseline). Each layout group has
+    """Median wall µs per call at one row (7168 bf16 channels -> e4m3), for two sf layouts, of six other
+    public ops at one row (their bench rows' configs; group "other public ops", no baseline) and of the two
+    one-token MoE gates beside their bare kernels (``_gate_host_calls``). Each layout group has
     two baselines: the bare TileLang call with preallocated outputs, and TileLang's own allocating call
     (``out_idx``: the kernel returns its outputs), which does what the public op does minus validation; the
     latter exists for the row-major layout only (TileLang allocates plain contiguous outputs). All calls are
@@ -572,6 +600,7 @@ def host_overhead(iters: int = 2000) -> list[dict]:
             x, w, 1e-6, "e4m3", 32, None, 1.0, True, True, True),
     }
     everything += [("other public ops", name, fn) for name, fn in others.items()]
+    everything += _gate_host_calls()
     times = _interleaved_call_us([fn for _, _, fn in everything], batch=max(1, iters // 10))
     return [{"group": group, "call": name, "us": us} for (group, name, _), us in zip(everything, times)]
 
