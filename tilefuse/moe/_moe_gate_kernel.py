@@ -155,6 +155,18 @@ def gate_forward_kernel(num_experts: int, num_topk: int, num_shared: int, flags:
         "num_tokens, nb, nib, nim, nm, nf, nr, nmr, map_cols, ncnt, nu, unmapped_stride, nsc")
     IS0, IS1, WS0, WS1 = T.dynamic("idx_s0, idx_s1, w_s0, w_s1")
 
+    @T.macro
+    def clear_extras(Unm, Sc, t, lane):
+        """A masked or random token's unmapped row (-1) and scores row (0), where the call gives them."""
+        if "unmapped" in fl:
+            if lane < K:
+                Unm[t, lane] = T.int64(-1)
+        if "scores" in fl:
+            for c in T.unroll(NC):
+                if (not ragged) or c * 128 + lane * 4 < E:
+                    for j in T.vectorized(4):
+                        Sc[t, c * 128 + lane * 4 + j] = T.float32(0.0)
+
     @T.prim_func
     def gate_forward(L: T.Tensor((Tn, E), "float32"), Bias: T.Tensor((NB,), "float32"),
                      ImgBias: T.Tensor((NIB,), "float32"), ImgMask: T.Tensor((NIM,), "uint8"),
@@ -209,14 +221,7 @@ def gate_forward_kernel(num_experts: int, num_topk: int, num_shared: int, flags:
                     if lane < W:
                         Idx[t, lane] = T.int64(-1)
                         Wt[t, lane] = T.float32(0.0)
-                    if "unmapped" in fl:
-                        if lane < K:
-                            Unm[t, lane] = T.int64(-1)
-                    if "scores" in fl:
-                        for c in T.unroll(NC):
-                            if (not ragged) or c * 128 + lane * 4 < E:
-                                for j in T.vectorized(4):
-                                    Sc[t, c * 128 + lane * 4 + j] = T.float32(0.0)
+                    clear_extras(Unm, Sc, t, lane)
                 elif rand != 0:
                     # random routing (§2.13 step 2): distinct physical ids, raw uniform weights
                     nphys = T.int64(NL)
@@ -230,14 +235,7 @@ def gate_forward_kernel(num_experts: int, num_topk: int, num_shared: int, flags:
                     if lane < W:
                         Idx[t, lane] = T.Cast("int64", T.call_extern("int32", "tfg_lo32", rnd))
                         Wt[t, lane] = T.call_extern("float32", "tfg_hi_f32", rnd)
-                    if "unmapped" in fl:
-                        if lane < K:
-                            Unm[t, lane] = T.int64(-1)
-                    if "scores" in fl:
-                        for c in T.unroll(NC):
-                            if (not ragged) or c * 128 + lane * 4 < E:
-                                for j in T.vectorized(4):
-                                    Sc[t, c * 128 + lane * 4 + j] = T.float32(0.0)
+                    clear_extras(Unm, Sc, t, lane)
                 else:
                     # scores (§2.13 step 3), written unbiased; the logits of a routed token must be finite
                     bad = 0
