@@ -3,8 +3,9 @@
 
 Host-side errors name the argument: ``TypeError`` for wrong types/dtypes, ``ValueError`` for shapes,
 values and devices. Conditions that need the data (moe.md's device-side assertions: non-finite logits,
-indices out of range) are checked with ``torch._assert_async``: on CPU it raises ``RuntimeError`` before
-anything is written, on CUDA it is a device-side assertion without a host sync.
+indices out of range) are device-side assertions of the kernels on CUDA (no host sync, no extra launch); the
+reference paths check them with ``torch._assert_async``, which on CPU raises ``RuntimeError`` before anything
+is written.
 """
 from __future__ import annotations
 
@@ -388,9 +389,10 @@ def get_fused_mapping(topk_idx: torch.Tensor, num_experts: int, num_expanded_tok
     _check.flag(op, "force_no_sync", force_no_sync)
     if num_sms is not None:
         _check.integer(op, "num_sms", num_sms, min=1)
-    if topk_idx.is_cuda and num_sms is None:  # the kernels assert both data rules on the device; upstream's worker
+    if topk_idx.is_cuda and num_sms is None:  # the kernels assert both data rules on the device
         return _MK.get_fused_mapping_cuda(topk_idx, num_experts, num_expanded_tokens, alignment, force_no_sync)
-    check_fused_mapping_data(topk_idx, num_experts, num_expanded_tokens, alignment, force_no_sync)  # order: ref
+    check_fused_mapping_data(topk_idx, num_experts, num_expanded_tokens, alignment, force_no_sync)
+    # CPU, and upstream's worker order (num_sms) on any device: the reference
     return ref.get_fused_mapping(topk_idx, num_experts, num_expanded_tokens, alignment, force_no_sync, num_sms=num_sms)
 
 
