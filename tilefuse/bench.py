@@ -812,6 +812,8 @@ def main(argv: list[str]) -> int:
         lines += ["", f"TileKernels 1.0.0: {result['tk1_error']}"]
     print("\n" + "\n".join(lines))
     _save(result, args.json)
+    if args.json and os.path.exists(args.json + ".partial"):  # the whole run is in args.json now
+        os.remove(args.json + ".partial")
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write("\n".join(lines) + "\n")
