@@ -518,7 +518,7 @@ def _gate_host_calls() -> dict:
     """The one-token gate calls of issue 25's host target (<= 1.5x a bare TileLang call of the same kernel with
     preallocated outputs): topk_gate and moe_topk_gate_forward (sqrtsoftplus + bias), bare and public."""
     from tilefuse import _jit, moe
-    from tilefuse.moe import _moe_gate_kernel as G
+    from tilefuse._launch import placeholder as ph
 
     scores = torch.randn(1, 256, device="cuda")
     idx = torch.empty(1, 8, dtype=torch.int64, device="cuda")
@@ -527,10 +527,10 @@ def _gate_host_calls() -> dict:
     topk = _jit.get_jit_kernel("topk_gate", (256, 8))
     gate = _jit.get_jit_kernel("moe_topk_gate_forward", (256, 8, 0, "bias"))
     d = "cuda"
-    gate_args = (scores, bias, G._dummy(d, torch.float32), G._dummy(d, torch.uint8), G._dummy(d, torch.uint8),
-                 G._dummy(d, torch.uint8), G._dummy(d, torch.uint8), G._dummy(d, torch.int32, 1),
-                 G._dummy(d, torch.int32), G._dummy(d, torch.int64, 8), idx, wts, G._dummy(d, torch.float32, 256),
-                 2.5, 0, 0)
+    u8 = torch.uint8
+    gate_args = (scores, bias, ph(d, torch.float32), ph(d, u8), ph(d, u8), ph(d, u8), ph(d, u8),
+                 ph(d, torch.int32, (1, 1)), ph(d, torch.int32), ph(d, torch.int64, (1, 8)), idx, wts,
+                 ph(d, torch.float32, (1, 256)), 2.5, 0, 0)
     g1, g2 = "topk_gate, 256 experts, top-8", "moe_topk_gate_forward, 256 experts, top-8, bias"
     return [
         (g1, "bare TileLang kernel call (JITKernel, preallocated output)", lambda: topk(scores, idx)),

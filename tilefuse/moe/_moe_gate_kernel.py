@@ -37,6 +37,7 @@ the bound per element).
 import torch
 
 from tilefuse import _jit, _ops
+from tilefuse._launch import aligned, placeholder
 
 _WARPS = 4                       # tokens per CTA (one warp each)
 _EPS = 1e-20                     # weight-denominator epsilon (§2.13 step 6, §2.14)
@@ -555,30 +556,12 @@ _jit.register("moe_topk_gate_backward", gate_backward_kernel, _backward_configs)
 # Launchers
 # ----------------------------------------------------------------------------------------------------
 
-_DUMMIES: dict = {}
-
-
-def _dummy(device, dtype, cols: int | None = None) -> torch.Tensor:
-    """A cached 1-element (or (1, cols)) tensor bound to an absent optional input (never read)."""
-    key = (device, dtype, cols)
-    t = _DUMMIES.get(key)
-    if t is None:
-        t = _DUMMIES[key] = torch.zeros((1,) if cols is None else (1, cols), dtype=dtype, device=device)
-    return t
-
-
 def _bytes(flags: torch.Tensor) -> torch.Tensor:
     """A bool row mask as the kernel's flat contiguous uint8 vector."""
     flags = flags.reshape(-1)
     if not flags.is_contiguous():
         flags = flags.contiguous()
     return flags.view(torch.uint8)
-
-
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when its data is 16-byte aligned (the kernels' vector accesses), else an aligned copy (a
-    contiguous view at an odd storage offset)."""
-    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 def _forward_launch(logits, num_topk: int, num_shared: int, routed_scaling_factor: float, ep_rank: int,
@@ -596,19 +579,19 @@ def _forward_launch(logits, num_topk: int, num_shared: int, routed_scaling_facto
     seed = ep_rank % 2 ** 64
     seed_lo, seed_hi = seed & 0xFFFFFFFF, seed >> 32
     fn = _jit.get("moe_topk_gate_forward", (experts, num_topk, num_shared, flags))
-    scores_k = None if scores is None else _aligned(scores)        # a copy is written, then copied back
-    fn(_aligned(logits),
-       bias if bias is not None else _dummy(dev, f32),
-       image_bias if image_bias is not None else _dummy(dev, f32),
-       _bytes(image_token_mask) if image_token_mask is not None else _dummy(dev, u8),
-       _bytes(mask) if mask is not None else _dummy(dev, u8),
-       _bytes(fix_routing_mask) if fix_routing_mask is not None else _dummy(dev, u8),
-       _bytes(force_random) if force_random is not None else _dummy(dev, u8),
-       to_physical_map if to_physical_map is not None else _dummy(dev, i32, 1),
-       logical_count if logical_count is not None else _dummy(dev, i32),
-       unmapped_topk_idx if unmapped_topk_idx is not None else _dummy(dev, i64, num_topk),
+    scores_k = None if scores is None else aligned(scores)        # a copy is written, then copied back
+    fn(aligned(logits),
+       bias if bias is not None else placeholder(dev, f32),
+       image_bias if image_bias is not None else placeholder(dev, f32),
+       _bytes(image_token_mask) if image_token_mask is not None else placeholder(dev, u8),
+       _bytes(mask) if mask is not None else placeholder(dev, u8),
+       _bytes(fix_routing_mask) if fix_routing_mask is not None else placeholder(dev, u8),
+       _bytes(force_random) if force_random is not None else placeholder(dev, u8),
+       to_physical_map if to_physical_map is not None else placeholder(dev, i32, (1, 1)),
+       logical_count if logical_count is not None else placeholder(dev, i32),
+       unmapped_topk_idx if unmapped_topk_idx is not None else placeholder(dev, i64, (1, num_topk)),
        topk_idx, topk_weights,
-       scores_k if scores is not None else _dummy(dev, f32, experts),
+       scores_k if scores is not None else placeholder(dev, f32, (1, experts)),
        float(routed_scaling_factor), seed_lo - (seed_lo >> 31 << 32), seed_hi - (seed_hi >> 31 << 32))
     if scores_k is not scores:
         scores.copy_(scores_k)
@@ -678,10 +661,10 @@ def _backward_launch(scores, topk_idx, topk_weights, grad_topk_weights, routed_s
     aux = grad_scores_sum is not None
     fn = _jit.get("moe_topk_gate_backward", (experts, topk_idx.size(1), aux))
     per_seq = max(rows // grad_scores_sum.size(0), 1) if aux else 1
-    out_k = _aligned(out)                                           # a copy is written, then copied back
-    fn(_aligned(scores), topk_idx, topk_weights, grad_topk_weights,
-       _bytes(mask) if aux else _dummy(dev, torch.uint8),
-       _aligned(grad_scores_sum) if aux else _dummy(dev, torch.float32, experts),
+    out_k = aligned(out)                                           # a copy is written, then copied back
+    fn(aligned(scores), topk_idx, topk_weights, grad_topk_weights,
+       _bytes(mask) if aux else placeholder(dev, torch.uint8),
+       aligned(grad_scores_sum) if aux else placeholder(dev, torch.float32, (1, experts)),
        out_k, float(routed_scaling_factor), per_seq)
     if out_k is not out:
         out.copy_(out_k)

@@ -32,6 +32,7 @@ inputs, K > ``MAX_TOPK``) check the rule with ``torch._assert_async`` instead.
 import torch
 
 from tilefuse import _jit, _ops
+from tilefuse._launch import aligned
 
 # Tuning knobs (TILEFUSE_KNOBS; read when a kernel is built; results never depend on them).
 # PDL: programmatic dependent launch, as in tilefuse.quant._cast_back_kernel: each kernel's first statement waits
@@ -197,11 +198,6 @@ def _word_view(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x.view(torch.uint8).view(_WORD[wb][1]), wb
 
 
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when its data is 16-byte aligned, else an aligned copy (vector loads need it)."""
-    return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
 def _sf_layout(sf: torch.Tensor, num_per_channels: int, hidden: int) -> tuple[int, int]:
     """``(sf_words, sf_keep_bytes)`` of an sf tensor (fp32: whole words; packed UE8M0 int32: the last word
     keeps ``blocks % 4`` bytes)."""
@@ -254,7 +250,7 @@ def _expand_launch(data, sf, num_per_channels, token_topk_to_pos, pos_to_expert,
             return out if sf is None else (out, _sf_out(sf, size, col)[1])
         return _expand_reference(data, sf, num_per_channels, token_topk_to_pos, pos_to_expert, col)
     out = torch.empty((size, hidden), dtype=data.dtype, device=data.device)
-    xw, wb = _word_view(_aligned(data))
+    xw, wb = _word_view(aligned(data))
     yw = out.view(torch.uint8).view(_WORD[wb][1])
     if sf is None:
         _jit.get("expand_to_fused", (wb, xw.size(1), k))(xw, token_topk_to_pos, pos_to_expert, yw)
@@ -374,7 +370,7 @@ def _reduce_launch(x, topk_weights, token_topk_to_pos, fp8_format="", sf=None, o
     y = out if direct else torch.empty((rows, hidden), dtype=out_dtype, device=data.device)
     spare = token_topk_to_pos.view(torch.float32)  # binds the parameters of absent optional inputs (unread)
     flat = spare.view(-1)
-    data = _aligned(data)
+    data = aligned(data)
     cfg = (_TL_DTYPE[data.dtype], _TL_DTYPE[out_dtype], hidden, k, topk_weights is not None, x_sf is not None,
            sf is not None)
     _jit.get("reduce_fused", cfg)(data, flat if x_sf is None else x_sf,

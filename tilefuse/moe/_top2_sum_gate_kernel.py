@@ -28,6 +28,7 @@ kernel scalars. Absent optional tensors are passed as a cached one-element dummy
 import torch
 
 from tilefuse import _jit, _ops
+from tilefuse._launch import aligned, placeholder
 
 WARPS = 4                 # tokens (warps) per CTA
 MAX_EXPERTS = 1024        # lanes hold up to 32 experts each; larger E falls back to the reference
@@ -337,18 +338,6 @@ def test_configs() -> list[tuple]:
 
 _jit.register("top2_sum_gate", top2_sum_gate_kernel, _configs)
 
-_DUMMIES: dict = {}
-
-
-def _dummy(device, dtype, shape):
-    """A cached placeholder for an absent optional tensor (the kernel never reads it)."""
-    key = (device, dtype, shape)
-    t = _DUMMIES.get(key)
-    if t is None:
-        t = _DUMMIES[key] = torch.zeros(shape, dtype=dtype, device=device)
-    return t
-
-
 def _new_output(shape, dtype, device):
     """Output allocation (a module function so that tests can poison outputs)."""
     return torch.empty(shape, dtype=dtype, device=device)
@@ -397,15 +386,12 @@ def top2_sum_gate_launch(logits, bias, num_topk, num_topk_groups, num_groups, us
     if rows == 0:
         return idx, weights
     u8 = torch.uint8
-    m = _dummy(device, u8, (1,)) if mask is None else mask.reshape(rows).contiguous().view(u8)  # any shape
-    f = _dummy(device, u8, (1,)) if fix_routing_mask is None else fix_routing_mask.view(u8)
-    u = _dummy(device, torch.int64, (1, num_topk)) if unmapped_topk_idx is None else _unit_inner(unmapped_topk_idx)
-    if logits.data_ptr() % 16:  # the kernel's 16-byte loads; a contiguous view may start anywhere
-        logits = logits.clone()
-    if bias.data_ptr() % 16:
-        bias = bias.clone()
-    pm = _dummy(device, torch.int32, (1, 1)) if to_physical_map is None else to_physical_map
-    pc = _dummy(device, torch.int32, (1,)) if logical_count is None else logical_count
+    m = placeholder(device, u8, (1,)) if mask is None else mask.reshape(rows).contiguous().view(u8)  # any shape
+    f = placeholder(device, u8, (1,)) if fix_routing_mask is None else fix_routing_mask.view(u8)
+    u = placeholder(device, torch.int64, (1, num_topk)) if unmapped_topk_idx is None else _unit_inner(unmapped_topk_idx)
+    logits, bias = aligned(logits), aligned(bias)  # the kernel's 16-byte loads
+    pm = placeholder(device, torch.int32, (1, 1)) if to_physical_map is None else to_physical_map
+    pc = placeholder(device, torch.int32, (1,)) if logical_count is None else logical_count
     _jit.get("top2_sum_gate", cfg)(logits, bias, m, f, u, pm, pc, idx, weights, float(routed_scaling_factor),
                                    _wrap_int32(int(ep_rank)), int(ranks_p), int(tp_rank), int(num_tp_ranks))
     return idx, weights

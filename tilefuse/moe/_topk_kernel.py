@@ -27,6 +27,7 @@ import struct
 import torch
 
 from tilefuse import _jit, _native, _ops
+from tilefuse._launch import aligned
 from tilefuse.reference import moe as ref
 
 _THREADS = 128             # threads per CTA of the selection kernels (4 warps)
@@ -285,12 +286,6 @@ _jit.register("normalize_weight", normalize_weight_kernel, _normalize_configs)
 # Launchers (arguments validated by tilefuse.moe.ops)
 # ----------------------------------------------------------------------------------------------------
 
-def _aligned(x: torch.Tensor, align: int) -> torch.Tensor:
-    """``x`` with a start aligned to ``align`` bytes (the kernel's vector loads): a contiguous view whose start
-    is not (a storage offset that is no multiple of the vector) is copied into a fresh allocation."""
-    return x.clone(memory_format=torch.contiguous_format) if x.data_ptr() % align else x
-
-
 # One-token gate calls are host-bound: the launch of one (E, K) is a native plan (tilefuse._native: the output
 # allocated and the kernel launched in one C++ call) where the extension is available, else the Python path.
 _GATE_LAUNCHERS: dict[tuple, object] = {}
@@ -355,7 +350,7 @@ def topk_sum_and_topk_group_idx_launch(scores: torch.Tensor, num_topk_sum: int, 
     rows, groups, per_group = scores.shape
     out = torch.empty(rows, num_topk_groups, dtype=torch.int64, device=scores.device)
     if rows:
-        x = _aligned(scores, 16) if per_group % 4 == 0 else scores  # the 16-byte loads of a group's scores
+        x = aligned(scores, 16) if per_group % 4 == 0 else scores  # the 16-byte loads of a group's scores
         _jit.get("topk_sum_and_topk_group_idx", (groups, per_group, num_topk_sum, num_topk_groups))(x, out)
     return out
 
@@ -366,7 +361,7 @@ def normalize_weight_launch(topk_weights: torch.Tensor):
     out = torch.empty(rows, k, dtype=torch.float32, device=topk_weights.device)
     if rows and k:
         vec = _nw_vec(k)
-        w = _aligned(topk_weights, 4 * vec) if vec > 1 and k <= _NW_REG_K else topk_weights
+        w = aligned(topk_weights, 4 * vec) if vec > 1 and k <= _NW_REG_K else topk_weights
         _jit.get("normalize_weight", (k,))(w, den, out)
     elif rows:
         den.fill_(ref.EPS)

@@ -29,6 +29,7 @@ import functools
 import torch
 
 from tilefuse import _jit, _native, _ops
+from tilefuse._launch import aligned
 from tilefuse import formats as F
 from tilefuse.quant import _tl
 
@@ -1100,11 +1101,6 @@ def _rows3(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((b, n, h), (sb if b > 1 else 0, sn if n > 1 else 0, 1))
 
 
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t``, or a contiguous copy where its data pointer is not 16-byte aligned (the kernels' vector loads)."""
-    return t if t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
-
-
 def _sf_alloc(x: torch.Tensor, col: bool, packed: bool) -> torch.Tensor:
     """out_sf in the layout the op returns (quant.md 5.11): row-major, or per batch column-major with leading
     dimension align(T, 4); 2-D x gives a 2-D sf."""
@@ -1192,10 +1188,10 @@ def norm_forward_launch(x, weight, eps, residual=None, out_scale=1.0, out=None, 
         sf_arg = _dummy(torch.float32, dev)
     # outputs written through a 16-byte-aligned temporary when the caller's buffer is not aligned
     o_arg = out if out.data_ptr() % 16 == 0 else torch.empty_like(out, memory_format=torch.contiguous_format)
-    x3 = _rows3(_aligned(x))
+    x3 = _rows3(aligned(x))
     fn(x3,
-       _aligned(weight) if weight is not None else _dummy(x.dtype, dev),
-       _rows3(_aligned(residual)) if has_res else _dummy(x.dtype, dev),
+       aligned(weight) if weight is not None else _dummy(x.dtype, dev),
+       _rows3(aligned(residual)) if has_res else _dummy(x.dtype, dev),
        _rows3(residual_out) if has_res else _dummy(x.dtype, dev),
        _rows3(o_arg), sf_arg,
        _rows3(out_bf16) if with_out_bf16 else _dummy(torch.bfloat16, dev),
@@ -1245,10 +1241,10 @@ def norm_backward_launch(out_grad, x, weight, rstd, residual_out_grad=None, out_
     part = torch.empty((npr, hidden), dtype=torch.float32, device=dev) if has_w else _dummy(torch.float32, dev)
 
     def rows(a):
-        a = _aligned(a)
+        a = aligned(a)
         return a.as_strided(a.shape, (0 if a.size(0) == 1 else a.stride(0), 1))
 
-    fn(rows(out_grad), rows(x), _aligned(weight) if has_w else _dummy(x.dtype, dev), rstd,
+    fn(rows(out_grad), rows(x), aligned(weight) if has_w else _dummy(x.dtype, dev), rstd,
        rows(residual_out_grad) if has_rg else _dummy(x.dtype, dev), x_grad, part, float(out_scale))
     if has_w:
         _jit.get("norm_weight_grad_reduce", (_TL_DTYPE[weight_grad.dtype], hidden, assign, npr))(part, weight_grad)

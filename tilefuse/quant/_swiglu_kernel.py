@@ -39,6 +39,7 @@ import struct
 import torch
 
 from tilefuse import _jit, _ops
+from tilefuse._launch import aligned, placeholder
 from tilefuse import formats as F
 from tilefuse.quant import _tl
 
@@ -1004,24 +1005,6 @@ _jit.register("swiglu_fwd_pcc", swiglu_fwd_pcc_kernel, _pcc_configs)
 
 # ---- launchers ----
 
-_DUMMIES: dict[tuple, torch.Tensor] = {}
-
-
-def _dummy(device: torch.device, dtype: torch.dtype, n: int = 1) -> torch.Tensor:
-    """A cached ``n``-element zero tensor standing in for an absent optional input (never read or written;
-    ``n`` matches the kernel parameter's static size where it has one)."""
-    key = (device, dtype, n)
-    t = _DUMMIES.get(key)
-    if t is None:
-        t = _DUMMIES[key] = torch.zeros(n, dtype=dtype, device=device)
-    return t
-
-
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when its data pointer is 16-byte aligned (the kernels load 16-byte vectors), else a copy."""
-    return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
 def _new_sf(x: torch.Tensor, t: int, cols: int, layout: str) -> torch.Tensor:
     """sf output in its returned layout: row-major fp32, or TMA-aligned column-major (column stride rounded up
     to 4 rows; quant.md 1.5) fp32 or packed-UE8M0 int32 words."""
@@ -1051,13 +1034,13 @@ def swiglu_fwd_ptc_launch(x: torch.Tensor, num_per_channels: int, pos_to_token_t
     out_sf = _new_sf(x, t, _fwd_ptc_sf_cols(hidden, num_per_channels, layout), layout)
     if t:
         dev = x.device
-        p2t = pos_to_token_topk if pos_to_token_topk is not None else _dummy(dev, torch.int32)
-        w = topk_weights.reshape(-1) if topk_weights is not None else _dummy(dev, torch.float32)
+        p2t = pos_to_token_topk if pos_to_token_topk is not None else placeholder(dev, torch.int32)
+        w = topk_weights.reshape(-1) if topk_weights is not None else placeholder(dev, torch.float32)
         if w.numel() == 0:  # empty topk_weights: weight 0 for every row, as the reference (dummy holds 0)
-            w = _dummy(dev, torch.float32)
-        p2e = pos_to_expert if pos_to_expert is not None else _dummy(dev, torch.int32)
-        cnt = clamped_count if cfg[8] else _dummy(dev, torch.int64, 3)  # the kernel's CNT is int64 (3,)
-        _jit.get("swiglu_fwd_ptc", cfg)(_aligned(x), p2t, w, p2e, out, out_sf, cnt)
+            w = placeholder(dev, torch.float32)
+        p2e = pos_to_expert if pos_to_expert is not None else placeholder(dev, torch.int32)
+        cnt = clamped_count if cfg[8] else placeholder(dev, torch.int64, (3,))  # the kernel's CNT is int64 (3,)
+        _jit.get("swiglu_fwd_ptc", cfg)(aligned(x), p2t, w, p2e, out, out_sf, cnt)
     return out, out_sf
 
 
@@ -1081,14 +1064,14 @@ def swiglu_bwd_ptc_launch(data: torch.Tensor, sf: torch.Tensor, grad_out: torch.
     weight_grad = new_wg(weight.shape, dtype=torch.float32, device=data.device)
     if t and weight.numel():
         cfg = _bwd_ptc_cfg(hidden, num_per_channels, round_sf, swiglu_clamp_value)
-        _jit.get("swiglu_bwd_ptc", cfg)(_aligned(data), sf, _aligned(grad_out.contiguous()), weight.reshape(-1),
+        _jit.get("swiglu_bwd_ptc", cfg)(aligned(data), sf, aligned(grad_out.contiguous()), weight.reshape(-1),
                                          pos_to_token_topk, token_topk_to_pos.reshape(-1), out, q, q_sf, x_grad,
                                          weight_grad.view(-1))
     elif t:  # no weights at all: every row has weight 0 and no weight_grad entry to write
-        w0 = _dummy(data.device, torch.float32)
+        w0 = placeholder(data.device, torch.float32)
         _jit.get("swiglu_bwd_ptc", _bwd_ptc_cfg(hidden, num_per_channels, round_sf, swiglu_clamp_value))(
-            _aligned(data), sf, _aligned(grad_out.contiguous()), w0, torch.full_like(pos_to_token_topk, -1),
-            _dummy(data.device, torch.int32), out, q, q_sf, x_grad, torch.zeros_like(w0))
+            aligned(data), sf, aligned(grad_out.contiguous()), w0, torch.full_like(pos_to_token_topk, -1),
+            placeholder(data.device, torch.int32), out, q, q_sf, x_grad, torch.zeros_like(w0))
     return out, q, q_sf, x_grad, weight_grad
 
 
@@ -1102,7 +1085,7 @@ def swiglu_fwd_pcc_launch(x: torch.Tensor, num_per_tokens: int, round_sf: bool =
     out_sf = x.new_empty((t // num_per_tokens, hidden), dtype=torch.float32)
     if t:
         cfg = _pcc_cfg(hidden, num_per_tokens, round_sf, not without_transpose, swiglu_clamp_value)
-        _jit.get("swiglu_fwd_pcc", cfg)(_aligned(x), out, out_sf)
+        _jit.get("swiglu_fwd_pcc", cfg)(aligned(x), out, out_sf)
     return out, out_sf
 
 
