@@ -401,6 +401,78 @@ class NormBackwardPlan {
   int64_t h_, np_;
 };
 
+// A kernel of many parameters for one call pattern (the one-token MoE gates): each parameter is an input of
+// the call (x, or the optional second input x2), a tensor the plan holds (the stand-in of an absent optional
+// input), an output the call allocates ((t, cols) row-major), or a scalar the plan holds. Calling it with
+// (x, x2, t) allocates the outputs and, when t > 0, launches on torch's current stream; x is copied where its
+// start is not `align_bytes` aligned (the kernel's vector loads), x2 is handed over as it is.
+class ArgPlan {
+ public:
+  enum Kind : int { kInput = 0, kHeld = 1, kOutput = 2, kFloat = 3, kInt = 4 };
+  static constexpr size_t kMaxArgs = 32;
+
+  // slots: (kind, index) per kernel parameter -- the input (0: x, 1: x2), the held tensor, the output, the
+  // float, or (kInt) the integer value itself
+  ArgPlan(py::object fn, std::vector<std::pair<int, int64_t>> slots, std::vector<at::Tensor> held,
+          std::vector<std::pair<int64_t, at::ScalarType>> outs, std::vector<double> floats, int64_t align_bytes)
+      : fn_(std::move(fn)), slots_(std::move(slots)), held_(std::move(held)), outs_(std::move(outs)),
+        floats_(std::move(floats)), align_(align_bytes) {
+    if (slots_.size() > kMaxArgs || outs_.empty() || outs_.size() > 3)
+      throw std::invalid_argument("tilefuse native launch: at most 32 parameters and 1 to 3 outputs");
+    for (const auto& s : slots_) {
+      const int64_t n = s.first == kInput ? 2 : s.first == kHeld ? static_cast<int64_t>(held_.size())
+                        : s.first == kOutput ? static_cast<int64_t>(outs_.size())
+                        : s.first == kFloat ? static_cast<int64_t>(floats_.size()) : -1;
+      if (s.first < kInput || s.first > kInt || (s.first != kInt && (s.second < 0 || s.second >= n)))
+        throw std::invalid_argument("tilefuse native launch: a parameter slot names nothing");
+    }
+    handle_ = reinterpret_cast<void*>(fn_.attr("__chandle__")().cast<uintptr_t>());
+  }
+
+  py::object operator()(at::Tensor x, std::optional<at::Tensor> x2, int64_t t) const {
+    at::TensorOptions opts = x.options();
+    at::Tensor y[3];
+    const size_t n = outs_.size();
+    for (size_t i = 0; i < n; ++i) y[i] = at::empty({t, outs_[i].first}, opts.dtype(outs_[i].second));
+    if (t > 0) {
+      if (reinterpret_cast<uintptr_t>(x.data_ptr()) % align_) x = x.clone(at::MemoryFormat::Contiguous);
+      KernelArg a[kMaxArgs];
+      TVMFFIAny args[kMaxArgs];
+      for (size_t i = 0; i < slots_.size(); ++i) {
+        const int kind = slots_[i].first;
+        const int64_t j = slots_[i].second;
+        args[i].zero_padding = 0;
+        if (kind == kFloat) {
+          args[i].type_index = kTVMFFIFloat;
+          args[i].v_float64 = floats_[j];
+        } else if (kind == kInt) {
+          args[i].type_index = kTVMFFIInt;
+          args[i].v_int64 = j;
+        } else {
+          if (kind == kInput && j == 1 && !x2.has_value())
+            throw std::invalid_argument("tilefuse native launch: the plan's second input is missing");
+          a[i].point(kind == kInput ? (j == 0 ? x : *x2) : kind == kHeld ? held_[j] : y[j]);
+          args[i].type_index = kTVMFFIDLTensorPtr;
+          args[i].v_ptr = &a[i].dl;
+        }
+      }
+      call(handle_, args, static_cast<int32_t>(slots_.size()), x);
+    }
+    if (n == 1) return py::cast(y[0]);
+    if (n == 2) return py::make_tuple(y[0], y[1]);
+    return py::make_tuple(y[0], y[1], y[2]);
+  }
+
+ private:
+  py::object fn_;  // keeps the TVM-FFI function (and its module) alive
+  void* handle_ = nullptr;
+  std::vector<std::pair<int, int64_t>> slots_;
+  std::vector<at::Tensor> held_;
+  std::vector<std::pair<int64_t, at::ScalarType>> outs_;
+  std::vector<double> floats_;
+  int64_t align_;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -419,6 +491,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("partials"))
       .def("__call__", &NormBackwardPlan::operator(), py::arg("out_grad"), py::arg("x"), py::arg("weight"),
            py::arg("rstd"), py::arg("out_scale"));
+  py::class_<ArgPlan>(m, "ArgPlan")
+      .def(py::init<py::object, std::vector<std::pair<int, int64_t>>, std::vector<at::Tensor>,
+                    std::vector<std::pair<int64_t, at::ScalarType>>, std::vector<double>, int64_t>(),
+           py::arg("fn"), py::arg("slots"), py::arg("held"), py::arg("outs"), py::arg("floats"),
+           py::arg("align_bytes"))
+      .def("__call__", &ArgPlan::operator(), py::arg("x"), py::arg("x2"), py::arg("t"));
   m.def("dl_dtype_code", [](at::ScalarType s) {
     DLDataType d = dl_dtype(s);
     return py::make_tuple(static_cast<int>(d.code), static_cast<int>(d.bits), static_cast<int>(d.lanes));

@@ -179,3 +179,21 @@ def norm_backward_plan(fn, reduce, hidden: int, partials: int) -> object | None:
     if mod is None:
         return None
     return mod.NormBackwardPlan(fn, reduce, hidden, partials)
+
+
+# parameter kinds of ``arg_plan`` (see ArgPlan in _native.cc)
+INPUT, HELD, OUTPUT, FLOAT, INT = 0, 1, 2, 3, 4
+
+
+def arg_plan(fn, slots, held, outs, floats, align_bytes: int) -> object | None:
+    """A callable ``plan(x, x2, t)`` for a kernel ``fn`` of many parameters at one call pattern: ``slots`` gives
+    each parameter as ``(kind, index)`` -- INPUT 0 (x) or 1 (x2, or None when unused), HELD (a tensor of
+    ``held``), OUTPUT (``outs[index] = (cols, dtype)``, allocated ``(t, cols)``), FLOAT (``floats[index]``) or
+    ``(INT, value)``. Returns the output, or a tuple of them. None when the extension is unavailable or ``fn``
+    is not a TVM-FFI function."""
+    if not _is_ffi(fn):
+        return None
+    mod = module()
+    if mod is None:
+        return None
+    return mod.ArgPlan(fn, [tuple(s) for s in slots], list(held), [tuple(o) for o in outs], list(floats), align_bytes)
