@@ -259,6 +259,29 @@ def test_forward_unaligned_views():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("experts,k,s,with_bias", [(256, 8, 0, True), (72, 6, 2, False), (8, 1, 1, True)])
+def test_forward_fast_path(experts, k, s, with_bias):
+    """A plain eager call (logits, at most a bias) validates once, then takes the native plan: equal to the
+    reference at every token count (the count is free) and at an unaligned start; other facts validate again
+    (a bad bias still raises)."""
+    G._FAST.clear()
+    bias = torch.randn(experts, device="cuda") if with_bias else None
+    for rows in (1, 7, 4001, 0, 1):
+        logits = torch.randn(rows, experts, device="cuda") * 2
+        got = moe.moe_topk_gate_forward(logits, k, s > 0, s, 1.5, 3, bias=bias)
+        want = ref.moe_topk_gate_forward(logits, k, s > 0, s, 1.5, 3, bias=bias)
+        _assert_same(got, want)
+    assert len(G._FAST) == 1 and type(next(iter(G._FAST.values()))).__module__ == "tilefuse_native"
+    logits = _shifted(torch.randn(7, experts, device="cuda"))
+    _assert_same(moe.moe_topk_gate_forward(logits, k, s > 0, s, 1.5, 3, bias=bias),
+                 ref.moe_topk_gate_forward(logits, k, s > 0, s, 1.5, 3, bias=bias))
+    with pytest.raises(ValueError, match="bias"):
+        moe.moe_topk_gate_forward(logits, k, s > 0, s, 1.5, 3, bias=torch.randn(experts + 4, device="cuda"))
+    with pytest.raises((ValueError, TypeError), match="num_topk"):
+        moe.moe_topk_gate_forward(logits, experts + 1, s > 0, s, 1.5, 3, bias=bias)
+
+
+@pytest.mark.gpu
 def test_forward_wide_rows_use_reference():
     """E_r above the kernel's limit: the reference on the same tensors (into out)."""
     logits, kw = _cuda_inputs(7, G._MAX_EXPERTS + 4, 6, 0, "bias,scores")

@@ -9,7 +9,8 @@ Forward, per token (warp-uniform branches): masked -> -1 / 0 rows; force-random 
 draw of §2.13 step 2 (the counter-based generator evaluated in-kernel) and its minimum-lane de-duplication;
 otherwise sqrt-softplus scores ``sqrtf(x > 20 ? x : log1pf(expf(x)))`` (PyTorch's ``F.softplus(x).sqrt()``
 on CUDA, IEEE operations), the ranking ``u + bias`` (image bias per token), top-k by K rounds of a warp
-arg-max over 64-bit keys (ordered float bits, then the smaller index: a stable descending sort), or the
+arg-max over 64-bit keys (ordered float bits, then the smaller index: a stable descending sort; two
+``redux.sync`` reductions, the high word then the low), or the
 caller's fixed routes; weights ``u / (butterfly32(u) + 1e-20) * rho`` with the reference's XOR-butterfly
 order; S shared slots of weight 1; replica choice ``map[l, (ep_rank + 23333 t) mod count[l]]`` with the
 int32 wrap of the reference. Every floating-point step is an explicit round-to-nearest intrinsic, so
@@ -27,7 +28,9 @@ kernel's own fixed order (``backward_model`` reproduces it bit for bit with elem
 K-slot sums ``sum g_k w_k`` and ``sum u_k`` are XOR butterflies over the 32 lanes (slot k on lane k, lanes
 >= K hold +0); duplicated slots accumulate onto their expert in slot order from +0; the auxiliary term's
 ``sum_e u_e`` and ``sum_e h_e u_e`` add each lane's experts ``c * 128 + 4 l + j`` (c, then j) from +0, then
-the butterfly. The order depends on nothing but (E_r, K): deterministic and batch-invariant. The reference
+the butterfly. The order depends on nothing but (E_r, K): deterministic and batch-invariant. The derivative
+of the last step is finite and >= +0, so an expert whose gradient is +-0 keeps it; without the auxiliary term
+only the slots' experts have another, and their derivative is taken once, on the slot's lane. The reference
 (fp64 torch ops: ``sum``, ``scatter_add_``) rounds in torch's internal order instead, which is no contract
 (moe.md §2.14 calls upstream's backward a numerical recipe); both fp64 results carry errors ~1e-16
 relative to the row's magnitudes, so the fp32 outputs agree to one fp32 ulp plus that (the tests derive
@@ -36,7 +39,7 @@ the bound per element).
 
 import torch
 
-from tilefuse import _jit, _ops
+from tilefuse import _jit, _native, _ops
 from tilefuse._launch import aligned, placeholder
 
 _WARPS = 4                       # tokens per CTA (one warp each)
@@ -57,9 +60,10 @@ __device__ __forceinline__ long long tfg_key(float r, int e) {  // larger key: l
   return (long long)b * 4294967296ll + (long long)(0xffff - e);
 }
 __device__ __forceinline__ int tfg_key_index(long long k) { return 0xffff - (int)(k & 0xffff); }
-__device__ __forceinline__ long long tfg_warp_max64(long long v) {
-  for (int o = 16; o > 0; o >>= 1) { long long w = __shfl_xor_sync(TFG_FULL, v, o); v = w > v ? w : v; }
-  return v;
+__device__ __forceinline__ long long tfg_warp_max64(long long v) {   // two redux.sync: high word, then low
+  const int hi = (int)(v >> 32), top = __reduce_max_sync(TFG_FULL, hi);
+  const unsigned lo = __reduce_max_sync(TFG_FULL, hi == top ? (unsigned)v : 0u);
+  return (long long)(((unsigned long long)(unsigned)top << 32) | lo);
 }
 __device__ __forceinline__ long long tfg_warp_sum64(long long v) {   // integer: any order
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(TFG_FULL, v, o);
@@ -410,6 +414,9 @@ def gate_backward_kernel(num_experts: int, num_topk: int, aux: bool):
             grad = T.alloc_local((NV,), "float64")
             raw = T.alloc_local((4,), "float32")
             hv = T.alloc_local((NV,), "float64")
+            der = T.alloc_local((NV,), "float64")      # without aux: the derivative at the slots' experts
+            dslot = T.alloc_var("float64")
+            dk = T.alloc_var("float64")
             idx64 = T.alloc_var("int64")
             idx = T.alloc_var("int32")
             uk = T.alloc_var("float64")
@@ -431,6 +438,7 @@ def gate_backward_kernel(num_experts: int, num_topk: int, aux: bool):
                     for j in T.unroll(4):
                         u[c * 4 + j] = T.float64(0.0)
                         grad[c * 4 + j] = T.float64(0.0)
+                        der[c * 4 + j] = T.float64(0.0)
                     load_chunk(u, Sc, raw, t, c, lane)
                 # slot k on lane k: u_k, g_k (both 0 for a -1 slot), g_k * w_k; lanes >= K hold +0
                 idx = -1
@@ -449,17 +457,24 @@ def gate_backward_kernel(num_experts: int, num_topk: int, aux: bool):
                 dot = f64("tfg_butterfly32_f64", a)
                 usum = f64("tfg_butterfly32_f64", uk)
                 per_slot = T.float64(0.0)
+                dslot = T.float64(0.0)
                 if idx >= 0:
+                    if not aux:
+                        dslot = f64("tfg_ssp_grad", uk)
                     per_slot = f64("__ddiv_rn", f64("__dsub_rn", f64("__dmul_rn", rho, gk), dot),
                                    f64("__dadd_rn", usum, T.float64(_EPS)))
                 # routing term: slots in order 0 .. K-1 onto their experts (duplicates accumulate)
                 for k in T.serial(K):
                     idk = T.call_extern("int32", "tfg_shfl_i32", idx, k)
                     pk = T.call_extern("float64", "tfg_shfl_f64", per_slot, k)
+                    if not aux:
+                        dk = T.call_extern("float64", "tfg_shfl_f64", dslot, k)
                     for c in T.unroll(NC):
                         for j in T.unroll(4):
                             if idk == c * 128 + lane * 4 + j:
                                 grad[c * 4 + j] = f64("__dadd_rn", grad[c * 4 + j], pk)
+                                if not aux:
+                                    der[c * 4 + j] = dk
                 if aux:
                     # auxiliary term (h_e - Ah inv) inv, inv = mask ? 1 / Su : 0; Su = sum u, Ah = sum h u:
                     # each lane sums its register slots in order from +0, then the XOR butterfly
@@ -481,11 +496,18 @@ def gate_backward_kernel(num_experts: int, num_topk: int, aux: bool):
                     for i in T.unroll(NV):
                         grad[i] = f64("__dadd_rn", grad[i],
                                       f64("__dmul_rn", f64("__dsub_rn", hv[i], f64("__dmul_rn", ah, inv)), inv))
-                # times the sqrt-softplus derivative, rounded once to fp32
+                # times the sqrt-softplus derivative, rounded once to fp32. The derivative is finite and >= +0,
+                # so a +-0 gradient stays itself: without aux only the slots' experts (their derivative taken
+                # once, on the slot's lane) have another
                 for c in T.unroll(NC):
                     for j in T.unroll(4):
-                        raw[j] = T.call_extern("float32", "__double2float_rn",
-                                               f64("__dmul_rn", f64("tfg_ssp_grad", u[c * 4 + j]), grad[c * 4 + j]))
+                        if aux:
+                            raw[j] = T.call_extern("float32", "__double2float_rn", f64(
+                                "__dmul_rn", f64("tfg_ssp_grad", u[c * 4 + j]), grad[c * 4 + j]))
+                        else:
+                            raw[j] = T.call_extern("float32", "__double2float_rn", T.if_then_else(
+                                grad[c * 4 + j] == T.float64(0.0), grad[c * 4 + j],
+                                f64("__dmul_rn", der[c * 4 + j], grad[c * 4 + j])))
                     if vec:
                         if (not ragged) or c * 128 + lane * 4 < E:
                             for j in T.vectorized(4):
@@ -595,6 +617,66 @@ def _forward_launch(logits, num_topk: int, num_shared: int, routed_scaling_facto
        float(routed_scaling_factor), seed_lo - (seed_lo >> 31 << 32), seed_hi - (seed_hi >> 31 << 32))
     if scores_k is not scores:
         scores.copy_(scores_k)
+
+
+# One-token gate calls are host-bound. An eager call with logits and at most a bias (no other optional input, no
+# out) whose facts passed the public op's checks before launches through a native plan (tilefuse._native: both
+# outputs allocated and the kernel called in one C++ call), keyed by those facts; the token count is free.
+_FAST: dict[tuple, object] = {}
+_is_compiling = torch.compiler.is_compiling
+
+
+def _fast_key(logits, num_topk, use_shared_as_routed, num_shared_experts, routed_scaling_factor, ep_rank,
+              scoring_func, bias):
+    facts = (logits.dtype, logits.shape[1], logits.stride(), logits.device, type(num_topk), num_topk,
+             type(use_shared_as_routed), use_shared_as_routed, type(num_shared_experts), num_shared_experts,
+             type(routed_scaling_factor), routed_scaling_factor, type(ep_rank), ep_rank, scoring_func)
+    if bias is None:
+        return facts
+    return facts + (bias.dtype, bias.shape, bias.stride(), bias.device)
+
+
+def gate_forward_fast(logits, num_topk, use_shared_as_routed, num_shared_experts, routed_scaling_factor, ep_rank,
+                      scoring_func, bias):
+    """``(topk_idx, topk_weights)`` of an eager CUDA call with at most a bias whose facts passed the public op's
+    checks before (:func:`remember_fast`); None for every other call."""
+    if type(logits) is torch.Tensor and logits.is_cuda and len(logits.shape) == 2 and not _is_compiling():
+        if bias is None or type(bias) is torch.Tensor:
+            plan = _FAST.get(_fast_key(logits, num_topk, use_shared_as_routed, num_shared_experts,
+                                       routed_scaling_factor, ep_rank, scoring_func, bias))
+            if plan is not None:
+                return plan(logits, bias, logits.shape[0])
+    return None
+
+
+def remember_fast(logits, num_topk, use_shared_as_routed, num_shared_experts, routed_scaling_factor, ep_rank,
+                  scoring_func, bias) -> None:
+    """Record the native plan of a validated eager call with at most a bias (the public op calls this after
+    its checks); nothing where the extension is unavailable or the row is wider than a kernel takes."""
+    if type(logits) is not torch.Tensor or _is_compiling() or logits.size(1) > _MAX_EXPERTS:
+        return
+    if bias is not None and type(bias) is not torch.Tensor:
+        return
+    experts = logits.size(1)
+    num_shared = num_shared_experts if use_shared_as_routed else 0
+    width = num_topk + num_shared
+    fn = _jit.get("moe_topk_gate_forward", (experts, num_topk, num_shared, "bias" if bias is not None else ""))
+    dev = logits.device
+    f32, u8, i32, i64 = torch.float32, torch.uint8, torch.int32, torch.int64
+    held = [placeholder(dev, f32), placeholder(dev, f32), placeholder(dev, u8), placeholder(dev, i32, (1, 1)),
+            placeholder(dev, i32), placeholder(dev, i64, (1, num_topk)), placeholder(dev, f32, (1, experts))]
+    seed = int(ep_rank) % 2 ** 64
+    seed_lo, seed_hi = seed & 0xFFFFFFFF, seed >> 32
+    I, H, O = _native.INPUT, _native.HELD, _native.OUTPUT
+    # the kernel's parameters in order (_forward_launch): logits, bias, image bias, image mask, mask, fix,
+    # random, map, count, unmapped, topk_idx, topk_weights, scores, rho, seed_lo, seed_hi
+    slots = [(I, 0), (I, 1) if bias is not None else (H, 0), (H, 1), (H, 2), (H, 2), (H, 2), (H, 2), (H, 3),
+             (H, 4), (H, 5), (O, 0), (O, 1), (H, 6), (_native.FLOAT, 0),
+             (_native.INT, seed_lo - (seed_lo >> 31 << 32)), (_native.INT, seed_hi - (seed_hi >> 31 << 32))]
+    plan = _native.arg_plan(fn, slots, held, [(width, i64), (width, f32)], [float(routed_scaling_factor)], 16)
+    if plan is not None:
+        _FAST[_fast_key(logits, num_topk, use_shared_as_routed, num_shared_experts, routed_scaling_factor, ep_rank,
+                        scoring_func, bias)] = plan
 
 
 @_ops.kernel_op("tilefuse::moe_topk_gate_forward",

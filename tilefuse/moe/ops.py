@@ -254,6 +254,14 @@ def moe_topk_gate_forward(logits, num_topk, use_shared_as_routed, num_shared_exp
     routing for ``force_random`` tokens (cuRAND Philox draw seeded by ``ep_rank``, reproduced exactly).
     Writes ``unmapped_topk_idx`` and ``scores`` (unbiased, zero rows for masked / random tokens) if given.
     """
+    plain = (mask is None and image_bias is None and image_token_mask is None and fix_routing_mask is None
+             and to_physical_map is None and logical_count is None and unmapped_topk_idx is None
+             and force_random is None and out is None and scores is None)
+    if plain:  # a call whose facts passed before: native plan, no checks
+        got = _GK.gate_forward_fast(logits, num_topk, use_shared_as_routed, num_shared_experts,
+                                    routed_scaling_factor, ep_rank, scoring_func, bias)
+        if got is not None:
+            return got
     op = "moe_topk_gate_forward"
     if not (isinstance(scoring_func, str) and scoring_func == "sqrtsoftplus"):
         _check.fail(op, f"scoring_func must be 'sqrtsoftplus', got {scoring_func!r}")
@@ -291,6 +299,9 @@ def moe_topk_gate_forward(logits, num_topk, use_shared_as_routed, num_shared_exp
             return out[0], out[1]
         return torch.empty(0, width, dtype=INT64, device=device), torch.empty(0, width, dtype=FP32, device=device)
     if logits.is_cuda:  # the kernel asserts the data rules on the device
+        if plain:
+            _GK.remember_fast(logits, num_topk, use_shared_as_routed, num_shared_experts, routed_scaling_factor,
+                              ep_rank, scoring_func, bias)
         return _GK.moe_topk_gate_forward_cuda(logits, num_topk, use_shared_as_routed, num_shared_experts,
                                               routed_scaling_factor, ep_rank, scoring_func, mask, bias, image_bias,
                                               image_token_mask, fix_routing_mask, to_physical_map, logical_count,
