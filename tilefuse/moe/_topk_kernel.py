@@ -5,8 +5,9 @@ Selection. A row's candidates live in the registers of a segment of ``L`` lanes 
 two <= 32; ``32 / L`` rows per warp): lane ``l`` holds candidates ``l, l + L, l + 2L, ...`` (so a warp's loads
 are coalesced). Each candidate becomes an int32 *key* whose integer order is the stable descending sort's
 order: ``-0.0`` equals ``+0.0`` and every NaN is above ``+inf`` (torch.sort puts NaN first). K times: each lane
-takes its best key (ties: its smallest index), the segment takes the largest ``(key, -index)`` pair by an XOR
-butterfly on packed 64-bit words, and the winner's key becomes ``INT_MIN``, below every real key. That is the
+takes its best key (ties: its smallest index), the segment takes the largest ``(key, -index)`` pair (a whole warp:
+two ``redux.sync`` reductions, the largest key, then the smallest index holding it; a narrower segment: an XOR
+butterfly on packed 64-bit words), and the winner's key becomes ``INT_MIN``, below every real key. That is the
 spec's repeat-max definition with removal instead of ``-inf`` overwrite, which equals ``stable_topk`` for every
 input, finite or not. Nothing crosses rows, so results do not depend on the batch.
 
@@ -49,9 +50,15 @@ __device__ __forceinline__ int tf_topk_key(float x) {
   return b < 0 ? (b ^ 0x7FFFFFFF) : b;
 }
 // Index of the best (largest key, then smallest index) candidate of a segment of `width` lanes (a power of
-// two, aligned in the warp); every lane of the segment gets it. The pair is packed so that unsigned order
-// is that ranking: key + 2^31 above, ~index below.
+// two, aligned in the warp); every lane of the segment gets it. A whole warp takes two redux.sync reductions:
+// the largest key, then the smallest index among the lanes that hold it (an index is never 0xffffffff).
+// Narrower segments pack the pair so that unsigned order is that ranking (key + 2^31 above, ~index below)
+// and take an XOR butterfly.
 __device__ __forceinline__ int tf_topk_seg_best(int key, int idx, int width) {
+  if (width == 32) {
+    const int top = __reduce_max_sync(0xffffffffu, key);
+    return (int)__reduce_min_sync(0xffffffffu, key == top ? (unsigned)idx : 0xffffffffu);
+  }
   unsigned long long p = ((unsigned long long)((unsigned)key ^ 0x80000000u) << 32) | (unsigned)(~idx);
   for (int o = width >> 1; o > 0; o >>= 1) {
     unsigned long long q = __shfl_xor_sync(0xffffffffu, p, o);
