@@ -5,10 +5,13 @@ One warp per token, one pass. Lane ``l`` holds the experts ``c*128 + 4l + j`` (c
 registers: logits, unbiased scores ``s``, ranking scores ``r``. Per token:
 
 1. scores (sigmoid / sqrt-softplus elementwise; softmax: warp max, lane sums in chunk order, XOR butterfly);
-2. group restriction: per group the multiset top-2 of ``r`` by a max/min butterfly, lane ``g`` ranks group
-   ``g`` against all groups (ties -> smaller group), a ballot gives the kept groups, others get ``r = -inf``;
-3. top-k by ``K`` rounds of warp arg-max (value descending, index ascending; chosen entries leave through a
-   per-lane bit mask), which is the stable descending sort of the reference; fixed tokens read their routes;
+2. group restriction: per group the multiset top-2 of ``r`` by a max/min butterfly (groups of 4, 8, 16 or 32
+   experts are aligned runs of lanes inside one chunk: a butterfly inside the run; other sizes: one over the
+   warp per group), lane ``g`` ranks group ``g`` against all groups (ties -> smaller group), a ballot gives
+   the kept groups, others get ``r = -inf``; the top-2 of a multiset and its sum do not depend on the order;
+3. top-k by ``K`` rounds of warp arg-max (value descending, index ascending: two ``redux.sync`` reductions;
+   chosen entries leave through a per-lane bit mask), which is the stable descending sort of the reference;
+   fixed tokens read their routes;
 4. lane ``k < K`` recomputes ``s`` of its route from the logit (same fp32 expression, same bits), every lane
    sums the ``K`` of them in slot order from ``1e-20`` (broadcast shuffles), ``w = (s / D) * rho``; lanes
    ``K .. K+S-1`` are the shared slots (weight 1);
@@ -36,6 +39,19 @@ EPS = 1e-20               # weight-denominator start (moe.md §2.2 step 6)
 REPLICA_STRIDE = 23333    # replica choice (ep_rank + t * 23333) mod count (§2.2 step 9)
 _SENTINEL = 2**30         # "no expert" index during the arg-max rounds (larger than every real index)
 
+# Warp arg-max of a top-k round: the largest value (an order-preserving int key: -0.0 equals +0.0), then the
+# smallest index among the lanes that hold it; two redux.sync reductions. Values are never NaN (finite logits,
+# -inf for excluded experts), where this is the float order of the strict comparisons it replaces.
+_CUDA = """
+__device__ __forceinline__ int tf2_warp_best(float v, int i) {
+  int b = __float_as_int(v);
+  if (b == (int)0x80000000) b = 0;
+  const int key = b < 0 ? (b ^ 0x7fffffff) : b;
+  const int top = __reduce_max_sync(0xffffffffu, key);
+  return __reduce_min_sync(0xffffffffu, key == top ? i : 0x7fffffff);
+}
+"""
+
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -53,6 +69,10 @@ def top2_sum_gate_kernel(E: int, K: int, G: int, TG: int, S: int, scoring: str, 
     per_group = E // G if grouped else 0
     if grouped:
         assert 2 <= per_group <= 32 and G <= 32 and E % G == 0 and 1 <= TG < G
+    # groups of 4, 8, 16 or 32 experts: each is an aligned run of per_group / 4 lanes inside one chunk
+    segmented = grouped and per_group % 4 == 0 and 128 % per_group == 0
+    seg_lanes = per_group // 4 if segmented else 1
+    seg_steps = seg_lanes.bit_length() - 1
     NC = _cdiv(E, 128)          # chunks of 128 experts
     V = 4 * NC                  # expert slots per lane
     W = K + S                   # output width
@@ -99,6 +119,7 @@ def top2_sum_gate_kernel(E: int, K: int, G: int, TG: int, S: int, scoring: str, 
                       Idx: T.Tensor((Tn, W), "int64"), Wgt: T.Tensor((Tn, W), "float32"),
                       rho: T.float32, ep_rank: T.int32, ranks_p: T.int32, tp_rank: T.int32, num_tp: T.int32):
         with T.Kernel(T.ceildiv(Tn, WARPS), threads=32 * WARPS) as bx:
+            T.import_source(_CUDA)
             tx = T.get_thread_binding()
             lane = tx % 32
             t = bx * WARPS + tx // 32
@@ -182,23 +203,45 @@ def top2_sum_gate_kernel(E: int, K: int, G: int, TG: int, S: int, scoring: str, 
                             # 2. multiset top-2 of each group, its sum; lane g keeps gs_g
                             mine = T.alloc_var("float32")
                             mine = neg_inf
-                            for g in T.unroll(G):
-                                a1 = T.alloc_var("float32")
-                                a2 = T.alloc_var("float32")
-                                a1 = neg_inf
-                                a2 = neg_inf
-                                for v in T.unroll(V):
-                                    e = expert_of(lane, v)
-                                    if T.And(e >= g * per_group, e < (g + 1) * per_group):
-                                        a2 = T.max(a2, T.min(a1, r[v]))
-                                        a1 = T.max(a1, r[v])
-                                for o in T.unroll(5):
-                                    b1 = T.shfl_xor(a1, T.shift_right(16, o))
-                                    b2 = T.shfl_xor(a2, T.shift_right(16, o))
-                                    a2 = T.max(T.max(a2, b2), T.min(a1, b1))
-                                    a1 = T.max(a1, b1)
-                                if lane == g:
-                                    mine = a1 + a2
+                            if segmented:
+                                # a group is an aligned run of n / 4 lanes of one chunk: each lane's top-2 of
+                                # its 4 slots, a butterfly inside the run, lane g fetches its group's sum
+                                for c in T.unroll(NC):
+                                    a1 = T.alloc_var("float32")
+                                    a2 = T.alloc_var("float32")
+                                    a1 = neg_inf
+                                    a2 = neg_inf
+                                    for j in T.unroll(4):
+                                        a2 = T.max(a2, T.min(a1, r[c * 4 + j]))
+                                        a1 = T.max(a1, r[c * 4 + j])
+                                    for o in range(seg_steps):  # offsets n/8 .. 1: inside the run
+                                        b1 = T.shfl_xor(a1, seg_lanes >> (o + 1))
+                                        b2 = T.shfl_xor(a2, seg_lanes >> (o + 1))
+                                        a2 = T.max(T.max(a2, b2), T.min(a1, b1))
+                                        a1 = T.max(a1, b1)
+                                    a1 = a1 + a2
+                                    # group `lane` lies in chunk (lane n) / 128 from lane ((lane n) % 128) / 4
+                                    a2 = T.shfl_sync(a1, T.truncmod(lane * per_group, 128) // 4)
+                                    if T.And(lane < G, (lane * per_group) // 128 == c):
+                                        mine = a2
+                            if not segmented:
+                                for g in T.unroll(G):
+                                    a1 = T.alloc_var("float32")
+                                    a2 = T.alloc_var("float32")
+                                    a1 = neg_inf
+                                    a2 = neg_inf
+                                    for v in T.unroll(V):
+                                        e = expert_of(lane, v)
+                                        if T.And(e >= g * per_group, e < (g + 1) * per_group):
+                                            a2 = T.max(a2, T.min(a1, r[v]))
+                                            a1 = T.max(a1, r[v])
+                                    for o in T.unroll(5):
+                                        b1 = T.shfl_xor(a1, T.shift_right(16, o))
+                                        b2 = T.shfl_xor(a2, T.shift_right(16, o))
+                                        a2 = T.max(T.max(a2, b2), T.min(a1, b1))
+                                        a1 = T.max(a1, b1)
+                                    if lane == g:
+                                        mine = a1 + a2
                             # rank of group `lane`: groups with a larger sum, or an equal one and a smaller index
                             rank = T.alloc_var("int32")
                             rank = 0
@@ -230,12 +273,7 @@ def top2_sum_gate_kernel(E: int, K: int, G: int, TG: int, S: int, scoring: str, 
                                 if T.And(alive, T.Or(r[v] > bv, bi == _SENTINEL)):
                                     bv = r[v]
                                     bi = expert_of(lane, v)
-                            for o in T.unroll(5):
-                                ov = T.shfl_xor(bv, T.shift_right(16, o))
-                                oi = T.shfl_xor(bi, T.shift_right(16, o))
-                                if T.Or(ov > bv, T.And(ov == bv, oi < bi)):
-                                    bv = ov
-                                    bi = oi
+                            bi = T.call_extern("int32", "tf2_warp_best", bv, bi)
                             if lane == k:
                                 route = T.cast(bi, "int64")
                             for v in T.unroll(V):
@@ -323,7 +361,8 @@ def test_configs() -> list[tuple]:
     """Static configs used by tests/moe/test_top2_sum_gate_kernel.py."""
     out = []
     for sc in ("sigmoid", "sqrtsoftplus", "softmax"):
-        for E, K, G, TG in ((8, 1, 0, 0), (72, 6, 0, 0), (256, 8, 8, 4), (384, 2, 0, 0), (384, 8, 12, 4)):
+        for E, K, G, TG in ((8, 1, 0, 0), (72, 6, 0, 0), (256, 8, 8, 4), (384, 2, 0, 0), (384, 8, 12, 4),
+                            (72, 6, 6, 3), (64, 4, 32, 8)):
             out.append((E, K, G, TG, 0, sc, False, False, False, False))
     # every optional input, shared slots, group restriction
     for sc in ("sigmoid", "softmax"):
