@@ -59,7 +59,7 @@ def test_reduce_tile_rule_cpu():
             v, tx, unroll, gy = K.reduce_tile(dtype, h)
             assert v == vec and v * tx * unroll * gy == h and tx in (32, 64, 128), (dtype, h)
             assert 1 <= unroll <= K.REDUCE_UNROLL_MAX and gy <= h // 128  # the launcher's grid-y bound
-    assert K.reduce_tile("bfloat16", 7168) == (8, 128, 7, 1)
+    assert K.reduce_tile("bfloat16", 7168) == (8, 128, 1, 7)
 
 
 def _expand_model(data, sf, npc, ttp, pte, col):

@@ -34,7 +34,7 @@ import torch
 from tilefuse import _jit, _ops
 from tilefuse.reference import moe as ref
 
-CHUNK = 2048            # flat slots per CTA (count and scatter kernels)
+CHUNK = 1024            # flat slots per CTA (count and scatter kernels; a multiple of COUNT_THREADS)
 COUNT_THREADS = 512     # count kernel: CHUNK / COUNT_THREADS slots per thread
 SCAN_WARPS = 16         # scan kernel: warps per CTA, each a contiguous run of the table's rows (32 columns a CTA)
 CAPACITIES = (256, 512, 1024)   # static configs: the largest E a binary serves
@@ -97,8 +97,9 @@ __device__ __forceinline__ int tf_fm_scan(int* a, int n, int* warp_sums) {
 
 
 def _geometry(capacity: int) -> tuple[int, int]:
-    """(warps per scatter CTA, slots per lane): the per-warp table ``warps x (capacity + 1)`` stays <= 33 KB."""
-    warps = {256: 32, 512: 16, 1024: 8}[capacity]
+    """(warps per scatter CTA, slots per lane): the per-warp table ``warps x (capacity + 1)`` stays <= 33 KB, and
+    a lane owns at least one slot."""
+    warps = min({256: 32, 512: 16, 1024: 8}[capacity], CHUNK // 32)
     return warps, CHUNK // (32 * warps)
 
 

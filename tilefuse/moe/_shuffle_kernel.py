@@ -41,7 +41,7 @@ PDL = True
 THREADS = 128       # threads of an expand CTA (fewer when a row has fewer vectors)
 UNROLL_MAX = 8      # vectors per thread before a row is split over more CTAs
 ZERO_ROWS = 8       # positions checked by one zeroing CTA of expand
-REDUCE_UNROLL_MAX = 8
+REDUCE_UNROLL_MAX = 1  # vectors per thread of reduce (a divisor of the row's; the rest spread over CTAs)
 MAX_TOPK = 32       # slots a kernel unrolls (larger K runs the reference)
 
 _WORD = {4: ("int32", torch.int32), 2: ("int16", torch.int16), 1: ("uint8", torch.uint8)}
