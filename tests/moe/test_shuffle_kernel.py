@@ -607,6 +607,23 @@ print("no assert", flush=True)
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("knobs", [{"REDUCE_SLOTS_OUTER": True},
+                                   {"REDUCE_SLOTS_OUTER": True, "REDUCE_UNROLL_MAX": 8}], ids=str)
+def test_reduce_knob_variants_gpu(knobs, knob_kernels):
+    """The prepared reduce variants (slots outside the thread's vectors; with up to 8 vectors a thread) equal the
+    reference on the reduce cases of this tier (compiled here, outside the caches)."""
+    knob_kernels(K, knobs)
+    for cfg in K.TEST_REDUCE:
+        for maps in (True, False):
+            test_reduce_gpu(cfg, maps)
+    for t in TOKENS:
+        for experts, k in ((72, 6), (256, 8)):
+            test_reduce_tokens_experts_gpu(t, experts, k)
+    test_reduce_saturation_zero_rows_and_out_gpu()
+
+
+@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("op", ("expand", "reduce"))
 def test_data_rule_device_assert_gpu(op):
     """The data rule the public op no longer checks on the host: a position >= N (len(pos_to_expert), x rows)
