@@ -125,6 +125,14 @@ def test_backward_launcher_binds_kernel_parameters(experts, k, aux, monkeypatch)
     assert torch.equal(got, ref.moe_topk_gate_backward(scores, idx, w, g, 1.5, **extra))
 
 
+def test_seed_words_cpu():
+    """ep_rank mod 2^64 as two signed int32 words (low, high), the kernel's Philox key scalars."""
+    assert G._seed_words(0) == (0, 0) and G._seed_words(3) == (3, 0)
+    assert G._seed_words(2 ** 33 + 7) == (7, 2)
+    assert G._seed_words(2 ** 63 + 2 ** 31) == (-(2 ** 31), -(2 ** 31))
+    assert G._seed_words(2 ** 64 - 1) == (-1, -1) and G._seed_words(2 ** 64 + 5) == (5, 0)
+
+
 def test_forward_wide_rows_run_the_reference_cpu(monkeypatch):
     calls = fake_jit(monkeypatch)
     logits, kw = _forward_inputs(5, G._MAX_EXPERTS + 4, 6, 1, flags=ALL)
@@ -279,6 +287,21 @@ def test_forward_fast_path(experts, k, s, with_bias):
         moe.moe_topk_gate_forward(logits, k, s > 0, s, 1.5, 3, bias=torch.randn(experts + 4, device="cuda"))
     with pytest.raises((ValueError, TypeError), match="num_topk"):
         moe.moe_topk_gate_forward(logits, experts + 1, s > 0, s, 1.5, 3, bias=bias)
+
+
+@pytest.mark.gpu
+def test_forward_fast_path_under_graph_capture():
+    """The native plan of a validated plain call captures and replays (outputs from the graph's pool, the launch on
+    the capture stream)."""
+    bias = torch.randn(256, device="cuda")
+    logits = torch.randn(7, 256, device="cuda")
+    moe.moe_topk_gate_forward(logits, 8, False, 0, 2.5, 0, bias=bias)                # validated and loaded first
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        idx, w = moe.moe_topk_gate_forward(logits, 8, False, 0, 2.5, 0, bias=bias)
+    logits.copy_(2 * torch.randn_like(logits))
+    graph.replay()
+    _assert_same((idx, w), ref.moe_topk_gate_forward(logits, 8, False, 0, 2.5, 0, bias=bias))
 
 
 @pytest.mark.gpu

@@ -586,6 +586,14 @@ def _bytes(flags: torch.Tensor) -> torch.Tensor:
     return flags.view(torch.uint8)
 
 
+def _seed_words(ep_rank: int) -> tuple[int, int]:
+    """The Philox key of random routing (§2.13 step 2) as the kernel's two int32 scalars: the low and high words of
+    ``ep_rank mod 2^64``, each as a signed 32-bit value."""
+    seed = int(ep_rank) % 2 ** 64
+    lo, hi = seed & 0xFFFFFFFF, seed >> 32
+    return lo - (lo >> 31 << 32), hi - (hi >> 31 << 32)
+
+
 def _forward_launch(logits, num_topk: int, num_shared: int, routed_scaling_factor: float, ep_rank: int,
                     mask, bias, image_bias, image_token_mask, fix_routing_mask, to_physical_map, logical_count,
                     unmapped_topk_idx, force_random, topk_idx, topk_weights, scores) -> None:
@@ -598,8 +606,6 @@ def _forward_launch(logits, num_topk: int, num_shared: int, routed_scaling_facto
                "map": to_physical_map is not None, "mask": mask is not None, "random": force_random is not None,
                "scores": scores is not None, "unmapped": unmapped_topk_idx is not None}
     flags = ",".join(f for f in _FLAGS if present[f])
-    seed = ep_rank % 2 ** 64
-    seed_lo, seed_hi = seed & 0xFFFFFFFF, seed >> 32
     fn = _jit.get("moe_topk_gate_forward", (experts, num_topk, num_shared, flags))
     scores_k = None if scores is None else aligned(scores)        # a copy is written, then copied back
     fn(aligned(logits),
@@ -614,7 +620,7 @@ def _forward_launch(logits, num_topk: int, num_shared: int, routed_scaling_facto
        unmapped_topk_idx if unmapped_topk_idx is not None else placeholder(dev, i64, (1, num_topk)),
        topk_idx, topk_weights,
        scores_k if scores is not None else placeholder(dev, f32, (1, experts)),
-       float(routed_scaling_factor), seed_lo - (seed_lo >> 31 << 32), seed_hi - (seed_hi >> 31 << 32))
+       float(routed_scaling_factor), *_seed_words(ep_rank))
     if scores_k is not scores:
         scores.copy_(scores_k)
 
@@ -665,14 +671,13 @@ def remember_fast(logits, num_topk, use_shared_as_routed, num_shared_experts, ro
     f32, u8, i32, i64 = torch.float32, torch.uint8, torch.int32, torch.int64
     held = [placeholder(dev, f32), placeholder(dev, f32), placeholder(dev, u8), placeholder(dev, i32, (1, 1)),
             placeholder(dev, i32), placeholder(dev, i64, (1, num_topk)), placeholder(dev, f32, (1, experts))]
-    seed = int(ep_rank) % 2 ** 64
-    seed_lo, seed_hi = seed & 0xFFFFFFFF, seed >> 32
+    seed_lo, seed_hi = _seed_words(ep_rank)
     I, H, O = _native.INPUT, _native.HELD, _native.OUTPUT
     # the kernel's parameters in order (_forward_launch): logits, bias, image bias, image mask, mask, fix,
     # random, map, count, unmapped, topk_idx, topk_weights, scores, rho, seed_lo, seed_hi
     slots = [(I, 0), (I, 1) if bias is not None else (H, 0), (H, 1), (H, 2), (H, 2), (H, 2), (H, 2), (H, 3),
              (H, 4), (H, 5), (O, 0), (O, 1), (H, 6), (_native.FLOAT, 0),
-             (_native.INT, seed_lo - (seed_lo >> 31 << 32)), (_native.INT, seed_hi - (seed_hi >> 31 << 32))]
+             (_native.INT, seed_lo), (_native.INT, seed_hi)]
     plan = _native.arg_plan(fn, slots, held, [(width, i64), (width, f32)], [float(routed_scaling_factor)], 16)
     if plan is not None:
         _FAST[_fast_key(logits, num_topk, use_shared_as_routed, num_shared_experts, routed_scaling_factor, ep_rank,
