@@ -41,7 +41,7 @@ _SENTINEL = 2**30         # "no expert" index during the arg-max rounds (larger 
 
 # Warp arg-max of a top-k round: the largest value (an order-preserving int key: -0.0 equals +0.0), then the
 # smallest index among the lanes that hold it; two redux.sync reductions. Values are never NaN (finite logits,
-# -inf for excluded experts), where this is the float order of the strict comparisons it replaces.
+# -inf for excluded experts), and on such values this is the order of the float comparisons it replaced.
 _CUDA = """
 __device__ __forceinline__ int tf2_warp_best(float v, int i) {
   int b = __float_as_int(v);
@@ -224,7 +224,7 @@ def top2_sum_gate_kernel(E: int, K: int, G: int, TG: int, S: int, scoring: str, 
                                     a2 = T.shfl_sync(a1, T.truncmod(lane * per_group, 128) // 4)
                                     if T.And(lane < G, (lane * per_group) // 128 == c):
                                         mine = a2
-                            if not segmented:
+                            else:
                                 for g in T.unroll(G):
                                     a1 = T.alloc_var("float32")
                                     a2 = T.alloc_var("float32")
