@@ -32,6 +32,9 @@ from tilefuse._launch import aligned
 from tilefuse.reference import moe as ref
 
 _THREADS = 128             # threads per CTA of the selection kernels (4 warps)
+# topk_gate with a whole warp a row and E % 4 == 0: lane l holds candidates c * 128 + 4 l + j (one 16-byte load
+# per chunk c) instead of l + 32 j (4-byte loads). Not yet measured: a prepared variant
+GATE_VEC4 = False
 _NW_THREADS = 64           # threads (rows) per CTA of normalize_weight: 128 CTAs at T = 8192
 MAX_GATE_EXPERTS = 1024    # topk_gate keeps E / 32 keys per lane in registers; larger E runs the reference
 _UNROLL_TOPK = 32          # selection loops up to this K are unrolled (slot registers), longer ones are serial
@@ -86,13 +89,18 @@ def topk_gate_kernel(num_experts: int, num_topk: int):
     E, K = num_experts, num_topk
     assert 1 <= K <= E <= MAX_GATE_EXPERTS
     L = _lanes(E)
-    R = -(-E // L)
+    vec4 = _gate_vec4(E)
+    R = 4 * -(-E // 128) if vec4 else -(-E // L)
     RPC = _THREADS // L                     # rows per CTA
     unrolled = K <= _UNROLL_TOPK
     KR = -(-K // L)                         # slot registers per lane (unrolled K)
     Tn = T.dynamic("num_tokens")
     s_param = T.Tensor((Tn, E), "float32")
     y_param = T.Tensor((Tn, K), "int64")
+
+    def cand(lane, j):
+        """The candidate (expert index) of key register j of a lane."""
+        return (j // 4) * 128 + lane * 4 + j % 4 if vec4 else lane + L * j
 
     @T.prim_func
     def topk_gate(S: s_param, Y: y_param):
@@ -108,20 +116,31 @@ def topk_gate_kernel(num_experts: int, num_topk: int):
             win = T.alloc_var("int32")
             # every lane of a warp runs the selection (the shuffles name the whole warp); rows past T hold
             # INT_MIN keys and store nothing
-            for j in T.unroll(R):
-                key[j] = _INT_MIN
-                if row < Tn and (E % L == 0 or lane + L * j < E):
-                    key[j] = T.call_extern("int32", "tf_topk_key", S[row, lane + L * j])
+            if vec4:
+                raw = T.alloc_local((4,), "float32")
+                for c in T.unroll(R // 4):
+                    for v in T.unroll(4):
+                        key[c * 4 + v] = _INT_MIN
+                    if row < Tn and (E % 128 == 0 or c * 128 + lane * 4 < E):
+                        for v in T.vectorized(4):
+                            raw[v] = S[row, c * 128 + lane * 4 + v]
+                        for v in T.unroll(4):
+                            key[c * 4 + v] = T.call_extern("int32", "tf_topk_key", raw[v])
+            else:
+                for j in T.unroll(R):
+                    key[j] = _INT_MIN
+                    if row < Tn and (E % L == 0 or lane + L * j < E):
+                        key[j] = T.call_extern("int32", "tf_topk_key", S[row, lane + L * j])
             for k in (T.unroll(K) if unrolled else T.serial(K)):
                 best = key[0]
-                bidx = lane
-                for j in T.unroll(1, R):
+                bidx = cand(lane, 0)
+                for j in T.unroll(1, R):   # ascending candidate index
                     if key[j] > best:   # strict: the lane's smaller index wins ties
                         best = key[j]
-                        bidx = lane + L * j
+                        bidx = cand(lane, j)
                 win = T.call_extern("int32", "tf_topk_seg_best", best, bidx, L)
                 for j in T.unroll(R):
-                    if lane + L * j == win:
+                    if cand(lane, j) == win:
                         key[j] = _INT_MIN
                 if unrolled:
                     if lane == k % L:
@@ -134,6 +153,11 @@ def topk_gate_kernel(num_experts: int, num_topk: int):
                         Y[row, lane + L * j] = T.cast(slot[j], "int64")
 
     return topk_gate
+
+
+def _gate_vec4(experts: int) -> bool:
+    """topk_gate's 16-byte layout (GATE_VEC4) applies: a whole warp a row and rows of 16-byte multiples."""
+    return GATE_VEC4 and _lanes(experts) == 32 and experts % 4 == 0
 
 
 def topk_group_kernel(num_groups: int, per_group: int, num_topk_sum: int, num_topk_groups: int):
@@ -304,18 +328,20 @@ _is_compiling = torch.compiler.is_compiling
 
 def gate_launcher(experts: int, num_topk: int):
     """``launch(scores, t) -> topk_idx (t, K)`` of one ``(E, K)`` (E <= MAX_GATE_EXPERTS; the kernel reads fp32
-    scalars, so any fp32 start is aligned): the native plan, or the Python path (torch.empty + the TVM-FFI
-    call) where the extension is unavailable. Cached per config (not for a stand-in ``_jit.get``)."""
+    scalars, so any fp32 start is aligned, or with GATE_VEC4 16-byte vectors, from an aligned copy where the start
+    is not): the native plan, or the Python path (torch.empty + the TVM-FFI call) where the extension is
+    unavailable. Cached per config (not for a stand-in ``_jit.get``)."""
     key = (experts, num_topk)
     launch = _GATE_LAUNCHERS.get(key)
     if launch is None:
         fn = _jit.get("topk_gate", key)
-        launch = _native.plan(fn, torch.float32, 4, 1, [(num_topk, torch.int64, False)])
+        align = 16 if _gate_vec4(experts) else 4   # the 16-byte layout's loads need an aligned start
+        launch = _native.plan(fn, torch.float32, align, 1, [(num_topk, torch.int64, False)])
         if launch is None:
-            def launch(scores, t, fn=fn, k=num_topk):
+            def launch(scores, t, fn=fn, k=num_topk, align=align):
                 out = torch.empty(t, k, dtype=torch.int64, device=scores.device)
                 if t:
-                    fn(scores, out)
+                    fn(scores if align == 4 else aligned(scores, align), out)
                 return out
         if _native._is_ffi(fn):
             _GATE_LAUNCHERS[key] = launch
