@@ -502,10 +502,11 @@ def test_topk_gate_fast_path_under_graph_capture():
 
 
 @pytest.mark.gpu
-def test_gate_vec4_variant_matches_reference(knob_kernels, monkeypatch):
-    """The prepared 16-byte layout of topk_gate (GATE_VEC4; compiled here, outside the caches) equals the reference:
+@pytest.mark.parametrize("vec4", [False, True])
+def test_gate_layout_variants_match_reference(vec4, knob_kernels, monkeypatch):
+    """topk_gate with either candidate layout (GATE_VEC4; compiled here, outside the caches) equals the reference:
     every token count and shape of this tier, odd widths, non-finite scores, an unaligned start (launcher copy)."""
-    knob_kernels(K, {"GATE_VEC4": True})
+    knob_kernels(K, {"GATE_VEC4": vec4})
     monkeypatch.setattr(K, "_GATE_LAUNCHERS", {})
     monkeypatch.setattr(K, "_VALIDATED", {})
     for t in TOKENS:

@@ -17,10 +17,10 @@ The row is split over ``gy`` CTAs (grid y) only when one CTA would need more tha
 thread. Positions that are neither padding nor targeted stay unwritten (moe.md §2.6; valid maps have none).
 
 reduce: CTA ``(t, by)`` owns a contiguous chunk of output row ``t``; each thread owns ``U`` 16-byte vectors
-of input (8 bf16/fp16 or 4 fp32 elements), ``TX`` vectors apart. Per vector: the K slot rows are loaded
-(predicated on ``0 <= p < N``), then for ``k = 0 .. K-1`` in order ``acc = fma(float(x[p, h]), s_k, acc)``
-with ``s_k = w[t, k] * x_sf[p]`` (one fp32 multiply, each factor only when given), then ``acc * sf[0]``, then
-the output conversion (RNE; e4m3 saturating to +-448, NaN kept). No shared memory, no atomics: every output
+of input (8 bf16/fp16 or 4 fp32 elements), ``TX`` vectors apart. For ``k = 0 .. K-1`` in order, a slot with
+``0 <= p < N`` loads the thread's ``U`` vectors of row ``p`` (a skipped slot loads nothing), then every element
+takes ``acc = fma(float(x[p, h]), s_k, acc)`` with ``s_k = w[t, k] * x_sf[p]`` (one fp32 multiply, each factor
+only when given); then ``acc * sf[0]`` and the output conversion (RNE; e4m3 saturating to +-448, NaN kept). No shared memory, no atomics: every output
 element is a function of its own row only (deterministic, batch-invariant).
 
 Data rules: both kernels check ``token_topk_to_pos < N`` (N = ``len(pos_to_expert)`` for expand, x's rows for
@@ -41,8 +41,8 @@ PDL = True
 THREADS = 128       # threads of an expand CTA (fewer when a row has fewer vectors)
 UNROLL_MAX = 8      # vectors per thread before a row is split over more CTAs
 ZERO_ROWS = 8       # positions checked by one zeroing CTA of expand
-REDUCE_UNROLL_MAX = 1  # vectors per thread of reduce (a divisor of the row's; the rest spread over CTAs)
-REDUCE_SLOTS_OUTER = False  # reduce: loop slots outside a thread's vectors (not yet measured: a prepared variant)
+REDUCE_UNROLL_MAX = 8  # vectors per thread of reduce (a divisor of the row's; the rest spread over CTAs)
+REDUCE_SLOTS_OUTER = True  # reduce: slots outside the thread's vectors (False: each vector loads its K slot rows)
 MAX_TOPK = 32       # slots a kernel unrolls (larger K runs the reference)
 
 _WORD = {4: ("int32", torch.int32), 2: ("int16", torch.int16), 1: ("uint8", torch.uint8)}

@@ -3,7 +3,8 @@
 
 Selection. A row's candidates live in the registers of a segment of ``L`` lanes of one warp (``L`` a power of
 two <= 32; ``32 / L`` rows per warp): lane ``l`` holds candidates ``l, l + L, l + 2L, ...`` (so a warp's loads
-are coalesced). Each candidate becomes an int32 *key* whose integer order is the stable descending sort's
+are coalesced), or, for ``topk_gate`` with a whole warp a row and ``E % 4 == 0``, ``c * 128 + 4 l + j`` (one
+16-byte load per chunk ``c``; ``GATE_VEC4``). Each candidate becomes an int32 *key* whose integer order is the stable descending sort's
 order: ``-0.0`` equals ``+0.0`` and every NaN is above ``+inf`` (torch.sort puts NaN first). K times: each lane
 takes its best key (ties: its smallest index), the segment takes the largest ``(key, -index)`` pair (a whole warp:
 two ``redux.sync`` reductions, the largest key, then the smallest index holding it; a narrower segment: an XOR
@@ -33,8 +34,8 @@ from tilefuse.reference import moe as ref
 
 _THREADS = 128             # threads per CTA of the selection kernels (4 warps)
 # topk_gate with a whole warp a row and E % 4 == 0: lane l holds candidates c * 128 + 4 l + j (one 16-byte load
-# per chunk c) instead of l + 32 j (4-byte loads). Not yet measured: a prepared variant
-GATE_VEC4 = False
+# per chunk c; the launcher copies a start that is not 16-byte aligned); False: l + 32 j (4-byte loads)
+GATE_VEC4 = True
 _NW_THREADS = 64           # threads (rows) per CTA of normalize_weight: 128 CTAs at T = 8192
 MAX_GATE_EXPERTS = 1024    # topk_gate keeps E / 32 keys per lane in registers; larger E runs the reference
 _UNROLL_TOPK = 32          # selection loops up to this K are unrolled (slot registers), longer ones are serial
