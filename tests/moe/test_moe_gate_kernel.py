@@ -512,21 +512,6 @@ def test_backward_odd_shapes(experts, k, aux):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("knobs", [{"BWD_UK_SHUFFLE": True}, {"BWD_UNROLL_K": True},
-                                   {"BWD_UK_SHUFFLE": True, "BWD_UNROLL_K": True}], ids=str)
-def test_backward_knob_variants(knobs, knob_kernels):
-    """The prepared backward variants (compiled here, outside the caches) give the default's bits: the model's,
-    at every token count and shape of this tier, odd widths and K = 0."""
-    knob_kernels(G, knobs)
-    for aux in (False, True):
-        for rows in TOKENS:
-            for experts, k in SHAPES:
-                test_backward_matches_reference(rows, experts, k, aux)
-        for experts, k in ((30, 3), (30, 0)):
-            test_backward_odd_shapes(experts, k, aux)
-
-
-@pytest.mark.gpu
 def test_backward_batch_invariant_graph_compile():
     scores, idx, w, grad, extra = _backward_inputs(8192, 256, 8, True)
     full = G.moe_topk_gate_backward_cuda(scores, idx, w, grad, 1.5, "sqrtsoftplus", **extra)

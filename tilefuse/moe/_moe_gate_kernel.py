@@ -43,10 +43,6 @@ from tilefuse import _jit, _native, _ops
 from tilefuse._launch import aligned, placeholder
 
 _WARPS = 4                       # tokens per CTA (one warp each)
-# Prepared backward variants (not yet measured): u_k from the row's registers by shuffles instead of a gather from
-# global memory (BWD_UK_SHUFFLE), and the slot loop unrolled (BWD_UNROLL_K); results are the same bits
-BWD_UK_SHUFFLE = False
-BWD_UNROLL_K = False
 _EPS = 1e-20                     # weight-denominator epsilon (§2.13 step 6, §2.14)
 _REPLICA_STRIDE = 23333          # replica choice (§2.13 step 9)
 _MAX_EXPERTS = 1024             # wider rows (registers: E / 32 per lane) run the reference (no host sync)
@@ -455,21 +451,9 @@ def gate_backward_kernel(num_experts: int, num_topk: int, aux: bool):
                     T.call_extern("void", "device_assert", T.And(idx64 >= T.int64(-1), idx64 < T.int64(E)))
                     idx = T.Cast("int32", T.max(T.min(idx64, T.int64(E - 1)), T.int64(-1)))
                     if idx >= 0:
-                        if not BWD_UK_SHUFFLE:
-                            uk = T.Cast("float64", Sc[t, idx])
+                        uk = T.Cast("float64", Sc[t, idx])
                         gk = T.Cast("float64", G[t, lane])
                     a = f64("__dmul_rn", gk, T.Cast("float64", Wt[t, lane]))
-                if BWD_UK_SHUFFLE:
-                    # u_k from the lane holding expert idx: one shuffle per register slot (every lane takes part)
-                    sel = T.max(idx, 0)
-                    ukf = T.alloc_var("float32")
-                    ukf = T.float32(0.0)
-                    for i in T.unroll(NV):
-                        got = T.call_extern("float32", "tfg_shfl_f32", T.Cast("float32", u[i]), (sel % 128) // 4)
-                        if i == (sel // 128) * 4 + sel % 4:
-                            ukf = got
-                    if idx >= 0:
-                        uk = T.Cast("float64", ukf)
                 dot = f64("tfg_butterfly32_f64", a)
                 usum = f64("tfg_butterfly32_f64", uk)
                 per_slot = T.float64(0.0)
@@ -480,7 +464,7 @@ def gate_backward_kernel(num_experts: int, num_topk: int, aux: bool):
                     per_slot = f64("__ddiv_rn", f64("__dsub_rn", f64("__dmul_rn", rho, gk), dot),
                                    f64("__dadd_rn", usum, T.float64(_EPS)))
                 # routing term: slots in order 0 .. K-1 onto their experts (duplicates accumulate)
-                for k in (T.unroll(K) if BWD_UNROLL_K else T.serial(K)):
+                for k in T.serial(K):
                     idk = T.call_extern("int32", "tfg_shfl_i32", idx, k)
                     pk = T.call_extern("float64", "tfg_shfl_f64", per_slot, k)
                     if not aux:
