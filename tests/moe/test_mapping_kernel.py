@@ -358,6 +358,20 @@ def test_deterministic():
 
 
 @cuda
+@pytest.mark.parametrize("chunk", [256, 1024])
+def test_chunk_knob_variants_gpu(chunk, knob_kernels):
+    """Other chunk sizes (a knob: the layout never depends on it) give the reference's arrays (compiled here)."""
+    knob_kernels(MK, {"CHUNK": chunk})
+    for rows, experts, k in ((1, 8, 1), (4001, 72, 6), (8192, 256, 8), (8192, 384, 8)):
+        test_matches_reference(rows, experts, k)
+    for experts in (1, 1024):
+        test_alignments_and_capacities(experts, 64)
+    for slots in (chunk - 1, chunk, chunk + 1, 4 * chunk + 31):
+        test_chunk_boundaries_ties_and_unrouted(slots)
+    test_many_chunks()
+
+
+@cuda
 def test_many_chunks():
     """Hundreds of chunks (the scan's warps own 10 rows each) and the widest table."""
     for experts in (256, 1024):

@@ -34,8 +34,8 @@ import torch
 from tilefuse import _jit, _ops
 from tilefuse.reference import moe as ref
 
-CHUNK = 1024            # flat slots per CTA (count and scatter kernels; a multiple of COUNT_THREADS)
-COUNT_THREADS = 512     # count kernel: CHUNK / COUNT_THREADS slots per thread
+CHUNK = 512             # flat slots per CTA (count and scatter kernels; a power of two >= 32)
+COUNT_THREADS = 512     # count kernel: at most this many threads, CHUNK / threads slots each
 SCAN_WARPS = 16         # scan kernel: warps per CTA, each a contiguous run of the table's rows (32 columns a CTA)
 CAPACITIES = (256, 512, 1024)   # static configs: the largest E a binary serves
 _UNROLL = 4             # scan kernel: table rows a thread loads at once
@@ -115,12 +115,14 @@ def count_kernel(capacity: int):
     import tilelang.language as T
 
     rows, num_topk, table_rows, experts = T.dynamic("num_tokens num_topk num_rows num_experts")
-    per_thread = CHUNK // COUNT_THREADS
-    zero_steps = -(-capacity // COUNT_THREADS)
+    threads = min(COUNT_THREADS, CHUNK)
+    assert CHUNK % threads == 0, (CHUNK, threads)
+    per_thread = CHUNK // threads
+    zero_steps = -(-capacity // threads)
 
     @T.prim_func
     def fused_mapping_count(X: T.Tensor((rows, num_topk), "int64"), Counts: T.Tensor((table_rows, experts), "int32")):
-        with T.Kernel(table_rows - 1, threads=COUNT_THREADS) as b:
+        with T.Kernel(table_rows - 1, threads=threads) as b:
             T.import_source(_CUDA_HELPERS)
             tx = T.get_thread_binding()
             cnt = T.alloc_shared((capacity,), "int32")
@@ -128,10 +130,10 @@ def count_kernel(capacity: int):
             T.pdl_sync()     # the input is ready (the stream's previous grid has completed)
             T.pdl_trigger()  # the scan grid may start: it waits for this grid before it reads the table
             for j in T.unroll(zero_steps):
-                if j * COUNT_THREADS + tx < capacity:
-                    cnt[j * COUNT_THREADS + tx] = 0
+                if j * threads + tx < capacity:
+                    cnt[j * threads + tx] = 0
             for j in T.unroll(per_thread):
-                v = T.call_extern("int64", "tf_fm_load", T.address_of(X[0, 0]), b * CHUNK + j * COUNT_THREADS + tx,
+                v = T.call_extern("int64", "tf_fm_load", T.address_of(X[0, 0]), b * CHUNK + j * threads + tx,
                                   rows * num_topk)
                 # moe.md 2.5: every entry is -1 or in [0, E) (slots past the end load as -1)
                 T.call_extern("void", "device_assert", T.And(v >= -1, v < T.cast(experts, "int64")))
@@ -142,7 +144,7 @@ def count_kernel(capacity: int):
                     T.call_extern("int32", "atomicAdd", T.address_of(cnt[ev[j]]), 1)
             T.sync_threads()
             for j in T.unroll(zero_steps):
-                e = j * COUNT_THREADS + tx
+                e = j * threads + tx
                 if e < experts:
                     Counts[b, e] = cnt[e]
 

@@ -23,8 +23,10 @@ random routing's ``sum(logical_count) >= K + S``, as K <= E_r). Rows wider than 
 launcher asserts the same rules with ``torch._assert_async``). Launchers pass 16-byte aligned row tensors
 (an odd storage offset goes through a copy).
 
-Backward, per token: fp64 throughout (the reference's precision), one rounding to fp32 at the end, in the
-kernel's own fixed order (``backward_model`` reproduces it bit for bit with element-wise torch ops): the
+Backward, per token: fp64 throughout (the reference's precision) but for the sqrt-softplus derivative, which
+is fp32 (``tfg_ssp_grad32``, within 2^-22 relative of the exact one: an fp64 expm1 and division for every
+expert would be most of the arithmetic with the auxiliary term on), widened exactly and multiplied in fp64,
+one rounding to fp32 at the end, in the kernel's own fixed order (``backward_model`` reproduces it bit for bit with element-wise torch ops): the
 K-slot sums ``sum g_k w_k`` and ``sum u_k`` are XOR butterflies over the 32 lanes (slot k on lane k, lanes
 >= K hold +0); duplicated slots accumulate onto their expert in slot order from +0; the auxiliary term's
 ``sum_e u_e`` and ``sum_e h_e u_e`` add each lane's experts ``c * 128 + 4 l + j`` (c, then j) from +0, then
@@ -32,9 +34,9 @@ the butterfly. The order depends on nothing but (E_r, K): deterministic and batc
 of the last step is finite and >= +0, so an expert whose gradient is +-0 keeps it; without the auxiliary term
 only the slots' experts have another, and their derivative is taken once, on the slot's lane. The reference
 (fp64 torch ops: ``sum``, ``scatter_add_``) rounds in torch's internal order instead, which is no contract
-(moe.md §2.14 calls upstream's backward a numerical recipe); both fp64 results carry errors ~1e-16
-relative to the row's magnitudes, so the fp32 outputs agree to one fp32 ulp plus that (the tests derive
-the bound per element).
+(moe.md §2.14 calls upstream's backward a numerical recipe); both fp64 sums carry errors ~1e-16
+relative to the row's magnitudes, so the fp32 outputs agree to one fp32 ulp plus that plus the fp32
+derivative's 2^-22 (the tests derive the bound per element).
 """
 
 import torch
@@ -46,6 +48,7 @@ _WARPS = 4                       # tokens per CTA (one warp each)
 _EPS = 1e-20                     # weight-denominator epsilon (§2.13 step 6, §2.14)
 _REPLICA_STRIDE = 23333          # replica choice (§2.13 step 9)
 _MAX_EXPERTS = 1024             # wider rows (registers: E / 32 per lane) run the reference (no host sync)
+BWD_PHI_FAST = True              # backward with aux: the row's derivatives by tfg_ssp_grad32_fast (one branch a lane)
 _FLAGS = ("bias", "fix", "image", "map", "mask", "random", "scores", "unmapped")   # forward's optional inputs
 
 _HELPERS = r"""
@@ -127,9 +130,27 @@ __device__ __forceinline__ unsigned long long tfg_random(int t, int lane, int wi
 }
 __device__ __forceinline__ int tfg_lo32(unsigned long long v) { return (int)(unsigned)v; }
 __device__ __forceinline__ float tfg_hi_f32(unsigned long long v) { return __uint_as_float((unsigned)(v >> 32)); }
-// sqrt-softplus derivative through u (the reference's fp64 formula): -expm1(-u^2) / (2u), 0 at u <= 0.
-__device__ __forceinline__ double tfg_ssp_grad(double u) {
-  return u > 0.0 ? __ddiv_rn(-expm1(-__dmul_rn(u, u)), __dmul_rn(2.0, u)) : 0.0;
+// sqrt-softplus derivative through u in fp32: -expm1f(-u^2) / (2u); u / 2 below 2^-60 (u^2 would be subnormal,
+// and expm1 is the identity there to 2^-120 relative); 0 at u <= 0 and for NaN (the reference's rule).
+__device__ __forceinline__ float tfg_ssp_grad32(float u) {
+  if (!(u > 0.0f)) return 0.0f;
+  if (u < 8.673617379884035e-19f) return __fmul_rn(u, 0.5f);
+  return __fdiv_rn(-expm1f(-__fmul_rn(u, u)), __fmul_rn(2.0f, u));
+}
+// BWD_PHI_FAST: the same value with IEEE division's fast path inline (the reciprocal, one Newton step and one
+// remainder correction: the instructions nvcc emits for __fdiv_rn ahead of its range check) and no branch, for
+// 2^-40 <= u <= 2^40, where every intermediate is a normal number and __fdiv_rn takes that path too;
+// tfg_ssp_fast_ok(u) says where it holds (also for u <= 0 and NaN, whose derivative is 0 either way).
+__device__ __forceinline__ float tfg_ssp_grad32_fast(float u) {
+  const float d = __fmul_rn(2.0f, u), n = -expm1f(-__fmul_rn(u, u));
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+  r = __fmaf_rn(r, __fmaf_rn(-d, r, 1.0f), r);
+  const float q = __fmaf_rn(n, r, 0.0f);
+  return u > 0.0f ? __fmaf_rn(r, __fmaf_rn(-d, q, n), q) : 0.0f;
+}
+__device__ __forceinline__ int tfg_ssp_fast_ok(float u) {
+  return !(u > 0.0f) || (u >= 9.094947017729282e-13f && u <= 1099511627776.0f);
 }
 """
 
@@ -385,20 +406,38 @@ def gate_backward_kernel(num_experts: int, num_topk: int, aux: bool):
     def f64(name, *args):
         return T.call_extern("float64", name, *args)
 
+    def phi(u):   # the fp32 derivative of an fp32 score, widened exactly
+        return T.Cast("float64", T.call_extern("float32", "tfg_ssp_grad32", u))
+
+    def aux_term(h, ai, inv):   # (h_e - Ah inv) inv, with ai = Ah inv
+        return f64("__dmul_rn", f64("__dsub_rn", T.Cast("float64", h), ai), inv)
+
     @T.macro
     def load_chunk(dst, src, raw, r, c, lane):
-        """Chunk c of row r of src into dst[4c .. 4c + 3] as fp64 (this lane's experts c * 128 + 4 lane + j;
-        dst keeps its +0 past E)."""
+        """Chunk c of row r of src into dst[4c .. 4c + 3] (this lane's experts c * 128 + 4 lane + j; dst keeps
+        its +0 past E)."""
         if vec:
             if (not ragged) or c * 128 + lane * 4 < E:
                 for j in T.vectorized(4):
                     raw[j] = src[r, c * 128 + lane * 4 + j]
                 for j in T.unroll(4):
-                    dst[c * 4 + j] = T.Cast("float64", raw[j])
+                    dst[c * 4 + j] = raw[j]
         else:
             for j in T.unroll(4):
                 if c * 128 + lane * 4 + j < E:
-                    dst[c * 4 + j] = T.Cast("float64", src[r, c * 128 + lane * 4 + j])
+                    dst[c * 4 + j] = src[r, c * 128 + lane * 4 + j]
+
+    @T.macro
+    def store_chunk(dst, raw, r, c, lane):
+        """raw[0 .. 3] into chunk c of row r of dst (the experts that exist)."""
+        if vec:
+            if (not ragged) or c * 128 + lane * 4 < E:
+                for j in T.vectorized(4):
+                    dst[r, c * 128 + lane * 4 + j] = raw[j]
+        else:
+            for j in T.unroll(4):
+                if c * 128 + lane * 4 + j < E:
+                    dst[r, c * 128 + lane * 4 + j] = raw[j]
 
     @T.prim_func
     def gate_backward(Sc: T.Tensor((Tn, E), "float32"), TopIdx: T.Tensor((Tn, K), "int64"),
@@ -410,36 +449,28 @@ def gate_backward_kernel(num_experts: int, num_topk: int, aux: bool):
             tx = T.get_thread_binding()
             lane = tx % 32
             t = bx * _WARPS + tx // 32
-            u = T.alloc_local((NV,), "float64")
-            grad = T.alloc_local((NV,), "float64")
+            u = T.alloc_local((NV,), "float32")
+            hv = T.alloc_local((NV,), "float32")
+            ph = T.alloc_local((NV,), "float32")
             raw = T.alloc_local((4,), "float32")
-            hv = T.alloc_local((NV,), "float64")
-            der = T.alloc_local((NV,), "float64")      # without aux: the derivative at the slots' experts
-            dslot = T.alloc_var("float64")
-            dk = T.alloc_var("float64")
+            fast_ok = T.alloc_var("int32")
             idx64 = T.alloc_var("int64")
             idx = T.alloc_var("int32")
             uk = T.alloc_var("float64")
             gk = T.alloc_var("float64")
             a = T.alloc_var("float64")
-            b = T.alloc_var("float64")
             dot = T.alloc_var("float64")
             usum = T.alloc_var("float64")
             per_slot = T.alloc_var("float64")
+            total = T.alloc_var("float64")
+            first = T.alloc_var("int32")
             idk = T.alloc_var("int32")
-            pk = T.alloc_var("float64")
             su = T.alloc_var("float64")
             ah = T.alloc_var("float64")
             inv = T.alloc_var("float64")
+            ai = T.alloc_var("float64")
             seq = T.alloc_var("int32")
             if t < Tn:
-                # this lane's experts c * 128 + 4 lane + j (0 in the padding of a ragged last chunk)
-                for c in T.unroll(NC):
-                    for j in T.unroll(4):
-                        u[c * 4 + j] = T.float64(0.0)
-                        grad[c * 4 + j] = T.float64(0.0)
-                        der[c * 4 + j] = T.float64(0.0)
-                    load_chunk(u, Sc, raw, t, c, lane)
                 # slot k on lane k: u_k, g_k (both 0 for a -1 slot), g_k * w_k; lanes >= K hold +0
                 idx = -1
                 uk = T.float64(0.0)
@@ -457,73 +488,77 @@ def gate_backward_kernel(num_experts: int, num_topk: int, aux: bool):
                 dot = f64("tfg_butterfly32_f64", a)
                 usum = f64("tfg_butterfly32_f64", uk)
                 per_slot = T.float64(0.0)
-                dslot = T.float64(0.0)
                 if idx >= 0:
-                    if not aux:
-                        dslot = f64("tfg_ssp_grad", uk)
                     per_slot = f64("__ddiv_rn", f64("__dsub_rn", f64("__dmul_rn", rho, gk), dot),
                                    f64("__dadd_rn", usum, T.float64(_EPS)))
-                # routing term: slots in order 0 .. K-1 onto their experts (duplicates accumulate)
+                # routing term of this lane's expert: its slots' terms in slot order from +0 (duplicates
+                # accumulate); the expert's lowest slot writes its result
+                total = T.float64(0.0)
+                first = 1
                 for k in T.serial(K):
                     idk = T.call_extern("int32", "tfg_shfl_i32", idx, k)
-                    pk = T.call_extern("float64", "tfg_shfl_f64", per_slot, k)
-                    if not aux:
-                        dk = T.call_extern("float64", "tfg_shfl_f64", dslot, k)
-                    for c in T.unroll(NC):
-                        for j in T.unroll(4):
-                            if idk == c * 128 + lane * 4 + j:
-                                grad[c * 4 + j] = f64("__dadd_rn", grad[c * 4 + j], pk)
-                                if not aux:
-                                    der[c * 4 + j] = dk
+                    a = T.call_extern("float64", "tfg_shfl_f64", per_slot, k)
+                    if idk == idx:
+                        total = f64("__dadd_rn", total, a)
+                        if k < lane:
+                            first = 0
                 if aux:
                     # auxiliary term (h_e - Ah inv) inv, inv = mask ? 1 / Su : 0; Su = sum u, Ah = sum h u:
-                    # each lane sums its register slots in order from +0, then the XOR butterfly
+                    # each lane sums its register slots in order from +0, then the XOR butterfly. Every expert
+                    # is written with a zero routing term here; the slots' experts again below
                     seq = t // T.max(rows_per_seq, 1)
                     su = T.float64(0.0)
                     ah = T.float64(0.0)
                     for c in T.unroll(NC):
                         for j in T.unroll(4):
-                            hv[c * 4 + j] = T.float64(0.0)
+                            u[c * 4 + j] = T.float32(0.0)
+                            hv[c * 4 + j] = T.float32(0.0)
+                        load_chunk(u, Sc, raw, t, c, lane)
                         load_chunk(hv, H, raw, seq, c, lane)
                         for j in T.unroll(4):
-                            su = f64("__dadd_rn", su, u[c * 4 + j])
-                            ah = f64("__dadd_rn", ah, f64("__dmul_rn", hv[c * 4 + j], u[c * 4 + j]))
+                            su = f64("__dadd_rn", su, T.Cast("float64", u[c * 4 + j]))
+                            ah = f64("__dadd_rn", ah, f64("__dmul_rn", T.Cast("float64", hv[c * 4 + j]),
+                                                          T.Cast("float64", u[c * 4 + j])))
                     su = f64("tfg_butterfly32_f64", su)
                     ah = f64("tfg_butterfly32_f64", ah)
                     inv = T.float64(0.0)
                     if Mask[t] != 0:
                         inv = f64("__ddiv_rn", T.float64(1.0), su)
-                    for i in T.unroll(NV):
-                        grad[i] = f64("__dadd_rn", grad[i],
-                                      f64("__dmul_rn", f64("__dsub_rn", hv[i], f64("__dmul_rn", ah, inv)), inv))
-                # times the sqrt-softplus derivative, rounded once to fp32. The derivative is finite and >= +0,
-                # so a +-0 gradient stays itself: without aux only the slots' experts (their derivative taken
-                # once, on the slot's lane) have another
-                for c in T.unroll(NC):
-                    for j in T.unroll(4):
-                        if aux:
-                            raw[j] = T.call_extern("float32", "__double2float_rn", f64(
-                                "__dmul_rn", f64("tfg_ssp_grad", u[c * 4 + j]), grad[c * 4 + j]))
-                        else:
-                            raw[j] = T.call_extern("float32", "__double2float_rn", T.if_then_else(
-                                grad[c * 4 + j] == T.float64(0.0), grad[c * 4 + j],
-                                f64("__dmul_rn", der[c * 4 + j], grad[c * 4 + j])))
-                    if vec:
-                        if (not ragged) or c * 128 + lane * 4 < E:
-                            for j in T.vectorized(4):
-                                Out[t, c * 128 + lane * 4 + j] = raw[j]
-                    else:
+                    ai = f64("__dmul_rn", ah, inv)
+                    if BWD_PHI_FAST:
+                        fast_ok = 1
+                        for i in T.unroll(NV):
+                            ph[i] = T.call_extern("float32", "tfg_ssp_grad32_fast", u[i])
+                            fast_ok = fast_ok & T.call_extern("int32", "tfg_ssp_fast_ok", u[i])
+                        if fast_ok == 0:
+                            for i in T.unroll(NV):
+                                ph[i] = T.call_extern("float32", "tfg_ssp_grad32", u[i])
+                    for c in T.unroll(NC):
                         for j in T.unroll(4):
-                            if c * 128 + lane * 4 + j < E:
-                                Out[t, c * 128 + lane * 4 + j] = raw[j]
+                            raw[j] = T.call_extern("float32", "__double2float_rn", f64(
+                                "__dmul_rn", T.Cast("float64", ph[c * 4 + j]) if BWD_PHI_FAST else phi(u[c * 4 + j]),
+                                f64("__dadd_rn", T.float64(0.0), aux_term(hv[c * 4 + j], ai, inv))))
+                        store_chunk(Out, raw, t, c, lane)
+                else:
+                    # a zero routing term is a +0 gradient (the derivative is finite and >= +0)
+                    for j in T.unroll(4):
+                        raw[j] = T.float32(0.0)
+                    for c in T.unroll(NC):
+                        store_chunk(Out, raw, t, c, lane)
+                T.call_extern("void", "__syncwarp")             # the row's stores before the slots' ones
+                if idx >= 0 and first != 0:
+                    if aux:
+                        total = f64("__dadd_rn", total, aux_term(H[seq, idx], ai, inv))
+                    Out[t, idx] = T.call_extern("float32", "__double2float_rn",
+                                                f64("__dmul_rn", phi(T.Cast("float32", uk)), total))
 
     return gate_backward
 
 
 def backward_model(scores, topk_idx, topk_weights, grad_topk_weights, routed_scaling_factor, mask=None,
                    grad_scores_sum=None):
-    """The backward kernel's arithmetic in its own order, with torch element-wise fp64 ops only (no torch
-    reductions): bit-identical to the kernel wherever ``torch.expm1`` (fp64) is the kernel's ``expm1``
+    """The backward kernel's arithmetic in its own order, with torch element-wise ops only (no torch
+    reductions): bit-identical to the kernel wherever ``torch.expm1`` (fp32) is the kernel's ``expm1f``
     (same device). The order (module docstring): the K-slot sums and the aux term's expert sums are XOR
     butterflies over 32 lanes; a lane's aux partial adds its experts ``c * 128 + 4 lane + j`` (c, then j)
     from +0; duplicated slots accumulate in slot order from +0."""
@@ -561,7 +596,18 @@ def backward_model(scores, topk_idx, topk_weights, grad_topk_weights, routed_sca
         su, ah = ref.butterfly_sum32(su)[:, None], ref.butterfly_sum32(ah)[:, None]
         inv = torch.where(mask.reshape(-1, 1), 1.0 / su, zero)
         grad = grad + (h - ah * inv) * inv
-    return (ref.sqrt_softplus_grad(u) * grad).to(torch.float32)
+    return (sqrt_softplus_grad32(scores).to(f64) * grad).to(torch.float32)
+
+
+def sqrt_softplus_grad32(u: torch.Tensor) -> torch.Tensor:
+    """The backward kernel's derivative of fp32 scores ``u``, in fp32 (``tfg_ssp_grad32``):
+    ``-expm1(-u*u) / (2u)``, ``u / 2`` below 2^-60, 0 at u <= 0 and for NaN. Each operation is IEEE fp32
+    round-to-nearest, so it is the kernel's bit for bit wherever ``torch.expm1`` (fp32) is CUDA's ``expm1f``."""
+    positive = u > 0
+    safe = torch.where(positive, u, torch.ones_like(u))
+    main = -torch.expm1(-(safe * safe)) / (2 * safe)
+    small = torch.where(safe < 2.0 ** -60, safe * 0.5, main)
+    return torch.where(positive, small, torch.zeros_like(u))
 
 
 def _backward_configs() -> list[tuple]:
