@@ -531,6 +531,17 @@ def test_backward_phi_fast_knob_gpu(knob_kernels):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("min_blocks", [0, 6])
+def test_backward_min_blocks_knob_gpu(min_blocks, knob_kernels):
+    """The other register caps (BWD_MIN_BLOCKS; 0: none) give the same bits (compiled here)."""
+    knob_kernels(G, {"BWD_MIN_BLOCKS": min_blocks})
+    for aux in (False, True):
+        for experts, k in SHAPES:
+            test_backward_matches_reference(4001, experts, k, aux)
+    test_backward_scores_of_every_magnitude()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("aux", [False, True])
 @pytest.mark.parametrize("experts,k", ((30, 3), (30, 0), (G._MAX_EXPERTS + 4, 6)))
 def test_backward_odd_shapes(experts, k, aux):

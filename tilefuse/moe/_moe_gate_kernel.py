@@ -48,6 +48,7 @@ _WARPS = 4                       # tokens per CTA (one warp each)
 _EPS = 1e-20                     # weight-denominator epsilon (§2.13 step 6, §2.14)
 _REPLICA_STRIDE = 23333          # replica choice (§2.13 step 9)
 _MAX_EXPERTS = 1024             # wider rows (registers: E / 32 per lane) run the reference (no host sync)
+BWD_MIN_BLOCKS = 8               # backward, rows <= 256: __launch_bounds__(128, n), 512 / n registers (0: none)
 BWD_PHI_FAST = True              # backward with aux: the row's derivatives by tfg_ssp_grad32_fast (one branch a lane)
 _FLAGS = ("bias", "fix", "image", "map", "mask", "random", "scores", "unmapped")   # forward's optional inputs
 
@@ -401,6 +402,7 @@ def gate_backward_kernel(num_experts: int, num_topk: int, aux: bool):
     NV = NC * 4
     ragged = E % 128 != 0
     vec = E % 4 == 0                                      # 16-byte row accesses; else element by element
+    min_blocks = BWD_MIN_BLOCKS if NC <= 2 else 0       # wider rows would spill under the cap
     Tn, NM, NH = T.dynamic("num_tokens, nm, nh")
 
     def f64(name, *args):
@@ -445,6 +447,8 @@ def gate_backward_kernel(num_experts: int, num_topk: int, aux: bool):
                       Mask: T.Tensor((NM,), "uint8"), H: T.Tensor((NH, E), "float32"),
                       Out: T.Tensor((Tn, E), "float32"), rho: T.float64, rows_per_seq: T.int32):
         with T.Kernel(T.ceildiv(Tn, _WARPS), threads=_WARPS * 32) as bx:
+            if min_blocks:
+                T.annotate_min_blocks_per_sm(min_blocks)
             T.import_source(_HELPERS)
             tx = T.get_thread_binding()
             lane = tx % 32
