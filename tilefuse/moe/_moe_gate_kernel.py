@@ -26,8 +26,8 @@ launcher asserts the same rules with ``torch._assert_async``). Launchers pass 16
 Backward, per token: fp64 throughout (the reference's precision) but for the sqrt-softplus derivative, which
 is fp32 (``tfg_ssp_grad32``, within 2^-22 relative of the exact one: an fp64 expm1 and division for every
 expert would be most of the arithmetic with the auxiliary term on), widened exactly and multiplied in fp64,
-one rounding to fp32 at the end, in the kernel's own fixed order (``backward_model`` reproduces it bit for bit with element-wise torch ops): the
-K-slot sums ``sum g_k w_k`` and ``sum u_k`` are XOR butterflies over the 32 lanes (slot k on lane k, lanes
+one rounding to fp32 at the end, in the kernel's own fixed order (``backward_model`` reproduces it bit for
+bit with element-wise torch ops): the K-slot sums ``sum g_k w_k`` and ``sum u_k`` are XOR butterflies over the 32 lanes (slot k on lane k, lanes
 >= K hold +0); duplicated slots accumulate onto their expert in slot order from +0; the auxiliary term's
 ``sum_e u_e`` and ``sum_e h_e u_e`` add each lane's experts ``c * 128 + 4 l + j`` (c, then j) from +0, then
 the butterfly. The order depends on nothing but (E_r, K): deterministic and batch-invariant. The derivative
