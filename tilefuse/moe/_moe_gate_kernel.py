@@ -23,20 +23,20 @@ random routing's ``sum(logical_count) >= K + S``, as K <= E_r). Rows wider than 
 launcher asserts the same rules with ``torch._assert_async``). Launchers pass 16-byte aligned row tensors
 (an odd storage offset goes through a copy).
 
-Backward, per token: fp64 throughout (the reference's precision) but for the sqrt-softplus derivative, which
-is fp32 (``tfg_ssp_grad32``, within 2^-22 relative of the exact one: an fp64 expm1 and division for every
-expert would be most of the arithmetic with the auxiliary term on), widened exactly and multiplied in fp64,
-one rounding to fp32 at the end, in the kernel's own fixed order (``backward_model`` reproduces it bit for
-bit with element-wise torch ops): the K-slot sums ``sum g_k w_k`` and ``sum u_k`` are XOR butterflies over the 32 lanes (slot k on lane k, lanes
->= K hold +0); duplicated slots accumulate onto their expert in slot order from +0; the auxiliary term's
-``sum_e u_e`` and ``sum_e h_e u_e`` add each lane's experts ``c * 128 + 4 l + j`` (c, then j) from +0, then
-the butterfly. The order depends on nothing but (E_r, K): deterministic and batch-invariant. The derivative
-of the last step is finite and >= +0, so an expert whose gradient is +-0 keeps it; without the auxiliary term
-only the slots' experts have another, and their derivative is taken once, on the slot's lane. The reference
-(fp64 torch ops: ``sum``, ``scatter_add_``) rounds in torch's internal order instead, which is no contract
-(moe.md §2.14 calls upstream's backward a numerical recipe); both fp64 sums carry errors ~1e-16
-relative to the row's magnitudes, so the fp32 outputs agree to one fp32 ulp plus that plus the fp32
-derivative's 2^-22 (the tests derive the bound per element).
+Backward, per token: fp64 throughout (the reference's precision) but for the sqrt-softplus derivative, which is
+fp32 (``tfg_ssp_grad32``, within 2^-22 relative of the exact one: an fp64 expm1 and division for every expert would
+be most of the arithmetic with the auxiliary term on), widened exactly and multiplied in fp64, one rounding to fp32
+at the end, in the kernel's own fixed order (``backward_model`` reproduces it bit for bit with element-wise torch
+ops): the K-slot sums ``sum g_k w_k`` and ``sum u_k`` are XOR butterflies over the 32 lanes (slot k on lane k,
+lanes >= K hold +0); duplicated slots accumulate onto their expert in slot order from +0 (on each slot's lane; the
+expert's lowest slot writes the result after the row's stores); the auxiliary term's ``sum_e u_e`` and
+``sum_e h_e u_e`` add each lane's experts ``c * 128 + 4 l + j`` (c, then j) from +0, then the butterfly. The order
+depends on nothing but (E_r, K): deterministic and batch-invariant. The derivative of the last step is finite and
+>= +0, so an expert whose gradient is +-0 keeps it; without the auxiliary term only the slots' experts have
+another, and their derivative is taken once, on the slot's lane. The reference (fp64 torch ops: ``sum``,
+``scatter_add_``) rounds in torch's internal order instead, which is no contract (moe.md §2.14 calls upstream's
+backward a numerical recipe); both fp64 sums carry errors ~1e-16 relative to the row's magnitudes, so the fp32
+outputs agree to one fp32 ulp plus that plus the fp32 derivative's 2^-22 (the tests derive the bound per element).
 """
 
 import torch
