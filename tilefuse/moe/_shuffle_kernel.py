@@ -42,7 +42,6 @@ THREADS = 128       # threads of an expand CTA (fewer when a row has fewer vecto
 UNROLL_MAX = 8      # vectors per thread before a row is split over more CTAs
 ZERO_ROWS = 8       # positions checked by one zeroing CTA of expand
 REDUCE_UNROLL_MAX = 8  # vectors per thread of reduce (a divisor of the row's; the rest spread over CTAs)
-REDUCE_SLOTS_OUTER = True  # reduce: slots outside the thread's vectors (False: each vector loads its K slot rows)
 MAX_TOPK = 32       # slots a kernel unrolls (larger K runs the reference)
 
 _WORD = {4: ("int32", torch.int32), 2: ("int16", torch.int16), 1: ("uint8", torch.uint8)}
@@ -304,8 +303,6 @@ def reduce_kernel(in_dtype: str, out_dtype: str, hidden: int, num_topk: int, wit
             pos = T.alloc_local((K,), "int32")
             ok = T.alloc_local((K,), "bool")
             scale = T.alloc_local((K,), "float32")
-            raw = T.alloc_local((K * vec,), in_dtype)
-            acc = T.alloc_local((vec,), "float32")
             res = T.alloc_local((vec,), out_dtype)
             out_sf = T.alloc_var("float32")
             top = T.alloc_var("int32")  # the largest entry: one compare and one assert call per thread
@@ -325,52 +322,30 @@ def reduce_kernel(in_dtype: str, out_dtype: str, hidden: int, num_topk: int, wit
                             scale[k] = XSF[pos[k]]
             if with_sf:
                 out_sf = SF[0]
-            if REDUCE_SLOTS_OUTER:
-                # slots outer: all of the thread's vectors of slot k, then of slot k + 1 (per element the same
-                # fma order); a skipped slot costs no load
-                sacc = T.alloc_local((unroll * vec,), "float32")
-                srow = T.alloc_local((unroll * vec,), in_dtype)
-                for i in T.unroll(unroll * vec):
-                    sacc[i] = T.float32(0.0)
-                for k in T.unroll(K):
-                    if ok[k]:
-                        for u in T.unroll(unroll):
-                            col = ((by * unroll + u) * tx + tid) * vec
-                            for v in T.vectorized(vec):
-                                srow[u * vec + v] = X[pos[k], col + v]
-                        for i in T.unroll(unroll * vec):
-                            sacc[i] = T.call_extern("float32", "__fmaf_rn", T.cast(srow[i], "float32"), scale[k],
-                                                    sacc[i])
-                for u in T.unroll(unroll):
-                    col = ((by * unroll + u) * tx + tid) * vec
-                    for v in T.unroll(vec):
-                        if with_sf:
-                            res[v] = T.cast(sacc[u * vec + v] * out_sf, out_dtype)
-                        else:
-                            res[v] = T.cast(sacc[u * vec + v], out_dtype)
-                    for v in T.vectorized(vec):
-                        Y[bx, col + v] = res[v]
-            else:
-                for u in T.unroll(unroll):
-                    col = ((by * unroll + u) * tx + tid) * vec
-                    for k in T.unroll(K):
-                        if ok[k]:
-                            for v in T.vectorized(vec):
-                                raw[k * vec + v] = X[pos[k], col + v]
-                    for v in T.unroll(vec):
-                        acc[v] = T.float32(0.0)
-                    for k in T.unroll(K):
-                        if ok[k]:
-                            for v in T.unroll(vec):
-                                acc[v] = T.call_extern("float32", "__fmaf_rn", T.cast(raw[k * vec + v], "float32"),
-                                                       scale[k], acc[v])
-                    for v in T.unroll(vec):
-                        if with_sf:
-                            res[v] = T.cast(acc[v] * out_sf, out_dtype)
-                        else:
-                            res[v] = T.cast(acc[v], out_dtype)
-                    for v in T.vectorized(vec):
-                        Y[bx, col + v] = res[v]
+            # slots outer: all of the thread's vectors of slot k, then of slot k + 1 (per element the same
+            # fma order); a skipped slot costs no load
+            sacc = T.alloc_local((unroll * vec,), "float32")
+            srow = T.alloc_local((unroll * vec,), in_dtype)
+            for i in T.unroll(unroll * vec):
+                sacc[i] = T.float32(0.0)
+            for k in T.unroll(K):
+                if ok[k]:
+                    for u in T.unroll(unroll):
+                        col = ((by * unroll + u) * tx + tid) * vec
+                        for v in T.vectorized(vec):
+                            srow[u * vec + v] = X[pos[k], col + v]
+                    for i in T.unroll(unroll * vec):
+                        sacc[i] = T.call_extern("float32", "__fmaf_rn", T.cast(srow[i], "float32"), scale[k],
+                                                sacc[i])
+            for u in T.unroll(unroll):
+                col = ((by * unroll + u) * tx + tid) * vec
+                for v in T.unroll(vec):
+                    if with_sf:
+                        res[v] = T.cast(sacc[u * vec + v] * out_sf, out_dtype)
+                    else:
+                        res[v] = T.cast(sacc[u * vec + v], out_dtype)
+                for v in T.vectorized(vec):
+                    Y[bx, col + v] = res[v]
             # moe.md 2.8 data rule (replaces the host-side check): entries < x rows. Checked last (an
             # out-of-range slot was skipped): no call site with the row's registers live across it
             T.call_extern("void", "device_assert", top < N)
