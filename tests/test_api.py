@@ -12,7 +12,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 SHARED_SPEC = REPO.parent / "shared" / "spec" / "api.json"
 LOCAL_SPEC = REPO / "tests" / "api.json"
-EXPECTED_COUNT = 117
+EXPECTED_COUNT = 122
 
 
 def _load_spec() -> dict:

@@ -15,7 +15,7 @@ from tilefuse import cli
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = REPO.parent / "shared" / "spec" / "api.json"
-AREAS = ("engram", "mhc", "moe", "quant", "transpose")
+AREAS = ("engram", "mhc", "moe", "quant", "rand", "transpose")
 # A small demo keeps the test fast; hidden stays at the Engram backward's minimum (1024).
 DEMO_TOKENS = 16
 
@@ -39,7 +39,7 @@ def _info_ops(stdout: str) -> dict[str, str]:
     for line in stdout.splitlines():
         if m := re.fullmatch(r"\[(\w+)\]", line):
             area = m.group(1)
-        elif area and (m := re.fullmatch(r"  (\w+) +(kernel|reference)", line)):
+        elif area and (m := re.fullmatch(r"  (\w+) +(kernel|reference|torch)", line)):
             ops[f"{area}.{m.group(1)}"] = m.group(2)
     return ops
 
