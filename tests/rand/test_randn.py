@@ -236,3 +236,46 @@ def test_torch_compile_runs():
     fn = torch.compile(lambda x: x + rand.randn(x.shape, device=x.device), fullgraph=True)
     y = fn(torch.zeros(4, 8, device="cuda"))
     assert y.shape == (4, 8) and torch.isfinite(y).all()
+
+
+# ---- the emulator of rand.md 8 ----
+
+def test_philox_known_answers():
+    """rand.md 5.4's known-answer vectors."""
+    from tests.rand._philox import philox4x32_10
+
+    cases = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+             ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+             ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+              (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+    for counter, key, want in cases:
+        assert tuple(int(w) for w in philox4x32_10(counter, key)) == want
+
+
+def test_offset_advance_examples():
+    """rand.md 5.7's worked figures on the H200."""
+    from tests.rand._philox import offset_advance
+
+    assert offset_advance(1, S_MAX_H200) == 4 and offset_advance(4 * S_MAX_H200, S_MAX_H200) == 4
+    assert offset_advance(4 * S_MAX_H200 + 1, S_MAX_H200) == 8
+    assert offset_advance(8192 * 7168, S_MAX_H200) == 220
+
+
+@pytest.mark.gpu
+def test_cuda_matches_the_emulator():
+    """rand.md 8: sampled elements (below and beyond S_max) within 2e-5 of the emulator, and the generator's offset
+    advanced by A(n). The CUDA generator state is read as the 64-bit seed followed by the 64-bit offset."""
+    from tests.rand._philox import offset_advance, randn_f32
+
+    props = torch.cuda.get_device_properties(0)
+    s_max = props.multi_processor_count * (props.max_threads_per_multi_processor // 256) * 256
+    rand.set_seed(0x1234_5678_9ABC)
+    rand.randn(1000, device="cuda")  # a non-zero offset
+    state = torch.cuda.get_rng_state().view(torch.int64)
+    seed, offset = int(state[0]) & (2 ** 64 - 1), int(state[1])
+    n = 4 * s_max + 3
+    z = rand.randn(n, device="cuda").cpu().double().numpy()
+    idx = np.unique(np.concatenate([np.arange(64), np.random.default_rng(0).integers(0, n, 4096), [n - 1]]))
+    want = randn_f32(idx, seed, offset, s_max)
+    assert np.abs(z[idx] - want).max() <= 2e-5
+    assert int(torch.cuda.get_rng_state().view(torch.int64)[1]) == offset + offset_advance(n, s_max)
