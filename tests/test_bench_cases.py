@@ -166,7 +166,7 @@ def test_host_overhead_table_ratios_per_group():
 
 def test_moe_bytes_by_hand():
     """MoE rows at T = 8192, 256 experts, top-8, hidden 7168: each input read once, each output written once."""
-    from tilefuse.bench import moe as _bench_moe
+    from tilefuse.bench import moe as bench_moe
 
     t, k, e, h = 8192, 8, 256, 7168
     got, _ = _full_scale_bytes("top2_sum_gate", "fp32 8192x256 top8 groups 8/4 sigmoid")
@@ -174,11 +174,11 @@ def test_moe_bytes_by_hand():
     got, _ = _full_scale_bytes("get_fused_mapping", "int64 8192x8 (256 experts) align128 force_no_sync")
     bound = (t * k + 127 * e) // 128 * 128  # the caller's upper bound of the aligned total
     assert got == t * k * 8 + 3 * bound * 4 + t * k * 4 + 3 * e * 4
-    rows, _ = _bench_moe.routing(t)
-    n = _bench_moe._aligned_total(rows, e, 128)
+    rows, _ = bench_moe.routing(t)
+    n = bench_moe._aligned_total(rows, e, 128)
     got, _ = _full_scale_bytes("expand_to_fused", "bf16 8192x7168 -> fused rows (top8, 256 experts")
     assert got == t * h * 2 + t * k * 4 + n * 4 + n * h * 2  # x, token_topk_to_pos, pos_to_expert -> (N, H)
-    recv, _ = _bench_moe.routing(t, 8)
+    recv, _ = bench_moe.routing(t, 8)
     routed = sum(v >= 0 for r in recv for v in r)  # alignment 1: the fused buffer holds exactly the routed rows
     got, _ = _full_scale_bytes("reduce_fused", "fused rows -> 8192x7168 (top8, EP 1/8 recv: 32 local, align1) bf16 "
                                                "+ x_sf")

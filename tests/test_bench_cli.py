@@ -52,8 +52,10 @@ def test_unknown_op_names_list_the_valid_ones(capsys):
     (["--timer", "wall"], "--timer must be isolated, stream or isolated,stream, got 'wall'"),
     (["--warm-jobs", "-1"], "--warm-jobs must be >= 0, got -1"),
     (["--warm-jobs", "many"], "argument --warm-jobs: invalid int value: 'many'"),
-    (["--tiles", "256"], "--tiles must be THREADSxPAIRS[,THREADSxPAIRS...] of positive integers, e.g. 256x4,512x8; "
-                         "got '256'"),
+    (["--tiles", "256"], "--tiles must be THREADSxVECTORS[xLANES[xORDER[xCTAS]]] tiles joined by commas, e.g. "
+                         "256x4,512x8; got '256'"),
+    (["--tiles", "256x4,0x8"], "--tiles must be THREADSxVECTORS[xLANES[xORDER[xCTAS]]] tiles joined by commas, "
+                               "e.g. 256x4,512x8; got '256x4,0x8'"),
     (["--tile-cases", "e2m1"], "--tile-cases needs --tiles"),
     (["--side-by-side"], "--side-by-side needs --report"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),

@@ -29,14 +29,18 @@ def _save(result: dict, path: str | None) -> None:
             json.dump(result, f, indent=1)
 
 
-def _parse_tiles(parser, text: str) -> list[tuple[int, int]]:
+def _parse_tiles(parser, text: str) -> list[tuple[int, ...]]:
+    """``--tiles``: comma-separated tiles of 2 to 5 non-negative integers joined by ``x``, the first two positive
+    (``tilefuse.quant._per_token_cast_kernel``: threads, vectors per thread[, lanes[, slot order[, CTAs/SM]]])."""
+    from tilefuse.bench.extras import parse_tiles
+
     try:
-        tiles = [tuple(int(v) for v in t.split("x")) for t in text.split(",")]
+        tiles = parse_tiles(text)
     except ValueError:
         tiles = []
-    if not tiles or any(len(t) != 2 or min(t) <= 0 for t in tiles):
-        parser.error(f"--tiles must be THREADSxPAIRS[,THREADSxPAIRS...] of positive integers, e.g. 256x4,512x8; "
-                     f"got {text!r}")
+    if not tiles or any(not 2 <= len(t) <= 5 or min(t[:2]) <= 0 or min(t) < 0 for t in tiles):
+        parser.error(f"--tiles must be THREADSxVECTORS[xLANES[xORDER[xCTAS]]] tiles joined by commas, e.g. "
+                     f"256x4,512x8; got {text!r}")
     return tiles
 
 
@@ -50,7 +54,8 @@ def _check(parser, args) -> tuple[tuple[str, ...], list[str]]:
         unknown = [o for o in args.ops if o not in valid]
         if unknown or not args.ops:
             what = f"unknown name(s) {', '.join(unknown)}" if unknown else "give at least one name"
-            parser.error(f"--ops: {what}; areas: {', '.join(runner.AREAS)}; ops: {', '.join(valid[len(runner.AREAS):])}")
+            ops = ", ".join(valid[len(runner.AREAS):])
+            parser.error(f"--ops: {what}; areas: {', '.join(runner.AREAS)}; ops: {ops}")
     if args.report:
         for path in args.report:
             if not os.path.isfile(path):

@@ -197,8 +197,8 @@ def sweep_work(tiles: list[tuple[int, int]], only: str | None = None) -> list[tu
     return [("per_token_cast", base + (tile,)) for *_, base in _sweep_cases(only) for tile in tiles]
 
 
-def parse_tiles(text: str) -> list[tuple[int, int]]:
-    """``"256x4,512x8"`` -> ``[(256, 4), (512, 8)]``."""
+def parse_tiles(text: str) -> list[tuple[int, ...]]:
+    """``"256x4,512x8"`` -> ``[(256, 4), (512, 8)]`` (``ValueError`` on a part that is no integer)."""
     return [tuple(int(v) for v in t.split("x")) for t in text.split(",")]
 
 

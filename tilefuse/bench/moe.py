@@ -32,6 +32,7 @@ the signatures agree (moe.md 2, 5.2).
 """
 from __future__ import annotations
 
+import functools
 import random
 
 import torch
@@ -90,6 +91,20 @@ def _aligned_total(rows, experts: int, align: int) -> int:
     return sum(-(-c // align) * align for c in _counts(rows, experts))
 
 
+@functools.lru_cache(maxsize=None)
+def _expert_counts(tokens: int, ranks: int) -> tuple[int, ...]:
+    """Slots per local expert of the draw ``routing(tokens, ranks)`` (cached: many cases' declared shapes read
+    the same draw)."""
+    rows, local = routing(tokens, ranks)
+    return tuple(_counts(rows, local))
+
+
+def fused_rows(tokens: int, ranks: int, align: int) -> int:
+    """Rows of the fused buffer of the draw ``routing(tokens, ranks)``: each local expert's slots padded to
+    ``align`` (what ``get_fused_mapping`` returns as N with a host sync)."""
+    return sum(-(-c // align) * align for c in _expert_counts(tokens, ranks))
+
+
 _EP = {1: "256 experts", EP_RANKS: f"EP 1/{EP_RANKS} recv: 32 local"}
 
 
@@ -137,10 +152,6 @@ def _specs() -> list[_Spec]:
     def gate_io(t, e, scores=False):
         """logits (T, E) and bias (E,) in; topk_idx int64 and weights fp32 (T, K) out (+ the scores (T, E))."""
         return [((t, e), F32), ((e,), F32)], [((t, TOPK), I64), ((t, TOPK), F32)] + ([((t, e), F32)] if scores else [])
-
-    def fused_rows(t, ranks, align):
-        """The fused buffer's rows of the draw: each local expert's slots padded to ``align``."""
-        return _aligned_total(routing(t, ranks)[0], EXPERTS // ranks, align)
 
     def expand_sf_io(t, n, col):
         sf = (lambda r: ((r, HIDDEN // 512), I32)) if col else (lambda r: ((r, HIDDEN // 128), F32))
@@ -262,8 +273,7 @@ def _specs() -> list[_Spec]:
             def gfm_io(t, ranks=ranks, sync=sync):
                 """Seven maps: three of the N fused rows, the (T, K) slot map, three per local expert."""
                 local = EXPERTS // ranks
-                n = (_aligned_total(routing(t, ranks)[0], local, ALIGN) if sync
-                     else (t * TOPK + (ALIGN - 1) * local) // ALIGN * ALIGN)
+                n = fused_rows(t, ranks, ALIGN) if sync else (t * TOPK + (ALIGN - 1) * local) // ALIGN * ALIGN
                 return [((t, TOPK), I64)], [((n,), I32)] * 3 + [((t, TOPK), I32)] + [((local,), I32)] * 3
 
             specs.append(_Spec("get_fused_mapping",

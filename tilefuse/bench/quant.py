@@ -177,8 +177,9 @@ def quick_cases() -> list[Case]:
     row("per_block_cast_with_precomputed_sf",
         with_sf(plain(8001, 7168, extra=extra), lambda x: q.per_block_cast_with_sf_only(x, "e4m3", (128, 128))),
         lambda ns, x, sf: ns.per_block_cast_with_precomputed_sf(x, "e4m3", (128, 128), sf),
-        lambda extra=extra: (f"bf16 8001x7168{extra}", [((8001, 7168), BF16), _block_sf(8001, 7168, (128, 128), NO_FLAGS)],
-                 [_data(8001, 7168, "e4m3")]), peers="tk2")
+        lambda extra=extra: (f"bf16 8001x7168{extra}",
+                             [((8001, 7168), BF16), _block_sf(8001, 7168, (128, 128), NO_FLAGS)],
+                             [_data(8001, 7168, "e4m3")]), peers="tk2")
 
     lossless_tail = " in block1x32 -> e4m3 block128x128 col round ue8m0"
 

@@ -27,8 +27,8 @@ import time
 import torch
 
 from tilefuse.bench import peers as _peers
-from tilefuse.bench.core import (_L2_ROTATE_BYTES, _clone, _nbytes, copy_us, counted_bytes, described_bytes,
-                                 isolated_us, median_us, tensors)
+from tilefuse.bench.core import (_L2_ROTATE_BYTES, _clone, _nbytes, copy_us, counted_bytes, isolated_us, median_us,
+                                 spec_bytes, tensors)
 
 AREAS = ("quant", "transpose", "moe")  # the case modules tilefuse.bench.<area>, in the order their rows run
 
@@ -330,8 +330,8 @@ def list_cases(ops: list[str] | None = None, quick: bool = True, match: str | No
     built, no op is called, no GPU is needed."""
     rows = []
     for case in select_cases(quick, ops, match=match):
-        label, _, _ = case.describe()
-        rows.append({"op": case.name, "shape": label, "bytes": described_bytes(case)})
+        label, inputs, outputs = case.describe()
+        rows.append({"op": case.name, "shape": label, "bytes": spec_bytes(inputs) + spec_bytes(outputs)})
     return rows
 
 
