@@ -97,3 +97,61 @@ def test_list_of_the_whole_grid_answers_in_seconds(capsys):
     seconds = time.perf_counter() - t0
     assert len(capsys.readouterr().out.splitlines()) > 2000
     assert seconds < 30, seconds
+
+
+def test_a_run_prints_its_table_and_report_rebuilds_it(monkeypatch, capsys, tmp_path):
+    """The measured path end to end on the CPU: the cases built at 1/64 scale on CPU tensors, the GPU timers
+    replaced by stand-ins (10 µs a call, a 4000 GB/s copy), TileKernels 2.1.0 replaced by our own ops. The run
+    prints one progress line per case and the table with its peer columns, saves its JSON, and ``--report``
+    rebuilds the tables from that file."""
+    import types
+
+    import torch
+
+    from tilefuse import moe, quant, transpose
+    from tilefuse.bench import peers
+
+    real_select = runner.select_cases
+
+    def on_cpu(*args, **kwargs):
+        return [c._replace(make=lambda device, scale, make=c.make: make("cpu", 1 / 64))
+                for c in real_select(*args, **kwargs)]
+
+    def isolated_us(fn, reps=25, warmup=2, setup=None):
+        if setup is not None:
+            setup()
+        fn()
+        return 10.0
+
+    monkeypatch.setattr(runner, "select_cases", on_cpu)
+    monkeypatch.setattr(runner, "isolated_us", isolated_us)
+    monkeypatch.setattr(runner, "copy_us", lambda nbytes: nbytes / 4e6)
+    monkeypatch.setattr(peers, "load", lambda peer: types.SimpleNamespace(quant=quant, moe=moe, transpose=transpose))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "stand-in GPU")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    saved = tmp_path / "run.json"
+    assert cli.main(["--quick", "--ops", "per_channel_cast", "topk_gate", "--compare", "--peers", "tk2",
+                     "--json", str(saved)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[:2] == ["  [1/2] per_channel_cast | bf16 128x128 npt128 round | 10.0 us | tk2 10.0 us 1.00x",
+                       "  [2/2] topk_gate | fp32 128x256 top8 | 10.0 us | tk2 10.0 us 1.00x"], out
+    assert out[3].startswith("stand-in GPU, ") and out[3].endswith("; timer: isolated; copy ceiling (2 GiB) 4000 GB/s")
+    assert out[5] == ("| op | shape | MB | µs (isolated) | % copy (same bytes) | % 2 GiB copy | TileKernels 2.1.0 µs "
+                      "| speedup |")
+    nbytes = 128 * 128 * 2 + 128 * 128 + 128 * 4  # bf16 x read, e4m3 out and one fp32 sf row written
+    pct = 100 * nbytes / 4e6 / 10.0  # the same-size copy and the 2 GiB copy both move 4000 GB/s here
+    assert out[7] == (f"| per_channel_cast | bf16 128x128 npt128 round | {nbytes / 1e6:.1f} | 10.0 | {pct:.1f} | "
+                      f"{pct:.1f} | 10.0 | 1.00x |")
+    assert out[10].startswith("no case of >= 32 MiB ran on both tilefuse and TileKernels 2.1.0")
+    assert cli.main(["--report", str(saved)]) == 0
+    report = capsys.readouterr().out
+    assert "| per_channel_cast | bf16 TxH npt128 round | TK 2.1.0 | 128: - 1.00 - - |" in report
+    # both timers, no peer: the stream column follows the isolated one
+    monkeypatch.setattr(runner, "median_us", lambda fn, n_sets, **kw: (fn(0), 12.0)[1])
+    assert cli.main(["--quick", "--ops", "transpose", "--match", "row stride", "--timer", "isolated,stream",
+                     "--no-compile-ref"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "  [1/1] transpose | e4m3 128x128 row stride 2H | 10.0 us"
+    assert out[4] == "| op | shape | MB | µs (isolated) | % copy (same bytes) | % 2 GiB copy | µs (stream) |"
+    assert out[6].startswith("| transpose | e4m3 128x128 row stride 2H | 0.0 | 10.0 | ") and out[6].endswith(" 12.0 |")

@@ -100,7 +100,7 @@ def build_parser() -> OneLineParser:
     parser.add_argument("--quick", action="store_true",
                         help="only the showcase rows (one per op and flag set) instead of the whole grid")
     parser.add_argument("--match", default=None, metavar="REGEX",
-                        help="only the grid cases whose label the regex finds, e.g. 'block128x1 ' or '^e4m3 16384x'")
+                        help="only the cases whose label the regex finds, e.g. 'block128x1 ' or '^e4m3 16384x'")
     parser.add_argument("--compare", action="store_true",
                         help="also run every peer that has the op (--peers), same inputs, same process, same timer")
     parser.add_argument("--peers", default="tk2,tk1,liger,compile",
