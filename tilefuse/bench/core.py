@@ -90,7 +90,7 @@ class Case(NamedTuple):
     them from a pristine copy before each timed call (outside the timed region). ``describe() -> (label, input
     specs, output specs)`` declares, at scale 1, the label ``make`` returns and the shape and dtype of each tensor
     :func:`counted_bytes` counts (:data:`Spec`): ``--list`` reads it and builds nothing (a CPU test holds each
-    declaration to the built tensors)."""
+    declaration to the built tensors; a case without one is built on fake tensors instead, see :func:`describe`)."""
     name: str
     make: Callable[[str, float], tuple[str, tuple]]
     run: Callable[..., object]
@@ -112,9 +112,30 @@ def spec_bytes(specs) -> int:
     return sum(math.prod(shape) * dtype.itemsize for shape, dtype in specs)
 
 
+def describe(case: Case) -> tuple[str, list, list]:
+    """``case.describe()``; for a case that declares nothing, the same read off its inputs and outputs built on
+    fake tensors at scale 1 (shapes only; real CPU tensors where an op reads data to size its output): slow, but
+    a new case module lists truthfully before it declares its shapes."""
+    if case.describe is not None:
+        return case.describe()
+    from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
+                                               FakeTensorMode)
+
+    def build():
+        label, inputs = case.make("cpu", 1.0)
+        outputs = case.run(*inputs)
+        return label, *([(tuple(t.shape), t.dtype) for t in tensors(x)] for x in (inputs, outputs))
+
+    try:
+        with FakeTensorMode():
+            return build()
+    except (DataDependentOutputException, DynamicOutputShapeException):
+        return build()
+
+
 def described_bytes(case: Case) -> int:
-    """The bench bytes of ``case`` from its declared shapes (no input built)."""
-    _, inputs, outputs = case.describe()
+    """The bench bytes of ``case`` from its declared shapes (:func:`describe`)."""
+    _, inputs, outputs = describe(case)
     return spec_bytes(inputs) + spec_bytes(outputs)
 
 

@@ -27,8 +27,8 @@ import time
 import torch
 
 from tilefuse.bench import peers as _peers
-from tilefuse.bench.core import (_COPY_CACHE, _L2_ROTATE_BYTES, _clone, _nbytes, copy_us, counted_bytes, isolated_us,
-                                 median_us, spec_bytes, tensors)
+from tilefuse.bench.core import (_COPY_CACHE, _L2_ROTATE_BYTES, _clone, _nbytes, copy_us, counted_bytes, describe,
+                                 isolated_us, median_us, spec_bytes, tensors)
 
 AREAS = ("quant", "transpose", "moe")  # the case modules tilefuse.bench.<area>, in the order their rows run
 
@@ -209,7 +209,7 @@ def warm(quick: bool, ops, peers: list[str], cases: list, jobs: int, child: bool
 
 def case_label(case) -> str:
     """A case's shape label without building its inputs (``Case.describe``)."""
-    return case.describe()[0]
+    return describe(case)[0]
 
 
 def select_cases(quick: bool, ops, peers: list[str] | None = None, match: str | None = None) -> list:
@@ -330,7 +330,7 @@ def list_cases(ops: list[str] | None = None, quick: bool = True, match: str | No
     built, no op is called, no GPU is needed."""
     rows = []
     for case in select_cases(quick, ops, match=match):
-        label, inputs, outputs = case.describe()
+        label, inputs, outputs = describe(case)
         rows.append({"op": case.name, "shape": label, "bytes": spec_bytes(inputs) + spec_bytes(outputs)})
     return rows
 
