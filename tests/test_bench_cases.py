@@ -1,9 +1,14 @@
-"""The bench cases (tilefuse/bench.py) on the CPU: every case builds at a tiny scale, runs through its public op
-(the CPU reference) and counts the tensors quant.md 7.3 lists, so a broken case fails here, not on the GPU."""
-import pytest
-from torch._subclasses.fake_tensor import FakeTensorMode
+"""The bench cases (tilefuse/bench/) on the CPU: every case builds at a tiny scale, runs through its public op
+(the CPU reference) and counts the tensors quant.md 7.3 lists, so a broken case fails here, not on the GPU; each
+case's declared shapes (what ``--list`` prints) match the tensors it builds."""
+import random
 
-from tilefuse import _registry, bench
+import pytest
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
+                                           FakeTensorMode)
+
+from tilefuse import _registry
+from tilefuse.bench import cli, core, runner
 
 TINY = 1 / 64  # 8001 x 7168 -> 125 x 128
 
@@ -37,7 +42,7 @@ COUNTED = {
     "per_token_cast_and_cast_back": 2,        # x read, x written in place
     "batched_transpose": 2,
     "transpose": 2,
-    # MoE routing (moe.md; tilefuse/_bench_moe.py)
+    # MoE routing (moe.md; tilefuse/bench/moe.py)
     "topk_gate": 2,                           # scores, topk_idx
     "top2_sum_gate": 4,                       # logits, bias, topk_idx, topk_weights
     "topk_sum_and_topk_group_idx": 2,         # scores, group_idx
@@ -60,7 +65,7 @@ COUNTED = {
     "mask_indices_by_tp": 2,
 }
 
-CASES = bench._cases()
+CASES = runner.select_cases(True, None)
 
 
 def _ids():
@@ -81,22 +86,22 @@ def test_every_kernel_op_has_a_case():
 def test_case_runs_on_cpu_and_counts_the_listed_tensors(case, case_id):
     shape, inputs = case.make("cpu", TINY)
     outputs = case.run(*inputs)
-    tensors = bench._tensors(inputs) + bench._tensors(outputs)
+    tensors = core.tensors(inputs) + core.tensors(outputs)
     assert len(tensors) == COUNTED.get(case_id, COUNTED.get(case.name)), shape
     assert all(t.device.type == "cpu" and t.numel() > 0 for t in tensors), shape
-    assert bench.counted_bytes(inputs, outputs) == sum(t.numel() * t.element_size() for t in tensors)
+    assert core.counted_bytes(inputs, outputs) == sum(t.numel() * t.element_size() for t in tensors)
     # each rotated input set is a fresh build of the same shapes
     again = case.make("cpu", TINY)
     assert again[0] == shape
-    assert [t.shape for t in bench._tensors(again[1])] == [t.shape for t in bench._tensors(inputs)]
+    assert [t.shape for t in core.tensors(again[1])] == [t.shape for t in core.tensors(inputs)]
 
 
 def _full_scale_bytes(name: str, shape_prefix: str) -> tuple[int, tuple]:
     """counted_bytes of the named case at the benchmark shape, on fake tensors (nothing computed)."""
-    case = next(c for c in CASES if c.name == name and c.make("meta", 1.0)[0].startswith(shape_prefix))
+    case = next(c for c in CASES if c.name == name and c.describe()[0].startswith(shape_prefix))
     with FakeTensorMode():
         shape, inputs = case.make("cpu", 1.0)
-        return bench.counted_bytes(inputs, case.run(*inputs)), inputs
+        return core.counted_bytes(inputs, case.run(*inputs)), inputs
 
 
 def test_per_channel_cast_bytes_by_hand():
@@ -124,7 +129,7 @@ def test_swiglu_backward_bytes_by_hand():
 
 
 def test_list_prints_shapes_and_megabytes(capsys):
-    assert bench.main(["--list", "--quick", "--ops", "per_channel_cast"]) == 0
+    assert cli.main(["--list", "--quick", "--ops", "per_channel_cast"]) == 0
     out = capsys.readouterr().out
     assert "| per_channel_cast | bf16 8064x7168 npt128 round | 175.2 |" in out
     assert "per_block_cast" not in out
@@ -135,19 +140,19 @@ def test_bench_configs_are_registered():
     compile tier builds (and ``precompile`` packs) every kernel the bench launches."""
     from tilefuse import _jit
 
-    traced = bench.bench_configs(grid=False)
+    traced = runner.bench_configs(grid=False)
     registered = _jit.registered()
     assert len(traced) > 20
     missing = [(name, cfg) for name, cfg in traced if cfg not in registered[name]]
     assert not missing, missing
     assert {name for name, _ in traced} >= {"per_token_cast", "per_block_cast", "cast_back", "batched_transpose"}
-    assert bench.bench_configs(["per_token_cast"]) and all(
-        name == "per_token_cast" for name, _ in bench.bench_configs(["per_token_cast"]))
+    assert runner.bench_configs(["per_token_cast"]) and all(
+        name == "per_token_cast" for name, _ in runner.bench_configs(["per_token_cast"]))
 
 
 def test_host_overhead_table_ratios_per_group():
     """Ratios are to the same group's bare call (and allocating bare call); a group without one shows '-'."""
-    from tilefuse.bench import host_overhead_table
+    from tilefuse.bench.extras import host_overhead_table
 
     rows = [{"group": "row", "call": "bare TileLang kernel call (JITKernel, preallocated outputs)", "us": 8.0},
             {"group": "row", "call": "bare TileLang kernel call allocating its outputs (JITKernel, out_idx)",
@@ -161,7 +166,7 @@ def test_host_overhead_table_ratios_per_group():
 
 def test_moe_bytes_by_hand():
     """MoE rows at T = 8192, 256 experts, top-8, hidden 7168: each input read once, each output written once."""
-    from tilefuse import _bench_moe
+    from tilefuse.bench import moe as bench_moe
 
     t, k, e, h = 8192, 8, 256, 7168
     got, _ = _full_scale_bytes("top2_sum_gate", "fp32 8192x256 top8 groups 8/4 sigmoid")
@@ -169,11 +174,11 @@ def test_moe_bytes_by_hand():
     got, _ = _full_scale_bytes("get_fused_mapping", "int64 8192x8 (256 experts) align128 force_no_sync")
     bound = (t * k + 127 * e) // 128 * 128  # the caller's upper bound of the aligned total
     assert got == t * k * 8 + 3 * bound * 4 + t * k * 4 + 3 * e * 4
-    rows, _ = _bench_moe.routing(t)
-    n = _bench_moe._aligned_total(rows, e, 128)
+    rows, _ = bench_moe.routing(t)
+    n = bench_moe._aligned_total(rows, e, 128)
     got, _ = _full_scale_bytes("expand_to_fused", "bf16 8192x7168 -> fused rows (top8, 256 experts")
     assert got == t * h * 2 + t * k * 4 + n * 4 + n * h * 2  # x, token_topk_to_pos, pos_to_expert -> (N, H)
-    recv, _ = _bench_moe.routing(t, 8)
+    recv, _ = bench_moe.routing(t, 8)
     routed = sum(v >= 0 for r in recv for v in r)  # alignment 1: the fused buffer holds exactly the routed rows
     got, _ = _full_scale_bytes("reduce_fused", "fused rows -> 8192x7168 (top8, EP 1/8 recv: 32 local, align1) bf16 "
                                                "+ x_sf")
@@ -181,7 +186,74 @@ def test_moe_bytes_by_hand():
 
 
 def test_moe_cases_list_without_a_gpu(capsys):
-    assert bench.main(["--list", "--quick", "--ops", "moe"]) == 0
+    assert cli.main(["--list", "--quick", "--ops", "moe"]) == 0
     out = capsys.readouterr().out
     assert "| topk_gate | fp32 8192x256 top8 | 8.9 |" in out
     assert out.count("| get_fused_mapping |") == 4 and "per_token_cast" not in out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --list builds nothing: each case's declared shapes (Case.describe) must be the tensors it builds
+# ---------------------------------------------------------------------------------------------------------------
+
+def _built(case):
+    """``(label, input (shape, dtype) list, output list, counted_bytes)`` of ``case`` at scale 1 on fake tensors
+    (real CPU tensors where an op reads data to size its output)."""
+    def build():
+        label, inputs = case.make("cpu", 1.0)
+        outputs = case.run(*inputs)
+        specs = [[(tuple(t.shape), t.dtype) for t in core.tensors(x)] for x in (inputs, outputs)]
+        return label, specs[0], specs[1], core.counted_bytes(inputs, outputs)
+
+    try:
+        with FakeTensorMode():
+            return build()
+    except (DataDependentOutputException, DynamicOutputShapeException):
+        return build()
+
+
+def _check_described(case):
+    label, inputs, outputs, nbytes = _built(case)
+    described = case.describe()
+    assert described[0] == label
+    assert [(tuple(s), d) for s, d in described[1]] == inputs, label
+    assert [(tuple(s), d) for s, d in described[2]] == outputs, label
+    assert core.described_bytes(case) == nbytes, label
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids())
+def test_quick_case_declares_the_tensors_it_builds(case):
+    _check_described(case)
+
+
+GRID = runner.select_cases(False, None)
+# every grid case family at its fewest tokens and narrowest width, and a fixed random sample of the rest
+_FIRST: dict[str, object] = {}
+for _c in GRID:
+    _FIRST.setdefault(_c.key, _c)
+GRID_SAMPLE = list(_FIRST.values()) + random.Random(0).sample(GRID, 40)
+
+
+@pytest.mark.parametrize("case", GRID_SAMPLE, ids=[f"{c.key}@{c.tokens}" for c in GRID_SAMPLE])
+def test_grid_case_declares_the_tensors_it_builds(case):
+    _check_described(case)
+
+
+def test_every_case_declares_its_shapes_and_an_undeclared_one_is_built_instead():
+    """The areas' cases all declare (``--list`` builds nothing for them); a case without a declaration (a new
+    case module) is listed from its tensors built on fake tensors, with the same label and bytes."""
+    assert all(c.describe is not None for c in CASES + GRID)
+    for case in [c for c in CASES if c.name in ("per_channel_cast", "get_fused_mapping")]:
+        bare = case._replace(describe=None)
+        label, inputs, outputs = case.describe()
+        assert core.describe(bare) == (label, [(tuple(s), d) for s, d in inputs], [(tuple(s), d) for s, d in outputs])
+        assert core.described_bytes(bare) == core.described_bytes(case)
+
+
+def test_list_prints_the_declared_bytes(capsys):
+    """``--list`` of the whole grid: one row per case, each the case's declared label and bytes."""
+    assert cli.main(["--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == ["| op | shape | MB |", "| --- | --- | ---: |"] and len(lines) == len(GRID) + 2
+    for line, case in zip(lines[2:], GRID):
+        assert line == f"| {case.name} | {case.describe()[0]} | {core.described_bytes(case) / 1e6:.1f} |"

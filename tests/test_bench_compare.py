@@ -5,13 +5,15 @@ import types
 import pytest
 import torch
 
-from tilefuse import _bench_compare as C
-from tilefuse import _bench_moe, _peers, _registry, moe, quant, transpose
-from tilefuse._bench_grid import HIDDEN, TOKENS, grid_cases
+from tilefuse import _registry, moe, quant, transpose
+from tilefuse.bench import cli, core, report, runner
+from tilefuse.bench import moe as bench_moe
+from tilefuse.bench import peers as _peers
+from tilefuse.bench.quant import HIDDEN, TOKENS
 
-GRID = grid_cases()
-MOE_GRID = [c for c in GRID if c.name in _bench_moe.OPS]
-QT_GRID = [c for c in GRID if c.name not in _bench_moe.OPS]  # quant and transpose: the hidden-size grid
+GRID = runner.select_cases(False, None)
+MOE_GRID = [c for c in GRID if c.name in bench_moe.OPS]
+QT_GRID = [c for c in GRID if c.name not in bench_moe.OPS]  # quant and transpose: the hidden-size grid
 # the small cases of the grid, run on the CPU (each op's reference path)
 SMALL = [c for c in GRID if c.tokens == 128 and ("x1536" in c.key or " 1536)" in c.key or "x3072" in c.key)]
 
@@ -38,7 +40,7 @@ def test_grid_spans_hidden_sizes_and_token_counts():
 def test_every_grid_case_names_a_peer_or_a_reference():
     for c in GRID:
         assert c.ref is not None and (c.peers or c.name in ("per_token_cast_and_cast_back",)), c.key
-        assert c.key and c.tokens in (_bench_moe.TOKENS if c in MOE_GRID else TOKENS)
+        assert c.key and c.tokens in (bench_moe.TOKENS if c in MOE_GRID else TOKENS)
 
 
 @pytest.mark.parametrize("case", SMALL, ids=[c.key for c in SMALL])
@@ -47,12 +49,12 @@ def test_reference_and_peer_calls_compute_our_op(case):
     a stand-in module holding our own ops) must give the same outputs, bitwise where the spec is exact."""
     torch.manual_seed(0)
     _, inputs = case.make("cpu", 1.0)
-    ours = case.run(*C._clone(inputs))
-    ok, text = _peers.agree(ours, case.ref(*C._clone(inputs)), case.exact)
+    ours = case.run(*core._clone(inputs))
+    ok, text = _peers.agree(ours, case.ref(*core._clone(inputs)), case.exact)
     assert ok, f"reference: {text}"
     stand_in = types.SimpleNamespace(quant=quant, transpose=transpose)
     for peer, call in (case.peers or {}).items():
-        ok, text = _peers.agree(ours, call(stand_in, *C._clone(inputs)), case.exact)
+        ok, text = _peers.agree(ours, call(stand_in, *core._clone(inputs)), case.exact)
         assert ok, f"{peer}: {text}"
 
 
@@ -87,13 +89,13 @@ def test_summary_judges_large_cases_where_both_ran():
     res = {"rows": [_row("a", "bf16 4096x7168", 10, 20), _row("a", "bf16 16384x7168", 10, 9),
                     _row("b", "bf16 4096x7168", 10, 5), _row("b", "bf16 1x7168", 10, 1, nbytes=1 << 20),
                     {"op": "c", "shape": "x", "error": "boom", "peers": {}}]}
-    s = C.summary(res, "tk2")
+    s = report.summary(res, "tk2")
     assert s["cases"] == 3
     assert s["geomean"] == pytest.approx((2.0 * 0.9 * 0.5) ** (1 / 3))
     assert s["ops"]["a"]["min"] == pytest.approx(0.9)
     assert s["ops"]["a"]["below_0.97"] == [(0.9, "bf16 16384x7168")]
     assert "b" in s["ops"] and "c" not in s["ops"]
-    assert any("geomean speedup 1.1" in line or "geomean speedup 0.9" in line for line in C.summary_lines(s))
+    assert any("geomean speedup 1.1" in line or "geomean speedup 0.9" in line for line in report.summary_lines(s))
 
 
 def test_pivot_groups_token_counts_of_one_case():
@@ -102,42 +104,42 @@ def test_pivot_groups_token_counts_of_one_case():
     res["rows"].append(_row("a", "bf16 4096x7168 npc128", 10, 20))
     res["rows"].append({"op": "a", "shape": "bf16 1x7168 npc128", "bytes": 1, "us": 1.0, "copy_us": 1.0,
                         "peers": {"tk2": {"error": "AssertionError"}}})
-    lines = C.pivot(res)
+    lines = report.pivot(res)
     assert len(lines) == 3
     assert lines[0] == "| op | case | peer | H: T=1,128,4096,16384 | H: T=1,128,4096,16384 |"
     assert lines[2] == "| a | bf16 TxH npc128 | TK 2.1.0 | 2048: 1.50 1.00 0.90 1.10≠ | 7168: x - 2.00 - |"
-    assert C._grid_cell("bf16 (8, 4096, 7168)") == ("bf16 (8, T, H)", 4096, 7168)
+    assert report._grid_cell("bf16 (8, 4096, 7168)") == ("bf16 (8, T, H)", 4096, 7168)
     # a second shape of the same rows (unpack's int8 view) does not split the case by token count
-    assert C._grid_cell("e2m1 4096x1536 (int8 4096x768) -> bf16") == ("e2m1 TxH (int8 TxW) -> bf16", 4096, 1536)
-    assert C._grid_cell("e2m1 128x2048 (int8 128x1024) -> bf16")[0] == "e2m1 TxH (int8 TxW) -> bf16"
+    assert report._grid_cell("e2m1 4096x1536 (int8 4096x768) -> bf16") == ("e2m1 TxH (int8 TxW) -> bf16", 4096, 1536)
+    assert report._grid_cell("e2m1 128x2048 (int8 128x1024) -> bf16")[0] == "e2m1 TxH (int8 TxW) -> bf16"
 
 
 def test_merge_lets_later_runs_replace_rows():
     first = {"gpu": "G", "date": "d1", "copy_ceiling_gbs": None, "rows": [_row("a", "s1", 10, 10), _row("a", "s2", 10, 10)]}
     second = {"gpu": "G", "date": "d2", "copy_ceiling_gbs": 4000.0, "rows": [_row("a", "s2", 5, 10)]}
-    m = C.merge([first, second])
+    m = report.merge([first, second])
     assert [r["us"] for r in m["rows"]] == [10, 5]
     assert [r["date"] for r in m["runs"]] == ["d1", "d2"]
     assert "pct_ceiling" in m["rows"][1] and "pct_ceiling" not in m["rows"][0]
 
 
 def test_compile_sample_takes_one_case_per_op():
-    picked = [GRID[i] for i in C.compile_sample(GRID, False)]
+    picked = [GRID[i] for i in runner.compile_sample(GRID, False)]
     assert sorted(c.name for c in picked) == sorted({c.name for c in GRID})
     assert all(c.tokens == 4096 for c in picked)
-    assert C.compile_sample(GRID[:5], True) == set(range(5))
+    assert runner.compile_sample(GRID[:5], True) == set(range(5))
 
 
 def test_match_selects_grid_cases_by_their_label():
     """``case_label`` is the label ``make`` builds (checked on the one-token cases, cheap to build), and
     ``--match`` keeps exactly the cases whose label the regex finds."""
     one = [c for c in GRID if c.tokens == 1]
-    assert one and all(C.case_label(c) == c.make("cpu", 1.0)[0] for c in one)
-    picked = C.select_cases(False, ["cast_back"], match=r"^e4m3 16384x\d+ block128x1 ")
-    assert picked and all(c.name == "cast_back" and c.tokens == 16384 and "block128x1 " in C.case_label(c)
+    assert one and all(runner.case_label(c) == c.make("cpu", 1.0)[0] for c in one)
+    picked = runner.select_cases(False, ["cast_back"], match=r"^e4m3 16384x\d+ block128x1 ")
+    assert picked and all(c.name == "cast_back" and c.tokens == 16384 and "block128x1 " in runner.case_label(c)
                           for c in picked)
     assert len(picked) == sum(1 for c in GRID if c.name == "cast_back" and c.tokens == 16384
-                              and " block128x1 " in C.case_label(c) and C.case_label(c).startswith("e4m3"))
+                              and " block128x1 " in runner.case_label(c) and runner.case_label(c).startswith("e4m3"))
 
 
 def test_report_renders_saved_runs(tmp_path):
@@ -147,7 +149,7 @@ def test_report_renders_saved_runs(tmp_path):
     path.write_text(json.dumps({"gpu": "G", "date": "d", "copy_ceiling_gbs": 4000.0,
                                 "rows": [_row("per_token_cast", "bf16 4096x7168 npc128 e4m3", 10, 12)]}))
     out = tmp_path / "t.md"
-    assert C.report_main([str(path)], str(out)) == 0
+    assert report.report_main([str(path)], str(out)) == 0
     text = out.read_text()
     assert "geomean speedup 1.200x" in text and "| per_token_cast | bf16 TxH npc128 e4m3 | TK 2.1.0 | 7168: - - 1.20 - |" in text
 
@@ -161,7 +163,7 @@ def test_report_side_by_side_puts_each_run_in_a_column(tmp_path, capsys):
     a.write_text(json.dumps({"rows": [_row("cast_back", "e4m3 4096x2048 block128x1 -> bf16", 10, 12),
                                       _row("cast_back", "e4m3 16384x2048 block128x1 -> bf16", 40, 36)]}))
     b.write_text(json.dumps({"rows": [{"op": "cast_back", "shape": "e4m3 4096x2048 block128x1 -> bf16", "us": 8.0}]}))
-    assert C.report_main([str(a), str(b)], None, variants=True) == 0
+    assert report.report_main([str(a), str(b)], None, variants=True) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("| op | case | MB | peer µs | base µs | wide µs | base speedup | wide speedup |")
     assert lines[2].endswith("| 12.0 | 10.0 | 8.0 | 1.20x | 1.50x |")
@@ -178,16 +180,14 @@ def test_peer_load_names_the_variable(monkeypatch):
 
 
 def test_cli_rejects_unknown_peers_and_timers():
-    from tilefuse import bench
-
     with pytest.raises(SystemExit):
-        bench.main(["--compare", "--peers", "tk3"])
+        cli.main(["--compare", "--peers", "tk3"])
     with pytest.raises(SystemExit):
-        bench.main(["--timer", "wall"])
+        cli.main(["--timer", "wall"])
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# MoE routing cases (tilefuse/_bench_moe.py)
+# MoE routing cases (tilefuse/bench_moe.py)
 # ---------------------------------------------------------------------------------------------------------------
 
 MOE_ONE = [c for c in MOE_GRID if c.tokens == 1]  # one-token cases: cheap to build and run on the CPU
@@ -196,44 +196,42 @@ MOE_ONE = [c for c in MOE_GRID if c.tokens == 1]  # one-token cases: cheap to bu
 def test_moe_grid_covers_every_op_at_the_issue_shapes():
     """Every MoE op (the alias is a --quick row only) at T in {1, 4096, 8192, 16384}; the gates also at 72 and 384
     experts; the fused-layout and counting ops on the whole expert set and on an EP receive side."""
-    from tilefuse import bench
-
-    assert {c.name for c in MOE_GRID} == set(_bench_moe.OPS) - {"moe_topk_gate"}
-    quick = [c for c in bench._cases() if c.name in _bench_moe.OPS]
-    assert {c.name for c in quick} == set(_bench_moe.OPS) and all(c.tokens == 8192 for c in quick)
+    assert {c.name for c in MOE_GRID} == set(bench_moe.OPS) - {"moe_topk_gate"}
+    quick = [c for c in runner.select_cases(True, None) if c.name in bench_moe.OPS]
+    assert {c.name for c in quick} == set(bench_moe.OPS) and all(c.tokens == 8192 for c in quick)
     registered = {name.split(".", 1)[1] for name in _registry.load_all() if name.startswith("moe.")}
-    assert registered == set(_bench_moe.OPS)
+    assert registered == set(bench_moe.OPS)
     for name in {c.name for c in MOE_GRID}:
         assert {c.tokens for c in MOE_GRID if c.name == name} == {1, 4096, 8192, 16384}, name
     for gate in ("topk_gate", "top2_sum_gate", "moe_topk_gate_forward", "moe_topk_gate_backward"):
-        widths = {C._grid_cell(C.case_label(c))[2] for c in MOE_GRID if c.name == gate}
+        widths = {report._grid_cell(runner.case_label(c))[2] for c in MOE_GRID if c.name == gate}
         assert widths == {72, 256, 384}, gate
-    v1 = [C.case_label(c) for c in quick if c.name == "top2_sum_gate"]
+    v1 = [runner.case_label(c) for c in quick if c.name == "top2_sum_gate"]
     assert v1 and all("8192x256 top8 groups 8/4" in label for label in v1)
-    assert any("sqrtsoftplus +bias" in C.case_label(c) for c in quick if c.name == "moe_topk_gate_forward")
+    assert any("sqrtsoftplus +bias" in runner.case_label(c) for c in quick if c.name == "moe_topk_gate_forward")
     for name in ("get_fused_mapping", "expand_to_fused", "expand_to_fused_with_sf", "reduce_fused", "group_count"):
-        labels = [C.case_label(c) for c in MOE_GRID if c.name == name]
+        labels = [runner.case_label(c) for c in MOE_GRID if c.name == name]
         assert any("EP 1/8 recv" in label for label in labels) and any("256 experts" in label for label in labels)
-    sync = [C.case_label(c) for c in MOE_GRID if c.name == "get_fused_mapping"]
+    sync = [runner.case_label(c) for c in MOE_GRID if c.name == "get_fused_mapping"]
     assert any("host sync" in label for label in sync) and any("force_no_sync" in label for label in sync)
-    assert any("-> e4m3" in C.case_label(c) for c in MOE_GRID if c.name == "reduce_fused")
+    assert any("-> e4m3" in runner.case_label(c) for c in MOE_GRID if c.name == "reduce_fused")
 
 
 def test_moe_labels_are_unique_and_match_selects_them():
-    labels = [(c.name, C.case_label(c)) for c in MOE_GRID]
+    labels = [(c.name, runner.case_label(c)) for c in MOE_GRID]
     assert len(set(labels)) == len(labels)
-    quick = C.select_cases(True, ["moe"])
-    assert len({(c.name, C.case_label(c)) for c in quick}) == len(quick)
-    assert all(C.case_label(c) == c.make("meta", 1.0)[0] for c in quick)
-    picked = C.select_cases(False, ["moe"], match=r"^int64 16384x8 \(EP 1/8 recv")
-    assert picked and all(c.tokens == 16384 and c.name in _bench_moe.OPS for c in picked)
+    quick = runner.select_cases(True, ["moe"])
+    assert len({(c.name, runner.case_label(c)) for c in quick}) == len(quick)
+    assert all(runner.case_label(c) == c.make("meta", 1.0)[0] for c in quick)
+    picked = runner.select_cases(False, ["moe"], match=r"^int64 16384x8 \(EP 1/8 recv")
+    assert picked and all(c.tokens == 16384 and c.name in bench_moe.OPS for c in picked)
     assert {c.name for c in picked} == {"get_fused_mapping", "aux_fi", "group_count"}
-    assert [c.key for c in C.select_cases(False, ["reduce_fused"], match="-> e4m3")] == [
-        c.key for c in MOE_GRID if c.name == "reduce_fused" and "-> e4m3" in C.case_label(c)]
-    assert [c.name for c in C.select_cases(True, ["topk_gate"], match="8192x256")] == ["topk_gate"]
+    assert [c.key for c in runner.select_cases(False, ["reduce_fused"], match="-> e4m3")] == [
+        c.key for c in MOE_GRID if c.name == "reduce_fused" and "-> e4m3" in runner.case_label(c)]
+    assert [c.name for c in runner.select_cases(True, ["topk_gate"], match="8192x256")] == ["topk_gate"]
     # a 1.0.0 process keeps the v1 ops only
-    tk1 = {c.name for c in C.select_cases(True, ["moe"], ["tk1"])}
-    assert tk1 == set(_bench_moe.PEER_FUNCTIONS["tk1"])
+    tk1 = {c.name for c in runner.select_cases(True, ["moe"], ["tk1"])}
+    assert tk1 == set(bench_moe.PEER_FUNCTIONS["tk1"])
 
 
 class _Recorder:
@@ -258,45 +256,43 @@ def test_moe_reference_and_peer_adapters_compute_our_op(case):
     the op's name, one that the peer has."""
     torch.manual_seed(0)
     _, inputs = case.make("cpu", 1.0)
-    ours = case.run(*C._clone(inputs))
-    ok, text = C._agree(case, "compile", ours, case.ref(*C._clone(inputs)))
+    ours = case.run(*core._clone(inputs))
+    ok, text = runner._agree(case, "compile", ours, case.ref(*core._clone(inputs)))
     assert ok, f"reference: {text}"
     assert case.peers
     for peer, call in case.peers.items():
         stand_in = _Recorder()
-        ok, text = C._agree(case, peer, ours, call(stand_in, *C._clone(inputs)))
+        ok, text = runner._agree(case, peer, ours, call(stand_in, *core._clone(inputs)))
         assert ok, f"{peer}: {text}"
-        assert stand_in.called == [case.name] and case.name in _bench_moe.PEER_FUNCTIONS[peer], peer
+        assert stand_in.called == [case.name] and case.name in bench_moe.PEER_FUNCTIONS[peer], peer
 
 
 def test_moe_peer_adapters_cover_each_peers_ops():
     """The quick rows' adapters, recorded: TileKernels 2.1.0 is asked for its five MoE functions, 1.0.0 for its
     twelve, and no case asks a peer for a function it lacks."""
-    from tilefuse import bench
-
     asked: dict[str, set] = {}
-    for case in bench._cases():
-        if case.name not in _bench_moe.OPS:
+    for case in runner.select_cases(True, None):
+        if case.name not in bench_moe.OPS:
             continue
         _, inputs = case.make("cpu", 1 / 64)
         for peer, call in case.peers.items():
             stand_in = _Recorder()
-            call(stand_in, *C._clone(inputs))
+            call(stand_in, *core._clone(inputs))
             asked.setdefault(peer, set()).update(stand_in.called)
-    assert asked == {p: set(names) for p, names in _bench_moe.PEER_FUNCTIONS.items()}
+    assert asked == {p: set(names) for p, names in bench_moe.PEER_FUNCTIONS.items()}
 
 
 def test_routing_draw_is_gate_like():
-    rows, local = _bench_moe.routing(2000)
+    rows, local = bench_moe.routing(2000)
     assert local == 256 and len(rows) == 2000
     assert all(len(set(r)) == 8 and all(0 <= e < 256 for e in r) for r in rows)
-    recv, local = _bench_moe.routing(2000, 8)
+    recv, local = bench_moe.routing(2000, 8)
     assert local == 32 and len(recv) == 2000
     assert all(any(e >= 0 for e in r) and all(-1 <= e < 32 for e in r) for r in recv)
     assert any(-1 in r for r in recv)
     kept = [e for r in recv for e in r if e >= 0]
     assert len(set(kept)) == 32 and all(len({e for e in r if e >= 0}) == sum(e >= 0 for e in r) for r in recv)
-    assert _bench_moe.routing(100, 8) == _bench_moe.routing(100, 8)  # rebuilt inputs have the same shapes
+    assert bench_moe.routing(100, 8) == bench_moe.routing(100, 8)  # rebuilt inputs have the same shapes
 
 
 def test_fused_mapping_agree_ignores_only_the_in_segment_order():
@@ -304,7 +300,7 @@ def test_fused_mapping_agree_ignores_only_the_in_segment_order():
     slot at another row of its segment, or different segments, does not."""
     from tilefuse.reference import moe as R
 
-    rows, local = _bench_moe.routing(300, 8, seed=3)
+    rows, local = bench_moe.routing(300, 8, seed=3)
     idx = torch.tensor(rows, dtype=torch.int64)
     ours = moe.get_fused_mapping(idx, local, 0, 16)
     upstream = R.get_fused_mapping(idx, local, 0, 16, num_sms=7)
@@ -324,13 +320,13 @@ def test_fused_mapping_agree_ignores_only_the_in_segment_order():
 
 
 def test_in_place_cases_are_restored_outside_the_timed_call():
-    case = next(c for c in _bench_moe.quick_cases(["inplace_unique_group_indices"]))
+    case = next(c for c in bench_moe.quick_cases() if c.name == "inplace_unique_group_indices")
     assert case.in_place
     _, inputs = case.make("cpu", 1 / 64)
-    original = C._clone(inputs)
-    restore = C._restorer(case, inputs)
+    original = core._clone(inputs)
+    restore = runner._restorer(case, inputs)
     out = case.run(*inputs)
     assert out is inputs[0] and not torch.equal(inputs[0], original[0])  # the draw has repeated groups
     restore()
     assert torch.equal(inputs[0], original[0])
-    assert C._restorer(MOE_ONE[0], MOE_ONE[0].make("cpu", 1.0)[1]) is None
+    assert runner._restorer(MOE_ONE[0], MOE_ONE[0].make("cpu", 1.0)[1]) is None

@@ -1,6 +1,6 @@
 """The command line: ``info`` lists every op with its path, ``demo`` runs every stage on the CPU,
 ``bench`` forwards its arguments or exits 2 when its module is missing, ``precompile`` chooses its work list
-(``--bench``: from ``tilefuse.bench``) and hands it to ``tilefuse._jit.precompile``."""
+(``--bench``: from ``tilefuse.bench.runner``) and hands it to ``tilefuse._jit.precompile``."""
 import json
 import os
 import re
@@ -84,9 +84,9 @@ def test_precompile_chooses_the_work_list(monkeypatch, capsys):
 
     calls = []
     monkeypatch.setattr(_jit, "precompile", lambda work, **kw: calls.append((work, kw)) or 0)
-    fake_bench = types.ModuleType("tilefuse.bench")
+    fake_bench = types.ModuleType("tilefuse.bench.runner")
     fake_bench.bench_configs = lambda ops: [("per_token_cast", ("from the bench", tuple(ops or ())))]
-    monkeypatch.setitem(sys.modules, "tilefuse.bench", fake_bench)
+    monkeypatch.setitem(sys.modules, "tilefuse.bench.runner", fake_bench)
 
     assert cli.main(["precompile", "--bench", "--ops", "per_token_cast", "--arch", "sm_90", "--jobs", "3",
                      "--force", "--no-native"]) == 0

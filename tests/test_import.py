@@ -72,3 +72,38 @@ def test_runtime_does_not_import_the_bench(tmp_path):
     assert result.returncode == 0, result.stderr
     source = (REPO / "tilefuse" / "_jit.py").read_text()
     assert "tilefuse.bench" not in source and "import bench" not in source
+
+
+def _bench_imports() -> dict[str, set[str]]:
+    """``module -> the tilefuse.bench modules it imports`` for each module of tilefuse/bench/ (every import
+    statement, at module level or inside a function)."""
+    import ast
+
+    found = {}
+    for path in sorted((REPO / "tilefuse" / "bench").glob("*.py")):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+                names |= {f"{node.module}.{a.name}" for a in node.names}
+        found[path.stem] = {n.split(".")[2] for n in names if n.startswith("tilefuse.bench.")}
+    return found
+
+
+def test_bench_arrows_point_one_way():
+    """cli -> runner (report, extras) -> case modules -> core (peers); nothing imports back up, and the runner
+    collects the case modules from its one list of areas."""
+    from tilefuse.bench import runner
+
+    imports = _bench_imports()
+    cases = set(runner.AREAS)
+    assert cases <= set(imports), sorted(imports)
+    for area in cases:
+        assert imports[area] <= {"core", "peers"}, (area, imports[area])
+    assert imports["core"] == set() and imports["peers"] <= {"core"}
+    assert imports["runner"] <= {"core", "peers"}  # its case modules come from AREAS (importlib)
+    assert imports["report"] <= {"core", "peers"} and imports["extras"] <= {"core", *cases}
+    assert "cli" not in set().union(*(v for k, v in imports.items() if k != "cli"))
+    assert imports["__init__"] == set()

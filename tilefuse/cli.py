@@ -1,8 +1,8 @@
 """The command line: ``python -m tilefuse {info, demo, bench, precompile}`` (DESIGN.md).
 
 ``info`` and ``demo`` live here and in ``tilefuse.demo``; ``bench`` forwards its arguments to
-``tilefuse.bench.main``. ``precompile`` parses its options here, chooses the work list (every registered
-config, or with ``--bench`` those the bench launches, from ``tilefuse.bench.bench_configs``) and hands it to
+``tilefuse.bench.cli.main``. ``precompile`` parses its options here, chooses the work list (every registered
+config, or with ``--bench`` those the bench launches, from ``tilefuse.bench.runner.bench_configs``) and hands it to
 ``tilefuse._jit.precompile``: the runtime never imports the bench. Modules are imported only when asked for;
 nothing here imports TileLang: ``info`` reads its version from the installed package's metadata.
 """
@@ -21,13 +21,13 @@ USAGE = """usage: python -m tilefuse <command> [options]
 commands:
   info        versions, GPU, TileLang cache directory, and which path each op takes on CUDA tensors
   demo        a miniature DeepSeek-V4-style block through the public API (python -m tilefuse demo -h)
-  bench       benchmark every op on the GPU (forwards its options to tilefuse.bench)
+  bench       benchmark every op on the GPU (python -m tilefuse bench -h; --list and --report need no GPU)
   precompile  compile the TileLang kernels ahead of time (python -m tilefuse precompile -h)
 """
 
 # command -> (module, function) for commands implemented elsewhere, imported lazily.
 _FORWARDED = {
-    "bench": ("tilefuse.bench", "main"),
+    "bench": ("tilefuse.bench.cli", "main"),
 }
 
 
@@ -105,7 +105,7 @@ def precompile(argv: list[str]) -> int:
     from tilefuse import _jit
 
     if args.bench:
-        from tilefuse.bench import bench_configs
+        from tilefuse.bench.runner import bench_configs
 
         work = bench_configs(args.ops)
     else:

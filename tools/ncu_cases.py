@@ -4,47 +4,29 @@ Usage on the device (``source .gpu/prelude.sh`` first):
   ncu --clock-control none --profile-from-start off --set full -o $OUT/prof \
       python3 tools/ncu_cases.py [--peer tk2] OP[:SHAPE_SUBSTRING] ... grid:OP:REGEX ...
 ``grid:OP:REGEX`` picks every grid case of OP whose label the regex finds (``bench --list --match``).
-``--peer P`` also calls each picked case on peer P (``tilefuse._peers``), right after ours, so both
-implementations' kernels sit side by side in the report.
-``mix:LABEL_PREFIX`` picks a stock PyTorch case of ``tools/mix_ceiling.py`` (e.g. ``mix:fp32 fill``), to profile
-next to the row it mirrors. Every selected case is built and called twice first (kernel loads, allocator
-warm-up), outside the range; then each is called once inside it, so ncu sees exactly one launch of each kernel
-of each case.
+``OP[:SHAPE_SUBSTRING]`` picks the ``--quick`` rows of OP whose label contains the substring.
+``--peer P`` also calls each picked case on peer P (``tilefuse.bench.peers``), right after ours, so both
+implementations' kernels sit side by side in the report. Every selected case is built and called twice first
+(kernel loads, allocator warm-up), outside the range; then each is called once inside it, so ncu sees exactly
+one launch of each kernel of each case.
 """
 import sys
 
 import torch
 
-from tilefuse import bench
-from tilefuse._bench_compare import _peer_fn, select_cases
-
-
-class _Mix:
-    """A mix_ceiling case shaped like a bench case (``name``, ``run``)."""
-
-    def __init__(self, label, fn):
-        self.name, self.run = f"mix {label}", lambda: fn(0)
+from tilefuse.bench.runner import _peer_fn, case_label, select_cases
 
 
 def main(argv: list[str]) -> int:
     peer = None
     if argv[:1] == ["--peer"]:
         peer, argv = argv[1], argv[2:]
-    wanted = [a.partition(":") for a in argv if not a.startswith(("mix:", "grid:"))]
+    wanted = [a.partition(":") for a in argv if not a.startswith("grid:")]
     picked = []
-    for a in argv:
-        if a.startswith("mix:"):
-            import mix_ceiling
-            label, _, build = next(c for c in mix_ceiling.CASES if c[0].startswith(a[4:]))
-            fn = build()[0]
-            picked.append((_Mix(label, fn), label, ()))
-    for case in bench._cases():
-        for name, _, shape in wanted:
-            if case.name == name:
-                label, inputs = case.make("cuda", 1.0)
-                if shape in label:
-                    picked.append((case, label, inputs))
-                    break
+    for case in select_cases(True, None):
+        if any(case.name == name and shape in case_label(case) for name, _, shape in wanted):
+            label, inputs = case.make("cuda", 1.0)
+            picked.append((case, label, inputs))
     for a in argv:
         if a.startswith("grid:"):
             _, op, regex = a.split(":", 2)

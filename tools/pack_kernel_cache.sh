@@ -14,16 +14,17 @@ cat > /tmp/kcache_list.py <<'PY'
 import os
 import sys
 
-from tilefuse import _jit, bench
+from tilefuse import _jit
+from tilefuse.bench import extras, runner
 
 if __name__ == "__main__":  # compile_many spawns workers that re-import this file
     if os.environ.get("BENCH_ONLY"):
-        work = bench.bench_configs()
+        work = runner.bench_configs()
     else:
         work = [(name, cfg) for name, cfgs in _jit.registered().items() for cfg in cfgs]
     extra = []
     if os.environ.get("SWEEP"):
-        sweep = bench.sweep_work(bench.parse_tiles(os.environ["SWEEP"]))
+        sweep = extras.sweep_work(extras.parse_tiles(os.environ["SWEEP"]))
         todo = [w for w in sweep if not os.path.exists(_jit._lib_path(*w, "sm_90"))]
         for (name, cfg), err in _jit.compile_many(todo, "sm_90", int(os.environ.get("JOBS", "2"))):
             print("FAILED", name, cfg, err[:200], file=sys.stderr)
@@ -37,8 +38,8 @@ if __name__ == "__main__":  # compile_many spawns workers that re-import this fi
 
             subprocess.run([sys.executable, "-m", "tilefuse", "precompile", "--bench", "--arch", "sm_90", "--jobs",
                             os.environ.get("JOBS", "2"), "--ops", *ops.split()], env=env, check=False)
-            listing = subprocess.run([sys.executable, "-c", "import sys; from tilefuse import _jit, bench; "
-                                      "[print(_jit._lib_path(n, c, 'sm_90')) for n, c in bench.bench_configs(sys.argv[1:])]",
+            listing = subprocess.run([sys.executable, "-c", "import sys; from tilefuse import _jit; from tilefuse.bench.runner import bench_configs; "
+                                      "[print(_jit._lib_path(n, c, 'sm_90')) for n, c in bench_configs(sys.argv[1:])]",
                                       *ops.split()], env=env, capture_output=True, text=True).stdout.split()
             extra += [p for p in listing if os.path.exists(p)]
     with open(sys.argv[1], "w") as f:

@@ -432,7 +432,7 @@ def test_configs() -> list[tuple[str, tuple]]:
 
 
 def _bench_configs() -> list[tuple[str, tuple]]:
-    """The launches of the MoE bench (tilefuse._bench_moe: T x 7168, top-8): bf16 expand; e4m3 expand with npc-128
+    """The launches of the MoE bench (tilefuse.bench.moe: T x 7168, top-8): bf16 expand; e4m3 expand with npc-128
     sf, row-major fp32 and column-major packed UE8M0; bf16 reduce with weights to bf16, and with x_sf and sf to
     e4m3. Other shapes compile on first use."""
     return [("expand_to_fused", _expand_cfg(BF16, 7168, 8)),

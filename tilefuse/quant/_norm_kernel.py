@@ -1059,7 +1059,7 @@ def test_backward_configs() -> list[tuple]:
     return [(xd, h, w, r) for xd in ("bfloat16", "float32") for h, w, r in ((7168, True, True), (576, False, False))]
 
 
-# the bench rows (tilefuse/bench.py): bf16 8192 x 7168 with a weight, no residual, no rstd
+# the bench rows (tilefuse/bench/quant.py): bf16 8192 x 7168 with a weight, no residual, no rstd
 _BENCH_FORWARD = [("bfloat16", 7168, True, False, False, "row", False, False, False, 0),
                   ("bfloat16", 7168, True, False, True, "col_packed", True, False, False, 0)]
 _BENCH_BACKWARD = [("bfloat16", 7168, True, False)]

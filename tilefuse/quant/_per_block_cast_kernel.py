@@ -35,7 +35,7 @@ _LAYOUTS = ("row", "col", "col_packed")
 
 
 # Register budgets per thread (bf16 input): with them ``_resident_ctas`` CTAs fit an SM's 64K registers, so
-# one CTA's loads overlap another's block reduction and stores (sass_stats: no spills at these budgets).
+# one CTA's loads overlap another's block reduction and stores (ptxas reports no spills at these budgets).
 # sf_only at 40 registers (3 CTAs) made nvcc reuse the first rows' registers for the last two loads, which then
 # waited for the first rows' data (two DRAM round trips per CTA: 72.6% -> 60.9% on the H200); at 64 (2 CTAs) all
 # eight loads are issued before any is consumed.
@@ -661,7 +661,7 @@ def _cast_configs() -> list[tuple]:
 
 def _bench_cast_configs() -> list[tuple]:
     """The quant.md 7.3 per_block_cast benchmark grid (every H, dtype, format, flag set and block), and the
-    sf-only / precomputed-sf rows of ``tilefuse.bench`` (bf16 8001 x 7168 e4m3 block 128x128)."""
+    sf-only / precomputed-sf rows of ``tilefuse.bench.quant`` (bf16 8001 x 7168 e4m3 block 128x128)."""
     return [(x, fmt, h, bm, bk, rnd, _layout(col, packed), "cast")
             for h in HIDDEN_SIZES for x in ("bfloat16", "float32") for fmt in ("e4m3", "e2m1")
             for col, rnd, packed in FLAG_SETS for bm, bk in BLOCKS] + [

@@ -937,7 +937,7 @@ def _fwd_ptc_configs() -> list[tuple]:
             cfg = _fwd_ptc_cfg("bfloat16", h, 128, True, True, True, False, False, clamp, False)
             if cfg not in cfgs:
                 cfgs.append(cfg)
-    # the bench row (tilefuse/bench.py): routing weights, col (unpacked) + round, clamp 0.5
+    # the bench row (tilefuse/bench/quant.py): routing weights, col (unpacked) + round, clamp 0.5
     cfg = _fwd_ptc_cfg("bfloat16", 3584, 128, True, True, False, True, False, 0.5, False)
     if cfg not in cfgs:
         cfgs.append(cfg)

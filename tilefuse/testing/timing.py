@@ -1,5 +1,5 @@
 """Wall-clock timing for quick measurements (the demo, host-overhead checks). Kernel benchmarks with
-CUDA events and L2 flushing live in ``tilefuse.bench``."""
+CUDA events and L2 flushing live in ``tilefuse.bench.core``."""
 from __future__ import annotations
 
 import statistics

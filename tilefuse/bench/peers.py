@@ -1,4 +1,5 @@
-"""The peers ``python -m tilefuse bench --compare`` runs beside tilefuse, and how their outputs are compared.
+"""The peers ``python -m tilefuse bench --compare`` runs beside tilefuse, and the agreement rules by which their
+outputs are compared with ours.
 
 A peer is another implementation of an op, called on the same inputs in the same process and timed with the
 same timer:
@@ -9,8 +10,8 @@ same timer:
 - ``liger``: Liger-Kernel (``$TILEFUSE_PEER_LIGER``), where it has the op;
 - ``compile``: ``torch.compile`` of our own reference.
 
-The folders come from ``.gpu/prelude.sh`` (``../shared/gpu/setup`` ships the wheels). Nothing here is imported
-by tilefuse itself; a peer's package is imported only when a compare run asks for it.
+The folders come from ``.gpu/prelude.sh`` (``../shared/gpu/setup`` ships the wheels). Only the bench imports this
+module; a peer's package is imported only when a compare run asks for it.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import sys
 
 import torch
 
+from tilefuse.bench.core import tensors
 from tilefuse.testing.numeric import calc_diff  # noqa: F401  (agree's inexact rule; re-exported)
 
 PEER_ENV = {"tk2": "TILEFUSE_PEER_TK2", "tk1": "TILEFUSE_PEER_TK1", "liger": "TILEFUSE_PEER_LIGER"}
@@ -57,14 +59,6 @@ def load(peer: str):
     _LOADED[peer] = module
     return module
 
-
-def tensors(obj) -> list[torch.Tensor]:
-    """The tensors of a nested tuple/list, in order (``None`` skipped)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [t for item in obj for t in tensors(item)]
-    return []
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -18,11 +18,11 @@ The fused-layout inputs (maps, fused rows) are built once per case by our own pu
 draw's counts (no host sync). ``reduce_fused`` reads a fused buffer of exactly the routed rows (alignment 1), so
 "each input read once" holds for it: with padded segments the padding rows would be counted but never read.
 
-The labels hold the token count as ``{T}x`` (``_bench_compare.case_label`` and ``--match`` read it from the key).
+The labels hold the token count as ``{T}x`` (``runner.case_label`` and ``--match`` read it from the key).
 Bytes are the harness's rule (each input tensor read once, each output tensor written once). Agreement: bitwise
 where moe.md says exact; ``calc_diff`` for the gates' weights and ``aux_fi`` (upstream's weights, atomics and the
 backward's fast math are not bit-exact), and for 2.1.0's ``normalize_weight`` (its butterfly denominator);
-``get_fused_mapping`` order-free (``_peers.fused_mapping_agree``: upstream orders a segment's rows by SM worker).
+``get_fused_mapping`` order-free (``peers.fused_mapping_agree``: upstream orders a segment's rows by SM worker).
 ``inplace_unique_group_indices`` is ``Case.in_place``: the isolated timer restores its input before each call.
 
 Peers: TileKernels 2.1.0 (``tk2``) has ``topk_gate``, ``normalize_weight``, ``moe_topk_gate_forward`` /
@@ -32,11 +32,13 @@ the signatures agree (moe.md 2, 5.2).
 """
 from __future__ import annotations
 
+import functools
 import random
 
 import torch
 
-from tilefuse.bench import _dim, _randn
+from tilefuse.bench import peers as _peers
+from tilefuse.bench.core import Case, _dim, _randn
 
 OPS = ("topk_gate", "top2_sum_gate", "topk_sum_and_topk_group_idx", "moe_topk_gate_forward", "moe_topk_gate",
        "moe_topk_gate_backward", "normalize_weight", "get_fused_mapping", "expand_to_fused",
@@ -89,6 +91,20 @@ def _aligned_total(rows, experts: int, align: int) -> int:
     return sum(-(-c // align) * align for c in _counts(rows, experts))
 
 
+@functools.lru_cache(maxsize=None)
+def _expert_counts(tokens: int, ranks: int) -> tuple[int, ...]:
+    """Slots per local expert of the draw ``routing(tokens, ranks)`` (cached: many cases' declared shapes read
+    the same draw)."""
+    rows, local = routing(tokens, ranks)
+    return tuple(_counts(rows, local))
+
+
+def fused_rows(tokens: int, ranks: int, align: int) -> int:
+    """Rows of the fused buffer of the draw ``routing(tokens, ranks)``: each local expert's slots padded to
+    ``align`` (what ``get_fused_mapping`` returns as N with a host sync)."""
+    return sum(-(-c // align) * align for c in _expert_counts(tokens, ranks))
+
+
 _EP = {1: "256 experts", EP_RANKS: f"EP 1/{EP_RANKS} recv: 32 local"}
 
 
@@ -97,14 +113,14 @@ class _Spec:
     peers (``ns`` = ``tilefuse.moe`` or ``tile_kernels.moe``), the torch.compile reference, the peers, agreement."""
 
     def __init__(self, name, label, make, call, ref, peers=("tk1",), exact=True, check=None, in_place=False,
-                 tokens=TOKENS, quick=True):
+                 tokens=TOKENS, quick=True, io=None):
         self.name, self.label, self.make, self.call, self.ref = name, label, make, call, ref
         self.peers, self.exact, self.check, self.in_place, self.tokens, self.quick = (
             peers, exact, check, in_place, tokens, quick)
+        self.io = io  # io(T) -> (input specs, output specs) at hidden HIDDEN (Case.describe)
 
     def case(self, t: int):
         from tilefuse import moe as ours
-        from tilefuse.bench import Case
 
         call = self.call
 
@@ -117,11 +133,14 @@ class _Spec:
 
         peers = {p: (lambda tk, *a: call(tk.moe, *a)) for p in self.peers}
         return Case(self.name, make, lambda *a: call(ours, *a), self.ref, peers, self.exact,
-                    f"{self.name}|{self.label(0)}", t, self.check, self.in_place)
+                    f"{self.name}|{self.label(0)}", t, self.check, self.in_place,
+                    lambda t=t: (self.label(t), *self.io(t)))
+
+
+F32, I32, I64, BF16, E4M3 = torch.float32, torch.int32, torch.int64, torch.bfloat16, torch.float8_e4m3fn
 
 
 def _specs() -> list[_Spec]:
-    from tilefuse import _peers
     from tilefuse import moe as M
     from tilefuse import quant as Q
     from tilefuse.reference import moe as R
@@ -129,13 +148,30 @@ def _specs() -> list[_Spec]:
     specs: list[_Spec] = []
     close = {"tk2": lambda o, t: _peers.agree(o, t, False)}  # v2.1's butterfly denominator vs v1's sequential one
 
+    # declared shapes (Case.describe) of the case families below, at hidden HIDDEN
+    def gate_io(t, e, scores=False):
+        """logits (T, E) and bias (E,) in; topk_idx int64 and weights fp32 (T, K) out (+ the scores (T, E))."""
+        return [((t, e), F32), ((e,), F32)], [((t, TOPK), I64), ((t, TOPK), F32)] + ([((t, e), F32)] if scores else [])
+
+    def expand_sf_io(t, n, col):
+        sf = (lambda r: ((r, HIDDEN // 512), I32)) if col else (lambda r: ((r, HIDDEN // 128), F32))
+        return ([((t, HIDDEN), E4M3), sf(t), ((t, TOPK), I32), ((n,), I32)], [((n, HIDDEN), E4M3), sf(n)])
+
+    def reduce_io(t, n, fp8):
+        x = [((n, HIDDEN), BF16)] + ([((n,), F32)] if fp8 else []) + [((t, TOPK), F32), ((t, TOPK), I32)]
+        return x + ([((1,), F32)] if fp8 else []), [((t, HIDDEN), E4M3 if fp8 else BF16)]
+
+    def slots_io(t):
+        return [((t, TOPK), I64)], [((t, TOPK), I64)]
+
     # --- gates (moe.md 2.1-2.4, 2.13-2.14) ---------------------------------------------------------------------
     for e in GATE_EXPERTS:
         quick = e == EXPERTS
         specs.append(_Spec(
             "topk_gate", lambda t, e=e: f"fp32 {t}x{e} top{TOPK}",
             lambda t, h, d, e=e: (_randn((t, e), torch.float32, d),),
-            lambda ns, s: ns.topk_gate(s, TOPK), lambda s: R.stable_topk(s, TOPK), ("tk2", "tk1"), quick=quick))
+            lambda ns, s: ns.topk_gate(s, TOPK), lambda s: R.stable_topk(s, TOPK), ("tk2", "tk1"), quick=quick,
+            io=lambda t, e=e: ([((t, e), F32)], [((t, TOPK), I64)])))
 
         # v1 gate: 256 experts in 8 groups, top-4 groups (DeepSeek-V3); 72 and 384 without a group limit
         groups = (8, 4) if e == EXPERTS else (0, 0)
@@ -148,14 +184,14 @@ def _specs() -> list[_Spec]:
                                                                         1, s),
                 lambda x, b, g=groups, s=scoring: R.top2_sum_gate(x, b, TOPK, g[1], g[0], False, 0, RSF, 0, 1, 0, 1,
                                                                   s),
-                exact=False, quick=quick))
+                exact=False, quick=quick, io=lambda t, e=e: gate_io(t, e)))
 
         g, n = (12, 32) if e == 384 else (8, e // 8)  # <= 32 groups; the gate's group layout where it has one
         specs.append(_Spec(
             "topk_sum_and_topk_group_idx", lambda t, g=g, n=n: f"fp32 {t}x{g}x{n} top2-sum top4 groups",
             lambda t, h, d, g=g, n=n: (_randn((t, g, n), torch.float32, d),),
             lambda ns, s: ns.topk_sum_and_topk_group_idx(s, 2, 4), lambda s: R.topk_sum_and_topk_group_idx(s, 2, 4),
-            quick=quick))
+            quick=quick, io=lambda t, g=g, n=n: ([((t, g, n), F32)], [((t, 4), I64)])))
 
         def gate_inputs(t, h, d, e=e):
             return _randn((t, e), torch.float32, d), 0.1 * torch.randn(e, device=d)
@@ -172,14 +208,16 @@ def _specs() -> list[_Spec]:
 
         base = f"top{TOPK} sqrtsoftplus +bias rsf{RSF}"
         specs.append(_Spec("moe_topk_gate_forward", lambda t, e=e: f"fp32 {t}x{e} {base}", gate_inputs, v2_fwd,
-                           lambda x, b: v2_fwd(R, x, b), ("tk2",), exact=False, quick=quick))
+                           lambda x, b: v2_fwd(R, x, b), ("tk2",), exact=False, quick=quick,
+                           io=lambda t, e=e: gate_io(t, e)))
         specs.append(_Spec("moe_topk_gate_forward", lambda t, e=e: f"fp32 {t}x{e} {base} -> scores",
                            gate_inputs, v2_fwd_train, lambda x, b: v2_fwd_train(R, x, b), ("tk2",), exact=False,
-                           quick=quick))
+                           quick=quick, io=lambda t, e=e: gate_io(t, e, scores=True)))
         if quick:
             specs.append(_Spec("moe_topk_gate", lambda t, e=e: f"fp32 {t}x{e} {base} (alias)", gate_inputs,
                                lambda ns, x, b: ns.moe_topk_gate(x, TOPK, False, 0, RSF, 0, "sqrtsoftplus", bias=b),
-                               lambda x, b: v2_fwd(R, x, b), ("tk2",), exact=False, tokens=(), quick=True))
+                               lambda x, b: v2_fwd(R, x, b), ("tk2",), exact=False, tokens=(), quick=True,
+                               io=lambda t, e=e: gate_io(t, e)))
 
         for aux in (False, True):
             def bwd_inputs(t, h, d, e=e, aux=aux, gate_inputs=gate_inputs):
@@ -197,11 +235,14 @@ def _specs() -> list[_Spec]:
                                         + (" + aux (1 seq)" if aux else ""),
                 bwd_inputs, lambda ns, *a: ns.moe_topk_gate_backward(*a[:4], RSF, "sqrtsoftplus", *a[4:]),
                 lambda *a: R.moe_topk_gate_backward(*a[:4], RSF, "sqrtsoftplus", *a[4:]), ("tk2",), exact=False,
-                quick=quick))
+                quick=quick, io=lambda t, e=e, aux=aux: (
+                    [((t, e), F32), ((t, TOPK), I64), ((t, TOPK), F32), ((t, TOPK), F32)]
+                    + ([((t,), torch.bool), ((1, e), F32)] if aux else []), [((t, e), F32)])))
 
     specs.append(_Spec(
         "normalize_weight", lambda t: f"fp32 {t}x{TOPK}", lambda t, h, d: (torch.rand(t, TOPK, device=d),),
-        lambda ns, w: ns.normalize_weight(w), R.normalize_weight, ("tk2", "tk1"), check=close))
+        lambda ns, w: ns.normalize_weight(w), R.normalize_weight, ("tk2", "tk1"), check=close,
+        io=lambda t: ([((t, TOPK), F32)], [((t,), F32), ((t, TOPK), F32)])))
 
     # --- fused layout (moe.md 1.5, 2.5-2.8) ---------------------------------------------------------------------
     def idx_of(t, ranks, d):
@@ -229,9 +270,15 @@ def _specs() -> list[_Spec]:
                 bound = (idx.numel() + (ALIGN - 1) * local) // ALIGN * ALIGN  # what a caller that cannot sync passes
                 return ns.get_fused_mapping(idx, local, bound, ALIGN, True)
 
+            def gfm_io(t, ranks=ranks, sync=sync):
+                """Seven maps: three of the N fused rows, the (T, K) slot map, three per local expert."""
+                local = EXPERTS // ranks
+                n = fused_rows(t, ranks, ALIGN) if sync else (t * TOPK + (ALIGN - 1) * local) // ALIGN * ALIGN
+                return [((t, TOPK), I64)], [((n,), I32)] * 3 + [((t, TOPK), I32)] + [((local,), I32)] * 3
+
             specs.append(_Spec("get_fused_mapping",
                                lambda t, ep=ep, flag=flag: f"int64 {t}x{TOPK} ({ep}) align{ALIGN} {flag}",
-                               gfm_make, gfm, lambda idx, gfm=gfm: gfm(R, idx), check=fused_check))
+                               gfm_make, gfm, lambda idx, gfm=gfm: gfm(R, idx), check=fused_check, io=gfm_io))
 
         def etf_make(t, h, d, ranks=ranks):
             _, _, _, maps = fused_maps(t, ranks, d, ALIGN)
@@ -239,7 +286,9 @@ def _specs() -> list[_Spec]:
 
         specs.append(_Spec(
             "expand_to_fused", lambda t, ep=ep: f"bf16 {t}x{HIDDEN} -> fused rows (top{TOPK}, {ep}, align{ALIGN})",
-            etf_make, lambda ns, x, tt2p, p2e: ns.expand_to_fused(x, tt2p, p2e), R.expand_to_fused))
+            etf_make, lambda ns, x, tt2p, p2e: ns.expand_to_fused(x, tt2p, p2e), R.expand_to_fused,
+            io=lambda t, ranks=ranks: (lambda n: ([((t, HIDDEN), BF16), ((t, TOPK), I32), ((n,), I32)],
+                                                  [((n, HIDDEN), BF16)]))(fused_rows(t, ranks, ALIGN))))
 
         for col in (False, True):
             layout = "col ue8m0 sf (int32)" if col else "row fp32 sf"
@@ -256,7 +305,8 @@ def _specs() -> list[_Spec]:
                 lambda t, ep=ep, layout=layout: f"e4m3 pair {t}x{HIDDEN} npc128 {layout} -> fused rows "
                                                 f"(top{TOPK}, {ep}, align{ALIGN})",
                 etfsf_make, lambda ns, x, tt2p, p2e, col=col: ns.expand_to_fused_with_sf(x, 128, tt2p, p2e, col),
-                lambda x, tt2p, p2e, col=col: R.expand_to_fused_with_sf(x, 128, tt2p, p2e, col)))
+                lambda x, tt2p, p2e, col=col: R.expand_to_fused_with_sf(x, 128, tt2p, p2e, col),
+                io=lambda t, ranks=ranks, col=col: expand_sf_io(t, fused_rows(t, ranks, ALIGN), col)))
 
         for fp8 in (False, True):
             def rf_make(t, h, d, ranks=ranks, fp8=fp8):
@@ -280,7 +330,8 @@ def _specs() -> list[_Spec]:
                 desc = "bf16, weighted -> bf16"
             specs.append(_Spec(
                 "reduce_fused", lambda t, ep=ep, desc=desc: f"fused rows -> {t}x{HIDDEN} (top{TOPK}, {ep}, align1) "
-                                                            f"{desc}", rf_make, call, ref))
+                                                            f"{desc}", rf_make, call, ref,
+                io=lambda t, ranks=ranks, fp8=fp8: reduce_io(t, fused_rows(t, ranks, 1), fp8)))
 
         # --- counting utilities and EP/TP masking (moe.md 2.9-2.12) -------------------------------------------------
         def idx_make(t, h, d, ranks=ranks):
@@ -290,11 +341,13 @@ def _specs() -> list[_Spec]:
         specs.append(_Spec(
             "aux_fi", lambda t, ep=ep: f"int64 {t}x{TOPK} ({ep}) num_aux_topk {TOPK}", idx_make,
             lambda ns, idx, local=local: ns.aux_fi(idx, local, TOPK),
-            lambda idx, local=local: R.aux_fi(idx, local, TOPK), exact=False))
+            lambda idx, local=local: R.aux_fi(idx, local, TOPK), exact=False,
+            io=lambda t, local=local: ([((t, TOPK), I64)], [((local,), F32)])))
         specs.append(_Spec(
             "group_count", lambda t, ep=ep: f"int64 {t}x{TOPK} ({ep})", idx_make,
             lambda ns, idx, local=local: ns.group_count(idx, local),
-            lambda idx, local=local: R.group_count(idx, local)))
+            lambda idx, local=local: R.group_count(idx, local),
+            io=lambda t, local=local: ([((t, TOPK), I64)], [((local,), I32)])))
 
         def groups_make(t, h, d, ranks=ranks):
             """Group ids of the draw (8 groups of 32 of the 256 experts; the receive side's local ids are group 0,
@@ -308,27 +361,23 @@ def _specs() -> list[_Spec]:
 
         specs.append(_Spec(
             "inplace_unique_group_indices", lambda t, ep=ep: f"int64 {t}x{TOPK} group ids ({ep}) 8 groups, in place",
-            groups_make, unique, lambda g: unique(R, g), in_place=True))
+            groups_make, unique, lambda g: unique(R, g), in_place=True, io=slots_io))
 
     specs.append(_Spec(
         "mask_indices_by_tp", lambda t: f"int64 {t}x{TOPK} ({_EP[1]}) n 256 ep{EP_RANKS} tp 1/2",
         lambda t, h, d: (idx_of(t, 1, d)[2],),
         lambda ns, idx: ns.mask_indices_by_tp(idx, EXPERTS, EP_RANKS, 1, 2),
-        lambda idx: R.mask_indices_by_tp(idx, EXPERTS, EP_RANKS, 1, 2)))
+        lambda idx: R.mask_indices_by_tp(idx, EXPERTS, EP_RANKS, 1, 2), io=slots_io))
     return specs
 
 
-def selected(name: str, ops) -> bool:
-    return not ops or any(o in (name, "moe") for o in ops)
-
-
-def quick_cases(ops=None) -> list:
+def quick_cases() -> list[Case]:
     """The ``--quick`` rows: every MoE op and flag set at T = 8192, 256 experts."""
-    cases = [s.case(QUICK_TOKENS) for s in _specs() if s.quick and selected(s.name, ops)]
+    cases = [s.case(QUICK_TOKENS) for s in _specs() if s.quick]
     return sorted(cases, key=lambda c: OPS.index(c.name))  # stable: one op's rows together
 
 
-def grid_cases(ops=None) -> list:
+def grid_cases() -> list[Case]:
     """The grid rows: every MoE case at T in ``TOKENS`` (the gates also at 72 and 384 experts)."""
-    cases = [s.case(t) for s in _specs() if selected(s.name, ops) for t in s.tokens]
+    cases = [s.case(t) for s in _specs() for t in s.tokens]
     return sorted(cases, key=lambda c: OPS.index(c.name))
