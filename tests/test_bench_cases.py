@@ -37,6 +37,7 @@ COUNTED = {
     "batched_transpose_weight_sf": 6,         # 2 weights: sf, sf0_out, sf1_out each
     "swiglu_forward_and_per_token_cast": 5,   # x, out, sf (quant.md 7.3) + the routing map and weights (0.1 MB)
     "norm_forward": 3,                        # x, weight, out
+    "randn": 1,                               # the output (its one input is the device)
     "norm_forward_and_per_token_cast": 4,     # x, weight, out, sf
     "norm_backward": 6,                       # out_grad, x, weight, rstd, x_grad, weight_grad
     "per_token_cast_and_cast_back": 2,        # x read, x written in place
