@@ -128,6 +128,29 @@ def test_no_import_circles_in_tilefuse():
     assert not found, "import circles in tilefuse:\n  " + "\n  ".join(found)
 
 
+def kernel_modules(root: Path = ROOT) -> list[str]:
+    """``tilefuse._jit.KERNEL_MODULES``, read from the source."""
+    tree = ast.parse((root / PACKAGE / "_jit.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "KERNEL_MODULES" for t in node.targets):
+            return list(ast.literal_eval(node.value))
+    raise AssertionError("tilefuse/_jit.py defines no KERNEL_MODULES")
+
+
+def test_kernel_modules_never_import_their_areas_public_modules():
+    """A kernel module imports neither its area's package nor a module the area's ``__init__`` imports (the
+    public ops): checks both need live below both (``tilefuse/_check.py``, an area's ``_checks.py``)."""
+    graph = import_graph()
+    kernels = kernel_modules()
+    assert "tilefuse.moe._moe_gate_kernel" in kernels
+    wrong = []
+    for mod in kernels:
+        area = mod.rpartition(".")[0]
+        public = {area} | graph[area]
+        wrong += [f"{mod} -> {m}" for m in sorted(graph[mod] & public)]
+    assert not wrong, "kernel modules importing their area's public modules:\n  " + "\n  ".join(wrong)
+
+
 # ----------------------------------------------------------------------------------------------------
 # The checker itself, on packages written for the test
 # ----------------------------------------------------------------------------------------------------

@@ -645,7 +645,7 @@ print("no error")
 @pytest.mark.parametrize("case", ("forward_nan", "forward_inf_fixed", "forward_fixed_range", "forward_count",
                                   "forward_ok", "backward_low", "backward_high", "backward_wrap", "backward_ok"))
 def test_data_rules_assert_on_device(case):
-    """moe.md §2.13 step 11 / §2.14 (ops.py's _assert_gate_data rules): the kernels' device-side assertions
+    """moe.md §2.13 step 11 / §2.14 (the rules of tilefuse/moe/_checks.py): the kernels' device-side assertions
     (a child process each: a device assert leaves the CUDA context unusable); the *_ok cases run clean."""
     import os
     import subprocess

@@ -43,6 +43,7 @@ import torch
 
 from tilefuse import _jit, _native, _ops
 from tilefuse._launch import aligned, placeholder
+from tilefuse.moe import _checks as checks
 
 _WARPS = 4                       # tokens per CTA (one warp each)
 _EPS = 1e-20                     # weight-denominator epsilon (§2.13 step 6, §2.14)
@@ -771,10 +772,9 @@ def moe_topk_gate_forward_cuda(logits, num_topk, use_shared_as_routed, num_share
     if rows == 0:
         return topk_idx, topk_weights
     if logits.size(1) > _MAX_EXPERTS:
-        from tilefuse.moe import ops
         from tilefuse.reference import moe as ref
 
-        ops.check_gate_forward_data(logits, width, mask, fix_routing_mask, unmapped_topk_idx, logical_count,
+        checks.check_gate_forward_data(logits, width, mask, fix_routing_mask, unmapped_topk_idx, logical_count,
                                     force_random)
         return ref.moe_topk_gate_forward(logits, num_topk, use_shared_as_routed, num_shared_experts,
                                          routed_scaling_factor, ep_rank, scoring_func, mask, bias, image_bias,
@@ -832,8 +832,7 @@ def moe_topk_gate_backward_cuda(scores, topk_idx, topk_weights, grad_topk_weight
     if experts > _MAX_EXPERTS:
         from tilefuse.reference import moe as ref
 
-        torch._assert_async(((topk_idx >= -1) & (topk_idx < experts)).all(),
-                            f"moe_topk_gate_backward: topk_idx must be -1 or in [0, {experts})")
+        checks.check_gate_backward_data(topk_idx, experts)
         return ref.moe_topk_gate_backward(scores, topk_idx, topk_weights, grad_topk_weights, routed_scaling_factor,
                                           scoring_func, mask, grad_scores_sum, out)
     if topk_idx.size(1) == 0:                          # no routed slot: one -1 slot contributes nothing

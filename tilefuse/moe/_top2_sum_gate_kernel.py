@@ -23,7 +23,7 @@ its kernels and nvcc could fuse the kernel's product into the next addition (sof
 multiply, the reference adds stored exp values), the addition is ``__fadd_rn``. The data rules of §2.2
 step 13 are device assertions: finite logits of unmasked tokens, fixed routes in ``[0, E_r)``, replica
 counts >= 1 (the count vector spread over the grid's threads); the reference fallback checks them with
-the public op's ``_assert_gate_data``. Static config: ``(E, K, G, TG, S, scoring, mask, fix, unmapped,
+``_checks.check_top2_sum_gate_data``. Static config: ``(E, K, G, TG, S, scoring, mask, fix, unmapped,
 map)``; the token count and the optional tensors' sizes are symbolic, the scaling factor and ranks are
 kernel scalars. Absent optional tensors are passed as a cached one-element dummy and never read.
 """
@@ -32,6 +32,7 @@ import torch
 
 from tilefuse import _jit, _ops
 from tilefuse._launch import aligned, placeholder
+from tilefuse.moe import _checks as checks
 
 WARPS = 4                 # tokens (warps) per CTA
 MAX_EXPERTS = 1024        # lanes hold up to 32 experts each; larger E falls back to the reference
@@ -411,11 +412,8 @@ def top2_sum_gate_launch(logits, bias, num_topk, num_topk_groups, num_groups, us
     cfg = gate_config(logits, num_topk, num_topk_groups, num_groups, S, scoring, mask, fix_routing_mask,
                       unmapped_topk_idx, to_physical_map)
     if not supported(cfg) or num_tp_ranks * ranks_p >= 2**31:
-        from tilefuse.moe import ops
-
         # the kernel checks the data rules itself (device_assert); the reference does not
-        checked = torch.ones(rows, dtype=torch.bool, device=device) if mask is None else mask.reshape(rows)
-        ops._assert_gate_data("top2_sum_gate", logits, checked, fix_routing_mask, unmapped_topk_idx, logical_count)
+        checks.check_top2_sum_gate_data(logits, mask, fix_routing_mask, unmapped_topk_idx, logical_count)
         return ref.top2_sum_gate(logits, bias, num_topk, num_topk_groups, num_groups, use_shared_as_routed,
                                  num_shared_experts, routed_scaling_factor, ep_rank, num_ep_ranks, tp_rank,
                                  num_tp_ranks, scoring_func, mask, fix_routing_mask, to_physical_map,

@@ -15,6 +15,7 @@ import torch
 
 from tilefuse import _check, formats
 from tilefuse._registry import public
+from tilefuse.moe import _checks as checks
 from tilefuse.moe import _count_kernel as _CK
 from tilefuse.moe import _mapping_kernel as _MK
 from tilefuse.moe import _moe_gate_kernel as _GK
@@ -46,11 +47,6 @@ MAX_FUSED_EXPERTS = 1024      # get_fused_mapping: E <= 1024
 MAX_UNIQUE_GROUPS = 128       # inplace_unique_group_indices: num_groups <= 128
 MAX_GROUPS = 32               # group-limited routing / topk_sum_and_topk_group_idx: G <= 32
 INT64, INT32, FP32, BOOL = torch.int64, torch.int32, torch.float32, torch.bool
-
-
-def _assert_data(cond: torch.Tensor, op: str, message: str) -> None:
-    """Data-dependent check (a device-side assertion upstream): RuntimeError on CPU, no host sync on CUDA."""
-    torch._assert_async(cond.all(), f"{op}: {message}")
 
 
 def _num_shared(op: str, use_shared_as_routed, num_shared_experts) -> int:
@@ -93,38 +89,6 @@ def _check_fixed_routing(op: str, fix_routing_mask, unmapped_topk_idx, rows: int
         _check.expect(unmapped_topk_idx is not None, op, "fix_routing_mask requires unmapped_topk_idx")
         _check.tensor(op, "fix_routing_mask", fix_routing_mask, dtype=BOOL, shape=(rows,), contiguous=True,
                       device=device)
-
-
-def _row_flags(flags, rows: int, device) -> torch.Tensor:
-    return torch.ones(rows, dtype=BOOL, device=device) if flags is None else flags.reshape(rows)
-
-
-def _assert_gate_data(op: str, logits, checked_rows, fix_routing_mask, unmapped_topk_idx, logical_count) -> None:
-    """The gates' device assertions (§2.2 step 13, §2.13 step 11): finite logits of every checked row,
-    fixed routes inside [0, E_r), replica counts >= 1."""
-    _assert_data(torch.isfinite(logits) | ~checked_rows[:, None], op, "logits contain nan or inf")
-    if fix_routing_mask is not None:
-        fixed = checked_rows & fix_routing_mask
-        inside = (unmapped_topk_idx >= 0) & (unmapped_topk_idx < logits.size(1))
-        _assert_data(inside | ~fixed[:, None], op,
-                     f"unmapped_topk_idx of fixed-routing tokens must be in [0, {logits.size(1)})")
-    if logical_count is not None:
-        _assert_data(logical_count >= 1, op, "logical_count must be >= 1 for every logical expert")
-
-
-def check_gate_forward_data(logits, width: int, mask, fix_routing_mask, unmapped_topk_idx, logical_count,
-                            force_random) -> None:
-    """moe_topk_gate_forward's data rules as torch assertions (the reference paths; the kernel asserts them on the
-    device): those of ``_assert_gate_data`` for rows neither masked nor random, and with ``force_random`` enough
-    replicas for ``width`` distinct draws."""
-    op = "moe_topk_gate_forward"
-    checked = _row_flags(mask, logits.size(0), logits.device)
-    if force_random is not None:
-        checked = checked & ~force_random
-        if logical_count is not None:
-            _assert_data(logical_count.to(INT64).sum() >= width, op,
-                         f"force_random needs sum(logical_count) >= num_topk + num_shared_experts ({width})")
-    _assert_gate_data(op, logits, checked, fix_routing_mask, unmapped_topk_idx, logical_count)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -236,7 +200,7 @@ def top2_sum_gate(logits, bias, num_topk, num_topk_groups, num_groups, use_share
                                       num_shared_experts, routed_scaling_factor, ep_rank, num_ep_ranks, tp_rank,
                                       num_tp_ranks, scoring_func, mask, fix_routing_mask, to_physical_map,
                                       logical_count, unmapped_topk_idx)
-    _assert_gate_data(op, logits, _row_flags(mask, rows, device), fix_routing_mask, unmapped_topk_idx, logical_count)
+    checks.check_top2_sum_gate_data(logits, mask, fix_routing_mask, unmapped_topk_idx, logical_count)
     return ref.top2_sum_gate(logits, bias, num_topk, num_topk_groups, num_groups, use_shared_as_routed,
                              num_shared_experts, routed_scaling_factor, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks,
                              scoring_func, mask, fix_routing_mask, to_physical_map, logical_count, unmapped_topk_idx)
@@ -306,7 +270,8 @@ def moe_topk_gate_forward(logits, num_topk, use_shared_as_routed, num_shared_exp
                                               routed_scaling_factor, ep_rank, scoring_func, mask, bias, image_bias,
                                               image_token_mask, fix_routing_mask, to_physical_map, logical_count,
                                               unmapped_topk_idx, out, force_random=force_random, scores=scores)
-    check_gate_forward_data(logits, width, mask, fix_routing_mask, unmapped_topk_idx, logical_count, force_random)
+    checks.check_gate_forward_data(logits, width, mask, fix_routing_mask, unmapped_topk_idx, logical_count,
+                                   force_random)
     return ref.moe_topk_gate_forward(logits, num_topk, use_shared_as_routed, num_shared_experts, routed_scaling_factor,
                                      ep_rank, scoring_func, mask, bias, image_bias, image_token_mask, fix_routing_mask,
                                      to_physical_map, logical_count, unmapped_topk_idx, out,
@@ -362,7 +327,7 @@ def moe_topk_gate_backward(scores, topk_idx, topk_weights, grad_topk_weights, ro
     if scores.is_cuda:  # the kernel asserts the index range on the device
         return _GK.moe_topk_gate_backward_cuda(scores, topk_idx, topk_weights, grad_topk_weights,
                                                routed_scaling_factor, scoring_func, mask, grad_scores_sum, out)
-    _assert_data((topk_idx >= -1) & (topk_idx < num_routed), op, f"topk_idx must be -1 or in [0, {num_routed})")
+    checks.check_gate_backward_data(topk_idx, num_routed)
     return ref.moe_topk_gate_backward(scores, topk_idx, topk_weights, grad_topk_weights, routed_scaling_factor,
                                       scoring_func, mask, grad_scores_sum, out)
 
@@ -402,23 +367,9 @@ def get_fused_mapping(topk_idx: torch.Tensor, num_experts: int, num_expanded_tok
         _check.integer(op, "num_sms", num_sms, min=1)
     if topk_idx.is_cuda and num_sms is None:  # the kernels assert both data rules on the device
         return _MK.get_fused_mapping_cuda(topk_idx, num_experts, num_expanded_tokens, alignment, force_no_sync)
-    check_fused_mapping_data(topk_idx, num_experts, num_expanded_tokens, alignment, force_no_sync)
+    checks.check_fused_mapping_data(topk_idx, num_experts, num_expanded_tokens, alignment, force_no_sync)
     # CPU, and upstream's worker order (num_sms) on any device: the reference
     return ref.get_fused_mapping(topk_idx, num_experts, num_expanded_tokens, alignment, force_no_sync, num_sms=num_sms)
-
-
-def check_fused_mapping_data(topk_idx, num_experts: int, num_expanded_tokens: int, alignment: int,
-                             force_no_sync: bool) -> None:
-    """get_fused_mapping's data rules as torch assertions (the reference paths): entries in [-1, E), and a given
-    ``num_expanded_tokens`` holds every aligned segment."""
-    op = "get_fused_mapping"
-    _assert_data((topk_idx >= -1) & (topk_idx < num_experts), op,
-                 f"topk_idx entries must be -1 or in [0, {num_experts})")
-    if num_expanded_tokens or force_no_sync:
-        counts = ref.group_count(topk_idx, num_experts).to(INT64)
-        needed = ((counts + alignment - 1) // alignment * alignment).sum()
-        _assert_data(needed <= num_expanded_tokens, op,
-                     f"num_expanded_tokens ({num_expanded_tokens}) must hold every aligned expert segment")
 
 
 def _check_expand_maps(op: str, rows: int, token_topk_to_pos, pos_to_expert, device) -> None:
@@ -427,7 +378,8 @@ def _check_expand_maps(op: str, rows: int, token_topk_to_pos, pos_to_expert, dev
     _check.tensor(op, "pos_to_expert", pos_to_expert, dtype=INT32, ndim=1, contiguous=True, device=device)
     size = pos_to_expert.numel()
     if not token_topk_to_pos.is_cuda:  # the CUDA kernels assert it on the device
-        _assert_data(token_topk_to_pos < size, op, f"token_topk_to_pos entries must be < len(pos_to_expert) = {size}")
+        checks.assert_data(token_topk_to_pos < size, op,
+                           f"token_topk_to_pos entries must be < len(pos_to_expert) = {size}")
 
 
 @public("moe", path="kernel")
@@ -503,7 +455,7 @@ def reduce_fused(x, topk_weights, token_topk_to_pos, fp8_format: str = "", sf=No
     _check.optional(op, "out", out, dtype=out_dtype, shape=(rows, hidden), device=device)
     if data.is_cuda:  # the kernel asserts token_topk_to_pos < x rows on the device
         return _SH.reduce_fused_cuda(x, topk_weights, token_topk_to_pos, fp8_format, sf, out)
-    _assert_data(token_topk_to_pos < size, op, f"token_topk_to_pos entries must be < x rows ({size})")
+    checks.assert_data(token_topk_to_pos < size, op, f"token_topk_to_pos entries must be < x rows ({size})")
     return ref.reduce_fused(x, topk_weights, token_topk_to_pos, fp8_format, sf, out=out)
 
 
@@ -520,7 +472,8 @@ def aux_fi(topk_idx: torch.Tensor, num_experts: int, num_aux_topk: int) -> torch
     _check.integer(op, "num_aux_topk", num_aux_topk, min=1)
     if topk_idx.is_cuda:  # the kernel asserts the data rule on the device
         return _CK.aux_fi_cuda(topk_idx, num_experts, num_aux_topk)
-    _assert_data((topk_idx >= -1) & (topk_idx < num_experts), op, f"topk_idx entries must be in [-1, {num_experts})")
+    checks.assert_data((topk_idx >= -1) & (topk_idx < num_experts), op,
+                       f"topk_idx entries must be in [-1, {num_experts})")
     return ref.aux_fi(topk_idx, num_experts, num_aux_topk)
 
 
@@ -532,7 +485,8 @@ def group_count(group_idx: torch.Tensor, num_groups: int) -> torch.Tensor:
     _check.integer(op, "num_groups", num_groups, min=1)
     if group_idx.is_cuda:
         return _CK.group_count_cuda(group_idx, num_groups)
-    _assert_data((group_idx >= -1) & (group_idx < num_groups), op, f"group_idx entries must be in [-1, {num_groups})")
+    checks.assert_data((group_idx >= -1) & (group_idx < num_groups), op,
+                       f"group_idx entries must be in [-1, {num_groups})")
     return ref.group_count(group_idx, num_groups)
 
 
@@ -545,7 +499,7 @@ def inplace_unique_group_indices(group_indices: torch.Tensor, num_groups: int) -
     if group_indices.is_cuda:
         return _CK.inplace_unique_group_indices_cuda(group_indices, num_groups)
     limit = formats.align(num_groups, 64)
-    _assert_data(group_indices < limit, op, f"group_indices entries must be < align(num_groups, 64) = {limit}")
+    checks.assert_data(group_indices < limit, op, f"group_indices entries must be < align(num_groups, 64) = {limit}")
     ref.inplace_unique_group_indices(group_indices, num_groups)
 
 
