@@ -518,19 +518,6 @@ def test_backward_scores_of_every_magnitude():
 
 
 @pytest.mark.gpu
-def test_backward_phi_fast_knob_gpu(knob_kernels):
-    """The other derivative schedule (BWD_PHI_FAST) gives the same bits, scores of every magnitude too
-    (compiled here)."""
-    knob_kernels(G, {"BWD_PHI_FAST": not G.BWD_PHI_FAST})
-    test_backward_scores_of_every_magnitude()
-    for aux in (False, True):
-        for rows in (1, 4001):
-            for experts, k in SHAPES:
-                test_backward_matches_reference(rows, experts, k, aux)
-        test_backward_odd_shapes(30, 3, aux)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("min_blocks", [0, 6])
 def test_backward_min_blocks_knob_gpu(min_blocks, knob_kernels):
     """The other register caps (BWD_MIN_BLOCKS; 0: none) give the same bits (compiled here)."""

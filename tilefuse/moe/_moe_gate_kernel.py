@@ -50,7 +50,6 @@ _EPS = 1e-20                     # weight-denominator epsilon (§2.13 step 6, §
 _REPLICA_STRIDE = 23333          # replica choice (§2.13 step 9)
 _MAX_EXPERTS = 1024             # wider rows (registers: E / 32 per lane) run the reference (no host sync)
 BWD_MIN_BLOCKS = 8               # backward, rows <= 256: __launch_bounds__(128, n), 512 / n registers (0: none)
-BWD_PHI_FAST = True              # backward with aux: the row's derivatives by tfg_ssp_grad32_fast (one branch a lane)
 _FLAGS = ("bias", "fix", "image", "map", "mask", "random", "scores", "unmapped")   # forward's optional inputs
 
 _HELPERS = r"""
@@ -139,7 +138,7 @@ __device__ __forceinline__ float tfg_ssp_grad32(float u) {
   if (u < 8.673617379884035e-19f) return __fmul_rn(u, 0.5f);
   return __fdiv_rn(-expm1f(-__fmul_rn(u, u)), __fmul_rn(2.0f, u));
 }
-// BWD_PHI_FAST: the same value with IEEE division's fast path inline (the reciprocal, one Newton step and one
+// The same value with IEEE division's fast path inline (the reciprocal, one Newton step and one
 // remainder correction: the instructions nvcc emits for __fdiv_rn ahead of its range check) and no branch, for
 // 2^-40 <= u <= 2^40, where every intermediate is a normal number and __fdiv_rn takes that path too;
 // tfg_ssp_fast_ok(u) says where it holds (also for u <= 0 and NaN, whose derivative is 0 either way).
@@ -530,18 +529,19 @@ def gate_backward_kernel(num_experts: int, num_topk: int, aux: bool):
                     if Mask[t] != 0:
                         inv = f64("__ddiv_rn", T.float64(1.0), su)
                     ai = f64("__dmul_rn", ah, inv)
-                    if BWD_PHI_FAST:
-                        fast_ok = 1
+                    # the row's derivatives by the inline fast path, or all by tfg_ssp_grad32 where a score of
+                    # the lane lies outside its range (one branch a lane, not one an element)
+                    fast_ok = 1
+                    for i in T.unroll(NV):
+                        ph[i] = T.call_extern("float32", "tfg_ssp_grad32_fast", u[i])
+                        fast_ok = fast_ok & T.call_extern("int32", "tfg_ssp_fast_ok", u[i])
+                    if fast_ok == 0:
                         for i in T.unroll(NV):
-                            ph[i] = T.call_extern("float32", "tfg_ssp_grad32_fast", u[i])
-                            fast_ok = fast_ok & T.call_extern("int32", "tfg_ssp_fast_ok", u[i])
-                        if fast_ok == 0:
-                            for i in T.unroll(NV):
-                                ph[i] = T.call_extern("float32", "tfg_ssp_grad32", u[i])
+                            ph[i] = T.call_extern("float32", "tfg_ssp_grad32", u[i])
                     for c in T.unroll(NC):
                         for j in T.unroll(4):
                             raw[j] = T.call_extern("float32", "__double2float_rn", f64(
-                                "__dmul_rn", T.Cast("float64", ph[c * 4 + j]) if BWD_PHI_FAST else phi(u[c * 4 + j]),
+                                "__dmul_rn", T.Cast("float64", ph[c * 4 + j]),
                                 f64("__dadd_rn", T.float64(0.0), aux_term(hv[c * 4 + j], ai, inv))))
                         store_chunk(Out, raw, t, c, lane)
                 else:
