@@ -35,9 +35,6 @@ from tilefuse import _jit, _ops
 from tilefuse._launch import aligned
 
 # Tuning knobs (TILEFUSE_KNOBS; read when a kernel is built; results never depend on them).
-# PDL: programmatic dependent launch, as in tilefuse.quant._cast_back_kernel: each kernel's first statement waits
-# for the stream's previous grid (griddepcontrol.wait), so its launch overlaps that grid's tail.
-PDL = True
 THREADS = 128       # threads of an expand CTA (fewer when a row has fewer vectors)
 UNROLL_MAX = 8      # vectors per thread before a row is split over more CTAs
 ZERO_ROWS = 8       # positions checked by one zeroing CTA of expand
@@ -109,8 +106,7 @@ def expand_kernel(word_bytes: int, row_words: int, num_topk: int, sf_mode: str =
     @T.macro
     def body(X, TTP, PTE, Y, SF, OSF):
         with T.Kernel(Tn + T.ceildiv(N, ZR), gy, threads=threads) as (bx, by):
-            if PDL:
-                T.pdl_sync()
+            T.pdl_sync()  # programmatic dependent launch: the launch overlaps the stream's previous grid's tail
             tid = T.get_thread_binding()
             raw = T.alloc_local((unroll * vec,), wdt)
             pos = T.alloc_local((K,), "int32")
@@ -297,8 +293,7 @@ def reduce_kernel(in_dtype: str, out_dtype: str, hidden: int, num_topk: int, wit
                      W: T.Tensor((Tn, K), "float32"), TTP: T.Tensor((Tn, K), "int32"),
                      SF: T.Tensor((NS,), "float32"), Y: T.Tensor((Tn, hidden), out_dtype)):
         with T.Kernel(Tn, gy, threads=tx) as (bx, by):
-            if PDL:
-                T.pdl_sync()
+            T.pdl_sync()  # programmatic dependent launch: the launch overlaps the stream's previous grid's tail
             tid = T.get_thread_binding()
             pos = T.alloc_local((K,), "int32")
             ok = T.alloc_local((K,), "bool")
