@@ -81,7 +81,7 @@ def _expand_model(data, sf, npc, ttp, pte, col):
         st, out_sf = K._sf_out(sf, size, col)
         st.view(torch.uint8).fill_(0xA5)
         words, keep = K._sf_layout(sf, npc, hidden)
-        j = torch.arange(K._cdiv(words, threads) * threads)
+        j = torch.arange(formats.cdiv(words, threads) * threads)
         j = j[j < words]
         src = sf.view(torch.int32)[:, j]
         if keep:
@@ -98,7 +98,7 @@ def _expand_model(data, sf, npc, ttp, pte, col):
             else:
                 stw[p[:, None], j[None, :]] = src[t[sel]]
     zr = K.ZERO_ROWS
-    p = torch.arange(K._cdiv(size, zr) * zr)                                 # zeroing CTAs
+    p = torch.arange(formats.cdiv(size, zr) * zr)                                 # zeroing CTAs
     p = p[p < size]
     p = p[pte[p] < 0]
     yw[p[:, None], cols[None, :]] = 0

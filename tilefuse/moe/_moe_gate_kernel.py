@@ -41,13 +41,12 @@ outputs agree to one fp32 ulp plus that plus the fp32 derivative's 2^-22 (the te
 
 import torch
 
-from tilefuse import _jit, _native, _ops
+from tilefuse import _jit, _native, _ops, formats
 from tilefuse._launch import aligned, placeholder
 from tilefuse.moe import _checks as checks
+from tilefuse.reference import moe as ref
 
 _WARPS = 4                       # tokens per CTA (one warp each)
-_EPS = 1e-20                     # weight-denominator epsilon (§2.13 step 6, §2.14)
-_REPLICA_STRIDE = 23333          # replica choice (§2.13 step 9)
 _MAX_EXPERTS = 1024             # wider rows (registers: E / 32 per lane) run the reference (no host sync)
 BWD_MIN_BLOCKS = 8               # backward, rows <= 256: __launch_bounds__(128, n), 512 / n registers (0: none)
 _FLAGS = ("bias", "fix", "image", "map", "mask", "random", "scores", "unmapped")   # forward's optional inputs
@@ -89,7 +88,7 @@ __device__ __forceinline__ double tfg_butterfly32_f64(double v) {   // lane l ad
 }
 __device__ __forceinline__ long long tfg_none() { return (long long)(1ull << 63); }   // below every key
 __device__ __forceinline__ int tfg_replica(int seed_lo, int t, int count) {   // floor mod of the int32 wrap
-  int base = (int)((unsigned)seed_lo + (unsigned)t * 23333u);
+  int base = (int)((unsigned)seed_lo + (unsigned)t * REPLICA_STRIDEu);
   int c = count > 0 ? count : 1;
   int d = base % c;
   return d < 0 ? d + c : d;
@@ -153,11 +152,7 @@ __device__ __forceinline__ float tfg_ssp_grad32_fast(float u) {
 __device__ __forceinline__ int tfg_ssp_fast_ok(float u) {
   return !(u > 0.0f) || (u >= 9.094947017729282e-13f && u <= 1099511627776.0f);
 }
-"""
-
-
-def _chunks(num_experts: int) -> int:
-    return -(-num_experts // 128)
+""".replace("REPLICA_STRIDE", str(ref.REPLICA_STRIDE))   # the reference's constant, written once
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -174,7 +169,7 @@ def gate_forward_kernel(num_experts: int, num_topk: int, num_shared: int, flags:
     W = K + S
     fl = set(filter(None, flags.split(",")))
     assert fl <= set(_FLAGS) and E % 4 == 0 and E <= _MAX_EXPERTS and 1 <= K <= min(E, 32) and W <= 32
-    NC = _chunks(E)
+    NC = formats.cdiv(E, 128)
     NV = NC * 4
     ragged = E % 128 != 0                                 # the last chunk does not cover every lane
     NL = E + S                                            # rows of the physical map / count
@@ -342,7 +337,7 @@ def gate_forward_kernel(num_experts: int, num_topk: int, num_shared: int, flags:
                         usel = T.float32(0.0)
                     # weights (§2.13 step 6): butterfly sum, + 1e-20, u / den * rho; shared slots weight 1
                     den = T.call_extern("float32", "__fadd_rn", T.call_extern("float32", "tfg_butterfly32", usel),
-                                        T.float32(_EPS))
+                                        T.float32(ref.EPS))
                     weight = T.call_extern("float32", "__fmul_rn",
                                            T.call_extern("float32", "__fdiv_rn", usel, den), rho)
                     logical = sel
@@ -398,7 +393,7 @@ def gate_backward_kernel(num_experts: int, num_topk: int, aux: bool):
 
     E, K = num_experts, num_topk
     assert 1 <= K <= min(E, 32) and E <= _MAX_EXPERTS
-    NC = _chunks(E)
+    NC = formats.cdiv(E, 128)
     NV = NC * 4
     ragged = E % 128 != 0
     vec = E % 4 == 0                                      # 16-byte row accesses; else element by element
@@ -494,7 +489,7 @@ def gate_backward_kernel(num_experts: int, num_topk: int, aux: bool):
                 per_slot = T.float64(0.0)
                 if idx >= 0:
                     per_slot = f64("__ddiv_rn", f64("__dsub_rn", f64("__dmul_rn", rho, gk), dot),
-                                   f64("__dadd_rn", usum, T.float64(_EPS)))
+                                   f64("__dadd_rn", usum, T.float64(ref.EPS)))
                 # routing term of this lane's expert: its slots' terms in slot order from +0 (duplicates
                 # accumulate); the expert's lowest slot writes its result
                 total = T.float64(0.0)
@@ -567,8 +562,6 @@ def backward_model(scores, topk_idx, topk_weights, grad_topk_weights, routed_sca
     (same device). The order (module docstring): the K-slot sums and the aux term's expert sums are XOR
     butterflies over 32 lanes; a lane's aux partial adds its experts ``c * 128 + 4 lane + j`` (c, then j)
     from +0; duplicated slots accumulate in slot order from +0."""
-    from tilefuse.reference import moe as ref
-
     f64 = torch.float64
     rows, experts = scores.shape
     num_topk = topk_idx.size(1)
@@ -580,7 +573,7 @@ def backward_model(scores, topk_idx, topk_weights, grad_topk_weights, routed_sca
     g = torch.where(valid, grad_topk_weights.to(f64), zero)
     dot = ref.butterfly_sum32(g * topk_weights.to(f64))[:, None]
     usum = ref.butterfly_sum32(u_k)[:, None]
-    per_slot = torch.where(valid, (routed_scaling_factor * g - dot) / (usum + _EPS), zero)
+    per_slot = torch.where(valid, (routed_scaling_factor * g - dot) / (usum + ref.EPS), zero)
     grad = torch.zeros_like(u)
     for k in range(num_topk):                              # one slot at a time: no duplicate inside a scatter
         col = idx[:, k:k + 1]
@@ -588,7 +581,7 @@ def backward_model(scores, topk_idx, topk_weights, grad_topk_weights, routed_sca
     if grad_scores_sum is not None:
         seq = torch.arange(rows, device=u.device) // max(rows // grad_scores_sum.size(0), 1)
         h = grad_scores_sum.to(f64)[seq]
-        chunks = _chunks(experts)
+        chunks = formats.cdiv(experts, 128)
         pad = chunks * 128 - experts
         lanes_u = torch.nn.functional.pad(u, (0, pad)).view(rows, chunks, 32, 4)
         lanes_h = torch.nn.functional.pad(h, (0, pad)).view(rows, chunks, 32, 4)
@@ -772,8 +765,6 @@ def moe_topk_gate_forward_cuda(logits, num_topk, use_shared_as_routed, num_share
     if rows == 0:
         return topk_idx, topk_weights
     if logits.size(1) > _MAX_EXPERTS:
-        from tilefuse.reference import moe as ref
-
         checks.check_gate_forward_data(logits, width, mask, fix_routing_mask, unmapped_topk_idx, logical_count,
                                     force_random)
         return ref.moe_topk_gate_forward(logits, num_topk, use_shared_as_routed, num_shared_experts,
@@ -830,8 +821,6 @@ def moe_topk_gate_backward_cuda(scores, topk_idx, topk_weights, grad_topk_weight
     if rows == 0 or experts == 0:
         return out
     if experts > _MAX_EXPERTS:
-        from tilefuse.reference import moe as ref
-
         checks.check_gate_backward_data(topk_idx, experts)
         return ref.moe_topk_gate_backward(scores, topk_idx, topk_weights, grad_topk_weights, routed_scaling_factor,
                                           scoring_func, mask, grad_scores_sum, out)

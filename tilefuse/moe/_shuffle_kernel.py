@@ -31,8 +31,9 @@ inputs, K > ``MAX_TOPK``) check the rule with ``torch._assert_async`` instead.
 
 import torch
 
-from tilefuse import _jit, _ops
+from tilefuse import _jit, _ops, formats
 from tilefuse._launch import aligned
+from tilefuse.reference import moe as ref
 
 # Tuning knobs (TILEFUSE_KNOBS; read when a kernel is built; results never depend on them).
 THREADS = 128       # threads of an expand CTA (fewer when a row has fewer vectors)
@@ -48,10 +49,6 @@ _MAX_INDEX = 2 ** 31 - 1  # CTA indices and position counts are int32 (element o
 _MAX_GRID_Y = 65535       # CUDA's grid y limit (CTAs per row: <= row bytes / 1024 for expand, <= H / 128 reduce)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 # ----------------------------------------------------------------------------------------------------
 # expand_to_fused / expand_to_fused_with_sf
 # ----------------------------------------------------------------------------------------------------
@@ -61,9 +58,9 @@ def expand_tile(word_bytes: int, row_words: int) -> tuple[int, int, int, int, in
     CTA, vectors per thread and CTAs per row."""
     vec = next(v for v in (4, 2, 1) if row_words % v == 0) if word_bytes == 4 else 1
     chunks = row_words // vec
-    threads = min(THREADS, max(32, _cdiv(chunks, 32) * 32))
-    gy = _cdiv(chunks, threads * UNROLL_MAX)
-    unroll = _cdiv(chunks, threads * gy)
+    threads = min(THREADS, max(32, formats.cdiv(chunks, 32) * 32))
+    gy = formats.cdiv(chunks, threads * UNROLL_MAX)
+    unroll = formats.cdiv(chunks, threads * gy)
     return vec, chunks, threads, unroll, gy
 
 
@@ -85,7 +82,7 @@ def expand_kernel(word_bytes: int, row_words: int, num_topk: int, sf_mode: str =
     with_sf = sf_mode != ""
     assert 0 <= sf_keep_bytes <= 3, sf_keep_bytes
     keep_mask = (1 << (8 * sf_keep_bytes)) - 1  # 0: the last word is copied whole
-    sf_iters = _cdiv(sf_words, threads) if with_sf else 0
+    sf_iters = formats.cdiv(sf_words, threads) if with_sf else 0
     ZR = ZERO_ROWS
 
     Tn, N, NA = T.dynamic("num_tokens, num_positions, sf_cols")
@@ -199,7 +196,7 @@ def _sf_layout(sf: torch.Tensor, num_per_channels: int, hidden: int) -> tuple[in
     keeps ``blocks % 4`` bytes)."""
     words = sf.size(1)
     if sf.dtype == torch.int32:
-        return words, _cdiv(hidden, num_per_channels) % 4
+        return words, formats.cdiv(hidden, num_per_channels) % 4
     return words, 0
 
 
@@ -215,8 +212,6 @@ def _sf_out(sf: torch.Tensor, size: int, col: bool) -> tuple[torch.Tensor, torch
 
 
 def _expand_reference(data, sf, num_per_channels, token_topk_to_pos, pos_to_expert, col):
-    from tilefuse.reference import moe as ref
-
     if sf is None:
         return ref.expand_to_fused(data, token_topk_to_pos, pos_to_expert)
     return ref.expand_to_fused_with_sf((data, sf), num_per_channels, token_topk_to_pos, pos_to_expert, col)
@@ -359,8 +354,6 @@ def _reduce_launch(x, topk_weights, token_topk_to_pos, fp8_format="", sf=None, o
     if k == 0 or size == 0 or hidden == 0 or k > MAX_TOPK or hidden > 128 * _MAX_GRID_Y:
         # no slots, no rows (the rule leaves only negative entries) or H = 0 (an empty grid): the reference's
         # zeros times sf; or more slots than the kernel unrolls, or a grid beyond CUDA's limits
-        from tilefuse.reference import moe as ref
-
         _assert_positions(token_topk_to_pos, size, "reduce_fused", f"x rows ({size})")
         return ref.reduce_fused(x, topk_weights, token_topk_to_pos, fp8_format, sf, out=out)
     direct = out is not None and out.is_contiguous() and out.data_ptr() % 16 == 0
@@ -392,9 +385,9 @@ def _expand_cfg(dtype: torch.dtype, hidden: int, k: int, sf=None) -> tuple:
     if sf is None:
         return cfg
     sf_dtype, npc, col = sf
-    blocks = _cdiv(hidden, npc)
+    blocks = formats.cdiv(hidden, npc)
     if sf_dtype == torch.int32:
-        return cfg + ("col", _cdiv(blocks, 4), blocks % 4)
+        return cfg + ("col", formats.cdiv(blocks, 4), blocks % 4)
     return cfg + ("col" if col else "row", blocks, 0)
 
 

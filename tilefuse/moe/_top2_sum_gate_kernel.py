@@ -30,14 +30,13 @@ kernel scalars. Absent optional tensors are passed as a cached one-element dummy
 
 import torch
 
-from tilefuse import _jit, _ops
+from tilefuse import _jit, _ops, formats
 from tilefuse._launch import aligned, placeholder
 from tilefuse.moe import _checks as checks
+from tilefuse.reference import moe as ref
 
 WARPS = 4                 # tokens (warps) per CTA
 MAX_EXPERTS = 1024        # lanes hold up to 32 experts each; larger E falls back to the reference
-EPS = 1e-20               # weight-denominator start (moe.md §2.2 step 6)
-REPLICA_STRIDE = 23333    # replica choice (ep_rank + t * 23333) mod count (§2.2 step 9)
 _SENTINEL = 2**30         # "no expert" index during the arg-max rounds (larger than every real index)
 
 # Warp arg-max of a top-k round: the largest value (an order-preserving int key: -0.0 equals +0.0), then the
@@ -52,10 +51,6 @@ __device__ __forceinline__ int tf2_warp_best(float v, int i) {
   return __reduce_min_sync(0xffffffffu, key == top ? i : 0x7fffffff);
 }
 """
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def top2_sum_gate_kernel(E: int, K: int, G: int, TG: int, S: int, scoring: str, has_mask: bool, has_fix: bool,
@@ -74,7 +69,7 @@ def top2_sum_gate_kernel(E: int, K: int, G: int, TG: int, S: int, scoring: str, 
     segmented = grouped and per_group % 4 == 0 and 128 % per_group == 0
     seg_lanes = per_group // 4 if segmented else 1
     seg_steps = seg_lanes.bit_length() - 1
-    NC = _cdiv(E, 128)          # chunks of 128 experts
+    NC = formats.cdiv(E, 128)          # chunks of 128 experts
     V = 4 * NC                  # expert slots per lane
     W = K + S                   # output width
     full_chunks = E % 128 == 0  # every lane owns 4 experts of every chunk
@@ -291,7 +286,7 @@ def top2_sum_gate_kernel(E: int, K: int, G: int, TG: int, S: int, scoring: str, 
                         else:
                             s = elementwise_score(xs)
                     total = T.alloc_var("float32")
-                    total = T.float32(EPS)
+                    total = T.float32(ref.EPS)
                     for k in T.unroll(K):
                         total = total + T.shfl_sync(s, k)
                     if lane < W:
@@ -308,7 +303,7 @@ def top2_sum_gate_kernel(E: int, K: int, G: int, TG: int, S: int, scoring: str, 
                         v = logical
                         if has_map:
                             base = T.reinterpret(T.cast(ep_rank, "uint32")
-                                                 + T.cast(t, "uint32") * T.uint32(REPLICA_STRIDE), "int32")
+                                                 + T.cast(t, "uint32") * T.uint32(ref.REPLICA_STRIDE), "int32")
                             row = T.max(T.min(logical, MR - 1), 0)
                             count = T.alloc_var("int32")
                             count = T.max(Count[row], 1)
@@ -400,8 +395,6 @@ def top2_sum_gate_launch(logits, bias, num_topk, num_topk_groups, num_groups, us
                          scoring_func, mask=None, fix_routing_mask=None, to_physical_map=None, logical_count=None,
                          unmapped_topk_idx=None):
     """Allocate, launch, return ``(topk_idx, topk_weights)``; writes ``unmapped_topk_idx`` in place."""
-    from tilefuse.reference import moe as ref
-
     scoring = ref.scoring_name(scoring_func)
     rows, E = logits.shape
     S = num_shared_experts if use_shared_as_routed else 0
@@ -465,7 +458,5 @@ def top2_sum_gate_cuda(logits, bias, num_topk, num_topk_groups, num_groups, use_
             routed_scaling_factor, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks, scoring_func, mask,
             fix_routing_mask, to_physical_map, logical_count, unmapped_topk_idx)
     if torch.compiler.is_compiling():
-        from tilefuse.reference import moe as ref
-
         return torch.ops.tilefuse.top2_sum_gate(*args[:12], ref.scoring_name(scoring_func), *args[13:])
     return top2_sum_gate_launch(*args)
