@@ -26,8 +26,8 @@ launcher asserts the same rules with ``torch._assert_async``). Launchers pass 16
 Backward, per token: fp64 throughout (the reference's precision) but for the sqrt-softplus derivative, which is
 fp32 (``tfg_ssp_grad32``, within 2^-22 relative of the exact one: an fp64 expm1 and division for every expert would
 be most of the arithmetic with the auxiliary term on), widened exactly and multiplied in fp64, one rounding to fp32
-at the end, in the kernel's own fixed order (``backward_model`` reproduces it bit for bit with element-wise torch
-ops): the K-slot sums ``sum g_k w_k`` and ``sum u_k`` are XOR butterflies over the 32 lanes (slot k on lane k,
+at the end, in the kernel's own fixed order (``tests/moe/models.py`` reproduces it bit for bit with element-wise
+torch ops): the K-slot sums ``sum g_k w_k`` and ``sum u_k`` are XOR butterflies over the 32 lanes (slot k on lane k,
 lanes >= K hold +0); duplicated slots accumulate onto their expert in slot order from +0 (on each slot's lane; the
 expert's lowest slot writes the result after the row's stores); the auxiliary term's ``sum_e u_e`` and
 ``sum_e h_e u_e`` add each lane's experts ``c * 128 + 4 l + j`` (c, then j) from +0, then the butterfly. The order
@@ -388,7 +388,7 @@ def gate_backward_kernel(num_experts: int, num_topk: int, aux: bool):
     """Factory: the backward for ``E_r = num_experts`` (at most ``_MAX_EXPERTS``; any multiple of 4 uses 16-byte
     row accesses), ``K = num_topk`` (1 .. 32; the launcher maps K = 0 to one -1 slot) and, with
     ``aux``, the auxiliary term (``mask`` and ``grad_scores_sum`` given). The order of every sum is the one
-    of ``backward_model`` (module docstring)."""
+    of the module docstring (``tests/moe/models.py`` reproduces it)."""
     import tilelang.language as T
 
     E, K = num_experts, num_topk
@@ -553,59 +553,6 @@ def gate_backward_kernel(num_experts: int, num_topk: int, aux: bool):
                                                 f64("__dmul_rn", phi(T.Cast("float32", uk)), total))
 
     return gate_backward
-
-
-def backward_model(scores, topk_idx, topk_weights, grad_topk_weights, routed_scaling_factor, mask=None,
-                   grad_scores_sum=None):
-    """The backward kernel's arithmetic in its own order, with torch element-wise ops only (no torch
-    reductions): bit-identical to the kernel wherever ``torch.expm1`` (fp32) is the kernel's ``expm1f``
-    (same device). The order (module docstring): the K-slot sums and the aux term's expert sums are XOR
-    butterflies over 32 lanes; a lane's aux partial adds its experts ``c * 128 + 4 lane + j`` (c, then j)
-    from +0; duplicated slots accumulate in slot order from +0."""
-    f64 = torch.float64
-    rows, experts = scores.shape
-    num_topk = topk_idx.size(1)
-    u = scores.to(f64)
-    valid = topk_idx >= 0
-    idx = topk_idx.clamp(0, experts - 1)
-    zero = torch.zeros((), dtype=f64, device=u.device)
-    u_k = torch.where(valid, u.gather(1, idx), zero)
-    g = torch.where(valid, grad_topk_weights.to(f64), zero)
-    dot = ref.butterfly_sum32(g * topk_weights.to(f64))[:, None]
-    usum = ref.butterfly_sum32(u_k)[:, None]
-    per_slot = torch.where(valid, (routed_scaling_factor * g - dot) / (usum + ref.EPS), zero)
-    grad = torch.zeros_like(u)
-    for k in range(num_topk):                              # one slot at a time: no duplicate inside a scatter
-        col = idx[:, k:k + 1]
-        grad = grad.scatter(1, col, grad.gather(1, col) + per_slot[:, k:k + 1])   # -1 slots add +0
-    if grad_scores_sum is not None:
-        seq = torch.arange(rows, device=u.device) // max(rows // grad_scores_sum.size(0), 1)
-        h = grad_scores_sum.to(f64)[seq]
-        chunks = formats.cdiv(experts, 128)
-        pad = chunks * 128 - experts
-        lanes_u = torch.nn.functional.pad(u, (0, pad)).view(rows, chunks, 32, 4)
-        lanes_h = torch.nn.functional.pad(h, (0, pad)).view(rows, chunks, 32, 4)
-        su = torch.zeros(rows, 32, dtype=f64, device=u.device)
-        ah = torch.zeros(rows, 32, dtype=f64, device=u.device)
-        for c in range(chunks):
-            for j in range(4):
-                su = su + lanes_u[:, c, :, j]
-                ah = ah + lanes_h[:, c, :, j] * lanes_u[:, c, :, j]
-        su, ah = ref.butterfly_sum32(su)[:, None], ref.butterfly_sum32(ah)[:, None]
-        inv = torch.where(mask.reshape(-1, 1), 1.0 / su, zero)
-        grad = grad + (h - ah * inv) * inv
-    return (sqrt_softplus_grad32(scores).to(f64) * grad).to(torch.float32)
-
-
-def sqrt_softplus_grad32(u: torch.Tensor) -> torch.Tensor:
-    """The backward kernel's derivative of fp32 scores ``u``, in fp32 (``tfg_ssp_grad32``):
-    ``-expm1(-u*u) / (2u)``, ``u / 2`` below 2^-60, 0 at u <= 0 and for NaN. Each operation is IEEE fp32
-    round-to-nearest, so it is the kernel's bit for bit wherever ``torch.expm1`` (fp32) is CUDA's ``expm1f``."""
-    positive = u > 0
-    safe = torch.where(positive, u, torch.ones_like(u))
-    main = -torch.expm1(-(safe * safe)) / (2 * safe)
-    small = torch.where(safe < 2.0 ** -60, safe * 0.5, main)
-    return torch.where(positive, small, torch.zeros_like(u))
 
 
 def _backward_configs() -> list[tuple]:

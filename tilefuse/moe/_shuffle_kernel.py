@@ -374,7 +374,7 @@ def _reduce_launch(x, topk_weights, token_topk_to_pos, fp8_format="", sf=None, o
 
 
 # ----------------------------------------------------------------------------------------------------
-# Static configs (the GPU tests' and the bench's)
+# Static configs: the bench's (the tests' own are listed in tests/moe/configs.py)
 # ----------------------------------------------------------------------------------------------------
 
 def _expand_cfg(dtype: torch.dtype, hidden: int, k: int, sf=None) -> tuple:
@@ -396,27 +396,7 @@ def _reduce_cfg(in_dtype: torch.dtype, e4m3: bool, hidden: int, k: int, w: bool,
     return (_TL_DTYPE[in_dtype], out, hidden, k, w, x_sf, sf)
 
 
-BF16, FP32, FP16, FP8 = torch.bfloat16, torch.float32, torch.float16, torch.float8_e4m3fn
-# GPU-test shapes (tests/moe/test_shuffle_kernel.py), listed once here so the compile tier builds them
-TEST_EXPAND = [(BF16, 576, k) for k in (1, 2, 6, 8)] + [
-    (BF16, 7168, 8), (FP32, 200, 6), (FP32, 7168, 2), (FP8, 33, 2), (BF16, 3, 2), (FP8, 200, 2)]
-TEST_EXPAND_SF = [(FP8, h, k, (d, npc, col)) for h, k in ((576, 6), (7168, 8)) for npc in (32, 128)
-                  for d, col in ((FP32, False), (FP32, True), (torch.int32, True))] + [
-    (FP8, 1024, 2, (FP32, 128, False))]
-TEST_REDUCE = [(d, e4m3, 2048, 6, w, xs, e4m3) for d in (BF16, FP32) for e4m3 in (False, True)
-               for w, xs in ((True, False), (False, True), (True, True))] + [
-    (BF16, False, 2048, k, True, False, False) for k in (1, 2, 8)] + [
-    (FP16, False, 2560, 8, True, True, False), (FP16, True, 2560, 8, True, False, False),
-    (BF16, True, 7168, 8, True, True, True), (BF16, False, 7168, 8, True, False, False),
-    (FP32, True, 4096, 6, False, False, False), (BF16, False, 256, 2, False, False, False),
-    (FP32, True, 256, 2, False, False, False), (FP32, True, 512, 3, False, True, True)]
-
-
-def test_configs() -> list[tuple[str, tuple]]:
-    """Every ``(kernel name, config)`` the GPU tests launch."""
-    cfgs = [("expand_to_fused", _expand_cfg(*c)) for c in TEST_EXPAND + TEST_EXPAND_SF]
-    cfgs += [("reduce_fused", _reduce_cfg(*c)) for c in TEST_REDUCE]
-    return list(dict.fromkeys(cfgs))
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 
 
 def _bench_configs() -> list[tuple[str, tuple]]:
@@ -431,7 +411,7 @@ def _bench_configs() -> list[tuple[str, tuple]]:
 
 
 def _configs(name: str) -> list[tuple]:
-    return list(dict.fromkeys(c for n, c in test_configs() + _bench_configs() if n == name))
+    return list(dict.fromkeys(c for n, c in _bench_configs() if n == name))
 
 
 _jit.register("expand_to_fused", expand_kernel, lambda: _configs("expand_to_fused"))
