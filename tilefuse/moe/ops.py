@@ -46,6 +46,7 @@ MAX_TOPK = 32                 # compile-time limit of the gate kernels (K + S <=
 MAX_FUSED_EXPERTS = 1024      # get_fused_mapping: E <= 1024
 MAX_UNIQUE_GROUPS = 128       # inplace_unique_group_indices: num_groups <= 128
 MAX_GROUPS = 32               # group-limited routing / topk_sum_and_topk_group_idx: G <= 32
+TOP2_SCORING_FUNCS = ("sigmoid", "sqrtsoftplus", "softmax")   # top2_sum_gate's scorings (not v1's identity)
 INT64, INT32, FP32, BOOL = torch.int64, torch.int32, torch.float32, torch.bool
 
 
@@ -164,12 +165,11 @@ def top2_sum_gate(logits, bias, num_topk, num_topk_groups, num_groups, use_share
         candidates = num_topk_groups * (num_routed // num_groups)
         if not (num_topk <= candidates):
             _check.fail(op, f"num_topk must be <= num_topk_groups * experts per group ({candidates}), got {num_topk}")
-    try:
-        ref.scoring_name(scoring_func)
-    except ValueError as exc:
-        _check.fail(op, f"scoring_func: {exc}")
-    _check.expect(ref.scoring_name(scoring_func) != "identity", op,
-                  "scoring_func must be sigmoid, sqrtsoftplus or softmax, got identity")
+    if not isinstance(scoring_func, str):
+        _check.fail(op, f"scoring_func must be a str, got {type(scoring_func).__name__}", TypeError)
+    if scoring_func.lower() not in TOP2_SCORING_FUNCS:
+        _check.fail(op, f"scoring_func must be one of {', '.join(map(repr, TOP2_SCORING_FUNCS))} (any case), "
+                        f"got {scoring_func!r}")
     num_shared = _num_shared(op, use_shared_as_routed, num_shared_experts)
     if num_shared:
         if num_topk % num_shared != 0:
