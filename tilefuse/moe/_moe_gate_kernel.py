@@ -173,9 +173,12 @@ def gate_forward_kernel(num_experts: int, num_topk: int, num_shared: int, flags:
     NV = NC * 4
     ragged = E % 128 != 0                                 # the last chunk does not cover every lane
     NL = E + S                                            # rows of the physical map / count
-    Tn, NB, NIB, NIM, NM, NF, NR, NMR, MC, NCNT, NU, US, NSC = T.dynamic(
-        "num_tokens, nb, nib, nim, nm, nf, nr, nmr, map_cols, ncnt, nu, unmapped_stride, nsc")
-    IS0, IS1, WS0, WS1 = T.dynamic("idx_s0, idx_s1, w_s0, w_s1")
+    # the token count and the lengths of the optional tensors (1-element dummies when absent)
+    (Tn, bias_len, image_bias_len, image_mask_len, mask_len, fix_len, random_len, map_rows, map_cols, count_len,
+     unmapped_rows, unmapped_stride, scores_rows) = T.dynamic(
+        "num_tokens, bias_len, image_bias_len, image_mask_len, mask_len, fix_len, random_len, map_rows, map_cols, "
+        "count_len, unmapped_rows, unmapped_stride, scores_rows")
+    idx_s0, idx_s1, w_s0, w_s1 = T.dynamic("idx_s0, idx_s1, w_s0, w_s1")   # the outputs' strides (any out=)
 
     @T.macro
     def clear_extras(Unm, Sc, t, lane):
@@ -190,14 +193,15 @@ def gate_forward_kernel(num_experts: int, num_topk: int, num_shared: int, flags:
                         Sc[t, c * 128 + lane * 4 + j] = T.float32(0.0)
 
     @T.prim_func
-    def gate_forward(L: T.Tensor((Tn, E), "float32"), Bias: T.Tensor((NB,), "float32"),
-                     ImgBias: T.Tensor((NIB,), "float32"), ImgMask: T.Tensor((NIM,), "uint8"),
-                     Mask: T.Tensor((NM,), "uint8"), Fix: T.Tensor((NF,), "uint8"), Rand: T.Tensor((NR,), "uint8"),
-                     Map: T.Tensor((NMR, MC), "int32"), Count: T.Tensor((NCNT,), "int32"),
-                     Unm: T.StridedTensor((NU, K), (US, 1), "int64"),
-                     Idx: T.StridedTensor((Tn, W), (IS0, IS1), "int64"),
-                     Wt: T.StridedTensor((Tn, W), (WS0, WS1), "float32"),
-                     Sc: T.Tensor((NSC, E), "float32"),
+    def gate_forward(L: T.Tensor((Tn, E), "float32"), Bias: T.Tensor((bias_len,), "float32"),
+                     ImgBias: T.Tensor((image_bias_len,), "float32"), ImgMask: T.Tensor((image_mask_len,), "uint8"),
+                     Mask: T.Tensor((mask_len,), "uint8"), Fix: T.Tensor((fix_len,), "uint8"),
+                     Rand: T.Tensor((random_len,), "uint8"),
+                     Map: T.Tensor((map_rows, map_cols), "int32"), Count: T.Tensor((count_len,), "int32"),
+                     Unm: T.StridedTensor((unmapped_rows, K), (unmapped_stride, 1), "int64"),
+                     Idx: T.StridedTensor((Tn, W), (idx_s0, idx_s1), "int64"),
+                     Wt: T.StridedTensor((Tn, W), (w_s0, w_s1), "float32"),
+                     Sc: T.Tensor((scores_rows, E), "float32"),
                      rho: T.float32, seed_lo: T.int32, seed_hi: T.int32):
         with T.Kernel(T.ceildiv(Tn, _WARPS), threads=_WARPS * 32) as bx:
             T.import_source(_HELPERS)
@@ -354,7 +358,7 @@ def gate_forward_kernel(num_experts: int, num_topk: int, num_shared: int, flags:
                             sel = T.call_extern("int32", "tfg_replica", seed_lo, t,
                                                 Count[T.min(T.max(logical, 0), NL - 1)])
                             phys = T.int64(0)
-                            if T.And(T.And(logical >= 0, logical < NL), sel < MC):
+                            if T.And(T.And(logical >= 0, logical < NL), sel < map_cols):
                                 phys = T.Cast("int64", Map[logical, sel])
                         Idx[t, lane] = phys
                         Wt[t, lane] = weight
@@ -398,7 +402,7 @@ def gate_backward_kernel(num_experts: int, num_topk: int, aux: bool):
     ragged = E % 128 != 0
     vec = E % 4 == 0                                      # 16-byte row accesses; else element by element
     min_blocks = BWD_MIN_BLOCKS if NC <= 2 else 0       # wider rows would spill under the cap
-    Tn, NM, NH = T.dynamic("num_tokens, nm, nh")
+    Tn, mask_len, seq_rows = T.dynamic("num_tokens, mask_len, seq_rows")   # seq_rows: grad_scores_sum's rows
 
     def f64(name, *args):
         return T.call_extern("float64", name, *args)
@@ -439,7 +443,7 @@ def gate_backward_kernel(num_experts: int, num_topk: int, aux: bool):
     @T.prim_func
     def gate_backward(Sc: T.Tensor((Tn, E), "float32"), TopIdx: T.Tensor((Tn, K), "int64"),
                       Wt: T.Tensor((Tn, K), "float32"), G: T.Tensor((Tn, K), "float32"),
-                      Mask: T.Tensor((NM,), "uint8"), H: T.Tensor((NH, E), "float32"),
+                      Mask: T.Tensor((mask_len,), "uint8"), H: T.Tensor((seq_rows, E), "float32"),
                       Out: T.Tensor((Tn, E), "float32"), rho: T.float64, rows_per_seq: T.int32):
         with T.Kernel(T.ceildiv(Tn, _WARPS), threads=_WARPS * 32) as bx:
             if min_blocks:
