@@ -5,9 +5,8 @@ whose ``empty`` / ``empty_like`` / ``empty_strided`` fill every tensor they retu
 buffers the kernels then write (outputs and scratch buffers alike), not freed memory, which PyTorch's caching
 allocator does not hand back to requests of 1 MiB or less. Everything else is torch itself. Floating-point
 tensors get 0xFF bytes (NaN), integer ones 0x5A bytes (a large positive value: never an index, a count or the -1
-the kernels write for an empty slot). Outputs of the native launch plans (``tilefuse._native``) are allocated in
-C++ and are not poisoned; the eager ops that use them (topk_gate, the plain gate forward) write every element of
-a fixed-width row.
+the kernels write for an empty slot). Outputs of the native launch plans (``tilefuse._native``: topk_gate, the
+gate forward's eager path without optional inputs) are allocated in C++ and are not poisoned by this.
 """
 import torch
 
