@@ -37,6 +37,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from tilefuse._cache import cache_dir
+
 # Kernel modules that register factories here; ``precompile`` imports them all.
 KERNEL_MODULES = (
     "tilefuse.transpose._kernel",
@@ -146,11 +148,6 @@ def compile_kernel(name: str, config: tuple, arch: str | None = None, export: bo
     return kernel
 
 
-def _cache_dir() -> str:
-    base = os.environ.get("TILELANG_CACHE_DIR") or os.path.expanduser("~/.tilelang/cache")
-    return os.environ.get("TILEFUSE_CACHE_DIR") or os.path.join(base, "tilefuse")
-
-
 _DIGESTS: dict[str, str] = {}
 
 
@@ -169,7 +166,7 @@ def _lib_path(name: str, config: tuple, arch: str) -> str:
     """Where the exported library of ``name`` at ``config`` for ``arch`` lives in tilefuse's disk cache."""
     digest = _module_digest(_FACTORIES[name][0].__module__)
     key = hashlib.sha256(repr((name, config, arch, sorted(_PASS_CONFIGS.items()), digest)).encode()).hexdigest()
-    return os.path.join(_cache_dir(), f"{name}-{arch}-{key[:24]}.so")
+    return os.path.join(cache_dir(), f"{name}-{arch}-{key[:24]}.so")
 
 
 def _export(kernel, path: str) -> None:

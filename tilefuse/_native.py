@@ -4,7 +4,7 @@ An eager call of a quant op at one row spends most of its host time in two ``tor
 and the TVM-FFI call's argument conversion. A :func:`plan` does both in C++ through ATen and the TVM-FFI C
 API: the outputs are ordinary torch tensors from the caching allocator, the kernel launches on torch's
 current stream. The extension is built on first use with the host compiler against the installed torch,
-Python and tvm_ffi headers (about 20 s), cached next to the kernel libraries (``_jit._cache_dir()``) and
+Python and tvm_ffi headers (about 20 s), cached next to the kernel libraries (``_cache.cache_dir()``) and
 keyed by its source and those versions; ``python -m tilefuse precompile`` builds it too. Where it cannot be
 built (no compiler, no headers) or ``TILEFUSE_NATIVE=0``, :func:`plan` returns None and the launchers keep
 their Python path, which computes the same outputs.
@@ -21,6 +21,8 @@ import sysconfig
 import tempfile
 import threading
 import warnings
+
+from tilefuse._cache import cache_dir
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_native.cc")
 _NAME = "tilefuse_native"
@@ -55,14 +57,12 @@ def lib_path() -> str:
     import torch
     import tvm_ffi
 
-    from ._jit import _cache_dir
-
     with open(_SOURCE, "rb") as f:
         src = f.read()
     # not _flags(): importing torch.utils.cpp_extension costs a cold start more than the rest of a first call
     key = hashlib.sha256(repr((src, torch.__version__, torch._C._GLIBCXX_USE_CXX11_ABI, sys.version,
                                tvm_ffi.__version__)).encode())
-    return os.path.join(_cache_dir(), f"{_NAME}-{key.hexdigest()[:24]}.so")
+    return os.path.join(cache_dir(), f"{_NAME}-{key.hexdigest()[:24]}.so")
 
 
 def build(path: str | None = None) -> str:

@@ -163,7 +163,7 @@ def test_top2_zero_tokens_and_errors():
     base = dict(num_topk=2, num_topk_groups=0, num_groups=0, use_shared_as_routed=False, num_shared_experts=0,
                 routed_scaling_factor=1.0, ep_rank=0, num_ep_ranks=1, tp_rank=0, num_tp_ranks=1, scoring_func="sigmoid")
     cases = [(dict(num_topk=9), "num_topk"), (dict(scoring_func="identity"), "scoring_func"),
-             (dict(scoring_func="cosine"), "not a valid ScoringFunc"), (dict(num_groups=4), "both be 0 or both > 0"),
+             (dict(scoring_func="cosine"), "scoring_func"), (dict(num_groups=4), "both be 0 or both > 0"),
              (dict(num_groups=4, num_topk_groups=1, num_topk=3), "num_topk"),
              (dict(num_groups=8, num_topk_groups=4), "2 to 32 experts per group"),   # one expert a group: no top-2
              (dict(use_shared_as_routed=True, num_shared_experts=2), "to_physical_map"),
@@ -174,6 +174,16 @@ def test_top2_zero_tokens_and_errors():
             moe.top2_sum_gate(logits, bias, **{**base, **change})
     with pytest.raises(ValueError, match="bias"):
         moe.top2_sum_gate(logits, torch.zeros(7), **base)
+    for bad_name in ("cosine", "identity", "Identity"):      # the error lists every valid name and the given one
+        with pytest.raises(ValueError) as err:
+            moe.top2_sum_gate(logits, bias, **{**base, "scoring_func": bad_name})
+        assert str(err.value) == ("top2_sum_gate: scoring_func must be one of 'sigmoid', 'sqrtsoftplus', 'softmax' "
+                                  f"(any case), got {bad_name!r}")
+    with pytest.raises(TypeError, match="scoring_func must be a str, got int"):
+        moe.top2_sum_gate(logits, bias, **{**base, "scoring_func": 1})
+    got = moe.top2_sum_gate(logits, bias, **{**base, "scoring_func": "SoftMax"})       # any case, as v1's labels
+    want = moe.top2_sum_gate(logits, bias, **{**base, "scoring_func": "softmax"})
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     with pytest.raises(ValueError, match="mask"):
         moe.top2_sum_gate(logits, bias, **base, mask=torch.ones(5, dtype=torch.bool))
     with pytest.raises(ValueError, match="unmapped_topk_idx"):

@@ -19,7 +19,9 @@ Counting (``aux_fi``, ``group_count``) takes two launches and no float atomics:
 Integer sums are exact, so both results are bitwise deterministic and independent of the chunking. Entries
 outside ``[0, E)`` are skipped (as the reference does); values outside ``[-1, E)`` also fail a device assertion
 (the op's data rule; the reference fallbacks check it with ``torch._assert_async``). The second launch overlaps
-the first one's tail (programmatic dependent launch).
+the first one's tail (programmatic dependent launch: every kernel's ``griddepcontrol.wait`` precedes its first
+global access, so its launch and CTA setup overlap the previous grid's tail; the partial pass lets the finish pass
+launch at its start).
 
 ``inplace_unique_group_indices``: one thread per row, ``UNIQUE_ROWS`` rows per CTA. The CTA's rows are staged
 through shared memory with coalesced loads, then each thread scans its row left to right with a 128-bit set
@@ -47,10 +49,6 @@ FINISH_UNROLL = 8     # finish pass: loads in flight per thread per round
 UNIQUE_ROWS = 64      # unique: rows (= threads) per CTA
 MASK_THREADS = 256    # mask_indices_by_tp: threads per CTA
 MASK_UNROLL = 2       # mask_indices_by_tp: entries per thread
-PDL = True            # programmatic dependent launch (griddepcontrol.wait before any global access): a kernel's
-                      # launch and CTA setup overlap the previous grid's tail
-COUNT_TRIGGER = True  # with PDL: the partial pass lets the finish pass launch at its start (the finish CTAs then
-                      # wait resident; griddepcontrol.wait still waits for the whole partial grid)
 
 MAX_BINS = 8192       # largest E / num_groups with a kernel (the shared histogram); larger take the reference
 HIST_SMALL = 1024     # bins of the small shared-histogram build (E <= HIST_SMALL); larger E use MAX_BINS bins
@@ -76,16 +74,14 @@ def count_partial_kernel(hist_bins: int):
     @T.prim_func
     def count_partial(X: T.Tensor((N,), "int64"), Part: T.Tensor((C, E), "int32")):
         with T.Kernel(C, threads=TH) as c:
-            if PDL and COUNT_TRIGGER:
-                T.pdl_trigger()
+            T.pdl_trigger()  # the finish pass may launch now (its CTAs wait resident for this whole grid)
             tx = T.get_thread_binding()
             hist = T.alloc_shared((hist_bins,), "int32")
             vals = T.alloc_local((U,), "int64")
             for j in T.serial(T.ceildiv(E, TH)):
                 if j * TH + tx < E:
                     hist[j * TH + tx] = 0
-            if PDL:
-                T.pdl_sync()  # the previous grid's writes are visible from here
+            T.pdl_sync()  # the previous grid's writes are visible from here
             T.sync_threads()
             span = T.alloc_var("int32")  # entries per chunk
             lo = T.alloc_var("int32")
@@ -124,8 +120,7 @@ def count_finish_kernel(kind: str):
 
     @T.macro
     def body(Part, Out, denom, bx):
-        if PDL:
-            T.pdl_sync()
+        T.pdl_sync()
         tx = T.get_thread_binding()
         g = tx // 32
         lane = tx % 32
@@ -250,8 +245,7 @@ def unique_group_indices_kernel(num_topk: int):
     @T.prim_func
     def unique_group_indices(G: T.Tensor((Tn, K), "int64"), limit: T.int32):
         with T.Kernel(T.ceildiv(Tn, R), threads=R) as b:
-            if PDL:
-                T.pdl_sync()
+            T.pdl_sync()
             tx = T.get_thread_binding()
             tile = T.alloc_shared((R * KP,), "int64")
             for j in T.unroll(K):  # coalesced: the CTA's R K entries, K loads per thread in flight
@@ -342,8 +336,7 @@ def mask_indices_by_tp_kernel(dtype: str):
     def mask_by_tp(X: T.Tensor((N,), dtype), Y: T.Tensor((N,), dtype), p: T.int32, num_tp: T.int32,
                    tp: T.int32):
         with T.Kernel(T.ceildiv(N, tile), threads=TH) as b:
-            if PDL:
-                T.pdl_sync()
+            T.pdl_sync()
             tx = T.get_thread_binding()
             vals = T.alloc_local((U,), dtype)
             for u in T.unroll(U):  # every load first

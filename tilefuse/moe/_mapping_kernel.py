@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from tilefuse import _jit, _ops
+from tilefuse.moe import _checks as checks
 from tilefuse.reference import moe as ref
 
 CHUNK = 512             # flat slots per CTA (count and scatter kernels; a power of two >= 32)
@@ -391,9 +392,7 @@ def get_fused_mapping_cuda(topk_idx: torch.Tensor, num_experts: int, num_expande
         ttp = torch.empty((rows, k), dtype=torch.int32, device=device)
         return (*pos, ttp, zeros, zeros.clone(), zeros.clone(), [0] * num_experts if trim else [])
     if max(bound, size) > _MAX_INDEX:   # int32 index arithmetic would not hold
-        from tilefuse.moe import ops
-
-        ops.check_fused_mapping_data(topk_idx, num_experts, num_expanded_tokens, alignment, force_no_sync)
+        checks.check_fused_mapping_data(topk_idx, num_experts, num_expanded_tokens, alignment, force_no_sync)
         return ref.get_fused_mapping(topk_idx, num_experts, num_expanded_tokens, alignment, force_no_sync)
     fill_end = -1 if trim else size   # trimmed arrays end at sum(a_e): nothing past it is returned or checked
     if torch.compiler.is_compiling():

@@ -26,8 +26,8 @@ launcher asserts the same rules with ``torch._assert_async``). Launchers pass 16
 Backward, per token: fp64 throughout (the reference's precision) but for the sqrt-softplus derivative, which is
 fp32 (``tfg_ssp_grad32``, within 2^-22 relative of the exact one: an fp64 expm1 and division for every expert would
 be most of the arithmetic with the auxiliary term on), widened exactly and multiplied in fp64, one rounding to fp32
-at the end, in the kernel's own fixed order (``backward_model`` reproduces it bit for bit with element-wise torch
-ops): the K-slot sums ``sum g_k w_k`` and ``sum u_k`` are XOR butterflies over the 32 lanes (slot k on lane k,
+at the end, in the kernel's own fixed order (``tests/moe/models.py`` reproduces it bit for bit with element-wise
+torch ops): the K-slot sums ``sum g_k w_k`` and ``sum u_k`` are XOR butterflies over the 32 lanes (slot k on lane k,
 lanes >= K hold +0); duplicated slots accumulate onto their expert in slot order from +0 (on each slot's lane; the
 expert's lowest slot writes the result after the row's stores); the auxiliary term's ``sum_e u_e`` and
 ``sum_e h_e u_e`` add each lane's experts ``c * 128 + 4 l + j`` (c, then j) from +0, then the butterfly. The order
@@ -41,15 +41,14 @@ outputs agree to one fp32 ulp plus that plus the fp32 derivative's 2^-22 (the te
 
 import torch
 
-from tilefuse import _jit, _native, _ops
+from tilefuse import _jit, _native, _ops, formats
 from tilefuse._launch import aligned, placeholder
+from tilefuse.moe import _checks as checks
+from tilefuse.reference import moe as ref
 
 _WARPS = 4                       # tokens per CTA (one warp each)
-_EPS = 1e-20                     # weight-denominator epsilon (§2.13 step 6, §2.14)
-_REPLICA_STRIDE = 23333          # replica choice (§2.13 step 9)
 _MAX_EXPERTS = 1024             # wider rows (registers: E / 32 per lane) run the reference (no host sync)
 BWD_MIN_BLOCKS = 8               # backward, rows <= 256: __launch_bounds__(128, n), 512 / n registers (0: none)
-BWD_PHI_FAST = True              # backward with aux: the row's derivatives by tfg_ssp_grad32_fast (one branch a lane)
 _FLAGS = ("bias", "fix", "image", "map", "mask", "random", "scores", "unmapped")   # forward's optional inputs
 
 _HELPERS = r"""
@@ -89,7 +88,7 @@ __device__ __forceinline__ double tfg_butterfly32_f64(double v) {   // lane l ad
 }
 __device__ __forceinline__ long long tfg_none() { return (long long)(1ull << 63); }   // below every key
 __device__ __forceinline__ int tfg_replica(int seed_lo, int t, int count) {   // floor mod of the int32 wrap
-  int base = (int)((unsigned)seed_lo + (unsigned)t * 23333u);
+  int base = (int)((unsigned)seed_lo + (unsigned)t * REPLICA_STRIDEu);
   int c = count > 0 ? count : 1;
   int d = base % c;
   return d < 0 ? d + c : d;
@@ -138,7 +137,7 @@ __device__ __forceinline__ float tfg_ssp_grad32(float u) {
   if (u < 8.673617379884035e-19f) return __fmul_rn(u, 0.5f);
   return __fdiv_rn(-expm1f(-__fmul_rn(u, u)), __fmul_rn(2.0f, u));
 }
-// BWD_PHI_FAST: the same value with IEEE division's fast path inline (the reciprocal, one Newton step and one
+// The same value with IEEE division's fast path inline (the reciprocal, one Newton step and one
 // remainder correction: the instructions nvcc emits for __fdiv_rn ahead of its range check) and no branch, for
 // 2^-40 <= u <= 2^40, where every intermediate is a normal number and __fdiv_rn takes that path too;
 // tfg_ssp_fast_ok(u) says where it holds (also for u <= 0 and NaN, whose derivative is 0 either way).
@@ -153,11 +152,7 @@ __device__ __forceinline__ float tfg_ssp_grad32_fast(float u) {
 __device__ __forceinline__ int tfg_ssp_fast_ok(float u) {
   return !(u > 0.0f) || (u >= 9.094947017729282e-13f && u <= 1099511627776.0f);
 }
-"""
-
-
-def _chunks(num_experts: int) -> int:
-    return -(-num_experts // 128)
+""".replace("REPLICA_STRIDE", str(ref.REPLICA_STRIDE))   # the reference's constant, written once
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -174,13 +169,16 @@ def gate_forward_kernel(num_experts: int, num_topk: int, num_shared: int, flags:
     W = K + S
     fl = set(filter(None, flags.split(",")))
     assert fl <= set(_FLAGS) and E % 4 == 0 and E <= _MAX_EXPERTS and 1 <= K <= min(E, 32) and W <= 32
-    NC = _chunks(E)
+    NC = formats.cdiv(E, 128)
     NV = NC * 4
     ragged = E % 128 != 0                                 # the last chunk does not cover every lane
     NL = E + S                                            # rows of the physical map / count
-    Tn, NB, NIB, NIM, NM, NF, NR, NMR, MC, NCNT, NU, US, NSC = T.dynamic(
-        "num_tokens, nb, nib, nim, nm, nf, nr, nmr, map_cols, ncnt, nu, unmapped_stride, nsc")
-    IS0, IS1, WS0, WS1 = T.dynamic("idx_s0, idx_s1, w_s0, w_s1")
+    # the token count and the lengths of the optional tensors (1-element dummies when absent)
+    (Tn, bias_len, image_bias_len, image_mask_len, mask_len, fix_len, random_len, map_rows, map_cols, count_len,
+     unmapped_rows, unmapped_stride, scores_rows) = T.dynamic(
+        "num_tokens, bias_len, image_bias_len, image_mask_len, mask_len, fix_len, random_len, map_rows, map_cols, "
+        "count_len, unmapped_rows, unmapped_stride, scores_rows")
+    idx_s0, idx_s1, w_s0, w_s1 = T.dynamic("idx_s0, idx_s1, w_s0, w_s1")   # the outputs' strides (any out=)
 
     @T.macro
     def clear_extras(Unm, Sc, t, lane):
@@ -195,14 +193,15 @@ def gate_forward_kernel(num_experts: int, num_topk: int, num_shared: int, flags:
                         Sc[t, c * 128 + lane * 4 + j] = T.float32(0.0)
 
     @T.prim_func
-    def gate_forward(L: T.Tensor((Tn, E), "float32"), Bias: T.Tensor((NB,), "float32"),
-                     ImgBias: T.Tensor((NIB,), "float32"), ImgMask: T.Tensor((NIM,), "uint8"),
-                     Mask: T.Tensor((NM,), "uint8"), Fix: T.Tensor((NF,), "uint8"), Rand: T.Tensor((NR,), "uint8"),
-                     Map: T.Tensor((NMR, MC), "int32"), Count: T.Tensor((NCNT,), "int32"),
-                     Unm: T.StridedTensor((NU, K), (US, 1), "int64"),
-                     Idx: T.StridedTensor((Tn, W), (IS0, IS1), "int64"),
-                     Wt: T.StridedTensor((Tn, W), (WS0, WS1), "float32"),
-                     Sc: T.Tensor((NSC, E), "float32"),
+    def gate_forward(L: T.Tensor((Tn, E), "float32"), Bias: T.Tensor((bias_len,), "float32"),
+                     ImgBias: T.Tensor((image_bias_len,), "float32"), ImgMask: T.Tensor((image_mask_len,), "uint8"),
+                     Mask: T.Tensor((mask_len,), "uint8"), Fix: T.Tensor((fix_len,), "uint8"),
+                     Rand: T.Tensor((random_len,), "uint8"),
+                     Map: T.Tensor((map_rows, map_cols), "int32"), Count: T.Tensor((count_len,), "int32"),
+                     Unm: T.StridedTensor((unmapped_rows, K), (unmapped_stride, 1), "int64"),
+                     Idx: T.StridedTensor((Tn, W), (idx_s0, idx_s1), "int64"),
+                     Wt: T.StridedTensor((Tn, W), (w_s0, w_s1), "float32"),
+                     Sc: T.Tensor((scores_rows, E), "float32"),
                      rho: T.float32, seed_lo: T.int32, seed_hi: T.int32):
         with T.Kernel(T.ceildiv(Tn, _WARPS), threads=_WARPS * 32) as bx:
             T.import_source(_HELPERS)
@@ -342,7 +341,7 @@ def gate_forward_kernel(num_experts: int, num_topk: int, num_shared: int, flags:
                         usel = T.float32(0.0)
                     # weights (§2.13 step 6): butterfly sum, + 1e-20, u / den * rho; shared slots weight 1
                     den = T.call_extern("float32", "__fadd_rn", T.call_extern("float32", "tfg_butterfly32", usel),
-                                        T.float32(_EPS))
+                                        T.float32(ref.EPS))
                     weight = T.call_extern("float32", "__fmul_rn",
                                            T.call_extern("float32", "__fdiv_rn", usel, den), rho)
                     logical = sel
@@ -359,7 +358,7 @@ def gate_forward_kernel(num_experts: int, num_topk: int, num_shared: int, flags:
                             sel = T.call_extern("int32", "tfg_replica", seed_lo, t,
                                                 Count[T.min(T.max(logical, 0), NL - 1)])
                             phys = T.int64(0)
-                            if T.And(T.And(logical >= 0, logical < NL), sel < MC):
+                            if T.And(T.And(logical >= 0, logical < NL), sel < map_cols):
                                 phys = T.Cast("int64", Map[logical, sel])
                         Idx[t, lane] = phys
                         Wt[t, lane] = weight
@@ -393,17 +392,17 @@ def gate_backward_kernel(num_experts: int, num_topk: int, aux: bool):
     """Factory: the backward for ``E_r = num_experts`` (at most ``_MAX_EXPERTS``; any multiple of 4 uses 16-byte
     row accesses), ``K = num_topk`` (1 .. 32; the launcher maps K = 0 to one -1 slot) and, with
     ``aux``, the auxiliary term (``mask`` and ``grad_scores_sum`` given). The order of every sum is the one
-    of ``backward_model`` (module docstring)."""
+    of the module docstring (``tests/moe/models.py`` reproduces it)."""
     import tilelang.language as T
 
     E, K = num_experts, num_topk
     assert 1 <= K <= min(E, 32) and E <= _MAX_EXPERTS
-    NC = _chunks(E)
+    NC = formats.cdiv(E, 128)
     NV = NC * 4
     ragged = E % 128 != 0
     vec = E % 4 == 0                                      # 16-byte row accesses; else element by element
     min_blocks = BWD_MIN_BLOCKS if NC <= 2 else 0       # wider rows would spill under the cap
-    Tn, NM, NH = T.dynamic("num_tokens, nm, nh")
+    Tn, mask_len, seq_rows = T.dynamic("num_tokens, mask_len, seq_rows")   # seq_rows: grad_scores_sum's rows
 
     def f64(name, *args):
         return T.call_extern("float64", name, *args)
@@ -444,7 +443,7 @@ def gate_backward_kernel(num_experts: int, num_topk: int, aux: bool):
     @T.prim_func
     def gate_backward(Sc: T.Tensor((Tn, E), "float32"), TopIdx: T.Tensor((Tn, K), "int64"),
                       Wt: T.Tensor((Tn, K), "float32"), G: T.Tensor((Tn, K), "float32"),
-                      Mask: T.Tensor((NM,), "uint8"), H: T.Tensor((NH, E), "float32"),
+                      Mask: T.Tensor((mask_len,), "uint8"), H: T.Tensor((seq_rows, E), "float32"),
                       Out: T.Tensor((Tn, E), "float32"), rho: T.float64, rows_per_seq: T.int32):
         with T.Kernel(T.ceildiv(Tn, _WARPS), threads=_WARPS * 32) as bx:
             if min_blocks:
@@ -494,7 +493,7 @@ def gate_backward_kernel(num_experts: int, num_topk: int, aux: bool):
                 per_slot = T.float64(0.0)
                 if idx >= 0:
                     per_slot = f64("__ddiv_rn", f64("__dsub_rn", f64("__dmul_rn", rho, gk), dot),
-                                   f64("__dadd_rn", usum, T.float64(_EPS)))
+                                   f64("__dadd_rn", usum, T.float64(ref.EPS)))
                 # routing term of this lane's expert: its slots' terms in slot order from +0 (duplicates
                 # accumulate); the expert's lowest slot writes its result
                 total = T.float64(0.0)
@@ -529,18 +528,19 @@ def gate_backward_kernel(num_experts: int, num_topk: int, aux: bool):
                     if Mask[t] != 0:
                         inv = f64("__ddiv_rn", T.float64(1.0), su)
                     ai = f64("__dmul_rn", ah, inv)
-                    if BWD_PHI_FAST:
-                        fast_ok = 1
+                    # the row's derivatives by the inline fast path, or all by tfg_ssp_grad32 where a score of
+                    # the lane lies outside its range (one branch a lane, not one an element)
+                    fast_ok = 1
+                    for i in T.unroll(NV):
+                        ph[i] = T.call_extern("float32", "tfg_ssp_grad32_fast", u[i])
+                        fast_ok = fast_ok & T.call_extern("int32", "tfg_ssp_fast_ok", u[i])
+                    if fast_ok == 0:
                         for i in T.unroll(NV):
-                            ph[i] = T.call_extern("float32", "tfg_ssp_grad32_fast", u[i])
-                            fast_ok = fast_ok & T.call_extern("int32", "tfg_ssp_fast_ok", u[i])
-                        if fast_ok == 0:
-                            for i in T.unroll(NV):
-                                ph[i] = T.call_extern("float32", "tfg_ssp_grad32", u[i])
+                            ph[i] = T.call_extern("float32", "tfg_ssp_grad32", u[i])
                     for c in T.unroll(NC):
                         for j in T.unroll(4):
                             raw[j] = T.call_extern("float32", "__double2float_rn", f64(
-                                "__dmul_rn", T.Cast("float64", ph[c * 4 + j]) if BWD_PHI_FAST else phi(u[c * 4 + j]),
+                                "__dmul_rn", T.Cast("float64", ph[c * 4 + j]),
                                 f64("__dadd_rn", T.float64(0.0), aux_term(hv[c * 4 + j], ai, inv))))
                         store_chunk(Out, raw, t, c, lane)
                 else:
@@ -557,61 +557,6 @@ def gate_backward_kernel(num_experts: int, num_topk: int, aux: bool):
                                                 f64("__dmul_rn", phi(T.Cast("float32", uk)), total))
 
     return gate_backward
-
-
-def backward_model(scores, topk_idx, topk_weights, grad_topk_weights, routed_scaling_factor, mask=None,
-                   grad_scores_sum=None):
-    """The backward kernel's arithmetic in its own order, with torch element-wise ops only (no torch
-    reductions): bit-identical to the kernel wherever ``torch.expm1`` (fp32) is the kernel's ``expm1f``
-    (same device). The order (module docstring): the K-slot sums and the aux term's expert sums are XOR
-    butterflies over 32 lanes; a lane's aux partial adds its experts ``c * 128 + 4 lane + j`` (c, then j)
-    from +0; duplicated slots accumulate in slot order from +0."""
-    from tilefuse.reference import moe as ref
-
-    f64 = torch.float64
-    rows, experts = scores.shape
-    num_topk = topk_idx.size(1)
-    u = scores.to(f64)
-    valid = topk_idx >= 0
-    idx = topk_idx.clamp(0, experts - 1)
-    zero = torch.zeros((), dtype=f64, device=u.device)
-    u_k = torch.where(valid, u.gather(1, idx), zero)
-    g = torch.where(valid, grad_topk_weights.to(f64), zero)
-    dot = ref.butterfly_sum32(g * topk_weights.to(f64))[:, None]
-    usum = ref.butterfly_sum32(u_k)[:, None]
-    per_slot = torch.where(valid, (routed_scaling_factor * g - dot) / (usum + _EPS), zero)
-    grad = torch.zeros_like(u)
-    for k in range(num_topk):                              # one slot at a time: no duplicate inside a scatter
-        col = idx[:, k:k + 1]
-        grad = grad.scatter(1, col, grad.gather(1, col) + per_slot[:, k:k + 1])   # -1 slots add +0
-    if grad_scores_sum is not None:
-        seq = torch.arange(rows, device=u.device) // max(rows // grad_scores_sum.size(0), 1)
-        h = grad_scores_sum.to(f64)[seq]
-        chunks = _chunks(experts)
-        pad = chunks * 128 - experts
-        lanes_u = torch.nn.functional.pad(u, (0, pad)).view(rows, chunks, 32, 4)
-        lanes_h = torch.nn.functional.pad(h, (0, pad)).view(rows, chunks, 32, 4)
-        su = torch.zeros(rows, 32, dtype=f64, device=u.device)
-        ah = torch.zeros(rows, 32, dtype=f64, device=u.device)
-        for c in range(chunks):
-            for j in range(4):
-                su = su + lanes_u[:, c, :, j]
-                ah = ah + lanes_h[:, c, :, j] * lanes_u[:, c, :, j]
-        su, ah = ref.butterfly_sum32(su)[:, None], ref.butterfly_sum32(ah)[:, None]
-        inv = torch.where(mask.reshape(-1, 1), 1.0 / su, zero)
-        grad = grad + (h - ah * inv) * inv
-    return (sqrt_softplus_grad32(scores).to(f64) * grad).to(torch.float32)
-
-
-def sqrt_softplus_grad32(u: torch.Tensor) -> torch.Tensor:
-    """The backward kernel's derivative of fp32 scores ``u``, in fp32 (``tfg_ssp_grad32``):
-    ``-expm1(-u*u) / (2u)``, ``u / 2`` below 2^-60, 0 at u <= 0 and for NaN. Each operation is IEEE fp32
-    round-to-nearest, so it is the kernel's bit for bit wherever ``torch.expm1`` (fp32) is CUDA's ``expm1f``."""
-    positive = u > 0
-    safe = torch.where(positive, u, torch.ones_like(u))
-    main = -torch.expm1(-(safe * safe)) / (2 * safe)
-    small = torch.where(safe < 2.0 ** -60, safe * 0.5, main)
-    return torch.where(positive, small, torch.zeros_like(u))
 
 
 def _backward_configs() -> list[tuple]:
@@ -771,10 +716,7 @@ def moe_topk_gate_forward_cuda(logits, num_topk, use_shared_as_routed, num_share
     if rows == 0:
         return topk_idx, topk_weights
     if logits.size(1) > _MAX_EXPERTS:
-        from tilefuse.moe import ops
-        from tilefuse.reference import moe as ref
-
-        ops.check_gate_forward_data(logits, width, mask, fix_routing_mask, unmapped_topk_idx, logical_count,
+        checks.check_gate_forward_data(logits, width, mask, fix_routing_mask, unmapped_topk_idx, logical_count,
                                     force_random)
         return ref.moe_topk_gate_forward(logits, num_topk, use_shared_as_routed, num_shared_experts,
                                          routed_scaling_factor, ep_rank, scoring_func, mask, bias, image_bias,
@@ -830,10 +772,7 @@ def moe_topk_gate_backward_cuda(scores, topk_idx, topk_weights, grad_topk_weight
     if rows == 0 or experts == 0:
         return out
     if experts > _MAX_EXPERTS:
-        from tilefuse.reference import moe as ref
-
-        torch._assert_async(((topk_idx >= -1) & (topk_idx < experts)).all(),
-                            f"moe_topk_gate_backward: topk_idx must be -1 or in [0, {experts})")
+        checks.check_gate_backward_data(topk_idx, experts)
         return ref.moe_topk_gate_backward(scores, topk_idx, topk_weights, grad_topk_weights, routed_scaling_factor,
                                           scoring_func, mask, grad_scores_sum, out)
     if topk_idx.size(1) == 0:                          # no routed slot: one -1 slot contributes nothing

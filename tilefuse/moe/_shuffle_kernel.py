@@ -31,13 +31,11 @@ inputs, K > ``MAX_TOPK``) check the rule with ``torch._assert_async`` instead.
 
 import torch
 
-from tilefuse import _jit, _ops
+from tilefuse import _jit, _ops, formats
 from tilefuse._launch import aligned
+from tilefuse.reference import moe as ref
 
 # Tuning knobs (TILEFUSE_KNOBS; read when a kernel is built; results never depend on them).
-# PDL: programmatic dependent launch, as in tilefuse.quant._cast_back_kernel: each kernel's first statement waits
-# for the stream's previous grid (griddepcontrol.wait), so its launch overlaps that grid's tail.
-PDL = True
 THREADS = 128       # threads of an expand CTA (fewer when a row has fewer vectors)
 UNROLL_MAX = 8      # vectors per thread before a row is split over more CTAs
 ZERO_ROWS = 8       # positions checked by one zeroing CTA of expand
@@ -51,10 +49,6 @@ _MAX_INDEX = 2 ** 31 - 1  # CTA indices and position counts are int32 (element o
 _MAX_GRID_Y = 65535       # CUDA's grid y limit (CTAs per row: <= row bytes / 1024 for expand, <= H / 128 reduce)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 # ----------------------------------------------------------------------------------------------------
 # expand_to_fused / expand_to_fused_with_sf
 # ----------------------------------------------------------------------------------------------------
@@ -64,9 +58,9 @@ def expand_tile(word_bytes: int, row_words: int) -> tuple[int, int, int, int, in
     CTA, vectors per thread and CTAs per row."""
     vec = next(v for v in (4, 2, 1) if row_words % v == 0) if word_bytes == 4 else 1
     chunks = row_words // vec
-    threads = min(THREADS, max(32, _cdiv(chunks, 32) * 32))
-    gy = _cdiv(chunks, threads * UNROLL_MAX)
-    unroll = _cdiv(chunks, threads * gy)
+    threads = min(THREADS, max(32, formats.cdiv(chunks, 32) * 32))
+    gy = formats.cdiv(chunks, threads * UNROLL_MAX)
+    unroll = formats.cdiv(chunks, threads * gy)
     return vec, chunks, threads, unroll, gy
 
 
@@ -88,7 +82,7 @@ def expand_kernel(word_bytes: int, row_words: int, num_topk: int, sf_mode: str =
     with_sf = sf_mode != ""
     assert 0 <= sf_keep_bytes <= 3, sf_keep_bytes
     keep_mask = (1 << (8 * sf_keep_bytes)) - 1  # 0: the last word is copied whole
-    sf_iters = _cdiv(sf_words, threads) if with_sf else 0
+    sf_iters = formats.cdiv(sf_words, threads) if with_sf else 0
     ZR = ZERO_ROWS
 
     Tn, N, NA = T.dynamic("num_tokens, num_positions, sf_cols")
@@ -109,8 +103,7 @@ def expand_kernel(word_bytes: int, row_words: int, num_topk: int, sf_mode: str =
     @T.macro
     def body(X, TTP, PTE, Y, SF, OSF):
         with T.Kernel(Tn + T.ceildiv(N, ZR), gy, threads=threads) as (bx, by):
-            if PDL:
-                T.pdl_sync()
+            T.pdl_sync()  # programmatic dependent launch: the launch overlaps the stream's previous grid's tail
             tid = T.get_thread_binding()
             raw = T.alloc_local((unroll * vec,), wdt)
             pos = T.alloc_local((K,), "int32")
@@ -203,7 +196,7 @@ def _sf_layout(sf: torch.Tensor, num_per_channels: int, hidden: int) -> tuple[in
     keeps ``blocks % 4`` bytes)."""
     words = sf.size(1)
     if sf.dtype == torch.int32:
-        return words, _cdiv(hidden, num_per_channels) % 4
+        return words, formats.cdiv(hidden, num_per_channels) % 4
     return words, 0
 
 
@@ -219,8 +212,6 @@ def _sf_out(sf: torch.Tensor, size: int, col: bool) -> tuple[torch.Tensor, torch
 
 
 def _expand_reference(data, sf, num_per_channels, token_topk_to_pos, pos_to_expert, col):
-    from tilefuse.reference import moe as ref
-
     if sf is None:
         return ref.expand_to_fused(data, token_topk_to_pos, pos_to_expert)
     return ref.expand_to_fused_with_sf((data, sf), num_per_channels, token_topk_to_pos, pos_to_expert, col)
@@ -297,8 +288,7 @@ def reduce_kernel(in_dtype: str, out_dtype: str, hidden: int, num_topk: int, wit
                      W: T.Tensor((Tn, K), "float32"), TTP: T.Tensor((Tn, K), "int32"),
                      SF: T.Tensor((NS,), "float32"), Y: T.Tensor((Tn, hidden), out_dtype)):
         with T.Kernel(Tn, gy, threads=tx) as (bx, by):
-            if PDL:
-                T.pdl_sync()
+            T.pdl_sync()  # programmatic dependent launch: the launch overlaps the stream's previous grid's tail
             tid = T.get_thread_binding()
             pos = T.alloc_local((K,), "int32")
             ok = T.alloc_local((K,), "bool")
@@ -364,8 +354,6 @@ def _reduce_launch(x, topk_weights, token_topk_to_pos, fp8_format="", sf=None, o
     if k == 0 or size == 0 or hidden == 0 or k > MAX_TOPK or hidden > 128 * _MAX_GRID_Y:
         # no slots, no rows (the rule leaves only negative entries) or H = 0 (an empty grid): the reference's
         # zeros times sf; or more slots than the kernel unrolls, or a grid beyond CUDA's limits
-        from tilefuse.reference import moe as ref
-
         _assert_positions(token_topk_to_pos, size, "reduce_fused", f"x rows ({size})")
         return ref.reduce_fused(x, topk_weights, token_topk_to_pos, fp8_format, sf, out=out)
     direct = out is not None and out.is_contiguous() and out.data_ptr() % 16 == 0
@@ -386,7 +374,7 @@ def _reduce_launch(x, topk_weights, token_topk_to_pos, fp8_format="", sf=None, o
 
 
 # ----------------------------------------------------------------------------------------------------
-# Static configs (the GPU tests' and the bench's)
+# Static configs: the bench's (the tests' own are listed in tests/moe/configs.py)
 # ----------------------------------------------------------------------------------------------------
 
 def _expand_cfg(dtype: torch.dtype, hidden: int, k: int, sf=None) -> tuple:
@@ -397,9 +385,9 @@ def _expand_cfg(dtype: torch.dtype, hidden: int, k: int, sf=None) -> tuple:
     if sf is None:
         return cfg
     sf_dtype, npc, col = sf
-    blocks = _cdiv(hidden, npc)
+    blocks = formats.cdiv(hidden, npc)
     if sf_dtype == torch.int32:
-        return cfg + ("col", _cdiv(blocks, 4), blocks % 4)
+        return cfg + ("col", formats.cdiv(blocks, 4), blocks % 4)
     return cfg + ("col" if col else "row", blocks, 0)
 
 
@@ -408,27 +396,7 @@ def _reduce_cfg(in_dtype: torch.dtype, e4m3: bool, hidden: int, k: int, w: bool,
     return (_TL_DTYPE[in_dtype], out, hidden, k, w, x_sf, sf)
 
 
-BF16, FP32, FP16, FP8 = torch.bfloat16, torch.float32, torch.float16, torch.float8_e4m3fn
-# GPU-test shapes (tests/moe/test_shuffle_kernel.py), listed once here so the compile tier builds them
-TEST_EXPAND = [(BF16, 576, k) for k in (1, 2, 6, 8)] + [
-    (BF16, 7168, 8), (FP32, 200, 6), (FP32, 7168, 2), (FP8, 33, 2), (BF16, 3, 2), (FP8, 200, 2)]
-TEST_EXPAND_SF = [(FP8, h, k, (d, npc, col)) for h, k in ((576, 6), (7168, 8)) for npc in (32, 128)
-                  for d, col in ((FP32, False), (FP32, True), (torch.int32, True))] + [
-    (FP8, 1024, 2, (FP32, 128, False))]
-TEST_REDUCE = [(d, e4m3, 2048, 6, w, xs, e4m3) for d in (BF16, FP32) for e4m3 in (False, True)
-               for w, xs in ((True, False), (False, True), (True, True))] + [
-    (BF16, False, 2048, k, True, False, False) for k in (1, 2, 8)] + [
-    (FP16, False, 2560, 8, True, True, False), (FP16, True, 2560, 8, True, False, False),
-    (BF16, True, 7168, 8, True, True, True), (BF16, False, 7168, 8, True, False, False),
-    (FP32, True, 4096, 6, False, False, False), (BF16, False, 256, 2, False, False, False),
-    (FP32, True, 256, 2, False, False, False), (FP32, True, 512, 3, False, True, True)]
-
-
-def test_configs() -> list[tuple[str, tuple]]:
-    """Every ``(kernel name, config)`` the GPU tests launch."""
-    cfgs = [("expand_to_fused", _expand_cfg(*c)) for c in TEST_EXPAND + TEST_EXPAND_SF]
-    cfgs += [("reduce_fused", _reduce_cfg(*c)) for c in TEST_REDUCE]
-    return list(dict.fromkeys(cfgs))
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 
 
 def _bench_configs() -> list[tuple[str, tuple]]:
@@ -443,7 +411,7 @@ def _bench_configs() -> list[tuple[str, tuple]]:
 
 
 def _configs(name: str) -> list[tuple]:
-    return list(dict.fromkeys(c for n, c in test_configs() + _bench_configs() if n == name))
+    return list(dict.fromkeys(c for n, c in _bench_configs() if n == name))
 
 
 _jit.register("expand_to_fused", expand_kernel, lambda: _configs("expand_to_fused"))

@@ -23,20 +23,20 @@ its kernels and nvcc could fuse the kernel's product into the next addition (sof
 multiply, the reference adds stored exp values), the addition is ``__fadd_rn``. The data rules of §2.2
 step 13 are device assertions: finite logits of unmasked tokens, fixed routes in ``[0, E_r)``, replica
 counts >= 1 (the count vector spread over the grid's threads); the reference fallback checks them with
-the public op's ``_assert_gate_data``. Static config: ``(E, K, G, TG, S, scoring, mask, fix, unmapped,
+``_checks.check_top2_sum_gate_data``. Static config: ``(E, K, G, TG, S, scoring, mask, fix, unmapped,
 map)``; the token count and the optional tensors' sizes are symbolic, the scaling factor and ranks are
 kernel scalars. Absent optional tensors are passed as a cached one-element dummy and never read.
 """
 
 import torch
 
-from tilefuse import _jit, _ops
+from tilefuse import _jit, _ops, formats
 from tilefuse._launch import aligned, placeholder
+from tilefuse.moe import _checks as checks
+from tilefuse.reference import moe as ref
 
 WARPS = 4                 # tokens (warps) per CTA
 MAX_EXPERTS = 1024        # lanes hold up to 32 experts each; larger E falls back to the reference
-EPS = 1e-20               # weight-denominator start (moe.md §2.2 step 6)
-REPLICA_STRIDE = 23333    # replica choice (ep_rank + t * 23333) mod count (§2.2 step 9)
 _SENTINEL = 2**30         # "no expert" index during the arg-max rounds (larger than every real index)
 
 # Warp arg-max of a top-k round: the largest value (an order-preserving int key: -0.0 equals +0.0), then the
@@ -51,10 +51,6 @@ __device__ __forceinline__ int tf2_warp_best(float v, int i) {
   return __reduce_min_sync(0xffffffffu, key == top ? i : 0x7fffffff);
 }
 """
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def top2_sum_gate_kernel(E: int, K: int, G: int, TG: int, S: int, scoring: str, has_mask: bool, has_fix: bool,
@@ -73,7 +69,7 @@ def top2_sum_gate_kernel(E: int, K: int, G: int, TG: int, S: int, scoring: str, 
     segmented = grouped and per_group % 4 == 0 and 128 % per_group == 0
     seg_lanes = per_group // 4 if segmented else 1
     seg_steps = seg_lanes.bit_length() - 1
-    NC = _cdiv(E, 128)          # chunks of 128 experts
+    NC = formats.cdiv(E, 128)          # chunks of 128 experts
     V = 4 * NC                  # expert slots per lane
     W = K + S                   # output width
     full_chunks = E % 128 == 0  # every lane owns 4 experts of every chunk
@@ -290,7 +286,7 @@ def top2_sum_gate_kernel(E: int, K: int, G: int, TG: int, S: int, scoring: str, 
                         else:
                             s = elementwise_score(xs)
                     total = T.alloc_var("float32")
-                    total = T.float32(EPS)
+                    total = T.float32(ref.EPS)
                     for k in T.unroll(K):
                         total = total + T.shfl_sync(s, k)
                     if lane < W:
@@ -307,7 +303,7 @@ def top2_sum_gate_kernel(E: int, K: int, G: int, TG: int, S: int, scoring: str, 
                         v = logical
                         if has_map:
                             base = T.reinterpret(T.cast(ep_rank, "uint32")
-                                                 + T.cast(t, "uint32") * T.uint32(REPLICA_STRIDE), "int32")
+                                                 + T.cast(t, "uint32") * T.uint32(ref.REPLICA_STRIDE), "int32")
                             row = T.max(T.min(logical, MR - 1), 0)
                             count = T.alloc_var("int32")
                             count = T.max(Count[row], 1)
@@ -351,36 +347,12 @@ def supported(cfg: tuple) -> bool:
 
 
 def _configs() -> list[tuple]:
-    """The bench's configs (T=8192, E=256, K=8, 8 groups, top-4, sigmoid / sqrtsoftplus, bias) and the GPU tests'."""
-    cfgs = [(256, 8, 8, 4, 0, sc, False, False, False, False) for sc in ("sigmoid", "sqrtsoftplus")]
-    cfgs += test_configs()
-    return list(dict.fromkeys(cfgs))
-
-
-def test_configs() -> list[tuple]:
-    """Static configs used by tests/moe/test_top2_sum_gate_kernel.py."""
-    out = []
-    for sc in ("sigmoid", "sqrtsoftplus", "softmax"):
-        for E, K, G, TG in ((8, 1, 0, 0), (72, 6, 0, 0), (256, 8, 8, 4), (384, 2, 0, 0), (384, 8, 12, 4),
-                            (72, 6, 6, 3), (64, 4, 32, 8)):
-            out.append((E, K, G, TG, 0, sc, False, False, False, False))
-    # every optional input, shared slots, group restriction
-    for sc in ("sigmoid", "softmax"):
-        out.append((72, 6, 0, 0, 2, sc, True, True, True, True))
-        out.append((256, 8, 8, 4, 1, sc, True, False, True, True))
-        out.append((256, 8, 8, 4, 2, sc, True, True, True, True))
-    out.append((16, 4, 4, 2, 2, "sqrtsoftplus", True, True, True, True))
-    out.append((256, 6, 0, 0, 0, "sqrtsoftplus", False, False, True, False))
-    out.append((8, 1, 0, 0, 0, "softmax", True, True, True, False))   # K = 1: unmapped's last stride is free
-    return list(dict.fromkeys(out))
+    """The bench's configs (E=256, K=8, 8 groups, top-4, each scoring, bias); the GPU tests' own are listed in
+    tests/moe/configs.py and compile on first use."""
+    return [(256, 8, 8, 4, 0, sc, False, False, False, False) for sc in ("sigmoid", "sqrtsoftplus", "softmax")]
 
 
 _jit.register("top2_sum_gate", top2_sum_gate_kernel, _configs)
-
-def _new_output(shape, dtype, device):
-    """Output allocation (a module function so that tests can poison outputs)."""
-    return torch.empty(shape, dtype=dtype, device=device)
-
 
 def _unit_inner(u: torch.Tensor) -> torch.Tensor:
     """``unmapped_topk_idx`` with a unit last stride, as the kernel's binding requires: the op accepts any
@@ -399,8 +371,6 @@ def top2_sum_gate_launch(logits, bias, num_topk, num_topk_groups, num_groups, us
                          scoring_func, mask=None, fix_routing_mask=None, to_physical_map=None, logical_count=None,
                          unmapped_topk_idx=None):
     """Allocate, launch, return ``(topk_idx, topk_weights)``; writes ``unmapped_topk_idx`` in place."""
-    from tilefuse.reference import moe as ref
-
     scoring = ref.scoring_name(scoring_func)
     rows, E = logits.shape
     S = num_shared_experts if use_shared_as_routed else 0
@@ -411,17 +381,14 @@ def top2_sum_gate_launch(logits, bias, num_topk, num_topk_groups, num_groups, us
     cfg = gate_config(logits, num_topk, num_topk_groups, num_groups, S, scoring, mask, fix_routing_mask,
                       unmapped_topk_idx, to_physical_map)
     if not supported(cfg) or num_tp_ranks * ranks_p >= 2**31:
-        from tilefuse.moe import ops
-
         # the kernel checks the data rules itself (device_assert); the reference does not
-        checked = torch.ones(rows, dtype=torch.bool, device=device) if mask is None else mask.reshape(rows)
-        ops._assert_gate_data("top2_sum_gate", logits, checked, fix_routing_mask, unmapped_topk_idx, logical_count)
+        checks.check_top2_sum_gate_data(logits, mask, fix_routing_mask, unmapped_topk_idx, logical_count)
         return ref.top2_sum_gate(logits, bias, num_topk, num_topk_groups, num_groups, use_shared_as_routed,
                                  num_shared_experts, routed_scaling_factor, ep_rank, num_ep_ranks, tp_rank,
                                  num_tp_ranks, scoring_func, mask, fix_routing_mask, to_physical_map,
                                  logical_count, unmapped_topk_idx)
-    idx = _new_output((rows, W), torch.int64, device)
-    weights = _new_output((rows, W), torch.float32, device)
+    idx = torch.empty((rows, W), dtype=torch.int64, device=device)
+    weights = torch.empty((rows, W), dtype=torch.float32, device=device)
     if rows == 0:
         return idx, weights
     u8 = torch.uint8
@@ -467,7 +434,5 @@ def top2_sum_gate_cuda(logits, bias, num_topk, num_topk_groups, num_groups, use_
             routed_scaling_factor, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks, scoring_func, mask,
             fix_routing_mask, to_physical_map, logical_count, unmapped_topk_idx)
     if torch.compiler.is_compiling():
-        from tilefuse.reference import moe as ref
-
         return torch.ops.tilefuse.top2_sum_gate(*args[:12], ref.scoring_name(scoring_func), *args[13:])
     return top2_sum_gate_launch(*args)

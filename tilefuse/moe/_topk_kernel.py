@@ -4,7 +4,7 @@
 Selection. A row's candidates live in the registers of a segment of ``L`` lanes of one warp (``L`` a power of
 two <= 32; ``32 / L`` rows per warp): lane ``l`` holds candidates ``l, l + L, l + 2L, ...`` (so a warp's loads
 are coalesced), or, for ``topk_gate`` with a whole warp a row and ``E % 4 == 0``, ``c * 128 + 4 l + j`` (one
-16-byte load per chunk ``c``; ``GATE_VEC4``). Each candidate becomes an int32 *key* whose integer order is the stable descending sort's
+16-byte load per chunk ``c``). Each candidate becomes an int32 *key* whose integer order is the stable descending sort's
 order: ``-0.0`` equals ``+0.0`` and every NaN is above ``+inf`` (torch.sort puts NaN first). K times: each lane
 takes its best key (ties: its smallest index), the segment takes the largest ``(key, -index)`` pair (a whole warp:
 two ``redux.sync`` reductions, the largest key, then the smallest index holding it; a narrower segment: an XOR
@@ -33,9 +33,6 @@ from tilefuse._launch import aligned
 from tilefuse.reference import moe as ref
 
 _THREADS = 128             # threads per CTA of the selection kernels (4 warps)
-# topk_gate with a whole warp a row and E % 4 == 0: lane l holds candidates c * 128 + 4 l + j (one 16-byte load
-# per chunk c; the launcher copies a start that is not 16-byte aligned); False: l + 32 j (4-byte loads)
-GATE_VEC4 = True
 _NW_THREADS = 64           # threads (rows) per CTA of normalize_weight: 128 CTAs at T = 8192
 MAX_GATE_EXPERTS = 1024    # topk_gate keeps E / 32 keys per lane in registers; larger E runs the reference
 _UNROLL_TOPK = 32          # selection loops up to this K are unrolled (slot registers), longer ones are serial
@@ -157,8 +154,9 @@ def topk_gate_kernel(num_experts: int, num_topk: int):
 
 
 def _gate_vec4(experts: int) -> bool:
-    """topk_gate's 16-byte layout (GATE_VEC4) applies: a whole warp a row and rows of 16-byte multiples."""
-    return GATE_VEC4 and _lanes(experts) == 32 and experts % 4 == 0
+    """topk_gate's 16-byte layout applies: a whole warp a row and rows of 16-byte multiples (lane l holds candidates
+    c * 128 + 4 l + j, one 16-byte load per chunk c; the launcher copies a start that is not 16-byte aligned)."""
+    return _lanes(experts) == 32 and experts % 4 == 0
 
 
 def topk_group_kernel(num_groups: int, per_group: int, num_topk_sum: int, num_topk_groups: int):
@@ -329,7 +327,7 @@ _is_compiling = torch.compiler.is_compiling
 
 def gate_launcher(experts: int, num_topk: int):
     """``launch(scores, t) -> topk_idx (t, K)`` of one ``(E, K)`` (E <= MAX_GATE_EXPERTS; the kernel reads fp32
-    scalars, so any fp32 start is aligned, or with GATE_VEC4 16-byte vectors, from an aligned copy where the start
+    scalars, so any fp32 start is aligned, or with the 16-byte layout 16-byte vectors, from an aligned copy where the start
     is not): the native plan, or the Python path (torch.empty + the TVM-FFI call) where the extension is
     unavailable. Cached per config (not for a stand-in ``_jit.get``)."""
     key = (experts, num_topk)

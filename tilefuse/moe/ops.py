@@ -15,12 +15,8 @@ import torch
 
 from tilefuse import _check, formats
 from tilefuse._registry import public
-from tilefuse.moe import _count_kernel as _CK
-from tilefuse.moe import _mapping_kernel as _MK
-from tilefuse.moe import _moe_gate_kernel as _GK
-from tilefuse.moe import _shuffle_kernel as _SH
-from tilefuse.moe import _top2_sum_gate_kernel as _SG
-from tilefuse.moe import _topk_kernel as _TK
+from tilefuse.moe import (_checks as checks, _count_kernel, _mapping_kernel, _moe_gate_kernel, _shuffle_kernel,
+                          _top2_sum_gate_kernel, _topk_kernel)
 from tilefuse.reference import moe as ref
 
 __all__ = [
@@ -45,12 +41,8 @@ MAX_TOPK = 32                 # compile-time limit of the gate kernels (K + S <=
 MAX_FUSED_EXPERTS = 1024      # get_fused_mapping: E <= 1024
 MAX_UNIQUE_GROUPS = 128       # inplace_unique_group_indices: num_groups <= 128
 MAX_GROUPS = 32               # group-limited routing / topk_sum_and_topk_group_idx: G <= 32
+TOP2_SCORING_FUNCS = ("sigmoid", "sqrtsoftplus", "softmax")   # top2_sum_gate's scorings (not v1's identity)
 INT64, INT32, FP32, BOOL = torch.int64, torch.int32, torch.float32, torch.bool
-
-
-def _assert_data(cond: torch.Tensor, op: str, message: str) -> None:
-    """Data-dependent check (a device-side assertion upstream): RuntimeError on CPU, no host sync on CUDA."""
-    torch._assert_async(cond.all(), f"{op}: {message}")
 
 
 def _num_shared(op: str, use_shared_as_routed, num_shared_experts) -> int:
@@ -95,38 +87,6 @@ def _check_fixed_routing(op: str, fix_routing_mask, unmapped_topk_idx, rows: int
                       device=device)
 
 
-def _row_flags(flags, rows: int, device) -> torch.Tensor:
-    return torch.ones(rows, dtype=BOOL, device=device) if flags is None else flags.reshape(rows)
-
-
-def _assert_gate_data(op: str, logits, checked_rows, fix_routing_mask, unmapped_topk_idx, logical_count) -> None:
-    """The gates' device assertions (§2.2 step 13, §2.13 step 11): finite logits of every checked row,
-    fixed routes inside [0, E_r), replica counts >= 1."""
-    _assert_data(torch.isfinite(logits) | ~checked_rows[:, None], op, "logits contain nan or inf")
-    if fix_routing_mask is not None:
-        fixed = checked_rows & fix_routing_mask
-        inside = (unmapped_topk_idx >= 0) & (unmapped_topk_idx < logits.size(1))
-        _assert_data(inside | ~fixed[:, None], op,
-                     f"unmapped_topk_idx of fixed-routing tokens must be in [0, {logits.size(1)})")
-    if logical_count is not None:
-        _assert_data(logical_count >= 1, op, "logical_count must be >= 1 for every logical expert")
-
-
-def check_gate_forward_data(logits, width: int, mask, fix_routing_mask, unmapped_topk_idx, logical_count,
-                            force_random) -> None:
-    """moe_topk_gate_forward's data rules as torch assertions (the reference paths; the kernel asserts them on the
-    device): those of ``_assert_gate_data`` for rows neither masked nor random, and with ``force_random`` enough
-    replicas for ``width`` distinct draws."""
-    op = "moe_topk_gate_forward"
-    checked = _row_flags(mask, logits.size(0), logits.device)
-    if force_random is not None:
-        checked = checked & ~force_random
-        if logical_count is not None:
-            _assert_data(logical_count.to(INT64).sum() >= width, op,
-                         f"force_random needs sum(logical_count) >= num_topk + num_shared_experts ({width})")
-    _assert_gate_data(op, logits, checked, fix_routing_mask, unmapped_topk_idx, logical_count)
-
-
 # ----------------------------------------------------------------------------------------------------
 # Top-k and gates
 # ----------------------------------------------------------------------------------------------------
@@ -137,14 +97,14 @@ def topk_gate(scores: torch.Tensor, num_topk: int) -> torch.Tensor:
 
     v1 semantics: non-finite scores are not checked; for them the stable-sort order applies (NaN first).
     """
-    out = _TK.topk_gate_fast(scores, num_topk)  # a call whose facts passed before: native plan, no checks
+    out = _topk_kernel.topk_gate_fast(scores, num_topk)  # a call whose facts passed before: native plan, no checks
     if out is not None:
         return out
     op = "topk_gate"
     _check.tensor(op, "scores", scores, dtype=FP32, ndim=2, contiguous=True)
     _check.integer(op, "num_topk", num_topk, min=1, max=scores.size(1))
     if scores.is_cuda:
-        return _TK.topk_gate_cuda(scores, num_topk)
+        return _topk_kernel.topk_gate_cuda(scores, num_topk)
     return ref.stable_topk(scores, num_topk)
 
 
@@ -160,7 +120,7 @@ def topk_sum_and_topk_group_idx(scores: torch.Tensor, num_topk_sum: int, num_top
     _check.integer(op, "num_topk_sum", num_topk_sum, min=1, max=min(2, per_group))
     _check.integer(op, "num_topk_groups", num_topk_groups, min=1, max=groups)
     if scores.is_cuda:
-        return _TK.topk_sum_and_topk_group_idx_cuda(scores, num_topk_sum, num_topk_groups)
+        return _topk_kernel.topk_sum_and_topk_group_idx_cuda(scores, num_topk_sum, num_topk_groups)
     return ref.topk_sum_and_topk_group_idx(scores, num_topk_sum, num_topk_groups)
 
 
@@ -200,12 +160,11 @@ def top2_sum_gate(logits, bias, num_topk, num_topk_groups, num_groups, use_share
         candidates = num_topk_groups * (num_routed // num_groups)
         if not (num_topk <= candidates):
             _check.fail(op, f"num_topk must be <= num_topk_groups * experts per group ({candidates}), got {num_topk}")
-    try:
-        ref.scoring_name(scoring_func)
-    except ValueError as exc:
-        _check.fail(op, f"scoring_func: {exc}")
-    _check.expect(ref.scoring_name(scoring_func) != "identity", op,
-                  "scoring_func must be sigmoid, sqrtsoftplus or softmax, got identity")
+    if not isinstance(scoring_func, str):
+        _check.fail(op, f"scoring_func must be a str, got {type(scoring_func).__name__}", TypeError)
+    if scoring_func.lower() not in TOP2_SCORING_FUNCS:
+        _check.fail(op, f"scoring_func must be one of {', '.join(map(repr, TOP2_SCORING_FUNCS))} (any case), "
+                        f"got {scoring_func!r}")
     num_shared = _num_shared(op, use_shared_as_routed, num_shared_experts)
     if num_shared:
         if num_topk % num_shared != 0:
@@ -232,11 +191,11 @@ def top2_sum_gate(logits, bias, num_topk, num_topk_groups, num_groups, use_share
         return (torch.empty(0, num_topk + num_shared, dtype=INT64, device=device),
                 torch.empty(0, num_topk + num_shared, dtype=FP32, device=device))
     if logits.is_cuda:  # the kernel asserts the data rules on the device
-        return _SG.top2_sum_gate_cuda(logits, bias, num_topk, num_topk_groups, num_groups, use_shared_as_routed,
-                                      num_shared_experts, routed_scaling_factor, ep_rank, num_ep_ranks, tp_rank,
-                                      num_tp_ranks, scoring_func, mask, fix_routing_mask, to_physical_map,
-                                      logical_count, unmapped_topk_idx)
-    _assert_gate_data(op, logits, _row_flags(mask, rows, device), fix_routing_mask, unmapped_topk_idx, logical_count)
+        return _top2_sum_gate_kernel.top2_sum_gate_cuda(
+            logits, bias, num_topk, num_topk_groups, num_groups, use_shared_as_routed, num_shared_experts,
+            routed_scaling_factor, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks, scoring_func, mask, fix_routing_mask,
+            to_physical_map, logical_count, unmapped_topk_idx)
+    checks.check_top2_sum_gate_data(logits, mask, fix_routing_mask, unmapped_topk_idx, logical_count)
     return ref.top2_sum_gate(logits, bias, num_topk, num_topk_groups, num_groups, use_shared_as_routed,
                              num_shared_experts, routed_scaling_factor, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks,
                              scoring_func, mask, fix_routing_mask, to_physical_map, logical_count, unmapped_topk_idx)
@@ -258,8 +217,8 @@ def moe_topk_gate_forward(logits, num_topk, use_shared_as_routed, num_shared_exp
              and to_physical_map is None and logical_count is None and unmapped_topk_idx is None
              and force_random is None and out is None and scores is None)
     if plain:  # a call whose facts passed before: native plan, no checks
-        got = _GK.gate_forward_fast(logits, num_topk, use_shared_as_routed, num_shared_experts,
-                                    routed_scaling_factor, ep_rank, scoring_func, bias)
+        got = _moe_gate_kernel.gate_forward_fast(logits, num_topk, use_shared_as_routed, num_shared_experts,
+                                                 routed_scaling_factor, ep_rank, scoring_func, bias)
         if got is not None:
             return got
     op = "moe_topk_gate_forward"
@@ -300,13 +259,14 @@ def moe_topk_gate_forward(logits, num_topk, use_shared_as_routed, num_shared_exp
         return torch.empty(0, width, dtype=INT64, device=device), torch.empty(0, width, dtype=FP32, device=device)
     if logits.is_cuda:  # the kernel asserts the data rules on the device
         if plain:
-            _GK.remember_fast(logits, num_topk, use_shared_as_routed, num_shared_experts, routed_scaling_factor,
-                              ep_rank, scoring_func, bias)
-        return _GK.moe_topk_gate_forward_cuda(logits, num_topk, use_shared_as_routed, num_shared_experts,
-                                              routed_scaling_factor, ep_rank, scoring_func, mask, bias, image_bias,
-                                              image_token_mask, fix_routing_mask, to_physical_map, logical_count,
-                                              unmapped_topk_idx, out, force_random=force_random, scores=scores)
-    check_gate_forward_data(logits, width, mask, fix_routing_mask, unmapped_topk_idx, logical_count, force_random)
+            _moe_gate_kernel.remember_fast(logits, num_topk, use_shared_as_routed, num_shared_experts,
+                                           routed_scaling_factor, ep_rank, scoring_func, bias)
+        return _moe_gate_kernel.moe_topk_gate_forward_cuda(
+            logits, num_topk, use_shared_as_routed, num_shared_experts, routed_scaling_factor, ep_rank, scoring_func,
+            mask, bias, image_bias, image_token_mask, fix_routing_mask, to_physical_map, logical_count,
+            unmapped_topk_idx, out, force_random=force_random, scores=scores)
+    checks.check_gate_forward_data(logits, width, mask, fix_routing_mask, unmapped_topk_idx, logical_count,
+                                   force_random)
     return ref.moe_topk_gate_forward(logits, num_topk, use_shared_as_routed, num_shared_experts, routed_scaling_factor,
                                      ep_rank, scoring_func, mask, bias, image_bias, image_token_mask, fix_routing_mask,
                                      to_physical_map, logical_count, unmapped_topk_idx, out,
@@ -360,9 +320,10 @@ def moe_topk_gate_backward(scores, topk_idx, topk_weights, grad_topk_weights, ro
     if rows == 0:
         return torch.empty(0, num_routed, dtype=FP32, device=device) if out is None else out
     if scores.is_cuda:  # the kernel asserts the index range on the device
-        return _GK.moe_topk_gate_backward_cuda(scores, topk_idx, topk_weights, grad_topk_weights,
-                                               routed_scaling_factor, scoring_func, mask, grad_scores_sum, out)
-    _assert_data((topk_idx >= -1) & (topk_idx < num_routed), op, f"topk_idx must be -1 or in [0, {num_routed})")
+        return _moe_gate_kernel.moe_topk_gate_backward_cuda(scores, topk_idx, topk_weights, grad_topk_weights,
+                                                            routed_scaling_factor, scoring_func, mask,
+                                                            grad_scores_sum, out)
+    checks.check_gate_backward_data(topk_idx, num_routed)
     return ref.moe_topk_gate_backward(scores, topk_idx, topk_weights, grad_topk_weights, routed_scaling_factor,
                                       scoring_func, mask, grad_scores_sum, out)
 
@@ -373,7 +334,7 @@ def normalize_weight(topk_weights: torch.Tensor):
     op = "normalize_weight"
     _check.tensor(op, "topk_weights", topk_weights, dtype=FP32, ndim=2, contiguous=True)
     if topk_weights.is_cuda:
-        return _TK.normalize_weight_cuda(topk_weights)
+        return _topk_kernel.normalize_weight_cuda(topk_weights)
     return ref.normalize_weight(topk_weights)
 
 
@@ -401,24 +362,11 @@ def get_fused_mapping(topk_idx: torch.Tensor, num_experts: int, num_expanded_tok
     if num_sms is not None:
         _check.integer(op, "num_sms", num_sms, min=1)
     if topk_idx.is_cuda and num_sms is None:  # the kernels assert both data rules on the device
-        return _MK.get_fused_mapping_cuda(topk_idx, num_experts, num_expanded_tokens, alignment, force_no_sync)
-    check_fused_mapping_data(topk_idx, num_experts, num_expanded_tokens, alignment, force_no_sync)
+        return _mapping_kernel.get_fused_mapping_cuda(topk_idx, num_experts, num_expanded_tokens, alignment,
+                                                      force_no_sync)
+    checks.check_fused_mapping_data(topk_idx, num_experts, num_expanded_tokens, alignment, force_no_sync)
     # CPU, and upstream's worker order (num_sms) on any device: the reference
     return ref.get_fused_mapping(topk_idx, num_experts, num_expanded_tokens, alignment, force_no_sync, num_sms=num_sms)
-
-
-def check_fused_mapping_data(topk_idx, num_experts: int, num_expanded_tokens: int, alignment: int,
-                             force_no_sync: bool) -> None:
-    """get_fused_mapping's data rules as torch assertions (the reference paths): entries in [-1, E), and a given
-    ``num_expanded_tokens`` holds every aligned segment."""
-    op = "get_fused_mapping"
-    _assert_data((topk_idx >= -1) & (topk_idx < num_experts), op,
-                 f"topk_idx entries must be -1 or in [0, {num_experts})")
-    if num_expanded_tokens or force_no_sync:
-        counts = ref.group_count(topk_idx, num_experts).to(INT64)
-        needed = ((counts + alignment - 1) // alignment * alignment).sum()
-        _assert_data(needed <= num_expanded_tokens, op,
-                     f"num_expanded_tokens ({num_expanded_tokens}) must hold every aligned expert segment")
 
 
 def _check_expand_maps(op: str, rows: int, token_topk_to_pos, pos_to_expert, device) -> None:
@@ -427,7 +375,8 @@ def _check_expand_maps(op: str, rows: int, token_topk_to_pos, pos_to_expert, dev
     _check.tensor(op, "pos_to_expert", pos_to_expert, dtype=INT32, ndim=1, contiguous=True, device=device)
     size = pos_to_expert.numel()
     if not token_topk_to_pos.is_cuda:  # the CUDA kernels assert it on the device
-        _assert_data(token_topk_to_pos < size, op, f"token_topk_to_pos entries must be < len(pos_to_expert) = {size}")
+        checks.assert_data(token_topk_to_pos < size, op,
+                           f"token_topk_to_pos entries must be < len(pos_to_expert) = {size}")
 
 
 @public("moe", path="kernel")
@@ -437,7 +386,7 @@ def expand_to_fused(x: torch.Tensor, token_topk_to_pos: torch.Tensor, pos_to_exp
     _check.tensor(op, "x", x, ndim=2, contiguous=True)
     _check_expand_maps(op, x.size(0), token_topk_to_pos, pos_to_expert, x.device)
     if x.is_cuda:
-        return _SH.expand_to_fused_cuda(x, token_topk_to_pos, pos_to_expert)
+        return _shuffle_kernel.expand_to_fused_cuda(x, token_topk_to_pos, pos_to_expert)
     return ref.expand_to_fused(x, token_topk_to_pos, pos_to_expert)
 
 
@@ -465,8 +414,8 @@ def expand_to_fused_with_sf(x, num_per_channels: int, token_topk_to_pos: torch.T
                   "x[1] (packed UE8M0 int32 sf) requires use_tma_aligned_col_major_sf=True")
     _check_expand_maps(op, rows, token_topk_to_pos, pos_to_expert, data.device)
     if data.is_cuda:
-        return _SH.expand_to_fused_with_sf_cuda((data, sf), num_per_channels, token_topk_to_pos, pos_to_expert,
-                                                use_tma_aligned_col_major_sf)
+        return _shuffle_kernel.expand_to_fused_with_sf_cuda((data, sf), num_per_channels, token_topk_to_pos,
+                                                            pos_to_expert, use_tma_aligned_col_major_sf)
     return ref.expand_to_fused_with_sf((data, sf), num_per_channels, token_topk_to_pos, pos_to_expert,
                                        use_tma_aligned_col_major_sf)
 
@@ -502,8 +451,8 @@ def reduce_fused(x, topk_weights, token_topk_to_pos, fp8_format: str = "", sf=No
     out_dtype = torch.float8_e4m3fn if fp8_format == "e4m3" else data.dtype
     _check.optional(op, "out", out, dtype=out_dtype, shape=(rows, hidden), device=device)
     if data.is_cuda:  # the kernel asserts token_topk_to_pos < x rows on the device
-        return _SH.reduce_fused_cuda(x, topk_weights, token_topk_to_pos, fp8_format, sf, out)
-    _assert_data(token_topk_to_pos < size, op, f"token_topk_to_pos entries must be < x rows ({size})")
+        return _shuffle_kernel.reduce_fused_cuda(x, topk_weights, token_topk_to_pos, fp8_format, sf, out)
+    checks.assert_data(token_topk_to_pos < size, op, f"token_topk_to_pos entries must be < x rows ({size})")
     return ref.reduce_fused(x, topk_weights, token_topk_to_pos, fp8_format, sf, out=out)
 
 
@@ -519,8 +468,9 @@ def aux_fi(topk_idx: torch.Tensor, num_experts: int, num_aux_topk: int) -> torch
     _check.integer(op, "num_experts", num_experts, min=1)
     _check.integer(op, "num_aux_topk", num_aux_topk, min=1)
     if topk_idx.is_cuda:  # the kernel asserts the data rule on the device
-        return _CK.aux_fi_cuda(topk_idx, num_experts, num_aux_topk)
-    _assert_data((topk_idx >= -1) & (topk_idx < num_experts), op, f"topk_idx entries must be in [-1, {num_experts})")
+        return _count_kernel.aux_fi_cuda(topk_idx, num_experts, num_aux_topk)
+    checks.assert_data((topk_idx >= -1) & (topk_idx < num_experts), op,
+                       f"topk_idx entries must be in [-1, {num_experts})")
     return ref.aux_fi(topk_idx, num_experts, num_aux_topk)
 
 
@@ -531,8 +481,9 @@ def group_count(group_idx: torch.Tensor, num_groups: int) -> torch.Tensor:
     _check.tensor(op, "group_idx", group_idx, dtype=INT64, ndim=2, contiguous=True)
     _check.integer(op, "num_groups", num_groups, min=1)
     if group_idx.is_cuda:
-        return _CK.group_count_cuda(group_idx, num_groups)
-    _assert_data((group_idx >= -1) & (group_idx < num_groups), op, f"group_idx entries must be in [-1, {num_groups})")
+        return _count_kernel.group_count_cuda(group_idx, num_groups)
+    checks.assert_data((group_idx >= -1) & (group_idx < num_groups), op,
+                       f"group_idx entries must be in [-1, {num_groups})")
     return ref.group_count(group_idx, num_groups)
 
 
@@ -543,9 +494,9 @@ def inplace_unique_group_indices(group_indices: torch.Tensor, num_groups: int) -
     _check.tensor(op, "group_indices", group_indices, dtype=INT64, ndim=2, contiguous=True)
     _check.integer(op, "num_groups", num_groups, min=1, max=MAX_UNIQUE_GROUPS)
     if group_indices.is_cuda:
-        return _CK.inplace_unique_group_indices_cuda(group_indices, num_groups)
+        return _count_kernel.inplace_unique_group_indices_cuda(group_indices, num_groups)
     limit = formats.align(num_groups, 64)
-    _assert_data(group_indices < limit, op, f"group_indices entries must be < align(num_groups, 64) = {limit}")
+    checks.assert_data(group_indices < limit, op, f"group_indices entries must be < align(num_groups, 64) = {limit}")
     ref.inplace_unique_group_indices(group_indices, num_groups)
 
 
@@ -560,5 +511,5 @@ def mask_indices_by_tp(indices: torch.Tensor, n: int, num_ep_ranks: int, tp_rank
     _check.integer(op, "num_tp_ranks", num_tp_ranks, min=1)
     _check.integer(op, "tp_rank", tp_rank, min=0, max=num_tp_ranks - 1)
     if indices.is_cuda:
-        return _CK.mask_indices_by_tp_cuda(indices, n, num_ep_ranks, tp_rank, num_tp_ranks)
+        return _count_kernel.mask_indices_by_tp_cuda(indices, n, num_ep_ranks, tp_rank, num_tp_ranks)
     return ref.mask_indices_by_tp(indices, n, num_ep_ranks, tp_rank, num_tp_ranks)
