@@ -90,3 +90,36 @@ def test_readme_quickstart_and_examples():
         exec(compile(block, "README.md", "exec"), namespace)
     assert namespace["back"].shape == namespace["x"].shape
     assert namespace["R"].shape == (1, 8, 4, 256)
+
+
+def _meta_cases():
+    """One public op per area with its first tensor argument made on ``device``."""
+    import tilefuse.engram as engram
+    import tilefuse.mhc as mhc
+    import tilefuse.moe as moe
+    import tilefuse.quant as quant
+    import tilefuse.transpose as transpose
+    from tilefuse.reference import make_offsets
+
+    vocab = torch.full((1, 2, 2), 100, dtype=torch.int32)
+    return {
+        "quant": ("per_token_cast", "x", lambda d: quant.per_token_cast(torch.ones(4, 256, device=d), "e4m3", 128)),
+        "transpose": ("transpose", "x", lambda d: transpose.transpose(torch.ones(64, 64, device=d))),
+        "moe": ("get_fused_mapping", "topk_idx",
+                lambda d: moe.get_fused_mapping(torch.zeros(4, 2, dtype=torch.int64, device=d), 8, 0, 32)),
+        "engram": ("engram_hash", "ngram_token_ids",
+                   lambda d: engram.engram_hash(torch.ones(4, 3, dtype=torch.int32, device=d),
+                                                torch.ones(1, 3, dtype=torch.int64), vocab, make_offsets(vocab))),
+        "mhc": ("expand_to_mhc", "hidden",
+                lambda d: mhc.expand_to_mhc(torch.ones(1, 4, 256, dtype=torch.bfloat16, device=d), 4)),
+    }
+
+
+@pytest.mark.parametrize("area", ["quant", "transpose", "moe", "engram", "mhc"])
+def test_meta_tensors_are_refused(area):
+    """A tensor without data (the meta device) is a bad argument: ValueError naming the op and the argument,
+    where the same call on the CPU runs."""
+    op, arg, call = _meta_cases()[area]
+    call("cpu")
+    with pytest.raises(ValueError, match=f"^{op}: {arg} must be on a CPU or CUDA device, got a tensor on the meta"):
+        call("meta")

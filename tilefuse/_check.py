@@ -2,8 +2,9 @@
 
 Every failure names the op, the argument, what was expected and what was given, e.g.
 ``per_token_cast: x must have hidden % 64 == 0, got shape (8, 100)``. Wrong types and dtypes raise
-``TypeError``; wrong shapes, values, alignment and device mixes raise ``ValueError``. The checks only
-read tensor metadata: they never synchronize with the device.
+``TypeError``; wrong shapes, values, alignment, devices and device mixes raise ``ValueError``: a tensor
+without data (the meta device) is refused here, before an op would need its values. The checks only read
+tensor metadata: they never synchronize with the device.
 """
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ def tensor(
     """
     if not isinstance(t, torch.Tensor):
         fail(op, f"{name} must be a torch.Tensor, got {type(t).__name__}", TypeError)
+    if t.is_meta:  # (fake tensors of tracing report their fake device, never meta)
+        fail(op, f"{name} must be on a CPU or CUDA device, got a tensor on the meta device (no data)")
     if dtype is not None:
         allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
         if t.dtype not in allowed:
