@@ -7,10 +7,10 @@ current stream. The extension is built on first use with the host compiler again
 Python and tvm_ffi headers (about 20 s), cached next to the kernel libraries (``_jit._cache_dir()``) and
 keyed by its source and those versions; ``python -m tilefuse precompile`` and ``python -m tilefuse info
 --native`` build it too. It compiles with the C++ standard torch itself was built with (``torch.__config__``;
-torch's headers need it: C++20 from torch 2.13 on). Where there is no host compiler or ``TILEFUSE_NATIVE=0``,
-:func:`plan` returns None and the launchers keep their Python path, which computes the same outputs. A build
-that fails with a compiler present also falls back, but warns (``RuntimeWarning``) and leaves its reason
-beside the library, where :func:`status` (``python -m tilefuse info``) reports it.
+torch's headers need it: C++17 for torch 2.11, C++20 for 2.13 and 2.14). Where there is no host compiler or
+``TILEFUSE_NATIVE=0``, :func:`plan` returns None and the launchers keep their Python path, which computes the
+same outputs. A build that fails with a compiler present also falls back, but warns (``RuntimeWarning``) and
+leaves its reason beside the library, where :func:`status` (``python -m tilefuse info``) reports it.
 """
 from __future__ import annotations
 
