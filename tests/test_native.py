@@ -186,6 +186,18 @@ def test_disabled_or_unbuildable_falls_back(monkeypatch, tmp_path, recwarn):
     assert _native.status() == failed
 
 
+def test_status_without_the_headers_to_build_against(monkeypatch):
+    """status() answers (it never raises) where the extension's inputs are missing: info prints it."""
+    monkeypatch.setattr(_native, "_STATE", {})
+    monkeypatch.delenv("TILEFUSE_NATIVE", raising=False)
+
+    def missing():
+        raise ImportError("No module named 'tvm_ffi'\nmore")
+
+    monkeypatch.setattr(_native, "lib_path", missing)
+    assert _native.status() == ("failed", "ImportError: No module named 'tvm_ffi'")
+
+
 def test_a_failing_compiler_names_its_first_error(monkeypatch, tmp_path):
     """build() with a compiler that rejects the source raises RuntimeError whose first line names the compiler's
     first ``error:`` line, and leaves no library behind."""

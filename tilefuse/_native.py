@@ -198,7 +198,10 @@ def status() -> tuple[str, str]:
             return "ready", lib_path()
         reason = _STATE.get("error") or "unknown"
         return ("no compiler" if reason.startswith("no C++ compiler") else "failed"), reason.splitlines()[0]
-    path = lib_path()
+    try:
+        path = lib_path()
+    except Exception as exc:  # torch or tvm_ffi missing or broken: nothing to build against
+        return "failed", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     if not os.path.exists(path) and compiler() is None:
         return "no compiler", (f"{os.environ.get('CXX') or 'c++'} is not on the PATH (set CXX): the launchers "
                                "take their Python path")
