@@ -158,6 +158,16 @@ def test_unknown_precompile_ops_list_the_kernels(capsys):
     assert f"no kernel name starts with 'nosuchop', 'alsonot'; the kernels are: {kernels}" in line
 
 
+def test_run_demo_needs_a_repeat_of_at_least_one():
+    import torch
+
+    from tilefuse.demo import Config, run_demo
+
+    for repeat in (0, -1, True):
+        with pytest.raises(ValueError, match=f"run_demo: repeat must be an int >= 1, got {repeat!r}"):
+            run_demo(Config(tokens=4), torch.device("cpu"), repeat)
+
+
 def test_demo_without_cuda_is_a_usage_error(monkeypatch, capsys):
     import torch
 

@@ -16,8 +16,8 @@ import importlib
 import importlib.metadata
 import os
 import platform
-import sys
 import re
+import sys
 from collections import defaultdict
 
 from tilefuse._cli_errors import ArgumentParser, UsageError, one_line
@@ -121,7 +121,7 @@ def info(argv: list[str]) -> int:
 def precompile(argv: list[str]) -> int:
     """Compile the registered kernel configs (or, with ``--bench``, those the bench launches) into the disk cache."""
     parser = ArgumentParser(prog="python -m tilefuse precompile",
-                                     description="Compile every registered kernel config into TileLang's disk cache.")
+                            description="Compile every registered kernel config into TileLang's disk cache.")
     parser.add_argument("--ops", nargs="*", default=None,
                         help="kernel names (or prefixes) to compile; default: all")
     parser.add_argument("--arch", default=None, help="target arch, e.g. sm_90 (default: current GPU, else sm_90)")
