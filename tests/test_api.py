@@ -90,3 +90,30 @@ def test_readme_quickstart_and_examples():
         exec(compile(block, "README.md", "exec"), namespace)
     assert namespace["back"].shape == namespace["x"].shape
     assert namespace["R"].shape == (1, 8, 4, 256)
+
+
+
+def test_meta_tensors_infer_shapes_or_are_refused():
+    """A tensor on the meta device (no data): an op that computes only shapes returns meta outputs with the CPU
+    call's shapes and dtypes; an op that reads values on the host refuses it, ValueError naming the op and the
+    argument, where raw torch errors came before (Cannot copy out of meta tensor; Tensor.item())."""
+    import tilefuse.moe as moe
+    import tilefuse.quant as quant
+
+    x = torch.randn(4, 256)
+    for got, want in zip(quant.per_token_cast(x.to("meta"), "e4m3", 128), quant.per_token_cast(x, "e4m3", 128)):
+        assert got.is_meta and (got.shape, got.dtype, got.stride()) == (want.shape, want.dtype, want.stride())
+    idx = torch.tensor([[0, 1], [2, -1], [1, 3], [0, 2]])
+    bound = 4 * 2 + 8 * 31  # routed slots plus the worst-case alignment padding
+    got = moe.get_fused_mapping(idx.to("meta"), 8, bound, 32, True)
+    want = moe.get_fused_mapping(idx, 8, bound, 32, True)
+    assert [(t.shape, t.dtype) for t in got[:7]] == [(t.shape, t.dtype) for t in want[:7]]
+    with pytest.raises(ValueError, match=r"^get_fused_mapping: topk_idx must be on a CPU or CUDA device: with "
+                                         r"num_expanded_tokens == 0 .* a tensor on the meta device has no data$"):
+        moe.get_fused_mapping(idx.to("meta"), 8, 0, 32)
+    data = torch.zeros(128, 64, dtype=torch.int8)  # e2m1 pairs of a (128, 128) tensor
+    sf = torch.ones(128, 4)  # per (1, 32) block
+    quant.per_block_cast_lossless((data, sf), "e4m3", (1, 32), (128, 128))
+    with pytest.raises(ValueError, match=r"^per_block_cast_lossless: x must be on a CPU or CUDA device: its "
+                                         r"exactness rule .* is read on the host, and a tensor on the meta device"):
+        quant.per_block_cast_lossless((data.to("meta"), sf.to("meta")), "e4m3", (1, 32), (128, 128))

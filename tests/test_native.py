@@ -119,21 +119,100 @@ def test_plan_declines_non_ffi_kernels_and_bad_outputs(native):
         _native.plan(fn, torch.bfloat16, 16, 8, [(4, torch.float32, False)] * 4)
 
 
-def test_disabled_or_unbuildable_falls_back(monkeypatch):
-    """TILEFUSE_NATIVE=0, or a failing build, gives no plan (the launchers keep their Python path)."""
+def test_the_extension_builds_where_there_is_a_compiler():
+    """Not the compile tier: wherever a C++ compiler is, the extension must build against the installed torch
+    and load (a failure here is the reason the launchers would lose their native plans). Only a machine without
+    a compiler falls back silently."""
+    if _native.compiler() is None:
+        pytest.skip("no C++ compiler ($CXX or c++): the launchers take their Python path")
+    assert _native.enabled(), "TILEFUSE_NATIVE=0 is set: unset it to test the native launcher"
+    assert _native.module() is not None, _native.error()
+    assert _native.status() == ("ready", _native.lib_path())
+
+
+@pytest.mark.parametrize("show,std", [("C++ Version: 201703\n", "c++17"), ("C++ Version: 202002\n", "c++20"),
+                                      ("C++ Version: 202100\n", "c++23"), ("  - GCC 13.3\n", "c++20")])
+def test_cxx_std_follows_torch_build_config(monkeypatch, show, std):
+    """-std= is the standard torch was compiled with, as torch.__config__ states it (torch 2.10: C++17; 2.13 and
+    2.14: C++20, whose headers need it); C++20 where the config does not say."""
+    monkeypatch.setattr(torch.__config__, "show", lambda: show)
+    assert _native.cxx_std() == std
+
+
+def test_build_flags_use_torchs_standard():
+    pytest.importorskip("tvm_ffi")
+    cflags, _ = _native._flags()
+    assert [f for f in cflags if f.startswith("-std=")] == [f"-std={_native.cxx_std()}"]
+
+
+def _fresh(monkeypatch, tmp_path):
+    """A module state of its own, its library path under tmp_path (nothing built there)."""
     monkeypatch.setattr(_native, "_STATE", {})
+    monkeypatch.setattr(_native, "lib_path", lambda: str(tmp_path / "tilefuse_native-test.so"))
+    monkeypatch.delenv("TILEFUSE_NATIVE", raising=False)
+
+
+def test_disabled_or_unbuildable_falls_back(monkeypatch, tmp_path, recwarn):
+    """TILEFUSE_NATIVE=0, no compiler, or a failing build gives no plan (the launchers keep their Python path).
+    Only the failing build warns; its reason stays beside the library for status() in later processes."""
+    _fresh(monkeypatch, tmp_path)
+    assert _native.status() == ("not built", "it builds on first use (15-25 s)") or _native.compiler() is None
     monkeypatch.setenv("TILEFUSE_NATIVE", "0")
     assert _native.module() is None and _native.plan(object(), torch.bfloat16, 16, 8, [(4, torch.float32, False)]) is None
-    monkeypatch.setattr(_native, "_STATE", {})
-    monkeypatch.delenv("TILEFUSE_NATIVE")
+    assert _native.status()[0] == "disabled"
+
+    _fresh(monkeypatch, tmp_path)
+    monkeypatch.setenv("CXX", "tilefuse-no-such-compiler")
+    assert _native.status() == ("no compiler", "tilefuse-no-such-compiler is not on the PATH (set CXX): the "
+                                               "launchers take their Python path")
+    assert _native.module() is None
+    assert _native.error() == "no C++ compiler (tilefuse-no-such-compiler is not on the PATH; set CXX)"
+    assert _native.status()[0] == "no compiler"
+    assert not recwarn.list, "no compiler: the fallback is silent"
+
+    _fresh(monkeypatch, tmp_path)
+    monkeypatch.setattr(_native, "compiler", lambda: ["c++"])
 
     def broken(path=None):
-        raise RuntimeError("no compiler here")
+        raise RuntimeError("c++ -std=c++20 failed on _native.cc: error: something\nmore lines")
 
     monkeypatch.setattr(_native, "build", broken)
-    with pytest.warns(RuntimeWarning, match="no compiler here"):
+    with pytest.warns(RuntimeWarning, match="error: something"):
         assert _native.module() is None
-    assert "no compiler here" in _native.error()
+    assert "error: something" in _native.error()
+    failed = ("failed", "RuntimeError: c++ -std=c++20 failed on _native.cc: error: something")
+    assert _native.status() == failed
+    monkeypatch.setattr(_native, "_STATE", {})  # another process: the reason left beside the library
+    assert _native.status() == failed
+
+
+def test_status_without_the_headers_to_build_against(monkeypatch):
+    """status() answers (it never raises) where the extension's inputs are missing: info prints it."""
+    monkeypatch.setattr(_native, "_STATE", {})
+    monkeypatch.delenv("TILEFUSE_NATIVE", raising=False)
+
+    def missing():
+        raise ImportError("No module named 'tvm_ffi'\nmore")
+
+    monkeypatch.setattr(_native, "lib_path", missing)
+    assert _native.status() == ("failed", "ImportError: No module named 'tvm_ffi'")
+
+
+def test_a_failing_compiler_names_its_first_error(monkeypatch, tmp_path):
+    """build() with a compiler that rejects the source raises RuntimeError whose first line names the compiler's
+    first ``error:`` line, and leaves no library behind."""
+    pytest.importorskip("tvm_ffi")
+    if _native.compiler() is None:
+        pytest.skip("no C++ compiler")
+    monkeypatch.setenv("CXX", f"{_native.compiler()[0]} -include tilefuse_no_such_header.h")
+    path = str(tmp_path / "broken.so")
+    with pytest.raises(RuntimeError) as info:
+        _native.build(path)
+    first = str(info.value).splitlines()[0]
+    cxx = _native.compiler()[0]
+    assert first.startswith(f"{cxx} -std={_native.cxx_std()} failed on _native.cc: ")
+    assert "tilefuse_no_such_header.h" in first
+    assert not (tmp_path / "broken.so").exists()
 
 
 @pytest.mark.gpu

@@ -3,7 +3,9 @@
 Every failure names the op, the argument, what was expected and what was given, e.g.
 ``per_token_cast: x must have hidden % 64 == 0, got shape (8, 100)``. Wrong types and dtypes raise
 ``TypeError``; wrong shapes, values, alignment and device mixes raise ``ValueError``. The checks only
-read tensor metadata: they never synchronize with the device.
+read tensor metadata: they never synchronize with the device. Tensors on the meta device (shapes without data)
+pass them: an op that computes only shapes from its inputs gives meta outputs (shape inference), and an op that
+must read values on the host (an output size that depends on the data) refuses them with :func:`has_data`.
 """
 from __future__ import annotations
 
@@ -72,6 +74,13 @@ def tensor(
     if device is not None and t.device != device:
         fail(op, f"{name} must be on {device} like the other inputs, got {t.device}")
     return t
+
+
+def has_data(op: str, name: str, t: torch.Tensor, why: str) -> None:
+    """Before the host reads ``t``'s values: a tensor on the meta device has none, a ``ValueError`` naming the op,
+    the argument and ``why`` it is read."""
+    if t.is_meta:  # (fake tensors of tracing report their fake device, never meta)
+        fail(op, f"{name} must be on a CPU or CUDA device: {why}, and a tensor on the meta device has no data")
 
 
 def optional(op: str, name: str, t, **kwargs) -> torch.Tensor | None:

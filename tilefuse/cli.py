@@ -5,21 +5,27 @@
 config, or with ``--bench`` those the bench launches, from ``tilefuse.bench.runner.bench_configs``) and hands it to
 ``tilefuse._jit.precompile``: the runtime never imports the bench. Modules are imported only when asked for;
 nothing here imports TileLang: ``info`` reads its version from the installed package's metadata.
+
+Every command validates its arguments before any work; a bad one raises ``_cli_errors.UsageError`` (argparse's
+own errors included, through ``_cli_errors.ArgumentParser``), which :func:`main` prints as one line to stderr
+with exit status 2.
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import importlib.metadata
 import os
 import platform
+import re
 import sys
 from collections import defaultdict
+
+from tilefuse._cli_errors import ArgumentParser, UsageError, one_line
 
 USAGE = """usage: python -m tilefuse <command> [options]
 
 commands:
-  info        versions, GPU, TileLang cache directory, and which path each op takes on CUDA tensors
+  info        versions, GPU, TileLang cache, native launcher status, and the path each op takes on CUDA
   demo        a miniature DeepSeek-V4-style block through the public API (python -m tilefuse demo -h)
   bench       benchmark every op on the GPU (python -m tilefuse bench -h; --list and --report need no GPU)
   precompile  compile the TileLang kernels ahead of time (python -m tilefuse precompile -h)
@@ -53,9 +59,35 @@ def _gpu_lines(torch) -> list[str]:
     return lines
 
 
+def _native_line(build: bool) -> str:
+    """The native launcher's state; with ``build``, build it first (15-25 s once per torch version)."""
+    import time
+    import warnings
+
+    from tilefuse import _native
+
+    note = ""
+    if build and _native.enabled():
+        start = time.perf_counter()
+        with warnings.catch_warnings():  # the failure's reason is on this line
+            warnings.simplefilter("ignore", RuntimeWarning)
+            _native.module()
+        note = f" (built or loaded in {time.perf_counter() - start:.1f} s)"
+    state, detail = _native.status()
+    if state == "not built":
+        detail += "; python -m tilefuse info --native builds it now"
+    return f"native      {state}: {one_line(detail)}{note}"
+
+
 def info(argv: list[str]) -> int:
-    """Print versions, GPUs, the TileLang cache and, per area, the path CUDA tensors take for each op."""
-    argparse.ArgumentParser(prog="python -m tilefuse info", description=info.__doc__).parse_args(argv)
+    """Print versions, GPUs, the TileLang cache, the native launcher's state and, per area, the path CUDA
+    tensors take for each op."""
+    parser = ArgumentParser(prog="python -m tilefuse info",
+                            description="Print versions, GPUs, the TileLang cache, the native launcher's state "
+                                        "and, per area, the path CUDA tensors take for each op.")
+    parser.add_argument("--native", action="store_true",
+                        help="build the native launch extension first if it is not built (15-25 s), then report")
+    args = parser.parse_args(argv)
     import torch
 
     import tilefuse
@@ -69,6 +101,7 @@ def info(argv: list[str]) -> int:
     for line in _gpu_lines(torch):
         print(line)
     print(f"cache       {tilelang_cache_dir()}")
+    print(_native_line(args.native))
 
     by_area: dict[str, list[tuple[str, str]]] = defaultdict(list)
     for key, entry in load_all().items():
@@ -87,8 +120,8 @@ def info(argv: list[str]) -> int:
 
 def precompile(argv: list[str]) -> int:
     """Compile the registered kernel configs (or, with ``--bench``, those the bench launches) into the disk cache."""
-    parser = argparse.ArgumentParser(prog="python -m tilefuse precompile",
-                                     description="Compile every registered kernel config into TileLang's disk cache.")
+    parser = ArgumentParser(prog="python -m tilefuse precompile",
+                            description="Compile every registered kernel config into TileLang's disk cache.")
     parser.add_argument("--ops", nargs="*", default=None,
                         help="kernel names (or prefixes) to compile; default: all")
     parser.add_argument("--arch", default=None, help="target arch, e.g. sm_90 (default: current GPU, else sm_90)")
@@ -101,6 +134,12 @@ def precompile(argv: list[str]) -> int:
     parser.add_argument("--no-native", action="store_true",
                         help="skip building the native launch extension (tilefuse._native) for this host")
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.fail(f"--jobs must be >= 1, got {args.jobs}")
+    if args.arch is not None and not re.fullmatch(r"sm_\d+[af]?", args.arch):
+        parser.fail(f"--arch must look like sm_90 (sm_ and the compute capability), got {args.arch!r}")
+    if args.ops is not None and not args.ops:
+        parser.fail("--ops needs at least one name")
 
     from tilefuse import _jit
 
@@ -109,7 +148,14 @@ def precompile(argv: list[str]) -> int:
 
         work = bench_configs(args.ops)
     else:
+        names = sorted(_jit.registered())
+        unknown = [o for o in args.ops or () if not any(name.startswith(o) for name in names)]
+        if unknown:
+            parser.fail(f"--ops: no kernel name starts with {', '.join(map(repr, unknown))}; "
+                        f"the kernels are: {', '.join(names)}")
         work = _jit.select(args.ops)
+    if args.ops and not work:
+        parser.fail(f"--ops {' '.join(args.ops)} selects no kernel config")
     if args.list:
         for name, cfg in work:
             print(name, cfg)
@@ -134,11 +180,23 @@ def _forward(command: str, argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Dispatch ``argv`` (default ``sys.argv[1:]``) to a command; return the exit code."""
+    """Dispatch ``argv`` (default ``sys.argv[1:]``) to a command; return the exit code. A bad argument
+    (``UsageError``) prints one line to stderr and returns 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
+    try:
+        return _dispatch(argv)
+    except UsageError as exc:
+        print(one_line(str(exc)), file=sys.stderr)
+        return 2
+
+
+def _dispatch(argv: list[str]) -> int:
+    if not argv:
+        raise UsageError("python -m tilefuse: error: a command is needed: info, demo, bench or precompile "
+                         "(python -m tilefuse --help)")
+    if argv[0] in ("-h", "--help", "help"):
         print(USAGE, end="")
-        return 0 if argv else 2
+        return 0
     command, rest = argv[0], argv[1:]
     if command == "info":
         return info(rest)
@@ -150,5 +208,5 @@ def main(argv: list[str] | None = None) -> int:
         return precompile(rest)
     if command in _FORWARDED:
         return _forward(command, rest)
-    print(f"tilefuse: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
-    return 2
+    raise UsageError(f"python -m tilefuse: error: unknown command {command!r} (commands: info, demo, bench, "
+                     "precompile; python -m tilefuse --help)")

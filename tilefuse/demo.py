@@ -22,7 +22,7 @@ devices up to the kernels' rounding.
 """
 from __future__ import annotations
 
-import argparse
+import re
 import sys
 import time
 import traceback
@@ -33,6 +33,7 @@ import torch
 
 import tilefuse
 from tilefuse import engram, mhc, moe, quant
+from tilefuse._cli_errors import ArgumentParser
 from tilefuse.modeling import engram as modeling_engram, mhc as modeling_mhc
 from tilefuse.testing import calc_diff, synchronize
 
@@ -301,10 +302,13 @@ def _block(cfg: Config, p: dict[str, torch.Tensor], r: _Runner) -> None:
 
 
 def run_demo(cfg: Config, device: torch.device, repeat: int = 1, rows: list[Row] | None = None) -> _Runner:
-    """Run the block ``repeat`` times (the first run on a GPU compiles kernels) and return the runner
+    """Run the block ``repeat`` (>= 1) times (the first run on a GPU compiles kernels) and return the runner
     holding the rows of the last run. Raises whatever a stage raises; ``rows``, when given, receives the
     rows of the current run as they complete (to show how far a failing run got)."""
     from tilefuse._registry import load_all
+
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise ValueError(f"run_demo: repeat must be an int >= 1, got {repeat!r}")
 
     registry = load_all()
     p = _init(cfg, device)
@@ -327,9 +331,11 @@ def _print_rows(rows: list[Row]) -> None:
         print(f"{row.stage:<{w_stage}}  {row.checksum:>12.6e}  {row.ms:>9.2f}  {row.path:<{w_path}}  {row.outputs}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tilefuse demo",
-                                     description="Run a miniature DeepSeek-V4-style block through the public API.")
+def _parse(argv: list[str] | None):
+    """The demo's options, each checked before any work (a bad one raises ``_cli_errors.UsageError``, which
+    ``python -m tilefuse`` prints as one line with exit status 2). Returns ``(cfg, device, repeat)``."""
+    parser = ArgumentParser(prog="python -m tilefuse demo",
+                            description="Run a miniature DeepSeek-V4-style block through the public API.")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--tokens", type=int, default=Config.tokens, help="number of tokens (default %(default)s)")
@@ -339,13 +345,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=None,
                         help="runs of the block; the last one is reported (default: 2 on CUDA, 1 on CPU)")
     args = parser.parse_args(argv)
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        parser.fail(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device is available")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            parser.fail(f"--device {args.device}: no CUDA device is available (use --device cpu)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            parser.fail(f"--device {args.device}: there are {torch.cuda.device_count()} CUDA devices")
     if args.tokens < 1:
-        parser.error(f"--tokens must be >= 1, got {args.tokens}")
+        parser.fail(f"--tokens must be >= 1, got {args.tokens}")
+    if args.hidden < 1024 or args.hidden % 512:
+        parser.fail(f"--hidden must be a multiple of 512 and >= 1024 (the Engram backward's rule), got {args.hidden}")
+    if not 0 <= args.seed < 2 ** 64:
+        parser.fail(f"--seed must be in [0, 2**64), got {args.seed}")
+    if args.repeat is not None and args.repeat < 1:
+        parser.fail(f"--repeat must be >= 1, got {args.repeat}")
     repeat = args.repeat if args.repeat is not None else (2 if device.type == "cuda" else 1)
-    cfg = Config(tokens=args.tokens, hidden=args.hidden, seed=args.seed)
+    return Config(tokens=args.tokens, hidden=args.hidden, seed=args.seed), device, repeat
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, device, repeat = _parse(argv)
     print(f"tilefuse {tilefuse.__version__} demo: {cfg.tokens} tokens, hidden {cfg.hidden}, mhc_mult {cfg.mhc_mult}, "
           f"{cfg.num_experts} experts top-{cfg.num_topk}, intermediate {cfg.intermediate}, device {device}")
     rows: list[Row] = []

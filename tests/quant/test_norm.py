@@ -239,6 +239,12 @@ def test_errors():
         norm_forward(x, torch.ones(32), 1e-6)
     with pytest.raises(TypeError, match="eps must be a float, got bool"):
         norm_forward(x, None, True)
+    for eps in (-1e-6, float("nan"), float("inf")):  # a negative eps gives NaN rows where mean(h^2) < -eps
+        with pytest.raises(ValueError, match=f"norm_forward: eps must be finite and >= 0, got {eps}"):
+            norm_forward(x, None, eps)
+        with pytest.raises(ValueError, match="norm_forward_and_per_token_cast: eps must be finite and >= 0"):
+            norm_forward_and_per_token_cast(x, None, eps, "e4m3", 32)
+    assert norm_forward(x, None, 0)[0].isfinite().all()  # eps 0 is allowed: x has no all-zero row
     with pytest.raises(TypeError, match="out_scale must be a float, got str"):
         norm_forward(x, None, 1e-6, out_scale="1")
     with pytest.raises(ValueError, match=r"x must have strides that are multiples of 16 elements except the last, "

@@ -329,6 +329,27 @@ def test_validated_fast_path_skips_only_checks_that_passed(monkeypatch, quant):
     assert len(checks) == 4 and len(calls) == 3
 
 
+@pytest.mark.parametrize("quant", [False, True])
+def test_validated_fast_path_checks_eps(monkeypatch, quant):
+    """eps's value is outside the cached key but its range is in it: after a cached call, a negative, NaN or
+    infinite eps still fails with the checks' message, and another valid eps takes the fast path."""
+    N, checks, calls = _fast_path(monkeypatch)
+    x, w = torch.randn(5, 2048, dtype=torch.bfloat16), torch.randn(2048, dtype=torch.bfloat16)
+
+    def call(eps):
+        if quant:
+            return N.norm_forward_and_per_token_cast(x, w, eps, "e4m3", 32)
+        return N.norm_forward(x, w, eps)
+
+    call(1e-6)  # checked, cached
+    call(1e-5)
+    assert len(checks) == 1 and len(calls) == 1
+    for eps in (-1e-6, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="eps must be finite and >= 0"):
+            call(eps)
+    assert len(checks) == 4 and len(calls) == 1
+
+
 def test_validated_fast_path_backward(monkeypatch):
     """norm_backward's _VALIDATED path: repeated calls skip the checks and launch what the checked CUDA path
     launches (any token count); a weight_grad of another dtype, or a strided rstd, still fail with the checks'

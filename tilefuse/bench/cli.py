@@ -1,5 +1,6 @@
 """``python -m tilefuse bench``: the command line. It parses and checks every argument before anything runs (a bad
-one ends in one ``prog: error: ...`` line on stderr and exit status 2), then hands the work to the runner
+one raises ``tilefuse._cli_errors.UsageError``, which ``python -m tilefuse`` prints as one ``prog: error: ...`` line on
+stderr with exit status 2), then hands the work to the runner
 (``tilefuse.bench.runner``), the tables (``.report``) and the optional measurements (``.extras``).
 """
 from __future__ import annotations
@@ -11,16 +12,11 @@ import re
 import sys
 import time
 
+from tilefuse._cli_errors import ArgumentParser
+
 DESCRIPTION = ("Time every op's kernel against a device copy of the same bytes and, with --compare, against its "
                "peers (TileKernels 2.1.0 and 1.0.0, Liger-Kernel, torch.compile of the reference) on the same inputs; "
                "--list and --report need no GPU.")
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose errors are one line on stderr, ``prog: error: message``, exit status 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
 
 
 def _save(result: dict, path: str | None) -> None:
@@ -92,8 +88,8 @@ def _check(parser, args) -> tuple[tuple[str, ...], list[str]]:
     return timers, peers
 
 
-def build_parser() -> OneLineParser:
-    parser = OneLineParser(prog="python -m tilefuse bench", description=DESCRIPTION)
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="python -m tilefuse bench", description=DESCRIPTION)
     parser.add_argument("--list", action="store_true",
                         help="print the cases (op, shape, bytes) without running them (no GPU needed)")
     parser.add_argument("--ops", nargs="*", default=None, help="op names or areas (quant, transpose, moe)")

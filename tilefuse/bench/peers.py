@@ -10,8 +10,8 @@ same timer:
 - ``liger``: Liger-Kernel (``$TILEFUSE_PEER_LIGER``), where it has the op;
 - ``compile``: ``torch.compile`` of our own reference.
 
-The folders come from ``.gpu/prelude.sh`` (``../shared/gpu/setup`` ships the wheels). Only the bench imports this
-module; a peer's package is imported only when a compare run asks for it.
+Each variable names the folder that holds the peer's importable package (the folder put on ``sys.path``; on our
+GPU machine ``.gpu/prelude.sh`` sets them). Only the bench imports this module; a peer's package is imported only when a compare run asks for it.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def load(peer: str):
         raise ValueError(f"peer must be one of {sorted(PEER_ENV)}, got {peer!r}")
     folder = os.environ.get(PEER_ENV[peer], "")
     if not folder or not os.path.isdir(folder):
-        raise RuntimeError(f"peer {peer}: ${PEER_ENV[peer]} must name its unpacked folder (source .gpu/prelude.sh), "
+        raise RuntimeError(f"peer {peer}: ${PEER_ENV[peer]} must name the folder holding its package, "
                            f"got {folder!r}")
     if peer in ("tk1", "tk2"):
         other = {"tk1": "tk2", "tk2": "tk1"}[peer]

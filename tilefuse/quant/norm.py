@@ -5,6 +5,8 @@ are checked on every device, so code that runs on the CPU path also runs on the 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tilefuse import _check
@@ -47,6 +49,11 @@ def _check_scalar(op: str, name: str, value) -> None:
         _check.fail(op, f"{name} must be a float, got {type(value).__name__}", TypeError)
 
 
+def _eps_ok(eps) -> bool:
+    """eps is a real number, finite and >= 0 (a negative one gives NaN rows where S / H < -eps)."""
+    return isinstance(eps, (int, float)) and 0 <= eps < math.inf
+
+
 def _check_forward(op: str, x, weight, eps, residual, out_scale, residual_out) -> None:
     """Checks shared by both forward ops (quant.md 5.11 inputs)."""
     _check.tensor(op, "x", x, dtype=_DTYPES, ndim=(2, 3))
@@ -54,6 +61,8 @@ def _check_forward(op: str, x, weight, eps, residual, out_scale, residual_out) -
     _check_rows(op, "x", x)
     _check.optional(op, "weight", weight, dtype=x.dtype, shape=(h,), contiguous=True, device=x.device)
     _check_scalar(op, "eps", eps)
+    if not _eps_ok(eps):
+        _check.fail(op, f"eps must be finite and >= 0, got {eps}")
     _check_scalar(op, "out_scale", out_scale)
     _check_like(op, "residual", residual, x)
     _check_like(op, "residual_out", residual_out, x)
@@ -65,7 +74,7 @@ def _check_forward(op: str, x, weight, eps, residual, out_scale, residual_out) -
 # strides and hidden size and whether it has more than one row (row strides and a 1-D tensor's contiguity are
 # checked only then), the weight's dtype, shape, strides and device (x's device beside it), the scalars' types,
 # the flags and, for the backward, the same facts of out_grad, rstd and weight_grad (whether their shapes match
-# x's). The token count is otherwise free.
+# x's) and whether eps is in range (its value is free). The token count is otherwise free.
 _VALIDATED: set[tuple] = set()
 _is_compiling = torch.compiler.is_compiling
 
@@ -88,7 +97,8 @@ def _fast_key(op: str, x, weight, eps, out_scale, flags: tuple) -> tuple | None:
         w = (weight.dtype, weight.shape, weight.stride(), weight.device)
     else:
         return None
-    return (op, x.dtype, x.device, x.stride(), shape[1], shape[0] > 1, w, type(eps), type(out_scale), flags)
+    return (op, x.dtype, x.device, x.stride(), shape[1], shape[0] > 1, w, type(eps), eps is None or _eps_ok(eps),
+            type(out_scale), flags)
 
 
 def _finish(x, h, rstd, residual, residual_out, with_rstd):

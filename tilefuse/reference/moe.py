@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tilefuse import formats
+from tilefuse import _check, formats
 
 __all__ = [
     "aux_fi",
@@ -437,6 +437,8 @@ def get_fused_mapping(topk_idx: torch.Tensor, num_experts: int, num_expanded_tok
     raw_start = counts.cumsum(0) - counts
 
     if num_expanded_tokens == 0 and not force_no_sync:
+        _check.has_data("get_fused_mapping", "topk_idx", topk_idx,
+                        "with num_expanded_tokens == 0 and not force_no_sync the output size is read from its counts")
         sizes = aligned.tolist()
         size = sum(sizes)
     else:

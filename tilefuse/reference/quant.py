@@ -16,6 +16,7 @@ from typing import Sequence
 
 import torch
 
+from .. import _check
 from .. import formats as F
 
 __all__ = ["cast", "cast_back", "cast_to_e5m6", "cast_back_from_e5m6", "per_channel_cast_fused"]
@@ -236,6 +237,8 @@ def per_block_cast_lossless(x, x_block_size: Sequence[int], out_block_size: Sequ
     padded = torch.nn.functional.pad(e_elem, (0, nbk * obk - W, 0, nbm * obm - T), value=-1)
     e_out = (padded.view(nbm, obm, nbk, obk).amax(dim=(1, 3)) - 6).clamp_min(0)
     shift = e_elem - expand_blocks(e_out, obm, obk, T, W)
+    if T > 0:
+        _check.has_data("per_block_cast_lossless", "x", data, "its exactness rule (e(b) + 5 >= E_B) is read on the host")
     if T > 0 and bool((shift < -5).any()):
         raise ValueError("per_block_cast_lossless: an input block exponent is more than 11 below the largest "
                          "exponent of its output block (e(b) + 5 < E_B); the re-encoding would not be exact")
