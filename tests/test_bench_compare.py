@@ -179,15 +179,8 @@ def test_peer_load_names_the_variable(monkeypatch):
         _peers.load("nope")
 
 
-def test_cli_rejects_unknown_peers_and_timers():
-    with pytest.raises(SystemExit):
-        cli.main(["--compare", "--peers", "tk3"])
-    with pytest.raises(SystemExit):
-        cli.main(["--timer", "wall"])
-
-
 # ---------------------------------------------------------------------------------------------------------------
-# MoE routing cases (tilefuse/bench_moe.py)
+# MoE routing cases (tilefuse/bench/moe.py)
 # ---------------------------------------------------------------------------------------------------------------
 
 MOE_ONE = [c for c in MOE_GRID if c.tokens == 1]  # one-token cases: cheap to build and run on the CPU
