@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tilefuse import _registry, moe, quant, transpose
-from tilefuse.bench import cli, core, report, runner
+from tilefuse.bench import core, report, runner
 from tilefuse.bench import moe as bench_moe
 from tilefuse.bench import peers as _peers
 from tilefuse.bench.quant import HIDDEN, TOKENS
