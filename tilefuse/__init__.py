@@ -8,7 +8,8 @@ import importlib
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("engram", "formats", "mhc", "modeling", "moe", "quant", "reference", "testing", "transpose")
+_SUBMODULES = ("engram", "formats", "mhc", "modeling", "moe", "quant", "reference", "testing", "transform",
+               "transpose")
 __all__ = ["__version__", *_SUBMODULES]
 
 

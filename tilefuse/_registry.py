@@ -26,6 +26,6 @@ def load_all() -> dict[str, dict]:
     """Import every area so that all ops are registered; return the registry."""
     import importlib
 
-    for area in ("quant", "transpose", "moe", "engram", "mhc"):
+    for area in ("quant", "transpose", "moe", "engram", "mhc", "transform"):
         importlib.import_module(f"tilefuse.{area}")
     return OPS

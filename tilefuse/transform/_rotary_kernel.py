@@ -1,0 +1,295 @@
+"""TileLang kernel for ``apply_rotary`` (transform.md): in-place rotary embedding of queries and keys.
+
+One launch rotates both tensors. The grid's first ``a_blocks`` CTAs take tensor A (``query``, or ``key`` when
+``query`` is empty) and the rest take tensor B (``key``); each tensor is bound as a 4-D strided view
+``(B, S, H, D)`` whose sizes and strides are all runtime values (64-bit), so one binary serves every token
+count, head count and view.
+
+Work split (one tensor): a head row of ``D`` elements is ``C = D / (2 V)`` lanes; lane ``c`` holds two
+``V``-element vectors of the row, at columns ``c V`` and ``D/2 + c V`` (``V``: elements per vector access, a
+static config chosen at launch from the strides and pointer alignment, so misaligned and odd-stride views
+work without a copy). For NeoX pairs these two vectors are ``V`` whole pairs ``(x[j], x[j + D/2])``; for
+interleaved pairs each vector holds ``V/2`` adjacent pairs (with ``V = 1``, the lane holds ``x[2c]`` and
+``x[2c + 1]``, one pair). A CTA's ``THREADS / C`` lane groups are split at launch into ``tl`` tokens times
+``hl`` head lanes; a thread loads its token's cache values once into registers and walks heads
+``hl`` apart, ``UNROLL`` heads' loads in flight before their stores. Consecutive lanes cover consecutive
+bytes of a head, so a warp reads whole 32-byte sectors even of a 64-wide tail inside a 192-wide head.
+
+Arithmetic (transform.md 3.3): per pair ``f, s`` (fp32) with ``c, n`` from the cache,
+``first = fma(f, c, -RN(s n'))``, ``second = fma(f, n', RN(s c))``, with ``n' = RN(n * sign)`` and ``sign`` = -1
+for ``conjugate`` (exact: a negated sine, 3.4 item 1). The fma is ``__fmaf_rn`` and the two products are
+``__fmul_rn``, so nvcc cannot contract them any other way; results are rounded to the data dtype once.
+
+A token whose cache row ``p = position + offset`` is outside ``[0, R)`` is skipped whole: neither the cache nor
+its heads are read or written. No shared memory, no atomics: deterministic and batch-invariant.
+"""
+
+import torch
+
+from tilefuse import _jit, _launch, _ops
+
+# ---- tuning knobs (TILEFUSE_KNOBS) ----
+THREADS = 128  # per CTA
+UNROLL = 4     # heads a thread has in flight (loads of UNROLL heads before their stores)
+# PDL: the first statement waits for the stream's previous grid (griddepcontrol.wait), so the launch and CTA
+# setup overlap the previous kernel's tail. Results unchanged.
+PDL = True
+# heads per thread the launcher aims at for large calls; small calls take one head per thread (more CTAs)
+HEADS_PER_THREAD = 4
+SMALL_WORK = 1 << 18  # lane count (tokens * heads * C) below which a thread takes one head
+
+_DT = {"bf16": "bfloat16", "fp32": "float32"}
+_DT_NAME = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+_POS_NAME = {torch.int32: "int32", torch.int64: "int64"}
+VECS = {"bf16": (8, 4, 2, 1), "fp32": (4, 2, 1)}  # elements per data access, widest first (16 bytes max)
+CACHE_VECS = (4, 2, 1)                              # fp32 cache values per access
+
+
+def _fmul(a, b):
+    import tilelang.language as T
+
+    return T.call_extern("float32", "__fmul_rn", a, b)
+
+
+def _fma(a, b, c):
+    import tilelang.language as T
+
+    return T.call_extern("float32", "__fmaf_rn", a, b, c)
+
+
+def rotary_kernel(dtype: str, D: int, V: int, CW: int, interleaved: bool, pos: str):
+    """Factory: data dtype ("bf16" | "fp32"), rotary width ``D`` (64 | 128), ``V`` elements per data vector,
+    ``CW`` cache floats per access, pairing, and positions dtype ("none" | "int32" | "int64").
+
+    Arguments at launch: A, B (4-D strided views), CS (cache ``(R, D)``, row stride symbolic), P (positions
+    ``(PB, PS)``, a placeholder for "none"), the int64 ``offset``, the float ``sign`` (+1 or -1), and per tensor
+    ``hl`` (head lanes), ``tl`` (tokens per CTA), ``bpb`` (CTAs per batch row) and its CTA count.
+    """
+    import tilelang.language as T
+
+    dt = _DT[dtype]
+    half = D // 2
+    assert D in (64, 128) and V in VECS[dtype] and CW in CACHE_VECS
+    C = D // (2 * V)               # lanes per head row
+    split = interleaved and V >= 2  # interleaved: each vector holds V/2 adjacent pairs
+    pairs = tuple(range(V))         # the lane's pairs (a Python tuple: unrolled while building)
+    # cache columns of the lane's pairs: NeoX / interleaved V = 1: c V + i; split: c V/2 + i and D/4 + c V/2 + i
+    cgroups = ((0, V // 2), (D // 4, V // 2)) if split else ((0, V),)
+    cw = min(CW, *(n for _, n in cgroups))
+    U = UNROLL
+    pdt = "int32" if pos == "none" else pos
+    i64 = "int64"
+    AB, AS, AH, aB, aS, aH = T.dynamic("a_batch, a_seq, a_heads, a_sb, a_ss, a_sh", i64)
+    BB, BS, BH, bB, bS, bH = T.dynamic("b_batch, b_seq, b_heads, b_sb, b_ss, b_sh", i64)
+    R, cR = T.dynamic("cache_rows, cache_stride", i64)
+    PB, PS, pB = T.dynamic("pos_batch, pos_seq, pos_sb", i64)
+
+    def lane_cols(c):
+        """Element columns of the lane's two vectors."""
+        if interleaved and V == 1:
+            return 2 * c, 2 * c + 1
+        return c * V, half + c * V
+
+    def pair_of(i):
+        """(vector, index of first, index of second) of the lane's pair ``i``."""
+        if not interleaved:
+            return (0, i, V + i)
+        if V == 1:
+            return (0, 0, V)
+        g, k = divmod(i, V // 2)
+        return (g, g * V + 2 * k, g * V + 2 * k + 1)
+
+    @T.macro
+    def rotate(X, NB, NS, NH, hl, tl, bpb, blk, CS, P, offset, sign, tid, cosv, sinv, nsinv, w):
+        c = tid % C
+        r = tid // C
+        b = T.cast(T.truncdiv(blk, bpb), i64)
+        s = T.cast(T.truncmod(blk, bpb) * tl + T.truncdiv(r, hl), i64)
+        hlane = T.cast(T.truncmod(r, hl), i64)
+        if r < hl * tl and s < NS and b < NB and (pos == "none" or (s < PS and b < PB)):
+            p = T.alloc_var(i64, init=s + offset if pos == "none" else T.cast(P[b, s], i64) + offset)
+            if p >= 0 and p < R:
+                ca = T.cast(c, i64) * (V // 2 if split else V)
+                for g, (base, n) in enumerate(cgroups):
+                    for k in T.unroll(n // cw):
+                        for e in T.vectorized(cw):
+                            cosv[g * (V // 2) + k * cw + e] = CS[p, base + ca + k * cw + e]
+                        for e in T.vectorized(cw):
+                            sinv[g * (V // 2) + k * cw + e] = CS[p, half + base + ca + k * cw + e]
+                for i in T.unroll(V):
+                    nsinv[i] = _fmul(sinv[i], -sign)
+                    sinv[i] = _fmul(sinv[i], sign)
+                c0, c1 = lane_cols(T.cast(c, i64))
+                nheads = T.ceildiv(NH - hlane, T.cast(hl, i64))
+                for it in T.serial(T.ceildiv(nheads, U)):
+                    for u in T.unroll(U):
+                        h = hlane + (it * U + u) * hl
+                        if h < NH:
+                            for e in T.vectorized(V):
+                                w[u * 2 * V + e] = X[b, s, h, c0 + e]
+                            for e in T.vectorized(V):
+                                w[u * 2 * V + V + e] = X[b, s, h, c1 + e]
+                    for u in T.unroll(U):
+                        h = hlane + (it * U + u) * hl
+                        if h < NH:
+                            for i in pairs:
+                                _, fi, si = pair_of(i)
+                                f = T.cast(w[u * 2 * V + fi], "float32")
+                                sv = T.cast(w[u * 2 * V + si], "float32")
+                                # first = fma(f, c, -RN(s n)) = fma(f, c, RN(s (-n))); second = fma(f, n, RN(s c))
+                                w[u * 2 * V + fi] = T.cast(_fma(f, cosv[i], _fmul(sv, nsinv[i])), dt)
+                                w[u * 2 * V + si] = T.cast(_fma(f, sinv[i], _fmul(sv, cosv[i])), dt)
+                            for e in T.vectorized(V):
+                                X[b, s, h, c0 + e] = w[u * 2 * V + e]
+                            for e in T.vectorized(V):
+                                X[b, s, h, c1 + e] = w[u * 2 * V + V + e]
+
+    @T.prim_func
+    def rotary(A: T.StridedTensor((AB, AS, AH, D), (aB, aS, aH, 1), dt),
+               Bt: T.StridedTensor((BB, BS, BH, D), (bB, bS, bH, 1), dt),
+               CS: T.StridedTensor((R, D), (cR, 1), "float32"),
+               P: T.StridedTensor((PB, PS), (pB, 1), pdt),
+               offset: T.int64, sign: T.float32,
+               a_hl: T.int32, a_tl: T.int32, a_bpb: T.int32, a_blocks: T.int32,
+               b_hl: T.int32, b_tl: T.int32, b_bpb: T.int32, b_blocks: T.int32):
+        # the launcher's contract: every stride of a dimension of size > 1 is a multiple of the access width
+        # (others are bound as 0), so every vector access is aligned
+        for st in (aB, aS, aH, bB, bS, bH):
+            T.assume(st % V == 0)
+        for n in (a_hl, a_tl, a_bpb, b_hl, b_tl, b_bpb):
+            T.assume(n > 0)
+        T.assume(cR % cw == 0)
+        with T.Kernel(a_blocks + b_blocks, threads=THREADS) as bx:
+            if PDL:
+                T.pdl_sync()
+            tid = T.get_thread_binding()
+            cosv = T.alloc_local((V,), "float32")
+            sinv = T.alloc_local((V,), "float32")
+            nsinv = T.alloc_local((V,), "float32")
+            w = T.alloc_local((U * 2 * V,), dt)
+            if bx < a_blocks:
+                rotate(A, AB, AS, AH, a_hl, a_tl, a_bpb, bx, CS, P, offset, sign, tid, cosv, sinv, nsinv, w)
+            else:
+                rotate(Bt, BB, BS, BH, b_hl, b_tl, b_bpb, bx - a_blocks, CS, P, offset, sign, tid, cosv, sinv,
+                       nsinv, w)
+
+    return rotary
+
+
+def test_configs() -> list[tuple]:
+    """The configs the GPU tier's aligned cases use (and the compile tier builds): every dtype, width, pairing and
+    positions dtype at the widest vectors, plus the narrow variants of misaligned views and caches."""
+    cfgs = []
+    for dtype in ("bf16", "fp32"):
+        v = VECS[dtype][0]
+        for d in (64, 128):
+            for inter in (False, True):
+                cw = min(4, v // 2 if inter else v)
+                for pos in ("none", "int32", "int64"):
+                    cfgs.append((dtype, d, v, cw, inter, pos))
+        for inter in (False, True):  # a pointer one element off (V = 1) and a misaligned cache (CW = 1)
+            cfgs += [(dtype, 64, 1, 1, inter, "none"), (dtype, 64, v, 1, inter, "none")]
+    return cfgs
+
+
+def _configs() -> list[tuple]:
+    """Precompile set: the test configs (they include the transform.md section 9 bench rows' configs)."""
+    return test_configs()
+
+
+_jit.register("apply_rotary", rotary_kernel, _configs)
+
+
+# ---- launcher ----
+
+def _vec_width(x: torch.Tensor, widths: tuple) -> int:
+    """The widest ``V`` of ``widths`` such that ``x``'s data pointer and every stride of a dimension of size > 1
+    (other than the unit last one) are multiples of ``V`` elements."""
+    ptr = x.data_ptr() // x.element_size() if x.data_ptr() % x.element_size() == 0 else 1
+    g = ptr
+    for size, st in zip(x.shape[:-1], x.stride()[:-1]):
+        if size > 1:
+            g |= st
+    for v in widths:
+        if g % v == 0:
+            return v
+    return 1
+
+
+def _bind(x: torch.Tensor, v: int) -> torch.Tensor:
+    """``x`` as a 4-D view whose size-1 dimensions have stride 0 where theirs is not a multiple of ``v`` (the kernel
+    assumes every stride is; a size-1 dimension's stride is never used)."""
+    if x.dim() == 3:
+        x = x.unsqueeze(0)
+    st = x.stride()
+    if any(s % v for s in st[:-1]):
+        x = x.as_strided(x.shape, [0 if n == 1 else s for n, s in zip(x.shape, st)])
+    return x
+
+
+def _split(n_batch: int, n_seq: int, heads: int, C: int) -> tuple:
+    """``(hl, tl, bpb, blocks)`` of one tensor: head lanes, tokens per CTA, CTAs per batch row and CTAs."""
+    rl = THREADS // C
+    per_thread = 1 if n_batch * n_seq * heads * C < SMALL_WORK else HEADS_PER_THREAD
+    want = -(-heads // per_thread)
+    hl = 1
+    while hl < want and hl < rl:
+        hl *= 2
+    tl = rl // hl
+    bpb = -(-n_seq // tl)
+    return hl, tl, bpb, n_batch * bpb
+
+
+def apply_rotary_launch(query: torch.Tensor, cos_sin_cache: torch.Tensor, key: torch.Tensor | None,
+                        positions: torch.Tensor | None, interleaved: bool, conjugate: bool, seqlen_offset: int) -> None:
+    """Rotate ``query`` and ``key`` in place with one launch; validates nothing (the public op does).
+
+    Every layout that passes validation is taken as it is, without a copy: ``V`` (and the cache's access width)
+    narrows down to one element for misaligned pointers or odd strides.
+    """
+    tensors = [t for t in (query, key) if t is not None and t.numel() > 0]
+    if not tensors:
+        return
+    dtype = _DT_NAME[query.dtype]
+    d = cos_sin_cache.size(1)
+    v = VECS[dtype][0]
+    for t in tensors:
+        v = _vec_width(t, VECS[dtype][:VECS[dtype].index(v) + 1])
+    n = v // 2 if interleaved and v >= 2 else v
+    cw = _vec_width(cos_sin_cache, tuple(w for w in CACHE_VECS if w <= n))
+    pos = "none" if positions is None else _POS_NAME[positions.dtype]
+    fn = _jit.get("apply_rotary", (dtype, d, v, cw, bool(interleaved), pos))
+    if positions is None:
+        p = _launch.placeholder(query.device, torch.int32, (1, 1))
+    else:
+        p = positions.view(1, -1) if positions.dim() == 1 else positions
+        if p.size(1) == 1 and p.stride(1) != 1:
+            p = p.as_strided(p.shape, (p.stride(0), 1))
+    c = d // (2 * v)
+    a = _bind(tensors[0], v)
+    b = _bind(tensors[-1], v)
+    sa = _split(a.size(0), a.size(1), a.size(2), c)
+    sb = _split(b.size(0), b.size(1), b.size(2), c) if len(tensors) == 2 else (1, 1, 1, 0)
+    fn(a, b, cos_sin_cache, p, int(seqlen_offset), -1.0 if conjugate else 1.0, *sa, *sb)
+
+
+# ---- torch.library registration (torch.compile / fake tensors) ----
+
+@_ops.kernel_op("tilefuse::apply_rotary", mutates_args=("query", "key"), device_types="cuda")
+def _apply_rotary_op(query: torch.Tensor, cos_sin_cache: torch.Tensor, key: torch.Tensor | None,
+                     positions: torch.Tensor | None, interleaved: bool, conjugate: bool, seqlen_offset: int) -> None:
+    apply_rotary_launch(query, cos_sin_cache, key, positions, interleaved, conjugate, seqlen_offset)
+
+
+@_apply_rotary_op.register_fake
+def _(query, cos_sin_cache, key, positions, interleaved, conjugate, seqlen_offset) -> None:
+    return None
+
+
+def apply_rotary_cuda(query, cos_sin_cache, key, positions, interleaved: bool, conjugate: bool,
+                      seqlen_offset: int) -> None:
+    """CUDA entry for the public op: a direct launch in eager mode, the custom op under ``torch.compile``."""
+    if torch.compiler.is_compiling():
+        torch.ops.tilefuse.apply_rotary(query, cos_sin_cache, key, positions, interleaved, conjugate, seqlen_offset)
+    else:
+        apply_rotary_launch(query, cos_sin_cache, key, positions, interleaved, conjugate, seqlen_offset)
