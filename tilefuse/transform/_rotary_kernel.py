@@ -117,7 +117,7 @@ def rotary_kernel(dtype: str, D: int, V: int, CW: int, interleaved: bool, pos: s
                         for e in T.vectorized(cw):
                             sinv[g * (V // 2) + k * cw + e] = CS[p, half + base + ca + k * cw + e]
                 for i in T.unroll(V):
-                    nsinv[i] = _fmul(sinv[i], -sign)
+                    nsinv[i] = _fmul(sinv[i], _fmul(sign, T.float32(-1.0)))
                     sinv[i] = _fmul(sinv[i], sign)
                 c0, c1 = lane_cols(T.cast(c, i64))
                 nheads = T.ceildiv(NH - hlane, T.cast(hl, i64))
