@@ -100,13 +100,14 @@ def rotary_kernel(dtype: str, D: int, V: int, CW: int, interleaved: bool, pos: s
         return (g, g * V + 2 * k, g * V + 2 * k + 1)
 
     @T.macro
-    def rotate(X, NB, NS, NH, hl, tl, bpb, blk, CS, P, offset, sign, tid, cosv, sinv, nsinv, w):
+    def rotate(X, hl, tl, bpb, blk, CS, P, offset, sign, tid, cosv, sinv, nsinv, w):
+        # X's sizes are read as X.shape[i] (binding them to names here would rename the symbolic variables)
         c = tid % C
         r = tid // C
         b = T.cast(T.truncdiv(blk, bpb), i64)
         s = T.cast(T.truncmod(blk, bpb) * tl + T.truncdiv(r, hl), i64)
         hlane = T.cast(T.truncmod(r, hl), i64)
-        if r < hl * tl and s < NS and b < NB and (pos == "none" or (s < PS and b < PB)):
+        if r < hl * tl and s < X.shape[1] and b < X.shape[0] and (pos == "none" or (s < PS and b < PB)):
             p = T.alloc_var(i64, init=s + offset if pos == "none" else T.cast(P[b, s], i64) + offset)
             if p >= 0 and p < R:
                 ca = T.cast(c, i64) * (V // 2 if split else V)
@@ -120,18 +121,18 @@ def rotary_kernel(dtype: str, D: int, V: int, CW: int, interleaved: bool, pos: s
                     nsinv[i] = _fmul(sinv[i], _fmul(sign, T.float32(-1.0)))
                     sinv[i] = _fmul(sinv[i], sign)
                 c0, c1 = lane_cols(T.cast(c, i64))
-                nheads = T.ceildiv(NH - hlane, T.cast(hl, i64))
+                nheads = T.ceildiv(X.shape[2] - hlane, T.cast(hl, i64))
                 for it in T.serial(T.ceildiv(nheads, U)):
                     for u in T.unroll(U):
                         h = hlane + (it * U + u) * hl
-                        if h < NH:
+                        if h < X.shape[2]:
                             for e in T.vectorized(V):
                                 w[u * 2 * V + e] = X[b, s, h, c0 + e]
                             for e in T.vectorized(V):
                                 w[u * 2 * V + V + e] = X[b, s, h, c1 + e]
                     for u in T.unroll(U):
                         h = hlane + (it * U + u) * hl
-                        if h < NH:
+                        if h < X.shape[2]:
                             for i in pairs:
                                 _, fi, si = pair_of(i)
                                 f = T.cast(w[u * 2 * V + fi], "float32")
@@ -154,10 +155,18 @@ def rotary_kernel(dtype: str, D: int, V: int, CW: int, interleaved: bool, pos: s
                b_hl: T.int32, b_tl: T.int32, b_bpb: T.int32, b_blocks: T.int32):
         # the launcher's contract: every stride of a dimension of size > 1 is a multiple of the access width
         # (others are bound as 0), so every vector access is aligned
-        for st in (aB, aS, aH, bB, bS, bH):
-            T.assume(st % V == 0)
-        for n in (a_hl, a_tl, a_bpb, b_hl, b_tl, b_bpb):
-            T.assume(n > 0)
+        T.assume(aB % V == 0)
+        T.assume(aS % V == 0)
+        T.assume(aH % V == 0)
+        T.assume(bB % V == 0)
+        T.assume(bS % V == 0)
+        T.assume(bH % V == 0)
+        T.assume(a_hl > 0)
+        T.assume(a_tl > 0)
+        T.assume(a_bpb > 0)
+        T.assume(b_hl > 0)
+        T.assume(b_tl > 0)
+        T.assume(b_bpb > 0)
         T.assume(cR % cw == 0)
         with T.Kernel(a_blocks + b_blocks, threads=THREADS) as bx:
             if PDL:
@@ -168,9 +177,9 @@ def rotary_kernel(dtype: str, D: int, V: int, CW: int, interleaved: bool, pos: s
             nsinv = T.alloc_local((V,), "float32")
             w = T.alloc_local((U * 2 * V,), dt)
             if bx < a_blocks:
-                rotate(A, AB, AS, AH, a_hl, a_tl, a_bpb, bx, CS, P, offset, sign, tid, cosv, sinv, nsinv, w)
+                rotate(A, a_hl, a_tl, a_bpb, bx, CS, P, offset, sign, tid, cosv, sinv, nsinv, w)
             else:
-                rotate(Bt, BB, BS, BH, b_hl, b_tl, b_bpb, bx - a_blocks, CS, P, offset, sign, tid, cosv, sinv,
+                rotate(Bt, b_hl, b_tl, b_bpb, bx - a_blocks, CS, P, offset, sign, tid, cosv, sinv,
                        nsinv, w)
 
     return rotary
