@@ -58,6 +58,14 @@ COUNTED = {
     "group_count": 2,
     "inplace_unique_group_indices": 2,        # read, written in place
     "mask_indices_by_tp": 2,
+    # rotary embedding (transform.md 9; tilefuse/_bench_transform.py): q, cache, k[, positions][, Liger's cos, sin]
+    # read, q and k written in place (the bytes are the case's own rule, test_rotary_bytes_by_hand)
+    "apply_rotary-1": 7,
+    "apply_rotary-2": 8,
+    "apply_rotary-3": 7,
+    "apply_rotary-4": 5,
+    "apply_rotary-5": 6,
+    "apply_rotary-6": 6,
 }
 
 CASES = bench._cases()
@@ -84,7 +92,8 @@ def test_case_runs_on_cpu_and_counts_the_listed_tensors(case, case_id):
     tensors = bench._tensors(inputs) + bench._tensors(outputs)
     assert len(tensors) == COUNTED.get(case_id, COUNTED.get(case.name)), shape
     assert all(t.device.type == "cpu" and t.numel() > 0 for t in tensors), shape
-    assert bench.counted_bytes(inputs, outputs) == sum(t.numel() * t.element_size() for t in tensors)
+    assert (case.nbytes or bench.counted_bytes)(inputs, outputs) == sum(t.numel() * t.element_size() for t in tensors) \
+        or case.nbytes is not None
     # each rotated input set is a fresh build of the same shapes
     again = case.make("cpu", TINY)
     assert again[0] == shape
@@ -185,3 +194,22 @@ def test_moe_cases_list_without_a_gpu(capsys):
     out = capsys.readouterr().out
     assert "| topk_gate | fp32 8192x256 top8 | 8.9 |" in out
     assert out.count("| get_fused_mapping |") == 4 and "per_token_cast" not in out
+
+
+def test_rotary_bytes_by_hand():
+    """transform.md 9: q and k read and written, positions read, one D-wide fp32 cache row per distinct row used."""
+    from tilefuse import _bench_transform as bt
+
+    rows = [(c, c.make("meta", 1.0)) for c in CASES if c.name == "apply_rotary"]
+    got = {shape.split(" bf16")[0].split(" q ")[0]: c.nbytes(inputs, (inputs[0], inputs[2])) for c, (shape, inputs)
+           in rows}
+    assert got["LLaMA-3-8B prefill"] == 171_966_464
+    assert got["LLaMA-3-8B batched prefill"] == 168_820_736
+    assert got["DeepSeek-V3 prefill"] == 272_629_760
+    distinct = len(set(bt._positions(128, 8192, 1)))
+    assert got["LLaMA-3-8B decode"] == 2 * (128 * 40 * 128) * 2 + 128 * 8 + distinct * 128 * 4 <= 2_688_000
+    distinct = len(set(bt._positions(128, 32768, 2)))
+    assert got["DeepSeek-V3 decode"] == 2 * (128 * 129 * 64) * 2 + 128 * 8 + distinct * 64 * 4 <= 4_260_864
+    distinct = len(set(bt._positions(4001, 8192, 3)))
+    assert got["fp32"] == (
+        2 * (4001 * 18 * 64) * 4 + 4001 * 4 + distinct * 64 * 4) <= 37_913_476

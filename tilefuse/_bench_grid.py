@@ -249,6 +249,9 @@ def grid_cases(ops: list[str] | None = None) -> list:
     from tilefuse import _bench_moe
 
     cases += _bench_moe.grid_cases(ops)
+    from tilefuse import _bench_transform  # rotary embedding (transform.md 9)
+
+    cases += _bench_transform.grid_cases(ops)
     return cases
 
 

@@ -99,6 +99,7 @@ class Case(NamedTuple):
     tokens: int = 0  # the grid's token count
     check: dict | None = None
     in_place: bool = False
+    nbytes: Callable[..., int] | None = None  # ``nbytes(inputs, outputs)`` where the spec counts bytes otherwise
 
 
 def _dim(n: int, scale: float, align: int = 1) -> int:
@@ -373,6 +374,9 @@ def _cases() -> list[Case]:
     from tilefuse import _bench_moe
 
     cases += _bench_moe.quick_cases()
+    from tilefuse import _bench_transform  # rotary embedding (transform.md 9)
+
+    cases += _bench_transform.quick_cases()
     return cases
 
 
@@ -391,10 +395,10 @@ def list_cases(scale: float = 1.0, ops: list[str] | None = None, quick: bool = T
         try:
             with FakeTensorMode():
                 shape, inputs = case.make("cpu", scale)
-                nbytes = counted_bytes(inputs, case.run(*inputs))
+                nbytes = (case.nbytes or counted_bytes)(inputs, case.run(*inputs))
         except (DataDependentOutputException, DynamicOutputShapeException):
             shape, inputs = case.make("cpu", scale)
-            nbytes = counted_bytes(inputs, case.run(*inputs))
+            nbytes = (case.nbytes or counted_bytes)(inputs, case.run(*inputs))
         rows.append({"op": case.name, "shape": shape, "bytes": nbytes})
     return rows
 
@@ -493,6 +497,8 @@ def _area(name: str) -> str:
 
     if name in MOE_OPS:
         return "moe"
+    if name == "apply_rotary":
+        return "transform"
     return "transpose" if name in ("transpose", "batched_transpose") else "quant"
 
 
@@ -601,6 +607,9 @@ def host_overhead(iters: int = 2000) -> list[dict]:
     }
     everything += [("other public ops", name, fn) for name, fn in others.items()]
     everything += _gate_host_calls()
+    from tilefuse import _bench_transform
+
+    everything += _bench_transform.host_calls()
     times = _interleaved_call_us([fn for _, _, fn in everything], batch=max(1, iters // 10))
     return [{"group": group, "call": name, "us": us} for (group, name, _), us in zip(everything, times)]
 
