@@ -385,3 +385,14 @@ def test_reference_validation(change, exc, name):
     args.update(change)
     with pytest.raises(exc, match=rf"^rotary_embedding_ref: .*\b{name}\b"):
         rotary_embedding_ref(**args)
+
+
+def test_custom_op_mutates_query_and_key():
+    """``tilefuse::apply_rotary`` (the torch.compile path) declares both tensors written and returns nothing."""
+    from torch._library.simple_registry import singleton
+
+    schema = torch.ops.tilefuse.apply_rotary.default._schema
+    assert [a.name for a in schema.arguments if a.is_write] == ["query", "key"]
+    assert len(schema.returns) == 0
+    assert singleton.find("tilefuse::apply_rotary").fake_impl.kernel is not None
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("tilefuse::apply_rotary", "CUDA")

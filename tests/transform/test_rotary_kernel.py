@@ -27,7 +27,7 @@ DTYPES = (torch.bfloat16, torch.float32)
 @pytest.mark.compile
 @pytest.mark.parametrize("cfg", K.test_configs(), ids=str)
 def test_builds_for_sm90_with_exact_fma(cfg):
-    dtype, d, v, cw, interleaved, pos = cfg
+    dtype, d, v, cw, interleaved, pos, rank = cfg
     src = _jit.compile_kernel("apply_rotary", cfg, "sm_90").get_kernel_source()
     assert "__global__" in src
     # two fused multiply-adds per pair (V pairs per lane, once for A and once for B), every one explicit
@@ -85,6 +85,7 @@ def _record(monkeypatch):
         return lambda *args: calls.append((cfg, bind(func, args), args))
 
     monkeypatch.setattr(_jit, "get", get)
+    monkeypatch.setattr(K, "_PLANS", {})  # plans hold the kernels they were made with
     return calls
 
 
@@ -112,13 +113,17 @@ def test_launcher_binds_every_layout_without_a_copy(dtype, case, monkeypatch):
     name, q, k, cache, pos = _layouts(dtype)[case]
     calls = _record(monkeypatch)
     K.apply_rotary_launch(q, cache, k, pos, True, False, 0)
-    assert len(calls) == 1
+    K.apply_rotary_launch(q, cache, k, pos, True, False, 0)  # the kept plan binds the same
+    assert len(calls) == 2 and calls[0][:2] == calls[1][:2] and calls[0][2][4:] == calls[1][2][4:]
+    assert all(x is y for x, y in zip(calls[0][2][:4], calls[1][2][:4])) == (len(K._PLANS) == 1 and next(
+        iter(K._PLANS.values()))[2])  # the direct path passes the caller's tensors themselves
     cfg, env, args = calls[0]
     a, b, cs = args[0], args[1], args[2]
     assert a.data_ptr() == q.data_ptr() and cs.data_ptr() == cache.data_ptr()  # views, never copies
     if k is not None:
         assert b.data_ptr() == k.data_ptr()
-    _, d, v, cw, _, _ = cfg
+    _, d, v, cw, _, _, rank = cfg
+    assert rank == q.dim()
     esize = q.element_size()
     for t in (a, b, cs):  # the kernel's assumption: every stride is a multiple of the access width
         width = cw if t is cs else v
@@ -136,6 +141,7 @@ def test_launcher_binds_every_layout_without_a_copy(dtype, case, monkeypatch):
     for x4, split in ((a, args[6:10]), (b, args[10:14])):
         if split[3] == 0:
             continue
+        x4 = x4 if x4.dim() == 4 else x4.unsqueeze(0)
         seen = _covered(x4, *split, c)
         assert torch.equal(seen, torch.ones_like(seen)), name
 

@@ -57,13 +57,15 @@ def _fma(a, b, c):
     return T.call_extern("float32", "__fmaf_rn", a, b, c)
 
 
-def rotary_kernel(dtype: str, D: int, V: int, CW: int, interleaved: bool, pos: str):
+def rotary_kernel(dtype: str, D: int, V: int, CW: int, interleaved: bool, pos: str, rank: int = 3):
     """Factory: data dtype ("bf16" | "fp32"), rotary width ``D`` (64 | 128), ``V`` elements per data vector,
-    ``CW`` cache floats per access, pairing, and positions dtype ("none" | "int32" | "int64").
+    ``CW`` cache floats per access, pairing, positions dtype ("none" | "int32" | "int64") and the tensors' rank
+    (3: ``(T, H, D)`` with positions ``(T,)``; 4: ``(B, S, H, D)`` with positions ``(B, S)``; the 3-D binary takes
+    the caller's tensors as they are, with no view made per call).
 
-    Arguments at launch: A, B (4-D strided views), CS (cache ``(R, D)``, row stride symbolic), P (positions
-    ``(PB, PS)``, a placeholder for "none"), the int64 ``offset``, the float ``sign`` (+1 or -1), and per tensor
-    ``hl`` (head lanes), ``tl`` (tokens per CTA), ``bpb`` (CTAs per batch row) and its CTA count.
+    Arguments at launch: A, B (strided views), CS (cache ``(R, D)``, row stride symbolic), P (positions, a
+    placeholder for "none"), the int64 ``offset``, the float ``sign`` (+1 or -1), and per tensor ``hl`` (head
+    lanes), ``tl`` (tokens per CTA), ``bpb`` (CTAs per batch row) and its CTA count.
     """
     import tilelang.language as T
 
@@ -83,6 +85,15 @@ def rotary_kernel(dtype: str, D: int, V: int, CW: int, interleaved: bool, pos: s
     BB, BS, BH, bB, bS, bH = T.dynamic("b_batch, b_seq, b_heads, b_sb, b_ss, b_sh", i64)
     R, cR = T.dynamic("cache_rows, cache_stride", i64)
     PB, PS, pB = T.dynamic("pos_batch, pos_seq, pos_sb", i64)
+
+    four = rank == 4
+
+    def at(b, s, h, col):
+        """The index tuple of element ``col`` of head ``h`` of token ``s`` of batch row ``b``."""
+        return (b, s, h, col) if four else (s, h, col)
+
+    def pos_at(b, s):
+        return (b, s) if four else (s,)
 
     def lane_cols(c):
         """Element columns of the lane's two vectors."""
@@ -107,8 +118,9 @@ def rotary_kernel(dtype: str, D: int, V: int, CW: int, interleaved: bool, pos: s
         b = T.cast(T.truncdiv(blk, bpb), i64)
         s = T.cast(T.truncmod(blk, bpb) * tl + T.truncdiv(r, hl), i64)
         hlane = T.cast(T.truncmod(r, hl), i64)
-        if r < hl * tl and s < X.shape[1] and b < X.shape[0] and (pos == "none" or (s < PS and b < PB)):
-            p = T.alloc_var(i64, init=s + offset if pos == "none" else T.cast(P[b, s], i64) + offset)
+        if r < hl * tl and s < X.shape[-3] and (not four or b < X.shape[0]) and (
+                pos == "none" or (s < PS and (not four or b < PB))):
+            p = T.alloc_var(i64, init=s + offset if pos == "none" else T.cast(P[pos_at(b, s)], i64) + offset)
             if p >= 0 and p < R:
                 ca = T.cast(c, i64) * (V // 2 if split else V)
                 for g, (base, n) in enumerate(cgroups):
@@ -121,18 +133,18 @@ def rotary_kernel(dtype: str, D: int, V: int, CW: int, interleaved: bool, pos: s
                     nsinv[i] = _fmul(sinv[i], _fmul(sign, T.float32(-1.0)))
                     sinv[i] = _fmul(sinv[i], sign)
                 c0, c1 = lane_cols(T.cast(c, i64))
-                nheads = T.ceildiv(X.shape[2] - hlane, T.cast(hl, i64))
+                nheads = T.ceildiv(X.shape[-2] - hlane, T.cast(hl, i64))
                 for it in T.serial(T.ceildiv(nheads, U)):
                     for u in T.unroll(U):
                         h = hlane + (it * U + u) * hl
-                        if h < X.shape[2]:
+                        if h < X.shape[-2]:
                             for e in T.vectorized(V):
-                                w[u * 2 * V + e] = X[b, s, h, c0 + e]
+                                w[u * 2 * V + e] = X[at(b, s, h, c0 + e)]
                             for e in T.vectorized(V):
-                                w[u * 2 * V + V + e] = X[b, s, h, c1 + e]
+                                w[u * 2 * V + V + e] = X[at(b, s, h, c1 + e)]
                     for u in T.unroll(U):
                         h = hlane + (it * U + u) * hl
-                        if h < X.shape[2]:
+                        if h < X.shape[-2]:
                             for i in pairs:
                                 _, fi, si = pair_of(i)
                                 f = T.cast(w[u * 2 * V + fi], "float32")
@@ -141,24 +153,31 @@ def rotary_kernel(dtype: str, D: int, V: int, CW: int, interleaved: bool, pos: s
                                 w[u * 2 * V + fi] = T.cast(_fma(f, cosv[i], _fmul(sv, nsinv[i])), dt)
                                 w[u * 2 * V + si] = T.cast(_fma(f, sinv[i], _fmul(sv, cosv[i])), dt)
                             for e in T.vectorized(V):
-                                X[b, s, h, c0 + e] = w[u * 2 * V + e]
+                                X[at(b, s, h, c0 + e)] = w[u * 2 * V + e]
                             for e in T.vectorized(V):
-                                X[b, s, h, c1 + e] = w[u * 2 * V + V + e]
+                                X[at(b, s, h, c1 + e)] = w[u * 2 * V + V + e]
+
+    if four:
+        a_param = T.StridedTensor((AB, AS, AH, D), (aB, aS, aH, 1), dt)
+        b_param = T.StridedTensor((BB, BS, BH, D), (bB, bS, bH, 1), dt)
+        p_param = T.StridedTensor((PB, PS), (pB, 1), pdt)
+    else:
+        a_param = T.StridedTensor((AS, AH, D), (aS, aH, 1), dt)
+        b_param = T.StridedTensor((BS, BH, D), (bS, bH, 1), dt)
+        p_param = T.StridedTensor((PS,), (1,), pdt)
 
     @T.prim_func
-    def rotary(A: T.StridedTensor((AB, AS, AH, D), (aB, aS, aH, 1), dt),
-               Bt: T.StridedTensor((BB, BS, BH, D), (bB, bS, bH, 1), dt),
-               CS: T.StridedTensor((R, D), (cR, 1), "float32"),
-               P: T.StridedTensor((PB, PS), (pB, 1), pdt),
+    def rotary(A: a_param, Bt: b_param, CS: T.StridedTensor((R, D), (cR, 1), "float32"), P: p_param,
                offset: T.int64, sign: T.float32,
                a_hl: T.int32, a_tl: T.int32, a_bpb: T.int32, a_blocks: T.int32,
                b_hl: T.int32, b_tl: T.int32, b_bpb: T.int32, b_blocks: T.int32):
         # the launcher's contract: every stride of a dimension of size > 1 is a multiple of the access width
         # (others are bound as 0), so every vector access is aligned
-        T.assume(aB % V == 0)
+        if four:
+            T.assume(aB % V == 0)
+            T.assume(bB % V == 0)
         T.assume(aS % V == 0)
         T.assume(aH % V == 0)
-        T.assume(bB % V == 0)
         T.assume(bS % V == 0)
         T.assume(bH % V == 0)
         T.assume(a_hl > 0)
@@ -187,7 +206,8 @@ def rotary_kernel(dtype: str, D: int, V: int, CW: int, interleaved: bool, pos: s
 
 def test_configs() -> list[tuple]:
     """The configs the GPU tier's aligned cases use (and the compile tier builds): every dtype, width, pairing and
-    positions dtype at the widest vectors, plus the narrow variants of misaligned views and caches."""
+    positions dtype at the widest vectors for 3-D tensors, 4-D for some, plus the narrow variants of misaligned
+    views and caches."""
     cfgs = []
     for dtype in ("bf16", "fp32"):
         v = VECS[dtype][0]
@@ -195,9 +215,11 @@ def test_configs() -> list[tuple]:
             for inter in (False, True):
                 cw = min(4, v // 2 if inter else v)
                 for pos in ("none", "int32", "int64"):
-                    cfgs.append((dtype, d, v, cw, inter, pos))
+                    cfgs.append((dtype, d, v, cw, inter, pos, 3))
+                cfgs += [(dtype, d, v, cw, inter, "none", 4), (dtype, d, v, cw, inter, "int64", 4)]
         for inter in (False, True):  # a pointer one element off (V = 1) and a misaligned cache (CW = 1)
-            cfgs += [(dtype, 64, 1, 1, inter, "none"), (dtype, 64, v, 1, inter, "none")]
+            cfgs += [(dtype, 64, 1, 1, inter, "none", 3), (dtype, 64, v, 1, inter, "none", 3),
+                     (dtype, 64, 1, 1, inter, "none", 4)]
     return cfgs
 
 
@@ -214,8 +236,7 @@ _jit.register("apply_rotary", rotary_kernel, _configs)
 def _vec_width(x: torch.Tensor, widths: tuple) -> int:
     """The widest ``V`` of ``widths`` such that ``x``'s data pointer and every stride of a dimension of size > 1
     (other than the unit last one) are multiples of ``V`` elements."""
-    ptr = x.data_ptr() // x.element_size() if x.data_ptr() % x.element_size() == 0 else 1
-    g = ptr
+    g = x.data_ptr() // x.element_size()
     for size, st in zip(x.shape[:-1], x.stride()[:-1]):
         if size > 1:
             g |= st
@@ -226,10 +247,8 @@ def _vec_width(x: torch.Tensor, widths: tuple) -> int:
 
 
 def _bind(x: torch.Tensor, v: int) -> torch.Tensor:
-    """``x`` as a 4-D view whose size-1 dimensions have stride 0 where theirs is not a multiple of ``v`` (the kernel
-    assumes every stride is; a size-1 dimension's stride is never used)."""
-    if x.dim() == 3:
-        x = x.unsqueeze(0)
+    """``x`` with stride 0 on its size-1 dimensions where theirs is not a multiple of ``v`` (the kernel assumes every
+    stride is; a size-1 dimension's stride is never used)."""
     st = x.stride()
     if any(s % v for s in st[:-1]):
         x = x.as_strided(x.shape, [0 if n == 1 else s for n, s in zip(x.shape, st)])
@@ -249,16 +268,25 @@ def _split(n_batch: int, n_seq: int, heads: int, C: int) -> tuple:
     return hl, tl, bpb, n_batch * bpb
 
 
-def apply_rotary_launch(query: torch.Tensor, cos_sin_cache: torch.Tensor, key: torch.Tensor | None,
-                        positions: torch.Tensor | None, interleaved: bool, conjugate: bool, seqlen_offset: int) -> None:
-    """Rotate ``query`` and ``key`` in place with one launch; validates nothing (the public op does).
+def meta_key(query, cos_sin_cache, key, positions, interleaved, conjugate) -> tuple:
+    """Everything the validation and the launch configuration read of the arguments except data pointers and the
+    offset: a dict key (raises AttributeError for arguments that are not tensors)."""
+    return (query.__class__, query.shape, query.stride(), query.dtype, query.device,
+            cos_sin_cache.__class__, cos_sin_cache.shape, cos_sin_cache.stride(), cos_sin_cache.dtype,
+            cos_sin_cache.device,
+            None if key is None else (key.__class__, key.shape, key.stride(), key.dtype, key.device),
+            None if positions is None else (positions.__class__, positions.shape, positions.stride(),
+                                            positions.dtype, positions.device),
+            interleaved.__class__, interleaved, conjugate.__class__, conjugate)
 
-    Every layout that passes validation is taken as it is, without a copy: ``V`` (and the cache's access width)
-    narrows down to one element for misaligned pointers or odd strides.
-    """
+
+def _plan(query, cos_sin_cache, key, positions, interleaved: bool):
+    """``(fn, split, direct, placeholder)`` of one layout: the kernel, its 8 work-split scalars, whether the
+    tensors bind as they are (A = query, B = key or query, P = positions or the placeholder), and the positions
+    placeholder; ``None`` when both tensors are empty (no launch)."""
     tensors = [t for t in (query, key) if t is not None and t.numel() > 0]
     if not tensors:
-        return
+        return None
     dtype = _DT_NAME[query.dtype]
     d = cos_sin_cache.size(1)
     v = VECS[dtype][0]
@@ -267,19 +295,52 @@ def apply_rotary_launch(query: torch.Tensor, cos_sin_cache: torch.Tensor, key: t
     n = v // 2 if interleaved and v >= 2 else v
     cw = _vec_width(cos_sin_cache, tuple(w for w in CACHE_VECS if w <= n))
     pos = "none" if positions is None else _POS_NAME[positions.dtype]
-    fn = _jit.get("apply_rotary", (dtype, d, v, cw, bool(interleaved), pos))
-    if positions is None:
-        p = _launch.placeholder(query.device, torch.int32, (1, 1))
-    else:
-        p = positions.view(1, -1) if positions.dim() == 1 else positions
-        if p.size(1) == 1 and p.stride(1) != 1:
-            p = p.as_strided(p.shape, (p.stride(0), 1))
+    rank = query.dim()
+    fn = _jit.get("apply_rotary", (dtype, d, v, cw, interleaved, pos, rank))
     c = d // (2 * v)
-    a = _bind(tensors[0], v)
-    b = _bind(tensors[-1], v)
-    sa = _split(a.size(0), a.size(1), a.size(2), c)
-    sb = _split(b.size(0), b.size(1), b.size(2), c) if len(tensors) == 2 else (1, 1, 1, 0)
-    fn(a, b, cos_sin_cache, p, int(seqlen_offset), -1.0 if conjugate else 1.0, *sa, *sb)
+    lead = (lambda t: (1, t.size(0), t.size(1))) if rank == 3 else (lambda t: tuple(t.shape[:3]))
+    split = _split(*lead(tensors[0]), c) + (_split(*lead(tensors[1]), c) if len(tensors) == 2 else (1, 1, 1, 0))
+    direct = (tensors[0] is query and all(_bind(t, v) is t for t in tensors)
+              and (positions is None or positions.size(-1) > 1 or positions.stride(-1) == 1))
+    holder = _launch.placeholder(query.device, torch.int32, (1,) * (rank - 2)) if positions is None else None
+    return fn, split, direct, holder, v
+
+
+_PLANS: dict = {}
+
+
+def apply_rotary_launch(query: torch.Tensor, cos_sin_cache: torch.Tensor, key: torch.Tensor | None,
+                        positions: torch.Tensor | None, interleaved: bool, conjugate: bool, seqlen_offset: int,
+                        meta: tuple | None = None) -> None:
+    """Rotate ``query`` and ``key`` in place with one launch; validates nothing (the public op does, and passes its
+    ``meta_key``).
+
+    Every layout that passes validation is taken as it is, without a copy: ``V`` (and the cache's access width)
+    narrows down to one element for misaligned pointers or odd strides. The configuration of a layout (kernel,
+    vector widths, work split) is computed once and kept, keyed by the metadata and the pointers' alignment.
+    """
+    if meta is None:
+        meta = meta_key(query, cos_sin_cache, key, positions, interleaved, conjugate)
+    pk = (meta, query.data_ptr() & 15, 0 if key is None else key.data_ptr() & 15, cos_sin_cache.data_ptr() & 15)
+    plan = _PLANS.get(pk, _PLANS)
+    if plan is _PLANS:
+        if len(_PLANS) > 4096:  # a bounded cache: views of ever-new shapes start it over
+            _PLANS.clear()
+        plan = _PLANS[pk] = _plan(query, cos_sin_cache, key, positions, bool(interleaved))
+    if plan is None:
+        return
+    fn, split, direct, holder, v = plan
+    sign = -1.0 if conjugate else 1.0
+    if direct:
+        fn(query, query if key is None else key, cos_sin_cache, holder if positions is None else positions,
+           seqlen_offset, sign, *split)
+        return
+    tensors = [_bind(t, v) for t in (query, key) if t is not None and t.numel() > 0]
+    p = holder
+    if positions is not None:
+        p = positions if positions.size(-1) > 1 or positions.stride(-1) == 1 else positions.as_strided(
+            positions.shape, positions.stride()[:-1] + (1,))
+    fn(tensors[0], tensors[-1], cos_sin_cache, p, seqlen_offset, sign, *split)
 
 
 # ---- torch.library registration (torch.compile / fake tensors) ----

@@ -56,25 +56,14 @@ def _flag(name: str, value) -> bool:
     return bool(value)
 
 
-@public("transform", path="kernel")
-def apply_rotary(query: torch.Tensor, cos_sin_cache: torch.Tensor, key: torch.Tensor | None = None,
-                 positions: torch.Tensor | None = None, interleaved=False, conjugate=False,
-                 seqlen_offset: int = 0) -> None:
-    """Rotate ``query`` (and ``key``) in place by the cache rows of their tokens (transform.md sections 2-3).
-
-    ``query``: ``(T, H, D)`` or ``(B, S, H, D)`` bf16/fp32 with a unit last stride (pass ``q[..., -64:]`` for a
-    rotary tail); ``key``: the same rank and dtype; ``cos_sin_cache``: ``(R, D)`` fp32, cosines then sines, ``D``
-    64 or 128; ``positions``: ``(T,)`` or ``(B, S)`` int32/int64, else token ``t`` uses row
-    ``t + seqlen_offset``. A token whose row is outside ``[0, R)`` (positions given) is left unchanged. Returns
-    ``None``.
-    """
+def _validate(query, cache, key, positions, interleaved, conjugate) -> None:
+    """Every check of section 5 that reads metadata only (not the offset: ``_check_offset``)."""
     if not isinstance(query, torch.Tensor):
         _check.fail(_OP, f"query must be a torch.Tensor, got {type(query).__name__}", TypeError)
     if query.dim() not in (3, 4):
         _check.fail(_OP, f"query must be 3-D (T, H, D) or 4-D (B, S, H, D), got shape {tuple(query.shape)}")
     if query.dtype not in _DTYPES:
         _check.fail(_OP, f"query must have dtype bfloat16 or float32, got {_name(query.dtype)}", TypeError)
-    cache = cos_sin_cache
     if not isinstance(cache, torch.Tensor):
         _check.fail(_OP, f"cos_sin_cache must be a torch.Tensor, got {type(cache).__name__}", TypeError)
     if cache.dtype != torch.float32:
@@ -95,8 +84,8 @@ def apply_rotary(query: torch.Tensor, cos_sin_cache: torch.Tensor, key: torch.Te
         if positions is not None and key.shape[:-2] != query.shape[:-2]:
             _check.fail(_OP, f"key must have query's leading dimensions {tuple(query.shape[:-2])} when positions "
                              f"are given, got shape {tuple(key.shape)}")
-    lead = tuple(query.shape[:-2])
     if positions is not None:
+        lead = tuple(query.shape[:-2])
         if not isinstance(positions, torch.Tensor):
             _check.fail(_OP, f"positions must be a torch.Tensor, got {type(positions).__name__}", TypeError)
         if positions.dtype not in (torch.int32, torch.int64):
@@ -104,16 +93,20 @@ def apply_rotary(query: torch.Tensor, cos_sin_cache: torch.Tensor, key: torch.Te
         if tuple(positions.shape) != lead or (positions.shape[-1] > 1 and positions.stride(-1) != 1):
             _check.fail(_OP, f"positions must have shape {lead} (query's leading dimensions) and a unit last stride, "
                              f"got shape {tuple(positions.shape)} with strides {positions.stride()}")
-    if isinstance(seqlen_offset, bool) or not isinstance(seqlen_offset, int):
-        _check.fail(_OP, f"seqlen_offset must be an int, got {type(seqlen_offset).__name__}", TypeError)
-    if not -(2 ** 31) <= seqlen_offset < 2 ** 31:
-        _check.fail(_OP, f"seqlen_offset must lie in [-2^31, 2^31), got {seqlen_offset}")
-    interleaved = _flag("interleaved", interleaved)
-    conjugate = _flag("conjugate", conjugate)
+    _flag("interleaved", interleaved)
+    _flag("conjugate", conjugate)
     device = query.device
     for name, t in (("cos_sin_cache", cache), ("key", key), ("positions", positions)):
         if t is not None and t.device != device:
             _check.fail(_OP, f"{name} must be on query's device {device}, got {t.device}")
+
+
+def _check_offset(query, cache, key, positions, seqlen_offset) -> None:
+    """``seqlen_offset``: an int in the int32 range; without positions, every tensor's rows within the cache."""
+    if isinstance(seqlen_offset, bool) or not isinstance(seqlen_offset, int):
+        _check.fail(_OP, f"seqlen_offset must be an int, got {type(seqlen_offset).__name__}", TypeError)
+    if not -(2 ** 31) <= seqlen_offset < 2 ** 31:
+        _check.fail(_OP, f"seqlen_offset must lie in [-2^31, 2^31), got {seqlen_offset}")
     if positions is None:
         rows = cache.shape[0]
         for name, t in (("query", query), ("key", key)):
@@ -123,12 +116,58 @@ def apply_rotary(query: torch.Tensor, cos_sin_cache: torch.Tensor, key: torch.Te
                     _check.fail(_OP, f"seqlen_offset must satisfy 0 <= seqlen_offset and seqlen_offset + S <= R "
                                      f"without positions, got seqlen_offset={seqlen_offset} with {name}'s S={s} "
                                      f"and R={rows}")
+
+
+# metadata keys (``_rotary_kernel.meta_key``) that passed ``_validate``: a repeated layout is checked by one lookup
+_VALID: set = set()
+
+
+def _validated(meta) -> bool:
+    try:
+        return meta in _VALID
+    except TypeError:  # an unhashable argument (never a valid one)
+        return False
+
+
+@public("transform", path="kernel")
+def apply_rotary(query: torch.Tensor, cos_sin_cache: torch.Tensor, key: torch.Tensor | None = None,
+                 positions: torch.Tensor | None = None, interleaved=False, conjugate=False,
+                 seqlen_offset: int = 0) -> None:
+    """Rotate ``query`` (and ``key``) in place by the cache rows of their tokens (transform.md sections 2-3).
+
+    ``query``: ``(T, H, D)`` or ``(B, S, H, D)`` bf16/fp32 with a unit last stride (pass ``q[..., -64:]`` for a
+    rotary tail); ``key``: the same rank and dtype; ``cos_sin_cache``: ``(R, D)`` fp32, cosines then sines, ``D``
+    64 or 128; ``positions``: ``(T,)`` or ``(B, S)`` int32/int64, else token ``t`` uses row
+    ``t + seqlen_offset``. A token whose row is outside ``[0, R)`` (positions given) is left unchanged. Returns
+    ``None``.
+    """
+    cache = cos_sin_cache
+    meta = None
+    if torch.compiler.is_compiling():  # traced once per graph: the plain checks
+        _validate(query, cache, key, positions, interleaved, conjugate)
+    else:
+        try:
+            meta = _rotary_kernel.meta_key(query, cache, key, positions, interleaved, conjugate)
+        except AttributeError:  # not tensors: the checks say which
+            pass
+        if not _validated(meta):
+            _validate(query, cache, key, positions, interleaved, conjugate)
+            if meta is not None:
+                if len(_VALID) > 4096:  # bounded: views of ever-new shapes start it over
+                    _VALID.clear()
+                _VALID.add(meta)
+    _check_offset(query, cache, key, positions, seqlen_offset)
     if query.is_cuda:
-        _rotary_kernel.apply_rotary_cuda(query, cache, key, positions, interleaved, conjugate, seqlen_offset)
+        if meta is None:
+            _rotary_kernel.apply_rotary_cuda(query, cache, key, positions, bool(interleaved), bool(conjugate),
+                                             seqlen_offset)
+        else:
+            _rotary_kernel.apply_rotary_launch(query, cache, key, positions, interleaved, conjugate, seqlen_offset,
+                                               meta)
         return None
-    half = d // 2
+    half = cache.shape[1] // 2
     for t in (query, key):
         if t is not None and t.numel() > 0:
             t.copy_(rotary_embedding_ref(t, cache[:, :half], cache[:, half:], positions, seqlen_offset,
-                                         interleaved, conjugate))
+                                         bool(interleaved), bool(conjugate)))
     return None
