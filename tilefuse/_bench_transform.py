@@ -204,12 +204,11 @@ def host_calls() -> list:
     k = _randn((1, 8, 128), torch.bfloat16, "cuda")
     cache = _cache(8192, 128, "cuda")
     pos = torch.tensor([4321], dtype=torch.int64, device="cuda")
-    cfg = ("bf16", 128, 8, 4, False, "int64")
+    cfg = ("bf16", 128, 8, 4, False, "int64", 3)
     jk = _jit.get_jit_kernel("apply_rotary", cfg)
     raw = _jit.get("apply_rotary", cfg)
     c = 128 // 16
-    args = (q.unsqueeze(0), k.unsqueeze(0), cache, pos.view(1, 1), 0, 1.0, *K._split(1, 1, 32, c),
-            *K._split(1, 1, 8, c))
+    args = (q, k, cache, pos, 0, 1.0, *K._split(1, 1, 32, c), *K._split(1, 1, 8, c))
     group = "apply_rotary, LLaMA-3-8B decode, 1 token"
     return [
         (group, "bare TileLang kernel call (JITKernel, preallocated outputs)", lambda: jk(*args)),
