@@ -396,3 +396,33 @@ def test_custom_op_mutates_query_and_key():
     assert len(schema.returns) == 0
     assert singleton.find("tilefuse::apply_rotary").fake_impl.kernel is not None
     assert torch._C._dispatch_has_kernel_for_dispatch_key("tilefuse::apply_rotary", "CUDA")
+
+
+def test_validated_layouts_take_the_kept_plan_and_still_check_the_offset(monkeypatch):
+    """A layout that passed the checks once (CUDA tensors in use; CPU tensors stand in here) launches from its kept
+    plan; the offset, which is not part of the layout, is still checked on every call."""
+    from tilefuse import _jit
+    from tilefuse.transform import _rotary_kernel as K
+    from tilefuse.transform import ops
+
+    calls = []
+    monkeypatch.setattr(_jit, "get", lambda name, cfg: lambda *args: calls.append((cfg, args)))
+    monkeypatch.setattr(ops, "_VALIDATED", {})
+    cache = make_cos_sin_cache(64, 64)
+    q, k = rand((10, 2, 64), torch.bfloat16), rand((3, 1, 64), torch.bfloat16)
+    pk = K.plan_key(q, cache, k, None, True, False)
+    ops._VALIDATED[pk] = K._plan(q, cache, k, None, True)
+    apply_rotary(q, cache, k, None, True, False, 54)
+    (cfg, args), = calls
+    assert cfg == ("bf16", 64, 8, 4, True, "none", 3) and args[0] is q and args[1] is k and args[4:6] == (54, 1.0)
+    for off, exc in ((55, ValueError), (-1, ValueError), (True, TypeError), (2 ** 31, ValueError), (1.0, TypeError)):
+        with pytest.raises(exc, match="seqlen_offset"):
+            apply_rotary(q, cache, k, None, True, False, off)
+    assert len(calls) == 1
+    # both tensors empty but with tokens (no heads): no launch, and the offset is still checked against S
+    e = torch.empty(10, 0, 64, dtype=torch.bfloat16)
+    ops._VALIDATED[K.plan_key(e, cache, None, None, False, False)] = None
+    apply_rotary(e, cache, None, None, False, False, 54)
+    with pytest.raises(ValueError, match="seqlen_offset"):
+        apply_rotary(e, cache, None, None, False, False, 55)
+    assert len(calls) == 1

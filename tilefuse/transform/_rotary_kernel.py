@@ -24,6 +24,8 @@ A token whose cache row ``p = position + offset`` is outside ``[0, R)`` is skipp
 its heads are read or written. No shared memory, no atomics: deterministic and batch-invariant.
 """
 
+from typing import NamedTuple
+
 import torch
 
 from tilefuse import _jit, _launch, _ops
@@ -268,22 +270,32 @@ def _split(n_batch: int, n_seq: int, heads: int, C: int) -> tuple:
     return hl, tl, bpb, n_batch * bpb
 
 
-def meta_key(query, cos_sin_cache, key, positions, interleaved, conjugate) -> tuple:
-    """Everything the validation and the launch configuration read of the arguments except data pointers and the
-    offset: a dict key (raises AttributeError for arguments that are not tensors)."""
-    return (query.__class__, query.shape, query.stride(), query.dtype, query.device,
-            cos_sin_cache.__class__, cos_sin_cache.shape, cos_sin_cache.stride(), cos_sin_cache.dtype,
-            cos_sin_cache.device,
-            None if key is None else (key.__class__, key.shape, key.stride(), key.dtype, key.device),
-            None if positions is None else (positions.__class__, positions.shape, positions.stride(),
-                                            positions.dtype, positions.device),
-            interleaved.__class__, interleaved, conjugate.__class__, conjugate)
+def plan_key(query, cos_sin_cache, key, positions, interleaved, conjugate) -> tuple:
+    """Everything the validation and the launch configuration read of the arguments (metadata, flags and the
+    pointers' alignment; not the offset) as one flat dict key. Raises AttributeError for arguments that are not
+    tensors."""
+    q, c = query, cos_sin_cache
+    k = (None,) * 6 if key is None else (key.__class__, key.shape, key.stride(), key.dtype, key.device,
+                                           key.data_ptr() & 15)
+    p = (None,) * 5 if positions is None else (positions.__class__, positions.shape, positions.stride(),
+                                               positions.dtype, positions.device)
+    return (q.__class__, q.shape, q.stride(), q.dtype, q.device, q.data_ptr() & 15,
+            c.__class__, c.shape, c.stride(), c.dtype, c.device, c.data_ptr() & 15,
+            *k, *p, interleaved.__class__, interleaved, conjugate.__class__, conjugate)
 
 
-def _plan(query, cos_sin_cache, key, positions, interleaved: bool):
-    """``(fn, split, direct, placeholder)`` of one layout: the kernel, its 8 work-split scalars, whether the
-    tensors bind as they are (A = query, B = key or query, P = positions or the placeholder), and the positions
-    placeholder; ``None`` when both tensors are empty (no launch)."""
+class Plan(NamedTuple):
+    """The launch configuration of one layout."""
+    fn: object          # the kernel
+    split: tuple        # (hl, tl, bpb, blocks) of A, then of B
+    direct: bool        # A = query, B = key (or query), P = positions (or the placeholder), as they are
+    holder: object      # the positions placeholder (no positions)
+    v: int              # elements per data vector
+    offset_max: int     # without positions: the largest valid seqlen_offset (R - the largest S > 0)
+
+
+def _plan(query, cos_sin_cache, key, positions, interleaved: bool) -> Plan | None:
+    """The configuration of one layout; ``None`` when both tensors are empty (no launch)."""
     tensors = [t for t in (query, key) if t is not None and t.numel() > 0]
     if not tensors:
         return None
@@ -303,44 +315,52 @@ def _plan(query, cos_sin_cache, key, positions, interleaved: bool):
     direct = (tensors[0] is query and all(_bind(t, v) is t for t in tensors)
               and (positions is None or positions.size(-1) > 1 or positions.stride(-1) == 1))
     holder = _launch.placeholder(query.device, torch.int32, (1,) * (rank - 2)) if positions is None else None
-    return fn, split, direct, holder, v
+    seqs = [t.shape[-3] for t in (query, key) if t is not None and t.shape[-3] > 0]
+    offset_max = cos_sin_cache.size(0) - max(seqs, default=0)
+    return Plan(fn, split, direct, holder, v, offset_max)
 
 
 _PLANS: dict = {}
 
 
-def apply_rotary_launch(query: torch.Tensor, cos_sin_cache: torch.Tensor, key: torch.Tensor | None,
-                        positions: torch.Tensor | None, interleaved: bool, conjugate: bool, seqlen_offset: int,
-                        meta: tuple | None = None) -> None:
-    """Rotate ``query`` and ``key`` in place with one launch; validates nothing (the public op does, and passes its
-    ``meta_key``).
-
-    Every layout that passes validation is taken as it is, without a copy: ``V`` (and the cache's access width)
-    narrows down to one element for misaligned pointers or odd strides. The configuration of a layout (kernel,
-    vector widths, work split) is computed once and kept, keyed by the metadata and the pointers' alignment.
-    """
-    if meta is None:
-        meta = meta_key(query, cos_sin_cache, key, positions, interleaved, conjugate)
-    pk = (meta, query.data_ptr() & 15, 0 if key is None else key.data_ptr() & 15, cos_sin_cache.data_ptr() & 15)
+def get_plan(pk: tuple, query, cos_sin_cache, key, positions, interleaved) -> Plan | None:
+    """The kept plan of key ``pk`` (``plan_key``), made on first use."""
     plan = _PLANS.get(pk, _PLANS)
     if plan is _PLANS:
         if len(_PLANS) > 4096:  # a bounded cache: views of ever-new shapes start it over
             _PLANS.clear()
         plan = _PLANS[pk] = _plan(query, cos_sin_cache, key, positions, bool(interleaved))
+    return plan
+
+
+def launch(plan: Plan | None, query, cos_sin_cache, key, positions, conjugate, seqlen_offset: int) -> None:
+    """One launch of ``plan`` on these tensors (nothing for ``None``: both empty)."""
     if plan is None:
         return
-    fn, split, direct, holder, v = plan
     sign = -1.0 if conjugate else 1.0
-    if direct:
-        fn(query, query if key is None else key, cos_sin_cache, holder if positions is None else positions,
-           seqlen_offset, sign, *split)
+    if plan.direct:
+        plan.fn(query, query if key is None else key, cos_sin_cache, plan.holder if positions is None else positions,
+                seqlen_offset, sign, *plan.split)
         return
-    tensors = [_bind(t, v) for t in (query, key) if t is not None and t.numel() > 0]
-    p = holder
+    tensors = [_bind(t, plan.v) for t in (query, key) if t is not None and t.numel() > 0]
+    p = plan.holder
     if positions is not None:
         p = positions if positions.size(-1) > 1 or positions.stride(-1) == 1 else positions.as_strided(
             positions.shape, positions.stride()[:-1] + (1,))
-    fn(tensors[0], tensors[-1], cos_sin_cache, p, seqlen_offset, sign, *split)
+    plan.fn(tensors[0], tensors[-1], cos_sin_cache, p, seqlen_offset, sign, *plan.split)
+
+
+def apply_rotary_launch(query: torch.Tensor, cos_sin_cache: torch.Tensor, key: torch.Tensor | None,
+                        positions: torch.Tensor | None, interleaved: bool, conjugate: bool, seqlen_offset: int) -> None:
+    """Rotate ``query`` and ``key`` in place with one launch; validates nothing (the public op does).
+
+    Every layout that passes validation is taken as it is, without a copy: ``V`` (and the cache's access width)
+    narrows down to one element for misaligned pointers or odd strides. The configuration of a layout (kernel,
+    vector widths, work split) is computed once and kept, keyed by ``plan_key``.
+    """
+    pk = plan_key(query, cos_sin_cache, key, positions, interleaved, conjugate)
+    launch(get_plan(pk, query, cos_sin_cache, key, positions, interleaved), query, cos_sin_cache, key, positions,
+           conjugate, seqlen_offset)
 
 
 # ---- torch.library registration (torch.compile / fake tensors) ----

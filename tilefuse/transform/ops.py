@@ -118,15 +118,9 @@ def _check_offset(query, cache, key, positions, seqlen_offset) -> None:
                                      f"and R={rows}")
 
 
-# metadata keys (``_rotary_kernel.meta_key``) that passed ``_validate``: a repeated layout is checked by one lookup
-_VALID: set = set()
-
-
-def _validated(meta) -> bool:
-    try:
-        return meta in _VALID
-    except TypeError:  # an unhashable argument (never a valid one)
-        return False
+# CUDA layouts that passed ``_validate``: ``_rotary_kernel.plan_key`` -> its launch plan. A repeated layout costs one
+# lookup and the offset check (section 5 reads nothing else that can change between calls).
+_VALIDATED: dict = {}
 
 
 @public("transform", path="kernel")
@@ -142,28 +136,36 @@ def apply_rotary(query: torch.Tensor, cos_sin_cache: torch.Tensor, key: torch.Te
     ``None``.
     """
     cache = cos_sin_cache
-    meta = None
-    if torch.compiler.is_compiling():  # traced once per graph: the plain checks
-        _validate(query, cache, key, positions, interleaved, conjugate)
-    else:
+    compiling = torch.compiler.is_compiling()
+    pk = None
+    if not compiling:
         try:
-            meta = _rotary_kernel.meta_key(query, cache, key, positions, interleaved, conjugate)
-        except AttributeError:  # not tensors: the checks say which
-            pass
-        if not _validated(meta):
-            _validate(query, cache, key, positions, interleaved, conjugate)
-            if meta is not None:
-                if len(_VALID) > 4096:  # bounded: views of ever-new shapes start it over
-                    _VALID.clear()
-                _VALID.add(meta)
+            pk = _rotary_kernel.plan_key(query, cache, key, positions, interleaved, conjugate)
+            plan = _VALIDATED.get(pk, _VALIDATED)
+        except (AttributeError, TypeError, RuntimeError):  # not tensors, an unhashable flag, no storage: checks
+            pk, plan = None, _VALIDATED
+        if plan is not _VALIDATED:
+            if (seqlen_offset.__class__ is not int or not -(2 ** 31) <= seqlen_offset < 2 ** 31
+                    or positions is None and (plan is None or not 0 <= seqlen_offset <= plan.offset_max)):
+                _check_offset(query, cache, key, positions, seqlen_offset)  # raises
+            _rotary_kernel.launch(plan, query, cache, key, positions, conjugate, seqlen_offset)
+            return None
+    _validate(query, cache, key, positions, interleaved, conjugate)
     _check_offset(query, cache, key, positions, seqlen_offset)
     if query.is_cuda:
-        if meta is None:
+        if compiling:
             _rotary_kernel.apply_rotary_cuda(query, cache, key, positions, bool(interleaved), bool(conjugate),
                                              seqlen_offset)
-        else:
-            _rotary_kernel.apply_rotary_launch(query, cache, key, positions, interleaved, conjugate, seqlen_offset,
-                                               meta)
+            return None
+        if pk is None:  # no key to keep the plan under
+            plan = _rotary_kernel._plan(query, cache, key, positions, bool(interleaved))
+            _rotary_kernel.launch(plan, query, cache, key, positions, conjugate, seqlen_offset)
+            return None
+        plan = _rotary_kernel.get_plan(pk, query, cache, key, positions, interleaved)
+        if len(_VALIDATED) > 4096:  # bounded: views of ever-new shapes start it over
+            _VALIDATED.clear()
+        _VALIDATED[pk] = plan
+        _rotary_kernel.launch(plan, query, cache, key, positions, conjugate, seqlen_offset)
         return None
     half = cache.shape[1] // 2
     for t in (query, key):
