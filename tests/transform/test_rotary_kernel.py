@@ -8,6 +8,10 @@ are filled with a sentinel before each call (0x7FBF / 0x7FBFBFBF: NaN patterns n
 data), so a stray write shows anywhere in the storage.
 """
 import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -409,3 +413,33 @@ def test_zero_sizes_skip_the_launch_but_rotate_the_other_tensor(dtype):
     for q, k in ((torch.empty(0, 4, 64), torch.randn(0, 1, 64)), (torch.empty(3, 0, 64), torch.randn(3, 1, 64)),
                  (torch.randn(3, 2, 64), torch.empty(3, 0, 64)), (torch.empty(0, 5, 2, 64), torch.randn(2, 3, 1, 64))):
         _check(q.cuda().to(dtype), cache, k.cuda().to(dtype), None, True, True, 2)
+
+
+MEMCHECK_SCRIPT = """
+import torch
+from tilefuse.transform import apply_rotary
+from tests.transform.rotary_data import make_cos_sin_cache
+cache = make_cos_sin_cache(64, 128, device="cuda")
+for pdtype in (torch.int32, torch.int64):
+    pos = torch.tensor([-1, 64, 2 ** 31 - 1, -(2 ** 31), 3] * 7, dtype=pdtype, device="cuda")
+    q = torch.randn(35, 8, 128, device="cuda").to(torch.bfloat16)
+    k = torch.randn(35, 2, 128, device="cuda").to(torch.bfloat16)
+    apply_rotary(q, cache, k, pos, False, False, 5)
+    apply_rotary(q, cache, k, pos, True, True, 0)
+flat = torch.randn(1 + 35 * 8 * 128, device="cuda").to(torch.bfloat16)
+apply_rotary(flat.as_strided((35, 8, 128), (8 * 128, 128, 1), 1), cache[::2], None, None, True, False, 0)
+torch.cuda.synchronize()
+print("done")
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="needs compute-sanitizer")
+def test_out_of_range_positions_and_misaligned_views_under_memcheck():
+    """Section 8.2: out-of-range positions (int32 and int64 extremes) and a misaligned view, with no invalid access."""
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "3", sys.executable, "-c",
+                           MEMCHECK_SCRIPT], cwd=repo, capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "done" in out, out[-4000:]
+    assert "ERROR SUMMARY: 0 errors" in out, out[-4000:]

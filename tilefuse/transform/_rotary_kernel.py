@@ -1,9 +1,9 @@
 """TileLang kernel for ``apply_rotary`` (transform.md): in-place rotary embedding of queries and keys.
 
 One launch rotates both tensors. The grid's first ``a_blocks`` CTAs take tensor A (``query``, or ``key`` when
-``query`` is empty) and the rest take tensor B (``key``); each tensor is bound as a 4-D strided view
-``(B, S, H, D)`` whose sizes and strides are all runtime values (64-bit), so one binary serves every token
-count, head count and view.
+``query`` is empty) and the rest take tensor B (``key``); each tensor is bound as it is, a strided ``(T, H, D)``
+or ``(B, S, H, D)`` view (the rank is a static config) whose sizes and strides are all runtime values (64-bit),
+so one binary serves every token count, head count and view.
 
 Work split (one tensor): a head row of ``D`` elements is ``C = D / (2 V)`` lanes; lane ``c`` holds two
 ``V``-element vectors of the row, at columns ``c V`` and ``D/2 + c V`` (``V``: elements per vector access, a
@@ -22,6 +22,9 @@ for ``conjugate`` (exact: a negated sine, 3.4 item 1). The fma is ``__fmaf_rn`` 
 
 A token whose cache row ``p = position + offset`` is outside ``[0, R)`` is skipped whole: neither the cache nor
 its heads are read or written. No shared memory, no atomics: deterministic and batch-invariant.
+
+Host path: the configuration of a layout (kernel, vector widths, work split: a ``Plan``) is computed once and kept
+under ``plan_key`` (metadata, flags and pointer alignment), so a repeated call costs a key, a lookup and the launch.
 """
 
 from typing import NamedTuple

@@ -7,6 +7,10 @@ to single elements, so no layout needs a copy or another path. An eager call lau
 ``torch.compile`` the call goes through the custom op ``tilefuse::apply_rotary``, which mutates ``query`` and
 ``key``. Other tensors take the reference (``tilefuse.reference.rotary_embedding_ref``), whose results are copied
 into ``query`` and ``key``.
+
+Internal overlap is rejected by a sufficient test (``_overlaps``: the dimensions of size > 1 must nest by stride),
+so a rare view whose dimensions interleave without sharing memory is rejected too. A CUDA layout that passed the
+checks is kept with its launch plan, so a repeated call checks only the offset.
 """
 from __future__ import annotations
 
