@@ -161,7 +161,7 @@ def _rows() -> list[_Row]:
              lambda t, d: llama(t, d), liger=True),
         _Row(lambda t: f"LLaMA-3-8B decode bf16 q {t}x32x128 k {t}x8x128 NeoX int64 positions",
              lambda t, d: llama(t, d, seed=1), seed=1, liger=True),
-        _Row(lambda t: f"LLaMA-3-8B batched prefill bf16 q 4x{t}x32x128 k 4x{t}x8x128 NeoX offset 1024",
+        _Row(lambda t: f"LLaMA-3-8B batched prefill bf16 4 x q {t}x32x128 k {t}x8x128 NeoX offset 1024",
              lambda t, d: llama(t, d, batch=4, offset=1024), offset=1024, liger=True),
         _Row(lambda t: f"DeepSeek-V3 prefill bf16 q {t}x128x192[..., 128:] k {t}x576[:, 512:] interleaved",
              lambda t, d: deepseek(t, d), interleaved=True),
