@@ -6,12 +6,14 @@ import pytest
 import torch
 
 from tilefuse import _bench_compare as C
-from tilefuse import _bench_moe, _peers, _registry, moe, quant, transpose
+from tilefuse import _bench_moe, _bench_transform, _peers, _registry, moe, quant, transpose
 from tilefuse._bench_grid import HIDDEN, TOKENS, grid_cases
 
 GRID = grid_cases()
 MOE_GRID = [c for c in GRID if c.name in _bench_moe.OPS]
-QT_GRID = [c for c in GRID if c.name not in _bench_moe.OPS]  # quant and transpose: the hidden-size grid
+TRANSFORM_GRID = [c for c in GRID if c.name in _bench_transform.OPS]
+# quant and transpose: the hidden-size grid
+QT_GRID = [c for c in GRID if c.name not in _bench_moe.OPS and c.name not in _bench_transform.OPS]
 # the small cases of the grid, run on the CPU (each op's reference path)
 SMALL = [c for c in GRID if c.tokens == 128 and ("x1536" in c.key or " 1536)" in c.key or "x3072" in c.key)]
 
@@ -38,7 +40,8 @@ def test_grid_spans_hidden_sizes_and_token_counts():
 def test_every_grid_case_names_a_peer_or_a_reference():
     for c in GRID:
         assert c.ref is not None and (c.peers or c.name in ("per_token_cast_and_cast_back",)), c.key
-        assert c.key and c.tokens in (_bench_moe.TOKENS if c in MOE_GRID else TOKENS)
+        own = {t for ts in _bench_transform.GRID_TOKENS for t in ts} if c in TRANSFORM_GRID else None
+        assert c.key and c.tokens in (_bench_moe.TOKENS if c in MOE_GRID else own or TOKENS)
 
 
 @pytest.mark.parametrize("case", SMALL, ids=[c.key for c in SMALL])

@@ -4,7 +4,7 @@ one-token host-overhead calls.
 Rows (bf16 unless stated): LLaMA-3-8B prefill, decode (128 tokens, int64 positions) and batched prefill (4 x 2048,
 offset 1024) with NeoX pairs; DeepSeek-V3 prefill and decode on the rotary tails (q ``(T, 128, 192)[..., 128:]``,
 k ``(T, 576)[:, 512:].unsqueeze(1)``, interleaved pairs, R = 32768); fp32 at T = 4001 with int32 positions and
-``conjugate``. The grid adds the one-token decode of both models.
+``conjugate``. The grid adds the prefills at 4096 tokens and the one-token decodes of both models.
 
 Bytes (section 9, not the harness's generic rule): ``query`` and ``key`` read and written, ``positions`` read once,
 and one cache row of ``D`` fp32 per distinct row used: ``S`` without positions, else the distinct
@@ -186,12 +186,15 @@ def quick_cases(ops=None) -> list:
     return [row.case(t) for row, t in zip(_rows(), QUICK_TOKENS)]
 
 
+# per row of _rows(): the grid's token counts (prefill also at 4096, decode also at one token)
+GRID_TOKENS = ((4096, 8192), (1, 128), (2048,), (4096, 8192), (1, 128), (4001,))
+
+
 def grid_cases(ops=None) -> list:
-    """The grid rows: the six shapes and the one-token decode of both models."""
+    """The grid rows: the six shapes, the prefills also at 4096 tokens and the decodes at one token."""
     if not selected("apply_rotary", ops):
         return []
-    rows = _rows()
-    return quick_cases(ops) + [rows[1].case(1), rows[4].case(1)]
+    return [row.case(t) for row, tokens in zip(_rows(), GRID_TOKENS) for t in tokens]
 
 
 def host_calls() -> list:
