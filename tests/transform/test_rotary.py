@@ -1,6 +1,8 @@
 """Reference tier of apply_rotary / rotary_embedding_ref (transform.md 3.4, 5, 6, 8.3), on the CPU: the reference
 against an exact per-element model, the invariants bit for bit on the reference and on the op's CPU path, the
 round trip, the tolerance against upstream's promotion order, and every validation row."""
+import re
+
 import pytest
 import torch
 
@@ -426,3 +428,11 @@ def test_validated_layouts_take_the_kept_plan_and_still_check_the_offset(monkeyp
     with pytest.raises(ValueError, match="seqlen_offset"):
         apply_rotary(e, cache, None, None, False, False, 55)
     assert len(calls) == 1
+
+
+def test_info_lists_apply_rotary_as_kernel(capsys):
+    from tilefuse import _registry, cli
+
+    assert _registry.load_all()["transform.apply_rotary"]["path"] == "kernel"
+    assert cli.main(["info"]) == 0
+    assert re.search(r"^\s+apply_rotary\s+kernel$", capsys.readouterr().out, re.M)
