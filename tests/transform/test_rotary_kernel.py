@@ -388,6 +388,19 @@ def test_torch_compile_fullgraph():
     _same(q, eq)  # the mutation is visible in the caller's tensors
     _same(kv, ekv)
 
+    def no_positions(q, k, offset):  # the offset changes between calls: a specialized, then a dynamic int
+        apply_rotary(q, cache, k, None, False, True, offset)
+        return q + 0, k + 0
+
+    compiled = torch.compile(no_positions, fullgraph=True)
+    for offset in (3, 5, 7):
+        q = torch.randn(33, 8, 64, device="cuda").to(torch.bfloat16)
+        k = torch.randn(33, 2, 64, device="cuda").to(torch.bfloat16)
+        got = compiled(q.clone(), k.clone(), offset)
+        want = no_positions(q.clone(), k.clone(), offset)
+        _same(got[0], want[0])
+        _same(got[1], want[1])
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("pdtype", (torch.int32, torch.int64), ids=str)

@@ -107,7 +107,7 @@ def _validate(query, cache, key, positions, interleaved, conjugate) -> None:
 
 def _check_offset(query, cache, key, positions, seqlen_offset) -> None:
     """``seqlen_offset``: an int in the int32 range; without positions, every tensor's rows within the cache."""
-    if isinstance(seqlen_offset, bool) or not isinstance(seqlen_offset, int):
+    if isinstance(seqlen_offset, bool) or not isinstance(seqlen_offset, (int, torch.SymInt)):  # (traced: SymInt)
         _check.fail(_OP, f"seqlen_offset must be an int, got {type(seqlen_offset).__name__}", TypeError)
     if not -(2 ** 31) <= seqlen_offset < 2 ** 31:
         _check.fail(_OP, f"seqlen_offset must lie in [-2^31, 2^31), got {seqlen_offset}")
