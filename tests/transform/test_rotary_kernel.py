@@ -151,6 +151,22 @@ def test_launcher_binds_every_layout_without_a_copy(dtype, case, monkeypatch):
 
 
 @pytest.mark.compile
+def test_launcher_never_binds_an_empty_tensor(monkeypatch):
+    """With one tensor empty the other is bound as both A and B (B's CTA count 0); both empty: no launch."""
+    calls = _record(monkeypatch)
+    cache = make_cos_sin_cache(16, 64)
+    q, k = torch.randn(3, 2, 64), torch.randn(3, 1, 64)
+    for a, b, want in ((q, k[:, :0], q), (q[:, :0], k, k), (q[:0], k[:0], None)):
+        calls.clear()
+        K.apply_rotary_launch(a, cache, b, None, False, False, 1)
+        if want is None:
+            assert calls == []
+        else:
+            (_, _, args), = calls
+            assert args[0] is want and args[1] is want and args[13] == 0
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("shape", ((1, 1, 1), (1, 4001, 1), (1, 129, 3), (3, 37, 32), (2, 100, 128),
                                    (1, 2000, 8), (1, 7, 128), (1, 700, 128)))
 @pytest.mark.parametrize("c", (1, 4, 8, 16, 32, 64))

@@ -315,7 +315,8 @@ def _plan(query, cos_sin_cache, key, positions, interleaved: bool) -> Plan | Non
     c = d // (2 * v)
     lead = (lambda t: (1, t.size(0), t.size(1))) if rank == 3 else (lambda t: tuple(t.shape[:3]))
     split = _split(*lead(tensors[0]), c) + (_split(*lead(tensors[1]), c) if len(tensors) == 2 else (1, 1, 1, 0))
-    direct = (tensors[0] is query and all(_bind(t, v) is t for t in tensors)
+    direct = (tensors[0] is query and (key is None or len(tensors) == 2)  # an empty tensor is never bound
+              and all(_bind(t, v) is t for t in tensors)
               and (positions is None or positions.size(-1) > 1 or positions.stride(-1) == 1))
     holder = _launch.placeholder(query.device, torch.int32, (1,) * (rank - 2)) if positions is None else None
     seqs = [t.shape[-3] for t in (query, key) if t is not None and t.shape[-3] > 0]
