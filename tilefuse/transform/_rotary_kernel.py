@@ -210,21 +210,19 @@ def rotary_kernel(dtype: str, D: int, V: int, CW: int, interleaved: bool, pos: s
 
 
 def test_configs() -> list[tuple]:
-    """The configs the GPU tier's aligned cases use (and the compile tier builds): every dtype, width, pairing and
-    positions dtype at the widest vectors for 3-D tensors, 4-D for some, plus the narrow variants of misaligned
-    views and caches."""
+    """The configs the GPU tier launches (and the compile tier builds): for every dtype, width and pairing, the
+    widest vectors with every positions dtype and rank (aligned views), single elements (views one element off
+    an aligned address: 4-D without positions, 3-D with and without) and the widest data vectors with a misaligned
+    cache (3-D, with and without positions)."""
     cfgs = []
     for dtype in ("bf16", "fp32"):
         v = VECS[dtype][0]
         for d in (64, 128):
             for inter in (False, True):
                 cw = min(4, v // 2 if inter else v)
-                for pos in ("none", "int32", "int64"):
-                    cfgs.append((dtype, d, v, cw, inter, pos, 3))
-                cfgs += [(dtype, d, v, cw, inter, "none", 4), (dtype, d, v, cw, inter, "int64", 4)]
-        for inter in (False, True):  # a pointer one element off (V = 1) and a misaligned cache (CW = 1)
-            cfgs += [(dtype, 64, 1, 1, inter, "none", 3), (dtype, 64, v, 1, inter, "none", 3),
-                     (dtype, 64, 1, 1, inter, "none", 4)]
+                cfgs += [(dtype, d, v, cw, inter, pos, rank) for pos in ("none", "int32", "int64") for rank in (3, 4)]
+                cfgs += [(dtype, d, 1, 1, inter, pos, rank) for pos, rank in (("none", 4), ("none", 3), ("int64", 3))]
+                cfgs += [(dtype, d, v, 1, inter, pos, 3) for pos in ("none", "int64")]
     return cfgs
 
 
