@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-AREAS = ["quant", "transpose", "moe", "engram", "mhc", "rand", "modeling", "modeling.engram", "modeling.mhc",
+AREAS = ["quant", "transpose", "moe", "engram", "mhc", "rand", "transform", "modeling", "modeling.engram", "modeling.mhc",
          "reference", "testing", "formats", "cli"]
 FORBIDDEN = ("tilelang", "tvm", "tvm_ffi")
 

@@ -11,7 +11,7 @@ from typing import Callable
 
 OPS: dict[str, dict] = {}
 PATHS = ("reference", "kernel", "torch")
-AREAS = ("quant", "transpose", "moe", "engram", "mhc", "rand")
+AREAS = ("quant", "transpose", "moe", "engram", "mhc", "transform", "rand")
 
 
 def public(area: str, *, path: str = "reference") -> Callable:

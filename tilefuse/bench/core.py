@@ -90,7 +90,10 @@ class Case(NamedTuple):
     them from a pristine copy before each timed call (outside the timed region). ``describe() -> (label, input
     specs, output specs)`` declares, at scale 1, the label ``make`` returns and the shape and dtype of each tensor
     :func:`counted_bytes` counts (:data:`Spec`): ``--list`` reads it and builds nothing (a CPU test holds each
-    declaration to the built tensors; a case without one is built on fake tensors instead, see :func:`describe`)."""
+    declaration to the built tensors; a case without one is built on fake tensors instead, see :func:`describe`).
+    ``nbytes(inputs, outputs)``, where the spec counts bytes otherwise than "each tensor once" (a table read row
+    by row, tensors rotated in place), replaces :func:`counted_bytes` for the case; its ``describe`` then declares
+    tensors of those bytes (the CPU test holds the two equal)."""
     name: str
     make: Callable[[str, float], tuple[str, tuple]]
     run: Callable[..., object]
@@ -102,6 +105,7 @@ class Case(NamedTuple):
     check: dict | None = None
     in_place: bool = False
     describe: Callable[[], tuple[str, list, list]] | None = None
+    nbytes: Callable[[tuple, object], int] | None = None
 
 
 Spec = tuple  # one counted tensor, declared: (shape tuple, dtype)

@@ -10,6 +10,7 @@ import time
 import torch
 
 from tilefuse.bench.core import _nbytes, median_us
+from tilefuse.bench.transform import host_calls as rotary_host_calls
 
 
 def _interleaved_call_us(calls: list, batch: int = 200, rounds: int = 11) -> list[float]:
@@ -117,6 +118,7 @@ def host_overhead(iters: int = 2000) -> list[dict]:
     }
     everything += [("other public ops", name, fn) for name, fn in others.items()]
     everything += _gate_host_calls()
+    everything += rotary_host_calls()
     times = _interleaved_call_us([fn for _, _, fn in everything], batch=max(1, iters // 10))
     return [{"group": group, "call": name, "us": us} for (group, name, _), us in zip(everything, times)]
 

@@ -30,7 +30,7 @@ from tilefuse.bench import peers as _peers
 from tilefuse.bench.core import (_COPY_CACHE, _L2_ROTATE_BYTES, _clone, _nbytes, copy_us, counted_bytes, describe,
                                  isolated_us, median_us, spec_bytes, tensors)
 
-AREAS = ("quant", "transpose", "moe", "rand")  # the case modules tilefuse.bench.<area>, in the order their rows run
+AREAS = ("quant", "transpose", "moe", "transform", "rand")  # the case modules tilefuse.bench.<area>, in the order their rows run
 
 
 def area_module(area: str):
@@ -105,7 +105,7 @@ def measure(case, peers: list[str], timers: tuple[str, ...], with_compile: bool 
     try:
         row["shape"], inputs = case.make("cuda", 1.0)
         ours = case.run(*_clone(inputs))
-        nbytes = counted_bytes(inputs, ours)
+        nbytes = (case.nbytes or counted_bytes)(inputs, ours)
         row["bytes"] = nbytes
         restore = _restorer(case, inputs)  # in-place ops: each isolated call sees the original input
         if "isolated" in timers:
