@@ -12,8 +12,8 @@ Off those shapes (issue 34 item 9; ``OFF_TOKENS``, ``OFF_GATES``, ``V1_OFF``): a
 ``topk_gate``, ``moe_topk_gate_forward`` / ``_backward`` and ``get_fused_mapping`` (with and without the host sync)
 at 64, 128 and 160 experts, top-6 and top-8, and ``top2_sum_gate`` at widths that are not powers of two (8 groups
 of 20 at 160 experts, sigmoid and softmax, top-6 and top-8; of 12 at 96, top-6; of 9 at 72, top-8) and with
-softmax at 64 (no groups) and 128 (8 groups of 16), top-6 and top-8, at T in {300, 3000}. Both TileKernels
-releases take every one of these shapes (the limits of moe.md 2.1-2.4, 2.13-2.14 hold for them).
+softmax at 64 (no groups) and 128 (8 groups of 16), top-6 and top-8, at T in {300, 3000}. Every one of these shapes
+is within the limits moe.md 2.1-2.4 and 2.13-2.14 state for upstream's ops, so each row keeps the peers of its op.
 
 Routing indices come from a gate-like draw in plain Python (so the cases also build on fake tensors): every row
 picks ``top-8`` distinct experts of 256 uniformly. Two index spaces:
@@ -53,18 +53,19 @@ OPS = ("topk_gate", "top2_sum_gate", "topk_sum_and_topk_group_idx", "moe_topk_ga
        "moe_topk_gate_backward", "normalize_weight", "get_fused_mapping", "expand_to_fused",
        "expand_to_fused_with_sf", "reduce_fused", "aux_fi", "group_count", "inplace_unique_group_indices",
        "mask_indices_by_tp")
-TOKENS = (1, 4096, 8192, 16384)
+ISSUE_TOKENS = (1, 4096, 8192, 16384)
 # Off the issue shapes (issue 34 item 9: speed that holds where the grid had no row). Token counts that are not
 # powers of two: 300 is "a few hundred" (a decode step's batch on one rank, where the small gates are launch- and
 # tail-bound), 777 is odd (every tile and warp split ends in a partial one), 3000 is "the low thousands" (a
 # prefill chunk). The plain calls at the issue shapes run at all three; the off-grid shapes at 300 and 3000.
 OFF_TOKENS = (300, 777, 3000)
 OFF_SHAPE_TOKENS = (300, 3000)
-# (E, K) of the off-grid gates and mappings: 64, 128 and 160 experts (DeepSeek-V2-Lite/V2 sizes) at top-6 and top-8
+TOKENS = tuple(sorted(ISSUE_TOKENS + OFF_TOKENS))  # every token count of the grid
+# (E, K) of the off-grid gates and mappings: 64, 128 and 160 experts at top-6 and top-8 (the issue's list)
 OFF_GATES = tuple((e, k) for e in (64, 128, 160) for k in (6, 8))
 # the v1 gate off the grid, (E, K, (groups, top groups), scorings): group widths that are not powers of two (9, 12,
-# 20 experts a group; moe.md 2.2: any width <= 32 that divides E, E a multiple of 4) and softmax from 64 to 256
-# experts (256 is an issue shape: its softmax rows are above)
+# 20 experts a group; moe.md 2.2 allows any width up to 32 that divides E, E a multiple of 4, and K at most the
+# kept groups' experts) and softmax from 64 to 256 experts (256 is an issue shape: its softmax rows are above)
 V1_OFF = ((64, 6, (0, 0), ("softmax",)), (64, 8, (0, 0), ("softmax",)),
           (128, 6, (8, 4), ("softmax",)), (128, 8, (8, 4), ("softmax",)),
           (160, 6, (8, 4), ("sigmoid", "softmax")), (160, 8, (8, 4), ("sigmoid", "softmax")),
@@ -137,7 +138,7 @@ class _Spec:
     peers (``ns`` = ``tilefuse.moe`` or ``tile_kernels.moe``), the torch.compile reference, the peers, agreement."""
 
     def __init__(self, name, label, make, call, ref, peers=("tk1",), exact=True, check=None, in_place=False,
-                 tokens=TOKENS, quick=True, io=None):
+                 tokens=ISSUE_TOKENS, quick=True, io=None):
         self.name, self.label, self.make, self.call, self.ref = name, label, make, call, ref
         self.peers, self.exact, self.check, self.in_place, self.tokens, self.quick = (
             peers, exact, check, in_place, tokens, quick)
@@ -265,18 +266,18 @@ def _specs() -> list[_Spec]:
             lambda ns, w: ns.normalize_weight(w), R.normalize_weight, ("tk2", "tk1"), check=close, quick=quick,
             tokens=tokens, io=lambda t: ([((t, k), F32)], [((t,), F32), ((t, k), F32)]))
 
-    # the issue shapes: every gate at T in TOKENS; the plain calls at 256 experts also at OFF_TOKENS
+    # the issue shapes: every gate at T in ISSUE_TOKENS; the plain calls at 256 experts also at OFF_TOKENS
     for e in GATE_EXPERTS:
         quick = e == EXPERTS
-        plain = tuple(sorted(TOKENS + OFF_TOKENS)) if quick else TOKENS
+        plain = TOKENS if quick else ISSUE_TOKENS
         specs.append(topk_spec(e, TOPK, plain, quick))
         # v1 gate: 256 experts in 8 groups, top-4 groups (DeepSeek-V3); 72 and 384 without a group limit
         for scoring in (("sigmoid", "sqrtsoftplus", "softmax") if quick else ("sigmoid",)):
             specs.append(top2_spec(e, TOPK, (8, 4) if quick else (0, 0), scoring,
-                                   plain if scoring == "sigmoid" else TOKENS, quick))
-        specs.append(group_idx_spec(e, TOKENS, quick))
+                                   plain if scoring == "sigmoid" else ISSUE_TOKENS, quick))
+        specs.append(group_idx_spec(e, ISSUE_TOKENS, quick))
         specs.append(forward_spec(e, TOPK, False, plain, quick))
-        specs.append(forward_spec(e, TOPK, True, TOKENS, quick))
+        specs.append(forward_spec(e, TOPK, True, ISSUE_TOKENS, quick))
         if quick:
             alias = v2_fwd(TOPK)
             specs.append(_Spec("moe_topk_gate", lambda t, e=e: f"fp32 {t}x{e} top{TOPK} sqrtsoftplus +bias rsf{RSF} "
@@ -285,8 +286,8 @@ def _specs() -> list[_Spec]:
                                lambda x, b: alias(R, x, b), ("tk2",), exact=False, tokens=(), quick=True,
                                io=lambda t, e=e: gate_io(t, e, TOPK)))
         for aux in (False, True):
-            specs.append(backward_spec(e, TOPK, aux, plain if not aux else TOKENS, quick))
-    specs.append(normalize_spec(TOPK, tuple(sorted(TOKENS + OFF_TOKENS)), quick=True))
+            specs.append(backward_spec(e, TOPK, aux, plain if not aux else ISSUE_TOKENS, quick))
+    specs.append(normalize_spec(TOPK, TOKENS, quick=True))
 
     # off the issue shapes (issue 34 item 9): 64, 128 and 160 experts at top-6 and top-8 at OFF_SHAPE_TOKENS;
     # the v1 gate at group widths that are not powers of two and with softmax from 64 to 256 experts; top-6 weights
@@ -325,7 +326,8 @@ def _specs() -> list[_Spec]:
 
         def gfm_io(t):
             """Seven maps: three of the N fused rows, the (T, K) slot map, three per local expert."""
-            n = fused_rows(t, ranks, ALIGN, experts, topk) if sync else (t * topk + (ALIGN - 1) * local) // ALIGN * ALIGN
+            bound = (t * topk + (ALIGN - 1) * local) // ALIGN * ALIGN
+            n = fused_rows(t, ranks, ALIGN, experts, topk) if sync else bound
             return [((t, topk), I64)], [((n,), I32)] * 3 + [((t, topk), I32)] + [((local,), I32)] * 3
 
         return _Spec("get_fused_mapping", lambda t: f"int64 {t}x{topk} ({ep}) align{ALIGN} {flag}",
@@ -334,7 +336,7 @@ def _specs() -> list[_Spec]:
 
     for ranks in (1, EP_RANKS):
         ep = _EP[ranks]
-        specs += [mapping_spec(ranks, sync, tuple(sorted(TOKENS + OFF_TOKENS)) if ranks == 1 else TOKENS)
+        specs += [mapping_spec(ranks, sync, TOKENS if ranks == 1 else ISSUE_TOKENS)
                   for sync in (True, False)]
 
         def etf_make(t, h, d, ranks=ranks):
@@ -438,6 +440,7 @@ def quick_cases() -> list[Case]:
 
 
 def grid_cases() -> list[Case]:
-    """The grid rows: every MoE case at T in ``TOKENS`` (the gates also at 72 and 384 experts)."""
+    """The grid rows: every MoE case at T in ``ISSUE_TOKENS`` (the gates also at 72 and 384 experts), and the
+    rows off those shapes (``OFF_TOKENS``, ``OFF_GATES``, ``V1_OFF``)."""
     cases = [s.case(t) for s in _specs() for t in s.tokens]
     return sorted(cases, key=lambda c: OPS.index(c.name))
