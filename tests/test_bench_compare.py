@@ -1,5 +1,6 @@
 """CPU tests of ``bench --compare``: the grid's coverage, its references and peer calls, the output comparison,
 and the tables built from saved results."""
+import re
 import types
 
 import pytest
@@ -184,21 +185,30 @@ def test_peer_load_names_the_variable(monkeypatch):
 # ---------------------------------------------------------------------------------------------------------------
 
 MOE_ONE = [c for c in MOE_GRID if c.tokens == 1]  # one-token cases: cheap to build and run on the CPU
+# the off-grid families (no one-token row) at their fewest tokens: small enough for the CPU too
+_ONE_KEYS = {c.key for c in MOE_ONE}
+MOE_OFF = list({c.key: c for c in MOE_GRID
+                if c.key not in _ONE_KEYS and c.tokens == min(bench_moe.OFF_TOKENS)}.values())
+# the ops with rows off the issue shapes (issue 34 item 9)
+OFF_OPS = ("topk_gate", "top2_sum_gate", "moe_topk_gate_forward", "moe_topk_gate_backward", "normalize_weight",
+           "get_fused_mapping")
 
 
 def test_moe_grid_covers_every_op_at_the_issue_shapes():
-    """Every MoE op (the alias is a --quick row only) at T in {1, 4096, 8192, 16384}; the gates also at 72 and 384
-    experts; the fused-layout and counting ops on the whole expert set and on an EP receive side."""
+    """Every MoE op (the alias is a --quick row only) at T in {1, 4096, 8192, 16384}, the gates, the weights and
+    the mapping also at the off-grid token counts; the gates at 72, 256 and 384 experts and the off-grid widths;
+    the fused-layout and counting ops on the whole expert set and on an EP receive side."""
     assert {c.name for c in MOE_GRID} == set(bench_moe.OPS) - {"moe_topk_gate"}
     quick = [c for c in runner.select_cases(True, None) if c.name in bench_moe.OPS]
     assert {c.name for c in quick} == set(bench_moe.OPS) and all(c.tokens == 8192 for c in quick)
     registered = {name.split(".", 1)[1] for name in _registry.load_all() if name.startswith("moe.")}
     assert registered == set(bench_moe.OPS)
     for name in {c.name for c in MOE_GRID}:
-        assert {c.tokens for c in MOE_GRID if c.name == name} == {1, 4096, 8192, 16384}, name
+        off = {300, 777, 3000} if name in OFF_OPS else set()
+        assert {c.tokens for c in MOE_GRID if c.name == name} == {1, 4096, 8192, 16384} | off, name
     for gate in ("topk_gate", "top2_sum_gate", "moe_topk_gate_forward", "moe_topk_gate_backward"):
         widths = {report._grid_cell(runner.case_label(c))[2] for c in MOE_GRID if c.name == gate}
-        assert widths == {72, 256, 384}, gate
+        assert widths == {64, 72, 128, 160, 256, 384} | ({96} if gate == "top2_sum_gate" else set()), gate
     v1 = [runner.case_label(c) for c in quick if c.name == "top2_sum_gate"]
     assert v1 and all("8192x256 top8 groups 8/4" in label for label in v1)
     assert any("sqrtsoftplus +bias" in runner.case_label(c) for c in quick if c.name == "moe_topk_gate_forward")
@@ -208,6 +218,40 @@ def test_moe_grid_covers_every_op_at_the_issue_shapes():
     sync = [runner.case_label(c) for c in MOE_GRID if c.name == "get_fused_mapping"]
     assert any("host sync" in label for label in sync) and any("force_no_sync" in label for label in sync)
     assert any("-> e4m3" in runner.case_label(c) for c in MOE_GRID if c.name == "reduce_fused")
+
+
+def _parsed(name: str, pattern: str) -> set[tuple]:
+    """The groups of ``pattern`` in the grid labels of ``name`` (labels it does not match left out)."""
+    found = (re.match(pattern, runner.case_label(c)) for c in MOE_GRID if c.name == name)
+    return {m.groups() for m in found if m}
+
+
+def test_moe_grid_holds_the_off_grid_shapes():
+    """Issue 34 item 9: rows at token counts that are not powers of two (hundreds and low thousands); the gates and
+    the mapping (with and without the host sync) at 64, 128 and 160 experts, top-6 and top-8, each at a few hundred
+    and a few thousand tokens; the v1 gate at group widths that are not powers of two (sigmoid and softmax) and
+    with softmax from 64 to 256 experts."""
+    off = [c for c in MOE_GRID if c.tokens in bench_moe.OFF_TOKENS]
+    assert off and all(c.tokens & (c.tokens - 1) for c in off)  # none a power of two
+    assert {c.tokens for c in off} == {300, 777, 3000} and {c.name for c in off} == set(OFF_OPS)
+    shapes = {(t, e, k) for t in ("300", "3000") for e in ("64", "128", "160") for k in ("6", "8")}
+    for gate in ("topk_gate", "top2_sum_gate", "moe_topk_gate_forward", "moe_topk_gate_backward"):
+        assert _parsed(gate, r"fp32 (\d+)x(\d+) top(\d+)\b") >= shapes, gate
+    for sync in ("host sync", "force_no_sync"):
+        got = _parsed("get_fused_mapping", rf"int64 (\d+)x(\d+) \((\d+) experts\) align128 .*{sync}")
+        assert {(t, e, k) for t, k, e in got} >= shapes, sync
+    assert {t for t, k in _parsed("normalize_weight", r"fp32 (\d+)x(\d+)$") if k == "6"} == {"300", "777", "3000"}
+    v1_label = r"fp32 (\d+)x(\d+) top(\d+) (?:groups (\d+)/4|no groups) (\w+)"
+    v1 = [(int(t), int(e), int(k), int(g or 0), s) for t, e, k, g, s in _parsed("top2_sum_gate", v1_label)]
+    widths = {e // g for t, e, k, g, s in v1 if g and t in (300, 3000)}
+    assert {9, 12, 20} <= widths and any(w & (w - 1) == 0 for w in widths)  # powers of two or not
+    for scoring in ("sigmoid", "softmax"):  # the issue's rows: 160 experts in 8 groups of 20, top-6
+        assert {(t, 160, 6, 8, scoring) for t in (300, 3000)} <= set(v1), scoring
+    assert {e for t, e, k, g, s in v1 if s == "softmax" and t == 300} >= {64, 128, 160}
+    assert {e for t, e, k, g, s in v1 if s == "softmax"} >= {64, 128, 160, 256}
+    # moe.md 2.2's limits hold for every v1 row (the CPU run below validates them through the public op too)
+    assert all(e % 4 == 0 and (not g or (e % g == 0 and g <= 32 and e // g <= 32 and k <= 4 * e // g))
+               for t, e, k, g, s in v1)
 
 
 def test_moe_labels_are_unique_and_match_selects_them():
@@ -242,11 +286,11 @@ class _Recorder:
         self.moe = Moe()
 
 
-@pytest.mark.parametrize("case", MOE_ONE, ids=[c.key for c in MOE_ONE])
+@pytest.mark.parametrize("case", MOE_ONE + MOE_OFF, ids=[f"{c.key}@{c.tokens}" for c in MOE_ONE + MOE_OFF])
 def test_moe_reference_and_peer_adapters_compute_our_op(case):
-    """One-token cases on the CPU: the torch.compile reference and each peer adapter (against a stand-in module
-    holding our ops) give our outputs by the case's own comparison, and each adapter calls the peer function of
-    the op's name, one that the peer has."""
+    """One-token cases and the off-grid families at 300 tokens on the CPU: the torch.compile reference and each
+    peer adapter (against a stand-in module holding our ops) give our outputs by the case's own comparison, and
+    each adapter calls the peer function of the op's name, one that the peer has."""
     torch.manual_seed(0)
     _, inputs = case.make("cpu", 1.0)
     ours = case.run(*core._clone(inputs))

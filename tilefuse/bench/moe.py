@@ -6,6 +6,15 @@ Shapes are issue #25's: T = 8192 tokens, 256 routed experts, top-8, hidden 7168 
 16384, and for the gates E in {72, 384} (no group limit there: 384 experts in 8 groups would be 48 per group, over
 the kernel's 32).
 
+Off those shapes (issue 34 item 9; ``OFF_TOKENS``, ``OFF_GATES``, ``V1_OFF``): at 256 experts the plain gate calls
+(``topk_gate``, the sigmoid ``top2_sum_gate``, ``moe_topk_gate_forward`` / ``_backward`` without scores or aux),
+``normalize_weight`` (top-8 and top-6) and the one-rank ``get_fused_mapping`` also at T in {300, 777, 3000};
+``topk_gate``, ``moe_topk_gate_forward`` / ``_backward`` and ``get_fused_mapping`` (with and without the host sync)
+at 64, 128 and 160 experts, top-6 and top-8, and ``top2_sum_gate`` at widths that are not powers of two (8 groups
+of 20 at 160 experts, sigmoid and softmax, top-6 and top-8; of 12 at 96, top-6; of 9 at 72, top-8) and with
+softmax at 64 (no groups) and 128 (8 groups of 16), top-6 and top-8, at T in {300, 3000}. Every one of these shapes
+is within the limits moe.md 2.1-2.4 and 2.13-2.14 state for upstream's ops, so each row keeps the peers of its op.
+
 Routing indices come from a gate-like draw in plain Python (so the cases also build on fake tensors): every row
 picks ``top-8`` distinct experts of 256 uniformly. Two index spaces:
 
@@ -44,7 +53,23 @@ OPS = ("topk_gate", "top2_sum_gate", "topk_sum_and_topk_group_idx", "moe_topk_ga
        "moe_topk_gate_backward", "normalize_weight", "get_fused_mapping", "expand_to_fused",
        "expand_to_fused_with_sf", "reduce_fused", "aux_fi", "group_count", "inplace_unique_group_indices",
        "mask_indices_by_tp")
-TOKENS = (1, 4096, 8192, 16384)
+ISSUE_TOKENS = (1, 4096, 8192, 16384)
+# Off the issue shapes (issue 34 item 9: speed that holds where the grid had no row). Token counts that are not
+# powers of two: 300 is "a few hundred" (a decode step's batch on one rank, where the small gates are launch- and
+# tail-bound), 777 is odd (every tile and warp split ends in a partial one), 3000 is "the low thousands" (a
+# prefill chunk). The plain calls at the issue shapes run at all three; the off-grid shapes at 300 and 3000.
+OFF_TOKENS = (300, 777, 3000)
+OFF_SHAPE_TOKENS = (300, 3000)
+TOKENS = tuple(sorted(ISSUE_TOKENS + OFF_TOKENS))  # every token count of the grid
+# (E, K) of the off-grid gates and mappings: 64, 128 and 160 experts at top-6 and top-8 (the issue's list)
+OFF_GATES = tuple((e, k) for e in (64, 128, 160) for k in (6, 8))
+# the v1 gate off the grid, (E, K, (groups, top groups), scorings): group widths that are not powers of two (9, 12,
+# 20 experts a group; moe.md 2.2 allows any width up to 32 that divides E, E a multiple of 4, and K at most the
+# kept groups' experts) and softmax from 64 to 256 experts (256 is an issue shape: its softmax rows are above)
+V1_OFF = ((64, 6, (0, 0), ("softmax",)), (64, 8, (0, 0), ("softmax",)),
+          (128, 6, (8, 4), ("softmax",)), (128, 8, (8, 4), ("softmax",)),
+          (160, 6, (8, 4), ("sigmoid", "softmax")), (160, 8, (8, 4), ("sigmoid", "softmax")),
+          (96, 6, (8, 4), ("sigmoid",)), (72, 8, (8, 4), ("sigmoid",)))
 QUICK_TOKENS = 8192
 EXPERTS = 256
 GATE_EXPERTS = (256, 72, 384)
@@ -92,17 +117,17 @@ def _aligned_total(rows, experts: int, align: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _expert_counts(tokens: int, ranks: int) -> tuple[int, ...]:
-    """Slots per local expert of the draw ``routing(tokens, ranks)`` (cached: many cases' declared shapes read
-    the same draw)."""
-    rows, local = routing(tokens, ranks)
+def _expert_counts(tokens: int, ranks: int, experts: int = EXPERTS, topk: int = TOPK) -> tuple[int, ...]:
+    """Slots per local expert of the draw ``routing(tokens, ranks, experts, topk)`` (cached: many cases' declared
+    shapes read the same draw)."""
+    rows, local = routing(tokens, ranks, experts, topk)
     return tuple(_counts(rows, local))
 
 
-def fused_rows(tokens: int, ranks: int, align: int) -> int:
-    """Rows of the fused buffer of the draw ``routing(tokens, ranks)``: each local expert's slots padded to
-    ``align`` (what ``get_fused_mapping`` returns as N with a host sync)."""
-    return sum(-(-c // align) * align for c in _expert_counts(tokens, ranks))
+def fused_rows(tokens: int, ranks: int, align: int, experts: int = EXPERTS, topk: int = TOPK) -> int:
+    """Rows of the fused buffer of the draw ``routing(tokens, ranks, experts, topk)``: each local expert's slots
+    padded to ``align`` (what ``get_fused_mapping`` returns as N with a host sync)."""
+    return sum(-(-c // align) * align for c in _expert_counts(tokens, ranks, experts, topk))
 
 
 _EP = {1: "256 experts", EP_RANKS: f"EP 1/{EP_RANKS} recv: 32 local"}
@@ -113,7 +138,7 @@ class _Spec:
     peers (``ns`` = ``tilefuse.moe`` or ``tile_kernels.moe``), the torch.compile reference, the peers, agreement."""
 
     def __init__(self, name, label, make, call, ref, peers=("tk1",), exact=True, check=None, in_place=False,
-                 tokens=TOKENS, quick=True, io=None):
+                 tokens=ISSUE_TOKENS, quick=True, io=None):
         self.name, self.label, self.make, self.call, self.ref = name, label, make, call, ref
         self.peers, self.exact, self.check, self.in_place, self.tokens, self.quick = (
             peers, exact, check, in_place, tokens, quick)
@@ -149,9 +174,9 @@ def _specs() -> list[_Spec]:
     close = {"tk2": lambda o, t: _peers.agree(o, t, False)}  # v2.1's butterfly denominator vs v1's sequential one
 
     # declared shapes (Case.describe) of the case families below, at hidden HIDDEN
-    def gate_io(t, e, scores=False):
+    def gate_io(t, e, k, scores=False):
         """logits (T, E) and bias (E,) in; topk_idx int64 and weights fp32 (T, K) out (+ the scores (T, E))."""
-        return [((t, e), F32), ((e,), F32)], [((t, TOPK), I64), ((t, TOPK), F32)] + ([((t, e), F32)] if scores else [])
+        return [((t, e), F32), ((e,), F32)], [((t, k), I64), ((t, k), F32)] + ([((t, e), F32)] if scores else [])
 
     def expand_sf_io(t, n, col):
         sf = (lambda r: ((r, HIDDEN // 512), I32)) if col else (lambda r: ((r, HIDDEN // 128), F32))
@@ -165,89 +190,118 @@ def _specs() -> list[_Spec]:
         return [((t, TOPK), I64)], [((t, TOPK), I64)]
 
     # --- gates (moe.md 2.1-2.4, 2.13-2.14) ---------------------------------------------------------------------
-    for e in GATE_EXPERTS:
-        quick = e == EXPERTS
-        specs.append(_Spec(
-            "topk_gate", lambda t, e=e: f"fp32 {t}x{e} top{TOPK}",
-            lambda t, h, d, e=e: (_randn((t, e), torch.float32, d),),
-            lambda ns, s: ns.topk_gate(s, TOPK), lambda s: R.stable_topk(s, TOPK), ("tk2", "tk1"), quick=quick,
-            io=lambda t, e=e: ([((t, e), F32)], [((t, TOPK), I64)])))
+    # one builder per case family, at E experts and top-K; the issue shapes (256, 72, 384 at top-8) and the
+    # off-grid ones (OFF_GATES, V1_OFF) are built by the same code
+    def topk_spec(e, k, tokens, quick=False):
+        return _Spec("topk_gate", lambda t: f"fp32 {t}x{e} top{k}", lambda t, h, d: (_randn((t, e), F32, d),),
+                     lambda ns, s: ns.topk_gate(s, k), lambda s: R.stable_topk(s, k), ("tk2", "tk1"), quick=quick,
+                     tokens=tokens, io=lambda t: ([((t, e), F32)], [((t, k), I64)]))
 
-        # v1 gate: 256 experts in 8 groups, top-4 groups (DeepSeek-V3); 72 and 384 without a group limit
-        groups = (8, 4) if e == EXPERTS else (0, 0)
-        for scoring in (("sigmoid", "sqrtsoftplus", "softmax") if e == EXPERTS else ("sigmoid",)):
-            tag = f"groups {groups[0]}/{groups[1]}" if groups[0] else "no groups"
-            specs.append(_Spec(
-                "top2_sum_gate", lambda t, e=e, tag=tag, s=scoring: f"fp32 {t}x{e} top{TOPK} {tag} {s} +bias rsf{RSF}",
-                lambda t, h, d, e=e: (_randn((t, e), torch.float32, d), 0.1 * torch.randn(e, device=d)),
-                lambda ns, x, b, g=groups, s=scoring: ns.top2_sum_gate(x, b, TOPK, g[1], g[0], False, 0, RSF, 0, 1, 0,
-                                                                        1, s),
-                lambda x, b, g=groups, s=scoring: R.top2_sum_gate(x, b, TOPK, g[1], g[0], False, 0, RSF, 0, 1, 0, 1,
-                                                                  s),
-                exact=False, quick=quick, io=lambda t, e=e: gate_io(t, e)))
+    def top2_spec(e, k, groups, scoring, tokens, quick=False):
+        """The v1 gate with a bias and rsf; ``groups = (G, TG)``: G groups of E/G experts, the best TG kept
+        ((0, 0): no group limit)."""
+        g, tg = groups
+        tag = f"groups {g}/{tg}" if g else "no groups"
+        return _Spec(
+            "top2_sum_gate", lambda t: f"fp32 {t}x{e} top{k} {tag} {scoring} +bias rsf{RSF}",
+            lambda t, h, d: (_randn((t, e), F32, d), 0.1 * torch.randn(e, device=d)),
+            lambda ns, x, b: ns.top2_sum_gate(x, b, k, tg, g, False, 0, RSF, 0, 1, 0, 1, scoring),
+            lambda x, b: R.top2_sum_gate(x, b, k, tg, g, False, 0, RSF, 0, 1, 0, 1, scoring),
+            exact=False, quick=quick, tokens=tokens, io=lambda t: gate_io(t, e, k))
 
+    def group_idx_spec(e, tokens, quick=False):
         g, n = (12, 32) if e == 384 else (8, e // 8)  # <= 32 groups; the gate's group layout where it has one
-        specs.append(_Spec(
-            "topk_sum_and_topk_group_idx", lambda t, g=g, n=n: f"fp32 {t}x{g}x{n} top2-sum top4 groups",
-            lambda t, h, d, g=g, n=n: (_randn((t, g, n), torch.float32, d),),
+        return _Spec(
+            "topk_sum_and_topk_group_idx", lambda t: f"fp32 {t}x{g}x{n} top2-sum top4 groups",
+            lambda t, h, d: (_randn((t, g, n), F32, d),),
             lambda ns, s: ns.topk_sum_and_topk_group_idx(s, 2, 4), lambda s: R.topk_sum_and_topk_group_idx(s, 2, 4),
-            quick=quick, io=lambda t, g=g, n=n: ([((t, g, n), F32)], [((t, 4), I64)])))
+            quick=quick, tokens=tokens, io=lambda t: ([((t, g, n), F32)], [((t, 4), I64)]))
 
-        def gate_inputs(t, h, d, e=e):
-            return _randn((t, e), torch.float32, d), 0.1 * torch.randn(e, device=d)
+    def gate_inputs(e):
+        return lambda t, h, d: (_randn((t, e), F32, d), 0.1 * torch.randn(e, device=d))
 
-        def v2_fwd(ns, x, b):
-            return ns.moe_topk_gate_forward(x, TOPK, False, 0, RSF, 0, "sqrtsoftplus", bias=b)
+    def v2_fwd(k):
+        def fwd(ns, x, b):
+            return ns.moe_topk_gate_forward(x, k, False, 0, RSF, 0, "sqrtsoftplus", bias=b)
+        return fwd
 
-        def v2_fwd_train(ns, x, b):
+    def v2_fwd_train(k):
+        def fwd(ns, x, b):
             """The training call: the unbiased scores (the backward's input) as a third output. Without a physical
             map or masks the indices are the logical ones the backward takes: no ``unmapped_topk_idx`` needed."""
             scores = torch.empty_like(x)
-            idx, w = ns.moe_topk_gate_forward(x, TOPK, False, 0, RSF, 0, "sqrtsoftplus", bias=b, scores=scores)
+            idx, w = ns.moe_topk_gate_forward(x, k, False, 0, RSF, 0, "sqrtsoftplus", bias=b, scores=scores)
             return idx, w, scores
+        return fwd
 
-        base = f"top{TOPK} sqrtsoftplus +bias rsf{RSF}"
-        specs.append(_Spec("moe_topk_gate_forward", lambda t, e=e: f"fp32 {t}x{e} {base}", gate_inputs, v2_fwd,
-                           lambda x, b: v2_fwd(R, x, b), ("tk2",), exact=False, quick=quick,
-                           io=lambda t, e=e: gate_io(t, e)))
-        specs.append(_Spec("moe_topk_gate_forward", lambda t, e=e: f"fp32 {t}x{e} {base} -> scores",
-                           gate_inputs, v2_fwd_train, lambda x, b: v2_fwd_train(R, x, b), ("tk2",), exact=False,
-                           quick=quick, io=lambda t, e=e: gate_io(t, e, scores=True)))
+    def forward_spec(e, k, train, tokens, quick=False):
+        call = (v2_fwd_train if train else v2_fwd)(k)
+        return _Spec("moe_topk_gate_forward",
+                     lambda t: f"fp32 {t}x{e} top{k} sqrtsoftplus +bias rsf{RSF}" + (" -> scores" if train else ""),
+                     gate_inputs(e), call, lambda x, b: call(R, x, b), ("tk2",), exact=False, quick=quick,
+                     tokens=tokens, io=lambda t: gate_io(t, e, k, scores=train))
+
+    def backward_spec(e, k, aux, tokens, quick=False):
+        def bwd_inputs(t, h, d):
+            """The backward of the training forward above: its scores, (logical) indices and weights, a random
+            weight gradient; with ``aux`` the sequence-level term (one sequence, every token in the mask)."""
+            x, b = gate_inputs(e)(t, h, d)
+            scores = torch.empty_like(x)
+            idx, w = M.moe_topk_gate_forward(x, k, False, 0, RSF, 0, "sqrtsoftplus", bias=b, scores=scores)
+            extra = (torch.ones(t, dtype=torch.bool, device=d), torch.randn(1, e, device=d)) if aux else ()
+            return (scores, idx.contiguous(), w.contiguous(), torch.randn(t, k, device=d), *extra)
+
+        return _Spec(
+            "moe_topk_gate_backward",
+            lambda t: f"fp32 {t}x{e} top{k} sqrtsoftplus rsf{RSF} grad" + (" + aux (1 seq)" if aux else ""),
+            bwd_inputs, lambda ns, *a: ns.moe_topk_gate_backward(*a[:4], RSF, "sqrtsoftplus", *a[4:]),
+            lambda *a: R.moe_topk_gate_backward(*a[:4], RSF, "sqrtsoftplus", *a[4:]), ("tk2",), exact=False,
+            quick=quick, tokens=tokens, io=lambda t: (
+                [((t, e), F32), ((t, k), I64), ((t, k), F32), ((t, k), F32)]
+                + ([((t,), torch.bool), ((1, e), F32)] if aux else []), [((t, e), F32)]))
+
+    def normalize_spec(k, tokens, quick=False):
+        return _Spec(
+            "normalize_weight", lambda t: f"fp32 {t}x{k}", lambda t, h, d: (torch.rand(t, k, device=d),),
+            lambda ns, w: ns.normalize_weight(w), R.normalize_weight, ("tk2", "tk1"), check=close, quick=quick,
+            tokens=tokens, io=lambda t: ([((t, k), F32)], [((t,), F32), ((t, k), F32)]))
+
+    # the issue shapes: every gate at T in ISSUE_TOKENS; the plain calls at 256 experts also at OFF_TOKENS
+    for e in GATE_EXPERTS:
+        quick = e == EXPERTS
+        plain = TOKENS if quick else ISSUE_TOKENS
+        specs.append(topk_spec(e, TOPK, plain, quick))
+        # v1 gate: 256 experts in 8 groups, top-4 groups (DeepSeek-V3); 72 and 384 without a group limit
+        for scoring in (("sigmoid", "sqrtsoftplus", "softmax") if quick else ("sigmoid",)):
+            specs.append(top2_spec(e, TOPK, (8, 4) if quick else (0, 0), scoring,
+                                   plain if scoring == "sigmoid" else ISSUE_TOKENS, quick))
+        specs.append(group_idx_spec(e, ISSUE_TOKENS, quick))
+        specs.append(forward_spec(e, TOPK, False, plain, quick))
+        specs.append(forward_spec(e, TOPK, True, ISSUE_TOKENS, quick))
         if quick:
-            specs.append(_Spec("moe_topk_gate", lambda t, e=e: f"fp32 {t}x{e} {base} (alias)", gate_inputs,
+            alias = v2_fwd(TOPK)
+            specs.append(_Spec("moe_topk_gate", lambda t, e=e: f"fp32 {t}x{e} top{TOPK} sqrtsoftplus +bias rsf{RSF} "
+                                                               "(alias)", gate_inputs(e),
                                lambda ns, x, b: ns.moe_topk_gate(x, TOPK, False, 0, RSF, 0, "sqrtsoftplus", bias=b),
-                               lambda x, b: v2_fwd(R, x, b), ("tk2",), exact=False, tokens=(), quick=True,
-                               io=lambda t, e=e: gate_io(t, e)))
-
+                               lambda x, b: alias(R, x, b), ("tk2",), exact=False, tokens=(), quick=True,
+                               io=lambda t, e=e: gate_io(t, e, TOPK)))
         for aux in (False, True):
-            def bwd_inputs(t, h, d, e=e, aux=aux, gate_inputs=gate_inputs):
-                """The backward of the training forward above: its scores, (logical) indices and weights, a random
-                weight gradient; with ``aux`` the sequence-level term (one sequence, every token in the mask)."""
-                x, b = gate_inputs(t, h, d)
-                scores = torch.empty_like(x)
-                idx, w = M.moe_topk_gate_forward(x, TOPK, False, 0, RSF, 0, "sqrtsoftplus", bias=b, scores=scores)
-                extra = (torch.ones(t, dtype=torch.bool, device=d), torch.randn(1, e, device=d)) if aux else ()
-                return (scores, idx.contiguous(), w.contiguous(), torch.randn(t, TOPK, device=d), *extra)
+            specs.append(backward_spec(e, TOPK, aux, plain if not aux else ISSUE_TOKENS, quick))
+    specs.append(normalize_spec(TOPK, TOKENS, quick=True))
 
-            specs.append(_Spec(
-                "moe_topk_gate_backward",
-                lambda t, e=e, aux=aux: f"fp32 {t}x{e} top{TOPK} sqrtsoftplus rsf{RSF} grad"
-                                        + (" + aux (1 seq)" if aux else ""),
-                bwd_inputs, lambda ns, *a: ns.moe_topk_gate_backward(*a[:4], RSF, "sqrtsoftplus", *a[4:]),
-                lambda *a: R.moe_topk_gate_backward(*a[:4], RSF, "sqrtsoftplus", *a[4:]), ("tk2",), exact=False,
-                quick=quick, io=lambda t, e=e, aux=aux: (
-                    [((t, e), F32), ((t, TOPK), I64), ((t, TOPK), F32), ((t, TOPK), F32)]
-                    + ([((t,), torch.bool), ((1, e), F32)] if aux else []), [((t, e), F32)])))
-
-    specs.append(_Spec(
-        "normalize_weight", lambda t: f"fp32 {t}x{TOPK}", lambda t, h, d: (torch.rand(t, TOPK, device=d),),
-        lambda ns, w: ns.normalize_weight(w), R.normalize_weight, ("tk2", "tk1"), check=close,
-        io=lambda t: ([((t, TOPK), F32)], [((t,), F32), ((t, TOPK), F32)])))
+    # off the issue shapes (issue 34 item 9): 64, 128 and 160 experts at top-6 and top-8 at OFF_SHAPE_TOKENS;
+    # the v1 gate at group widths that are not powers of two and with softmax from 64 to 256 experts; top-6 weights
+    for e, k in OFF_GATES:
+        specs += [topk_spec(e, k, OFF_SHAPE_TOKENS), forward_spec(e, k, False, OFF_SHAPE_TOKENS),
+                  backward_spec(e, k, False, OFF_SHAPE_TOKENS)]
+    for e, k, groups, scorings in V1_OFF:
+        specs += [top2_spec(e, k, groups, s, OFF_SHAPE_TOKENS) for s in scorings]
+    specs.append(normalize_spec(6, OFF_TOKENS))
 
     # --- fused layout (moe.md 1.5, 2.5-2.8) ---------------------------------------------------------------------
-    def idx_of(t, ranks, d):
-        rows, local = routing(t, ranks)
-        return rows, local, torch.tensor(rows, dtype=torch.int64, device=d).view(t, TOPK)
+    def idx_of(t, ranks, d, experts=EXPERTS, topk=TOPK):
+        rows, local = routing(t, ranks, experts, topk)
+        return rows, local, torch.tensor(rows, dtype=torch.int64, device=d).view(t, topk)
 
     def fused_maps(t, ranks, d, align):
         """topk_idx, its fused maps (our get_fused_mapping; the size from the draw's counts, no host sync)."""
@@ -256,29 +310,34 @@ def _specs() -> list[_Spec]:
         return rows, local, idx, maps
 
     fused_check = {p: _peers.fused_mapping_agree for p in ("tk1", "compile")}
+
+    def mapping_spec(ranks, sync, tokens, experts=EXPERTS, topk=TOPK, quick=True):
+        """get_fused_mapping of the draw ``routing(T, ranks, experts, topk)``: with the host sync (N = 0, the
+        maps trimmed to the fused rows) or without it (N = the upper bound a caller that cannot sync passes)."""
+        ep = _EP[ranks] if experts == EXPERTS else f"{experts} experts"
+        flag = "N=0 (host sync, trimmed)" if sync else "force_no_sync, N = upper bound"
+        local = experts // ranks
+
+        def gfm(ns, idx):
+            if sync:
+                return ns.get_fused_mapping(idx, local, 0, ALIGN)
+            bound = (idx.numel() + (ALIGN - 1) * local) // ALIGN * ALIGN  # what a caller that cannot sync passes
+            return ns.get_fused_mapping(idx, local, bound, ALIGN, True)
+
+        def gfm_io(t):
+            """Seven maps: three of the N fused rows, the (T, K) slot map, three per local expert."""
+            bound = (t * topk + (ALIGN - 1) * local) // ALIGN * ALIGN
+            n = fused_rows(t, ranks, ALIGN, experts, topk) if sync else bound
+            return [((t, topk), I64)], [((n,), I32)] * 3 + [((t, topk), I32)] + [((local,), I32)] * 3
+
+        return _Spec("get_fused_mapping", lambda t: f"int64 {t}x{topk} ({ep}) align{ALIGN} {flag}",
+                     lambda t, h, d: (idx_of(t, ranks, d, experts, topk)[2],), gfm, lambda idx: gfm(R, idx),
+                     check=fused_check, tokens=tokens, quick=quick, io=gfm_io)
+
     for ranks in (1, EP_RANKS):
         ep = _EP[ranks]
-        for sync in (True, False):
-            flag = "N=0 (host sync, trimmed)" if sync else "force_no_sync, N = upper bound"
-
-            def gfm_make(t, h, d, ranks=ranks):
-                return (idx_of(t, ranks, d)[2],)
-
-            def gfm(ns, idx, local=EXPERTS // ranks, sync=sync):
-                if sync:
-                    return ns.get_fused_mapping(idx, local, 0, ALIGN)
-                bound = (idx.numel() + (ALIGN - 1) * local) // ALIGN * ALIGN  # what a caller that cannot sync passes
-                return ns.get_fused_mapping(idx, local, bound, ALIGN, True)
-
-            def gfm_io(t, ranks=ranks, sync=sync):
-                """Seven maps: three of the N fused rows, the (T, K) slot map, three per local expert."""
-                local = EXPERTS // ranks
-                n = fused_rows(t, ranks, ALIGN) if sync else (t * TOPK + (ALIGN - 1) * local) // ALIGN * ALIGN
-                return [((t, TOPK), I64)], [((n,), I32)] * 3 + [((t, TOPK), I32)] + [((local,), I32)] * 3
-
-            specs.append(_Spec("get_fused_mapping",
-                               lambda t, ep=ep, flag=flag: f"int64 {t}x{TOPK} ({ep}) align{ALIGN} {flag}",
-                               gfm_make, gfm, lambda idx, gfm=gfm: gfm(R, idx), check=fused_check, io=gfm_io))
+        specs += [mapping_spec(ranks, sync, TOKENS if ranks == 1 else ISSUE_TOKENS)
+                  for sync in (True, False)]
 
         def etf_make(t, h, d, ranks=ranks):
             _, _, _, maps = fused_maps(t, ranks, d, ALIGN)
@@ -363,6 +422,9 @@ def _specs() -> list[_Spec]:
             "inplace_unique_group_indices", lambda t, ep=ep: f"int64 {t}x{TOPK} group ids ({ep}) 8 groups, in place",
             groups_make, unique, lambda g: unique(R, g), in_place=True, io=slots_io))
 
+    for e, k in OFF_GATES:  # the mapping at the off-grid gates' expert counts (one rank holds them all)
+        specs += [mapping_spec(1, sync, OFF_SHAPE_TOKENS, e, k, quick=False) for sync in (True, False)]
+
     specs.append(_Spec(
         "mask_indices_by_tp", lambda t: f"int64 {t}x{TOPK} ({_EP[1]}) n 256 ep{EP_RANKS} tp 1/2",
         lambda t, h, d: (idx_of(t, 1, d)[2],),
@@ -378,6 +440,7 @@ def quick_cases() -> list[Case]:
 
 
 def grid_cases() -> list[Case]:
-    """The grid rows: every MoE case at T in ``TOKENS`` (the gates also at 72 and 384 experts)."""
+    """The grid rows: every MoE case at T in ``ISSUE_TOKENS`` (the gates also at 72 and 384 experts), and the
+    rows off those shapes (``OFF_TOKENS``, ``OFF_GATES``, ``V1_OFF``)."""
     cases = [s.case(t) for s in _specs() for t in s.tokens]
     return sorted(cases, key=lambda c: OPS.index(c.name))
