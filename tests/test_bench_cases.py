@@ -161,9 +161,10 @@ def test_bench_configs_are_registered():
 
 
 # kernels whose modules register exactly the configs the bench launches (the tests' own compile on first use)
-BENCH_REGISTERED = ("per_channel_cast", "per_token_cast_to_e5m6", "cast_back", "unpack_from_e2m1fn_x2",
-                    "per_token_cast_and_cast_back", "swiglu_fwd_ptc", "swiglu_bwd_ptc", "swiglu_fwd_pcc",
-                    "apply_rotary", "expand_to_fused", "reduce_fused")
+BENCH_REGISTERED = ("per_token_cast", "per_block_cast", "per_block_cast_lossless", "per_channel_cast",
+                    "per_token_cast_to_e5m6", "cast_back", "unpack_from_e2m1fn_x2", "per_token_cast_and_cast_back",
+                    "swiglu_fwd_ptc", "swiglu_bwd_ptc", "swiglu_fwd_pcc", "norm_forward", "norm_backward",
+                    "norm_weight_grad_reduce", "apply_rotary", "expand_to_fused", "reduce_fused")
 
 
 def test_registration_is_what_the_bench_launches():
