@@ -160,6 +160,25 @@ def test_bench_configs_are_registered():
         name == "per_token_cast" for name, _ in runner.bench_configs(["per_token_cast"]))
 
 
+# kernels whose modules register exactly the configs the bench launches (the tests' own compile on first use)
+BENCH_REGISTERED = ("per_token_cast", "per_block_cast", "per_block_cast_lossless", "per_channel_cast",
+                    "per_token_cast_to_e5m6", "cast_back", "unpack_from_e2m1fn_x2", "per_token_cast_and_cast_back",
+                    "swiglu_fwd_ptc", "swiglu_bwd_ptc", "swiglu_fwd_pcc", "norm_forward", "norm_backward",
+                    "norm_weight_grad_reduce", "apply_rotary", "expand_to_fused", "reduce_fused")
+
+
+def test_registration_is_what_the_bench_launches():
+    """Each of these kernels registers the configs of the bench's quick rows and grid, traced on fake CUDA tensors,
+    and nothing else: ``precompile`` builds what the bench needs, and test-only configs stay in tests/."""
+    from tilefuse import _jit
+
+    traced = runner.bench_configs()
+    registered = _jit.registered()
+    for name in BENCH_REGISTERED:
+        assert len(registered[name]) == len(set(registered[name])), name
+        assert set(registered[name]) == {cfg for n, cfg in traced if n == name}, name
+
+
 def test_host_overhead_table_ratios_per_group():
     """Ratios are to the same group's bare call (and allocating bare call); a group without one shows '-'."""
     from tilefuse.bench.extras import host_overhead_table

@@ -1,7 +1,8 @@
 """The TileLang runtime shared by every kernel: target, compile cache, static-config registry, precompile.
 
 A kernel module registers a *factory* (Python arguments that change the generated code -> a TileLang
-``prim_func`` whose token count is symbolic) and the list of static configs the tests and the bench use::
+``prim_func`` whose token count is symbolic) and the list of static configs that ``precompile`` builds: those the
+package launches for the bench (any other config, a test's included, compiles on its first use)::
 
     register("transpose", _transpose_kernel, configs=lambda: [(1,), (2,), (4,)])
     fn = get("transpose", (2,))          # compiled once per process, then a dict lookup

@@ -14,6 +14,7 @@ from tilefuse.quant import _e5m6_kernel as K
 from tilefuse.reference import quant as R
 from tilefuse.testing import assert_equal, clear_unused_sf, quant_adversarial
 from tilefuse.testing.generators import QUANT_FILLS
+from tests.quant.configs import E5M6_CAST, E5M6_CAST_BACK
 from tests.quant.kernel_binding import fake_jit, tir_eval
 
 TOKENS = (0, 1, 7, 4001, 8192)
@@ -27,7 +28,7 @@ FLAGS = ((False, True, False), (True, True, True))
 # ---------------------------------------------------------------------------------------------------------
 
 @pytest.mark.compile
-@pytest.mark.parametrize("cfg", K.test_configs(), ids=str)
+@pytest.mark.parametrize("cfg", E5M6_CAST, ids=str)
 def test_cast_builds_for_sm90(cfg):
     src = _jit.compile_kernel("per_token_cast_to_e5m6", cfg, "sm_90").get_kernel_source()
     assert "__global__" in src and "use_fast_math" not in src
@@ -36,7 +37,7 @@ def test_cast_builds_for_sm90(cfg):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("cfg", K.test_cast_back_configs(), ids=str)
+@pytest.mark.parametrize("cfg", E5M6_CAST_BACK, ids=str)
 def test_cast_back_builds_for_sm90(cfg):
     src = _jit.compile_kernel("cast_back", cfg, "sm_90").get_kernel_source()
     assert "__global__" in src and "use_fast_math" not in src

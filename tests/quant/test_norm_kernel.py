@@ -14,6 +14,7 @@ from tilefuse.quant import _norm_kernel as K
 from tilefuse.reference.norm import norm_backward_ref, norm_forward_ref
 from tilefuse.reference.quant import cast as ref_cast
 from tilefuse.testing import assert_equal, clear_unused_sf
+from tests.quant.configs import NORM_BACKWARD, NORM_FORWARD
 from tests.quant.kernel_binding import fake_jit
 
 TOKENS = (0, 1, 7, 4001, 8192)
@@ -27,8 +28,8 @@ def rtol_sum(h: int) -> float:
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("name,cfg", [("norm_forward", c) for c in K._forward_configs()]
-                         + [("norm_backward", c) for c in K._backward_configs()]
+@pytest.mark.parametrize("name,cfg", [("norm_forward", c) for c in NORM_FORWARD]
+                         + [("norm_backward", c) for c in NORM_BACKWARD]
                          + [("norm_weight_grad_reduce", (d, 7168, False, K._partials(d, 7168)))
                             for d in ("bfloat16", "float32")], ids=str)
 def test_builds_for_sm90(name, cfg):

@@ -13,6 +13,8 @@ from tilefuse.formats import cdiv, load_sf
 from tilefuse.quant import _per_block_cast_kernel as K
 from tilefuse.reference import quant as R
 from tilefuse.testing import assert_equal, clear_unused_sf
+from tests.quant.configs import LOSSLESS_OUT_BLOCKS, PER_BLOCK_CAST, PER_BLOCK_LOSSLESS
+from tests.quant.configs import PER_BLOCK_BLOCKS as BLOCKS, PER_BLOCK_FLAG_SETS as FLAG_SETS
 from tests.quant.kernel_binding import fake_jit
 
 TOKENS = (0, 1, 7, 4001, 8192)
@@ -60,7 +62,7 @@ def test_fake_precomputed_matches_reference_metadata(t, fmt):
 
 
 @pytest.mark.parametrize("t", (0, 1, 7, 300))
-@pytest.mark.parametrize("out_block", K.LOSSLESS_OUT_BLOCKS)
+@pytest.mark.parametrize("out_block", LOSSLESS_OUT_BLOCKS)
 @pytest.mark.parametrize("layout", tuple(LAYOUT_FLAGS))
 def test_fake_lossless_matches_reference_metadata(t, out_block, layout):
     col, packed = LAYOUT_FLAGS[layout]
@@ -90,7 +92,7 @@ def test_empty_inputs_launch_nothing(shape, monkeypatch):
 
 
 def test_lossless_supported_covers_the_tested_blocks():
-    for out_block in K.LOSSLESS_OUT_BLOCKS:
+    for out_block in LOSSLESS_OUT_BLOCKS:
         assert K.lossless_supported((1, 32), out_block)
     assert not K.lossless_supported((1, 4), (1, 128))     # input blocks narrower than a thread's 8 channels
     assert not K.lossless_supported((1, 32), (1, 512))    # output blocks wider than a warp's 256 channels
@@ -102,8 +104,8 @@ def test_lossless_supported_covers_the_tested_blocks():
 # kernels' parameters (shapes, strides, dtypes), checked on CPU tensors without running anything
 # ---------------------------------------------------------------------------------------------------------
 
-_ALL = [("per_block_cast", c) for c in K._cast_configs()] + \
-       [("per_block_cast_lossless", c) for c in K._lossless_configs()]
+_ALL = [("per_block_cast", c) for c in PER_BLOCK_CAST] + \
+       [("per_block_cast_lossless", c) for c in PER_BLOCK_LOSSLESS]
 
 
 @pytest.mark.compile
@@ -142,7 +144,7 @@ def test_pdl_wait_precedes_global_access(name, cfg):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("cfg", [c for i, c in enumerate(K._cast_configs())
+@pytest.mark.parametrize("cfg", [c for i, c in enumerate(PER_BLOCK_CAST)
                                  if i in (0, 5) or c[0] == "float32" or c[7] != "cast" or c[6] == "col"], ids=str)
 def test_cast_launcher_binds_kernel_parameters(cfg, monkeypatch):
     x_dtype, fmt, hidden, bm, bk, rnd, layout, mode = cfg
@@ -167,7 +169,7 @@ def test_cast_launcher_binds_kernel_parameters(cfg, monkeypatch):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("cfg", K._lossless_configs(), ids=str)
+@pytest.mark.parametrize("cfg", PER_BLOCK_LOSSLESS, ids=str)
 def test_lossless_launcher_binds_kernel_parameters(cfg, monkeypatch):
     hidden, ibm, ibk, obm, obk, in_packed, layout = cfg
     col, packed = LAYOUT_FLAGS[layout]
@@ -220,9 +222,9 @@ def _x(t, hidden, dtype=torch.bfloat16, scale=1.0):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", TOKENS)
-@pytest.mark.parametrize("block", K.BLOCKS)
+@pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("fmt", ("e4m3", "e2m1"))
-@pytest.mark.parametrize("flags", K.FLAG_SETS, ids=str)
+@pytest.mark.parametrize("flags", FLAG_SETS, ids=str)
 def test_cast_matches_reference(t, block, fmt, flags):
     col, rnd, packed = flags
     _check_cast(_x(t, 576, scale=3.0), fmt, block, col, rnd, packed)
@@ -387,8 +389,8 @@ def _adversarial(t, hidden, dtype, bm, bk):
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", (7, 4001))
 @pytest.mark.parametrize("fmt", ("e4m3", "e2m1"))
-@pytest.mark.parametrize("block", K.BLOCKS)
-@pytest.mark.parametrize("flags", K.FLAG_SETS, ids=str)
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("flags", FLAG_SETS, ids=str)
 def test_adversarial_round_sf(t, fmt, block, flags):
     col, rnd, packed = flags
     _check_cast(_adversarial(t, 576, torch.bfloat16, *block), fmt, block, col, rnd, packed)
@@ -453,8 +455,8 @@ def _nan_inf_x(t, hidden, bm, bk):
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", (7, 300))
 @pytest.mark.parametrize("fmt", ("e4m3", "e2m1"))
-@pytest.mark.parametrize("block", K.BLOCKS)
-@pytest.mark.parametrize("flags", K.FLAG_SETS, ids=str)
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("flags", FLAG_SETS, ids=str)
 def test_nan_inf_every_block_and_layout(t, fmt, block, flags):
     """quant.md 1.7 over every registered block x format x sf layout (H = 576): NaN (either sign) ignored by
     the max and encoded as the reference does, inf giving sf inf / sf_inv 0, all-NaN blocks."""
@@ -613,7 +615,7 @@ def _elementwise(grid, block, shape):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", TOKENS)
-@pytest.mark.parametrize("out_block", K.LOSSLESS_OUT_BLOCKS)
+@pytest.mark.parametrize("out_block", LOSSLESS_OUT_BLOCKS)
 @pytest.mark.parametrize("packed", (False, True))
 def test_lossless_matches_reference(t, out_block, packed):
     data, sf_in = _lossless_input(t, 576, packed)
@@ -672,7 +674,7 @@ def test_lossless_adversarial_exponents(exp_range, packed):
         sf_in = words.t().contiguous().t()  # column-major packed, as the reference cast returns it
     else:
         sf_in = (ebytes << 23).to(torch.int32).view(torch.float32)
-    for out_block in K.LOSSLESS_OUT_BLOCKS:
+    for out_block in LOSSLESS_OUT_BLOCKS:
         _check_lossless(data, sf_in, out_block, "col_packed" if packed else "row")
 
 
@@ -736,7 +738,7 @@ def test_lossless_knob_variants(knobs, knob_kernels):
     for t, hidden in ((4001, 576), (4 * 9 * 128 + 5, 7168)):
         for packed in (False, True):
             data, sf_in = _wide_exponent_input(t, hidden, packed)
-            for out_block in K.LOSSLESS_OUT_BLOCKS:
+            for out_block in LOSSLESS_OUT_BLOCKS:
                 layout = "col_packed" if packed else "row"
                 col, pk = LAYOUT_FLAGS[layout]
                 want = K.per_block_cast_lossless_launch(data, sf_in, (1, 32), out_block, col, pk)
@@ -749,7 +751,7 @@ def test_lossless_knob_variants(knobs, knob_kernels):
     for t, hidden in ((1, 576), (7, 7168), (4001, 576), (4 * 9 * 128 + 5, 7168)):
         for packed in (False, True):
             data, sf_in = _lossless_input(t, hidden, packed)
-            for out_block in K.LOSSLESS_OUT_BLOCKS:
+            for out_block in LOSSLESS_OUT_BLOCKS:
                 _check_lossless(data, sf_in, out_block, "col_packed" if packed else "row")
     data, sf_in = _lossless_input(4001, 576, False)
     _check_lossless(data, sf_in.t().contiguous().t(), (1, 128), "row")
@@ -758,5 +760,5 @@ def test_lossless_knob_variants(knobs, knob_kernels):
         for packed in (False, True):
             data, sf_in = _wide_exponent_input(4001, 576, packed, *exp_range)
             data[::5] = 0
-            for out_block in K.LOSSLESS_OUT_BLOCKS:
+            for out_block in LOSSLESS_OUT_BLOCKS:
                 _check_lossless(data, sf_in, out_block, "col_packed" if packed else "row")

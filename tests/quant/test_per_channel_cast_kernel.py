@@ -18,22 +18,13 @@ from tilefuse.quant import _per_channel_cast_kernel as K, _tl
 from tilefuse.reference import quant as R
 from tilefuse.testing import assert_equal, quant_adversarial
 from tilefuse.testing.generators import QUANT_FILLS
+from tests.quant.configs import PER_CHANNEL as CFG
 from tests.quant.kernel_binding import fake_jit
 
 TOKENS = (0, 1, 7, 4001, 8192)        # input rows of the gathering op
 ALIGNED_TOKENS = (0, 128, 4096, 8192)  # ops that need T % 128 == 0
 OUT_TOKENS = (0, 16, 112, 4000, 8192)  # gather lengths (% 16)
 _ROW_BYTES = {"bfloat16": 16, "float32": 32, "pair": 8}  # one thread's bytes of one row (8 channels)
-CFG = {  # the static configs of K._test_configs(), by role
-    "cast_bf16": ("bfloat16", 576, 128, True, False, False),
-    "cast_fp32": ("float32", 576, 128, False, False, False),
-    "transpose32": ("bfloat16", 576, 32, False, True, False),
-    "transpose128": ("bfloat16", 576, 128, True, True, False),
-    "gather": ("bfloat16", 200, 128, False, False, True),
-    "gather_fp32": ("float32", 200, 128, True, False, True),
-    "pair_gather": ("pair", 2048, 128, False, False, True),
-    "pair": ("pair", 2048, 128, True, False, False),
-}
 
 
 def _ref(x, x_sf, npt, rnd, transpose=False, pos=None):
@@ -131,12 +122,6 @@ def test_fused_entry_takes_reference_for_unsupported_hidden():
     want = R.per_channel_cast_fused(x, 128, None, True, pos)
     assert_equal(got[0], want[0])
     assert_equal(got[1], want[1])
-
-
-def test_test_configs_are_registered():
-    cfgs = _jit.registered()["per_channel_cast"]
-    assert set(CFG.values()) == set(K._test_configs())
-    assert set(K._test_configs()) <= set(cfgs)
 
 
 # ---------------------------------------------------------------------------------------------------------

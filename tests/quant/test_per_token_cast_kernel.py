@@ -12,6 +12,7 @@ from tilefuse.quant import _per_token_cast_kernel as K
 from tilefuse.reference.quant import cast as ref_cast
 from tilefuse.testing import assert_equal, clear_unused_sf, every_bf16_in_groups, quant_adversarial
 from tilefuse.testing.generators import QUANT_FILLS
+from tests.quant.configs import PER_TOKEN, PER_TOKEN_HIDDEN, PER_TOKEN_ROW_WALK_HIDDEN
 from tests.quant.kernel_binding import fake_jit
 
 TOKENS = (0, 1, 7, 4001, 8192)
@@ -19,7 +20,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("cfg", K._configs(), ids=str)
+@pytest.mark.parametrize("cfg", PER_TOKEN, ids=str)
 def test_builds_for_sm90(cfg):
     kernel = _jit.compile_kernel("per_token_cast", cfg, "sm_90", export=False)
     src = kernel.get_kernel_source()
@@ -139,7 +140,7 @@ def _check(x, fmt, npc, col, round_sf, packed, x_sf=None, x_block_size=None):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", TOKENS)
-@pytest.mark.parametrize("hidden", K.HIDDEN_SIZES)
+@pytest.mark.parametrize("hidden", PER_TOKEN_HIDDEN)
 def test_bf16_e4m3_col_packed_matches_reference(t, hidden):
     x = torch.randn(t, hidden, dtype=torch.bfloat16, device="cuda")
     _check(x, "e4m3", 128, True, True, True)
@@ -159,7 +160,7 @@ def test_grid_matches_reference(t, hidden, x_dtype, fmt, flags):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", (1, 7, 4001))
-@pytest.mark.parametrize("hidden", K.ROW_WALK_TEST_HIDDEN)
+@pytest.mark.parametrize("hidden", PER_TOKEN_ROW_WALK_HIDDEN)
 @pytest.mark.parametrize("x_dtype", ("bfloat16", "float32"))
 @pytest.mark.parametrize("round_sf", (False, True))
 def test_row_walk_tiles_match_reference(t, hidden, x_dtype, round_sf):

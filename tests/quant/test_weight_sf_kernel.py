@@ -9,6 +9,7 @@ from tilefuse.quant import _weight_sf_kernel as WS
 from tilefuse.reference.quant import per_token_cast_and_cast_back_values
 from tilefuse.reference.weight_sf import batched_transpose_weight_sf as ref_wsf
 from tilefuse.testing import assert_equal
+from tests.quant.configs import CAST_AND_CAST_BACK
 from tests.quant.kernel_binding import fake_jit
 
 TOKENS = (0, 1, 7, 4001, 8192)
@@ -17,7 +18,7 @@ DT = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 @pytest.mark.compile
 @pytest.mark.parametrize("name,cfg", [("batched_transpose_weight_sf", c) for c in WS._configs()]
-                         + [("per_token_cast_and_cast_back", c) for c in CB.test_configs()], ids=str)
+                         + [("per_token_cast_and_cast_back", c) for c in CAST_AND_CAST_BACK], ids=str)
 def test_builds_for_sm90(name, cfg):
     src = _jit.compile_kernel(name, cfg, "sm_90", export=False).get_kernel_source()
     assert "__global__" in src and "use_fast_math" not in src
@@ -193,7 +194,7 @@ def _adversarial(x: torch.Tensor, fmt: str) -> torch.Tensor:
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", TOKENS)
-@pytest.mark.parametrize("cfg", CB.test_configs(), ids=str)
+@pytest.mark.parametrize("cfg", CAST_AND_CAST_BACK, ids=str)
 def test_cast_and_cast_back_gpu(t, cfg):
     xd, fmt, h, npc, mode = cfg
     dtype = DT[xd]
@@ -244,7 +245,7 @@ def test_cast_and_cast_back_graph_and_compile_gpu():
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("fill", ("nan", "inf", "zero_blocks", "subnormal", "huge", "mixed"))
-@pytest.mark.parametrize("cfg", [c for c in CB.test_configs() if c[3] == 128], ids=str)
+@pytest.mark.parametrize("cfg", [c for c in CAST_AND_CAST_BACK if c[3] == 128], ids=str)
 def test_cast_and_cast_back_adversarial_fills_gpu(fill, cfg):
     """quant.md 1.7: NaN ignored by the group amax (encodes as NaN / code 7), +-inf gives sf = inf and
     sf_inv = 0 (the round mode used to give sf_inv = -inf); compared with the reference exactly."""
@@ -313,7 +314,7 @@ CB_KNOB_VARIANTS = [
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("knobs", CB_KNOB_VARIANTS, ids=str)
-@pytest.mark.parametrize("cfg", [c for c in CB.test_configs() if c[2] != 2048 or c[3] == 32], ids=str)
+@pytest.mark.parametrize("cfg", [c for c in CAST_AND_CAST_BACK if c[2] != 2048 or c[3] == 32], ids=str)
 def test_cast_and_cast_back_knob_variants_gpu(cfg, knobs, knob_kernels):
     """Wide rows and npc 32 built with a knob variant (compiled here, outside the caches): strided rows, in
     place, bit-exact against the reference; the row tail past H is untouched."""

@@ -21,6 +21,7 @@ from tilefuse.reference import rotary_embedding_ref
 from tilefuse.transform import _rotary_kernel as K
 from tilefuse.transform import apply_rotary
 from tests.quant.kernel_binding import bind
+from tests.transform.configs import rotary_configs
 from tests.transform.rotary_data import bits, draw_positions, make_cos_sin_cache, special_values
 
 DTYPES = (torch.bfloat16, torch.float32)
@@ -29,7 +30,7 @@ DTYPES = (torch.bfloat16, torch.float32)
 # ---- compile tier ----
 
 @pytest.mark.compile
-@pytest.mark.parametrize("cfg", K.test_configs(), ids=str)
+@pytest.mark.parametrize("cfg", rotary_configs(), ids=str)
 def test_builds_for_sm90_with_exact_fma(cfg):
     dtype, d, v, cw, interleaved, pos, rank = cfg
     src = _jit.compile_kernel("apply_rotary", cfg, "sm_90").get_kernel_source()

@@ -1038,46 +1038,34 @@ def weight_grad_reduce_kernel(wg_dtype: str, hidden: int, assign: bool, partials
     return weight_grad_reduce
 
 
-HIDDEN_SIZES = (2048, 4096, 7168)  # benchmark shapes used by the bench and the GPU tier
+# ---- static configs: those the bench launches (``precompile``); any other compiles on first use ----
 
+BENCH_HIDDEN = (1536, 2048, 4096, 7168, 8192)  # tilefuse.bench.quant.NORM_HIDDEN
 
-def test_forward_configs() -> list[tuple]:
-    """Forward configs the GPU tier uses (x_dtype, hidden, weight, residual, quant, layout, round, bf16, rstd, mega)."""
-    cfgs = []
-    for xd in ("bfloat16", "float32"):
-        cfgs.append((xd, 7168, True, True, False, "row", False, False, True, 0))
-        cfgs.append((xd, 576, False, False, False, "row", False, False, True, 0))
-        for layout, rnd in (("row", False), ("col", False), ("col_packed", True)):
-            cfgs.append((xd, 7168, True, True, True, layout, rnd, True, True, 0))
-    cfgs.append(("bfloat16", 576, True, False, True, "col_packed", True, False, True, 0))
-    cfgs.append(("bfloat16", 7168, True, False, True, "row", True, False, True, 64))
-    cfgs.append(("bfloat16", 7168, True, False, True, "row_packed", True, False, True, 0))
-    return cfgs
-
-
-def test_backward_configs() -> list[tuple]:
-    return [(xd, h, w, r) for xd in ("bfloat16", "float32") for h, w, r in ((7168, True, True), (576, False, False))]
-
-
-# the bench rows (tilefuse/bench/quant.py): bf16 8192 x 7168 with a weight, no residual, no rstd
+# the quick rows (tilefuse/bench/quant.py): bf16 8192 x 7168 with a weight, no residual, no rstd
 _BENCH_FORWARD = [("bfloat16", 7168, True, False, False, "row", False, False, False, 0),
                   ("bfloat16", 7168, True, False, True, "col_packed", True, False, False, 0)]
-_BENCH_BACKWARD = [("bfloat16", 7168, True, False)]
 
 
 def _forward_configs() -> list[tuple]:
-    return test_forward_configs() + [c for c in _BENCH_FORWARD if c not in test_forward_configs()]
+    """The forward launches of the bench, as (x dtype, hidden, weight, residual, quant, layout, round, bf16, rstd,
+    mega): the quick rows, and the grid's bf16 rows with a weight: no cast, and the e4m3 cast with row sf (round
+    both ways) and packed column sf (rounded)."""
+    grid = [("bfloat16", h, True, False, quant, layout, rnd, False, False, 0) for quant, layout, rnd in (
+        (False, "row", False), (True, "row", False), (True, "row", True), (True, "col_packed", True))
+        for h in BENCH_HIDDEN]
+    return list(dict.fromkeys(_BENCH_FORWARD + grid))
 
 
 def _backward_configs() -> list[tuple]:
-    return test_backward_configs() + [c for c in _BENCH_BACKWARD if c not in test_backward_configs()]
+    """The backward launches of the bench: bf16 with a weight, no residual, every grid hidden size."""
+    return [("bfloat16", h, True, False) for h in BENCH_HIDDEN]
 
 
 _jit.register("norm_forward", norm_forward_kernel, _forward_configs)
 _jit.register("norm_backward", norm_backward_kernel, _backward_configs)
 _jit.register("norm_weight_grad_reduce", weight_grad_reduce_kernel,   # (weight_grad dtype, H, assign, partials)
-              lambda: [(d, 7168, a, _partials(xd, 7168)) for xd in ("bfloat16", "float32")
-                       for d in ("bfloat16", "float32") for a in ((False, True) if WG_ASSIGN else (False,))])
+              lambda: [("bfloat16", h, WG_ASSIGN, _partials("bfloat16", h)) for h in BENCH_HIDDEN])
 
 _DUMMY: dict[tuple, torch.Tensor] = {}
 

@@ -628,74 +628,35 @@ def per_block_cast_lossless_kernel(hidden: int, ibm: int, ibk: int, obm: int, ob
     return per_block_cast_lossless
 
 
-# ---- static configs (compile tier, ``precompile``, bench) ----
+# ---- static configs: those the bench launches (``precompile``); any other compiles on first use ----
 
-HIDDEN_SIZES = (576, 2048, 2560, 3072, 4096, 6144, 7168)  # quant.md 7.1
-FLAG_SETS = ((False, True, False), (True, True, True))     # (col, round_sf, packed), quant.md 7.1
-BLOCKS = ((128, 128), (32, 32))                             # per_block_cast grid, quant.md 7.2
-LOSSLESS_OUT_BLOCKS = ((1, 128), (32, 32), (128, 128))      # per_block_cast_lossless grid, in block (1, 32)
-
-
-def _cast_configs() -> list[tuple]:
-    """per_block_cast configs of the GPU tests (and the compile tier): every block x format x flag set at
-    H = 576 (a partial 128-channel block and a partial CTA tile), (128,128) at H = 7168, the mixed blocks
-    with plain fp32 sf (row and col), fp32 input (its 128 x 128 CTA tile in every mode), sf-only and
-    precomputed."""
-    cfgs = [("bfloat16", fmt, 576, bm, bk, rnd, _layout(col, packed), "cast")
-            for bm, bk in BLOCKS for fmt in ("e4m3", "e2m1") for col, rnd, packed in FLAG_SETS]
-    cfgs += [("bfloat16", fmt, 7168, 128, 128, True, "col_packed", "cast") for fmt in ("e4m3", "e2m1")]
-    cfgs += [("bfloat16", "e4m3", 2048, 32, 128, False, "row", "cast"),
-             ("bfloat16", "e2m1", 2048, 128, 32, False, "col", "cast"),
-             ("float32", "e4m3", 576, 128, 128, True, "col_packed", "cast"),
-             # fp32 with 128-row blocks at the 128 x 128 CTA tile (FP32_NARROW_MAX_H)
-             ("float32", "e4m3", 1536, 128, 128, False, "row", "cast"),
-             ("float32", "e2m1", 576, 128, 128, True, "col_packed", "cast"),
-             ("float32", "e2m1", 2048, 128, 32, False, "col", "cast"),
-             ("float32", "e4m3", 576, 128, 128, True, "col_packed", "sf_only"),
-             ("float32", "e4m3", 576, 128, 128, False, "row", "precomputed"),
-             ("bfloat16", "e2m1", 576, 128, 128, True, "col_packed", "sf_only"),
-             ("bfloat16", "e4m3", 576, 32, 32, False, "row", "precomputed"),
-             ("bfloat16", "e2m1", 576, 128, 128, False, "row", "precomputed")]
-    return cfgs
+BENCH_HIDDEN = (1536, 2048, 4096, 7168, 18432)  # tilefuse.bench.quant.HIDDEN
+BENCH_FLAGS = ((False, False, False), (False, True, False), (True, True, True))  # (col, round_sf, packed)
 
 
 def _bench_cast_configs() -> list[tuple]:
-    """The quant.md 7.3 per_block_cast benchmark grid (every H, dtype, format, flag set and block), and the
-    sf-only / precomputed-sf rows of ``tilefuse.bench.quant`` (bf16 8001 x 7168 e4m3 block 128x128)."""
-    return [(x, fmt, h, bm, bk, rnd, _layout(col, packed), "cast")
-            for h in HIDDEN_SIZES for x in ("bfloat16", "float32") for fmt in ("e4m3", "e2m1")
-            for col, rnd, packed in FLAG_SETS for bm, bk in BLOCKS] + [
-        ("bfloat16", "e4m3", 7168, 128, 128, True, "col_packed", "sf_only"),
-        ("bfloat16", "e4m3", 7168, 128, 128, False, "row", "precomputed"),
-        # inputs of other bench rows: the sf given to the precomputed row, the cast_back row's data
-        ("bfloat16", "e4m3", 7168, 128, 128, False, "row", "sf_only"),
-        ("bfloat16", "e4m3", 7168, 128, 128, False, "row", "cast")]
-
-
-def _lossless_configs() -> list[tuple]:
-    """per_block_cast_lossless configs of the GPU tests (and the compile tier): input block (1, 32); each
-    output block with (fp32 row-major sf in, row-major sf out) and (packed col sf in, packed col sf out) at
-    H = 576; fp32 col sf out; and (1,128) packed at H = 7168."""
-    cfgs = [(576, 1, 32, obm, obk, packed, "col_packed" if packed else "row")
-            for obm, obk in LOSSLESS_OUT_BLOCKS for packed in (False, True)]
-    cfgs += [(576, 1, 32, 32, 32, True, "col"), (7168, 1, 32, 1, 128, True, "col_packed")]
+    """The bench's per_block_cast launches (tilefuse.bench.quant), as (x dtype, format, hidden, bm, bk, round_sf,
+    sf layout, mode), bf16 and fp32 at every grid hidden size: the casts (e4m3 128 x 128, e2m1 32 x 32) and the
+    e4m3 128 x 128 sf-only casts with each flag set, and the precomputed-sf cast (its sf: the sf-only cast with
+    plain flags)."""
+    cfgs = [(xd, fmt, h, bm, bk, rnd, _layout(col, packed), mode)
+            for xd in ("bfloat16", "float32")
+            for fmt, bm, bk, mode in (("e4m3", 128, 128, "cast"), ("e2m1", 32, 32, "cast"),
+                                      ("e4m3", 128, 128, "sf_only"))
+            for col, rnd, packed in BENCH_FLAGS for h in BENCH_HIDDEN]
+    cfgs += [(xd, "e4m3", h, 128, 128, False, "row", "precomputed") for xd in ("bfloat16", "float32")
+             for h in BENCH_HIDDEN]
     return cfgs
 
 
 def _bench_lossless_configs() -> list[tuple]:
-    """The quant.md 7.3 per_block_cast_lossless benchmark grid."""
-    return [(h, 1, 32, obm, obk, in_packed, _layout(col, packed))
-            for h in HIDDEN_SIZES for obm, obk in LOSSLESS_OUT_BLOCKS
-            for in_packed in (False, True) for col, _, packed in FLAG_SETS]
+    """The bench's per_block_cast_lossless launches, as (hidden, in bm, in bk, out bm, out bk, packed input sf, sf
+    layout): e2m1 with (1, 32) fp32 sf in, e4m3 128 x 128 out with rounded row or packed column sf."""
+    return [(h, 1, 32, 128, 128, False, layout) for layout in ("row", "col_packed") for h in BENCH_HIDDEN]
 
 
-def _unique(cfgs: list[tuple]) -> list[tuple]:
-    return list(dict.fromkeys(cfgs))
-
-
-_jit.register("per_block_cast", per_block_cast_kernel, lambda: _unique(_cast_configs() + _bench_cast_configs()))
-_jit.register("per_block_cast_lossless", per_block_cast_lossless_kernel,
-              lambda: _unique(_lossless_configs() + _bench_lossless_configs()))
+_jit.register("per_block_cast", per_block_cast_kernel, _bench_cast_configs)
+_jit.register("per_block_cast_lossless", per_block_cast_lossless_kernel, _bench_lossless_configs)
 
 
 # ---- launchers ----

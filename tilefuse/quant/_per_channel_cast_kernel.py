@@ -408,39 +408,21 @@ def per_channel_cast_kernel(x_kind: str, hidden: int, npt: int, round_sf: bool, 
     return per_channel_cast
 
 
-# ---- static configs (compile tier, ``precompile``, bench) ----
+# ---- static configs: those the bench launches (``precompile``); any other compiles on first use ----
 
-HIDDEN_SIZES = (576, 2048, 2560, 3072, 4096, 6144, 7168)  # quant.md 7.1 (H % 64)
-HIDDEN_SIZES_128 = tuple(h for h in HIDDEN_SIZES if h % 128 == 0)
-
-
-def _test_configs() -> list[tuple]:
-    """Configs of the GPU tests (and the compile tier): (x_kind, hidden, npt, round_sf, transpose, gather)."""
-    return [
-        ("bfloat16", 576, 128, True, False, False),    # per_channel_cast
-        ("float32", 576, 128, False, False, False),    # per_channel_cast, fp32 input
-        ("bfloat16", 576, 32, False, True, False),     # per_channel_cast_and_transpose
-        ("bfloat16", 576, 128, True, True, False),
-        ("bfloat16", 200, 128, False, False, True),    # fused: gather, partial channel tile
-        ("float32", 200, 128, True, False, True),      # fused: fp32 gather (32-byte row loads)
-        ("pair", 2048, 128, False, False, True),       # fused: pre-quantized pair + gather
-        ("pair", 2048, 128, True, False, False),       # fused: pre-quantized pair, no gather
-    ]
+BENCH_HIDDEN = (1536, 2048, 4096, 7168, 18432)  # tilefuse.bench.quant.HIDDEN
 
 
 def _bench_configs() -> list[tuple]:
-    """The quant.md 7.2/7.3 grids: per_channel_cast (bf16, npt 128), _and_transpose (npt 32/128) and
-    _fused (hidden % 128, plain bf16 or pair, with and without the gather), round_sf both ways."""
-    cfgs = [("bfloat16", h, 128, rnd, False, False) for h in HIDDEN_SIZES for rnd in (False, True)]
-    cfgs += [("bfloat16", h, npt, rnd, True, False) for h in HIDDEN_SIZES for npt in (32, 128)
-             for rnd in (False, True)]
-    cfgs += [(kind, h, 128, rnd, False, gather) for h in HIDDEN_SIZES_128 for kind in ("bfloat16", "pair")
-             for rnd in (False, True) for gather in (False, True)]
+    """The launches of the bench (tilefuse.bench.quant), as (x_kind, hidden, npt, round_sf, transpose, gather):
+    the grid's bf16 casts with npt 128, transposed or not, round_sf both ways (the fused op without a gather
+    launches the plain cast's config); the quick rows' gathers at 7168, plain bf16 and a pre-quantized pair."""
+    cfgs = [("bfloat16", h, 128, rnd, tr, False) for rnd in (False, True) for tr in (False, True) for h in BENCH_HIDDEN]
+    cfgs += [(kind, 7168, 128, True, False, True) for kind in ("bfloat16", "pair")]
     return cfgs
 
 
-_jit.register("per_channel_cast", per_channel_cast_kernel,
-              lambda: list(dict.fromkeys(_test_configs() + _bench_configs())))
+_jit.register("per_channel_cast", per_channel_cast_kernel, _bench_configs)
 
 
 # ---- launcher ----

@@ -355,42 +355,28 @@ def per_token_cast_kernel(x_dtype: str, fmt: str, hidden: int, npc: int, round_s
     return per_token_cast
 
 
-HIDDEN_SIZES = (576, 2048, 2560, 3072, 4096, 6144, 7168)  # quant.md 7.1
-ROW_WALK_TEST_HIDDEN = (1536, 2048, 18432)  # row-walk CTAs of several rows (1536, 2048) and of a part of a row (18432)
+# ---- static configs: those the bench launches (``precompile``); any other compiles on first use ----
+
+BENCH_HIDDEN = (1536, 2048, 4096, 7168, 18432)  # tilefuse.bench.quant.HIDDEN
+_BENCH_FLAGS = ((False, "row"), (True, "row"), (True, "col_packed"))  # (round_sf, sf layout): FFF, FTF, TTT
 
 
-def _configs() -> list[tuple]:
-    """Static configs built by ``precompile`` and the compile tier: exactly those the GPU tests and the bench use."""
-    cfgs = [("bfloat16", "e4m3", h, 128, True, "col_packed", "cast") for h in HIDDEN_SIZES]
-    for h in (576, 7168):
-        for x_dtype in ("bfloat16", "float32"):
-            for fmt in ("e4m3", "e2m1"):
-                for round_sf, layout in ((True, "row"), (True, "col_packed"), (False, "col")):
-                    cfg = (x_dtype, fmt, h, 128, round_sf, layout, "cast")
-                    if cfg not in cfgs:
-                        cfgs.append(cfg)
-    cfgs += [("bfloat16", "e4m3", 2048, npc, False, "row", "cast") for npc in (16, 32, 64, 2048)]
-    # the row-walk tiles with row-major sf at the other grid hidden sizes (``row_walk_threads``)
-    cfgs += [cfg for cfg in ((xd, "e4m3", h, 128, rnd, "row", "cast") for h in ROW_WALK_TEST_HIDDEN
-                             for xd in ("bfloat16", "float32") for rnd in (False, True)) if cfg not in cfgs]
-    cfgs += [("bfloat16", fmt, 2048, 128, True, "row", "sf_only") for fmt in ("e4m3", "e2m1")]
-    cfgs += [("bfloat16", fmt, 2048, 128, False, "row", "precomputed") for fmt in ("e4m3", "e2m1")]
-    cfgs += [(xd, fmt, 2048, 128, True, "col_packed", "cast", 128, 128, True)
-             for xd in ("float8_e4m3fn", "e2m1") for fmt in ("e4m3", "e2m1")]
-    cfgs += [("float8_e4m3fn", "e4m3", 2048, 32, False, "row", "cast", 32, 32, False)]
-    # the bench's rows and the inputs its other rows are built from (tests/test_bench_cases.py checks this)
-    for cfg in (("bfloat16", "e4m3", 7168, 128, False, "row", "cast"),
-                ("bfloat16", "e4m3", 7168, 128, True, "col_packed", "sf_only"),
-                ("bfloat16", "e4m3", 7168, 128, False, "row", "sf_only"),
-                ("bfloat16", "e4m3", 7168, 128, False, "row", "precomputed"),
-                ("bfloat16", "e2m1", 7168, 32, True, "row", "cast"),
-                ("bfloat16", "e4m3", 14336, 128, False, "row", "cast")):
-        if cfg not in cfgs:
-            cfgs.append(cfg)
-    return cfgs
+def _bench_configs() -> list[tuple]:
+    """The bench's launches (tilefuse.bench), as (x dtype, format, hidden, npc, round_sf, sf layout, mode), at every
+    grid hidden size: bf16 and fp32 casts to e4m3 and e2m1 and e4m3 sf-only casts with each flag set; sf-only and
+    precomputed-sf casts of both formats with plain flags; and the inputs other rows are built from: the lossless
+    rows' e2m1 npc-32 rounded casts, the SwiGLU backward rows' e4m3 casts of width 2H."""
+    cfgs = [(xd, fmt, h, 128, rnd, layout, mode) for xd in ("bfloat16", "float32")
+            for fmt, mode in (("e4m3", "cast"), ("e2m1", "cast"), ("e4m3", "sf_only"))
+            for rnd, layout in _BENCH_FLAGS for h in BENCH_HIDDEN]
+    cfgs += [(xd, fmt, h, 128, False, "row", mode) for xd in ("bfloat16", "float32") for fmt in ("e4m3", "e2m1")
+             for mode in ("sf_only", "precomputed") for h in BENCH_HIDDEN]
+    cfgs += [("bfloat16", "e2m1", h, 32, True, "row", "cast") for h in BENCH_HIDDEN]
+    cfgs += [("bfloat16", "e4m3", 2 * h, 128, False, "row", "cast") for h in BENCH_HIDDEN]
+    return list(dict.fromkeys(cfgs))
 
 
-_jit.register("per_token_cast", per_token_cast_kernel, _configs)
+_jit.register("per_token_cast", per_token_cast_kernel, _bench_configs)
 
 
 _PLANS: dict[tuple, object] = {}

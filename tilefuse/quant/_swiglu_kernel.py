@@ -903,10 +903,9 @@ def swiglu_fwd_pcc_kernel(hidden: int, npt: int, round_sf: bool, transpose: bool
     return swiglu_fwd_pcc
 
 
-# ---- static configs (compile tier, precompile, bench) ----
+# ---- static configs: those the bench launches (``precompile``); any other compiles on first use ----
 
-FWD_PTC_HIDDEN = (1024, 1280, 1536, 2048, 3072, 3584)  # quant.md 7.2
-CLAMPS = (None, 10.0, 0.5)
+BENCH_HIDDEN = (1536, 2048, 4096, 7168, 18432)  # tilefuse.bench.quant.HIDDEN
 
 
 def _fwd_ptc_cfg(x_dtype: str, hidden: int, npc: int, col: bool, round_sf: bool, packed: bool, weighted: bool,
@@ -918,86 +917,39 @@ def _fwd_ptc_cfg(x_dtype: str, hidden: int, npc: int, col: bool, round_sf: bool,
             sf_clamp)
 
 
-def fwd_ptc_test_configs() -> list[tuple]:
-    """The few configs the GPU tier launches (kept small: the compile tier builds each one)."""
-    cfgs = [
-        _fwd_ptc_cfg("bfloat16", 1024, 128, True, True, True, False, False, None, False),
-        _fwd_ptc_cfg("bfloat16", 1280, 128, False, True, False, True, True, 0.5, True),
-        _fwd_ptc_cfg("bfloat16", 1536, 1536, False, False, False, True, False, 10.0, True),
-        _fwd_ptc_cfg("float32", 1024, 128, True, False, False, False, True, None, False),
-    ]
-    return cfgs
-
-
 def _fwd_ptc_configs() -> list[tuple]:
-    """Test configs plus the benchmark rows of quant.md 7.3 (clamp in {0.5, None}, col + round)."""
-    cfgs = fwd_ptc_test_configs()
-    for h in FWD_PTC_HIDDEN:
-        for clamp in (0.5, None):
-            cfg = _fwd_ptc_cfg("bfloat16", h, 128, True, True, True, False, False, clamp, False)
-            if cfg not in cfgs:
-                cfgs.append(cfg)
-    # the bench row (tilefuse/bench/quant.py): routing weights, col (unpacked) + round, clamp 0.5
-    cfg = _fwd_ptc_cfg("bfloat16", 3584, 128, True, True, False, True, False, 0.5, False)
-    if cfg not in cfgs:
-        cfgs.append(cfg)
+    """The bench's launches (tilefuse.bench.quant): the grid's bf16 rows, npc 128, no weights, with the flag sets
+    (col, round, packed) FFF, FTF and TTT and clamp None or 0.5; the quick row: routing weights, col (unpacked)
+    + round, clamp 0.5, H = 3584."""
+    cfgs = [_fwd_ptc_cfg("bfloat16", h, 128, col, rnd, packed, False, False, clamp, False)
+            for col, rnd, packed in ((False, False, False), (False, True, False), (True, True, True))
+            for clamp in (None, 0.5) for h in BENCH_HIDDEN]
+    cfgs.append(_fwd_ptc_cfg("bfloat16", 3584, 128, True, True, False, True, False, 0.5, False))
     return cfgs
 
 
 _jit.register("swiglu_fwd_ptc", swiglu_fwd_ptc_kernel, _fwd_ptc_configs)
 
 
-BWD_PTC_HIDDEN = (2048, 2560, 3072, 4096, 6144, 7168)  # quant.md 7.2
-
-
 def _bwd_ptc_cfg(hidden: int, npc: int, round_sf: bool, clamp: float | None) -> tuple:
     return (hidden, npc, round_sf, None if clamp is None else f32_bits(clamp))
 
 
-def bwd_ptc_test_configs() -> list[tuple]:
-    return [_bwd_ptc_cfg(2048, 128, True, None), _bwd_ptc_cfg(2560, 32, False, 0.5),
-            _bwd_ptc_cfg(7168, 128, False, 10.0)]
-
-
 def _bwd_ptc_configs() -> list[tuple]:
-    """Test configs plus the benchmark rows (clamp in {None, 0.5}, round_sf, npc in {32, 128})."""
-    cfgs = bwd_ptc_test_configs()
-    for h in BWD_PTC_HIDDEN:
-        for npc in (32, 128):
-            for clamp in (None, 0.5):
-                cfg = _bwd_ptc_cfg(h, npc, True, clamp)
-                if cfg not in cfgs:
-                    cfgs.append(cfg)
-    return cfgs
+    """The bench's launches: npc 128, no clamp, round_sf both ways, every grid hidden size."""
+    return [_bwd_ptc_cfg(h, 128, rnd, None) for rnd in (False, True) for h in BENCH_HIDDEN]
 
 
 _jit.register("swiglu_bwd_ptc", swiglu_bwd_ptc_kernel, _bwd_ptc_configs)
-
-
-PCC_HIDDEN = (576, 2048, 2560, 3072, 4096, 6144, 7168)  # quant.md 7.1 (x width 2H)
 
 
 def _pcc_cfg(hidden: int, npt: int, round_sf: bool, transpose: bool, clamp: float | None) -> tuple:
     return (hidden, npt, round_sf, transpose, None if clamp is None else f32_bits(clamp))
 
 
-def pcc_test_configs() -> list[tuple]:
-    return [_pcc_cfg(576, 32, True, True, None), _pcc_cfg(2048, 128, False, True, 0.5),
-            _pcc_cfg(576, 128, True, False, 10.0)]
-
-
 def _pcc_configs() -> list[tuple]:
-    """Test configs plus the benchmark rows (clamp in {None, 0.5}, every H, npt, round and transpose flag)."""
-    cfgs = pcc_test_configs()
-    for h in PCC_HIDDEN:
-        for npt in (32, 128):
-            for round_sf in (False, True):
-                for transpose in (True, False):
-                    for clamp in (None, 0.5):
-                        cfg = _pcc_cfg(h, npt, round_sf, transpose, clamp)
-                        if cfg not in cfgs:
-                            cfgs.append(cfg)
-    return cfgs
+    """The bench's launches: npt 128, transposed, no clamp, round_sf both ways, every grid hidden size."""
+    return [_pcc_cfg(h, 128, rnd, True, None) for rnd in (False, True) for h in BENCH_HIDDEN]
 
 
 _jit.register("swiglu_fwd_pcc", swiglu_fwd_pcc_kernel, _pcc_configs)

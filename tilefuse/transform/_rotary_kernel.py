@@ -209,29 +209,17 @@ def rotary_kernel(dtype: str, D: int, V: int, CW: int, interleaved: bool, pos: s
     return rotary
 
 
-def test_configs() -> list[tuple]:
-    """The configs the GPU tier launches (and the compile tier builds): for every dtype, width and pairing, the
-    widest vectors with every positions dtype and rank (aligned views), single elements (views one element off
-    an aligned address: 4-D without positions, 3-D with and without) and the widest data vectors with a misaligned
-    cache (3-D, with and without positions)."""
-    cfgs = []
-    for dtype in ("bf16", "fp32"):
-        v = VECS[dtype][0]
-        for d in (64, 128):
-            for inter in (False, True):
-                cw = min(4, v // 2 if inter else v)
-                cfgs += [(dtype, d, v, cw, inter, pos, rank) for pos in ("none", "int32", "int64") for rank in (3, 4)]
-                cfgs += [(dtype, d, 1, 1, inter, pos, rank) for pos, rank in (("none", 4), ("none", 3), ("int64", 3))]
-                cfgs += [(dtype, d, v, 1, inter, pos, 3) for pos in ("none", "int64")]
-    return cfgs
+def _bench_configs() -> list[tuple]:
+    """The configs the bench launches (tilefuse.bench.transform, transform.md 9): contiguous bf16 with the
+    widest vectors, head dim 128 paired halves (3-D without and with int64 positions, 4-D) and 64 interleaved
+    (3-D without and with int64 positions); fp32, head dim 64 paired halves, int32 positions. Other configs
+    compile on first use."""
+    return [("bf16", 128, 8, 4, False, "none", 3), ("bf16", 128, 8, 4, False, "int64", 3),
+            ("bf16", 128, 8, 4, False, "none", 4), ("bf16", 64, 8, 4, True, "none", 3),
+            ("bf16", 64, 8, 4, True, "int64", 3), ("fp32", 64, 4, 4, False, "int32", 3)]
 
 
-def _configs() -> list[tuple]:
-    """Precompile set: the test configs (they include the transform.md section 9 bench rows' configs)."""
-    return test_configs()
-
-
-_jit.register("apply_rotary", rotary_kernel, _configs)
+_jit.register("apply_rotary", rotary_kernel, _bench_configs)
 
 
 # ---- launcher ----
