@@ -38,6 +38,15 @@ COUNTED = {
     "swiglu_forward_and_per_token_cast": 5,   # x, out, sf (quant.md 7.3) + the routing map and weights (0.1 MB)
     "norm_forward": 3,                        # x, weight, out
     "randn": 1,                               # the output (its one input is the device)
+    # mHC (tilefuse/bench/mhc.py): inputs with the destination buffer, plus the destination returned
+    "expand_to_mhc_fwd": 3,                   # x, o, o
+    "expand_to_mhc_bwd": 3,                   # o_grad, x_grad, x_grad
+    "mhc_pre_apply_mix_fwd": 4,               # x, mix, o, o
+    "mhc_pre_apply_mix_bwd": 6,               # o_grad, x, mix, x_grad; x_grad, mix_grad
+    "mhc_post_fwd": 6,                        # x, residual, post, comb, out; out
+    "mhc_post_bwd": 9,                        # x, residual, post, comb, d_o; d_x, d_residual, d_post, d_comb
+    "mhc_sinkhorn_fwd": 3,                    # x, out, out
+    "mhc_sinkhorn_bwd": 4,                    # d_out, x, d_x, d_x
     "norm_forward_and_per_token_cast": 4,     # x, weight, out, sf
     "norm_backward": 6,                       # out_grad, x, weight, rstd, x_grad, weight_grad
     "per_token_cast_and_cast_back": 2,        # x read, x written in place
