@@ -226,7 +226,7 @@ def test_v1_op_with_autograd_matches_reference(n0, n1):
 @pytest.mark.gpu
 def test_v1_op_strided_input_and_expanded_gradient():
     base = torch.randn(4, 4, 300, device="cuda")
-    x = base.permute(2, 0, 1).requires_grad_()  # not contiguous: the op makes it so
+    x = base.permute(2, 0, 1).detach().requires_grad_()  # not contiguous: the op makes it so
     out = sinkhorn_normalize(x, 20, EPS)
     out.sum().backward()  # d_out is an expanded (stride 0) tensor of ones
     xr = base.permute(2, 0, 1).contiguous().requires_grad_()
