@@ -23,6 +23,10 @@ from tilefuse.bench.core import Case, _dim, _nbytes
 
 OPS = ("expand_to_mhc_fwd", "expand_to_mhc_bwd", "mhc_pre_apply_mix_fwd", "mhc_pre_apply_mix_bwd", "mhc_post_fwd",
        "mhc_post_bwd", "mhc_sinkhorn_fwd", "mhc_sinkhorn_bwd")
+# v1 autograd ops -> the v2.1 op whose kernels they run (timed by that op's rows)
+SAME_KERNELS = {"expand_to_mhc": "expand_to_mhc_fwd", "mhc_pre_apply_mix": "mhc_pre_apply_mix_fwd",
+                "mhc_post": "mhc_post_fwd", "sinkhorn_normalize": "mhc_sinkhorn_fwd",
+                "mhc_pre_split_mixes": "mhc_pre_split_mixes_fwd", "mhc_head_compute_mix": "mhc_head_compute_mix_fwd"}
 N = 4                   # streams (DeepSeek-V4)
 TOKENS_LAYER = 8192     # tokens of the layer rows
 SINKHORN_MATRICES = 32768
