@@ -29,6 +29,7 @@ from tilefuse.mhc import _functions as F
 from tilefuse.reference.mhc import mhc_post_bwd_ref, mhc_post_ref
 from tests.mhc.configs_post import GRID_C, GRID_N, ODD_C, post_configs
 from tests.mhc.mhc_helpers import BF16, F64, bf16_ulp
+from tests.mhc import post_emulation as emu
 from tests.quant.kernel_binding import fake_jit
 
 BF16_RTOL, BF16_ATOL = 1.6e-2, 1e-5  # spec §3: assert_close bf16 defaults
@@ -97,6 +98,40 @@ def test_launchers_bind_their_arguments(shape, monkeypatch):
     assert (d_x.shape, d_r.shape, d_p.shape, d_c.shape) == (x.shape, residual.shape, post.shape, comb.shape)
     assert [(call.name, call.cfg) for call in calls] == [("mhc_post_fwd", (n, c))] * 2 + [("mhc_post_bwd", (n, c))]
     assert all(call.env["num_tokens"] == b * s for call in calls)
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not emu.HAS_GXX, reason="needs g++")
+@pytest.mark.parametrize("n, c, tokens", [(4, 264, 7), (2, 8, 5), (8, 264, 9), (4, 1280, 13)])
+def test_generated_source_on_the_cpu(n, c, tokens, tmp_path):
+    """The kernels' CUDA source, run on the CPU (``post_emulation``: the same arithmetic bit for bit): every output
+    written (NaN-poisoned before), the forward and d_x bitwise equal to the chains of §2.6, d_residual bitwise equal
+    to the reference (§3 item 1), the rest within the tolerances above. Small T and odd C exercise the lane guards
+    and the last partial CTA."""
+    x, r = torch.randn(1, tokens, c).to(BF16), torch.randn(1, tokens, n, c).to(BF16)
+    p, cm = torch.rand(1, tokens, n, 1) * 2, torch.randn(1, tokens, n, n)
+    g = torch.randn(1, tokens, n, c).to(BF16)
+    lanes = tokens * c // K.V
+    fwd = emu.build(_jit.compile_kernel("mhc_post_fwd", (n, c), "sm_90").get_kernel_source(), "mhc_post_fwd_kernel",
+                    K.FWD_THREADS, False, tmp_path)
+    out = torch.full_like(r, float("nan"))
+    fwd(dict(X=x, Rs=r, P=p, Cm=cm, O=out), tokens, -(-lanes // K.FWD_THREADS))
+    xf, rf, gf = x.float(), r.float(), g.float()
+    model = torch.stack([emu.fma_chain(emu.fma_chain(cm[..., 0, o, None] * rf[..., 0, :], [(p[..., o, :], xf)]),
+                                       [(cm[..., i, o, None], rf[..., i, :]) for i in range(1, n)])
+                         for o in range(n)], dim=-2).to(BF16)
+    assert torch.equal(out, model)
+    _check_forward(out, x, r, p, cm)
+
+    bwd = emu.build(_jit.compile_kernel("mhc_post_bwd", (n, c), "sm_90").get_kernel_source(), "mhc_post_bwd_kernel",
+                    K.BWD_WARPS * K.WARP, True, tmp_path)
+    got = (torch.full_like(x, float("nan")), torch.full_like(r, float("nan")),
+           torch.full((1, tokens, n, 1), float("nan")), torch.full((1, tokens, n, n), float("nan")))
+    bwd(dict(X=x, Rs=r, G=g, P=p, Cm=cm, DX=got[0], DR=got[1], DP=got[2], DC=got[3]), tokens, -(-tokens // K.BWD_WARPS))
+    d_x_model = emu.fma_chain(p[..., 0, :] * gf[..., 0, :], [(p[..., o, :], gf[..., o, :]) for o in range(1, n)])
+    assert torch.equal(got[0], d_x_model.to(BF16))
+    assert torch.equal(got[1], mhc_post_bwd_ref(x, r, p, cm, g)[1])
+    _check_backward(got, x, r, p, cm, g)
 
 
 def test_kernel_takes_only_what_it_was_built_for():
