@@ -134,6 +134,30 @@ def test_generated_source_on_the_cpu(n, c, tokens, tmp_path):
     _check_backward(got, x, r, p, cm, g)
 
 
+@pytest.mark.compile
+@pytest.mark.skipif(not emu.HAS_GXX, reason="needs g++")
+def test_backward_unroll_knob_changes_no_result(tmp_path, monkeypatch):
+    """BWD_UNROLL only groups loads: U = 1, 2 and 3 give bitwise the same four gradients (CPU emulation; C = 1280
+    has 5 lane steps, so U = 2 and 3 end on a partly guarded group)."""
+    n, c, tokens = 4, 1280, 5
+    x, r = torch.randn(1, tokens, c).to(BF16), torch.randn(1, tokens, n, c).to(BF16)
+    p, cm = torch.rand(1, tokens, n, 1) * 2, torch.randn(1, tokens, n, n)
+    g = torch.randn(1, tokens, n, c).to(BF16)
+    results = []
+    for u in (1, 2, 3):
+        monkeypatch.setattr(K, "BWD_UNROLL", u)
+        src = _jit.compile_kernel("mhc_post_bwd", (n, c), "sm_90", export=False).get_kernel_source()
+        bwd = emu.build(src, "mhc_post_bwd_kernel", K.BWD_WARPS * K.WARP, True, tmp_path / str(u))
+        got = (torch.full_like(x, float("nan")), torch.full_like(r, float("nan")),
+               torch.full((1, tokens, n, 1), float("nan")), torch.full((1, tokens, n, n), float("nan")))
+        bwd(dict(X=x, Rs=r, G=g, P=p, Cm=cm, DX=got[0], DR=got[1], DP=got[2], DC=got[3]), tokens,
+            -(-tokens // K.BWD_WARPS))
+        results.append(got)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+
+
 def test_kernel_takes_only_what_it_was_built_for():
     x, r, p, c = torch.randn(1, 2, 16).to(BF16), torch.randn(1, 2, 4, 16).to(BF16), torch.rand(1, 2, 4, 1), \
         torch.randn(1, 2, 4, 4)

@@ -12,7 +12,9 @@ broadcasts) and the lane's ``x`` and ``n`` residual vectors, and writes ``n`` ou
 ``out_o = bf16(acc)`` (the chain of §2.6, bit-for-bit; every product and fma is an explicit ``__fmul_rn`` /
 ``__fmaf_rn`` so nvcc cannot contract or reorder it).
 
-Backward: one warp per token; lane ``k`` of the warp walks the token's lanes ``k, k + 32, ...``. Elementwise, per
+Backward: one warp per token; lane ``k`` of the warp walks the token's lanes ``k, k + 32, ...``, issuing the
+loads of ``BWD_UNROLL`` steps before their arithmetic (more bytes in flight per warp; the order of the arithmetic
+is the same for every value of the knob). Elementwise, per
 column: ``d_x = bf16(chain_o post[o] * g_o)`` and ``d_residual_i = bf16(chain_o comb[i, o] * g_o)`` with the chain
 ``RN(a_0 * g_0)``, then ``fma(a_o, g_o, acc)`` for increasing o (§2.6, bit-for-bit). The per-token mix gradients
 ``d_post[o] = sum_c x[c] g_o[c]`` and ``d_comb[i, o] = sum_c R_i[c] g_o[c]`` are fp32 reductions over C (the
@@ -33,6 +35,7 @@ from tilefuse import _jit, _launch, _ops
 # ---- tuning knobs (TILEFUSE_KNOBS) ----
 FWD_THREADS = 128  # threads per CTA of the forward (one lane each)
 BWD_WARPS = 4      # tokens per CTA of the backward (one warp each)
+BWD_UNROLL = 2     # backward lane steps whose loads a thread issues before their arithmetic (results unchanged)
 
 V = 8                  # bf16 columns per lane: one 16-byte vector
 KERNEL_N = (2, 4, 8)   # multiplicities the kernels are built for
@@ -119,6 +122,7 @@ def post_bwd_kernel(n: int, C: int):
     assert n in KERNEL_N and C % V == 0 and C > 0, (n, C)
     L = C // V
     steps = (L + WARP - 1) // WARP  # lane steps per thread
+    U = max(1, min(BWD_UNROLL if n <= 4 else 1, steps))  # n = 8 already holds ~250 registers with U = 1
     warps = BWD_WARPS
     Tn = T.dynamic("num_tokens", "int64")
     bf, f32 = "bfloat16", "float32"
@@ -131,9 +135,9 @@ def post_bwd_kernel(n: int, C: int):
         with T.Kernel(T.ceildiv(Tn, warps), threads=warps * WARP) as bx:
             tid = T.get_thread_binding()
             lane = tid % WARP
-            xv = T.alloc_local((V,), bf)
-            rv = T.alloc_local((n * V,), bf)
-            gv = T.alloc_local((n * V,), bf)
+            xv = T.alloc_local((U * V,), bf)
+            rv = T.alloc_local((U * n * V,), bf)
+            gv = T.alloc_local((U * n * V,), bf)
             pv = T.alloc_local((n,), f32)
             cv = T.alloc_local((n * n,), f32)
             ov = T.alloc_local((V,), bf)
@@ -151,40 +155,46 @@ def post_bwd_kernel(n: int, C: int):
                     sp[k] = T.float32(0)
                 for k in T.unroll(n * n):
                     sc[k] = T.float32(0)
-                for s in T.serial(steps):
-                    l = lane + s * WARP
-                    if l < L:
-                        c = l * V
-                        for e in T.vectorized(V):
-                            xv[e] = X[t, c + e]
-                        for i in T.unroll(n):
+                for s in T.serial(T.ceildiv(steps, U)):
+                    for u in T.unroll(U):  # the loads of U lane steps, then their arithmetic in step order
+                        l = lane + (s * U + u) * WARP
+                        if l < L:
                             for e in T.vectorized(V):
-                                rv[i * V + e] = Rs[t, i, c + e]
-                        for o in T.unroll(n):
-                            for e in T.vectorized(V):
-                                gv[o * V + e] = G[t, o, c + e]
-                        for k in T.unroll(n * V):
-                            gf[k] = T.cast(gv[k], f32)
-                        # d_x = bf16(RN(post_0 g_0), then fma(post_o, g_o, .) for o = 1..n-1)
-                        for e in T.unroll(V):
-                            ov[e] = T.cast(_chain(_fmul(pv[0], gf[e]), [(pv[o], gf[o * V + e]) for o in range(1, n)]), bf)
-                        for e in T.vectorized(V):
-                            DX[t, c + e] = ov[e]
-                        # d_residual_i = bf16(RN(comb[i, 0] g_0), then fma(comb[i, o], g_o, .))
-                        for i in T.unroll(n):
+                                xv[u * V + e] = X[t, l * V + e]
+                            for i in T.unroll(n):
+                                for e in T.vectorized(V):
+                                    rv[(u * n + i) * V + e] = Rs[t, i, l * V + e]
+                            for o in T.unroll(n):
+                                for e in T.vectorized(V):
+                                    gv[(u * n + o) * V + e] = G[t, o, l * V + e]
+                    for u in T.unroll(U):
+                        l = lane + (s * U + u) * WARP
+                        if l < L:
+                            c = l * V
+                            for k in T.unroll(n * V):
+                                gf[k] = T.cast(gv[u * n * V + k], f32)
+                            # d_x = bf16(RN(post_0 g_0), then fma(post_o, g_o, .) for o = 1..n-1)
                             for e in T.unroll(V):
-                                ov[e] = T.cast(_chain(_fmul(cv[i * n], gf[e]),
-                                                      [(cv[i * n + o], gf[o * V + e]) for o in range(1, n)]), bf)
+                                ov[e] = T.cast(_chain(_fmul(pv[0], gf[e]),
+                                                      [(pv[o], gf[o * V + e]) for o in range(1, n)]), bf)
                             for e in T.vectorized(V):
-                                DR[t, i, c + e] = ov[e]
-                        # mix-gradient partials, columns in increasing order
-                        for o in T.unroll(n):
-                            for e in T.unroll(V):
-                                sp[o] = _fma(T.cast(xv[e], f32), gf[o * V + e], sp[o])
-                        for i in T.unroll(n):
+                                DX[t, c + e] = ov[e]
+                            # d_residual_i = bf16(RN(comb[i, 0] g_0), then fma(comb[i, o], g_o, .))
+                            for i in T.unroll(n):
+                                for e in T.unroll(V):
+                                    ov[e] = T.cast(_chain(_fmul(cv[i * n], gf[e]),
+                                                          [(cv[i * n + o], gf[o * V + e]) for o in range(1, n)]), bf)
+                                for e in T.vectorized(V):
+                                    DR[t, i, c + e] = ov[e]
+                            # mix-gradient partials, columns in increasing order
                             for o in T.unroll(n):
                                 for e in T.unroll(V):
-                                    sc[i * n + o] = _fma(T.cast(rv[i * V + e], f32), gf[o * V + e], sc[i * n + o])
+                                    sp[o] = _fma(T.cast(xv[u * V + e], f32), gf[o * V + e], sp[o])
+                            for i in T.unroll(n):
+                                for o in T.unroll(n):
+                                    for e in T.unroll(V):
+                                        sc[i * n + o] = _fma(T.cast(rv[(u * n + i) * V + e], f32), gf[o * V + e],
+                                                             sc[i * n + o])
                 for k in T.unroll(n):
                     for m in T.unroll(5):
                         sp[k] = sp[k] + T.shfl_xor(sp[k], T.shift_right(16, m))
