@@ -158,6 +158,51 @@ def test_backward_unroll_knob_changes_no_result(tmp_path, monkeypatch):
             assert torch.equal(a, b)
 
 
+@pytest.mark.compile
+@pytest.mark.skipif(not emu.HAS_GXX, reason="needs g++")
+def test_launchers_end_to_end_on_the_cpu(tmp_path, monkeypatch):
+    """The launchers with the kernels run by the CPU emulation: a strided residual and d_o, a residual 2 bytes off
+    a 16-byte boundary, a non-contiguous and a misaligned ``out``, two batch rows: the same results as contiguous
+    inputs, and those as the reference within the tolerances above."""
+    def get(name, cfg):
+        n, c = cfg
+        src = _jit.compile_kernel(name, cfg, "sm_90").get_kernel_source()
+        fwd = name == "mhc_post_fwd"
+        threads = K.FWD_THREADS if fwd else K.BWD_WARPS * K.WARP
+        run = emu.build(src, name + "_kernel", threads, not fwd, tmp_path / name)
+        keys = ("X", "Rs", "P", "Cm", "O") if fwd else ("X", "Rs", "G", "P", "Cm", "DX", "DR", "DP", "DC")
+
+        def launch(*args):
+            tokens = args[0].shape[0]
+            blocks = -(-tokens * c // K.V // threads) if fwd else -(-tokens // K.BWD_WARPS)
+            run(dict(zip(keys, args)), tokens, blocks)
+        return launch
+
+    monkeypatch.setattr(_jit, "get", get)
+    b, s_, n, c = 2, 3, 4, 264
+    x, r = torch.randn(b, s_, c).to(BF16), torch.randn(b, s_, n, c).to(BF16)
+    p, cm = torch.rand(b, s_, n, 1) * 2, torch.randn(b, s_, n, n)
+    g = torch.randn(b, s_, n, c).to(BF16)
+    want_f = K.post_fwd_launch(x, r, p, cm)
+    want_b = K.post_bwd_launch(x, r, p, cm, g)
+    _check_forward(want_f, x, r, p, cm)
+    _check_backward(want_b, x, r, p, cm, g)
+    strided_r = torch.full((b, s_, c, n), float("nan"), dtype=BF16).transpose(-1, -2)
+    strided_r.copy_(r)
+    odd_r = torch.full((1 + r.numel(),), float("nan"), dtype=BF16)[1:].view(r.shape)
+    odd_r.copy_(r)
+    strided_g = torch.full((b, s_, n, c + 16), float("nan"), dtype=BF16)[..., 8:8 + c]
+    strided_g.copy_(g)
+    for rr in (strided_r, odd_r):
+        assert torch.equal(K.post_fwd_launch(x, rr, p, cm), want_f)
+        for a, b_ in zip(K.post_bwd_launch(x, rr, p, cm, strided_g), want_b):
+            assert torch.equal(a, b_)
+    for out in (torch.full((b, s_, c, n), float("nan"), dtype=BF16).transpose(-1, -2),
+                torch.full((1 + r.numel(),), float("nan"), dtype=BF16)[1:].view(r.shape),
+                torch.full_like(r, float("nan"))):
+        assert K.post_fwd_launch(x, r, p, cm, out) is out and torch.equal(out, want_f)
+
+
 def test_kernel_takes_only_what_it_was_built_for():
     x, r, p, c = torch.randn(1, 2, 16).to(BF16), torch.randn(1, 2, 4, 16).to(BF16), torch.rand(1, 2, 4, 1), \
         torch.randn(1, 2, 4, 4)
