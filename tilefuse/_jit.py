@@ -60,6 +60,7 @@ KERNEL_MODULES = (
     "tilefuse.moe._count_kernel",
     "tilefuse.transform._rotary_kernel",
     "tilefuse.mhc._sinkhorn_kernel",
+    "tilefuse.mhc._post_kernel",
 )
 
 # Modules of TileLang helpers that kernels import: their source is part of every kernel's cache key.

@@ -11,6 +11,7 @@ import torch
 from tilefuse.reference import mhc as R
 
 from . import _sinkhorn_kernel as SK
+from . import _post_kernel
 
 # §2.12: the attribute of a residual's untyped storage that holds its fused bf16 gradient buffer.
 SIDE_CHANNEL = "grad_from_mhc_post"
@@ -208,9 +209,22 @@ class MHCPreApplyMixFn(torch.autograd.Function):
         return dx, d_mix, None
 
 
+def post_forward(x, residual, post_layer_mix, comb_res_mix, out=None):
+    """§2.6 forward: the kernel where it takes the arguments (``_post_kernel.takes``), else the reference;
+    writes ``out`` when given and returns it."""
+    if _post_kernel.takes(x, residual, post_layer_mix, comb_res_mix):
+        return _post_kernel.post_fwd_cuda(x, residual, post_layer_mix, comb_res_mix, out)
+    result = R.mhc_post_ref(x, residual, post_layer_mix, comb_res_mix)
+    return result if out is None else out.copy_(result)
+
+
 def post_backward(x, residual, post_layer_mix, comb_res_mix, d_o, fuse_grad_acc: bool):
-    """§2.6 backward; with ``fuse_grad_acc`` the residual gradient also becomes the side channel."""
-    d_x, d_residual, d_post, d_comb = R.mhc_post_bwd_ref(x, residual, post_layer_mix, comb_res_mix, d_o)
+    """§2.6 backward (the kernel where it takes the arguments, else the reference); with ``fuse_grad_acc`` the
+    residual gradient also becomes the side channel."""
+    if _post_kernel.takes(x, residual, post_layer_mix, comb_res_mix, d_o):
+        d_x, d_residual, d_post, d_comb = _post_kernel.post_bwd_cuda(x, residual, post_layer_mix, comb_res_mix, d_o)
+    else:
+        d_x, d_residual, d_post, d_comb = R.mhc_post_bwd_ref(x, residual, post_layer_mix, comb_res_mix, d_o)
     if fuse_grad_acc:
         attach_residual_grad(residual, d_residual)
     return d_x, d_residual, d_post, d_comb
@@ -222,7 +236,9 @@ class MHCPostFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, post_layer_mix, comb_res_mix, out):
         ctx.save_for_backward(x, residual, post_layer_mix, comb_res_mix)
-        return _write(out, R.mhc_post_ref(x, residual, post_layer_mix, comb_res_mix), ctx)
+        if out is not None:
+            ctx.mark_dirty(out)
+        return post_forward(x, residual, post_layer_mix, comb_res_mix, out)
 
     @staticmethod
     def backward(ctx, grad):

@@ -427,34 +427,37 @@ def _check_post(op: str, x, residual, post_layer_mix, comb_res_mix) -> None:
     _check.tensor(op, "comb_res_mix", comb_res_mix, dtype=F32, shape=(B, S, n, n), contiguous=True, device=dev)
 
 
-@public("mhc")
+@public("mhc", path="kernel")
 def mhc_post(x: torch.Tensor, residual: torch.Tensor, post_layer_mix: torch.Tensor, comb_res_mix: torch.Tensor,
              out: torch.Tensor | None = None) -> torch.Tensor:
     """New residual ``R'[o] = post[o] * x + sum_i comb[i, o] * R[i]`` (bf16 ``[B, S, n, C]``, §2.6), with
-    autograd. Backward attaches the residual gradient to the residual as the side channel (§2.12)."""
+    autograd. Backward attaches the residual gradient to the residual as the side channel (§2.12).
+
+    CUDA tensors with n in (2, 4, 8) and C % 8 == 0 take the TileLang kernels (``_post_kernel``), forward and
+    backward; other inputs take the reference."""
     op = "mhc_post"
     _check_post(op, x, residual, post_layer_mix, comb_res_mix)
     _check.optional(op, "out", out, dtype=BF16, shape=tuple(residual.shape), device=residual.device)
     return F.MHCPostFn.apply(x, residual, post_layer_mix, comb_res_mix, out)
 
 
-@public("mhc")
+@public("mhc", path="kernel")
 def mhc_post_fwd(x: torch.Tensor, residual: torch.Tensor, post_layer_mix: torch.Tensor, comb_res_mix: torch.Tensor,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """§2.6 forward without autograd; writes ``out`` if given and returns it."""
+    """§2.6 forward without autograd; writes ``out`` if given and returns it. Kernel or reference as ``mhc_post``."""
     op = "mhc_post_fwd"
     _check_post(op, x, residual, post_layer_mix, comb_res_mix)
     _check.optional(op, "out", out, dtype=BF16, shape=tuple(residual.shape), device=residual.device)
-    result = R.mhc_post_ref(x, residual, post_layer_mix, comb_res_mix)
-    return result if out is None else out.copy_(result)
+    return F.post_forward(x, residual, post_layer_mix, comb_res_mix, out)
 
 
-@public("mhc")
+@public("mhc", path="kernel")
 def mhc_post_bwd(x: torch.Tensor, residual: torch.Tensor, post_layer_mix: torch.Tensor, comb_res_mix: torch.Tensor,
                  d_o: torch.Tensor, fuse_grad_acc: bool = True):
     """§2.6 backward: ``(d_x, d_residual, d_post [B, S, n, 1], d_comb [B, S, n, n])``.
 
     With ``fuse_grad_acc`` (v1 default) ``d_residual`` is also attached to the residual as the side channel.
+    Kernel or reference as ``mhc_post``; ``d_post``/``d_comb`` are per-token sums over C (no sum over tokens).
     """
     op = "mhc_post_bwd"
     _check_post(op, x, residual, post_layer_mix, comb_res_mix)

@@ -1,0 +1,113 @@
+"""Run the CUDA source that TileLang generates for the post kernels on the CPU (not a test module).
+
+The kernel function is compiled by g++ with a small shim: ``bfloat16_t`` with round-to-nearest-even, the 16-byte
+vector types, ``__fmaf_rn`` = ``std::fmaf``, ``__fmul_rn`` = one rounded multiply (no contraction:
+``-ffp-contract=off``), and ``__shfl_xor_sync`` exchanged through a 32-slot array between the 32 host threads of a
+warp at a barrier. The forward runs its CTAs' threads one after another (it has no exchange between threads); the
+backward runs each warp as 32 host threads. So the CPU computes exactly what the GPU computes, bit for bit, and
+checks the kernels' indexing, guards and reductions without a GPU.
+"""
+import ctypes
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+HAS_GXX = shutil.which("g++") is not None
+
+SHIM = r"""
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+typedef unsigned int uint;
+struct bfloat16_t {
+  uint16_t s;
+  bfloat16_t() = default;
+  explicit bfloat16_t(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if (std::isnan(f)) { s = 0x7fc0; return; }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    s = (uint16_t)(u >> 16);
+  }
+  explicit operator float() const { uint32_t u = (uint32_t)s << 16; float f; std::memcpy(&f, &u, 4); return f; }
+};
+struct alignas(16) uint4 { uint x, y, z, w; };
+struct alignas(8) uint2 { uint x, y; };
+struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(8) float2 { float x, y; };
+struct Idx { unsigned x; };
+thread_local Idx threadIdx, blockIdx;
+#define __launch_bounds__(a, b)
+#define __restrict__
+static inline float __fmaf_rn(float a, float b, float c) { return std::fmaf(a, b, c); }
+static inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
+static float g_slots[32];
+static std::barrier<>* g_bar;
+static inline float __shfl_xor_sync(uint, float v, int delta, int) {
+  int lane = threadIdx.x % 32;
+  g_slots[lane] = v;
+  g_bar->arrive_and_wait();
+  float r = g_slots[lane ^ delta];
+  g_bar->arrive_and_wait();
+  return r;
+}
+"""
+
+
+def build(src: str, name: str, threads: int, warp_threads: bool, workdir: Path):
+    """Compile the ``__global__`` function ``name`` of ``src`` for the CPU; returns ``run(tensors: dict, num_tokens,
+    blocks)``, which binds tensors by the kernel's parameter names."""
+    body = src[src.index(f'extern "C" __global__ void __launch_bounds__'):]
+    params = [p.strip() for p in re.search(re.escape(name) + r"\(([^)]*)\)", body).group(1).split(",")]
+    names = [p.split()[-1] for p in params]
+    cargs = ", ".join("int64_t num_tokens" if a == "num_tokens" else f"void* {a}" for a in names)
+    call = ", ".join(a if a == "num_tokens" else f"({p.rsplit(' ', 1)[0].replace('__restrict__', '').strip()}){a}"
+                     for p, a in zip(params, names))
+    if warp_threads:
+        loop = f"""std::barrier<> bar(32); g_bar = &bar;
+  for (int64_t b = 0; b < blocks; ++b) for (unsigned w = 0; w < {threads // 32}; ++w) {{
+    std::vector<std::thread> th;
+    for (unsigned l = 0; l < 32; ++l)
+      th.emplace_back([=]() {{ blockIdx.x = b; threadIdx.x = w * 32 + l; {name}({call}); }});
+    for (auto& t : th) t.join();
+  }}"""
+    else:
+        loop = f"""for (int64_t b = 0; b < blocks; ++b) for (unsigned t = 0; t < {threads}; ++t) {{
+    blockIdx.x = b; threadIdx.x = t; {name}({call});
+  }}"""
+    cpp = SHIM + body.replace('extern "C" __global__', "static") + f"""
+extern "C" void run({cargs}, int64_t blocks) {{
+  {loop}
+}}
+"""
+    workdir.mkdir(parents=True, exist_ok=True)
+    source, lib = workdir / f"{name}.cpp", workdir / f"{name}.so"
+    source.write_text(cpp)
+    subprocess.run(["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC",
+                    "-pthread", "-o", str(lib), str(source)], check=True, capture_output=True)
+    fn = ctypes.CDLL(str(lib)).run
+
+    def run(tensors: dict, num_tokens: int, blocks: int) -> None:
+        for t in tensors.values():
+            assert t.device.type == "cpu" and t.is_contiguous()
+        fn(*[ctypes.c_int64(num_tokens) if a == "num_tokens" else ctypes.c_void_p(tensors[a].data_ptr())
+             for a in names], ctypes.c_int64(blocks))
+
+    return run
+
+
+def fma_chain(first: torch.Tensor, terms) -> torch.Tensor:
+    """``fma(a_k, b_k, ... fma(a_1, b_1, first))`` in fp32: the product of two fp32 values is exact in float64 and
+    the float64 sum is rounded to fp32. That equals the fma's single rounding except where the float64 rounding
+    lands exactly on an fp32 halfway point (a chance of about 2^-29 per operation on random data); a test that
+    compares this model bitwise uses fixed seeded data."""
+    acc = first
+    for a, b in terms:
+        acc = (a.double() * b.double() + acc.double()).float()
+    return acc
