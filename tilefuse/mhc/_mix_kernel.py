@@ -28,11 +28,11 @@ partial counts are symbolic (int64 indices): one binary per n (and token block) 
 import torch
 
 from tilefuse import _jit, _ops
+from tilefuse.reference.mhc import TOKEN_BLOCK  # default token block of the parameter-gradient partials
 
 MAX_N = 8        # largest multiplicity the kernels take (per-token arrays of n(n+2) floats in registers)
 THREADS = 128    # forward kernels and the partial sum: threads per CTA, one token (column) per thread
 LANES = 32       # backward kernels: threads per CTA, one token of a 32-token chunk per thread
-TOKEN_BLOCK = 32  # default token block of the parameter-gradient partials (mhc.md §2.3, §2.7)
 
 F32 = "float32"
 I64 = "int64"
