@@ -175,7 +175,7 @@ class MHCPreSplitMixesFn(torch.autograd.Function):
             _mix_kernel.split_mixes_bwd_cuda(
                 d_pre.reshape(-1, n).contiguous(), d_post.reshape(-1, n).contiguous(),
                 d_comb.reshape(-1, n * n).contiguous(), flat, post.reshape(-1, n), scale, base, d_input, d_scale,
-                d_base, ctx.post_mult_value, num_partials(input_mixes.device))
+                d_base, ctx.post_mult_value)
             return d_input.view(input_mixes.shape), d_scale, d_base, None, None, None
         d_input, d_scale, d_base = R.mhc_pre_split_mixes_bwd_ref(
             d_pre.reshape(-1, n), d_post.reshape(-1, n), d_comb.reshape(-1, n * n),
@@ -257,13 +257,10 @@ class MHCHeadComputeMixFn(torch.autograd.Function):
         input_mix, scale, base = ctx.saved_tensors
         n = input_mix.shape[-1]
         if _mix_kernel_takes(input_mix, n):
-            P = num_partials(input_mix.device)
             flat = input_mix.reshape(-1, n)
-            d_input, scale_partial, base_partial = torch.empty_like(flat), flat.new_empty(P, 1), flat.new_empty(P, n)
-            _mix_kernel.head_mix_bwd_cuda(grad.reshape(-1, n).contiguous(), flat, scale, base, d_input, scale_partial,
-                                          base_partial, _mix_kernel.TOKEN_BLOCK)
-            d_scale, d_base = scale.new_empty(1), base.new_empty(n)
-            _mix_kernel.partials_sum_cuda(scale_partial, base_partial, d_scale, d_base)
+            d_input, d_scale, d_base = torch.empty_like(flat), scale.new_empty(1), base.new_empty(n)
+            _mix_kernel.head_mix_bwd_sums_cuda(grad.reshape(-1, n).contiguous(), flat, scale, base, d_input, d_scale,
+                                               d_base)
             return d_input.view(input_mix.shape), d_scale, d_base, None
         d_input, scale_partial, base_partial = R.mhc_head_compute_mix_bwd_ref(
             grad.reshape(-1, n), input_mix.reshape(-1, n), scale, base, num_partials(input_mix.device))

@@ -93,7 +93,7 @@ def split_mixes_fwd_kernel(n: int):
     assert supports(n), n
     M = n * (n + 2)
     groups = _groups(n)
-    Tn = T.dynamic("num_tokens", I64)
+    Tn = T.dynamic("Tn", I64)
 
     @T.prim_func
     def mhc_split_mixes_fwd(X: T.Tensor((Tn, M), F32), S: T.Tensor((3,), F32), Bs: T.Tensor((M,), F32),
@@ -122,7 +122,7 @@ def head_mix_fwd_kernel(n: int):
     import tilelang.language as T
 
     assert supports(n), n
-    Tn = T.dynamic("num_tokens", I64)
+    Tn = T.dynamic("Tn", I64)
 
     @T.prim_func
     def mhc_head_mix_fwd(X: T.Tensor((Tn, n), F32), S: T.Tensor((1,), F32), Bs: T.Tensor((n,), F32),
@@ -226,7 +226,7 @@ def split_mixes_bwd_kernel(n: int, TB: int):
 
     assert supports(n) and TB >= 1, (n, TB)
     M = n * (n + 2)
-    Tn, P = T.dynamic("num_tokens, num_partials", I64)
+    Tn, P = T.dynamic("Tn, P", I64)
     loop, F, CPT = _bwd_loop(True, n, TB)
 
     @T.prim_func
@@ -255,7 +255,7 @@ def head_mix_bwd_kernel(n: int, TB: int):
     import tilelang.language as T
 
     assert supports(n) and TB >= 1, (n, TB)
-    Tn, P = T.dynamic("num_tokens, num_partials", I64)
+    Tn, P = T.dynamic("Tn, P", I64)
     loop, F, CPT = _bwd_loop(False, n, TB)
 
     @T.prim_func
@@ -277,7 +277,7 @@ def partials_sum_kernel():
     ``p`` from zero, one thread per output column (all sizes symbolic: one binary)."""
     import tilelang.language as T
 
-    P, G, M = T.dynamic("num_partials, scale_cols, base_cols", I64)
+    P, G, M = T.dynamic("P, G, M", I64)
 
     @T.prim_func
     def mhc_partials_sum(PS: T.Tensor((P, G), F32), PB: T.Tensor((P, M), F32), OS: T.Tensor((G,), F32),
@@ -335,23 +335,38 @@ def split_mixes_fwd_launch(input_mixes, scale, base, pre, post, comb, post_mult_
                                            float(post_mult_value), float(pre_eps))
 
 
+_SM_COUNTS: dict = {}
+
+
+def num_partials(device: torch.device) -> int:
+    """The partial count P of the split-mixes backward and the v1 head-mix backward: the device's SM count
+    (mhc.md §2.3), read once per device. Launchers call it (inside the custom ops, so a compiled graph never
+    traces it)."""
+    P = _SM_COUNTS.get(device)
+    if P is None:
+        P = _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return P
+
+
 def partials_sum_launch(scale_partial, base_partial, d_scale, d_base) -> None:
     """Overwrite ``d_scale [G]``, ``d_base [M]`` with the in-order sums of ``[P, G]``, ``[P, M]`` partials."""
     _jit.get("mhc_partials_sum", ())(scale_partial, base_partial, d_scale, d_base)
 
 
 def split_mixes_bwd_launch(d_pre, d_post, d_comb, input_mixes, post, scale, base, d_input, d_scale, d_base,
-                           post_mult_value: float, num_partials: int) -> None:
+                           post_mult_value: float, partials: int = 0) -> None:
     """Write ``d_input [T, M]`` and overwrite ``d_scale [3]``, ``d_base [M]`` (two launches: per-token
-    gradients with ``num_partials`` token partials, then their in-order sum). ``T == 0`` zeroes the sums."""
+    gradients with ``partials`` token partials (0: ``num_partials``, the SM count), then their in-order sum).
+    ``T == 0`` zeroes the sums."""
     T_, M = input_mixes.shape
     n = post.shape[1]
     if T_ == 0:
         d_scale.zero_()
         d_base.zero_()
         return
-    ps = torch.empty(num_partials, 3, dtype=torch.float32, device=input_mixes.device)
-    pb = torch.empty(num_partials, M, dtype=torch.float32, device=input_mixes.device)
+    P = partials or num_partials(input_mixes.device)
+    ps = torch.empty(P, 3, dtype=torch.float32, device=input_mixes.device)
+    pb = torch.empty(P, M, dtype=torch.float32, device=input_mixes.device)
     _jit.get("mhc_split_mixes_bwd", (n, TOKEN_BLOCK))(d_pre, d_post, d_comb, input_mixes, post, _packed(scale),
                                                       _packed(base), d_input, ps, pb, float(post_mult_value))
     partials_sum_launch(ps, pb, d_scale, d_base)
@@ -378,6 +393,17 @@ def head_mix_bwd_launch(d_out, input_mix, scale, base, d_input, scale_partial, b
                                                          scale_partial, base_partial)
 
 
+def head_mix_bwd_sums_launch(d_out, input_mix, scale, base, d_input, d_scale, d_base) -> None:
+    """The v1 head-mix backward: ``d_input [T, n]`` and the final ``d_scale [1]``, ``d_base [n]``: SM-count
+    partials in token blocks of ``TOKEN_BLOCK``, then their in-order sum (two launches)."""
+    P = num_partials(input_mix.device)
+    n = input_mix.shape[1]
+    ps = torch.empty(P, 1, dtype=torch.float32, device=input_mix.device)
+    pb = torch.empty(P, n, dtype=torch.float32, device=input_mix.device)
+    head_mix_bwd_launch(d_out, input_mix, scale, base, d_input, ps, pb, TOKEN_BLOCK)
+    partials_sum_launch(ps, pb, d_scale, d_base)
+
+
 # ---- torch.library registration (torch.compile / fake tensors) ----
 
 @_ops.kernel_op("tilefuse::mhc_split_mixes_fwd", mutates_args=("pre", "post", "comb"), device_types="cuda")
@@ -395,14 +421,13 @@ def _(input_mixes, scale, base, pre, post, comb, post_mult_value, pre_eps) -> No
                 device_types="cuda")
 def _split_bwd_op(d_pre: torch.Tensor, d_post: torch.Tensor, d_comb: torch.Tensor, input_mixes: torch.Tensor,
                   post: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, d_input: torch.Tensor,
-                  d_scale: torch.Tensor, d_base: torch.Tensor, post_mult_value: float, num_partials: int) -> None:
+                  d_scale: torch.Tensor, d_base: torch.Tensor, post_mult_value: float) -> None:
     split_mixes_bwd_launch(d_pre, d_post, d_comb, input_mixes, post, scale, base, d_input, d_scale, d_base,
-                           post_mult_value, num_partials)
+                           post_mult_value)
 
 
 @_split_bwd_op.register_fake
-def _(d_pre, d_post, d_comb, input_mixes, post, scale, base, d_input, d_scale, d_base, post_mult_value,
-      num_partials) -> None:
+def _(d_pre, d_post, d_comb, input_mixes, post, scale, base, d_input, d_scale, d_base, post_mult_value) -> None:
     return None
 
 
@@ -430,14 +455,15 @@ def _(d_out, input_mix, scale, base, d_input, scale_partial, base_partial, token
     return None
 
 
-@_ops.kernel_op("tilefuse::mhc_partials_sum", mutates_args=("d_scale", "d_base"), device_types="cuda")
-def _partials_sum_op(scale_partial: torch.Tensor, base_partial: torch.Tensor, d_scale: torch.Tensor,
-                     d_base: torch.Tensor) -> None:
-    partials_sum_launch(scale_partial, base_partial, d_scale, d_base)
+@_ops.kernel_op("tilefuse::mhc_head_mix_bwd_sums", mutates_args=("d_input", "d_scale", "d_base"),
+                device_types="cuda")
+def _head_bwd_sums_op(d_out: torch.Tensor, input_mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+                      d_input: torch.Tensor, d_scale: torch.Tensor, d_base: torch.Tensor) -> None:
+    head_mix_bwd_sums_launch(d_out, input_mix, scale, base, d_input, d_scale, d_base)
 
 
-@_partials_sum_op.register_fake
-def _(scale_partial, base_partial, d_scale, d_base) -> None:
+@_head_bwd_sums_op.register_fake
+def _(d_out, input_mix, scale, base, d_input, d_scale, d_base) -> None:
     return None
 
 
@@ -459,5 +485,5 @@ def head_mix_bwd_cuda(*args) -> None:
     (torch.ops.tilefuse.mhc_head_mix_bwd if torch.compiler.is_compiling() else head_mix_bwd_launch)(*args)
 
 
-def partials_sum_cuda(*args) -> None:
-    (torch.ops.tilefuse.mhc_partials_sum if torch.compiler.is_compiling() else partials_sum_launch)(*args)
+def head_mix_bwd_sums_cuda(*args) -> None:
+    (torch.ops.tilefuse.mhc_head_mix_bwd_sums if torch.compiler.is_compiling() else head_mix_bwd_sums_launch)(*args)

@@ -309,7 +309,7 @@ def mhc_pre_split_mixes_bwd(pre_layer_mix_grad: torch.Tensor, post_layer_mix_gra
     if dev.type == "cuda" and _mix_kernel.supports(n):
         _mix_kernel.split_mixes_bwd_cuda(pre_layer_mix_grad, post_layer_mix_grad, comb_res_mix_grad, input_mixes,
                                          post_layer_mix, mhc_scale, mhc_base, input_mixes_grad, mhc_scale_grad,
-                                         mhc_base_grad, v, F.num_partials(dev))
+                                         mhc_base_grad, v)
         return
     d_input, d_scale, d_base = R.mhc_pre_split_mixes_bwd_ref(
         pre_layer_mix_grad, post_layer_mix_grad, comb_res_mix_grad, input_mixes, post_layer_mix, mhc_scale, mhc_base,
