@@ -198,8 +198,8 @@ def test_split_bwd_matches_reference(T, n):
 def test_split_strided_scale_and_base():
     n, T = 4, 4001
     m, s, b, post, grads = _split_data(T, n)
-    s_view = torch.randn(3, 2)[:, 0].copy_(s)
-    b_view = torch.randn(24, 3)[:, 1].copy_(b)
+    s_view = torch.randn(3, 2, device="cuda")[:, 0].copy_(s)  # built on the device: .cuda() would pack them
+    b_view = torch.randn(24, 3, device="cuda")[:, 1].copy_(b)
     assert not s_view.is_contiguous() and not b_view.is_contiguous()
     want = _split_fwd_cuda(m, s, b, n) + _split_bwd_cuda(m, s, b, post, grads)
     got = _split_fwd_cuda(m, s_view, b_view, n) + _split_bwd_cuda(m, s_view, b_view, post, grads)

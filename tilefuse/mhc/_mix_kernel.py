@@ -467,23 +467,29 @@ def _(d_out, input_mix, scale, base, d_input, d_scale, d_base) -> None:
     return None
 
 
-# ---- CUDA entries: a direct launch in eager mode, the custom op under torch.compile ----
+# ---- CUDA entries: a direct launch in eager mode, the custom op while tracing ----
+
+def _tracing(x) -> bool:
+    """torch.compile is tracing, or ``x`` is not a plain tensor (a fake or functional tensor of a trace that
+    does not set the compiling flag, or a subclass): take the registered op."""
+    return torch.compiler.is_compiling() or type(x) is not torch.Tensor
+
 
 def split_mixes_fwd_cuda(*args) -> None:
-    (torch.ops.tilefuse.mhc_split_mixes_fwd if torch.compiler.is_compiling() else split_mixes_fwd_launch)(*args)
+    (torch.ops.tilefuse.mhc_split_mixes_fwd if _tracing(args[0]) else split_mixes_fwd_launch)(*args)
 
 
 def split_mixes_bwd_cuda(*args) -> None:
-    (torch.ops.tilefuse.mhc_split_mixes_bwd if torch.compiler.is_compiling() else split_mixes_bwd_launch)(*args)
+    (torch.ops.tilefuse.mhc_split_mixes_bwd if _tracing(args[0]) else split_mixes_bwd_launch)(*args)
 
 
 def head_mix_fwd_cuda(*args) -> None:
-    (torch.ops.tilefuse.mhc_head_mix_fwd if torch.compiler.is_compiling() else head_mix_fwd_launch)(*args)
+    (torch.ops.tilefuse.mhc_head_mix_fwd if _tracing(args[0]) else head_mix_fwd_launch)(*args)
 
 
 def head_mix_bwd_cuda(*args) -> None:
-    (torch.ops.tilefuse.mhc_head_mix_bwd if torch.compiler.is_compiling() else head_mix_bwd_launch)(*args)
+    (torch.ops.tilefuse.mhc_head_mix_bwd if _tracing(args[0]) else head_mix_bwd_launch)(*args)
 
 
 def head_mix_bwd_sums_cuda(*args) -> None:
-    (torch.ops.tilefuse.mhc_head_mix_bwd_sums if torch.compiler.is_compiling() else head_mix_bwd_sums_launch)(*args)
+    (torch.ops.tilefuse.mhc_head_mix_bwd_sums if _tracing(args[0]) else head_mix_bwd_sums_launch)(*args)
