@@ -274,10 +274,23 @@ def head_mix_bwd_kernel(n: int, TB: int):
 
 def partials_sum_kernel():
     """Factory: ``OS[g] = sum_p PS[p, g]`` and ``OB[j] = sum_p PB[p, j]``, each a left-to-right sum over
-    ``p`` from zero, one thread per output column (all sizes symbolic: one binary)."""
+    ``p`` from zero, one thread per output column (all sizes symbolic: one binary). A thread loads ``ROWS``
+    partials at a time into registers (independent loads in flight), then adds them in order."""
     import tilelang.language as T
 
     P, G, M = T.dynamic("P, G, M", I64)
+    ROWS = 16
+
+    @T.macro
+    def column_sum(A, col, acc, vals):
+        acc[0] = T.float32(0.0)
+        for ch in T.serial(T.ceildiv(P, ROWS)):
+            for r in T.unroll(ROWS):
+                if ch * ROWS + r < P:
+                    vals[r] = A[ch * ROWS + r, col]
+            for r in T.unroll(ROWS):
+                if ch * ROWS + r < P:
+                    acc[0] = _add(acc[0], vals[r])
 
     @T.prim_func
     def mhc_partials_sum(PS: T.Tensor((P, G), F32), PB: T.Tensor((P, M), F32), OS: T.Tensor((G,), F32),
@@ -285,14 +298,12 @@ def partials_sum_kernel():
         with T.Kernel(T.ceildiv(G + M, THREADS), threads=THREADS) as bx:
             col = T.cast(bx, I64) * THREADS + T.get_thread_binding()
             acc = T.alloc_local((1,), F32)
-            acc[0] = T.float32(0.0)
+            vals = T.alloc_local((ROWS,), F32)
             if col < G:
-                for p in T.serial(P):
-                    acc[0] = _add(acc[0], PS[p, col])
+                column_sum(PS, col, acc, vals)
                 OS[col] = acc[0]
             elif col < G + M:
-                for p in T.serial(P):
-                    acc[0] = _add(acc[0], PB[p, col - G])
+                column_sum(PB, col - G, acc, vals)
                 OB[col - G] = acc[0]
 
     return mhc_partials_sum
