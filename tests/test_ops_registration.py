@@ -4,7 +4,8 @@ not support. (Their results under ``torch.compile`` and CUDA graphs are GPU-tier
 import pytest
 import torch
 
-import tilefuse.moe  # noqa: F401  (registers the ops)
+import tilefuse.mhc  # noqa: F401  (registers the ops)
+import tilefuse.moe  # noqa: F401
 import tilefuse.quant  # noqa: F401
 import tilefuse.transform  # noqa: F401
 import tilefuse.transpose  # noqa: F401
