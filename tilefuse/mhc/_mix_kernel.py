@@ -12,9 +12,13 @@ Per-token math (one thread per token, everything in registers; fp32 IEEE operati
   ``d_input = dz * s``;
 * per-token scale terms: ``sum_j dz[j] * m[j]`` over a group's columns, summed left to right.
 
+A fused kernel that must equal the unfused chain bit for bit (``mhc_pre_big_fuse``, §2.8, §3 contract 2) uses
+this same split chain.
+
 Parameter gradients (``d_scale``, ``d_base``) are sums over tokens, made deterministic and independent of
 the launch (no atomics): tokens are cut into blocks of ``TB`` tokens (the spec's ``token_block_size``,
-default 32); partial ``p`` of ``P`` (a runtime count, the SM count for split mixes) is the sum of blocks
+default 32); partial ``p`` of ``P`` (a runtime count: the SM count for split mixes and the v1 head-mix
+backward, the caller's ``num_sms`` for the v2.1 head-mix backward) is the sum of blocks
 ``p, p + P, p + 2P, ...`` added in increasing block order to a zero start; a block's sum adds its tokens
 one after another in token order (tail tokens past ``T`` add nothing). This is the grouping of
 ``reference.mhc.token_partials``; only the order inside a block differs from torch's ``sum``. The partials
