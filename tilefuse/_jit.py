@@ -61,6 +61,7 @@ KERNEL_MODULES = (
     "tilefuse.transform._rotary_kernel",
     "tilefuse.mhc._sinkhorn_kernel",
     "tilefuse.mhc._post_kernel",
+    "tilefuse.mhc._mix_kernel",
 )
 
 # Modules of TileLang helpers that kernels import: their source is part of every kernel's cache key.

@@ -1,8 +1,8 @@
 """Autograd Functions behind the v1 mHC ops (mhc.md §1.2), and the residual-gradient side channel (§2.12).
 
 The Functions take already validated arguments (the public wrappers in ``ops.py`` check them) and call
-the reference math, so they also run in float64 for gradcheck. A CUDA kernel plugs in where a Function
-calls ``R.*``.
+the reference math, so they also run in float64 for gradcheck; fp32 CUDA tensors take a kernel where one
+exists (split mixes, head mix: ``_mix_kernel``).
 """
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import torch
 
 from tilefuse.reference import mhc as R
 
-from . import _sinkhorn_kernel as SK
+from . import _sinkhorn_kernel
 from . import _post_kernel
+from . import _mix_kernel
 
 # §2.12: the attribute of a residual's untyped storage that holds its fused bf16 gradient buffer.
 SIDE_CHANNEL = "grad_from_mhc_post"
@@ -143,12 +144,25 @@ class MHCPreNormFn(torch.autograd.Function):
         return dx, d_fn, None, None
 
 
+def _mix_kernel_takes(x: torch.Tensor, n: int) -> bool:
+    """Whether the mix kernels (split mixes, head mix) take these fp32 CUDA logits at multiplicity n."""
+    return x.is_cuda and x.dtype == torch.float32 and _mix_kernel.supports(n)
+
+
 class MHCPreSplitMixesFn(torch.autograd.Function):
-    """§2.3: split mix logits; saves the logits, the post mix, scale and base."""
+    """§2.3: split mix logits; saves the logits, the post mix, scale and base. CUDA: the mix kernels."""
 
     @staticmethod
     def forward(ctx, input_mixes, scale, base, mhc_mult, post_mult_value, pre_eps):
-        pre, post, comb = R.mhc_pre_split_mixes_ref(input_mixes, scale, base, mhc_mult, post_mult_value, pre_eps)
+        n = mhc_mult
+        if _mix_kernel_takes(input_mixes, n):
+            flat = input_mixes.reshape(-1, n * (n + 2))
+            lead = input_mixes.shape[:-1]
+            pre, post, comb = (flat.new_empty(flat.shape[0], w) for w in (n, n, n * n))
+            _mix_kernel.split_mixes_fwd_cuda(flat, scale, base, pre, post, comb, post_mult_value, pre_eps)
+            pre, post, comb = pre.view(*lead, n, 1), post.view(*lead, n, 1), comb.view(*lead, n, n)
+        else:
+            pre, post, comb = R.mhc_pre_split_mixes_ref(input_mixes, scale, base, n, post_mult_value, pre_eps)
         ctx.save_for_backward(input_mixes, post, scale, base)
         ctx.post_mult_value = post_mult_value
         return pre, post, comb
@@ -157,6 +171,14 @@ class MHCPreSplitMixesFn(torch.autograd.Function):
     def backward(ctx, d_pre, d_post, d_comb):
         input_mixes, post, scale, base = ctx.saved_tensors
         n = post.shape[-2]
+        if _mix_kernel_takes(input_mixes, n):
+            flat = input_mixes.reshape(-1, input_mixes.shape[-1])
+            d_input, d_scale, d_base = torch.empty_like(flat), scale.new_empty(3), base.new_empty(base.shape[0])
+            _mix_kernel.split_mixes_bwd_cuda(
+                d_pre.reshape(-1, n).contiguous(), d_post.reshape(-1, n).contiguous(),
+                d_comb.reshape(-1, n * n).contiguous(), flat, post.reshape(-1, n), scale, base, d_input, d_scale,
+                d_base, ctx.post_mult_value)
+            return d_input.view(input_mixes.shape), d_scale, d_base, None, None, None
         d_input, d_scale, d_base = R.mhc_pre_split_mixes_bwd_ref(
             d_pre.reshape(-1, n), d_post.reshape(-1, n), d_comb.reshape(-1, n * n),
             input_mixes.reshape(-1, input_mixes.shape[-1]), post.reshape(-1, n), scale, base,
@@ -171,20 +193,20 @@ class SinkhornNormalizeFn(torch.autograd.Function):
     def forward(ctx, x, repeat, eps):
         ctx.save_for_backward(x)
         ctx.repeat, ctx.eps = repeat, eps
-        if SK.fwd_supported(x, repeat):  # contiguous [..., n, n]: the kernel sees [T, n, n]
+        if _sinkhorn_kernel.fwd_supported(x, repeat):  # contiguous [..., n, n]: the kernel sees [T, n, n]
             out = torch.empty_like(x)
             n = x.shape[-1]
-            SK.sinkhorn_fwd_cuda(x.view(-1, n, n), out.view(-1, n, n), repeat, eps)
+            _sinkhorn_kernel.sinkhorn_fwd_cuda(x.view(-1, n, n), out.view(-1, n, n), repeat, eps)
             return out
         return R.sinkhorn_normalize_ref(x, repeat, eps)
 
     @staticmethod
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
-        if SK.bwd_supported(x, ctx.repeat):
+        if _sinkhorn_kernel.bwd_supported(x, ctx.repeat):
             n = x.shape[-1]
             d_x = torch.empty_like(x)
-            SK.sinkhorn_bwd_cuda(grad.reshape(-1, n, n).contiguous(), x.view(-1, n, n), d_x.view(-1, n, n),
+            _sinkhorn_kernel.sinkhorn_bwd_cuda(grad.reshape(-1, n, n).contiguous(), x.view(-1, n, n), d_x.view(-1, n, n),
                                  ctx.repeat, ctx.eps)
             return d_x, None, None
         return R.sinkhorn_normalize_bwd_ref(grad, x, ctx.repeat, ctx.eps), None, None
@@ -246,17 +268,28 @@ class MHCPostFn(torch.autograd.Function):
 
 
 class MHCHeadComputeMixFn(torch.autograd.Function):
-    """§2.7: head mix; parameter gradients through P token partials reduced in order."""
+    """§2.7: head mix; parameter gradients through P token partials reduced in order. CUDA: the mix kernels."""
 
     @staticmethod
     def forward(ctx, input_mix, scale, base, pre_eps):
         ctx.save_for_backward(input_mix, scale, base)
+        n = input_mix.shape[-1]
+        if _mix_kernel_takes(input_mix, n):
+            out = torch.empty_like(input_mix)
+            _mix_kernel.head_mix_fwd_cuda(input_mix.reshape(-1, n), scale, base, out.view(-1, n), pre_eps)
+            return out
         return R.mhc_head_compute_mix_ref(input_mix, scale, base, pre_eps)
 
     @staticmethod
     def backward(ctx, grad):
         input_mix, scale, base = ctx.saved_tensors
         n = input_mix.shape[-1]
+        if _mix_kernel_takes(input_mix, n):
+            flat = input_mix.reshape(-1, n)
+            d_input, d_scale, d_base = torch.empty_like(flat), scale.new_empty(1), base.new_empty(n)
+            _mix_kernel.head_mix_bwd_sums_cuda(grad.reshape(-1, n).contiguous(), flat, scale, base, d_input, d_scale,
+                                               d_base)
+            return d_input.view(input_mix.shape), d_scale, d_base, None
         d_input, scale_partial, base_partial = R.mhc_head_compute_mix_bwd_ref(
             grad.reshape(-1, n), input_mix.reshape(-1, n), scale, base, num_partials(input_mix.device))
         return d_input.view(input_mix.shape), R.seq_sum(scale_partial, 0), R.seq_sum(base_partial, 0), None

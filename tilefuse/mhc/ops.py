@@ -18,7 +18,8 @@ from tilefuse._registry import public
 from tilefuse.reference import mhc as R
 
 from . import _functions as F
-from . import _sinkhorn_kernel as SK
+from . import _sinkhorn_kernel
+from . import _mix_kernel
 
 __all__ = [
     "expand_to_mhc",
@@ -237,10 +238,12 @@ def _check_scale_base(op: str, scale, base, n_scale: int, M: int, dev, scale_nam
     _check.tensor(op, base_name, base, dtype=F32, shape=(M,), device=dev)
 
 
-@public("mhc")
+@public("mhc", path="kernel")
 def mhc_pre_split_mixes(input_mixes: torch.Tensor, mhc_scale: torch.Tensor, mhc_base: torch.Tensor, mhc_mult: int,
                         mhc_post_mult_value: float, mhc_pre_eps: float):
-    """Split ``[A, B, M]`` mix logits into ``(pre [A, B, n, 1], post [A, B, n, 1], comb [A, B, n, n])`` (§2.3)."""
+    """Split ``[A, B, M]`` mix logits into ``(pre [A, B, n, 1], post [A, B, n, 1], comb [A, B, n, n])`` (§2.3).
+
+    CUDA tensors take the TileLang kernels (forward and backward) for n <= 8, the reference otherwise."""
     op = "mhc_pre_split_mixes"
     _check.tensor(op, "input_mixes", input_mixes, dtype=F32, ndim=3, contiguous=True)
     n = _check.integer(op, "mhc_mult", mhc_mult, min=1)
@@ -254,11 +257,13 @@ def mhc_pre_split_mixes(input_mixes: torch.Tensor, mhc_scale: torch.Tensor, mhc_
     return F.MHCPreSplitMixesFn.apply(input_mixes, mhc_scale, mhc_base, n, v, eps)
 
 
-@public("mhc")
+@public("mhc", path="kernel")
 def mhc_pre_split_mixes_fwd(input_mixes: torch.Tensor, mhc_scale: torch.Tensor, mhc_base: torch.Tensor,
                             pre_layer_mix: torch.Tensor, post_layer_mix: torch.Tensor, comb_res_mix: torch.Tensor,
                             mhc_post_mult_value: float, mhc_pre_eps: float) -> None:
-    """v2.1: write the split of ``input_mixes [T, M]`` into ``pre [T, n]``, ``post [T, n]``, ``comb [T, n*n]``."""
+    """v2.1: write the split of ``input_mixes [T, M]`` into ``pre [T, n]``, ``post [T, n]``, ``comb [T, n*n]``.
+
+    CUDA tensors take the TileLang kernel for n <= 8, the reference otherwise."""
     op = "mhc_pre_split_mixes_fwd"
     _check.tensor(op, "input_mixes", input_mixes, dtype=F32, ndim=2, contiguous=True)
     T, M = input_mixes.shape
@@ -270,20 +275,25 @@ def mhc_pre_split_mixes_fwd(input_mixes: torch.Tensor, mhc_scale: torch.Tensor, 
         _check.tensor(op, name, t, dtype=F32, shape=(T, width), contiguous=True, device=dev)
     v = _post_mult(op, "mhc_post_mult_value", mhc_post_mult_value)
     eps = _check.real(op, "mhc_pre_eps", mhc_pre_eps)
+    if dev.type == "cuda" and _mix_kernel.supports(n):
+        _mix_kernel.split_mixes_fwd_cuda(input_mixes, mhc_scale, mhc_base, pre_layer_mix, post_layer_mix, comb_res_mix,
+                                         v, eps)
+        return
     pre, post, comb = R.mhc_pre_split_mixes_ref(input_mixes, mhc_scale, mhc_base, n, v, eps)
     pre_layer_mix.copy_(pre.view(T, n))
     post_layer_mix.copy_(post.view(T, n))
     comb_res_mix.copy_(comb.view(T, n * n))
 
 
-@public("mhc")
+@public("mhc", path="kernel")
 def mhc_pre_split_mixes_bwd(pre_layer_mix_grad: torch.Tensor, post_layer_mix_grad: torch.Tensor,
                             comb_res_mix_grad: torch.Tensor, input_mixes: torch.Tensor, post_layer_mix: torch.Tensor,
                             mhc_scale: torch.Tensor, mhc_base: torch.Tensor, input_mixes_grad: torch.Tensor,
                             mhc_scale_grad: torch.Tensor, mhc_base_grad: torch.Tensor,
                             mhc_post_mult_value: float) -> None:
     """v2.1: write ``input_mixes_grad [T, M]``; **overwrite** ``mhc_scale_grad [3]``, ``mhc_base_grad [M]``
-    with the token sums (fixed-order partials, §2.3)."""
+    with the token sums (fixed-order partials, §2.3). CUDA tensors take the TileLang kernels (the SM count of
+    partials, then their in-order sum) for n <= 8, the reference otherwise."""
     op = "mhc_pre_split_mixes_bwd"
     _check.tensor(op, "input_mixes", input_mixes, dtype=F32, ndim=2, contiguous=True)
     T, M = input_mixes.shape
@@ -297,6 +307,11 @@ def mhc_pre_split_mixes_bwd(pre_layer_mix_grad: torch.Tensor, post_layer_mix_gra
     _check_scale_base(op, mhc_scale, mhc_base, 3, M, dev)
     _check_scale_base(op, mhc_scale_grad, mhc_base_grad, 3, M, dev, "mhc_scale_grad", "mhc_base_grad")
     v = _post_mult(op, "mhc_post_mult_value", mhc_post_mult_value)
+    if dev.type == "cuda" and _mix_kernel.supports(n):
+        _mix_kernel.split_mixes_bwd_cuda(pre_layer_mix_grad, post_layer_mix_grad, comb_res_mix_grad, input_mixes,
+                                         post_layer_mix, mhc_scale, mhc_base, input_mixes_grad, mhc_scale_grad,
+                                         mhc_base_grad, v)
+        return
     d_input, d_scale, d_base = R.mhc_pre_split_mixes_bwd_ref(
         pre_layer_mix_grad, post_layer_mix_grad, comb_res_mix_grad, input_mixes, post_layer_mix, mhc_scale, mhc_base,
         v, F.num_partials(dev))
@@ -342,8 +357,8 @@ def mhc_sinkhorn_fwd(comb_res_mix: torch.Tensor, comb_res_mix_out: torch.Tensor,
     _check.tensor(op, "comb_res_mix_out", comb_res_mix_out, dtype=F32, shape=tuple(comb_res_mix.shape),
                   contiguous=True, device=comb_res_mix.device)
     repeat, eps = _sinkhorn_args(op, repeat, eps)
-    if SK.fwd_supported(comb_res_mix, repeat):
-        SK.sinkhorn_fwd_cuda(comb_res_mix, comb_res_mix_out, repeat, eps)
+    if _sinkhorn_kernel.fwd_supported(comb_res_mix, repeat):
+        _sinkhorn_kernel.sinkhorn_fwd_cuda(comb_res_mix, comb_res_mix_out, repeat, eps)
         return
     comb_res_mix_out.copy_(R.sinkhorn_normalize_ref(comb_res_mix, repeat, eps))
 
@@ -360,8 +375,8 @@ def mhc_sinkhorn_bwd(grad_output: torch.Tensor, x: torch.Tensor, grad_input: tor
     for name, t in (("grad_output", grad_output), ("grad_input", grad_input)):
         _check.tensor(op, name, t, dtype=F32, shape=tuple(x.shape), contiguous=True, device=x.device)
     repeat, eps = _sinkhorn_args(op, repeat, eps)
-    if SK.bwd_supported(x, repeat):
-        SK.sinkhorn_bwd_cuda(grad_output, x, grad_input, repeat, eps)
+    if _sinkhorn_kernel.bwd_supported(x, repeat):
+        _sinkhorn_kernel.sinkhorn_bwd_cuda(grad_output, x, grad_input, repeat, eps)
         return
     grad_input.copy_(R.sinkhorn_normalize_bwd_ref(grad_output, x, repeat, eps))
 
@@ -470,10 +485,11 @@ def mhc_post_bwd(x: torch.Tensor, residual: torch.Tensor, post_layer_mix: torch.
 # §2.7 head mix
 
 
-@public("mhc")
+@public("mhc", path="kernel")
 def mhc_head_compute_mix(input_mix: torch.Tensor, mhc_scale: torch.Tensor, mhc_base: torch.Tensor,
                          mhc_pre_eps: float) -> torch.Tensor:
-    """Head mix ``sigmoid(m * s + b) + eps_pre`` of ``input_mix [A, B, n]`` (§2.7), with autograd."""
+    """Head mix ``sigmoid(m * s + b) + eps_pre`` of ``input_mix [A, B, n]`` (§2.7), with autograd. CUDA tensors
+    take the TileLang kernels (forward and backward) for n <= 8, the reference otherwise."""
     op = "mhc_head_compute_mix"
     _check.tensor(op, "input_mix", input_mix, dtype=F32, ndim=3, contiguous=True)
     _check_scale_base(op, mhc_scale, mhc_base, 1, input_mix.shape[-1], input_mix.device)
@@ -489,26 +505,29 @@ def _check_head_flat(op: str, input_mix, mhc_scale, mhc_base, token_block_size) 
     return T, n, block or R.TOKEN_BLOCK
 
 
-@public("mhc")
+@public("mhc", path="kernel")
 def mhc_head_compute_mix_fwd(input_mix: torch.Tensor, mhc_scale: torch.Tensor, mhc_base: torch.Tensor,
                              output_mix: torch.Tensor, mhc_pre_eps: float, token_block_size: int = 0) -> None:
     """v2.1: write the head mix of ``input_mix [T, n]`` into ``output_mix`` (``token_block_size`` has no
-    numerical effect)."""
+    numerical effect). CUDA tensors take the TileLang kernel for n <= 8, the reference otherwise."""
     op = "mhc_head_compute_mix_fwd"
     T, n, _ = _check_head_flat(op, input_mix, mhc_scale, mhc_base, token_block_size)
     _check.tensor(op, "output_mix", output_mix, dtype=F32, shape=(T, n), contiguous=True, device=input_mix.device)
     eps = _check.real(op, "mhc_pre_eps", mhc_pre_eps)
+    if input_mix.is_cuda and _mix_kernel.supports(n):
+        _mix_kernel.head_mix_fwd_cuda(input_mix, mhc_scale, mhc_base, output_mix, eps)
+        return
     output_mix.copy_(R.mhc_head_compute_mix_ref(input_mix, mhc_scale, mhc_base, eps))
 
 
-@public("mhc")
+@public("mhc", path="kernel")
 def mhc_head_compute_mix_bwd(output_mix_grad: torch.Tensor, input_mix: torch.Tensor, mhc_scale: torch.Tensor,
                              mhc_base: torch.Tensor, input_mix_grad: torch.Tensor,
                              mhc_scale_grad_partial: torch.Tensor, mhc_base_grad_partial: torch.Tensor,
                              num_sms: int, token_block_size: int = 0) -> None:
     """v2.1: write ``input_mix_grad [T, n]`` and the parameter-gradient partials ``[num_sms, 1]``,
     ``[num_sms, n]`` (token blocks of ``token_block_size`` or 32, block b -> partial b mod num_sms; §2.7).
-    The caller sums the partials."""
+    The caller sums the partials. CUDA tensors take the TileLang kernel for n <= 8, the reference otherwise."""
     op = "mhc_head_compute_mix_bwd"
     T, n, block = _check_head_flat(op, input_mix, mhc_scale, mhc_base, token_block_size)
     P = _check.integer(op, "num_sms", num_sms, min=1)
@@ -517,6 +536,10 @@ def mhc_head_compute_mix_bwd(output_mix_grad: torch.Tensor, input_mix: torch.Ten
                            ("mhc_scale_grad_partial", mhc_scale_grad_partial, (P, 1)),
                            ("mhc_base_grad_partial", mhc_base_grad_partial, (P, n))):
         _check.tensor(op, name, t, dtype=F32, shape=shape, contiguous=True, device=dev)
+    if dev.type == "cuda" and _mix_kernel.supports(n):
+        _mix_kernel.head_mix_bwd_cuda(output_mix_grad, input_mix, mhc_scale, mhc_base, input_mix_grad,
+                                      mhc_scale_grad_partial, mhc_base_grad_partial, block)
+        return
     d_input, scale_partial, base_partial = R.mhc_head_compute_mix_bwd_ref(output_mix_grad, input_mix, mhc_scale,
                                                                           mhc_base, P, block)
     input_mix_grad.copy_(d_input)

@@ -1,0 +1,510 @@
+"""TileLang kernels of the mHC mix ops: split mixes (mhc.md §2.3) and head mix (§2.7), forward and backward,
+and the in-order sum of parameter-gradient partials.
+
+Per-token math (one thread per token, everything in registers; fp32 IEEE operations written as explicit
+``__f*_rn`` intrinsics so nvcc cannot contract them, and ``expf``, the library exponential):
+
+* ``z = RN(m * s) + b`` (the product rounded first, as the reference's separate multiply and add);
+* ``sigmoid(z) = 1 / (1 + expf(-z))`` (IEEE division);
+* split forward: ``pre = sigmoid + eps``, ``post = sigmoid * v``, ``comb = z``; head forward: ``sigmoid + eps``;
+* split backward: ``dz_pre = (d_pre * sig) * (1 - sig)``, ``dz_post = (d_post * post) * (1 - post / v)``,
+  ``dz_comb = d_comb``, ``d_input = dz * s_grp``; head backward: ``dz = (sig * (1 - sig)) * d_out``,
+  ``d_input = dz * s``;
+* per-token scale terms: ``sum_j dz[j] * m[j]`` over a group's columns, summed left to right.
+
+A fused kernel that must equal the unfused chain bit for bit (``mhc_pre_big_fuse``, §2.8, §3 contract 2) uses
+this same split chain.
+
+Parameter gradients (``d_scale``, ``d_base``) are sums over tokens, made deterministic and independent of
+the launch (no atomics): tokens are cut into blocks of ``TB`` tokens (the spec's ``token_block_size``,
+default 32); partial ``p`` of ``P`` (a runtime count: the SM count for split mixes and the v1 head-mix
+backward, the caller's ``num_sms`` for the v2.1 head-mix backward) is the sum of blocks
+``p, p + P, p + 2P, ...`` added in increasing block order to a zero start; a block's sum adds its tokens
+one after another in token order (tail tokens past ``T`` add nothing). This is the grouping of
+``reference.mhc.token_partials``; only the order inside a block differs from torch's ``sum``. The partials
+``[P, G]``, ``[P, M]`` are then summed over ``p`` in increasing order from zero by ``mhc_partials_sum``
+(one thread per column) -- the order of ``reference.mhc.seq_sum``, so that step is bit-identical to it.
+
+Kernels take ``1 <= n <= MAX_N``; the public ops keep the reference path for larger n. Token counts and
+partial counts are symbolic (int64 indices): one binary per n (and token block) serves every batch.
+"""
+
+import torch
+
+from tilefuse import _jit, _ops
+from tilefuse.reference.mhc import TOKEN_BLOCK  # default token block of the parameter-gradient partials
+
+MAX_N = 8        # largest multiplicity the kernels take (per-token arrays of n(n+2) floats in registers)
+THREADS = 128    # forward kernels and the partial sum: threads per CTA, one token (column) per thread
+LANES = 32       # backward kernels: threads per CTA, one token of a 32-token chunk per thread
+
+F32 = "float32"
+I64 = "int64"
+
+
+def supports(n: int) -> bool:
+    """Whether the kernels take multiplicity ``n``."""
+    return 1 <= n <= MAX_N
+
+
+# ---- device arithmetic (explicitly rounded fp32 operations) ----
+
+def _f(name: str, *args):
+    import tilelang.language as T
+
+    return T.call_extern(F32, name, *args)
+
+
+def _add(a, b):
+    return _f("__fadd_rn", a, b)
+
+
+def _sub(a, b):
+    return _f("__fsub_rn", a, b)
+
+
+def _mul(a, b):
+    return _f("__fmul_rn", a, b)
+
+
+def _div(a, b):
+    return _f("__fdiv_rn", a, b)
+
+
+def _sigmoid(z):
+    """``1 / (1 + expf(0 - z))`` (mhc.md §0)."""
+    import tilelang.language as T
+
+    one = T.float32(1.0)
+    return _div(one, _add(one, _f("expf", _sub(T.float32(0.0), z))))
+
+
+def _groups(n: int) -> tuple:
+    """Column ranges of the three scale groups of a split-mixes row: pre, post, comb."""
+    return ((0, n), (n, 2 * n), (2 * n, n * (n + 2)))
+
+
+# ---- forward kernels ----
+
+def split_mixes_fwd_kernel(n: int):
+    """Factory: split mixes forward at multiplicity ``n``.
+
+    Arguments at launch: ``X [T, M]``, ``S [3]``, ``Bs [M]``, outputs ``PRE [T, n]``, ``POST [T, n]``,
+    ``COMB [T, n*n]``, then the floats ``v`` (post_mult_value) and ``eps`` (pre_eps).
+    """
+    import tilelang.language as T
+
+    assert supports(n), n
+    M = n * (n + 2)
+    groups = _groups(n)
+    Tn = T.dynamic("Tn", I64)
+
+    @T.prim_func
+    def mhc_split_mixes_fwd(X: T.Tensor((Tn, M), F32), S: T.Tensor((3,), F32), Bs: T.Tensor((M,), F32),
+                            PRE: T.Tensor((Tn, n), F32), POST: T.Tensor((Tn, n), F32),
+                            COMB: T.Tensor((Tn, n * n), F32), v: T.float32, eps: T.float32):
+        with T.Kernel(T.ceildiv(Tn, THREADS), threads=THREADS) as bx:
+            t = T.cast(bx, I64) * THREADS + T.get_thread_binding()
+            z = T.alloc_local((M,), F32)
+            if t < Tn:
+                for g, (lo, hi) in enumerate(groups):
+                    for j in T.unroll(lo, hi):
+                        z[j] = _add(_mul(X[t, j], S[g]), Bs[j])
+                for i in T.unroll(n):
+                    PRE[t, i] = _add(_sigmoid(z[i]), eps)
+                for i in T.unroll(n):
+                    POST[t, i] = _mul(_sigmoid(z[n + i]), v)
+                for q in T.unroll(n * n):
+                    COMB[t, q] = z[2 * n + q]
+
+    return mhc_split_mixes_fwd
+
+
+def head_mix_fwd_kernel(n: int):
+    """Factory: head mix forward at multiplicity ``n``: ``X [T, n]``, ``S [1]``, ``Bs [n]`` -> ``OUT [T, n]``;
+    then the float ``eps``."""
+    import tilelang.language as T
+
+    assert supports(n), n
+    Tn = T.dynamic("Tn", I64)
+
+    @T.prim_func
+    def mhc_head_mix_fwd(X: T.Tensor((Tn, n), F32), S: T.Tensor((1,), F32), Bs: T.Tensor((n,), F32),
+                         OUT: T.Tensor((Tn, n), F32), eps: T.float32):
+        with T.Kernel(T.ceildiv(Tn, THREADS), threads=THREADS) as bx:
+            t = T.cast(bx, I64) * THREADS + T.get_thread_binding()
+            z = T.alloc_local((n,), F32)
+            if t < Tn:
+                for i in T.unroll(n):
+                    z[i] = _add(_mul(X[t, i], S[0]), Bs[i])
+                for i in T.unroll(n):
+                    OUT[t, i] = _add(_sigmoid(z[i]), eps)
+
+    return mhc_head_mix_fwd
+
+
+# ---- backward kernels (per-token gradient + per-CTA token partials) ----
+
+def _bwd_loop(split: bool, n: int, TB: int):
+    """The backward kernels' body, as a macro ``loop(Tn, P, p, lane, stage, row, acc, bsum, PS, PB, bufs)``.
+
+    CTA ``p`` of ``P`` walks token blocks ``p, p + P, ...`` (``Tn`` tokens). For each 32-token chunk of a
+    block, thread ``l`` computes token ``l``'s row -- its ``M`` column gradients ``dz`` (writing ``d_input``)
+    and ``G`` scale terms -- into row ``l`` of a shared stage (zeros past the block or past ``Tn``); after a
+    barrier thread ``l`` adds the stage's columns ``l, l + 32, ...`` row by row (token order) into its block
+    sums. A block's sums are added to the running partials; at the end the partials go to ``PS [P, G]``
+    (scale) and ``PB [P, M]`` (base). ``bufs``: split ``(DPRE, DPOST, DCOMB, X, POST, S, Bs, DX, v)``, head
+    ``(DOUT, X, S, Bs, DX)``. Returns ``(macro, F = M + G, columns per thread)``."""
+    import tilelang.language as T
+
+    M, G = (n * (n + 2), 3) if split else (n, 1)
+    groups = _groups(n) if split else ((0, n),)
+    F = M + G
+    CPT = -(-F // LANES)
+    CHUNKS = -(-TB // LANES)
+
+    @T.macro
+    def loop(Tn, P, p, lane, stage, row, acc, bsum, PS, PB, bufs):
+        for k in T.unroll(CPT):
+            acc[k] = T.float32(0.0)
+        for r in T.serial(T.ceildiv(T.ceildiv(Tn, TB) - p, P)):
+            blk = p + r * P
+            for k in T.unroll(CPT):
+                bsum[k] = T.float32(0.0)
+            for c in T.serial(CHUNKS):
+                within = c * LANES + lane
+                t = blk * TB + within
+                if within < TB and t < Tn:
+                    if split:
+                        DPRE, DPOST, DCOMB, X, POST, S, Bs, DX, v = bufs
+                        for i in T.unroll(n):
+                            sig = _sigmoid(_add(_mul(X[t, i], S[0]), Bs[i]))
+                            row[i] = _mul(_mul(DPRE[t, i], sig), _sub(T.float32(1.0), sig))
+                        for i in T.unroll(n):
+                            po = POST[t, i]
+                            row[n + i] = _mul(_mul(DPOST[t, i], po), _sub(T.float32(1.0), _div(po, v)))
+                        for q in T.unroll(n * n):
+                            row[2 * n + q] = DCOMB[t, q]
+                    else:
+                        DOUT, X, S, Bs, DX = bufs
+                        for i in T.unroll(n):
+                            sig = _sigmoid(_add(_mul(X[t, i], S[0]), Bs[i]))
+                            row[i] = _mul(_mul(sig, _sub(T.float32(1.0), sig)), DOUT[t, i])
+                    for g, (lo, hi) in enumerate(groups):
+                        for j in T.unroll(lo, hi):
+                            DX[t, j] = _mul(row[j], S[g])
+                        row[M + g] = _mul(row[lo], X[t, lo])
+                        for j in T.unroll(lo + 1, hi):
+                            row[M + g] = _add(row[M + g], _mul(row[j], X[t, j]))
+                else:
+                    for j in T.unroll(F):
+                        row[j] = T.float32(0.0)
+                for j in T.unroll(F):
+                    stage[lane, j] = row[j]
+                T.sync_threads()
+                for k in T.unroll(CPT):
+                    if k * LANES + lane < F:
+                        for s in T.serial(LANES):
+                            bsum[k] = _add(bsum[k], stage[s, k * LANES + lane])
+                T.sync_threads()
+            for k in T.unroll(CPT):
+                acc[k] = _add(acc[k], bsum[k])
+        for k in T.unroll(CPT):
+            col = k * LANES + lane
+            if col < M:
+                PB[p, col] = acc[k]
+            elif col < F:
+                PS[p, col - M] = acc[k]
+
+    return loop, F, CPT
+
+
+def split_mixes_bwd_kernel(n: int, TB: int):
+    """Factory: split mixes backward at multiplicity ``n``, token block ``TB``.
+
+    Arguments at launch: ``DPRE [T, n]``, ``DPOST [T, n]``, ``DCOMB [T, n*n]``, ``X [T, M]``, ``POST [T, n]``,
+    ``S [3]``, ``Bs [M]``, outputs ``DX [T, M]``, ``PS [P, 3]``, ``PB [P, M]`` (one CTA per partial), then the
+    float ``v``.
+    """
+    import tilelang.language as T
+
+    assert supports(n) and TB >= 1, (n, TB)
+    M = n * (n + 2)
+    Tn, P = T.dynamic("Tn, P", I64)
+    loop, F, CPT = _bwd_loop(True, n, TB)
+
+    @T.prim_func
+    def mhc_split_mixes_bwd(DPRE: T.Tensor((Tn, n), F32), DPOST: T.Tensor((Tn, n), F32),
+                            DCOMB: T.Tensor((Tn, n * n), F32), X: T.Tensor((Tn, M), F32),
+                            POST: T.Tensor((Tn, n), F32), S: T.Tensor((3,), F32), Bs: T.Tensor((M,), F32),
+                            DX: T.Tensor((Tn, M), F32), PS: T.Tensor((P, 3), F32), PB: T.Tensor((P, M), F32),
+                            v: T.float32):
+        with T.Kernel(P, threads=LANES) as p:
+            stage = T.alloc_shared((LANES, F), F32)
+            row = T.alloc_local((F,), F32)
+            acc = T.alloc_local((CPT,), F32)
+            bsum = T.alloc_local((CPT,), F32)
+            loop(Tn, P, T.cast(p, I64), T.get_thread_binding(), stage, row, acc, bsum, PS, PB,
+                 (DPRE, DPOST, DCOMB, X, POST, S, Bs, DX, v))
+
+    return mhc_split_mixes_bwd
+
+
+def head_mix_bwd_kernel(n: int, TB: int):
+    """Factory: head mix backward at multiplicity ``n``, token block ``TB``.
+
+    Arguments at launch: ``DOUT [T, n]``, ``X [T, n]``, ``S [1]``, ``Bs [n]``, outputs ``DX [T, n]``,
+    ``PS [P, 1]``, ``PB [P, n]`` (one CTA per partial).
+    """
+    import tilelang.language as T
+
+    assert supports(n) and TB >= 1, (n, TB)
+    Tn, P = T.dynamic("Tn, P", I64)
+    loop, F, CPT = _bwd_loop(False, n, TB)
+
+    @T.prim_func
+    def mhc_head_mix_bwd(DOUT: T.Tensor((Tn, n), F32), X: T.Tensor((Tn, n), F32), S: T.Tensor((1,), F32),
+                         Bs: T.Tensor((n,), F32), DX: T.Tensor((Tn, n), F32), PS: T.Tensor((P, 1), F32),
+                         PB: T.Tensor((P, n), F32)):
+        with T.Kernel(P, threads=LANES) as p:
+            stage = T.alloc_shared((LANES, F), F32)
+            row = T.alloc_local((F,), F32)
+            acc = T.alloc_local((CPT,), F32)
+            bsum = T.alloc_local((CPT,), F32)
+            loop(Tn, P, T.cast(p, I64), T.get_thread_binding(), stage, row, acc, bsum, PS, PB, (DOUT, X, S, Bs, DX))
+
+    return mhc_head_mix_bwd
+
+
+def partials_sum_kernel():
+    """Factory: ``OS[g] = sum_p PS[p, g]`` and ``OB[j] = sum_p PB[p, j]``, each a left-to-right sum over
+    ``p`` from zero, one thread per output column (all sizes symbolic: one binary). A thread loads ``ROWS``
+    partials at a time into registers (independent loads in flight), then adds them in order."""
+    import tilelang.language as T
+
+    P, G, M = T.dynamic("P, G, M", I64)
+    ROWS = 16
+
+    @T.macro
+    def column_sum(A, col, acc, vals):
+        acc[0] = T.float32(0.0)
+        for ch in T.serial(T.ceildiv(P, ROWS)):
+            for r in T.unroll(ROWS):
+                if ch * ROWS + r < P:
+                    vals[r] = A[ch * ROWS + r, col]
+            for r in T.unroll(ROWS):
+                if ch * ROWS + r < P:
+                    acc[0] = _add(acc[0], vals[r])
+
+    @T.prim_func
+    def mhc_partials_sum(PS: T.Tensor((P, G), F32), PB: T.Tensor((P, M), F32), OS: T.Tensor((G,), F32),
+                         OB: T.Tensor((M,), F32)):
+        with T.Kernel(T.ceildiv(G + M, THREADS), threads=THREADS) as bx:
+            col = T.cast(bx, I64) * THREADS + T.get_thread_binding()
+            acc = T.alloc_local((1,), F32)
+            vals = T.alloc_local((ROWS,), F32)
+            if col < G:
+                column_sum(PS, col, acc, vals)
+                OS[col] = acc[0]
+            elif col < G + M:
+                column_sum(PB, col - G, acc, vals)
+                OB[col - G] = acc[0]
+
+    return mhc_partials_sum
+
+
+# ---- registration of the configs the bench launches ----
+
+BENCH_N = (4,)
+
+
+def _n_configs() -> list[tuple]:
+    return [(n,) for n in BENCH_N]
+
+
+def _bwd_configs() -> list[tuple]:
+    return [(n, TOKEN_BLOCK) for n in BENCH_N]
+
+
+_jit.register("mhc_split_mixes_fwd", split_mixes_fwd_kernel, _n_configs)
+_jit.register("mhc_split_mixes_bwd", split_mixes_bwd_kernel, _bwd_configs)
+_jit.register("mhc_head_mix_fwd", head_mix_fwd_kernel, _n_configs)
+_jit.register("mhc_head_mix_bwd", head_mix_bwd_kernel, _bwd_configs)
+_jit.register("mhc_partials_sum", partials_sum_kernel, lambda: [()])
+
+
+# ---- launchers (no validation: the public ops validate; ``n`` must satisfy ``supports``) ----
+
+def _packed(t: torch.Tensor) -> torch.Tensor:
+    """Scale and base may be strided views (the public ops accept them); the kernels take packed vectors."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def split_mixes_fwd_launch(input_mixes, scale, base, pre, post, comb, post_mult_value: float,
+                           pre_eps: float) -> None:
+    """Write ``pre [T, n]``, ``post [T, n]``, ``comb [T, n*n]`` from ``input_mixes [T, M]`` (one launch)."""
+    T_, n = pre.shape
+    if T_ == 0:
+        return
+    _jit.get("mhc_split_mixes_fwd", (n,))(input_mixes, _packed(scale), _packed(base), pre, post, comb,
+                                           float(post_mult_value), float(pre_eps))
+
+
+_SM_COUNTS: dict = {}
+
+
+def num_partials(device: torch.device) -> int:
+    """The partial count P of the split-mixes backward and the v1 head-mix backward: the device's SM count
+    (mhc.md §2.3), read once per device. Launchers call it (inside the custom ops, so a compiled graph never
+    traces it)."""
+    P = _SM_COUNTS.get(device)
+    if P is None:
+        P = _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return P
+
+
+def partials_sum_launch(scale_partial, base_partial, d_scale, d_base) -> None:
+    """Overwrite ``d_scale [G]``, ``d_base [M]`` with the in-order sums of ``[P, G]``, ``[P, M]`` partials."""
+    _jit.get("mhc_partials_sum", ())(scale_partial, base_partial, d_scale, d_base)
+
+
+def split_mixes_bwd_launch(d_pre, d_post, d_comb, input_mixes, post, scale, base, d_input, d_scale, d_base,
+                           post_mult_value: float, partials: int = 0) -> None:
+    """Write ``d_input [T, M]`` and overwrite ``d_scale [3]``, ``d_base [M]`` (two launches: per-token
+    gradients with ``partials`` token partials (0: ``num_partials``, the SM count), then their in-order sum).
+    ``T == 0`` zeroes the sums."""
+    T_, M = input_mixes.shape
+    n = post.shape[1]
+    if T_ == 0:
+        d_scale.zero_()
+        d_base.zero_()
+        return
+    P = partials or num_partials(input_mixes.device)
+    ps = torch.empty(P, 3, dtype=torch.float32, device=input_mixes.device)
+    pb = torch.empty(P, M, dtype=torch.float32, device=input_mixes.device)
+    _jit.get("mhc_split_mixes_bwd", (n, TOKEN_BLOCK))(d_pre, d_post, d_comb, input_mixes, post, _packed(scale),
+                                                      _packed(base), d_input, ps, pb, float(post_mult_value))
+    partials_sum_launch(ps, pb, d_scale, d_base)
+
+
+def head_mix_fwd_launch(input_mix, scale, base, output_mix, pre_eps: float) -> None:
+    """Write ``output_mix [T, n]`` (one launch)."""
+    T_, n = input_mix.shape
+    if T_ == 0:
+        return
+    _jit.get("mhc_head_mix_fwd", (n,))(input_mix, _packed(scale), _packed(base), output_mix, float(pre_eps))
+
+
+def head_mix_bwd_launch(d_out, input_mix, scale, base, d_input, scale_partial, base_partial,
+                        token_block: int) -> None:
+    """Write ``d_input [T, n]`` and the partials ``[P, 1]``, ``[P, n]`` (P = their first dim; token blocks of
+    ``token_block``). ``T == 0`` zeroes the partials."""
+    T_, n = input_mix.shape
+    if T_ == 0:
+        scale_partial.zero_()
+        base_partial.zero_()
+        return
+    _jit.get("mhc_head_mix_bwd", (n, int(token_block)))(d_out, input_mix, _packed(scale), _packed(base), d_input,
+                                                         scale_partial, base_partial)
+
+
+def head_mix_bwd_sums_launch(d_out, input_mix, scale, base, d_input, d_scale, d_base) -> None:
+    """The v1 head-mix backward: ``d_input [T, n]`` and the final ``d_scale [1]``, ``d_base [n]``: SM-count
+    partials in token blocks of ``TOKEN_BLOCK``, then their in-order sum (two launches)."""
+    P = num_partials(input_mix.device)
+    n = input_mix.shape[1]
+    ps = torch.empty(P, 1, dtype=torch.float32, device=input_mix.device)
+    pb = torch.empty(P, n, dtype=torch.float32, device=input_mix.device)
+    head_mix_bwd_launch(d_out, input_mix, scale, base, d_input, ps, pb, TOKEN_BLOCK)
+    partials_sum_launch(ps, pb, d_scale, d_base)
+
+
+# ---- torch.library registration (torch.compile / fake tensors) ----
+
+@_ops.kernel_op("tilefuse::mhc_split_mixes_fwd", mutates_args=("pre", "post", "comb"), device_types="cuda")
+def _split_fwd_op(input_mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, pre: torch.Tensor,
+                  post: torch.Tensor, comb: torch.Tensor, post_mult_value: float, pre_eps: float) -> None:
+    split_mixes_fwd_launch(input_mixes, scale, base, pre, post, comb, post_mult_value, pre_eps)
+
+
+@_split_fwd_op.register_fake
+def _(input_mixes, scale, base, pre, post, comb, post_mult_value, pre_eps) -> None:
+    return None
+
+
+@_ops.kernel_op("tilefuse::mhc_split_mixes_bwd", mutates_args=("d_input", "d_scale", "d_base"),
+                device_types="cuda")
+def _split_bwd_op(d_pre: torch.Tensor, d_post: torch.Tensor, d_comb: torch.Tensor, input_mixes: torch.Tensor,
+                  post: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, d_input: torch.Tensor,
+                  d_scale: torch.Tensor, d_base: torch.Tensor, post_mult_value: float) -> None:
+    split_mixes_bwd_launch(d_pre, d_post, d_comb, input_mixes, post, scale, base, d_input, d_scale, d_base,
+                           post_mult_value)
+
+
+@_split_bwd_op.register_fake
+def _(d_pre, d_post, d_comb, input_mixes, post, scale, base, d_input, d_scale, d_base, post_mult_value) -> None:
+    return None
+
+
+@_ops.kernel_op("tilefuse::mhc_head_mix_fwd", mutates_args=("output_mix",), device_types="cuda")
+def _head_fwd_op(input_mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, output_mix: torch.Tensor,
+                 pre_eps: float) -> None:
+    head_mix_fwd_launch(input_mix, scale, base, output_mix, pre_eps)
+
+
+@_head_fwd_op.register_fake
+def _(input_mix, scale, base, output_mix, pre_eps) -> None:
+    return None
+
+
+@_ops.kernel_op("tilefuse::mhc_head_mix_bwd", mutates_args=("d_input", "scale_partial", "base_partial"),
+                device_types="cuda")
+def _head_bwd_op(d_out: torch.Tensor, input_mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+                 d_input: torch.Tensor, scale_partial: torch.Tensor, base_partial: torch.Tensor,
+                 token_block: int) -> None:
+    head_mix_bwd_launch(d_out, input_mix, scale, base, d_input, scale_partial, base_partial, token_block)
+
+
+@_head_bwd_op.register_fake
+def _(d_out, input_mix, scale, base, d_input, scale_partial, base_partial, token_block) -> None:
+    return None
+
+
+@_ops.kernel_op("tilefuse::mhc_head_mix_bwd_sums", mutates_args=("d_input", "d_scale", "d_base"),
+                device_types="cuda")
+def _head_bwd_sums_op(d_out: torch.Tensor, input_mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+                      d_input: torch.Tensor, d_scale: torch.Tensor, d_base: torch.Tensor) -> None:
+    head_mix_bwd_sums_launch(d_out, input_mix, scale, base, d_input, d_scale, d_base)
+
+
+@_head_bwd_sums_op.register_fake
+def _(d_out, input_mix, scale, base, d_input, d_scale, d_base) -> None:
+    return None
+
+
+# ---- CUDA entries: a direct launch in eager mode, the custom op while tracing ----
+
+def _tracing(x) -> bool:
+    """torch.compile is tracing, or ``x`` is not a plain tensor (a fake or functional tensor of a trace that
+    does not set the compiling flag, or a subclass): take the registered op."""
+    return torch.compiler.is_compiling() or type(x) is not torch.Tensor
+
+
+def split_mixes_fwd_cuda(*args) -> None:
+    (torch.ops.tilefuse.mhc_split_mixes_fwd if _tracing(args[0]) else split_mixes_fwd_launch)(*args)
+
+
+def split_mixes_bwd_cuda(*args) -> None:
+    (torch.ops.tilefuse.mhc_split_mixes_bwd if _tracing(args[0]) else split_mixes_bwd_launch)(*args)
+
+
+def head_mix_fwd_cuda(*args) -> None:
+    (torch.ops.tilefuse.mhc_head_mix_fwd if _tracing(args[0]) else head_mix_fwd_launch)(*args)
+
+
+def head_mix_bwd_cuda(*args) -> None:
+    (torch.ops.tilefuse.mhc_head_mix_bwd if _tracing(args[0]) else head_mix_bwd_launch)(*args)
+
+
+def head_mix_bwd_sums_cuda(*args) -> None:
+    (torch.ops.tilefuse.mhc_head_mix_bwd_sums if _tracing(args[0]) else head_mix_bwd_sums_launch)(*args)
