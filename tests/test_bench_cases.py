@@ -45,6 +45,10 @@ COUNTED = {
     "mhc_pre_apply_mix_bwd": 6,               # o_grad, x, mix, x_grad; x_grad, mix_grad
     "mhc_post_fwd": 6,                        # x, residual, post, comb, out; out
     "mhc_post_bwd": 9,                        # x, residual, post, comb, d_o; d_x, d_residual, d_post, d_comb
+    "mhc_pre_split_mixes_fwd": 9,             # logits, scale, base, pre, post, comb; pre, post, comb
+    "mhc_pre_split_mixes_bwd": 13,            # 3 grads, logits, post, scale, base, 3 destinations; the 3 again
+    "mhc_head_compute_mix_fwd": 5,            # logits, scale, base, out; out
+    "mhc_head_compute_mix_bwd": 10,           # d_out, logits, scale, base, 3 destinations; the 3 again
     "mhc_sinkhorn_fwd": 3,                    # x, out, out
     "mhc_sinkhorn_bwd": 4,                    # d_out, x, d_x, d_x
     "norm_forward_and_per_token_cast": 4,     # x, weight, out, sf

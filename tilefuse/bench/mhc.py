@@ -2,8 +2,9 @@
 memory-bound and latency-bound steps, at T = 8192 tokens and n = 4 streams.
 
 Rows: ``expand_to_mhc`` forward and backward, ``mhc_pre_apply_mix`` forward and backward, ``mhc_post`` forward
-and backward at C in {2560, 4096, 7168} (``--quick``: 4096), and the Sinkhorn forward and backward on 32768
-matrices of 4 x 4 with 20 iterations (issue #35's shapes). Inputs are standard normal (the mixes positive, as the
+and backward at C in {2560, 4096, 7168} (``--quick``: 4096), the split mixes and the head mix forward and
+backward (M = n(n + 2) = 24 logits a token; mhc.md 4's v = 2, eps = 1e-2), and the Sinkhorn forward and backward
+on 32768 matrices of 4 x 4 with 20 iterations (issue #35's shapes). Inputs are standard normal (the mixes positive, as the
 layer makes them: sigmoid / softmax of a normal draw; the Sinkhorn logits as drawn).
 
 Bytes: each input read once and each output written once. The v2.1 ops write into the caller's buffers, so a
@@ -22,13 +23,16 @@ import torch
 from tilefuse.bench.core import Case, _dim, _nbytes
 
 OPS = ("expand_to_mhc_fwd", "expand_to_mhc_bwd", "mhc_pre_apply_mix_fwd", "mhc_pre_apply_mix_bwd", "mhc_post_fwd",
-       "mhc_post_bwd", "mhc_sinkhorn_fwd", "mhc_sinkhorn_bwd")
+       "mhc_post_bwd", "mhc_pre_split_mixes_fwd", "mhc_pre_split_mixes_bwd", "mhc_head_compute_mix_fwd",
+       "mhc_head_compute_mix_bwd", "mhc_sinkhorn_fwd", "mhc_sinkhorn_bwd")
 # v1 autograd ops -> the v2.1 op whose kernels they run (timed by that op's rows)
 SAME_KERNELS = {"expand_to_mhc": "expand_to_mhc_fwd", "mhc_pre_apply_mix": "mhc_pre_apply_mix_fwd",
                 "mhc_post": "mhc_post_fwd", "sinkhorn_normalize": "mhc_sinkhorn_fwd",
                 "mhc_pre_split_mixes": "mhc_pre_split_mixes_fwd", "mhc_head_compute_mix": "mhc_head_compute_mix_fwd"}
 N = 4                   # streams (DeepSeek-V4)
 TOKENS_LAYER = 8192     # tokens of the layer rows
+POST_MULT, PRE_EPS = 2.0, 1e-2  # mhc.md 4's split-mix values
+PARTIALS = 132          # the head mix backward's num_sms (an H200's SM count)
 SINKHORN_MATRICES = 32768
 SINKHORN_REPEAT, SINKHORN_EPS = 20, 1e-6
 HIDDEN = (2560, 4096, 7168)
@@ -128,6 +132,82 @@ def _layer_cases(c: int) -> list[Case]:
     return cases
 
 
+def _mix_cases() -> list[Case]:
+    """The split of a token's 24 mix logits and the head's mix, forward and backward (per-token work and, in the
+    backward, the parameter gradients' token partials)."""
+    from tilefuse import mhc
+    from tilefuse.reference import mhc as R
+
+    t, n, v, eps = TOKENS_LAYER, N, POST_MULT, PRE_EPS
+    m = n * (n + 2)
+    label = f"T={t} n={n}"
+
+    def sized(make):
+        return lambda device, scale: (label if scale == 1.0 else f"T={_dim(t, scale)} n={n}", make(_dim(t, scale), device))
+
+    def empty(*shape, device):
+        return torch.empty(shape, dtype=F32, device=device)
+
+    def split_fwd_ref(x, scale, base, pre, post, comb):
+        for out, part in zip((pre, post, comb), R.mhc_pre_split_mixes_ref(x, scale, base, n, v, eps)):
+            out.copy_(part.reshape(out.shape))
+        return pre, post, comb
+
+    def split_bwd_ref(d_pre, d_post, d_comb, x, post, scale, base, dx, d_scale, d_base):
+        for out, part in zip((dx, d_scale, d_base), R.mhc_pre_split_mixes_bwd_ref(d_pre, d_post, d_comb, x, post,
+                                                                                  scale, base, v)):
+            out.copy_(part)
+        return dx, d_scale, d_base
+
+    def head_bwd_ref(d_out, x, scale, base, dx, d_scale, d_base):
+        for out, part in zip((dx, d_scale, d_base), R.mhc_head_compute_mix_bwd_ref(d_out, x, scale, base, PARTIALS)):
+            out.copy_(part)
+        return dx, d_scale, d_base
+
+    split_fwd = lambda ns, x, scale, base, pre, post, comb: (  # noqa: E731
+        ns.mhc_pre_split_mixes_fwd(x, scale, base, pre, post, comb, v, eps), (pre, post, comb))[1]
+    split_bwd = lambda ns, d_pre, d_post, d_comb, x, post, scale, base, dx, d_scale, d_base: (  # noqa: E731
+        ns.mhc_pre_split_mixes_bwd(d_pre, d_post, d_comb, x, post, scale, base, dx, d_scale, d_base, v),
+        (dx, d_scale, d_base))[1]
+    head_fwd = lambda ns, x, scale, base, out: (ns.mhc_head_compute_mix_fwd(x, scale, base, out, eps), out)[1]  # noqa: E731
+    head_bwd = lambda ns, d_out, x, scale, base, dx, d_scale, d_base: (  # noqa: E731
+        ns.mhc_head_compute_mix_bwd(d_out, x, scale, base, dx, d_scale, d_base, PARTIALS), (dx, d_scale, d_base))[1]
+    ours = lambda call: lambda *args: call(mhc, *args)  # noqa: E731
+    peer = lambda call: {"tk2": lambda tk, *args: call(tk.mhc, *args)}  # noqa: E731
+    f32 = lambda *shape: (shape, F32)  # noqa: E731
+    return [
+        Case("mhc_pre_split_mixes_fwd",
+             sized(lambda t, d: (_normal((t, m), F32, d), _normal((3,), F32, d), _normal((m,), F32, d),
+                                 empty(t, n, device=d), empty(t, n, device=d), empty(t, n * n, device=d))),
+             ours(split_fwd), split_fwd_ref, peer(split_fwd), False, f"mhc_pre_split_mixes_fwd|n={n}", t,
+             describe=lambda: (label, [f32(t, m), f32(3), f32(m), f32(t, n), f32(t, n), f32(t, n * n)], []),
+             nbytes=_written_once),
+        Case("mhc_pre_split_mixes_bwd",
+             sized(lambda t, d: (_normal((t, n), F32, d), _normal((t, n), F32, d), _normal((t, n * n), F32, d),
+                                 _normal((t, m), F32, d), _positive_mix((t, n), d) * v, _normal((3,), F32, d),
+                                 _normal((m,), F32, d), empty(t, m, device=d), empty(3, device=d),
+                                 empty(m, device=d))),
+             ours(split_bwd), split_bwd_ref, peer(split_bwd), False, f"mhc_pre_split_mixes_bwd|n={n}", t,
+             describe=lambda: (label, [f32(t, n), f32(t, n), f32(t, n * n), f32(t, m), f32(t, n), f32(3), f32(m),
+                                       f32(t, m), f32(3), f32(m)], []),
+             nbytes=_written_once),
+        Case("mhc_head_compute_mix_fwd",
+             sized(lambda t, d: (_normal((t, n), F32, d), _normal((1,), F32, d), _normal((n,), F32, d),
+                                 empty(t, n, device=d))),
+             ours(head_fwd), lambda x, scale, base, out: out.copy_(R.mhc_head_compute_mix_ref(x, scale, base, eps)),
+             peer(head_fwd), False, f"mhc_head_compute_mix_fwd|n={n}", t,
+             describe=lambda: (label, [f32(t, n), f32(1), f32(n), f32(t, n)], []), nbytes=_written_once),
+        Case("mhc_head_compute_mix_bwd",
+             sized(lambda t, d: (_normal((t, n), F32, d), _normal((t, n), F32, d), _normal((1,), F32, d),
+                                 _normal((n,), F32, d), empty(t, n, device=d), empty(PARTIALS, 1, device=d),
+                                 empty(PARTIALS, n, device=d))),
+             ours(head_bwd), head_bwd_ref, peer(head_bwd), False, f"mhc_head_compute_mix_bwd|n={n}", t,
+             describe=lambda: (label, [f32(t, n), f32(t, n), f32(1), f32(n), f32(t, n), f32(PARTIALS, 1),
+                                       f32(PARTIALS, n)], []),
+             nbytes=_written_once),
+    ]
+
+
 def _sinkhorn_cases() -> list[Case]:
     from tilefuse import mhc
     from tilefuse.reference import mhc as R
@@ -159,8 +239,8 @@ def _sinkhorn_cases() -> list[Case]:
 
 
 def quick_cases() -> list[Case]:
-    return _layer_cases(QUICK_HIDDEN) + _sinkhorn_cases()
+    return _layer_cases(QUICK_HIDDEN) + _mix_cases() + _sinkhorn_cases()
 
 
 def grid_cases() -> list[Case]:
-    return [case for c in HIDDEN for case in _layer_cases(c)] + _sinkhorn_cases()
+    return [case for c in HIDDEN for case in _layer_cases(c)] + _mix_cases() + _sinkhorn_cases()
