@@ -59,6 +59,8 @@ KERNEL_MODULES = (
     "tilefuse.moe._shuffle_kernel",
     "tilefuse.moe._count_kernel",
     "tilefuse.transform._rotary_kernel",
+    "tilefuse.mhc._expand_kernel",
+    "tilefuse.mhc._apply_mix_kernel",
 )
 
 # Modules of TileLang helpers that kernels import: their source is part of every kernel's cache key.
