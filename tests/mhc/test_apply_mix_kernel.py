@@ -241,10 +241,18 @@ def test_misaligned_buffers_and_reference_path():
     _same(xg, _chain_dx(g, mix, d))
     _check_mix_grad(mg, g, x)
     # C % 8 != 0: the reference path on CUDA
-    x, mix = _inputs(T, n, 100)
-    o = _nan((T, 100))
-    mhc_pre_apply_mix_fwd(x, mix, o)
-    _same(o, R.mhc_pre_apply_mix_ref(x, mix.unsqueeze(-1)))
+    # C % 8 != 0 and n > MAX_N: the reference path on CUDA
+    for n_, C_ in ((n, 100), (K.MAX_N + 1, 64)):
+        x, mix = _inputs(T, n_, C_)
+        o = _nan((T, C_))
+        mhc_pre_apply_mix_fwd(x, mix, o)
+        _same(o, R.mhc_pre_apply_mix_ref(x, mix.unsqueeze(-1)))
+        g, d = torch.randn(T, C_, device="cuda").to(BF16), torch.randn(T, n_, C_, device="cuda").to(BF16)
+        xg = d.clone()
+        mg = mhc_pre_apply_mix_bwd(g, x, mix, xg)
+        dx, dm = R.mhc_pre_apply_mix_bwd_ref(g, x, mix.unsqueeze(-1), d)
+        _same(xg, dx)
+        _same(mg, dm.view(T, n_))
 
 
 @pytest.mark.gpu

@@ -46,6 +46,11 @@ def _grad(shape, device="cuda") -> torch.Tensor:
 
 # ---- CPU: launch geometry ----
 
+def test_takes_whole_chunks_and_at_most_max_n_streams():
+    assert K.takes(4, 7168) and K.takes(1, 8) and K.takes(K.MAX_N, 2400)
+    assert not K.takes(4, 100) and not K.takes(K.MAX_N + 1, 7168) and not K.takes(0, 7168) and not K.takes(4, 0)
+
+
 @pytest.mark.parametrize("C", sorted({*GPU_C, ODD_C, 8, 16, 1288}))
 def test_row_threads_whole_warps_cover_the_row(C):
     t = K.row_threads(C)
@@ -157,6 +162,13 @@ def test_misaligned_buffers_and_reference_path():
     expand_to_mhc_fwd(x, o)
     expand_to_mhc_bwd(g, xg)
     _same(o, R.expand_to_mhc_ref(x.cpu(), n))
+    _same(xg, R.expand_to_mhc_bwd_ref(g.cpu()))
+    # n > MAX_N: the reference path on CUDA
+    x, g = torch.randn(T, 64, device="cuda").to(BF16), _grad((T, K.MAX_N + 1, 64))
+    o, xg = _nan((T, K.MAX_N + 1, 64)), _nan((T, 64))
+    expand_to_mhc_fwd(x, o)
+    expand_to_mhc_bwd(g, xg)
+    _same(o, R.expand_to_mhc_ref(x.cpu(), K.MAX_N + 1))
     _same(xg, R.expand_to_mhc_bwd_ref(g.cpu()))
 
 

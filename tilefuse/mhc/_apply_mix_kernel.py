@@ -15,14 +15,14 @@ Chunks: a row of ``C`` bf16 is ``C / 8`` chunks of 16 bytes; a thread takes whol
   2, 1; lane 0's sum is kept) and the warps' sums in warp order. The tree depends only on ``C`` (a static config),
   so results are deterministic and batch-invariant; no atomics.
 
-Addresses are 64-bit (the token count is an int64 symbol). Kernel constraints: ``C % 8 == 0`` and 16-byte aligned
-tensors; the public ops send other hidden sizes to the reference, and the launchers copy a misaligned (or
+Addresses are 64-bit (the token count is an int64 symbol). Kernel constraints: ``C % 8 == 0``, ``n <= MAX_N`` (8) and
+16-byte aligned tensors; the public ops send other shapes to the reference, and the launchers copy a misaligned (or
 non-contiguous) tensor into an aligned one.
 """
 import torch
 
 from tilefuse import _jit, _ops
-from tilefuse.mhc._expand_kernel import V, row_threads
+from tilefuse.mhc._expand_kernel import MAX_N, V, row_threads
 
 # ---- tuning knobs (TILEFUSE_KNOBS) ----
 # PDL: the first statement waits for the stream's previous grid (griddepcontrol.wait). Results unchanged.
@@ -192,9 +192,10 @@ _jit.register("mhc_apply_mix_bwd", apply_mix_bwd_kernel, _bwd_configs)
 
 # ---- launchers (validate nothing: the public ops do) ----
 
-def takes(C: int) -> bool:
-    """Whether the kernels take rows of ``C`` bf16 (else the public op keeps the reference path)."""
-    return C > 0 and C % V == 0
+def takes(n: int, C: int) -> bool:
+    """Whether the kernels take ``n`` streams of ``C`` bf16 (else the public op keeps the reference path); the
+    backward's last step needs ``n <= 32`` threads, ``MAX_N`` is lower."""
+    return 1 <= n <= MAX_N and C > 0 and C % V == 0
 
 
 def _ready(t: torch.Tensor) -> torch.Tensor:

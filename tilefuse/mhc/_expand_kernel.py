@@ -14,8 +14,8 @@ count is an int64 symbol): ``T * n * C`` may exceed 2^31.
 
 No shared memory, no reductions across threads: deterministic and batch-invariant.
 
-Kernel constraints: ``C % 8 == 0`` (whole chunks) and 16-byte aligned tensors; the public ops send other hidden
-sizes to the reference, and the launchers copy a misaligned (or non-contiguous) tensor into an aligned one.
+Kernel constraints: ``C % 8 == 0`` (whole chunks), ``n <= MAX_N`` and 16-byte aligned tensors; the public ops send
+other shapes to the reference, and the launchers copy a misaligned (or non-contiguous) tensor into an aligned one.
 """
 
 import torch
@@ -29,6 +29,7 @@ MAX_THREADS = 256  # the most threads per CTA (row_threads)
 PDL = True
 
 V = 8  # bf16 per 16-byte chunk
+MAX_N = 8  # the most streams the kernels take (a thread holds n chunks in registers); more take the reference
 
 
 def row_threads(C: int) -> int:
@@ -133,9 +134,9 @@ _jit.register("mhc_expand_bwd", expand_bwd_kernel, _configs)
 
 # ---- launchers (validate nothing: the public ops do) ----
 
-def takes(C: int) -> bool:
-    """Whether the kernels take rows of ``C`` bf16 (else the public op keeps the reference path)."""
-    return C > 0 and C % V == 0
+def takes(n: int, C: int) -> bool:
+    """Whether the kernels take ``n`` streams of ``C`` bf16 (else the public op keeps the reference path)."""
+    return 1 <= n <= MAX_N and C > 0 and C % V == 0
 
 
 def _ready(t: torch.Tensor) -> torch.Tensor:

@@ -88,9 +88,9 @@ def pre_chain(out_mul_splitted, sqrsum_splitted, residual, scale, base, rms_eps,
     return post, comb, R.mhc_pre_apply_mix_ref(residual, pre)
 
 
-def _kernel_rows(t: torch.Tensor, takes) -> bool:
-    """A CUDA bf16 tensor whose rows (last dim) a family's kernel takes."""
-    return t.is_cuda and t.dtype == torch.bfloat16 and takes(t.shape[-1])
+def _kernel_rows(t: torch.Tensor, n: int, takes) -> bool:
+    """A CUDA bf16 tensor whose ``n`` streams of rows (last dim) a family's kernel takes."""
+    return t.is_cuda and t.dtype == torch.bfloat16 and takes(n, t.shape[-1])
 
 
 def _into(dst: torch.Tensor, shape: tuple, launch) -> None:
@@ -105,10 +105,10 @@ def _into(dst: torch.Tensor, shape: tuple, launch) -> None:
 
 
 def expand_fwd_into(x: torch.Tensor, o: torch.Tensor) -> None:
-    """§2.1 forward into ``o [..., n, C]`` from ``x [..., C]``: the kernel on CUDA rows with ``C % 8 == 0``, else
-    the reference."""
+    """§2.1 forward into ``o [..., n, C]`` from ``x [..., C]``: the kernel on CUDA rows it takes (``C % 8 == 0``,
+    ``n <= 8``), else the reference."""
     n, C = o.shape[-2:]
-    if _kernel_rows(x, _expand_kernel.takes):
+    if _kernel_rows(x, n, _expand_kernel.takes):
         _into(o, (-1, n, C), lambda ov: _expand_kernel.expand_fwd_cuda(x.reshape(-1, C), ov))
     else:
         o.copy_(R.expand_to_mhc_ref(x, n))
@@ -117,7 +117,7 @@ def expand_fwd_into(x: torch.Tensor, o: torch.Tensor) -> None:
 def expand_bwd_into(o_grad: torch.Tensor, x_grad: torch.Tensor) -> None:
     """§2.1 backward: overwrite ``x_grad [..., C]`` with the in-order stream sum of ``o_grad [..., n, C]``."""
     n, C = o_grad.shape[-2:]
-    if _kernel_rows(o_grad, _expand_kernel.takes):
+    if _kernel_rows(o_grad, n, _expand_kernel.takes):
         _into(x_grad, (-1, C), lambda xv: _expand_kernel.expand_bwd_cuda(o_grad.reshape(-1, n, C), xv))
     else:
         x_grad.copy_(R.expand_to_mhc_bwd_ref(o_grad))
@@ -128,7 +128,7 @@ class ExpandToMHCFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, mhc_mult, out):
-        if not _kernel_rows(hidden, _expand_kernel.takes):
+        if not _kernel_rows(hidden, mhc_mult, _expand_kernel.takes):
             return _write(out, R.expand_to_mhc_ref(hidden, mhc_mult), ctx)
         o = out if out is not None else hidden.new_empty((*hidden.shape[:-1], mhc_mult, hidden.shape[-1]))
         expand_fwd_into(hidden, o)
@@ -138,7 +138,7 @@ class ExpandToMHCFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if not _kernel_rows(grad, _expand_kernel.takes):
+        if not _kernel_rows(grad, grad.shape[-2], _expand_kernel.takes):
             return R.expand_to_mhc_bwd_ref(grad), None, None
         x_grad = grad.new_empty((*grad.shape[:-2], grad.shape[-1]))
         expand_bwd_into(grad, x_grad)
@@ -226,9 +226,9 @@ class SinkhornNormalizeFn(torch.autograd.Function):
 
 def apply_mix_fwd_into(x: torch.Tensor, mix: torch.Tensor, o: torch.Tensor) -> None:
     """§2.5 forward into ``o [..., C]`` from ``x [..., n, C]`` and ``mix [..., n]`` (or ``[..., n, 1]``): the kernel
-    on CUDA rows with ``C % 8 == 0``, else the reference."""
+    on CUDA rows it takes (``C % 8 == 0``, ``n <= 8``), else the reference."""
     n, C = x.shape[-2:]
-    if _kernel_rows(x, _apply_mix_kernel.takes):
+    if _kernel_rows(x, x.shape[-2], _apply_mix_kernel.takes):
         _into(o, (-1, C), lambda ov: _apply_mix_kernel.apply_mix_fwd_cuda(x.reshape(-1, n, C), mix.reshape(-1, n), ov))
     else:
         o.copy_(R.mhc_pre_apply_mix_ref(x, mix.reshape(*x.shape[:-1], 1)))
@@ -237,10 +237,10 @@ def apply_mix_fwd_into(x: torch.Tensor, mix: torch.Tensor, o: torch.Tensor) -> N
 def apply_mix_bwd_into(o_grad: torch.Tensor, x: torch.Tensor, mix: torch.Tensor, x_grad: torch.Tensor,
                        accumulate: bool) -> torch.Tensor:
     """§2.5 backward: ``x_grad = bf(fma(mix, g, x_grad))`` (``accumulate``) or ``bf(mix * g)``; returns the mix
-    gradient ``[T, n]`` (T: x's leading dims flattened). The kernel on CUDA rows with ``C % 8 == 0``, else the
-    reference."""
+    gradient ``[T, n]`` (T: x's leading dims flattened). The kernel on CUDA rows it takes (``C % 8 == 0``, ``n <=
+    8``), else the reference."""
     n, C = x.shape[-2:]
-    if _kernel_rows(x, _apply_mix_kernel.takes):
+    if _kernel_rows(x, x.shape[-2], _apply_mix_kernel.takes):
         out = []
         _into(x_grad, (-1, n, C), lambda xv: out.append(_apply_mix_kernel.apply_mix_bwd_cuda(
             o_grad.reshape(-1, C), x.reshape(-1, n, C), mix.reshape(-1, n), xv, accumulate)))
@@ -256,7 +256,7 @@ class MHCPreApplyMixFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mix, out):
         ctx.save_for_backward(x, mix)
-        if not _kernel_rows(x, _apply_mix_kernel.takes):
+        if not _kernel_rows(x, x.shape[-2], _apply_mix_kernel.takes):
             return _write(out, R.mhc_pre_apply_mix_ref(x, mix), ctx)
         o = out if out is not None else x.new_empty((*x.shape[:-2], x.shape[-1]))
         apply_mix_fwd_into(x, mix, o)
@@ -268,7 +268,7 @@ class MHCPreApplyMixFn(torch.autograd.Function):
     def backward(ctx, grad):
         x, mix = ctx.saved_tensors
         buf = peek_residual_grad(x)
-        if not _kernel_rows(x, _apply_mix_kernel.takes):
+        if not _kernel_rows(x, x.shape[-2], _apply_mix_kernel.takes):
             dx, d_mix = R.mhc_pre_apply_mix_bwd_ref(grad, x, mix, buf)
             if buf is not None:
                 buf.copy_(dx)

@@ -91,7 +91,8 @@ def _mult_of_m(op: str, name: str, M: int) -> int:
 def expand_to_mhc(hidden: torch.Tensor, mhc_mult: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Copy ``hidden [..., C]`` (bf16, contiguous) to ``[..., n, C]``; autograd sums the streams (§2.1).
 
-    CUDA tensors take the TileLang kernels (``_expand_kernel``) when ``C % 8 == 0``, else the reference."""
+    CUDA tensors take the TileLang kernels (``_expand_kernel``) when ``C % 8 == 0`` and ``n <= 8``, else the
+    reference."""
     op = "expand_to_mhc"
     _check.tensor(op, "hidden", hidden, dtype=BF16, contiguous=True)
     if not (hidden.dim() >= 1):
@@ -105,7 +106,7 @@ def expand_to_mhc(hidden: torch.Tensor, mhc_mult: int, out: torch.Tensor | None 
 @public("mhc", path="kernel")
 def expand_to_mhc_fwd(x: torch.Tensor, o: torch.Tensor) -> None:
     """v2.1: write ``o[t, i, :] = x[t, :]`` for ``x [T, C]``, ``o [T, n, C]`` (bf16). CUDA: the kernel when
-    ``C % 8 == 0``, else the reference."""
+    ``C % 8 == 0`` and ``n <= 8``, else the reference."""
     op = "expand_to_mhc_fwd"
     _check.tensor(op, "x", x, dtype=BF16, ndim=2, contiguous=True)
     _check.tensor(op, "o", o, dtype=BF16, shape=(x.shape[0], None, x.shape[1]), contiguous=True, device=x.device)
@@ -117,7 +118,7 @@ def expand_to_mhc_fwd(x: torch.Tensor, o: torch.Tensor) -> None:
 @public("mhc", path="kernel")
 def expand_to_mhc_bwd(o_grad: torch.Tensor, x_grad: torch.Tensor) -> None:
     """v2.1: overwrite ``x_grad [T, C]`` with the in-order fp32 sum of ``o_grad [T, n, C]`` over streams. CUDA:
-    the kernel when ``C % 8 == 0``, else the reference."""
+    the kernel when ``C % 8 == 0`` and ``n <= 8``, else the reference."""
     op = "expand_to_mhc_bwd"
     _check.tensor(op, "o_grad", o_grad, dtype=BF16, ndim=3, contiguous=True)
     _check.tensor(op, "x_grad", x_grad, dtype=BF16, shape=(o_grad.shape[0], o_grad.shape[2]), contiguous=True,
@@ -364,8 +365,8 @@ def mhc_pre_apply_mix(x: torch.Tensor, mix: torch.Tensor, out: torch.Tensor | No
     """Sub-layer input ``[..., C] = sum_i mix[..., i] * x[..., i, :]`` (bf16, §2.5), with autograd.
 
     Backward accumulates into the residual's side-channel buffer when ``mhc_post`` attached one (§2.12).
-    CUDA tensors take the TileLang kernels (``_apply_mix_kernel``: the spec's fma chains) when ``C % 8 == 0``,
-    else the reference.
+    CUDA tensors take the TileLang kernels (``_apply_mix_kernel``: the spec's fma chains) when ``C % 8 == 0``
+    and ``n <= 8``, else the reference.
     """
     op = "mhc_pre_apply_mix"
     _streams(op, "x", x)
@@ -384,7 +385,7 @@ def _check_apply_flat(op: str, x, mix) -> tuple[int, int, int]:
 @public("mhc", path="kernel")
 def mhc_pre_apply_mix_fwd(x: torch.Tensor, mix: torch.Tensor, o: torch.Tensor) -> None:
     """v2.1: write ``o [T, C] = sum_i mix[:, i] * x[:, i, :]`` for ``x [T, n, C]``, ``mix [T, n]``. CUDA: the
-    kernel when ``C % 8 == 0``, else the reference."""
+    kernel when ``C % 8 == 0`` and ``n <= 8``, else the reference."""
     op = "mhc_pre_apply_mix_fwd"
     T, n, C = _check_apply_flat(op, x, mix)
     _check.tensor(op, "o", o, dtype=BF16, shape=(T, C), contiguous=True, device=x.device)
@@ -395,7 +396,8 @@ def mhc_pre_apply_mix_fwd(x: torch.Tensor, mix: torch.Tensor, o: torch.Tensor) -
 def mhc_pre_apply_mix_bwd(o_grad: torch.Tensor, x: torch.Tensor, mix: torch.Tensor,
                           x_grad: torch.Tensor) -> torch.Tensor:
     """v2.1: **accumulate** ``x_grad [T, n, C] = bf(x_grad + mix * o_grad)``; return a new ``mix_grad [T, n]``.
-    CUDA: the kernel (``bf(fma(mix, o_grad, x_grad))``) when ``C % 8 == 0``, else the reference."""
+    CUDA: the kernel (``bf(fma(mix, o_grad, x_grad))``) when ``C % 8 == 0`` and ``n <= 8``, else the
+    reference."""
     op = "mhc_pre_apply_mix_bwd"
     T, n, C = _check_apply_flat(op, x, mix)
     _check.tensor(op, "o_grad", o_grad, dtype=BF16, shape=(T, C), contiguous=True, device=x.device)
