@@ -64,7 +64,7 @@ KERNEL_MODULES = (
 )
 
 # Modules of TileLang helpers that kernels import: their source is part of every kernel's cache key.
-SHARED_KERNEL_MODULES = ("tilefuse.quant._tl",)
+SHARED_KERNEL_MODULES = ("tilefuse.quant._tl", "tilefuse.mhc._rows")
 
 _FACTORIES: dict[str, tuple[Callable, Callable[[], Iterable[tuple]]]] = {}
 _COMPILED: dict[tuple, Callable] = {}

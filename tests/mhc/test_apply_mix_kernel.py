@@ -126,6 +126,13 @@ def test_bwd_builds_for_sm90_with_the_chain(cfg):
 
 
 @pytest.mark.compile
+def test_fwd_builds_with_several_tokens_per_cta(monkeypatch):
+    monkeypatch.setattr(K, "TOKENS_PER_CTA", 3)
+    src = _jit.compile_kernel("mhc_apply_mix_fwd", (4, ODD_C), "sm_90", export=False).get_kernel_source()
+    assert "num_tokens" in src and src.count("*(uint4*)") == 4 and "__fmaf_rn(" in src
+
+
+@pytest.mark.compile
 def test_registered_configs_are_the_bench_shapes():
     want = {(4, c) for c in (2560, 4096, 7168)}
     reg = _jit.registered()
@@ -278,6 +285,17 @@ def test_deterministic_and_batch_invariant(C):
         _same(o1, o[rows])
         _same(xg1, xg[rows])
         _same(mg1, mg[rows])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", (1, 7, 4001))
+def test_fwd_knobs_change_no_bit(knob_kernels, T):
+    knob_kernels(K, {"TOKENS_PER_CTA": 3, "MAX_THREADS": 64})
+    n, C = 4, ODD_C
+    x, mix = _inputs(T, n, C, signed=True)
+    o = _nan((T, C))
+    mhc_pre_apply_mix_fwd(x, mix, o)
+    _same(o, _chain_fwd(x, mix))
 
 
 @pytest.mark.gpu

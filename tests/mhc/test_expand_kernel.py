@@ -53,7 +53,7 @@ def test_takes_whole_chunks_and_at_most_max_n_streams():
 
 @pytest.mark.parametrize("C", sorted({*GPU_C, ODD_C, 8, 16, 1288}))
 def test_row_threads_whole_warps_cover_the_row(C):
-    t = K.row_threads(C)
+    t = K.row_threads(C, K.MAX_THREADS)
     cv = C // K.V
     assert t % 32 == 0 and 32 <= t <= K.MAX_THREADS
     assert -(-cv // t) * t >= cv  # every chunk has a thread
@@ -77,6 +77,14 @@ def test_builds_for_sm90(name, cfg):
         # the in-order chain from an explicit 0: IEEE adds that nothing can fold or reassociate
         assert re.search(r"acc\[\w+\] = __fadd_rn\(acc\[\w+\], \(\(float\)g\[", src)
         assert re.search(r"acc\[\w+\] = 0x0p\+0f", src)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", ("mhc_expand_fwd", "mhc_expand_bwd"))
+def test_builds_with_several_tokens_per_cta(monkeypatch, name):
+    monkeypatch.setattr(K, "TOKENS_PER_CTA", 3)
+    src = _jit.compile_kernel(name, (4, ODD_C), "sm_90", export=False).get_kernel_source()
+    assert "num_tokens" in src and src.count("*(uint4*)") == 4
 
 
 @pytest.mark.compile
@@ -187,6 +195,19 @@ def test_deterministic_and_batch_invariant(C):
         alone = _nan((rows.stop - rows.start, C))
         expand_to_mhc_bwd(g[rows].contiguous(), alone)
         _same(alone, runs[0][rows])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", (1, 7, 4001))
+def test_tokens_per_cta_knob_changes_no_bit(knob_kernels, T):
+    knob_kernels(K, {"TOKENS_PER_CTA": 3})
+    n, C = 4, ODD_C
+    x, g = torch.randn(T, C, device="cuda").to(BF16), _grad((T, n, C))
+    o, xg = _nan((T, n, C)), _nan((T, C))
+    expand_to_mhc_fwd(x, o)
+    expand_to_mhc_bwd(g, xg)
+    _same(o, R.expand_to_mhc_ref(x.cpu(), n))
+    _same(xg, R.expand_to_mhc_bwd_ref(g.cpu()))
 
 
 @pytest.mark.gpu

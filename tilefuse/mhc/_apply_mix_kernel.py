@@ -5,8 +5,9 @@ the stream gradients and the per-token mix gradient.
 Chunks: a row of ``C`` bf16 is ``C / 8`` chunks of 16 bytes; a thread takes whole chunks of one token.
 
 * forward (``apply_mix_fwd_kernel``), per element: ``acc = mix_0 * f(x_0)``, then ``acc = fma(mix_i, f(x_i), acc)``
-  for i = 1..n-1, ``o = bf(acc)`` (the spec's chain, pinned with ``__fmul_rn`` / ``__fmaf_rn``). CTA ``(t, j)``
-  takes token ``t`` and ``threads`` consecutive chunks, as the expand kernels (``_expand_kernel.row_threads``).
+  for i = 1..n-1, ``o = bf(acc)`` (the spec's chain, pinned with ``__fmul_rn`` / ``__fmaf_rn``). CTA ``(b, j)``
+  takes ``TOKENS_PER_CTA`` consecutive tokens and ``threads`` consecutive chunks of each (``_rows.row_threads``);
+  a thread loads its chunks of all its tokens before it stores.
 * backward (``apply_mix_bwd_kernel``): the mix gradient is a reduction over C *within a token*
   (``d_mix[t, i] = sum_c f(g[c]) * f(x_i[c])``), never over tokens, so one CTA owns one token: thread ``k`` walks
   chunks ``k, k + threads, ...`` in order, writing ``x_grad_i = bf(fma(mix_i, f(g), f(x_grad_i)))`` (accumulate;
@@ -22,9 +23,16 @@ non-contiguous) tensor into an aligned one.
 import torch
 
 from tilefuse import _jit, _ops
-from tilefuse.mhc._expand_kernel import MAX_N, V, row_threads
+from tilefuse.mhc._rows import MAX_N, V, row_threads, takes  # noqa: F401  (takes, MAX_N: the public ops' test)
 
-# ---- tuning knobs (TILEFUSE_KNOBS) ----
+# Threads per CTA of the backward: up to BWD_MAX_THREADS (_rows.row_threads). Not a tuning knob: the thread count
+# sets the mix gradient's summation tree, so changing it changes results (within the derived bound).
+BWD_MAX_THREADS = 256
+
+# ---- tuning knobs of the forward (TILEFUSE_KNOBS; results unchanged) ----
+MAX_THREADS = 256  # the most threads per CTA (_rows.row_threads)
+# tokens per CTA: a thread loads its chunk of TOKENS_PER_CTA consecutive tokens before it stores any
+TOKENS_PER_CTA = 1
 # PDL: the first statement waits for the stream's previous grid (griddepcontrol.wait). Results unchanged.
 PDL = True
 
@@ -51,41 +59,47 @@ def apply_mix_fwd_kernel(n: int, C: int):
 
     assert n >= 1 and C % V == 0 and C > 0, (n, C)
     cv = C // V
-    threads = row_threads(C)
+    threads = row_threads(C, MAX_THREADS)
+    R = TOKENS_PER_CTA
     vec_mix = n in (2, 4)
     Tn = T.dynamic("num_tokens", "int64")
 
     @T.prim_func
     def apply_mix_fwd(X: T.Tensor((Tn, n, C), "bfloat16"), MIX: T.Tensor((Tn, n), "float32"),
                       O: T.Tensor((Tn, C), "bfloat16")):
-        with T.Kernel(Tn, T.ceildiv(cv, threads), threads=threads) as (bt, bc):
+        with T.Kernel(T.ceildiv(Tn, R), T.ceildiv(cv, threads), threads=threads) as (bt, bc):
             if PDL:
                 T.pdl_sync()
-            t = T.cast(bt, "int64")
             j = bc * threads + T.get_thread_binding()
-            mix = T.alloc_local((n,), "float32")
-            x = T.alloc_local((n * V,), "bfloat16")
+            mix = T.alloc_local((R * n,), "float32")
+            x = T.alloc_local((R * n * V,), "bfloat16")
             acc = T.alloc_local((V,), "float32")
             out = T.alloc_local((V,), "bfloat16")
             if j < cv:
-                if vec_mix:  # one vector load of the token's mix row (8 or 16 bytes), else n scalar loads
-                    for i in T.vectorized(n):
-                        mix[i] = MIX[t, i]
-                else:
-                    for i in T.unroll(n):
-                        mix[i] = MIX[t, i]
-                for i in T.unroll(n):
-                    for e in T.vectorized(V):
-                        x[i * V + e] = X[t, i, j * V + e]
-                for e in T.unroll(V):
-                    acc[e] = _fmul(mix[0], T.cast(x[e], "float32"))
-                for i in T.unroll(1, n):
-                    for e in T.unroll(V):
-                        acc[e] = _fma(mix[i], T.cast(x[i * V + e], "float32"), acc[e])
-                for e in T.unroll(V):
-                    out[e] = T.cast(acc[e], "bfloat16")
-                for e in T.vectorized(V):
-                    O[t, j * V + e] = out[e]
+                for r in T.unroll(R):
+                    t = T.cast(bt, "int64") * R + r
+                    if R == 1 or t < Tn:
+                        if vec_mix:  # one vector load of the token's mix row (8 or 16 bytes), else n scalar loads
+                            for i in T.vectorized(n):
+                                mix[r * n + i] = MIX[t, i]
+                        else:
+                            for i in T.unroll(n):
+                                mix[r * n + i] = MIX[t, i]
+                        for i in T.unroll(n):
+                            for e in T.vectorized(V):
+                                x[(r * n + i) * V + e] = X[t, i, j * V + e]
+                for r in T.unroll(R):
+                    t = T.cast(bt, "int64") * R + r
+                    if R == 1 or t < Tn:
+                        for e in T.unroll(V):
+                            acc[e] = _fmul(mix[r * n], T.cast(x[r * n * V + e], "float32"))
+                        for i in T.unroll(1, n):
+                            for e in T.unroll(V):
+                                acc[e] = _fma(mix[r * n + i], T.cast(x[(r * n + i) * V + e], "float32"), acc[e])
+                        for e in T.unroll(V):
+                            out[e] = T.cast(acc[e], "bfloat16")
+                        for e in T.vectorized(V):
+                            O[t, j * V + e] = out[e]
 
     return apply_mix_fwd
 
@@ -103,7 +117,7 @@ def apply_mix_bwd_kernel(n: int, C: int, accumulate: bool):
 
     assert n >= 1 and C % V == 0 and C > 0, (n, C)
     cv = C // V
-    threads = row_threads(C)
+    threads = row_threads(C, BWD_MAX_THREADS)
     steps = -(-cv // threads)  # chunks per thread (the last may be past the row)
     warps = threads // 32
     vec_mix = n in (2, 4)
@@ -191,12 +205,6 @@ _jit.register("mhc_apply_mix_bwd", apply_mix_bwd_kernel, _bwd_configs)
 
 
 # ---- launchers (validate nothing: the public ops do) ----
-
-def takes(n: int, C: int) -> bool:
-    """Whether the kernels take ``n`` streams of ``C`` bf16 (else the public op keeps the reference path); the
-    backward's last step needs ``n <= 32`` threads, ``MAX_N`` is lower."""
-    return 1 <= n <= MAX_N and C > 0 and C % V == 0
-
 
 def _ready(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself if contiguous and 16-byte aligned, else an aligned contiguous copy."""

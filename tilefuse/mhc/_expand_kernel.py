@@ -1,10 +1,11 @@
 """TileLang kernels of ``expand_to_mhc`` (mhc.md §2.1, §5.2): the forward copies a token row ``x [T, C]`` to
 each of the ``n`` streams of ``o [T, n, C]``; the backward sums ``o_grad [T, n, C]`` over the streams.
 
-Work split (both kernels): a row of ``C`` bf16 is ``C / 8`` chunks of 16 bytes; CTA ``(t, j)`` takes token ``t``
-(``blockIdx.x``, so any token count fits the grid) and ``threads`` consecutive chunks starting at chunk
-``j * threads``; a thread owns one chunk column of its token. ``threads`` divides the chunk count where a whole
-number of warps does (``row_threads``), so no lane idles at the rows of the bench. Addresses are 64-bit (the token
+Work split (both kernels): a row of ``C`` bf16 is ``C / 8`` chunks of 16 bytes (``_rows``); CTA ``(b, j)`` takes
+tokens ``b R .. b R + R - 1`` (``R = TOKENS_PER_CTA``; ``blockIdx.x``, so any token count fits the grid) and
+``threads`` consecutive chunks starting at chunk ``j * threads``; a thread owns one chunk column of its tokens and
+loads all of them before it stores. ``threads`` divides the chunk count where a whole number of warps does
+(``row_threads``), so no lane idles at the rows of the bench. Addresses are 64-bit (the token
 count is an int64 symbol): ``T * n * C`` may exceed 2^31.
 
 * forward: one 16-byte load of ``x``, then ``n`` 16-byte stores, one per stream (a bitwise copy);
@@ -21,26 +22,16 @@ other shapes to the reference, and the launchers copy a misaligned (or non-conti
 import torch
 
 from tilefuse import _jit, _ops
+from tilefuse.mhc._rows import MAX_N, V, row_threads, takes  # noqa: F401  (takes, MAX_N: the public ops' test)
 
 # ---- tuning knobs (TILEFUSE_KNOBS) ----
-MAX_THREADS = 256  # the most threads per CTA (row_threads)
+MAX_THREADS = 256  # the most threads per CTA (_rows.row_threads)
+# tokens per CTA: a thread loads its chunk of TOKENS_PER_CTA consecutive tokens before it stores any (more bytes in
+# flight per thread, fewer CTAs). Results unchanged.
+TOKENS_PER_CTA = 1
 # PDL: the first statement waits for the stream's previous grid (griddepcontrol.wait), so the launch and CTA setup
 # overlap the previous kernel's tail. Results unchanged.
 PDL = True
-
-V = 8  # bf16 per 16-byte chunk
-MAX_N = 8  # the most streams the kernels take (a thread holds n chunks in registers); more take the reference
-
-
-def row_threads(C: int) -> int:
-    """Threads per CTA for rows of ``C / V`` chunks: the largest multiple of 32 up to ``MAX_THREADS`` that
-    divides the chunk count; else the whole row when it fits one CTA (rounded up to a warp); else
-    ``MAX_THREADS`` (the last CTA of a row guards its tail)."""
-    cv = C // V
-    for t in range(MAX_THREADS - MAX_THREADS % 32, 31, -32):
-        if cv % t == 0:
-            return t
-    return min(MAX_THREADS, -(-cv // 32) * 32)
 
 
 def _fadd(a, b):
@@ -58,23 +49,29 @@ def expand_fwd_kernel(n: int, C: int):
 
     assert n >= 1 and C % V == 0 and C > 0, (n, C)
     cv = C // V
-    threads = row_threads(C)
+    threads = row_threads(C, MAX_THREADS)
+    R = TOKENS_PER_CTA
     Tn = T.dynamic("num_tokens", "int64")
 
     @T.prim_func
     def expand_fwd(X: T.Tensor((Tn, C), "bfloat16"), O: T.Tensor((Tn, n, C), "bfloat16")):
-        with T.Kernel(Tn, T.ceildiv(cv, threads), threads=threads) as (bt, bc):
+        with T.Kernel(T.ceildiv(Tn, R), T.ceildiv(cv, threads), threads=threads) as (bt, bc):
             if PDL:
                 T.pdl_sync()
-            t = T.cast(bt, "int64")
             j = bc * threads + T.get_thread_binding()
-            buf = T.alloc_local((V,), "bfloat16")
+            buf = T.alloc_local((R * V,), "bfloat16")
             if j < cv:
-                for e in T.vectorized(V):
-                    buf[e] = X[t, j * V + e]
-                for i in T.unroll(n):
-                    for e in T.vectorized(V):
-                        O[t, i, j * V + e] = buf[e]
+                for r in T.unroll(R):
+                    t = T.cast(bt, "int64") * R + r
+                    if R == 1 or t < Tn:
+                        for e in T.vectorized(V):
+                            buf[r * V + e] = X[t, j * V + e]
+                for r in T.unroll(R):
+                    t = T.cast(bt, "int64") * R + r
+                    if R == 1 or t < Tn:
+                        for i in T.unroll(n):
+                            for e in T.vectorized(V):
+                                O[t, i, j * V + e] = buf[r * V + e]
 
     return expand_fwd
 
@@ -88,32 +85,38 @@ def expand_bwd_kernel(n: int, C: int):
 
     assert n >= 1 and C % V == 0 and C > 0, (n, C)
     cv = C // V
-    threads = row_threads(C)
+    threads = row_threads(C, MAX_THREADS)
+    R = TOKENS_PER_CTA
     Tn = T.dynamic("num_tokens", "int64")
 
     @T.prim_func
     def expand_bwd(G: T.Tensor((Tn, n, C), "bfloat16"), XG: T.Tensor((Tn, C), "bfloat16")):
-        with T.Kernel(Tn, T.ceildiv(cv, threads), threads=threads) as (bt, bc):
+        with T.Kernel(T.ceildiv(Tn, R), T.ceildiv(cv, threads), threads=threads) as (bt, bc):
             if PDL:
                 T.pdl_sync()
-            t = T.cast(bt, "int64")
             j = bc * threads + T.get_thread_binding()
-            g = T.alloc_local((n * V,), "bfloat16")
+            g = T.alloc_local((R * n * V,), "bfloat16")
             acc = T.alloc_local((V,), "float32")
             out = T.alloc_local((V,), "bfloat16")
             if j < cv:
-                for i in T.unroll(n):
-                    for e in T.vectorized(V):
-                        g[i * V + e] = G[t, i, j * V + e]
-                for e in T.unroll(V):
-                    acc[e] = T.float32(0.0)
-                for i in T.unroll(n):
-                    for e in T.unroll(V):
-                        acc[e] = _fadd(acc[e], T.cast(g[i * V + e], "float32"))
-                for e in T.unroll(V):
-                    out[e] = T.cast(acc[e], "bfloat16")
-                for e in T.vectorized(V):
-                    XG[t, j * V + e] = out[e]
+                for r in T.unroll(R):
+                    t = T.cast(bt, "int64") * R + r
+                    if R == 1 or t < Tn:
+                        for i in T.unroll(n):
+                            for e in T.vectorized(V):
+                                g[(r * n + i) * V + e] = G[t, i, j * V + e]
+                for r in T.unroll(R):
+                    t = T.cast(bt, "int64") * R + r
+                    if R == 1 or t < Tn:
+                        for e in T.unroll(V):
+                            acc[e] = T.float32(0.0)
+                        for i in T.unroll(n):
+                            for e in T.unroll(V):
+                                acc[e] = _fadd(acc[e], T.cast(g[(r * n + i) * V + e], "float32"))
+                        for e in T.unroll(V):
+                            out[e] = T.cast(acc[e], "bfloat16")
+                        for e in T.vectorized(V):
+                            XG[t, j * V + e] = out[e]
 
     return expand_bwd
 
@@ -133,11 +136,6 @@ _jit.register("mhc_expand_bwd", expand_bwd_kernel, _configs)
 
 
 # ---- launchers (validate nothing: the public ops do) ----
-
-def takes(n: int, C: int) -> bool:
-    """Whether the kernels take ``n`` streams of ``C`` bf16 (else the public op keeps the reference path)."""
-    return 1 <= n <= MAX_N and C > 0 and C % V == 0
-
 
 def _ready(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself if contiguous and 16-byte aligned, else an aligned contiguous copy."""
