@@ -22,8 +22,8 @@ non-contiguous) tensor into an aligned one.
 """
 import torch
 
-from tilefuse import _jit, _ops
-from tilefuse.mhc._rows import MAX_N, V, row_threads, takes  # noqa: F401  (takes, MAX_N: the public ops' test)
+from tilefuse import _jit, _launch, _ops
+from tilefuse.mhc._rows import MAX_N, V, ready, row_threads, takes  # noqa: F401  (takes, MAX_N: for _functions)
 
 # Threads per CTA of the backward: up to BWD_MAX_THREADS (_rows.row_threads). Not a tuning knob: the thread count
 # sets the mix gradient's summation tree, so changing it changes results (within the derived bound).
@@ -206,26 +206,15 @@ _jit.register("mhc_apply_mix_bwd", apply_mix_bwd_kernel, _bwd_configs)
 
 # ---- launchers (validate nothing: the public ops do) ----
 
-def _ready(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself if contiguous and 16-byte aligned, else an aligned contiguous copy."""
-    if t.is_contiguous() and t.data_ptr() % 16 == 0:
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
-
-
-def _is_ready(t: torch.Tensor) -> bool:
-    return t.is_contiguous() and t.data_ptr() % 16 == 0
-
-
 def apply_mix_fwd_launch(x: torch.Tensor, mix: torch.Tensor, o: torch.Tensor) -> None:
-    """Write ``o [T, C]`` from ``x [T, n, C]`` and ``mix [T, n]`` (``takes(C)``); a misaligned or non-contiguous
+    """Write ``o [T, C]`` from ``x [T, n, C]`` and ``mix [T, n]`` (``takes(n, C)``); a misaligned or non-contiguous
     ``o`` is written through an aligned buffer."""
     Tn, n, C = x.shape
     if Tn == 0:
         return
     fn = _jit.get("mhc_apply_mix_fwd", (n, C))
-    dst = o if _is_ready(o) else torch.empty_like(o, memory_format=torch.contiguous_format)
-    fn(_ready(x), _ready(mix), dst)
+    dst = o if ready(o) else torch.empty_like(o, memory_format=torch.contiguous_format)
+    fn(_launch.aligned(x.contiguous()), _launch.aligned(mix.contiguous()), dst)
     if dst is not o:
         o.copy_(dst)
 
@@ -238,13 +227,14 @@ def apply_mix_bwd_launch(o_grad: torch.Tensor, x: torch.Tensor, mix: torch.Tenso
     if Tn == 0:
         return mix_grad
     fn = _jit.get("mhc_apply_mix_bwd", (n, C, bool(accumulate)))
-    if _is_ready(x_grad):
+    if ready(x_grad):
         dst = x_grad
     elif accumulate:
-        dst = _ready(x_grad)
+        dst = _launch.aligned(x_grad.contiguous())
     else:
         dst = torch.empty_like(x_grad, memory_format=torch.contiguous_format)
-    fn(_ready(o_grad), _ready(x), _ready(mix), dst, mix_grad)
+    fn(_launch.aligned(o_grad.contiguous()), _launch.aligned(x.contiguous()), _launch.aligned(mix.contiguous()),
+       dst, mix_grad)
     if dst is not x_grad:
         x_grad.copy_(dst)
     return mix_grad

@@ -21,8 +21,8 @@ other shapes to the reference, and the launchers copy a misaligned (or non-conti
 
 import torch
 
-from tilefuse import _jit, _ops
-from tilefuse.mhc._rows import MAX_N, V, row_threads, takes  # noqa: F401  (takes, MAX_N: the public ops' test)
+from tilefuse import _jit, _launch, _ops
+from tilefuse.mhc._rows import MAX_N, V, ready, row_threads, takes  # noqa: F401  (takes, MAX_N: for _functions)
 
 # ---- tuning knobs (TILEFUSE_KNOBS) ----
 MAX_THREADS = 256  # the most threads per CTA (_rows.row_threads)
@@ -137,36 +137,27 @@ _jit.register("mhc_expand_bwd", expand_bwd_kernel, _configs)
 
 # ---- launchers (validate nothing: the public ops do) ----
 
-def _ready(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself if contiguous and 16-byte aligned, else an aligned contiguous copy."""
-    if t.is_contiguous() and t.data_ptr() % 16 == 0:
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
-
-
 def expand_fwd_launch(x: torch.Tensor, o: torch.Tensor) -> None:
-    """Write ``o [T, n, C]`` from ``x [T, C]`` (bf16, ``takes(C)``); a misaligned or non-contiguous ``o`` is
+    """Write ``o [T, n, C]`` from ``x [T, C]`` (bf16, ``takes(n, C)``); a misaligned or non-contiguous ``o`` is
     written through an aligned buffer."""
     Tn, n, C = o.shape
     if Tn == 0:
         return
     fn = _jit.get("mhc_expand_fwd", (n, C))
-    aligned = o.is_contiguous() and o.data_ptr() % 16 == 0
-    dst = o if aligned else torch.empty_like(o, memory_format=torch.contiguous_format)
-    fn(_ready(x), dst)
+    dst = o if ready(o) else torch.empty_like(o, memory_format=torch.contiguous_format)
+    fn(_launch.aligned(x.contiguous()), dst)
     if dst is not o:
         o.copy_(dst)
 
 
 def expand_bwd_launch(o_grad: torch.Tensor, x_grad: torch.Tensor) -> None:
-    """Overwrite ``x_grad [T, C]`` with the stream sum of ``o_grad [T, n, C]`` (bf16, ``takes(C)``)."""
+    """Overwrite ``x_grad [T, C]`` with the stream sum of ``o_grad [T, n, C]`` (bf16, ``takes(n, C)``)."""
     Tn, n, C = o_grad.shape
     if Tn == 0:
         return
     fn = _jit.get("mhc_expand_bwd", (n, C))
-    aligned = x_grad.is_contiguous() and x_grad.data_ptr() % 16 == 0
-    dst = x_grad if aligned else torch.empty_like(x_grad, memory_format=torch.contiguous_format)
-    fn(_ready(o_grad), dst)
+    dst = x_grad if ready(x_grad) else torch.empty_like(x_grad, memory_format=torch.contiguous_format)
+    fn(_launch.aligned(o_grad.contiguous()), dst)
     if dst is not x_grad:
         x_grad.copy_(dst)
 

@@ -22,3 +22,9 @@ def row_threads(C: int, max_threads: int) -> int:
         if cv % t == 0:
             return t
     return min(top, -(-cv // 32) * 32)
+
+
+def ready(t) -> bool:
+    """Whether a tensor can be bound as it is: contiguous, its data on a 16-byte boundary (the kernels' vector
+    accesses; a contiguous view may start at any storage offset)."""
+    return t.is_contiguous() and t.data_ptr() % 16 == 0
