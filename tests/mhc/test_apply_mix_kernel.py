@@ -13,7 +13,8 @@ Tolerances, derived once here:
   (product, then a sum over the streams) may differ from the chain by one bf16 ulp: checked too.
 * ``mix_grad[t, i] = sum_c f(g[c]) f(x_i[c])``: each product is exact in fp32 (8 x 8 significant bits), so the only
   error is the summation's; any fp32 order of ``C`` terms is within ``C * 2^-24 * sum_c |g x_i|`` of the exact sum
-  (``SUM_TOL``), checked against the float64 sum.
+  (``SUM_TOL``), checked against the float64 sum; and the kernel's order is fixed, so it is also checked bitwise
+  against ``_tree_mix_grad``, that order in fp32.
 
 Outputs are filled with NaN before each launch (``o``; ``x_grad`` where it is not read; the returned ``mix_grad``
 through a freed NaN block of its size, best effort).
@@ -53,12 +54,42 @@ def _chain_dx(o_grad: torch.Tensor, mix: torch.Tensor, d: torch.Tensor | None) -
     return (prod if d is None else prod + d.to(F64)).to(F32).to(BF16)
 
 
+def _tree_mix_grad(o_grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The backward kernel's summation of ``f(g) f(x_i)`` (exact fp32 products): thread ``k`` of ``threads`` adds its
+    chunks ``k, k + threads, ...`` element by element to a running sum from 0; each warp's 32 sums meet in a
+    butterfly (lane l adds lane ``l ^ 16``, ``l ^ 8``, ``l ^ 4``, ``l ^ 2``, ``l ^ 1``) and lane 0 keeps its result;
+    the warps' results are added in warp order. fp32 throughout; ``[T, n]``."""
+    T, n, C = x.shape
+    threads = K.row_threads(C, K.BWD_MAX_THREADS)
+    cv = C // K.V
+    steps = -(-cv // threads)
+    prod = o_grad.to(F32).unsqueeze(1) * x.to(F32)  # exact
+    chunks = torch.zeros(T, n, steps * threads, K.V, dtype=F32, device=x.device)
+    chunks[:, :, :cv] = prod.view(T, n, cv, K.V)    # threads past the row add nothing (+0 to a sum that is never -0)
+    chunks = chunks.view(T, n, steps, threads, K.V)
+    part = torch.zeros(T, n, threads, dtype=F32, device=x.device)
+    for s in range(steps):
+        for e in range(K.V):
+            part = part + chunks[:, :, s, :, e]
+    lanes = part.view(T, n, threads // 32, 32)
+    lane = torch.arange(32, device=x.device)
+    for off in (16, 8, 4, 2, 1):
+        lanes = lanes + lanes[..., lane ^ off]
+    total = lanes[..., 0, 0]
+    for w in range(1, threads // 32):
+        total = total + lanes[..., w, 0]
+    return total
+
+
 def _check_mix_grad(got: torch.Tensor, o_grad: torch.Tensor, x: torch.Tensor) -> None:
+    """Within the derived bound of the exact sum (the contract), then bitwise the kernel's order
+    (``_tree_mix_grad``: a fixed order, so exact)."""
     terms = o_grad.to(F64).unsqueeze(1) * x.to(F64)
     exact, mag = terms.sum(-1), terms.abs().sum(-1)
     assert got.dtype == F32 and got.shape == exact.shape
     excess = (got.to(F64) - exact).abs() - x.shape[-1] * SUM_TOL * mag
     assert not (excess > 0).any() and not got.isnan().any(), f"worst excess {excess.max().item():.3g}"
+    _same(got, _tree_mix_grad(o_grad, x))
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
