@@ -125,6 +125,22 @@ def _inputs(T: int, n: int, C: int, signed: bool = False):
         torch.randn(T, n, device="cuda"), -1)
 
 
+# ---- CPU: registration ----
+
+def test_fakes_give_output_metadata():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        x, mix = mode.from_tensor(torch.empty(5, 4, 64, dtype=BF16)), mode.from_tensor(torch.empty(5, 4))
+        g, xg = mode.from_tensor(torch.empty(5, 64, dtype=BF16)), mode.from_tensor(torch.empty(5, 4, 64, dtype=BF16))
+        mg = torch.ops.tilefuse.mhc_apply_mix_bwd(g, x, mix, xg, True)
+        assert torch.ops.tilefuse.mhc_apply_mix_fwd(x, mix, g) is None
+    assert mg.shape == (5, 4) and mg.dtype == F32
+    schema = torch.ops.tilefuse.mhc_apply_mix_bwd.default._schema
+    assert [a.name for a in schema.arguments if a.is_write] == ["x_grad"]
+    assert [a.name for a in torch.ops.tilefuse.mhc_apply_mix_fwd.default._schema.arguments if a.is_write] == ["o"]
+
+
 # ---- compile tier ----
 
 @pytest.mark.compile

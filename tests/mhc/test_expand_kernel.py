@@ -61,6 +61,13 @@ def test_row_threads_whole_warps_cover_the_row(C):
         assert cv % t == 0  # the rows: no idle lane
 
 
+def test_ops_mutate_only_their_outputs():
+    for name, out in (("mhc_expand_fwd", "o"), ("mhc_expand_bwd", "x_grad")):
+        schema = getattr(torch.ops.tilefuse, name).default._schema
+        assert [a.name for a in schema.arguments if a.is_write] == [out]
+        assert not schema.returns
+
+
 # ---- compile tier ----
 
 @pytest.mark.compile
