@@ -367,3 +367,23 @@ def test_in_place_cases_are_restored_outside_the_timed_call():
     restore()
     assert torch.equal(inputs[0], original[0])
     assert runner._restorer(MOE_ONE[0], MOE_ONE[0].make("cpu", 1.0)[1]) is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# mHC cases (tilefuse/bench/mhc.py)
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", runner.select_cases(True, ["mhc"]), ids=lambda c: c.name)
+def test_mhc_reference_and_peer_calls_compute_our_op(case):
+    """On the CPU our op takes its reference: each mHC case's torch.compile reference and its TileKernels call
+    (against a stand-in ``tile_kernels`` holding our ``tilefuse.mhc``) give our outputs, shapes included."""
+    import tilefuse.mhc
+
+    _, inputs = case.make("cpu", 0.02)
+    ours = case.run(*core._clone(inputs))
+    ok, text = _peers.agree(ours, case.ref(*core._clone(inputs)), case.exact)
+    assert ok, f"reference: {text}"
+    stand_in = types.SimpleNamespace(mhc=tilefuse.mhc)
+    for peer, call in case.peers.items():
+        ok, text = _peers.agree(ours, call(stand_in, *core._clone(inputs)), case.exact)
+        assert ok, f"{peer}: {text}"

@@ -59,6 +59,7 @@ KERNEL_MODULES = (
     "tilefuse.moe._shuffle_kernel",
     "tilefuse.moe._count_kernel",
     "tilefuse.transform._rotary_kernel",
+    "tilefuse.mhc._sinkhorn_kernel",
     "tilefuse.mhc._expand_kernel",
     "tilefuse.mhc._apply_mix_kernel",
 )

@@ -14,22 +14,18 @@ from tilefuse import _jit, moe
 from tilefuse.moe import _count_kernel as K
 from tilefuse.reference import moe as ref
 from tilefuse.testing import assert_equal
+from tests.moe import configs
 from tests.quant.kernel_binding import fake_jit
 
 TOKENS = (0, 1, 7, 4001, 8192)
 EXPERTS = (8, 72, 256, 384)
-TOPK = (1, 2, 6, 8)
-NAMES = ("moe_count_partial", "moe_count_finish", "moe_unique_group_indices", "moe_mask_indices_by_tp")
-
-
-def _configs():
-    return [(name, cfg) for name in NAMES for cfg in _jit._FACTORIES[name][1]()]
+TOPK = configs.COUNT_TOPK
 
 
 # ------------------------------------------------------------------------------------------------- compile
 
 @pytest.mark.compile
-@pytest.mark.parametrize("name,cfg", _configs(), ids=str)
+@pytest.mark.parametrize("name,cfg", configs.count_kernel_configs(), ids=str)
 def test_builds_for_sm90(name, cfg):
     src = _jit.compile_kernel(name, cfg, "sm_90", export=False).get_kernel_source()
     assert "__global__" in src and "use_fast_math" not in src
@@ -48,7 +44,7 @@ def test_count_launchers_bind_kernel_parameters(rows, k, bins, monkeypatch):
     K.aux_fi_launch(x, bins, k)
     K.group_count_launch(x, bins)
     hist = (K.HIST_SMALL if bins <= K.HIST_SMALL else K.MAX_BINS,)  # the histogram build that holds E
-    assert hist in _jit._FACTORIES["moe_count_partial"][1]()
+    assert ("moe_count_partial", hist) in configs.count_kernel_configs()
     assert [(c.name, c.cfg) for c in calls] == [("moe_count_partial", hist), ("moe_count_finish", ("fi",)),
                                                ("moe_count_partial", hist), ("moe_count_finish", ("count",))]
     for c in calls:
@@ -462,7 +458,7 @@ def test_unique_spec_example_wide_rows_and_batch_invariance():
     want = column.clone()
     K.inplace_unique_group_indices_cuda(column, 72)
     assert_equal(column, want)
-    for k in (3, 16, K.MAX_UNIQUE_K):  # K outside the registered configs compiles on first use
+    for k in (3, 16, K.MAX_UNIQUE_K):  # K outside the listed configs compiles on first use
         h = _groups(777, k, 128)
         want = h.clone()
         ref.inplace_unique_group_indices(want, 128)

@@ -4,8 +4,8 @@ CPU tier: the launcher end to end with the three kernels (count, scan, scatter) 
 what each CTA does (chunks, the scan's warps and their row runs, the scatter's warps and rounds of 32 lanes, the
 padding and tail split over the grid, the device assertions), so the index arithmetic, the data rules and the
 launcher's trimming are checked without a GPU; the no-launch and reference paths; the fake against the eager
-launches. Compile tier: every registered config builds for sm_90. GPU tier: the kernels themselves, bit-exact
-against the reference, and their device assertions.
+launches. Compile tier: every config the GPU tests launch (tests/moe/configs.py) builds for sm_90. GPU tier: the
+kernels themselves, bit-exact against the reference, and their device assertions.
 """
 import warnings
 
@@ -15,6 +15,7 @@ import torch
 from tilefuse import _jit, moe
 from tilefuse.moe import _mapping_kernel as MK
 from tilefuse.reference import moe as ref
+from tests.moe import configs
 
 NAMES = ("moe_fused_mapping_count", "moe_fused_mapping_scan", "moe_fused_mapping_scatter")
 
@@ -286,7 +287,7 @@ def test_capacity_and_geometry():
 # ----------------------------------------------------------------------------------------------------
 
 @pytest.mark.compile
-@pytest.mark.parametrize("name,cfg", [(n, c) for n in NAMES for c in _jit._FACTORIES[n][1]()], ids=str)
+@pytest.mark.parametrize("name,cfg", configs.mapping_kernel_configs(), ids=str)
 def test_builds_for_sm90(name, cfg):
     import tilelang
 

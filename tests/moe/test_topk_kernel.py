@@ -2,8 +2,8 @@
 
 reference-free CPU checks: a numpy model of the kernels' sortable key and removal-based selection equals
 ``stable_topk`` on non-finite data too; the fakes give the reference's shapes.
-compile: every registered config builds for sm_90 with IEEE arithmetic, and the launchers hand the kernels
-arguments that fit their signatures (checked on CPU against the prim_func).
+compile: every config the GPU tests launch (tests/moe/configs.py) builds for sm_90 with IEEE arithmetic, and the
+launchers hand the kernels arguments that fit their signatures (checked on CPU against the prim_func).
 gpu: bit-exact against the reference on the same CUDA tensors (indices always; the normalisation is computed
 in the reference's order), outputs poisoned first; determinism, batch invariance, CUDA graphs, torch.compile.
 """
@@ -14,14 +14,10 @@ import torch
 from tilefuse import _jit, moe
 from tilefuse.moe import _topk_kernel as K
 from tilefuse.reference import moe as ref
+from tests.moe.configs import NORM_K, TOPK_GATE as GATE, TOPK_GATE_EXTRA as GATE_EXTRA, TOPK_GROUP as GROUP
 from tests.quant.kernel_binding import fake_jit
 
 TOKENS = (0, 1, 7, 4001, 8192)
-GATE = [(e, k) for e in (8, 72, 256, 384) for k in (1, 2, 6, 8)]
-GATE_EXTRA = [(33, 8), (5, 5), (72, 72), (1024, 9)]     # odd E, padded lanes, serial K (K = E), the widest rows
-GROUP = [(8, 32, 2, 4), (12, 6, 1, 4), (16, 16, 2, 2), (32, 2, 2, 5), (3, 32, 2, 2), (5, 7, 2, 5), (2, 100, 2, 1),
-         (1, 3, 1, 1), (8, 9, 2, 4), (12, 32, 2, 4)]
-NORM_K = (1, 2, 6, 8, 9, 13, 40)
 
 
 def _cfg_id(c):
@@ -142,16 +138,10 @@ def test_ops_trace_under_fake_tensors():
 # compile tier
 # ---------------------------------------------------------------------------------------------------------
 
-def test_gpu_configs_are_registered():
-    assert set(GATE + GATE_EXTRA) <= set(K._gate_configs())
-    assert set(GROUP) <= set(K._group_configs())
-    assert {(k,) for k in NORM_K} <= set(K._normalize_configs())
-
-
 @pytest.mark.compile
-@pytest.mark.parametrize("name,cfg", [("topk_gate", c) for c in K._gate_configs()]
-                         + [("topk_sum_and_topk_group_idx", c) for c in K._group_configs()]
-                         + [("normalize_weight", c) for c in K._normalize_configs()], ids=str)
+@pytest.mark.parametrize("name,cfg", [("topk_gate", c) for c in GATE + GATE_EXTRA]
+                         + [("topk_sum_and_topk_group_idx", c) for c in GROUP]
+                         + [("normalize_weight", (k,)) for k in NORM_K], ids=str)
 def test_builds_for_sm90(name, cfg):
     src = _jit.compile_kernel(name, cfg, "sm_90", export=False).get_kernel_source()
     assert "__global__" in src and "use_fast_math" not in src and "atomic" not in src

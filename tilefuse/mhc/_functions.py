@@ -12,6 +12,7 @@ import torch
 from tilefuse.reference import mhc as R
 
 from . import _apply_mix_kernel, _expand_kernel
+from . import _sinkhorn_kernel as SK
 
 # §2.12: the attribute of a residual's untyped storage that holds its fused bf16 gradient buffer.
 SIDE_CHANNEL = "grad_from_mhc_post"
@@ -216,11 +217,22 @@ class SinkhornNormalizeFn(torch.autograd.Function):
     def forward(ctx, x, repeat, eps):
         ctx.save_for_backward(x)
         ctx.repeat, ctx.eps = repeat, eps
+        if SK.fwd_supported(x, repeat):  # contiguous [..., n, n]: the kernel sees [T, n, n]
+            out = torch.empty_like(x)
+            n = x.shape[-1]
+            SK.sinkhorn_fwd_cuda(x.view(-1, n, n), out.view(-1, n, n), repeat, eps)
+            return out
         return R.sinkhorn_normalize_ref(x, repeat, eps)
 
     @staticmethod
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
+        if SK.bwd_supported(x, ctx.repeat):
+            n = x.shape[-1]
+            d_x = torch.empty_like(x)
+            SK.sinkhorn_bwd_cuda(grad.reshape(-1, n, n).contiguous(), x.view(-1, n, n), d_x.view(-1, n, n),
+                                 ctx.repeat, ctx.eps)
+            return d_x, None, None
         return R.sinkhorn_normalize_bwd_ref(grad, x, ctx.repeat, ctx.eps), None, None
 
 

@@ -18,6 +18,7 @@ from tilefuse._registry import public
 from tilefuse.reference import mhc as R
 
 from . import _functions as F
+from . import _sinkhorn_kernel as SK
 
 __all__ = [
     "expand_to_mhc",
@@ -324,35 +325,49 @@ def _square(op: str, name: str, t, **kwargs) -> torch.Tensor:
     return t
 
 
-@public("mhc")
+@public("mhc", path="kernel")
 def sinkhorn_normalize(x: torch.Tensor, repeat: int = 10, eps: float = 1e-6) -> torch.Tensor:
-    """Sinkhorn-normalise fp32 logits ``[..., n, n]`` (§2.4), with autograd."""
+    """Sinkhorn-normalise fp32 logits ``[..., n, n]`` (§2.4), with autograd.
+
+    CUDA tensors with n in {2, 4} take the TileLang kernels (forward; backward for ``repeat <= 32``); other n,
+    longer backward chains and CPU tensors take the reference."""
     op = "sinkhorn_normalize"
     _square(op, "x", x)
     repeat, eps = _sinkhorn_args(op, repeat, eps)
     return F.SinkhornNormalizeFn.apply(x.contiguous(), repeat, eps)
 
 
-@public("mhc")
+@public("mhc", path="kernel")
 def mhc_sinkhorn_fwd(comb_res_mix: torch.Tensor, comb_res_mix_out: torch.Tensor, repeat: int, eps: float) -> None:
-    """v2.1: write the Sinkhorn of ``comb_res_mix [T, n, n]`` into ``comb_res_mix_out``."""
+    """v2.1: write the Sinkhorn of ``comb_res_mix [T, n, n]`` into ``comb_res_mix_out``.
+
+    CUDA tensors with n in {2, 4} take the TileLang kernel; other n and CPU tensors take the reference."""
     op = "mhc_sinkhorn_fwd"
     _square(op, "comb_res_mix", comb_res_mix, ndim=3, contiguous=True)
     _check.tensor(op, "comb_res_mix_out", comb_res_mix_out, dtype=F32, shape=tuple(comb_res_mix.shape),
                   contiguous=True, device=comb_res_mix.device)
     repeat, eps = _sinkhorn_args(op, repeat, eps)
+    if SK.fwd_supported(comb_res_mix, repeat):
+        SK.sinkhorn_fwd_cuda(comb_res_mix, comb_res_mix_out, repeat, eps)
+        return
     comb_res_mix_out.copy_(R.sinkhorn_normalize_ref(comb_res_mix, repeat, eps))
 
 
-@public("mhc")
+@public("mhc", path="kernel")
 def mhc_sinkhorn_bwd(grad_output: torch.Tensor, x: torch.Tensor, grad_input: torch.Tensor, repeat: int,
                      eps: float) -> None:
-    """v2.1: write the Sinkhorn input gradient into ``grad_input [T, n, n]`` (§2.4 backward)."""
+    """v2.1: write the Sinkhorn input gradient into ``grad_input [T, n, n]`` (§2.4 backward).
+
+    CUDA tensors with n in {2, 4} and ``repeat <= 32`` take the TileLang kernel (it keeps every step's iterate
+    in registers); others take the reference."""
     op = "mhc_sinkhorn_bwd"
     _square(op, "x", x, ndim=3, contiguous=True)
     for name, t in (("grad_output", grad_output), ("grad_input", grad_input)):
         _check.tensor(op, name, t, dtype=F32, shape=tuple(x.shape), contiguous=True, device=x.device)
     repeat, eps = _sinkhorn_args(op, repeat, eps)
+    if SK.bwd_supported(x, repeat):
+        SK.sinkhorn_bwd_cuda(grad_output, x, grad_input, repeat, eps)
+        return
     grad_input.copy_(R.sinkhorn_normalize_bwd_ref(grad_output, x, repeat, eps))
 
 

@@ -162,7 +162,12 @@ def count_finish_kernel(kind: str):
     return count_finish
 
 
-_jit.register("moe_count_partial", count_partial_kernel, lambda: sorted({(_hist_bins(1),), (MAX_BINS,)}))
+# Static configs: those the bench launches (``precompile``); any other (the tests' own, tests/moe/configs.py)
+# compiles on first use. The bench (tilefuse.bench.moe) counts T x 8 slots over 256 experts and over EP rank 0's
+# 32 local ones (aux_fi, group_count), makes K = 8 rows unique and masks int64 indices.
+BENCH_BINS = (256, 32)
+BENCH_TOPK = 8
+_jit.register("moe_count_partial", count_partial_kernel, lambda: sorted({(_hist_bins(e),) for e in BENCH_BINS}))
 _jit.register("moe_count_finish", count_finish_kernel, lambda: [("fi",), ("count",)])
 
 
@@ -275,8 +280,7 @@ def unique_group_indices_kernel(num_topk: int):
     return unique_group_indices
 
 
-UNIQUE_CONFIGS = (1, 2, 6, 8)  # K of the tests and the bench (any K <= MAX_UNIQUE_K compiles on first use)
-_jit.register("moe_unique_group_indices", unique_group_indices_kernel, lambda: [(k,) for k in UNIQUE_CONFIGS])
+_jit.register("moe_unique_group_indices", unique_group_indices_kernel, lambda: [(BENCH_TOPK,)])
 
 
 def inplace_unique_group_indices_launch(group_indices: torch.Tensor, num_groups: int) -> None:
@@ -350,7 +354,7 @@ def mask_indices_by_tp_kernel(dtype: str):
 
 
 _DTYPES = {torch.int32: "int32", torch.int64: "int64"}
-_jit.register("moe_mask_indices_by_tp", mask_indices_by_tp_kernel, lambda: [("int64",), ("int32",)])
+_jit.register("moe_mask_indices_by_tp", mask_indices_by_tp_kernel, lambda: [("int64",)])
 
 
 def mask_indices_by_tp_launch(indices: torch.Tensor, n: int, num_ep_ranks: int, tp_rank: int,

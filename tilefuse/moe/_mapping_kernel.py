@@ -38,7 +38,7 @@ from tilefuse.reference import moe as ref
 CHUNK = 512             # flat slots per CTA (count and scatter kernels; a power of two >= 32)
 COUNT_THREADS = 512     # count kernel: at most this many threads, CHUNK / threads slots each
 SCAN_WARPS = 16         # scan kernel: warps per CTA, each a contiguous run of the table's rows (32 columns a CTA)
-CAPACITIES = (256, 512, 1024)   # static configs: the largest E a binary serves
+CAPACITIES = (256, 512, 1024)   # the builds: the largest E each serves (the smallest that holds E runs)
 _UNROLL = 4             # scan kernel: table rows a thread loads at once
 # int32 index arithmetic: slots, positions and every intermediate (positions past the end by up to one grid
 # stride, slot indices of fill CTAs) stay below 2^31 while T*K + (A - 1) E and N are at most 2^30
@@ -331,8 +331,14 @@ def scatter_kernel(capacity: int):
     return fused_mapping_scatter
 
 
+# Static configs: those the bench launches (``precompile``); any other (the tests' own, tests/moe/configs.py)
+# compiles on first use. The bench's (local) expert counts (tilefuse.bench.moe): 256 on one rank, EP rank 0's 32
+# of 256, and OFF_GATES' 64, 128 and 160.
+BENCH_EXPERTS = (256, 32, 64, 128, 160)
+
+
 def _configs() -> list[tuple]:
-    return [(c,) for c in CAPACITIES]
+    return sorted({(_capacity(e),) for e in BENCH_EXPERTS})
 
 
 _jit.register("moe_fused_mapping_count", count_kernel, _configs)

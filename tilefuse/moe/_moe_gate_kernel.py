@@ -366,19 +366,16 @@ def gate_forward_kernel(num_experts: int, num_topk: int, num_shared: int, flags:
     return gate_forward
 
 
+# Static configs: those the bench launches (``precompile``); any other (the tests' own, tests/moe/configs.py)
+# compiles on first use.
+BENCH_ISSUE_GATES = tuple((e, 8) for e in (256, 72, 384))  # (E_r, K): tilefuse.bench.moe.GATE_EXPERTS at top-8
+BENCH_OFF_GATES = tuple((e, k) for e in (64, 128, 160) for k in (6, 8))  # tilefuse.bench.moe.OFF_GATES
+
+
 def _forward_configs() -> list[tuple]:
-    """The static configs the tests and the bench use (E_r, K, S, flags)."""
-    cfgs = [(256, 8, 0, "bias,scores"), (256, 8, 0, "bias")]                  # the bench shape
-    for e, k in ((8, 1), (72, 2), (256, 6), (384, 8)):
-        cfgs.append((e, k, 0, "bias"))
-    cfgs += [
-        (72, 6, 2, "bias,fix,image,map,mask,scores,unmapped"),
-        (256, 8, 1, "bias,fix,image,map,mask,random,scores,unmapped"),
-        (64, 6, 0, "random"),
-        (32, 2, 0, ""),
-        (72, 6, 1, "fix,map,mask,random,unmapped"),                       # the device-assertion tests
-    ]
-    return cfgs
+    """(E_r, K, S, flags) of the bench's forward launches: every gate with a bias, with and without the scores
+    output (the training call, and the inputs of the backward rows)."""
+    return [(e, k, 0, flags) for e, k in BENCH_ISSUE_GATES + BENCH_OFF_GATES for flags in ("bias", "bias,scores")]
 
 
 _jit.register("moe_topk_gate_forward", gate_forward_kernel, _forward_configs)
@@ -560,10 +557,10 @@ def gate_backward_kernel(num_experts: int, num_topk: int, aux: bool):
 
 
 def _backward_configs() -> list[tuple]:
-    cfgs = [(256, 8, False), (256, 8, True)]
-    for e, k in ((8, 1), (72, 2), (256, 6), (384, 8), (30, 3), (30, 1)):    # 30: rows not a multiple of 4
-        cfgs += [(e, k, False), (e, k, True)]
-    return list(dict.fromkeys(cfgs))
+    """(E_r, K, aux) of the bench's backward launches: the issue's gates with and without the sequence-level term,
+    the off-grid ones without it."""
+    return ([(e, k, aux) for e, k in BENCH_ISSUE_GATES for aux in (False, True)]
+            + [(e, k, False) for e, k in BENCH_OFF_GATES])
 
 
 _jit.register("moe_topk_gate_backward", gate_backward_kernel, _backward_configs)

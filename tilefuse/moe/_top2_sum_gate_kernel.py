@@ -346,10 +346,21 @@ def supported(cfg: tuple) -> bool:
     return cfg[0] <= MAX_EXPERTS
 
 
+# (E, K, (G, TG), scorings) of the bench's rows (tilefuse.bench.moe): 256 experts in 8 groups, top-4 groups, each
+# scoring; 72 and 384 without a group limit, sigmoid (GATE_EXPERTS at top-8); then V1_OFF
+BENCH_GATES = ((256, 8, (8, 4), ("sigmoid", "sqrtsoftplus", "softmax")), (72, 8, (0, 0), ("sigmoid",)),
+               (384, 8, (0, 0), ("sigmoid",)),
+               (64, 6, (0, 0), ("softmax",)), (64, 8, (0, 0), ("softmax",)),
+               (128, 6, (8, 4), ("softmax",)), (128, 8, (8, 4), ("softmax",)),
+               (160, 6, (8, 4), ("sigmoid", "softmax")), (160, 8, (8, 4), ("sigmoid", "softmax")),
+               (96, 6, (8, 4), ("sigmoid",)), (72, 8, (8, 4), ("sigmoid",)))
+
+
 def _configs() -> list[tuple]:
-    """The bench's configs (E=256, K=8, 8 groups, top-4, each scoring, bias); the GPU tests' own are listed in
-    tests/moe/configs.py and compile on first use."""
-    return [(256, 8, 8, 4, 0, sc, False, False, False, False) for sc in ("sigmoid", "sqrtsoftplus", "softmax")]
+    """The bench's configs (a bias, no shared expert, none of the optional inputs); the GPU tests' own are listed
+    in tests/moe/configs.py and compile on first use."""
+    return [(e, k, g, tg, 0, sc, False, False, False, False) for e, k, (g, tg), scorings in BENCH_GATES
+            for sc in scorings]
 
 
 _jit.register("top2_sum_gate", top2_sum_gate_kernel, _configs)

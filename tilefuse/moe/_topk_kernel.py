@@ -287,24 +287,28 @@ def normalize_weight_kernel(num_topk: int):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Registration: the static configs the tests and the bench use (any other config compiles on first use)
+# Static configs: those the bench launches (``precompile``); any other (the tests' own, tests/moe/configs.py)
+# compiles on first use
 # ----------------------------------------------------------------------------------------------------
 
+BENCH_GATE_EXPERTS = (256, 72, 384)  # tilefuse.bench.moe.GATE_EXPERTS, at top-8 (TOPK)
+BENCH_OFF_GATES = tuple((e, k) for e in (64, 128, 160) for k in (6, 8))  # tilefuse.bench.moe.OFF_GATES
+
+
 def _gate_configs() -> list[tuple]:
-    # (E, K): the test grid (bench shape E = 256, K = 8 among them), then odd E, padded lanes, a serial K and the
-    # widest rows
-    return [(e, k) for e in (8, 72, 256, 384) for k in (1, 2, 6, 8)] + [(33, 8), (5, 5), (72, 72), (1024, 9)]
+    """(E, K) of the bench's topk_gate rows: the issue's gates at top-8, then the off-grid ones."""
+    return [(e, 8) for e in BENCH_GATE_EXPERTS] + list(BENCH_OFF_GATES)
 
 
 def _group_configs() -> list[tuple]:
-    # (G, n, num_topk_sum, num_topk_groups): moe.md §3.2's observed shapes (E = 256 / 72 / 64 / 96), then odd n,
-    # several chunks with a tail, one group; then the bench's other shapes (E = 72 and 384)
-    return [(8, 32, 2, 4), (12, 6, 1, 4), (16, 16, 2, 2), (32, 2, 2, 5), (3, 32, 2, 2), (5, 7, 2, 5),
-            (2, 100, 2, 1), (1, 3, 1, 1), (8, 9, 2, 4), (12, 32, 2, 4)]
+    """(G, n, num_topk_sum, num_topk_groups) of the bench's rows: top-2 sums, top-4 groups, at each issue gate's
+    expert count (8 groups of E / 8; 384 experts as 12 groups of 32)."""
+    return [(12, 32, 2, 4) if e == 384 else (8, e // 8, 2, 4) for e in BENCH_GATE_EXPERTS]
 
 
 def _normalize_configs() -> list[tuple]:
-    return [(k,) for k in (1, 2, 6, 8, 9, 13, 40)]
+    """K of the bench's normalize_weight rows: top-8 and top-6."""
+    return [(8,), (6,)]
 
 
 _jit.register("topk_gate", topk_gate_kernel, _gate_configs)

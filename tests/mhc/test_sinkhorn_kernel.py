@@ -1,0 +1,308 @@
+"""Kernel tiers of the mHC Sinkhorn (mhc.md §2.4, §5.2): ``sinkhorn_normalize``, ``mhc_sinkhorn_fwd``,
+``mhc_sinkhorn_bwd`` on CUDA.
+
+* reference tier: a model of the kernels' arithmetic (butterfly sums, the backward's walk) stays within the
+  spec's tolerance of the reference; CPU tensors never reach a launcher.
+* compile tier: every config the package registers and the GPU tests launch builds for sm_90 with IEEE
+  ``expf`` and division and no contractible sums; the launchers bind their arguments to the prim_funcs.
+* gpu tier: kernel against the reference over T in {0, 1, 7, 4001, 8192}, n in {2, 4}, repeat in
+  {1, 3, 10, 20, 32}, outputs poisoned with NaN; the v1 op with leading dims, a strided input and autograd;
+  n = 8 and repeat 33 (reference path); determinism and batch invariance, forward and backward; CUDA-graph
+  replay; ``torch.compile(fullgraph=True)``.
+
+Tolerance (written once): the spec's contract for Sinkhorn forward and d_x is ``assert_close``'s fp32
+defaults (mhc.md §3): FP32_RTOL = 1.3e-6, FP32_ATOL = 1e-5. Upstream's kernels measured 1.8e-7 / 3e-7 max abs
+error. The kernels use another summation order than torch (butterflies), so nothing is bitwise against the
+reference, but everything is bitwise against itself (determinism, batch invariance, graphs, compile).
+"""
+import pytest
+import torch
+
+from tilefuse import _jit
+from tilefuse.mhc import _sinkhorn_kernel as SK
+from tilefuse.mhc import mhc_sinkhorn_bwd, mhc_sinkhorn_fwd, sinkhorn_normalize
+from tilefuse.reference.mhc import sinkhorn_normalize_bwd_ref, sinkhorn_normalize_ref
+from tests.mhc.configs_sinkhorn import MAX_REPEAT, N_VALUES, REPEATS, bwd_configs, fwd_configs
+from tests.quant.kernel_binding import fake_jit
+
+FP32_RTOL, FP32_ATOL = 1.3e-6, 1e-5
+EPS = 1e-6
+TOKENS = (0, 1, 7, 4001, 8192)
+
+
+def _close(actual, expected):
+    torch.testing.assert_close(actual, expected, rtol=FP32_RTOL, atol=FP32_ATOL)
+
+
+# ---- a model of the kernels' arithmetic (fp32, CPU) ----
+
+def _butterfly(v, over, op):
+    """The kernel's XOR butterfly on ``[T, n, n]``: lane ``l`` of a matrix combines with lane ``l ^ d``."""
+    n = v.shape[-1]
+    flat = v.reshape(-1, n * n)
+    lane = torch.arange(n * n)
+    for d in SK._distances(n, over):
+        flat = op(flat, flat[:, lane ^ d])
+    return flat.view(v.shape)
+
+
+def _bsum(v, over):
+    return _butterfly(v, over, torch.add)
+
+
+def _softmax(x):
+    e = torch.exp(x - _butterfly(x, "row", torch.maximum))
+    return e / _bsum(e, "row")
+
+
+def _steps(repeat):
+    return ["col" if s % 2 == 0 else "row" for s in range(2 * repeat - 1)]
+
+
+def model_fwd(x, repeat, eps):
+    a = _softmax(x) + eps
+    for over in _steps(repeat):
+        a = a / (_bsum(a, over) + eps)
+    return a
+
+
+def model_bwd(g, x, repeat, eps):
+    a0 = _softmax(x)
+    a, kept = a0 + eps, []
+    for over in _steps(repeat):
+        den = _bsum(a, over) + eps
+        kept.append((over, a, den))
+        a = a / den
+    for over, u, den in reversed(kept):
+        g = (g - _bsum(g * u, over) / den) / den
+    return (g - _bsum(g * a0, "row")) * a0
+
+
+def test_distances_are_the_row_and_column_butterflies():
+    assert SK._distances(4, "row") == (2, 1) and SK._distances(4, "col") == (8, 4)
+    assert SK._distances(2, "row") == (1,) and SK._distances(2, "col") == (2,)
+    # n = 4: lane 0 of a row ends with (e0 + e2) + (e1 + e3), upstream's forward order (mhc.md §2.4)
+    e = torch.tensor([[1.0, 2.0 ** -24, -1.0, 2.0 ** -24]]).expand(4, 4).reshape(1, 4, 4)
+    assert _bsum(e, "row")[0, 0, 0].item() == (1.0 + -1.0) + (2.0 ** -24 + 2.0 ** -24)
+
+
+@pytest.mark.parametrize("n", N_VALUES)
+@pytest.mark.parametrize("repeat", REPEATS + (MAX_REPEAT,))
+@pytest.mark.parametrize("scale", (1.0, 30.0, 1e4))  # standard normal (the spec's data) and wide logits
+def test_model_of_the_kernels_is_within_the_spec_tolerance(n, repeat, scale):
+    x = torch.randn(2000, n, n) * scale
+    g = torch.randn(2000, n, n)  # worst model error seen: 3.6e-7 (fwd), 6.6e-7 (bwd)
+    _close(model_fwd(x, repeat, EPS), sinkhorn_normalize_ref(x, repeat, EPS))
+    _close(model_bwd(g, x, repeat, EPS), sinkhorn_normalize_bwd_ref(g, x, repeat, EPS))
+
+
+def test_cpu_tensors_never_reach_a_launcher(monkeypatch):
+    def refuse(*args):
+        raise AssertionError("a CPU tensor reached a launcher")
+
+    for name in ("sinkhorn_fwd_launch", "sinkhorn_bwd_launch", "sinkhorn_fwd_cuda", "sinkhorn_bwd_cuda"):
+        monkeypatch.setattr(SK, name, refuse)
+    x = torch.randn(5, 4, 4, requires_grad=True)
+    sinkhorn_normalize(x, 3, EPS).sum().backward()
+    out, d_x = torch.empty(5, 4, 4), torch.empty(5, 4, 4)
+    mhc_sinkhorn_fwd(x.detach(), out, 3, EPS)
+    mhc_sinkhorn_bwd(torch.randn(5, 4, 4), x.detach(), d_x, 3, EPS)
+    assert not SK.fwd_supported(x, 3) and not SK.bwd_supported(x, 3)
+
+
+# ---- compile tier ----
+
+def _compiled_configs():
+    cfgs = {("mhc_sinkhorn_fwd", c) for c in fwd_configs()} | {("mhc_sinkhorn_bwd", c) for c in bwd_configs()}
+    cfgs |= {(name, c) for name, lst in _jit.registered().items() if name.startswith("mhc_sinkhorn")
+             for c in lst}
+    return sorted(cfgs)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name,cfg", _compiled_configs(), ids=str)
+def test_builds_for_sm90_with_ieee_arithmetic(name, cfg):
+    import re
+
+    src = _jit.compile_kernel(name, cfg, "sm_90").get_kernel_source()
+    assert "__global__" in src
+    n = cfg[0]
+    log_n = n.bit_length() - 1
+    steps = 2 * cfg[1] - 1 if name == "mhc_sinkhorn_bwd" else 0
+    # every add of a butterfly sum is __fadd_rn: softmax row sum, then the steps (fwd: first column step and one
+    # unrolled (row, column) pair; bwd: each step replayed and walked back, then the final row sum)
+    want = 4 * log_n if name == "mhc_sinkhorn_fwd" else (2 + 2 * steps) * log_n
+    assert src.count("__fadd_rn(") == want
+    assert src.count("__shfl_xor_sync(") == want + log_n  # plus the row maximum
+    assert "expf(" in src and "__expf" not in src and "__fdividef" not in src and "__frcp" not in src
+    if name == "mhc_sinkhorn_bwd":
+        assert src.count("__fmul_rn(") == steps + 1
+        # the kept iterates are indexed by constants only: registers, not local memory
+        assert re.search(rf"float u\[{steps}\];", src) and re.search(rf"float den\[{steps}\];", src)
+        assert not re.search(r"\b(u|den)\[[^\]0-9][^\]]*\]", src)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("n", N_VALUES)
+def test_launchers_bind_their_arguments(n, monkeypatch):
+    calls = fake_jit(monkeypatch)
+    for t in (7, 0):
+        x, y, g = (torch.randn(t, n, n) for _ in range(3))
+        SK.sinkhorn_fwd_launch(x, y, 10, EPS)
+        SK.sinkhorn_bwd_launch(g, x, y, 20, EPS)
+    assert [(c.name, c.cfg) for c in calls] == [("mhc_sinkhorn_fwd", (n,)), ("mhc_sinkhorn_bwd", (n, 20))]
+    assert all(c.env["num_tokens"] == 7 for c in calls)
+
+
+# ---- gpu tier ----
+
+def _nan(*shape):
+    return torch.full(shape, float("nan"), device="cuda")
+
+
+def _inputs(t, n, scale=1.0):
+    return torch.randn(t, n, n, device="cuda") * scale, torch.randn(t, n, n, device="cuda")
+
+
+def _fwd(x, repeat):
+    out = _nan(*x.shape)
+    mhc_sinkhorn_fwd(x, out, repeat, EPS)
+    return out
+
+
+def _bwd(g, x, repeat):
+    d_x = _nan(*x.shape)
+    mhc_sinkhorn_bwd(g, x, d_x, repeat, EPS)
+    return d_x
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("n", N_VALUES)
+@pytest.mark.parametrize("repeat", REPEATS + (MAX_REPEAT,))
+def test_v21_ops_match_reference(t, n, repeat):
+    x, g = _inputs(t, n)
+    _close(_fwd(x, repeat), sinkhorn_normalize_ref(x, repeat, EPS))
+    _close(_bwd(g, x, repeat), sinkhorn_normalize_bwd_ref(g, x, repeat, EPS))
+
+
+@pytest.mark.gpu
+def test_bench_row_32768_tokens_20_iterations():
+    x, g = _inputs(32768, 4)
+    _close(_fwd(x, 20), sinkhorn_normalize_ref(x, 20, EPS))
+    _close(_bwd(g, x, 20), sinkhorn_normalize_bwd_ref(g, x, 20, EPS))
+
+
+@pytest.mark.gpu
+def test_extreme_logits():
+    # wide logits (softmax entries near 0 and 1), equal logits (uniform 1/n exactly at eps = 0), huge logits
+    x, g = _inputs(1000, 4, scale=30.0)
+    _close(_fwd(x, 10), sinkhorn_normalize_ref(x, 10, EPS))
+    _close(_bwd(g, x, 10), sinkhorn_normalize_bwd_ref(g, x, 10, EPS))
+    u = torch.full((3, 4, 4), 7.0, device="cuda")
+    out = _nan(3, 4, 4)
+    mhc_sinkhorn_fwd(u, out, 5, 0.0)
+    assert (out == 0.25).all()
+    big, g = _inputs(1000, 4, scale=1e4)
+    _close(_fwd(big, 10), sinkhorn_normalize_ref(big, 10, EPS))
+    _close(_bwd(g, big, 10), sinkhorn_normalize_bwd_ref(g, big, 10, EPS))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n0,n1", [(1, 1), (1, 1024), (2, 4096)])
+def test_v1_op_with_autograd_matches_reference(n0, n1):
+    x = torch.randn(n0, n1, 4, 4, device="cuda")
+    d_out = torch.randn_like(x)
+    xl = x.clone().requires_grad_()
+    out = sinkhorn_normalize(xl, 10, EPS)
+    (d_x,) = torch.autograd.grad(out, xl, d_out)
+    xr = x.clone().requires_grad_()
+    ref = sinkhorn_normalize_ref(xr, 10, EPS)
+    (d_ref,) = torch.autograd.grad(ref, xr, d_out)
+    _close(out, ref)
+    _close(d_x, d_ref)
+
+
+@pytest.mark.gpu
+def test_v1_op_strided_input_and_expanded_gradient():
+    base = torch.randn(4, 4, 300, device="cuda")
+    x = base.permute(2, 0, 1).detach().requires_grad_()  # not contiguous: the op makes it so
+    out = sinkhorn_normalize(x, 20, EPS)
+    out.sum().backward()  # d_out is an expanded (stride 0) tensor of ones
+    xr = base.permute(2, 0, 1).contiguous().requires_grad_()
+    sinkhorn_normalize_ref(xr, 20, EPS).sum().backward()
+    _close(out, sinkhorn_normalize_ref(xr.detach(), 20, EPS))
+    _close(x.grad, xr.grad)
+
+
+@pytest.mark.gpu
+def test_reference_path_for_n8_and_long_backward_chains():
+    x, g = _inputs(33, 8)
+    assert not SK.fwd_supported(x, 10)
+    assert torch.equal(_fwd(x, 10), sinkhorn_normalize_ref(x, 10, EPS))
+    assert torch.equal(_bwd(g, x, 10), sinkhorn_normalize_bwd_ref(g, x, 10, EPS))
+    x, g = _inputs(33, 4)
+    assert SK.fwd_supported(x, MAX_REPEAT + 1) and not SK.bwd_supported(x, MAX_REPEAT + 1)
+    _close(_fwd(x, MAX_REPEAT + 1), sinkhorn_normalize_ref(x, MAX_REPEAT + 1, EPS))
+    assert torch.equal(_bwd(g, x, MAX_REPEAT + 1), sinkhorn_normalize_bwd_ref(g, x, MAX_REPEAT + 1, EPS))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", N_VALUES)
+def test_deterministic(n):
+    x, g = _inputs(8192, n)
+    assert torch.equal(_fwd(x, 20), _fwd(x, 20))
+    assert torch.equal(_bwd(g, x, 20), _bwd(g, x, 20))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", N_VALUES)
+def test_batch_invariance(n):
+    x, g = _inputs(8192, n)
+    full_y, full_d = _fwd(x, 20), _bwd(g, x, 20)
+    for lo, hi in ((0, 1), (5, 12), (4001, 4001 + 37), (8191, 8192)):
+        assert torch.equal(_fwd(x[lo:hi].clone(), 20), full_y[lo:hi])
+        assert torch.equal(_bwd(g[lo:hi].clone(), x[lo:hi].clone(), 20), full_d[lo:hi])
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay():
+    x, g = _inputs(4001, 4)
+    out, d_x = _nan(4001, 4, 4), _nan(4001, 4, 4)
+    mhc_sinkhorn_fwd(x, out, 20, EPS)  # warm-up outside the capture (compile and load)
+    mhc_sinkhorn_bwd(g, x, d_x, 20, EPS)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mhc_sinkhorn_fwd(x, out, 20, EPS)
+        mhc_sinkhorn_bwd(g, x, d_x, 20, EPS)
+    for _ in range(2):  # new inputs in the captured buffers, outputs poisoned before each replay
+        x.copy_(torch.randn_like(x) * 2)
+        g.copy_(torch.randn_like(g))
+        out.fill_(float("nan"))
+        d_x.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, _fwd(x, 20))
+        assert torch.equal(d_x, _bwd(g, x, 20))
+
+
+@pytest.mark.gpu
+def test_torch_compile_fullgraph():
+    x, g = _inputs(4001, 4)
+
+    def v21(x, g):
+        out, d_x = torch.empty_like(x), torch.empty_like(x)
+        mhc_sinkhorn_fwd(x, out, 20, EPS)
+        mhc_sinkhorn_bwd(g, x, d_x, 20, EPS)
+        return out, d_x
+
+    out, d_x = torch.compile(v21, fullgraph=True)(x, g)
+    assert torch.equal(out, _fwd(x, 20))
+    assert torch.equal(d_x, _bwd(g, x, 20))
+
+    xl = x.view(1, 4001, 4, 4).clone().requires_grad_()
+    y = torch.compile(lambda v: sinkhorn_normalize(v, 20, EPS), fullgraph=True)(xl)
+    (d,) = torch.autograd.grad(y, xl, g.view(1, 4001, 4, 4))
+    assert torch.equal(y.detach().view(4001, 4, 4), _fwd(x, 20))
+    assert torch.equal(d.view(4001, 4, 4), _bwd(g, x, 20))

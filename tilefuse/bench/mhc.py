@@ -1,0 +1,166 @@
+"""The bench cases of the mHC ops (``tilefuse.mhc``, mhc.md): the v2.1 kernel-level ops of a DeepSeek-V4 layer's
+memory-bound and latency-bound steps, at T = 8192 tokens and n = 4 streams.
+
+Rows: ``expand_to_mhc`` forward and backward, ``mhc_pre_apply_mix`` forward and backward, ``mhc_post`` forward
+and backward at C in {2560, 4096, 7168} (``--quick``: 4096), and the Sinkhorn forward and backward on 32768
+matrices of 4 x 4 with 20 iterations (issue #35's shapes). Inputs are standard normal (the mixes positive, as the
+layer makes them: sigmoid / softmax of a normal draw; the Sinkhorn logits as drawn).
+
+Bytes: each input read once and each output written once. The v2.1 ops write into the caller's buffers, so a
+case passes the destination as an input and returns it for the agreement check; ``Case.nbytes`` then counts it
+once (written), and ``mhc_pre_apply_mix_bwd``'s ``x_grad``, which it reads and accumulates into, twice. That op
+is ``Case.in_place`` (the isolated timer restores ``x_grad`` before each call).
+
+Peers: TileKernels 2.1.0 (``tk2``), whose ``tile_kernels.mhc`` has the same v2.1 functions and signatures
+(mhc.md 5.2), and ``torch.compile`` of our reference. Agreement by ``calc_diff`` (mhc.md 3: the kernels are not
+bit-exact against each other in general); the expansion, a copy, bitwise.
+"""
+from __future__ import annotations
+
+import torch
+
+from tilefuse.bench.core import Case, _dim, _nbytes
+
+OPS = ("expand_to_mhc_fwd", "expand_to_mhc_bwd", "mhc_pre_apply_mix_fwd", "mhc_pre_apply_mix_bwd", "mhc_post_fwd",
+       "mhc_post_bwd", "mhc_sinkhorn_fwd", "mhc_sinkhorn_bwd")
+# v1 autograd ops -> the v2.1 op whose kernels they run (timed by that op's rows)
+SAME_KERNELS = {"expand_to_mhc": "expand_to_mhc_fwd", "mhc_pre_apply_mix": "mhc_pre_apply_mix_fwd",
+                "mhc_post": "mhc_post_fwd", "sinkhorn_normalize": "mhc_sinkhorn_fwd",
+                "mhc_pre_split_mixes": "mhc_pre_split_mixes_fwd", "mhc_head_compute_mix": "mhc_head_compute_mix_fwd"}
+N = 4                   # streams (DeepSeek-V4)
+TOKENS_LAYER = 8192     # tokens of the layer rows
+SINKHORN_MATRICES = 32768
+SINKHORN_REPEAT, SINKHORN_EPS = 20, 1e-6
+HIDDEN = (2560, 4096, 7168)
+QUICK_HIDDEN = 4096
+TOKENS = (TOKENS_LAYER, SINKHORN_MATRICES)
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+def _normal(shape, dtype, device) -> torch.Tensor:
+    return torch.randn(shape, device=device).to(dtype)
+
+
+def _positive_mix(shape, device) -> torch.Tensor:
+    return torch.randn(shape, device=device).sigmoid()
+
+
+def _written_once(inputs, outputs) -> int:
+    """The inputs' bytes: the destination buffer is among them and is the output (returned for the check)."""
+    return _nbytes(inputs)
+
+
+def _accumulated(inputs, outputs) -> int:
+    """``mhc_pre_apply_mix_bwd``: every input once, ``x_grad`` (the last) once more (written), and ``mix_grad``."""
+    return _nbytes(inputs) + _nbytes(inputs[-1]) + _nbytes(outputs[1])
+
+
+def _layer_cases(c: int) -> list[Case]:
+    from tilefuse import mhc
+    from tilefuse.reference import mhc as R
+
+    t, n = TOKENS_LAYER, N
+    label = f"T={t} n={n} C={c}"
+
+    def sized(make):
+        """``make(t, c, device)`` at the case's shape times ``scale`` (C kept a multiple of 256)."""
+        return lambda device, scale: (label if scale == 1.0 else f"T={_dim(t, scale)} n={n} C={_dim(c, scale, 256)}",
+                                      make(_dim(t, scale), _dim(c, scale, 256), device))
+
+    def key(name):
+        return f"{name}|n={n} C={c}"
+
+    def tk2(name, returns):
+        return {"tk2": lambda tk, *args: (getattr(tk.mhc, name)(*args), returns(args))[1]}
+
+    cases = []
+    # expand: o[t, i, :] = x[t, :]
+    cases.append(Case(
+        "expand_to_mhc_fwd", sized(lambda t, c, d: (_normal((t, c), BF16, d), torch.empty(t, n, c, dtype=BF16, device=d))),
+        lambda x, o: (mhc.expand_to_mhc_fwd(x, o), o)[1],
+        lambda x, o: o.copy_(R.expand_to_mhc_ref(x, n)), tk2("expand_to_mhc_fwd", lambda a: a[1]), True,
+        key("expand_to_mhc_fwd"), t, describe=lambda: (label, [((t, c), BF16), ((t, n, c), BF16)], []),
+        nbytes=_written_once))
+    cases.append(Case(
+        "expand_to_mhc_bwd", sized(lambda t, c, d: (_normal((t, n, c), BF16, d), torch.empty(t, c, dtype=BF16, device=d))),
+        lambda g, xg: (mhc.expand_to_mhc_bwd(g, xg), xg)[1],
+        lambda g, xg: xg.copy_(R.expand_to_mhc_bwd_ref(g)), tk2("expand_to_mhc_bwd", lambda a: a[1]), False,
+        key("expand_to_mhc_bwd"), t, describe=lambda: (label, [((t, n, c), BF16), ((t, c), BF16)], []),
+        nbytes=_written_once))
+    # apply mix: o[t, :] = sum_i mix[t, i] x[t, i, :]
+    cases.append(Case(
+        "mhc_pre_apply_mix_fwd",
+        sized(lambda t, c, d: (_normal((t, n, c), BF16, d), _positive_mix((t, n), d),
+                               torch.empty(t, c, dtype=BF16, device=d))),
+        lambda x, mix, o: (mhc.mhc_pre_apply_mix_fwd(x, mix, o), o)[1],
+        lambda x, mix, o: o.copy_(R.mhc_pre_apply_mix_ref(x, mix.unsqueeze(-1))),
+        tk2("mhc_pre_apply_mix_fwd", lambda a: a[2]), False, key("mhc_pre_apply_mix_fwd"), t,
+        describe=lambda: (label, [((t, n, c), BF16), ((t, n), F32), ((t, c), BF16)], []), nbytes=_written_once))
+    cases.append(Case(
+        "mhc_pre_apply_mix_bwd",
+        sized(lambda t, c, d: (_normal((t, c), BF16, d), _normal((t, n, c), BF16, d), _positive_mix((t, n), d),
+                               _normal((t, n, c), BF16, d))),
+        lambda g, x, mix, xg: (xg, mhc.mhc_pre_apply_mix_bwd(g, x, mix, xg)),
+        lambda g, x, mix, xg: [d.view(xg.shape if i == 0 else mix.shape)
+                               for i, d in enumerate(R.mhc_pre_apply_mix_bwd_ref(g, x, mix.unsqueeze(-1), xg))],
+        {"tk2": lambda tk, g, x, mix, xg: (xg, tk.mhc.mhc_pre_apply_mix_bwd(g, x, mix, xg))}, False,
+        key("mhc_pre_apply_mix_bwd"), t, in_place=True,
+        describe=lambda: (label, [((t, c), BF16), ((t, n, c), BF16), ((t, n), F32), ((t, n, c), BF16),
+                                  ((t, n, c), BF16)], [((t, n), F32)]),
+        nbytes=_accumulated))
+    # post: R'[o] = post[o] x + sum_i comb[i, o] R[i]   (v1/v2.1 4-D layout [1, T, ...])
+    post_inputs = lambda t, c, d: (_normal((1, t, c), BF16, d), _normal((1, t, n, c), BF16, d),  # noqa: E731
+                                   _positive_mix((1, t, n, 1), d), _positive_mix((1, t, n, n), d))
+    post_specs = [((1, t, c), BF16), ((1, t, n, c), BF16), ((1, t, n, 1), F32), ((1, t, n, n), F32)]
+    cases.append(Case(
+        "mhc_post_fwd", sized(lambda t, c, d: (*post_inputs(t, c, d), torch.empty(1, t, n, c, dtype=BF16, device=d))),
+        lambda x, r, p, cm, out: mhc.mhc_post_fwd(x, r, p, cm, out),
+        lambda x, r, p, cm, out: out.copy_(R.mhc_post_ref(x, r, p, cm)),
+        {"tk2": lambda tk, *args: tk.mhc.mhc_post_fwd(*args)}, False, key("mhc_post_fwd"), t,
+        describe=lambda: (label, [*post_specs, ((1, t, n, c), BF16)], []), nbytes=_written_once))
+    cases.append(Case(
+        "mhc_post_bwd", sized(lambda t, c, d: (*post_inputs(t, c, d), _normal((1, t, n, c), BF16, d))),
+        lambda x, r, p, cm, g: mhc.mhc_post_bwd(x, r, p, cm, g, False),
+        lambda x, r, p, cm, g: R.mhc_post_bwd_ref(x, r, p, cm, g),
+        {"tk2": lambda tk, *args: tk.mhc.mhc_post_bwd(*args)}, False, key("mhc_post_bwd"), t,
+        describe=lambda: (label, [*post_specs, ((1, t, n, c), BF16)],
+                          [((1, t, c), BF16), ((1, t, n, c), BF16), ((1, t, n, 1), F32), ((1, t, n, n), F32)])))
+    return cases
+
+
+def _sinkhorn_cases() -> list[Case]:
+    from tilefuse import mhc
+    from tilefuse.reference import mhc as R
+
+    m, n, rep, eps = SINKHORN_MATRICES, N, SINKHORN_REPEAT, SINKHORN_EPS
+    label = f"{m} x {n} x {n}, {rep} iterations"
+
+    def sized(make):
+        return lambda device, scale: (label if scale == 1.0 else f"{_dim(m, scale)} x {n} x {n}, {rep} iterations",
+                                      make(_dim(m, scale), device))
+
+    spec = ((m, n, n), F32)
+    return [
+        Case("mhc_sinkhorn_fwd",
+             sized(lambda m, d: (_normal((m, n, n), F32, d), torch.empty(m, n, n, dtype=F32, device=d))),
+             lambda x, out: (mhc.mhc_sinkhorn_fwd(x, out, rep, eps), out)[1],
+             lambda x, out: out.copy_(R.sinkhorn_normalize_ref(x, rep, eps)),
+             {"tk2": lambda tk, x, out: (tk.mhc.mhc_sinkhorn_fwd(x, out, rep, eps), out)[1]}, False,
+             f"mhc_sinkhorn_fwd|n={n} R={rep}", m, describe=lambda: (label, [spec, spec], []), nbytes=_written_once),
+        Case("mhc_sinkhorn_bwd",
+             sized(lambda m, d: (_normal((m, n, n), F32, d), _normal((m, n, n), F32, d),
+                                 torch.empty(m, n, n, dtype=F32, device=d))),
+             lambda g, x, gx: (mhc.mhc_sinkhorn_bwd(g, x, gx, rep, eps), gx)[1],
+             lambda g, x, gx: gx.copy_(R.sinkhorn_normalize_bwd_ref(g, x, rep, eps)),
+             {"tk2": lambda tk, g, x, gx: (tk.mhc.mhc_sinkhorn_bwd(g, x, gx, rep, eps), gx)[1]}, False,
+             f"mhc_sinkhorn_bwd|n={n} R={rep}", m, describe=lambda: (label, [spec, spec, spec], []),
+             nbytes=_written_once),
+    ]
+
+
+def quick_cases() -> list[Case]:
+    return _layer_cases(QUICK_HIDDEN) + _sinkhorn_cases()
+
+
+def grid_cases() -> list[Case]:
+    return [case for c in HIDDEN for case in _layer_cases(c)] + _sinkhorn_cases()
