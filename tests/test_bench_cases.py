@@ -189,7 +189,8 @@ BENCH_REGISTERED = ("per_token_cast", "per_block_cast", "per_block_cast_lossless
                     "topk_gate", "topk_sum_and_topk_group_idx", "normalize_weight", "top2_sum_gate",
                     "moe_topk_gate_forward", "moe_topk_gate_backward", "moe_count_partial", "moe_count_finish",
                     "moe_unique_group_indices", "moe_mask_indices_by_tp", "moe_fused_mapping_count",
-                    "moe_fused_mapping_scan", "moe_fused_mapping_scatter")
+                    "moe_fused_mapping_scan", "moe_fused_mapping_scatter", "mhc_expand_fwd", "mhc_expand_bwd",
+                    "mhc_apply_mix_fwd", "mhc_apply_mix_bwd")
 
 
 def test_registration_is_what_the_bench_launches():

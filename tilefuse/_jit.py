@@ -62,10 +62,12 @@ KERNEL_MODULES = (
     "tilefuse.mhc._sinkhorn_kernel",
     "tilefuse.mhc._post_kernel",
     "tilefuse.mhc._mix_kernel",
+    "tilefuse.mhc._expand_kernel",
+    "tilefuse.mhc._apply_mix_kernel",
 )
 
 # Modules of TileLang helpers that kernels import: their source is part of every kernel's cache key.
-SHARED_KERNEL_MODULES = ("tilefuse.quant._tl",)
+SHARED_KERNEL_MODULES = ("tilefuse.quant._tl", "tilefuse.mhc._rows")
 
 _FACTORIES: dict[str, tuple[Callable, Callable[[], Iterable[tuple]]]] = {}
 _COMPILED: dict[tuple, Callable] = {}

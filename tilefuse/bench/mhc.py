@@ -4,8 +4,8 @@ memory-bound and latency-bound steps, at T = 8192 tokens and n = 4 streams.
 Rows: ``expand_to_mhc`` forward and backward, ``mhc_pre_apply_mix`` forward and backward, ``mhc_post`` forward
 and backward at C in {2560, 4096, 7168} (``--quick``: 4096), the split mixes and the head mix forward and
 backward (M = n(n + 2) = 24 logits a token; mhc.md 4's v = 2, eps = 1e-2), and the Sinkhorn forward and backward
-on 32768 matrices of 4 x 4 with 20 iterations (issue #35's shapes). Inputs are standard normal (the mixes positive, as the
-layer makes them: sigmoid / softmax of a normal draw; the Sinkhorn logits as drawn).
+on 32768 matrices of 4 x 4 with 20 iterations (issue #35's shapes). Inputs are standard normal (the mixes
+positive, as the layer makes them: sigmoid / softmax of a normal draw; the Sinkhorn logits as drawn).
 
 Bytes: each input read once and each output written once. The v2.1 ops write into the caller's buffers, so a
 case passes the destination as an input and returns it for the agreement check; ``Case.nbytes`` then counts it
@@ -80,13 +80,15 @@ def _layer_cases(c: int) -> list[Case]:
     cases = []
     # expand: o[t, i, :] = x[t, :]
     cases.append(Case(
-        "expand_to_mhc_fwd", sized(lambda t, c, d: (_normal((t, c), BF16, d), torch.empty(t, n, c, dtype=BF16, device=d))),
+        "expand_to_mhc_fwd",
+        sized(lambda t, c, d: (_normal((t, c), BF16, d), torch.empty(t, n, c, dtype=BF16, device=d))),
         lambda x, o: (mhc.expand_to_mhc_fwd(x, o), o)[1],
         lambda x, o: o.copy_(R.expand_to_mhc_ref(x, n)), tk2("expand_to_mhc_fwd", lambda a: a[1]), True,
         key("expand_to_mhc_fwd"), t, describe=lambda: (label, [((t, c), BF16), ((t, n, c), BF16)], []),
         nbytes=_written_once))
     cases.append(Case(
-        "expand_to_mhc_bwd", sized(lambda t, c, d: (_normal((t, n, c), BF16, d), torch.empty(t, c, dtype=BF16, device=d))),
+        "expand_to_mhc_bwd",
+        sized(lambda t, c, d: (_normal((t, n, c), BF16, d), torch.empty(t, c, dtype=BF16, device=d))),
         lambda g, xg: (mhc.expand_to_mhc_bwd(g, xg), xg)[1],
         lambda g, xg: xg.copy_(R.expand_to_mhc_bwd_ref(g)), tk2("expand_to_mhc_bwd", lambda a: a[1]), False,
         key("expand_to_mhc_bwd"), t, describe=lambda: (label, [((t, n, c), BF16), ((t, c), BF16)], []),
@@ -143,7 +145,8 @@ def _mix_cases() -> list[Case]:
     label = f"T={t} n={n}"
 
     def sized(make):
-        return lambda device, scale: (label if scale == 1.0 else f"T={_dim(t, scale)} n={n}", make(_dim(t, scale), device))
+        return lambda device, scale: (label if scale == 1.0 else f"T={_dim(t, scale)} n={n}",
+                                      make(_dim(t, scale), device))
 
     def empty(*shape, device):
         return torch.empty(shape, dtype=F32, device=device)
@@ -169,7 +172,8 @@ def _mix_cases() -> list[Case]:
     split_bwd = lambda ns, d_pre, d_post, d_comb, x, post, scale, base, dx, d_scale, d_base: (  # noqa: E731
         ns.mhc_pre_split_mixes_bwd(d_pre, d_post, d_comb, x, post, scale, base, dx, d_scale, d_base, v),
         (dx, d_scale, d_base))[1]
-    head_fwd = lambda ns, x, scale, base, out: (ns.mhc_head_compute_mix_fwd(x, scale, base, out, eps), out)[1]  # noqa: E731
+    head_fwd = lambda ns, x, scale, base, out: (  # noqa: E731
+        ns.mhc_head_compute_mix_fwd(x, scale, base, out, eps), out)[1]
     head_bwd = lambda ns, d_out, x, scale, base, dx, d_scale, d_base: (  # noqa: E731
         ns.mhc_head_compute_mix_bwd(d_out, x, scale, base, dx, d_scale, d_base, PARTIALS), (dx, d_scale, d_base))[1]
     ours = lambda call: lambda *args: call(mhc, *args)  # noqa: E731

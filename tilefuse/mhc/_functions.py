@@ -1,8 +1,10 @@
 """Autograd Functions behind the v1 mHC ops (mhc.md §1.2), and the residual-gradient side channel (§2.12).
 
 The Functions take already validated arguments (the public wrappers in ``ops.py`` check them) and call
-the reference math, so they also run in float64 for gradcheck; fp32 CUDA tensors take a kernel where one
-exists (split mixes, head mix: ``_mix_kernel``).
+the reference math, so they also run in float64 for gradcheck. A CUDA kernel plugs in where a Function
+calls ``R.*``: the ``*_into`` helpers below choose between a family's kernel (CUDA tensors of a shape it
+takes) and the reference, for the Functions and the v2.1 ops alike; the split and head mixes take
+``_mix_kernel`` for fp32 CUDA tensors.
 """
 from __future__ import annotations
 
@@ -10,9 +12,7 @@ import torch
 
 from tilefuse.reference import mhc as R
 
-from . import _sinkhorn_kernel
-from . import _post_kernel
-from . import _mix_kernel
+from . import _apply_mix_kernel, _expand_kernel, _mix_kernel, _post_kernel, _sinkhorn_kernel
 
 # §2.12: the attribute of a residual's untyped storage that holds its fused bf16 gradient buffer.
 SIDE_CHANNEL = "grad_from_mhc_post"
@@ -89,16 +89,61 @@ def pre_chain(out_mul_splitted, sqrsum_splitted, residual, scale, base, rms_eps,
     return post, comb, R.mhc_pre_apply_mix_ref(residual, pre)
 
 
+def _kernel_rows(t: torch.Tensor, n: int, takes) -> bool:
+    """A CUDA bf16 tensor whose ``n`` streams of rows (last dim) a family's kernel takes."""
+    return t.is_cuda and t.dtype == torch.bfloat16 and takes(n, t.shape[-1])
+
+
+def _into(dst: torch.Tensor, shape: tuple, launch) -> None:
+    """Run ``launch(view)`` on ``dst`` viewed as ``shape``; a non-contiguous ``dst`` goes through a contiguous
+    copy (read by an accumulating kernel, then copied back)."""
+    if dst.is_contiguous():
+        launch(dst.view(shape))
+        return
+    tmp = dst.contiguous()
+    launch(tmp.view(shape))
+    dst.copy_(tmp)
+
+
+def expand_fwd_into(x: torch.Tensor, o: torch.Tensor) -> None:
+    """§2.1 forward into ``o [..., n, C]`` from ``x [..., C]``: the kernel on CUDA rows it takes (``C % 8 == 0``,
+    ``n <= 8``), else the reference."""
+    n, C = o.shape[-2:]
+    if _kernel_rows(x, n, _expand_kernel.takes):
+        _into(o, (-1, n, C), lambda ov: _expand_kernel.expand_fwd_cuda(x.reshape(-1, C), ov))
+    else:
+        o.copy_(R.expand_to_mhc_ref(x, n))
+
+
+def expand_bwd_into(o_grad: torch.Tensor, x_grad: torch.Tensor) -> None:
+    """§2.1 backward: overwrite ``x_grad [..., C]`` with the in-order stream sum of ``o_grad [..., n, C]``."""
+    n, C = o_grad.shape[-2:]
+    if _kernel_rows(o_grad, n, _expand_kernel.takes):
+        _into(x_grad, (-1, C), lambda xv: _expand_kernel.expand_bwd_cuda(o_grad.reshape(-1, n, C), xv))
+    else:
+        x_grad.copy_(R.expand_to_mhc_bwd_ref(o_grad))
+
+
 class ExpandToMHCFn(torch.autograd.Function):
     """§2.1: copy to every stream; backward sums the streams in order."""
 
     @staticmethod
     def forward(ctx, hidden, mhc_mult, out):
-        return _write(out, R.expand_to_mhc_ref(hidden, mhc_mult), ctx)
+        if not _kernel_rows(hidden, mhc_mult, _expand_kernel.takes):
+            return _write(out, R.expand_to_mhc_ref(hidden, mhc_mult), ctx)
+        o = out if out is not None else hidden.new_empty((*hidden.shape[:-1], mhc_mult, hidden.shape[-1]))
+        expand_fwd_into(hidden, o)
+        if out is not None:
+            ctx.mark_dirty(out)
+        return o
 
     @staticmethod
     def backward(ctx, grad):
-        return R.expand_to_mhc_bwd_ref(grad), None, None
+        if not _kernel_rows(grad, grad.shape[-2], _expand_kernel.takes):
+            return R.expand_to_mhc_bwd_ref(grad), None, None
+        x_grad = grad.new_empty((*grad.shape[:-2], grad.shape[-1]))
+        expand_bwd_into(grad, x_grad)
+        return x_grad, None, None
 
 
 class MHCFnNormwMergeFn(torch.autograd.Function):
@@ -206,10 +251,37 @@ class SinkhornNormalizeFn(torch.autograd.Function):
         if _sinkhorn_kernel.bwd_supported(x, ctx.repeat):
             n = x.shape[-1]
             d_x = torch.empty_like(x)
-            _sinkhorn_kernel.sinkhorn_bwd_cuda(grad.reshape(-1, n, n).contiguous(), x.view(-1, n, n), d_x.view(-1, n, n),
+            _sinkhorn_kernel.sinkhorn_bwd_cuda(grad.reshape(-1, n, n).contiguous(), x.view(-1, n, n),
+                                               d_x.view(-1, n, n),
                                  ctx.repeat, ctx.eps)
             return d_x, None, None
         return R.sinkhorn_normalize_bwd_ref(grad, x, ctx.repeat, ctx.eps), None, None
+
+
+def apply_mix_fwd_into(x: torch.Tensor, mix: torch.Tensor, o: torch.Tensor) -> None:
+    """§2.5 forward into ``o [..., C]`` from ``x [..., n, C]`` and ``mix [..., n]`` (or ``[..., n, 1]``): the kernel
+    on CUDA rows it takes (``C % 8 == 0``, ``n <= 8``), else the reference."""
+    n, C = x.shape[-2:]
+    if _kernel_rows(x, x.shape[-2], _apply_mix_kernel.takes):
+        _into(o, (-1, C), lambda ov: _apply_mix_kernel.apply_mix_fwd_cuda(x.reshape(-1, n, C), mix.reshape(-1, n), ov))
+    else:
+        o.copy_(R.mhc_pre_apply_mix_ref(x, mix.reshape(*x.shape[:-1], 1)))
+
+
+def apply_mix_bwd_into(o_grad: torch.Tensor, x: torch.Tensor, mix: torch.Tensor, x_grad: torch.Tensor,
+                       accumulate: bool) -> torch.Tensor:
+    """§2.5 backward: ``x_grad = bf(fma(mix, g, x_grad))`` (``accumulate``) or ``bf(mix * g)``; returns the mix
+    gradient ``[T, n]`` (T: x's leading dims flattened). The kernel on CUDA rows it takes (``C % 8 == 0``, ``n <=
+    8``), else the reference."""
+    n, C = x.shape[-2:]
+    if _kernel_rows(x, x.shape[-2], _apply_mix_kernel.takes):
+        out = []
+        _into(x_grad, (-1, n, C), lambda xv: out.append(_apply_mix_kernel.apply_mix_bwd_cuda(
+            o_grad.reshape(-1, C), x.reshape(-1, n, C), mix.reshape(-1, n), xv, accumulate)))
+        return out[0]
+    dx, d_mix = R.mhc_pre_apply_mix_bwd_ref(o_grad, x, mix.reshape(*x.shape[:-1], 1), x_grad if accumulate else None)
+    x_grad.copy_(dx)
+    return d_mix.reshape(-1, n)
 
 
 class MHCPreApplyMixFn(torch.autograd.Function):
@@ -218,17 +290,31 @@ class MHCPreApplyMixFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mix, out):
         ctx.save_for_backward(x, mix)
-        return _write(out, R.mhc_pre_apply_mix_ref(x, mix), ctx)
+        if not _kernel_rows(x, x.shape[-2], _apply_mix_kernel.takes):
+            return _write(out, R.mhc_pre_apply_mix_ref(x, mix), ctx)
+        o = out if out is not None else x.new_empty((*x.shape[:-2], x.shape[-1]))
+        apply_mix_fwd_into(x, mix, o)
+        if out is not None:
+            ctx.mark_dirty(out)
+        return o
 
     @staticmethod
     def backward(ctx, grad):
         x, mix = ctx.saved_tensors
         buf = peek_residual_grad(x)
-        dx, d_mix = R.mhc_pre_apply_mix_bwd_ref(grad, x, mix, buf)
+        if not _kernel_rows(x, x.shape[-2], _apply_mix_kernel.takes):
+            dx, d_mix = R.mhc_pre_apply_mix_bwd_ref(grad, x, mix, buf)
+            if buf is not None:
+                buf.copy_(dx)
+                dx = None
+            return dx, d_mix, None
         if buf is not None:
-            buf.copy_(dx)
+            d_mix = apply_mix_bwd_into(grad, x, mix, buf, True)
             dx = None
-        return dx, d_mix, None
+        else:
+            dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            d_mix = apply_mix_bwd_into(grad, x, mix, dx, False)
+        return dx, d_mix.view(mix.shape), None
 
 
 def post_forward(x, residual, post_layer_mix, comb_res_mix, out=None):

@@ -89,9 +89,12 @@ def _mult_of_m(op: str, name: str, M: int) -> int:
 # §2.1 expand
 
 
-@public("mhc")
+@public("mhc", path="kernel")
 def expand_to_mhc(hidden: torch.Tensor, mhc_mult: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Copy ``hidden [..., C]`` (bf16, contiguous) to ``[..., n, C]``; autograd sums the streams (§2.1)."""
+    """Copy ``hidden [..., C]`` (bf16, contiguous) to ``[..., n, C]``; autograd sums the streams (§2.1).
+
+    CUDA tensors take the TileLang kernels (``_expand_kernel``) when ``C % 8 == 0`` and ``n <= 8``, else the
+    reference."""
     op = "expand_to_mhc"
     _check.tensor(op, "hidden", hidden, dtype=BF16, contiguous=True)
     if not (hidden.dim() >= 1):
@@ -102,25 +105,27 @@ def expand_to_mhc(hidden: torch.Tensor, mhc_mult: int, out: torch.Tensor | None 
     return F.ExpandToMHCFn.apply(hidden, n, out)
 
 
-@public("mhc")
+@public("mhc", path="kernel")
 def expand_to_mhc_fwd(x: torch.Tensor, o: torch.Tensor) -> None:
-    """v2.1: write ``o[t, i, :] = x[t, :]`` for ``x [T, C]``, ``o [T, n, C]`` (bf16)."""
+    """v2.1: write ``o[t, i, :] = x[t, :]`` for ``x [T, C]``, ``o [T, n, C]`` (bf16). CUDA: the kernel when
+    ``C % 8 == 0`` and ``n <= 8``, else the reference."""
     op = "expand_to_mhc_fwd"
     _check.tensor(op, "x", x, dtype=BF16, ndim=2, contiguous=True)
     _check.tensor(op, "o", o, dtype=BF16, shape=(x.shape[0], None, x.shape[1]), contiguous=True, device=x.device)
     if not (o.shape[1] >= 1):
         _check.fail(op, f"o must have n >= 1 streams, got shape {tuple(o.shape)}")
-    o.copy_(R.expand_to_mhc_ref(x, o.shape[1]))
+    F.expand_fwd_into(x, o)
 
 
-@public("mhc")
+@public("mhc", path="kernel")
 def expand_to_mhc_bwd(o_grad: torch.Tensor, x_grad: torch.Tensor) -> None:
-    """v2.1: overwrite ``x_grad [T, C]`` with the in-order fp32 sum of ``o_grad [T, n, C]`` over streams."""
+    """v2.1: overwrite ``x_grad [T, C]`` with the in-order fp32 sum of ``o_grad [T, n, C]`` over streams. CUDA:
+    the kernel when ``C % 8 == 0`` and ``n <= 8``, else the reference."""
     op = "expand_to_mhc_bwd"
     _check.tensor(op, "o_grad", o_grad, dtype=BF16, ndim=3, contiguous=True)
     _check.tensor(op, "x_grad", x_grad, dtype=BF16, shape=(o_grad.shape[0], o_grad.shape[2]), contiguous=True,
                   device=o_grad.device)
-    x_grad.copy_(R.expand_to_mhc_bwd_ref(o_grad))
+    F.expand_bwd_into(o_grad, x_grad)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -385,11 +390,13 @@ def mhc_sinkhorn_bwd(grad_output: torch.Tensor, x: torch.Tensor, grad_input: tor
 # §2.5 apply pre mix
 
 
-@public("mhc")
+@public("mhc", path="kernel")
 def mhc_pre_apply_mix(x: torch.Tensor, mix: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Sub-layer input ``[..., C] = sum_i mix[..., i] * x[..., i, :]`` (bf16, §2.5), with autograd.
 
     Backward accumulates into the residual's side-channel buffer when ``mhc_post`` attached one (§2.12).
+    CUDA tensors take the TileLang kernels (``_apply_mix_kernel``: the spec's fma chains) when ``C % 8 == 0``
+    and ``n <= 8``, else the reference.
     """
     op = "mhc_pre_apply_mix"
     _streams(op, "x", x)
@@ -405,26 +412,27 @@ def _check_apply_flat(op: str, x, mix) -> tuple[int, int, int]:
     return T, n, C
 
 
-@public("mhc")
+@public("mhc", path="kernel")
 def mhc_pre_apply_mix_fwd(x: torch.Tensor, mix: torch.Tensor, o: torch.Tensor) -> None:
-    """v2.1: write ``o [T, C] = sum_i mix[:, i] * x[:, i, :]`` for ``x [T, n, C]``, ``mix [T, n]``."""
+    """v2.1: write ``o [T, C] = sum_i mix[:, i] * x[:, i, :]`` for ``x [T, n, C]``, ``mix [T, n]``. CUDA: the
+    kernel when ``C % 8 == 0`` and ``n <= 8``, else the reference."""
     op = "mhc_pre_apply_mix_fwd"
     T, n, C = _check_apply_flat(op, x, mix)
     _check.tensor(op, "o", o, dtype=BF16, shape=(T, C), contiguous=True, device=x.device)
-    o.copy_(R.mhc_pre_apply_mix_ref(x, mix.unsqueeze(-1)))
+    F.apply_mix_fwd_into(x, mix, o)
 
 
-@public("mhc")
+@public("mhc", path="kernel")
 def mhc_pre_apply_mix_bwd(o_grad: torch.Tensor, x: torch.Tensor, mix: torch.Tensor,
                           x_grad: torch.Tensor) -> torch.Tensor:
-    """v2.1: **accumulate** ``x_grad [T, n, C] = bf(x_grad + mix * o_grad)``; return a new ``mix_grad [T, n]``."""
+    """v2.1: **accumulate** ``x_grad [T, n, C] = bf(x_grad + mix * o_grad)``; return a new ``mix_grad [T, n]``.
+    CUDA: the kernel (``bf(fma(mix, o_grad, x_grad))``) when ``C % 8 == 0`` and ``n <= 8``, else the
+    reference."""
     op = "mhc_pre_apply_mix_bwd"
     T, n, C = _check_apply_flat(op, x, mix)
     _check.tensor(op, "o_grad", o_grad, dtype=BF16, shape=(T, C), contiguous=True, device=x.device)
     _check.tensor(op, "x_grad", x_grad, dtype=BF16, shape=(T, n, C), contiguous=True, device=x.device)
-    dx, d_mix = R.mhc_pre_apply_mix_bwd_ref(o_grad, x, mix.unsqueeze(-1), x_grad)
-    x_grad.copy_(dx)
-    return d_mix.view(T, n)
+    return F.apply_mix_bwd_into(o_grad, x, mix, x_grad, True)
 
 
 # ----------------------------------------------------------------------------------------------------
