@@ -38,3 +38,17 @@ def test_a_knob_sets_the_constant_and_changes_the_cache_key():
 def test_an_unknown_knob_is_an_error():
     bad = _probe(f"{_MOD}.NO_SUCH_KNOB=1")
     assert bad.returncode != 0 and "has no constant NO_SUCH_KNOB" in bad.stderr
+
+
+def test_a_modules_own_helpers_are_part_of_its_digest(monkeypatch):
+    """A helper module named in a kernel module's ``KERNEL_HELPERS`` is part of that module's cache key (and not of
+    every other kernel's, as ``SHARED_KERNEL_MODULES`` would make it)."""
+    from tilefuse import _jit
+    from tilefuse.mhc import _expand_kernel as K
+
+    monkeypatch.setattr(_jit, "_DIGESTS", {})
+    with_helper = _jit._module_digest(K.__name__)
+    monkeypatch.setattr(K, "KERNEL_HELPERS", ())
+    _jit._DIGESTS.clear()
+    assert _jit._module_digest(K.__name__) != with_helper
+    assert "tilefuse.mhc._rows" not in _jit.SHARED_KERNEL_MODULES

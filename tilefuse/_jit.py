@@ -66,8 +66,9 @@ KERNEL_MODULES = (
     "tilefuse.mhc._apply_mix_kernel",
 )
 
-# Modules of TileLang helpers that kernels import: their source is part of every kernel's cache key.
-SHARED_KERNEL_MODULES = ("tilefuse.quant._tl", "tilefuse.mhc._rows")
+# Modules of TileLang helpers that kernels import: their source is part of every kernel's cache key. A helper
+# that only some kernel modules import is named by those modules instead, in their ``KERNEL_HELPERS`` tuple.
+SHARED_KERNEL_MODULES = ("tilefuse.quant._tl",)
 
 _FACTORIES: dict[str, tuple[Callable, Callable[[], Iterable[tuple]]]] = {}
 _COMPILED: dict[tuple, Callable] = {}
@@ -106,12 +107,14 @@ def knobs(mod: str) -> dict:
 
 
 def _module_digest(mod: str) -> str:
-    """sha256 prefix of TileLang's version, the kernel module's source and the shared helper modules'."""
+    """sha256 prefix of TileLang's version, the kernel module's source and its helper modules' (the shared ones
+    and the module's own ``KERNEL_HELPERS``)."""
     digest = _DIGESTS.get(mod)
     if digest is None:
         h = hashlib.sha256(_tilelang_version().encode())
         h.update(repr(sorted(knobs(mod).items())).encode())
-        for m in (mod, *SHARED_KERNEL_MODULES):
+        own = getattr(sys.modules.get(mod), "KERNEL_HELPERS", ())
+        for m in (mod, *SHARED_KERNEL_MODULES, *own):
             spec = importlib.util.find_spec(m)
             with open(spec.origin, "rb") as f:
                 h.update(f.read())

@@ -1,6 +1,6 @@
-"""CUDA tensors take the same reference path as CPU tensors (no kernels yet): results on the GPU equal
-the CPU results. Tolerances: fp32 reductions on the GPU are ordered differently from the CPU (cuBLAS vs
-CPU BLAS), so an fp32 result of a length-n reduction may differ by up to about n * 2^-24 times the size of
+"""The layer on CUDA tensors (the mHC kernels where they exist, the reference elsewhere) equals the CPU
+results. Tolerances: fp32 reductions on the GPU are ordered differently from the CPU (cuBLAS or a kernel's
+order vs CPU BLAS), so an fp32 result of a length-n reduction may differ by up to about n * 2^-24 times the size of
 its terms: a normwise bound, |a - b| <= RED_LEN * 2^-24 * max|b| over the tensor. No elementwise rtol:
 some gradient rows are mathematically ~0 and come out as pure cancellation noise (~1e-11 next to ~1e2
 elsewhere in the tensor), which differs between any two summation orders. bf16 outputs allow 1 bf16 ulp."""

@@ -25,6 +25,8 @@ import torch
 from tilefuse import _jit, _launch, _ops
 from tilefuse.mhc._rows import MAX_N, V, ready, row_threads, takes  # noqa: F401  (takes, MAX_N: for _functions)
 
+KERNEL_HELPERS = ("tilefuse.mhc._rows",)  # part of this module's kernel cache key (_jit._module_digest)
+
 # Threads per CTA of the backward: up to BWD_MAX_THREADS (_rows.row_threads). Not a tuning knob: the thread count
 # sets the mix gradient's summation tree, so changing it changes results (within the derived bound).
 BWD_MAX_THREADS = 256

@@ -24,6 +24,8 @@ import torch
 from tilefuse import _jit, _launch, _ops
 from tilefuse.mhc._rows import MAX_N, V, ready, row_threads, takes  # noqa: F401  (takes, MAX_N: for _functions)
 
+KERNEL_HELPERS = ("tilefuse.mhc._rows",)  # part of this module's kernel cache key (_jit._module_digest)
+
 # ---- tuning knobs (TILEFUSE_KNOBS) ----
 MAX_THREADS = 256  # the most threads per CTA (_rows.row_threads)
 # tokens per CTA: a thread loads its chunk of TOKENS_PER_CTA consecutive tokens before it stores any (more bytes in

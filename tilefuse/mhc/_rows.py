@@ -1,6 +1,6 @@
 """Row geometry shared by the streaming mHC kernels (expand, apply_mix): a row of ``C`` bf16 is ``C / V`` chunks of
-16 bytes, and a CTA's threads take consecutive chunks of a row. No TileLang here; kernel modules import it, and its
-source is part of their cache keys (``_jit.SHARED_KERNEL_MODULES``)."""
+16 bytes, and a CTA's threads take consecutive chunks of a row. No TileLang here; kernel modules import it and name it
+in their ``KERNEL_HELPERS``, so its source is part of their cache keys (``_jit._module_digest``)."""
 
 V = 8      # bf16 per 16-byte chunk
 MAX_N = 8  # the most streams the kernels take (a thread holds n chunks in registers); more take the reference

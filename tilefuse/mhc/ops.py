@@ -1,7 +1,8 @@
 """Public mHC ops (mhc.md): the v1 autograd ops and the v2.1 destination-passing kernel-level ops.
 
-Every op validates its arguments first (nothing is written when a check fails), then runs the reference
-math of ``tilefuse.reference.mhc`` (CPU, and CUDA until a kernel exists). The v2.1 ops work on
+Every op validates its arguments first (nothing is written when a check fails), then runs a TileLang kernel
+on CUDA tensors where the op has one and the kernel takes the shape (``path="kernel"``; each op's docstring
+says which shapes), else the reference math of ``tilefuse.reference.mhc``. The v2.1 ops work on
 flattened, contiguous tensors (leading dims merged into T) and write into the caller's buffers; the v1
 ops keep the caller's leading dims and carry autograd (``_functions.py``).
 
