@@ -33,7 +33,7 @@ from tilefuse import _jit, _ops
 FWD_THREADS = 128  # forward: threads per CTA (one (token, logit) each)
 BWD_THREADS = 64   # backward: threads per CTA (one (token, group) each)
 
-MAX_S, MAX_G, MAX_M = 64, 8, 64
+MAX_S, MAX_G, MAX_M = 64, 8, 80  # M = n(n + 2) <= 80 for n <= 8
 F32 = "float32"
 I64 = "int64"
 

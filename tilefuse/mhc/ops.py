@@ -171,7 +171,7 @@ def mhc_reduce_partials_and_rmsnorm_fwd(out_mul_splitted: torch.Tensor, sqrsum_s
                                         rms_group_size: int, rms_eps: float, n_splits: int = 16) -> None:
     """v2.1: reduce ``[S, T, G, M]`` / ``[S, T, G]`` partials in split order into ``out_mul``, ``sqrsum``
     and the normalised ``out [T, M]`` (§2.2.2 steps 4-6). CUDA: the kernel when ``S <= 64``, ``G <= 8``,
-    ``M <= 64`` and ``rms_group_size < 2^24``, else the reference."""
+    ``M <= 80`` and ``rms_group_size < 2^24``, else the reference."""
     op = "mhc_reduce_partials_and_rmsnorm_fwd"
     _check.tensor(op, "out_mul_splitted", out_mul_splitted, dtype=F32, ndim=4, contiguous=True)
     S, T, G, M = out_mul_splitted.shape
@@ -193,7 +193,7 @@ def mhc_reduce_partials_and_rmsnorm_bwd(out_grad: torch.Tensor, out_mul: torch.T
                                         out_mul_grad: torch.Tensor, sqrsum_grad: torch.Tensor,
                                         rms_group_size: int, rms_eps: float) -> None:
     """v2.1: overwrite ``out_mul_grad [T, G, M]`` and ``sqrsum_grad [T, G]`` with the RMS-step gradients
-    (§2.2.3 first three bullets). CUDA: the kernel when ``G <= 8``, ``M <= 64`` and ``rms_group_size < 2^24``,
+    (§2.2.3 first three bullets). CUDA: the kernel when ``G <= 8``, ``M <= 80`` and ``rms_group_size < 2^24``,
     else the reference."""
     op = "mhc_reduce_partials_and_rmsnorm_bwd"
     _check.tensor(op, "out_grad", out_grad, dtype=F32, ndim=2, contiguous=True)
