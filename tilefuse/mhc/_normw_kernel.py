@@ -173,16 +173,15 @@ def _(fn, normw, out_fn_grad, fn_grad, normw_grad) -> None:
     return None
 
 
-# ---- CUDA entries: a direct launch in eager mode, the custom op while tracing ----
+# ---- CUDA entries: a direct launch in eager mode, the custom op under torch.compile ----
 
-def _tracing(x) -> bool:
-    """torch.compile is tracing, or ``x`` is not a plain tensor (fake / functional): take the registered op."""
-    return torch.compiler.is_compiling() or type(x) is not torch.Tensor
+def _tracing() -> bool:
+    return torch.compiler.is_compiling()
 
 
 def normw_merge_fwd_cuda(*args) -> None:
-    (torch.ops.tilefuse.mhc_normw_merge_fwd if _tracing(args[0]) else normw_merge_fwd_launch)(*args)
+    (torch.ops.tilefuse.mhc_normw_merge_fwd if _tracing() else normw_merge_fwd_launch)(*args)
 
 
 def normw_merge_bwd_cuda(*args) -> None:
-    (torch.ops.tilefuse.mhc_normw_merge_bwd if _tracing(args[0]) else normw_merge_bwd_launch)(*args)
+    (torch.ops.tilefuse.mhc_normw_merge_bwd if _tracing() else normw_merge_bwd_launch)(*args)

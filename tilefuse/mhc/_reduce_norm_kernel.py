@@ -197,16 +197,15 @@ def _(out_grad, out_mul, sqrsum, out_mul_grad, sqrsum_grad, rms_group_size, rms_
     return None
 
 
-# ---- CUDA entries: a direct launch in eager mode, the custom op while tracing ----
+# ---- CUDA entries: a direct launch in eager mode, the custom op under torch.compile ----
 
-def _tracing(x) -> bool:
-    """torch.compile is tracing, or ``x`` is not a plain tensor (fake / functional): take the registered op."""
-    return torch.compiler.is_compiling() or type(x) is not torch.Tensor
+def _tracing() -> bool:
+    return torch.compiler.is_compiling()
 
 
 def reduce_fwd_cuda(*args) -> None:
-    (torch.ops.tilefuse.mhc_reduce_rmsnorm_fwd if _tracing(args[0]) else reduce_fwd_launch)(*args)
+    (torch.ops.tilefuse.mhc_reduce_rmsnorm_fwd if _tracing() else reduce_fwd_launch)(*args)
 
 
 def reduce_bwd_cuda(*args) -> None:
-    (torch.ops.tilefuse.mhc_reduce_rmsnorm_bwd if _tracing(args[0]) else reduce_bwd_launch)(*args)
+    (torch.ops.tilefuse.mhc_reduce_rmsnorm_bwd if _tracing() else reduce_bwd_launch)(*args)
