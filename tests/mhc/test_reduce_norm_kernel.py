@@ -6,14 +6,16 @@ reference, poisoned outputs, determinism, batch invariance, CUDA graphs, torch.c
 Tolerances (derived, written once; ``u = 2^-23``, one fp32 ulp at 1):
 * ``out_mul``, ``sqrsum``: sums of the splits in increasing order from 0, exactly the reference's ``seq_sum``:
   bitwise.
-* ``rsqrtf`` and the reference's ``rsqrt`` are each within 2 ulp of ``r`` (their argument is the same IEEE
-  ``Q / K_g + eps``), so two results differ by at most ``4 u r``. Then
-  ``out = sum_g RN(Pm_g r_g)`` (groups in order): ``|out - ref| <= (G + 5) u sum_g |Pm_g| r_g`` (4 u from r, one
+* ``r``: the kernel's argument ``RN(RN(Q / K_g) + eps)`` is within ``2 2^-24`` (relative) of the exact value; the
+  reference's on CUDA, where torch divides by a Python scalar as a multiply by ``RN(1 / K_g)``, within
+  ``3 2^-24``; so the two arguments differ by ``2.5 u`` and their inverse square roots by ``1.25 u``. ``rsqrtf``
+  and torch's ``rsqrt`` are each within 2 ulp (``<= 2 u r``): the two r differ by at most ``6 u r``. Then
+  ``out = sum_g RN(Pm_g r_g)`` (groups in order): ``|out - ref| <= (G + 6) u sum_g |Pm_g| r_g`` (6 u from r, one
   rounded product on each side, one rounded add on each side per further group).
-* ``out_mul_grad = RN(d_out r)``: ``|dP - ref| <= 5 u |d_out| r``.
+* ``out_mul_grad = RN(d_out r)``: ``|dP - ref| <= 7 u |d_out| r``.
 * ``sqrsum_grad = ((dr r) / (Q + E)) / -2`` with ``dr = sum_j d_out[j] Pm[j]`` in an order the spec leaves open:
   each side's ``dr`` is within ``M 2^-24 A`` of the exact sum (``A = sum_j |d_out[j] Pm[j]|``), r as above, three
-  rounded operations a side: ``|dQ - ref| <= (M + 8) u r A / (2 (Q + E))``.
+  rounded operations a side: ``|dQ - ref| <= (M + 9) u r A / (2 (Q + E))``.
 The CPU emulation computes ``rsqrtf`` correctly rounded, so there it is also compared bit for bit with a float32
 model of the kernel's operations.
 
@@ -60,7 +62,7 @@ def _check_fwd(pm, qm, out, ps, qs, kg, eps=EPS):
     want = R.mhc_reduce_partials_and_rmsnorm_ref(ps, qs, kg, eps)
     assert torch.equal(pm, want[0]) and torch.equal(qm, want[1])
     G = pm.shape[1]
-    bound = (G + 5) * U * (pm.to(F64).abs() * _r64(qm, kg, eps).unsqueeze(-1)).sum(1)
+    bound = (G + 6) * U * (pm.to(F64).abs() * _r64(qm, kg, eps).unsqueeze(-1)).sum(1)
     err = (out.to(F64) - want[2].to(F64)).abs()
     assert not (err > bound).any(), f"out: worst excess {(err - bound).max().item():.3g}"
 
@@ -71,10 +73,10 @@ def _check_bwd(dpm, dqm, d_out, pm, qm, kg, eps=EPS):
     r = _r64(qm, kg, eps)
     d = d_out.to(F64).unsqueeze(1)
     err = (dpm.to(F64) - want[0].to(F64)).abs()
-    bound = 5 * U * d.abs() * r.unsqueeze(-1)
+    bound = 7 * U * d.abs() * r.unsqueeze(-1)
     assert not (err > bound).any(), f"out_mul_grad: worst excess {(err - bound).max().item():.3g}"
     A = (d * pm.to(F64)).abs().sum(-1)
-    bound = (M + 8) * U * r * A / (2 * (qm.to(F64) + eps * kg))
+    bound = (M + 9) * U * r * A / (2 * (qm.to(F64) + eps * kg))
     err = (dqm.to(F64) - want[1].to(F64)).abs()
     assert not (err > bound).any(), f"sqrsum_grad: worst excess {(err - bound).max().item():.3g}"
 
