@@ -8,6 +8,8 @@ a element; the norm-weight gradient summed over rows 0..M-1 from 0, then added o
 weight gradient added to its destination), so every output is compared bit for bit. The spec's inputs are packed
 (``contiguous=True`` in the public checks), so there is no strided case.
 """
+import re
+
 import pytest
 import torch
 
@@ -52,6 +54,9 @@ def test_builds_for_sm90_with_the_explicit_operations(name, cfg):
             assert f"*(float4*)({buf} +" in src, buf
     else:  # one product and one add per destination, then the one add into normw_grad
         assert src.count("__fmul_rn(") == 2 and src.count("__fadd_rn(") == 3
+    for line in (line for line in src.splitlines() if "__f" in line):  # nothing contractible around them
+        rhs = re.sub(r"\[[^\]]*\]", "", line.split("=", 1)[1])
+        assert not re.search(r"[-+*/]", rhs), line
 
 
 @pytest.mark.compile
@@ -81,6 +86,24 @@ def test_generated_source_on_the_cpu(rows, k, tmp_path):
     want = _ref_bwd(fn, normw, dw, fn_grad, normw_grad)
     bwd(dict(FN=fn, W=normw, DW=dw, DFN=fn_grad, DNW=normw_grad, rows=rows), -(-k // K.BWD_THREADS))
     assert torch.equal(fn_grad, want[0]) and torch.equal(normw_grad, want[1])
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not emu.HAS_GXX, reason="needs g++")
+def test_backward_rows_knob_changes_no_result(tmp_path, monkeypatch):
+    """BWD_ROWS only groups loads: 1, 3 and 8 rows give bitwise the reference's gradients (CPU emulation; 7 rows
+    end on a partly guarded group for 3 and 8)."""
+    rows, k = 7, 264
+    fn, normw, dw = torch.randn(rows, k), 1 + 0.1 * torch.randn(k), torch.randn(rows, k)
+    start = (torch.randn(rows, k), torch.randn(k))
+    want = _ref_bwd(fn, normw, dw, *start)
+    for u in (1, 3, 8):
+        monkeypatch.setattr(K, "BWD_ROWS", u)
+        src = _jit.compile_kernel("mhc_normw_merge_bwd", (k,), "sm_90", export=False).get_kernel_source()
+        bwd = emu.build(src, "mhc_normw_merge_bwd_kernel", K.BWD_THREADS, tmp_path / str(u))
+        fn_grad, normw_grad = start[0].clone(), start[1].clone()
+        bwd(dict(FN=fn, W=normw, DW=dw, DFN=fn_grad, DNW=normw_grad, rows=rows), -(-k // K.BWD_THREADS))
+        assert torch.equal(fn_grad, want[0]) and torch.equal(normw_grad, want[1])
 
 
 @pytest.mark.compile

@@ -9,7 +9,7 @@ Forward: ``out[j, k] = fn[j, k] * w[k]`` (one rounding). One thread per 16-byte 
 one row, over the flattened ``M * K / V`` vectors (``K % 4 == 0``).
 
 Backward (both outputs accumulate into the caller's buffers): one thread per column ``k``. It walks the rows
-``j = 0, 1, ..., M - 1`` in order: ``fn_grad[j, k] = fn_grad[j, k] + RN(dW[j, k] * w[k])`` and
+``j = 0, 1, ..., M - 1`` in order (loading ``BWD_ROWS`` rows ahead of their arithmetic, which changes no bit): ``fn_grad[j, k] = fn_grad[j, k] + RN(dW[j, k] * w[k])`` and
 ``acc = acc + RN(dW[j, k] * fn[j, k])`` from ``acc = 0``; then ``normw_grad[k] = normw_grad[k] + acc`` once.
 That is the order of §2.2.1 and of the reference (``seq_sum`` over rows, then one add): bit for bit, with no
 atomics and nothing that depends on the launch. Consecutive threads take consecutive columns, so every row
@@ -18,7 +18,8 @@ access of a warp is one coalesced 128-byte line.
 Kernel constraints: CUDA fp32 tensors; the forward needs ``K % 4 == 0`` (``takes_fwd``), the backward takes
 any ``K``. The public ops keep the reference path for other inputs.
 
-Speed: not yet measured on a GPU.
+Speed: not yet measured on a GPU. ptxas (sm_90, K = 16384): the forward 19 registers, the backward 56 (BWD_ROWS = 8;
+the first knob to sweep: with 16384 columns there are only 4 warps an SM).
 """
 
 import torch
@@ -28,6 +29,7 @@ from tilefuse import _jit, _ops
 # ---- tuning knobs (TILEFUSE_KNOBS; results unchanged) ----
 FWD_THREADS = 128  # forward: threads per CTA (one 16-byte vector each)
 BWD_THREADS = 128  # backward: threads per CTA (one column each)
+BWD_ROWS = 8       # backward: rows whose loads a thread issues before their arithmetic (the order is the same)
 
 V = 4  # fp32 columns per forward vector (16 bytes)
 F32 = "float32"
@@ -86,6 +88,7 @@ def normw_merge_bwd_kernel(K: int):
 
     assert K > 0, K
     threads = BWD_THREADS
+    U = max(1, BWD_ROWS)
     Mn = T.dynamic("rows", I64)
 
     @T.prim_func
@@ -94,13 +97,23 @@ def normw_merge_bwd_kernel(K: int):
         with T.Kernel(T.ceildiv(K, threads), threads=threads) as bx:
             acc = T.alloc_local((1,), F32)
             w = T.alloc_local((1,), F32)
+            d = T.alloc_local((U,), F32)
+            f = T.alloc_local((U,), F32)
+            g = T.alloc_local((U,), F32)
             k = bx * threads + T.get_thread_binding()
             if k < K:
                 w[0] = W[k]
                 acc[0] = T.float32(0.0)
-                for j in T.serial(Mn):
-                    DFN[j, k] = _add(DFN[j, k], _mul(DW[j, k], w[0]))
-                    acc[0] = _add(acc[0], _mul(DW[j, k], FN[j, k]))
+                for s in T.serial(T.ceildiv(Mn, U)):
+                    for u in T.unroll(U):  # the loads of U rows, then their arithmetic in row order
+                        if s * U + u < Mn:
+                            d[u] = DW[s * U + u, k]
+                            f[u] = FN[s * U + u, k]
+                            g[u] = DFN[s * U + u, k]
+                    for u in T.unroll(U):
+                        if s * U + u < Mn:
+                            DFN[s * U + u, k] = _add(g[u], _mul(d[u], w[0]))
+                            acc[0] = _add(acc[0], _mul(d[u], f[u]))
                 DNW[k] = _add(DNW[k], acc[0])
 
     return mhc_normw_merge_bwd
