@@ -142,7 +142,7 @@ def test_generated_source_on_the_cpu(S, G, M, T, tmp_path):
     dpm, dqm = _nan(T, G, M), _nan(T, G)
     E = EPS * kg
     bwd(dict(DO=d_out, PM=pm, QM=qm, DPM=dpm, DQM=dqm, num_tokens=T, kg=float(kg), eps=EPS, E=E),
-        -(-T * G // K.BWD_THREADS))
+        -(-T * G * M // K.BWD_THREADS))
     d = d_out.unsqueeze(1)
     assert torch.equal(dpm, d * r.unsqueeze(-1))
     dr = R.seq_sum(d * pm, -1)
