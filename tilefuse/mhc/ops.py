@@ -21,7 +21,7 @@ from tilefuse.reference import mhc as R
 from . import _functions as F
 from . import _sinkhorn_kernel
 from . import _mix_kernel
-from . import _normw_kernel, _reduce_norm_kernel
+from . import _normw_kernel
 
 __all__ = [
     "expand_to_mhc",
