@@ -116,13 +116,21 @@ def reduce_rmsnorm_bwd_into(out_grad, out_mul, sqrsum, out_mul_grad, sqrsum_grad
     sqrsum_grad.copy_(d_sq)
 
 
+def reduce_rmsnorm(out_mul_splitted, sqrsum_splitted, size: int, eps: float):
+    """§2.2.2 steps 4-6 into fresh buffers: ``(out_mul [T, G, M], sqrsum [T, G], out [T, M])`` (kernel or
+    reference as ``reduce_rmsnorm_fwd_into``)."""
+    _, T, G, M = out_mul_splitted.shape
+    out_mul, sqrsum = out_mul_splitted.new_empty((T, G, M)), sqrsum_splitted.new_empty((T, G))
+    out = out_mul_splitted.new_empty((T, M))
+    reduce_rmsnorm_fwd_into(out_mul_splitted.contiguous(), sqrsum_splitted.contiguous(), out_mul, sqrsum, out, size,
+                            eps)
+    return out_mul, sqrsum, out
+
+
 def norm_fn_forward(residual: torch.Tensor, fn: torch.Tensor, eps: float):
     """§2.2.2 with one split: ``(out [T, M], out_mul [T, 1, M], sqrsum [T, 1])``."""
     K = residual.shape[-2] * residual.shape[-1]
-    out_mul_s, sqrsum_s = R.mhc_pre_norm_fn_partials_ref(residual, fn, 1)
-    T, M = out_mul_s.shape[1], out_mul_s.shape[3]
-    out_mul, sqrsum, out = out_mul_s.new_empty((T, 1, M)), sqrsum_s.new_empty((T, 1)), out_mul_s.new_empty((T, M))
-    reduce_rmsnorm_fwd_into(out_mul_s, sqrsum_s, out_mul, sqrsum, out, K, eps)
+    out_mul, sqrsum, out = reduce_rmsnorm(*R.mhc_pre_norm_fn_partials_ref(residual, fn, 1), K, eps)
     return out, out_mul, sqrsum
 
 
@@ -133,7 +141,7 @@ def pre_chain(out_mul_splitted, sqrsum_splitted, residual, scale, base, rms_eps,
     Returns ``(post_mix [T, n, 1], comb_mix [T, n, n], layer_input [T, C])``.
     """
     n, C = residual.shape[-2:]
-    _, _, mixes = R.mhc_reduce_partials_and_rmsnorm_ref(out_mul_splitted, sqrsum_splitted, n * C, rms_eps)
+    _, _, mixes = reduce_rmsnorm(out_mul_splitted, sqrsum_splitted, n * C, rms_eps)
     pre, post, comb = R.mhc_pre_split_mixes_ref(mixes, scale, base, n, post_mult_value, pre_eps)
     comb = R.sinkhorn_normalize_ref(comb, sinkhorn_repeat, sinkhorn_eps)
     return post, comb, R.mhc_pre_apply_mix_ref(residual, pre)
