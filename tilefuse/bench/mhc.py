@@ -41,7 +41,7 @@ SINKHORN_REPEAT, SINKHORN_EPS = 20, 1e-6
 HIDDEN = (2560, 4096, 7168)
 QUICK_HIDDEN = 4096
 SPLITS, RMS_EPS = 16, 1e-6  # the prenorm projection's split-K partials and RMS epsilon (mhc.md 4)
-TOKENS = (TOKENS_LAYER, SINKHORN_MATRICES)
+TOKENS = (0, TOKENS_LAYER, SINKHORN_MATRICES)  # 0: the weight-only rows (normw merge)
 BF16, F32 = torch.bfloat16, torch.float32
 
 
