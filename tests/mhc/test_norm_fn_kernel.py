@@ -50,23 +50,20 @@ def test_builds_for_sm90(name, cfg):
         assert "__fmaf_rn(" in src
 
 
+BENCH_ONLY = [("mhc_norm_fn_fwd", (8192, 24)), ("mhc_norm_fn_bwd", (8192, 24, True))]  # C = 2048: not in the grid
+
+
 @pytest.mark.compile
 def test_registered_configs_are_tested():
     regs = {(name, cfg) for name, cfgs in _jit.registered().items() if name.startswith("mhc_norm_fn")
             for cfg in cfgs}
-    tested = set(norm_fn_configs())
-    # the bench's C = 2048 (issue: 4096 x 2048) is registered but outside the GPU grid: build it too
-    extra = {(n, c) for n, c in ((4, 2048),)}
-    tested |= {("mhc_norm_fn_fwd", (n * c, n * (n + 2))) for n, c in extra}
-    tested |= {("mhc_norm_fn_bwd", (n * c, n * (n + 2), a)) for n, c in extra for a in (False, True)}
-    assert regs and regs <= tested
+    assert regs and regs <= set(norm_fn_configs()) | set(BENCH_ONLY)
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("cfg", [("mhc_norm_fn_fwd", (8192, 24)), ("mhc_norm_fn_bwd", (8192, 24, True)),
-                                 ("mhc_norm_fn_bwd", (8192, 24, False))], ids=str)
-def test_bench_only_configs_build(cfg):
-    assert "__global__" in _jit.compile_kernel(*cfg, "sm_90").get_kernel_source()
+@pytest.mark.parametrize("name, cfg", BENCH_ONLY, ids=str)
+def test_bench_only_configs_build(name, cfg):
+    assert "__global__" in _jit.compile_kernel(name, cfg, "sm_90").get_kernel_source()
 
 
 @pytest.mark.compile

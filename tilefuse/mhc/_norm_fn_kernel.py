@@ -224,7 +224,7 @@ def dw_sum_kernel():
 
 BENCH_N = 4
 BENCH_M = BENCH_N * (BENCH_N + 2)
-BENCH_HIDDEN = (2048, 2560, 4096, 7168)  # the issue's 4096 x 2048 and 8192 x 4096, and the layer bench's C
+BENCH_HIDDEN = (2048, 4096)  # the bench's rows: the issue's T x C = 4096 x 2048 and 8192 x 4096
 
 
 def _fwd_configs() -> list[tuple]:
@@ -232,7 +232,7 @@ def _fwd_configs() -> list[tuple]:
 
 
 def _bwd_configs() -> list[tuple]:
-    return [(BENCH_N * c, BENCH_M, acc) for c in BENCH_HIDDEN for acc in (False, True)]
+    return [(BENCH_N * c, BENCH_M, True) for c in BENCH_HIDDEN]  # the bench's backward accumulates into x_grad
 
 
 _jit.register("mhc_norm_fn_fwd", norm_fn_fwd_kernel, _fwd_configs)
@@ -292,14 +292,9 @@ def _(out_mul_grad, sqrsum_grad, x, fn, x_grad, fn_grad, accumulate) -> None:
 
 # ---- CUDA entries: a direct launch in eager mode, the custom op while tracing ----
 
-def _tracing(x) -> bool:
-    """torch.compile is tracing, or ``x`` is not a plain tensor: take the registered op."""
-    return torch.compiler.is_compiling() or type(x) is not torch.Tensor
-
-
 def norm_fn_partials_cuda(*args) -> None:
-    (torch.ops.tilefuse.mhc_norm_fn_partials if _tracing(args[0]) else norm_fn_partials_launch)(*args)
+    (torch.ops.tilefuse.mhc_norm_fn_partials if torch.compiler.is_compiling() else norm_fn_partials_launch)(*args)
 
 
 def norm_fn_gemm_bwd_cuda(*args) -> None:
-    (torch.ops.tilefuse.mhc_norm_fn_gemm_bwd if _tracing(args[0]) else norm_fn_gemm_bwd_launch)(*args)
+    (torch.ops.tilefuse.mhc_norm_fn_gemm_bwd if torch.compiler.is_compiling() else norm_fn_gemm_bwd_launch)(*args)
