@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from tilefuse import _launch
 from tilefuse.reference import mhc as R
 
 from . import _apply_mix_kernel, _expand_kernel, _mix_kernel, _norm_fn_kernel, _post_kernel, _sinkhorn_kernel
@@ -83,7 +82,7 @@ def norm_fn_partials(residual: torch.Tensor, fn: torch.Tensor):
     K = residual.shape[-2] * residual.shape[-1]
     if not _norm_fn_kernel_takes(residual, fn):
         return R.mhc_pre_norm_fn_partials_ref(residual, fn, 1)
-    x = _launch.aligned(residual.reshape(-1, K).contiguous())
+    x = residual.reshape(-1, K).contiguous()
     S, T, M = _norm_fn_kernel.splits(K), x.shape[0], fn.shape[0]
     out_mul = x.new_empty((S, T, M), dtype=torch.float32)
     sqrsum = x.new_empty((S, T), dtype=torch.float32)

@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from tilefuse import _jit, _ops
+from tilefuse import _jit, _launch, _ops
 
 MAX_M = 32       # rows of the weight the kernels take (the MMA's N, padded to 32)
 K_ALIGN = 256    # K % 256 == 0 (mhc.md §2.2.2)
@@ -248,7 +248,8 @@ def norm_fn_partials_launch(x, fn, out_mul, sqrsum) -> None:
     T_, K = x.shape
     if T_ == 0:
         return
-    _jit.get("mhc_norm_fn_fwd", (K, fn.shape[0]))(x, tf32_round(fn), out_mul, sqrsum)
+    # 16-byte loads of x: a contiguous view may start at any element; the rounded weight is a fresh tensor
+    _jit.get("mhc_norm_fn_fwd", (K, fn.shape[0]))(_launch.aligned(x), tf32_round(fn), out_mul, sqrsum)
 
 
 def norm_fn_gemm_bwd_launch(out_mul_grad, sqrsum_grad, x, fn, x_grad, fn_grad, accumulate: bool) -> None:

@@ -589,7 +589,7 @@ def mhc_pre_big_fuse(residual: torch.Tensor, fn: torch.Tensor, mhc_scale: torch.
     lead = residual.shape[:-2]
     flat = residual.reshape(-1, n, C)
     with torch.no_grad():
-        out_mul, sqrsum = R.mhc_pre_norm_fn_partials_ref(flat, fn, 1)
+        out_mul, sqrsum = F.norm_fn_partials(flat, fn)  # the unfused op's partials: bit-identical chains (§3)
         post, comb, layer_input = F.pre_chain(out_mul, sqrsum, flat, mhc_scale, mhc_base, rms_eps, pre_eps, sk_eps,
                                               v, repeat)
     return post.view(*lead, n, 1), comb.view(*lead, n, n), layer_input.view(*lead, C)
