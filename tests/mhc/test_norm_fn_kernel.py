@@ -364,3 +364,91 @@ def test_torch_compile_fullgraph():
     want = _grads(residual, fn, None, d_out)
     for a, b in zip((out.detach(), r.grad, f.grad), want[:3]):
         assert torch.equal(a, b)
+
+
+# ---- the backward kernels' CUDA source, run on the CPU ----
+
+EMU_EXTRA = r"""
+typedef unsigned char uchar;
+static inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
+static inline int64_t min(int64_t a, int64_t b) { return a < b ? a : b; }
+alignas(1024) static uchar g_shmem[1 << 16];
+static std::barrier<>* g_cta_bar;
+static inline void __syncthreads() { g_cta_bar->arrive_and_wait(); }
+"""
+
+
+def _emulate(src: str, name: str, threads: int, workdir):
+    """Compile ``name`` of the generated CUDA ``src`` for the CPU (``post_emulation``'s shim plus a 2-D block index,
+    the CTA's dynamic shared memory and ``__syncthreads`` as a barrier of the CTA's host threads; CTAs run one
+    after another). Returns ``run(tensors: dict, scalars: dict, grid: (x, y))``."""
+    import ctypes
+    import re
+    import subprocess
+
+    from tests.mhc import post_emulation as emu
+
+    body = src[src.index('extern "C" __global__ void __launch_bounds__'):]
+    body = body.replace("extern __shared__ __align__(1024) uchar buf_dyn_shmem[];", "uchar* buf_dyn_shmem = g_shmem;")
+    params = [p.strip() for p in re.search(re.escape(name) + r"\(([^)]*)\)", body).group(1).split(",")]
+    names = [p.split()[-1] for p in params]
+    scalar = [p.startswith("int64_t") for p in params]
+    cargs = ", ".join(f"int64_t {a}" if s else f"void* {a}" for a, s in zip(names, scalar))
+    call = ", ".join(a if s else f"({p.rsplit(' ', 1)[0].replace('__restrict__', '').strip()}){a}"
+                     for p, a, s in zip(params, names, scalar))
+    shim = emu.SHIM.replace("struct Idx { unsigned x; };", "struct Idx { unsigned x, y; };") + EMU_EXTRA
+    cpp = shim + body.replace('extern "C" __global__', "static") + f"""
+extern "C" void run({cargs}, int64_t gx, int64_t gy) {{
+  std::barrier<> bar({threads}); g_cta_bar = &bar;
+  for (int64_t by = 0; by < gy; ++by) for (int64_t bx = 0; bx < gx; ++bx) {{
+    std::vector<std::thread> th;
+    for (unsigned t = 0; t < {threads}; ++t)
+      th.emplace_back([=]() {{ blockIdx.x = bx; blockIdx.y = by; threadIdx.x = t; {name}({call}); }});
+    for (auto& h : th) h.join();
+  }}
+}}
+"""
+    workdir.mkdir(parents=True, exist_ok=True)
+    source, lib = workdir / f"{name}.cpp", workdir / f"{name}.so"
+    source.write_text(cpp)
+    subprocess.run(["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC",
+                    "-pthread", "-o", str(lib), str(source)], check=True, capture_output=True)
+    fn = ctypes.CDLL(str(lib)).run
+
+    def run(tensors: dict, scalars: dict, grid) -> None:
+        for t in tensors.values():
+            assert t.device.type == "cpu" and t.is_contiguous()
+        fn(*[ctypes.c_int64(scalars[a]) if s else ctypes.c_void_p(tensors[a].data_ptr())
+             for a, s in zip(names, scalar)], ctypes.c_int64(grid[0]), ctypes.c_int64(grid[1]))
+
+    return run
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="needs g++")
+@pytest.mark.parametrize("n, c", [(2, 256), (4, 256)])
+@pytest.mark.parametrize("accumulate", (False, True))
+def test_backward_source_on_cpu_bitwise(n, c, accumulate, tmp_path):
+    """The backward kernel's and the partial sum's generated CUDA, run on the CPU, equal the torch model of their
+    chains bit for bit (exact products: each fma is one rounded add), over token counts that leave partials
+    empty, end mid-block and wrap the partials more than once; every element written."""
+    k, m = n * c, n * (n + 2)
+    bwd = _emulate(_jit.compile_kernel("mhc_norm_fn_bwd", (k, m, accumulate), "sm_90").get_kernel_source(),
+                   "mhc_norm_fn_bwd_kernel", K.BWD_THREADS, tmp_path / "bwd")
+    dws = _emulate(_jit.compile_kernel("mhc_norm_fn_dw_sum", (), "sm_90").get_kernel_source(),
+                   "mhc_norm_fn_dw_sum_kernel", K.SUM_THREADS, tmp_path / "sum")
+    for T in (1, 37, 100, 2 * K.PARTIALS * K.TOKEN_BLOCK + 5):
+        x = torch.randn(T, k).to(BF16)
+        fn = torch.randn(m, k) * 1e-2
+        d_mul, d_sq = torch.randn(T, m), torch.randn(T) * 1e-2
+        D = torch.randn(T, k).to(BF16)
+        dx = D.clone() if accumulate else torch.full((T, k), NAN, dtype=BF16)
+        dwp = torch.full((K.PARTIALS, m, k), NAN)
+        d_fn = torch.full((m * k,), NAN)
+        bwd(dict(DP=K.tf32_round(d_mul), DQ=d_sq, X=x, W=K.tf32_round(fn), DX=dx, DWP=dwp),
+            dict(P=K.PARTIALS, Tn=T), (K.PARTIALS, k // K.COLS))
+        dws(dict(DWP=dwp.view(K.PARTIALS, m * k), DW=d_fn), dict(P=K.PARTIALS, N=m * k),
+            (-(-(m * k) // K.SUM_THREADS), 1))
+        want_dx, want_dw = _model_gemm_bwd(d_mul, d_sq, x, fn, D if accumulate else None)
+        assert torch.equal(dx, want_dx), T
+        assert torch.equal(d_fn.view(m, k), want_dw), T
