@@ -51,6 +51,10 @@ COUNTED = {
     "mhc_head_compute_mix_bwd": 10,           # d_out, logits, scale, base, 3 destinations; the 3 again
     "mhc_sinkhorn_fwd": 3,                    # x, out, out
     "mhc_sinkhorn_bwd": 4,                    # d_out, x, d_x, d_x
+    "mhc_fn_normw_merge_fwd": 4,              # fn, normw, out_fn; out_fn
+    "mhc_fn_normw_merge_bwd": 7,              # fn, normw, out_fn_grad, fn_grad, normw_grad; the 2 accumulated
+    "mhc_reduce_partials_and_rmsnorm_fwd": 8,  # 2 partials, 3 destinations; the 3 again
+    "mhc_reduce_partials_and_rmsnorm_bwd": 7,  # out_grad, out_mul, sqrsum, 2 destinations; the 2 again
     "mhc_pre_norm_fn": 3,                     # residual, fn; out
     "mhc_pre_norm_fn_bwd": 7,                 # d_mul, d_sq, x, fn, x_grad; x_grad, d_fn
     "norm_forward_and_per_token_cast": 4,     # x, weight, out, sf
@@ -192,7 +196,9 @@ BENCH_REGISTERED = ("per_token_cast", "per_block_cast", "per_block_cast_lossless
                     "moe_topk_gate_forward", "moe_topk_gate_backward", "moe_count_partial", "moe_count_finish",
                     "moe_unique_group_indices", "moe_mask_indices_by_tp", "moe_fused_mapping_count",
                     "moe_fused_mapping_scan", "moe_fused_mapping_scatter", "mhc_expand_fwd", "mhc_expand_bwd",
-                    "mhc_apply_mix_fwd", "mhc_apply_mix_bwd", "mhc_norm_fn_fwd", "mhc_norm_fn_bwd", "mhc_norm_fn_dw_sum")
+                    "mhc_apply_mix_fwd", "mhc_apply_mix_bwd", "mhc_normw_merge_fwd", "mhc_normw_merge_bwd",
+                    "mhc_reduce_rmsnorm_fwd", "mhc_reduce_rmsnorm_bwd", "mhc_norm_fn_fwd", "mhc_norm_fn_bwd",
+                    "mhc_norm_fn_dw_sum")
 
 
 def test_registration_is_what_the_bench_launches():

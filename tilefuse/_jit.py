@@ -63,7 +63,7 @@ KERNEL_MODULES = (
     "tilefuse.mhc._post_kernel",
     "tilefuse.mhc._mix_kernel",
     "tilefuse.mhc._expand_kernel",
-    "tilefuse.mhc._apply_mix_kernel",
+    "tilefuse.mhc._apply_mix_kernel", "tilefuse.mhc._normw_kernel", "tilefuse.mhc._reduce_norm_kernel",
     "tilefuse.mhc._norm_fn_kernel",
 )
 

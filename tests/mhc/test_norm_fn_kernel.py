@@ -82,7 +82,7 @@ def test_tf32_round_is_the_spec_recipe():
 @pytest.mark.compile
 def test_split_count_depends_on_k_alone():
     assert [K.splits(n * c) for n in (2, 4) for c in (1280, 2048, 2560, 4096, 7168)] == [
-        2, 8, 4, 8, 8, 4, 8, 8, 8, 8]
+        2, 16, 4, 16, 8, 4, 16, 8, 16, 16]
     for k in range(256, 1 << 16, 256):
         s = K.splits(k)
         assert k % s == 0 and (k // s) % K.FWD_BK == 0 and 1 <= s <= K.MAX_SPLITS

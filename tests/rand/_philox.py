@@ -3,23 +3,20 @@ mapping and the generator's offset independently of torch's kernel. Philox words
 ``sqrt``, ``sin`` and ``cos`` are float64, so results agree with the device within rand.md 8's tolerance, never
 bit for bit: it is not an oracle for exact bits."""
 import numpy as np
+import torch
 
-M0, M1 = 0xD2511F53, 0xCD9E8D57
-BUMP0, BUMP1 = 0x9E3779B9, 0xBB67AE85
-MASK = 0xFFFFFFFF
+from tilefuse.reference.moe import philox4x32_10
+
 TWO_PI_F32 = float(np.float32(2 * np.pi))  # fp32(2 pi) = 0x40C90FDB
+MASK = 0xFFFFFFFF
 
 
-def philox4x32_10(counter, key):
-    """Philox4x32-10 of uint64 arrays: ``counter`` 4 words (least significant first), ``key`` 2 words; returns 4."""
-    c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint64) & MASK for c in counter)
-    k0, k1 = (np.asarray(k, dtype=np.uint64) & MASK for k in key)
-    for r in range(10):
-        if r:
-            k0, k1 = (k0 + BUMP0) & MASK, (k1 + BUMP1) & MASK
-        p0, p1 = M0 * c0, M1 * c2  # < 2**64: exact in uint64
-        c0, c1, c2, c3 = (p1 >> 32) ^ c1 ^ k0, p1 & MASK, (p0 >> 32) ^ c3 ^ k1, p0 & MASK
-    return c0, c1, c2, c3
+def _words(index_words, seed: int):
+    """The four Philox words of counters ``index_words`` (four uint32 numpy arrays) under key ``seed``, through
+    the MoE reference's Philox4x32-10 (cuRAND's block function, checked there against the known answers)."""
+    counter = [torch.from_numpy(w.astype(np.int64)) for w in index_words]
+    key = [torch.tensor(seed & MASK), torch.tensor(seed >> 32)]
+    return [w.numpy().astype(np.uint64) for w in philox4x32_10(counter, key)]
 
 
 def _box_muller(wa, wb):
@@ -38,7 +35,7 @@ def randn_f32(index, seed: int, offset: int, threads: int):
     tau, rest = index % threads, index // threads
     step, lane = rest // 4, rest % 4
     block = np.uint64(offset // 4) + step
-    w = philox4x32_10((block & MASK, block >> 32, tau & MASK, tau >> 32), (seed & MASK, seed >> 32))
+    w = _words((block & MASK, block >> 32, tau & MASK, tau >> 32), seed)
     first = np.where(lane < 2, w[0], w[2])
     second = np.where(lane < 2, w[1], w[3])
     sin, cos = _box_muller(first, second)

@@ -4,8 +4,10 @@ memory-bound and latency-bound steps, at T = 8192 tokens and n = 4 streams.
 Rows: ``expand_to_mhc`` forward and backward, ``mhc_pre_apply_mix`` forward and backward, ``mhc_post`` forward
 and backward at C in {2560, 4096, 7168} (``--quick``: 4096), the split mixes and the head mix forward and
 backward (M = n(n + 2) = 24 logits a token; mhc.md 4's v = 2, eps = 1e-2), and the Sinkhorn forward and backward
-on 32768 matrices of 4 x 4 with 20 iterations, and the prenorm projection ``mhc_pre_norm_fn`` (forward; the backward
-GEMMs) at the issue's T x C = 4096 x 2048 and 8192 x 4096 (issue #35's shapes). Inputs are standard normal (the mixes
+on 32768 matrices of 4 x 4 with 20 iterations (issue #35's shapes), the norm-weight merge of the projection
+weight (M = 24, K = 4 C) forward and backward, and the reduction of 16 split-K partials with the RMS step
+forward and backward (T = 8192, K = 16384), and the prenorm projection ``mhc_pre_norm_fn`` (forward; the backward
+GEMMs) at the issue's T x C = 4096 x 2048 and 8192 x 4096. Inputs are standard normal (the mixes
 positive, as the layer makes them: sigmoid / softmax of a normal draw; the Sinkhorn logits as drawn).
 
 Bytes: each input read once and each output written once. The v2.1 ops write into the caller's buffers, so a
@@ -25,8 +27,9 @@ from tilefuse.bench.core import Case, _dim, _nbytes
 
 OPS = ("expand_to_mhc_fwd", "expand_to_mhc_bwd", "mhc_pre_apply_mix_fwd", "mhc_pre_apply_mix_bwd", "mhc_post_fwd",
        "mhc_post_bwd", "mhc_pre_split_mixes_fwd", "mhc_pre_split_mixes_bwd", "mhc_head_compute_mix_fwd",
-       "mhc_head_compute_mix_bwd", "mhc_sinkhorn_fwd", "mhc_sinkhorn_bwd", "mhc_pre_norm_fn",
-       "mhc_pre_norm_fn_bwd")
+       "mhc_head_compute_mix_bwd", "mhc_sinkhorn_fwd", "mhc_sinkhorn_bwd", "mhc_fn_normw_merge_fwd",
+       "mhc_fn_normw_merge_bwd", "mhc_reduce_partials_and_rmsnorm_fwd", "mhc_reduce_partials_and_rmsnorm_bwd",
+       "mhc_pre_norm_fn", "mhc_pre_norm_fn_bwd")
 # v1 autograd ops -> the v2.1 op whose kernels they run (timed by that op's rows)
 SAME_KERNELS = {"expand_to_mhc": "expand_to_mhc_fwd", "mhc_pre_apply_mix": "mhc_pre_apply_mix_fwd",
                 "mhc_post": "mhc_post_fwd", "sinkhorn_normalize": "mhc_sinkhorn_fwd",
@@ -39,8 +42,8 @@ SINKHORN_MATRICES = 32768
 SINKHORN_REPEAT, SINKHORN_EPS = 20, 1e-6
 HIDDEN = (2560, 4096, 7168)
 NORM_FN_SHAPES = ((4096, 2048), (8192, 4096))  # (T, C) of the projection rows (issue #35)
-NORM_EPS = 1e-6
 QUICK_HIDDEN = 4096
+SPLITS, RMS_EPS = 16, 1e-6  # the prenorm projection's split-K partials and RMS epsilon (mhc.md 4)
 TOKENS = (TOKENS_LAYER, SINKHORN_MATRICES)
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -246,6 +249,110 @@ def _sinkhorn_cases() -> list[Case]:
     ]
 
 
+def _normw_cases(c: int) -> list[Case]:
+    """The norm-weight merge of the projection weight ``fn [M, K]`` (K = n C) and its backward, which accumulates
+    into the caller's ``fn_grad`` and ``normw_grad`` (``Case.in_place``; bytes: every input read, the two
+    accumulated gradients written)."""
+    from tilefuse import mhc
+    from tilefuse.reference import mhc as R
+
+    n = N
+    m = n * (n + 2)
+    label = f"M={m} K={n * c}"
+
+    def sized(make):
+        return lambda device, scale: (label if scale == 1.0 else f"M={m} K={n * _dim(c, scale, 256)}",
+                                      make(n * _dim(c, scale, 256), device))
+
+    def weights(k, d):
+        return _normal((m, k), F32, d) * 1e-2, 1 + 0.1 * _normal((k,), F32, d)
+
+    def bwd_ref(fn, w, dw, fn_grad, w_grad):
+        d_fn, d_w = R.mhc_fn_normw_merge_bwd_ref(fn, w, dw)
+        return fn_grad + d_fn, w_grad + d_w
+
+    k = n * c
+    mk, kk = ((m, k), F32), ((k,), F32)
+    return [
+        Case("mhc_fn_normw_merge_fwd",
+             sized(lambda k, d: (*weights(k, d), torch.empty(m, k, dtype=F32, device=d))),
+             lambda fn, w, out: (mhc.mhc_fn_normw_merge_fwd(fn, w, out), out)[1],
+             lambda fn, w, out: out.copy_(fn * w),
+             {"tk2": lambda tk, fn, w, out: (tk.mhc.mhc_fn_normw_merge_fwd(fn, w, out), out)[1]}, True,
+             f"mhc_fn_normw_merge_fwd|K={k}", 0, describe=lambda: (label, [mk, kk, mk], []), nbytes=_written_once),
+        Case("mhc_fn_normw_merge_bwd",
+             sized(lambda k, d: (*weights(k, d), _normal((m, k), F32, d), _normal((m, k), F32, d),
+                                 _normal((k,), F32, d))),
+             lambda fn, w, dw, fg, wg: (mhc.mhc_fn_normw_merge_bwd(fn, w, dw, fg, wg), (fg, wg))[1],
+             bwd_ref,
+             {"tk2": lambda tk, fn, w, dw, fg, wg: (tk.mhc.mhc_fn_normw_merge_bwd(fn, w, dw, fg, wg), (fg, wg))[1]},
+             False, f"mhc_fn_normw_merge_bwd|K={k}", 0, in_place=True,
+             describe=lambda: (label, [mk, kk, mk, mk, kk], [mk, kk])),
+    ]
+
+
+def _reduce_cases() -> list[Case]:
+    """The prenorm projection's reduction of ``S`` split-K partials with the RMS step (T = 8192, n = 4, C = 4096:
+    K = 16384, M = 24, S = 16) and its backward. Partials of a GEMM's sizes: ``Q / K`` about 1."""
+    from tilefuse import mhc
+    from tilefuse.reference import mhc as R
+
+    t, n, s, eps = TOKENS_LAYER, N, SPLITS, RMS_EPS
+    m, k = n * (n + 2), n * QUICK_HIDDEN
+    label = f"T={t} S={s} M={m} K={k}"
+
+    def sized(make):
+        return lambda device, scale: (label if scale == 1.0 else f"T={_dim(t, scale)} S={s} M={m} K={k}",
+                                      make(_dim(t, scale), device))
+
+    def empty(*shape, device):
+        return torch.empty(shape, dtype=F32, device=device)
+
+    def partials(t, d):
+        return (_normal((s, t, 1, m), F32, d) * (k / s) ** 0.5 * 1e-2,
+                (0.5 + torch.rand(s, t, 1, device=d)) * (k / s))
+
+    def fwd_ref(ps, qs, pm, qm, out):
+        for dst, part in zip((pm, qm, out), R.mhc_reduce_partials_and_rmsnorm_ref(ps, qs, k, eps)):
+            dst.copy_(part)
+        return pm, qm, out
+
+    def bwd_ref(d_out, pm, qm, dpm, dqm):
+        for dst, part in zip((dpm, dqm), R.mhc_reduce_partials_and_rmsnorm_bwd_ref(d_out, pm, qm, k, eps)):
+            dst.copy_(part)
+        return dpm, dqm
+
+    def saved(t, d):
+        pm = _normal((t, 1, m), F32, d) * k ** 0.5 * 1e-2
+        return pm, (0.5 + torch.rand(t, 1, device=d)) * k
+
+    def fwd(ns, ps, qs, pm, qm, out):
+        ns.mhc_reduce_partials_and_rmsnorm_fwd(ps, qs, pm, qm, out, k, eps, s)
+        return pm, qm, out
+
+    def bwd(ns, d_out, pm, qm, dpm, dqm):
+        ns.mhc_reduce_partials_and_rmsnorm_bwd(d_out, pm, qm, dpm, dqm, k, eps)
+        return dpm, dqm
+
+    f32 = lambda *shape: (shape, F32)  # noqa: E731
+    return [
+        Case("mhc_reduce_partials_and_rmsnorm_fwd",
+             sized(lambda t, d: (*partials(t, d), empty(t, 1, m, device=d), empty(t, 1, device=d),
+                                 empty(t, m, device=d))),
+             lambda *args: fwd(mhc, *args), fwd_ref, {"tk2": lambda tk, *args: fwd(tk.mhc, *args)}, False,
+             f"mhc_reduce_partials_and_rmsnorm_fwd|S={s} M={m}", t,
+             describe=lambda: (label, [f32(s, t, 1, m), f32(s, t, 1), f32(t, 1, m), f32(t, 1), f32(t, m)], []),
+             nbytes=_written_once),
+        Case("mhc_reduce_partials_and_rmsnorm_bwd",
+             sized(lambda t, d: (_normal((t, m), F32, d), *saved(t, d), empty(t, 1, m, device=d),
+                                 empty(t, 1, device=d))),
+             lambda *args: bwd(mhc, *args), bwd_ref, {"tk2": lambda tk, *args: bwd(tk.mhc, *args)}, False,
+             f"mhc_reduce_partials_and_rmsnorm_bwd|M={m}", t,
+             describe=lambda: (label, [f32(t, m), f32(t, 1, m), f32(t, 1), f32(t, 1, m), f32(t, 1)], []),
+             nbytes=_written_once),
+    ]
+
+
 def _norm_fn_cases(t: int, c: int) -> list[Case]:
     """The prenorm projection (a skinny TF32 GEMM, K = n C by M = 24, plus the RMS factor). ``mhc_pre_norm_fn``:
     the v1 autograd op's forward. ``mhc_pre_norm_fn_bwd``: its backward GEMMs (no public op of their own: the
@@ -289,12 +396,12 @@ def _norm_fn_cases(t: int, c: int) -> list[Case]:
         return x_grad, d_fn
 
     def tk1_fwd(tk, r, f):
-        return importlib.import_module(tk.__name__ + ".modeling.mhc.ops").mhc_pre_norm_fn(r, f, None, NORM_EPS, False)
+        return importlib.import_module(tk.__name__ + ".modeling.mhc.ops").mhc_pre_norm_fn(r, f, None, RMS_EPS, False)
 
     x_spec, fn_spec, xg_spec = ((1, t, n, c), BF16), ((m, n * c), F32), ((1, t, n, c), BF16)
     return [
-        Case("mhc_pre_norm_fn", sized(fwd_inputs), lambda r, f: mhc.mhc_pre_norm_fn(r, f, None, NORM_EPS, False),
-             lambda r, f: R.mhc_pre_norm_fn_ref(r, f, None, NORM_EPS), {"tk1": tk1_fwd}, False,
+        Case("mhc_pre_norm_fn", sized(fwd_inputs), lambda r, f: mhc.mhc_pre_norm_fn(r, f, None, RMS_EPS, False),
+             lambda r, f: R.mhc_pre_norm_fn_ref(r, f, None, RMS_EPS), {"tk1": tk1_fwd}, False,
              f"mhc_pre_norm_fn|n={n} C={c}", t, describe=lambda: (label, [x_spec, fn_spec], [((1, t, m), F32)])),
         Case("mhc_pre_norm_fn_bwd", sized(bwd_inputs), ours_bwd, ref_bwd, {"tk1": tk1_bwd}, False,
              f"mhc_pre_norm_fn_bwd|n={n} C={c}", t, in_place=True,
@@ -303,10 +410,11 @@ def _norm_fn_cases(t: int, c: int) -> list[Case]:
 
 
 def quick_cases() -> list[Case]:
-    return (_layer_cases(QUICK_HIDDEN) + _mix_cases() + _sinkhorn_cases()
-            + [case for t, c in NORM_FN_SHAPES for case in _norm_fn_cases(t, c)])
+    return (_layer_cases(QUICK_HIDDEN) + _mix_cases() + _sinkhorn_cases() + _normw_cases(QUICK_HIDDEN)
+            + _reduce_cases() + [case for t, c in NORM_FN_SHAPES for case in _norm_fn_cases(t, c)])
 
 
 def grid_cases() -> list[Case]:
     return ([case for c in HIDDEN for case in _layer_cases(c)] + _mix_cases() + _sinkhorn_cases()
+            + [case for c in HIDDEN for case in _normw_cases(c)] + _reduce_cases()
             + [case for t, c in NORM_FN_SHAPES for case in _norm_fn_cases(t, c)])

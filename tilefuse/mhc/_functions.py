@@ -13,6 +13,7 @@ import torch
 from tilefuse.reference import mhc as R
 
 from . import _apply_mix_kernel, _expand_kernel, _mix_kernel, _norm_fn_kernel, _post_kernel, _sinkhorn_kernel
+from . import _normw_kernel, _reduce_norm_kernel
 
 # §2.12: the attribute of a residual's untyped storage that holds its fused bf16 gradient buffer.
 SIDE_CHANNEL = "grad_from_mhc_post"
@@ -61,11 +62,69 @@ def _write(out: torch.Tensor | None, result: torch.Tensor, ctx) -> torch.Tensor:
     return out
 
 
+def _f32_packed(*ts: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.is_contiguous() for t in ts)
+
+
+def normw_merge_fwd(fn: torch.Tensor, normw: torch.Tensor) -> torch.Tensor:
+    """§2.2.1 forward ``fn * w``: the kernel on packed fp32 CUDA tensors it takes, else the reference."""
+    if _normw_kernel.takes_fwd(fn) and _f32_packed(fn, normw):
+        out = torch.empty_like(fn)
+        _normw_kernel.normw_merge_fwd_cuda(fn, normw, out)
+        return out
+    return fn * normw
+
+
 def normw_merge_bwd_into(fn, normw, out_fn_grad, fn_grad, normw_grad) -> None:
-    """§2.2.1 backward, accumulated: ``fn_grad += dW * w``; ``normw_grad += sum_j dW[j] * fn[j]``."""
+    """§2.2.1 backward, accumulated: ``fn_grad += dW * w``; ``normw_grad += sum_j dW[j] * fn[j]``. CUDA: the
+    kernel (same bits) when every buffer is packed fp32."""
+    if _normw_kernel.takes_bwd(fn) and _f32_packed(fn, normw, fn_grad, normw_grad) and \
+            out_fn_grad.dtype == torch.float32:
+        _normw_kernel.normw_merge_bwd_cuda(fn, normw, out_fn_grad.contiguous(), fn_grad, normw_grad)
+        return
     d_fn, d_w = R.mhc_fn_normw_merge_bwd_ref(fn, normw, out_fn_grad)
     fn_grad.add_(d_fn)
     normw_grad.add_(d_w)
+
+
+def _reduce_takes(out_mul: torch.Tensor, S: int, size: int) -> bool:
+    """The reduce/RMS kernels take ``out_mul [..., G, M]`` (fp32 CUDA) with ``S`` splits and group size ``size``."""
+    G, M = out_mul.shape[-2:]
+    return _reduce_norm_kernel.takes(out_mul, S, G, M, size)
+
+
+def reduce_rmsnorm_fwd_into(out_mul_splitted, sqrsum_splitted, out_mul, sqrsum, out, size: int, eps: float) -> None:
+    """§2.2.2 steps 4-6 into packed ``out_mul [T, G, M]``, ``sqrsum [T, G]``, ``out [T, M]``: the kernel on CUDA
+    inputs it takes, else the reference."""
+    if _reduce_takes(out_mul_splitted, out_mul_splitted.shape[0], size) and \
+            _f32_packed(out_mul_splitted, sqrsum_splitted, out_mul, sqrsum, out):
+        _reduce_norm_kernel.reduce_fwd_cuda(out_mul_splitted, sqrsum_splitted, out_mul, sqrsum, out, size, eps)
+        return
+    pm, qm, o = R.mhc_reduce_partials_and_rmsnorm_ref(out_mul_splitted, sqrsum_splitted, size, eps)
+    out_mul.copy_(pm)
+    sqrsum.copy_(qm)
+    out.copy_(o)
+
+
+def reduce_rmsnorm_bwd_into(out_grad, out_mul, sqrsum, out_mul_grad, sqrsum_grad, size: int, eps: float) -> None:
+    """§2.2.3 first three bullets into packed ``out_mul_grad [T, G, M]``, ``sqrsum_grad [T, G]`` (see above)."""
+    if _reduce_takes(out_mul, 1, size) and _f32_packed(out_grad, out_mul, sqrsum, out_mul_grad, sqrsum_grad):
+        _reduce_norm_kernel.reduce_bwd_cuda(out_grad, out_mul, sqrsum, out_mul_grad, sqrsum_grad, size, eps)
+        return
+    d_mul, d_sq = R.mhc_reduce_partials_and_rmsnorm_bwd_ref(out_grad, out_mul, sqrsum, size, eps)
+    out_mul_grad.copy_(d_mul)
+    sqrsum_grad.copy_(d_sq)
+
+
+def reduce_rmsnorm(out_mul_splitted, sqrsum_splitted, size: int, eps: float):
+    """§2.2.2 steps 4-6 into fresh buffers: ``(out_mul [T, G, M], sqrsum [T, G], out [T, M])`` (kernel or
+    reference as ``reduce_rmsnorm_fwd_into``)."""
+    _, T, G, M = out_mul_splitted.shape
+    out_mul, sqrsum = out_mul_splitted.new_empty((T, G, M)), sqrsum_splitted.new_empty((T, G))
+    out = out_mul_splitted.new_empty((T, M))
+    reduce_rmsnorm_fwd_into(out_mul_splitted.contiguous(), sqrsum_splitted.contiguous(), out_mul, sqrsum, out, size,
+                            eps)
+    return out_mul, sqrsum, out
 
 
 def _norm_fn_kernel_takes(residual: torch.Tensor, fn: torch.Tensor) -> bool:
@@ -114,10 +173,10 @@ def norm_fn_gemm_bwd(d_mul: torch.Tensor, d_sq: torch.Tensor, residual: torch.Te
 
 
 def norm_fn_forward(residual: torch.Tensor, fn: torch.Tensor, eps: float):
-    """§2.2.2: ``(out [T, M], out_mul [T, 1, M], sqrsum [T, 1])`` from the split partials, reduced in order."""
+    """§2.2.2: ``(out [T, M], out_mul [T, 1, M], sqrsum [T, 1])`` from the split partials (``norm_fn_partials``),
+    reduced in split order (``reduce_rmsnorm``)."""
     K = residual.shape[-2] * residual.shape[-1]
-    out_mul, sqrsum = norm_fn_partials(residual, fn)
-    out_mul, sqrsum, out = R.mhc_reduce_partials_and_rmsnorm_ref(out_mul, sqrsum, K, eps)
+    out_mul, sqrsum, out = reduce_rmsnorm(*norm_fn_partials(residual, fn), K, eps)
     return out, out_mul, sqrsum
 
 
@@ -128,7 +187,7 @@ def pre_chain(out_mul_splitted, sqrsum_splitted, residual, scale, base, rms_eps,
     Returns ``(post_mix [T, n, 1], comb_mix [T, n, n], layer_input [T, C])``.
     """
     n, C = residual.shape[-2:]
-    _, _, mixes = R.mhc_reduce_partials_and_rmsnorm_ref(out_mul_splitted, sqrsum_splitted, n * C, rms_eps)
+    _, _, mixes = reduce_rmsnorm(out_mul_splitted, sqrsum_splitted, n * C, rms_eps)
     pre, post, comb = R.mhc_pre_split_mixes_ref(mixes, scale, base, n, post_mult_value, pre_eps)
     comb = R.sinkhorn_normalize_ref(comb, sinkhorn_repeat, sinkhorn_eps)
     return post, comb, R.mhc_pre_apply_mix_ref(residual, pre)
@@ -198,7 +257,7 @@ class MHCFnNormwMergeFn(torch.autograd.Function):
     def forward(ctx, fn, normw):
         ctx.save_for_backward(fn, normw)
         ctx.main_grads = (getattr(fn, "main_grad", None), getattr(normw, "main_grad", None))
-        return fn * normw
+        return normw_merge_fwd(fn, normw)
 
     @staticmethod
     def backward(ctx, grad):
@@ -224,8 +283,8 @@ class MHCPreNormFn(torch.autograd.Function):
     def backward(ctx, grad):
         residual, fn, out_mul, sqrsum = ctx.saved_tensors
         K = fn.shape[1]
-        d_mul, d_sq = R.mhc_reduce_partials_and_rmsnorm_bwd_ref(grad.reshape(-1, fn.shape[0]), out_mul, sqrsum,
-                                                                K, ctx.eps)
+        d_mul, d_sq = torch.empty_like(out_mul), torch.empty_like(sqrsum)
+        reduce_rmsnorm_bwd_into(grad.reshape(-1, fn.shape[0]).contiguous(), out_mul, sqrsum, d_mul, d_sq, K, ctx.eps)
         buf = pop_residual_grad(residual) if ctx.fuse_grad_acc else None
         dx, d_fn = norm_fn_gemm_bwd(d_mul[:, 0], d_sq[:, 0], residual, fn, buf)
         return dx, d_fn, None, None

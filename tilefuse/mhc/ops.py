@@ -21,6 +21,7 @@ from tilefuse.reference import mhc as R
 from . import _functions as F
 from . import _sinkhorn_kernel
 from . import _mix_kernel
+from . import _normw_kernel
 
 __all__ = [
     "expand_to_mhc",
@@ -138,19 +139,24 @@ def _check_norm_weight(op: str, fn: torch.Tensor, normw: torch.Tensor) -> None:
     _check.tensor(op, "normw", normw, dtype=F32, shape=(fn.shape[1],), contiguous=True, device=fn.device)
 
 
-@public("mhc")
+@public("mhc", path="kernel")
 def mhc_fn_normw_merge_fwd(fn: torch.Tensor, normw: torch.Tensor, out_fn: torch.Tensor) -> None:
-    """v2.1: ``out_fn[j, k] = fn[j, k] * normw[k]`` (fp32, §2.2.1)."""
+    """v2.1: ``out_fn[j, k] = fn[j, k] * normw[k]`` (fp32, §2.2.1). CUDA: the kernel when ``K % 4 == 0``, else
+    the reference."""
     op = "mhc_fn_normw_merge_fwd"
     _check_norm_weight(op, fn, normw)
     _check.tensor(op, "out_fn", out_fn, dtype=F32, shape=tuple(fn.shape), contiguous=True, device=fn.device)
-    torch.mul(fn, normw, out=out_fn)
+    if _normw_kernel.takes_fwd(fn):
+        _normw_kernel.normw_merge_fwd_cuda(fn, normw, out_fn)
+    else:
+        torch.mul(fn, normw, out=out_fn)
 
 
-@public("mhc")
+@public("mhc", path="kernel")
 def mhc_fn_normw_merge_bwd(fn: torch.Tensor, normw: torch.Tensor, out_fn_grad: torch.Tensor, fn_grad: torch.Tensor,
                            normw_grad: torch.Tensor) -> None:
-    """v2.1: accumulate ``fn_grad += dW * normw`` and ``normw_grad += sum_j dW[j] * fn[j]`` (§2.2.1)."""
+    """v2.1: accumulate ``fn_grad += dW * normw`` and ``normw_grad += sum_j dW[j] * fn[j]`` (rows in order, then
+    one add; §2.2.1). CUDA: the kernel (bit-identical to the reference)."""
     op = "mhc_fn_normw_merge_bwd"
     _check_norm_weight(op, fn, normw)
     for name, t in (("out_fn_grad", out_fn_grad), ("fn_grad", fn_grad)):
@@ -159,12 +165,13 @@ def mhc_fn_normw_merge_bwd(fn: torch.Tensor, normw: torch.Tensor, out_fn_grad: t
     F.normw_merge_bwd_into(fn, normw, out_fn_grad, fn_grad, normw_grad)
 
 
-@public("mhc")
+@public("mhc", path="kernel")
 def mhc_reduce_partials_and_rmsnorm_fwd(out_mul_splitted: torch.Tensor, sqrsum_splitted: torch.Tensor,
                                         out_mul: torch.Tensor, sqrsum: torch.Tensor, out: torch.Tensor,
                                         rms_group_size: int, rms_eps: float, n_splits: int = 16) -> None:
     """v2.1: reduce ``[S, T, G, M]`` / ``[S, T, G]`` partials in split order into ``out_mul``, ``sqrsum``
-    and the normalised ``out [T, M]`` (§2.2.2 steps 4-6)."""
+    and the normalised ``out [T, M]`` (§2.2.2 steps 4-6). CUDA: the kernel when ``S <= 64``, ``G <= 8``,
+    ``M <= 80`` and ``rms_group_size < 2^24``, else the reference."""
     op = "mhc_reduce_partials_and_rmsnorm_fwd"
     _check.tensor(op, "out_mul_splitted", out_mul_splitted, dtype=F32, ndim=4, contiguous=True)
     S, T, G, M = out_mul_splitted.shape
@@ -178,18 +185,16 @@ def mhc_reduce_partials_and_rmsnorm_fwd(out_mul_splitted: torch.Tensor, sqrsum_s
     _check.integer(op, "n_splits", n_splits, min=1)
     if S != n_splits:
         _check.fail(op, f"out_mul_splitted must have n_splits={n_splits} partials in dim 0, got {S}")
-    pm, qm, o = R.mhc_reduce_partials_and_rmsnorm_ref(out_mul_splitted, sqrsum_splitted, size, eps)
-    out_mul.copy_(pm)
-    sqrsum.copy_(qm)
-    out.copy_(o)
+    F.reduce_rmsnorm_fwd_into(out_mul_splitted, sqrsum_splitted, out_mul, sqrsum, out, size, eps)
 
 
-@public("mhc")
+@public("mhc", path="kernel")
 def mhc_reduce_partials_and_rmsnorm_bwd(out_grad: torch.Tensor, out_mul: torch.Tensor, sqrsum: torch.Tensor,
                                         out_mul_grad: torch.Tensor, sqrsum_grad: torch.Tensor,
                                         rms_group_size: int, rms_eps: float) -> None:
     """v2.1: overwrite ``out_mul_grad [T, G, M]`` and ``sqrsum_grad [T, G]`` with the RMS-step gradients
-    (§2.2.3 first three bullets)."""
+    (§2.2.3 first three bullets). CUDA: the kernel when ``G <= 8``, ``M <= 80`` and ``rms_group_size < 2^24``,
+    else the reference."""
     op = "mhc_reduce_partials_and_rmsnorm_bwd"
     _check.tensor(op, "out_grad", out_grad, dtype=F32, ndim=2, contiguous=True)
     T, M = out_grad.shape
@@ -201,9 +206,7 @@ def mhc_reduce_partials_and_rmsnorm_bwd(out_grad: torch.Tensor, out_mul: torch.T
     _check.tensor(op, "sqrsum_grad", sqrsum_grad, dtype=F32, shape=(T, G), contiguous=True, device=dev)
     size = _check.integer(op, "rms_group_size", rms_group_size, min=1)
     eps = _check.real(op, "rms_eps", rms_eps)
-    d_mul, d_sq = R.mhc_reduce_partials_and_rmsnorm_bwd_ref(out_grad, out_mul, sqrsum, size, eps)
-    out_mul_grad.copy_(d_mul)
-    sqrsum_grad.copy_(d_sq)
+    F.reduce_rmsnorm_bwd_into(out_grad, out_mul, sqrsum, out_mul_grad, sqrsum_grad, size, eps)
 
 
 def _check_norm_fn_inputs(op: str, residual, fn, norm_weight, fn_name: str = "mhc_fn",

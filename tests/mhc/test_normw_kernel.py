@@ -1,0 +1,253 @@
+"""Kernel tiers of the norm-weight merge, ``mhc_fn_normw_merge_fwd`` / ``mhc_fn_normw_merge_bwd`` (mhc.md §2.2.1,
+§5.2): compile (sm_90 builds of every config the tests use, the explicit operations in the source, the generated
+CUDA run on the CPU, the launchers' binding without a GPU) and gpu (the issue's K = n C grid against the reference,
+poisoned outputs, determinism, row-batch invariance, CUDA graphs, torch.compile, the autograd Function).
+
+Tolerance: none. Both kernels do exactly the reference's operations in the reference's order (one rounded product
+a element; the norm-weight gradient summed over rows 0..M-1 from 0, then added once to the destination; the
+weight gradient added to its destination), so every output is compared bit for bit. The spec's inputs are packed
+(``contiguous=True`` in the public checks), so there is no strided case.
+"""
+import re
+
+import pytest
+import torch
+
+from tilefuse import _jit
+from tilefuse.mhc import mhc_fn_normw_merge_bwd, mhc_fn_normw_merge_fwd
+from tilefuse.mhc import _functions as F
+from tilefuse.mhc import _normw_kernel as K
+from tilefuse.reference.mhc import mhc_fn_normw_merge_bwd_ref
+from tests.mhc import norm_emulation as emu
+from tests.mhc.configs_normw import GRID_K, ODD_K, ODD_K_BWD, normw_configs
+from tests.quant.kernel_binding import fake_jit
+
+ROWS = (0, 1, 7, 24)  # M: none, one, odd, the layer's n(n + 2) at n = 4
+
+
+def _nan(*shape, device="cpu"):
+    return torch.full(shape, float("nan"), device=device)
+
+
+def _ref_bwd(fn, normw, dw, fn_grad, normw_grad):
+    """The reference's accumulation into copies of the destinations."""
+    d_fn, d_w = mhc_fn_normw_merge_bwd_ref(fn, normw, dw)
+    return fn_grad.clone().add_(d_fn), normw_grad.clone().add_(d_w)
+
+
+# ---- compile tier ----
+
+def _all_configs():
+    registered = [(name, cfg) for name in ("mhc_normw_merge_fwd", "mhc_normw_merge_bwd")
+                  for cfg in _jit._FACTORIES[name][1]()]
+    return sorted(set(normw_configs()) | set(registered))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name, cfg", _all_configs(), ids=str)
+def test_builds_for_sm90_with_the_explicit_operations(name, cfg):
+    src = _jit.compile_kernel(name, cfg, "sm_90").get_kernel_source()
+    assert "__global__" in src and "atomic" not in src and "__shared__" not in src
+    if name == "mhc_normw_merge_fwd":
+        assert src.count("__fmul_rn(") == 1 and "__fadd_rn(" not in src
+        for buf in ("FN", "W", "OUT"):  # 16-byte accesses
+            assert f"*(float4*)({buf} +" in src, buf
+    else:  # one product and one add per destination, then the one add into normw_grad
+        assert src.count("__fmul_rn(") == 2 and src.count("__fadd_rn(") == 3
+    for line in (line for line in src.splitlines() if "__f" in line):  # nothing contractible around them
+        rhs = re.sub(r"\[[^\]]*\]", "", line.split("=", 1)[1])
+        assert not re.search(r"[-+*/]", rhs), line
+
+
+@pytest.mark.compile
+def test_registered_configs_are_the_bench_shapes():
+    for name in ("mhc_normw_merge_fwd", "mhc_normw_merge_bwd"):
+        assert list(_jit._FACTORIES[name][1]()) == [(4 * c,) for c in (2560, 4096, 7168)]
+    assert set(GRID_K) >= set(K.BENCH_K)
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not emu.HAS_GXX, reason="needs g++")
+@pytest.mark.parametrize("rows, k", [(24, 264), (7, 1280), (1, 264), (5, 100)])
+def test_generated_source_on_the_cpu(rows, k, tmp_path):
+    """The kernels' CUDA source run on the CPU (``norm_emulation``, the same arithmetic bit for bit): every output
+    written (the forward's poisoned with NaN), both equal to the reference bit for bit, accumulating into the
+    destinations' previous contents. K = 264 and 100 leave a partial CTA (and K = 100 has no forward kernel)."""
+    fn, normw, dw = torch.randn(rows, k), 1 + 0.1 * torch.randn(k), torch.randn(rows, k)
+    if k % K.V == 0:
+        fwd = emu.build(_jit.compile_kernel("mhc_normw_merge_fwd", (k,), "sm_90").get_kernel_source(),
+                        "mhc_normw_merge_fwd_kernel", K.FWD_THREADS, tmp_path)
+        out = _nan(rows, k)
+        fwd(dict(FN=fn, W=normw, OUT=out, rows=rows), -(-rows * k // K.V // K.FWD_THREADS))
+        assert torch.equal(out, fn * normw)
+    bwd = emu.build(_jit.compile_kernel("mhc_normw_merge_bwd", (k,), "sm_90").get_kernel_source(),
+                    "mhc_normw_merge_bwd_kernel", K.BWD_THREADS, tmp_path)
+    fn_grad, normw_grad = torch.randn(rows, k), torch.randn(k)
+    want = _ref_bwd(fn, normw, dw, fn_grad, normw_grad)
+    bwd(dict(FN=fn, W=normw, DW=dw, DFN=fn_grad, DNW=normw_grad, rows=rows), -(-k // K.BWD_THREADS))
+    assert torch.equal(fn_grad, want[0]) and torch.equal(normw_grad, want[1])
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not emu.HAS_GXX, reason="needs g++")
+def test_backward_rows_knob_changes_no_result(tmp_path, monkeypatch):
+    """BWD_ROWS only groups loads: 1, 3 and 8 rows give bitwise the reference's gradients (CPU emulation; 7 rows
+    end on a partly guarded group for 3 and 8)."""
+    rows, k = 7, 264
+    fn, normw, dw = torch.randn(rows, k), 1 + 0.1 * torch.randn(k), torch.randn(rows, k)
+    start = (torch.randn(rows, k), torch.randn(k))
+    want = _ref_bwd(fn, normw, dw, *start)
+    for u in (1, 3, 8):
+        monkeypatch.setattr(K, "BWD_ROWS", u)
+        src = _jit.compile_kernel("mhc_normw_merge_bwd", (k,), "sm_90", export=False).get_kernel_source()
+        bwd = emu.build(src, "mhc_normw_merge_bwd_kernel", K.BWD_THREADS, tmp_path / str(u))
+        fn_grad, normw_grad = start[0].clone(), start[1].clone()
+        bwd(dict(FN=fn, W=normw, DW=dw, DFN=fn_grad, DNW=normw_grad, rows=rows), -(-k // K.BWD_THREADS))
+        assert torch.equal(fn_grad, want[0]) and torch.equal(normw_grad, want[1])
+
+
+@pytest.mark.compile
+def test_launchers_bind_their_arguments(monkeypatch):
+    calls = fake_jit(monkeypatch)
+    fn, normw = torch.randn(24, 264), torch.randn(264)
+    K.normw_merge_fwd_launch(fn, normw, torch.empty_like(fn))
+    K.normw_merge_bwd_launch(fn, normw, fn, torch.zeros_like(fn), torch.zeros_like(normw))
+    assert [(c.name, c.cfg, c.env["rows"]) for c in calls] == [("mhc_normw_merge_fwd", (264,), 24),
+                                                               ("mhc_normw_merge_bwd", (264,), 24)]
+
+
+def test_empty_shapes_launch_nothing(monkeypatch):
+    """No rows or no columns: nothing to launch; with no rows the norm-weight gradient gets its one add of an
+    empty sum, as the reference (``-0`` becomes ``+0``)."""
+    calls = fake_jit(monkeypatch)
+    for rows, k in ((0, 16), (3, 0)):
+        fn = torch.randn(rows, k)
+        normw = torch.randn(k)
+        K.normw_merge_fwd_launch(fn, normw, torch.empty_like(fn))
+        normw_grad = torch.full((k,), -0.0)
+        K.normw_merge_bwd_launch(fn, normw, fn, torch.zeros_like(fn), normw_grad)
+        want = _ref_bwd(fn, normw, fn, torch.zeros_like(fn), torch.full((k,), -0.0))[1]
+        assert torch.equal(normw_grad, want) and not torch.signbit(normw_grad).any()
+    assert calls == []
+
+
+def test_kernel_takes_only_cuda_fp32():
+    fn = torch.randn(24, 16)
+    assert not K.takes_fwd(fn) and not K.takes_bwd(fn)
+    meta = fn.to("meta")
+    assert not K.takes_fwd(meta) and not K.takes_bwd(meta)
+
+
+# ---- gpu tier ----
+
+def _inputs(rows, k):
+    fn = torch.randn(rows, k, device="cuda") * 1e-2
+    normw = 1 + 0.1 * torch.randn(k, device="cuda")
+    return fn, normw
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", GRID_K + ODD_K + ODD_K_BWD)
+@pytest.mark.parametrize("rows", ROWS)
+def test_grid_bitwise(rows, k):
+    fn, normw = _inputs(rows, k)
+    out = _nan(rows, k, device="cuda")
+    mhc_fn_normw_merge_fwd(fn, normw, out)
+    assert torch.equal(out, fn * normw)
+    dw = torch.randn(rows, k, device="cuda")
+    fn_grad, normw_grad = torch.randn(rows, k, device="cuda"), torch.randn(k, device="cuda")
+    want = _ref_bwd(fn, normw, dw, fn_grad, normw_grad)
+    mhc_fn_normw_merge_bwd(fn, normw, dw, fn_grad, normw_grad)
+    assert torch.equal(fn_grad, want[0]) and torch.equal(normw_grad, want[1])
+
+
+@pytest.mark.gpu
+def test_deterministic_and_row_invariant():
+    fn, normw = _inputs(24, 4 * 7168)
+    dw = torch.randn_like(fn)
+    outs = []
+    for _ in range(2):
+        out = _nan(*fn.shape, device="cuda")
+        mhc_fn_normw_merge_fwd(fn, normw, out)
+        grads = (torch.zeros_like(fn), torch.zeros_like(normw))
+        mhc_fn_normw_merge_bwd(fn, normw, dw, *grads)
+        outs.append((out, *grads))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    for sl in (slice(3, 10), slice(23, 24)):  # the forward of a row batch is that part of the full result
+        part = _nan(sl.stop - sl.start, fn.shape[1], device="cuda")
+        mhc_fn_normw_merge_fwd(fn[sl].clone(), normw, part)
+        assert torch.equal(part, outs[0][0][sl])
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay():
+    fn, normw = _inputs(24, 4 * 4096)
+    dw = torch.randn_like(fn)
+    out, fn_grad, normw_grad = torch.empty_like(fn), torch.zeros_like(fn), torch.zeros_like(normw)
+    mhc_fn_normw_merge_fwd(fn, normw, out)  # compile and load outside the capture
+    mhc_fn_normw_merge_bwd(fn, normw, dw, fn_grad, normw_grad)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mhc_fn_normw_merge_fwd(fn, normw, out)
+        mhc_fn_normw_merge_bwd(fn, normw, dw, fn_grad, normw_grad)
+    for t, new in zip((fn, normw, dw), (*_inputs(24, 4 * 4096), torch.randn_like(dw))):
+        t.copy_(new)
+    out.fill_(float("nan"))
+    start = (torch.randn_like(fn_grad), torch.randn_like(normw_grad))
+    fn_grad.copy_(start[0])
+    normw_grad.copy_(start[1])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fn * normw)
+    want = _ref_bwd(fn, normw, dw, *start)
+    assert torch.equal(fn_grad, want[0]) and torch.equal(normw_grad, want[1])
+
+
+@pytest.mark.gpu
+def test_torch_compile_fullgraph():
+    fn, normw = _inputs(24, 4 * 2560)
+    dw = torch.randn_like(fn)
+
+    def step(fn, normw, dw, out, fn_grad, normw_grad):
+        mhc_fn_normw_merge_fwd(fn, normw, out)
+        mhc_fn_normw_merge_bwd(fn, normw, dw, fn_grad, normw_grad)
+        return out * 2
+
+    compiled = torch.compile(step, fullgraph=True)
+    start = (torch.randn_like(fn), torch.randn_like(normw))
+    got = [_nan(*fn.shape, device="cuda"), start[0].clone(), start[1].clone()]
+    doubled = compiled(fn, normw, dw, *got)
+    assert torch.equal(got[0], fn * normw) and torch.equal(doubled, 2 * (fn * normw))
+    want = _ref_bwd(fn, normw, dw, *start)
+    assert torch.equal(got[1], want[0]) and torch.equal(got[2], want[1])
+
+
+@pytest.mark.gpu
+def test_autograd_function_takes_the_kernels():
+    """``MHCFnNormwMergeFn`` (used by ``mhc_pre_norm_fn`` with a norm weight): the forward is the kernel's product;
+    the backward accumulates into ``main_grad`` when the parameter has one, else returns fresh gradients."""
+    fn, normw = _inputs(24, 4 * 1280)
+    dw = torch.randn_like(fn)
+    fn_l, w_l = fn.clone().requires_grad_(True), normw.clone().requires_grad_(True)
+    w_merged = F.MHCFnNormwMergeFn.apply(fn_l, w_l)
+    assert torch.equal(w_merged, fn * normw)
+    g_fn, g_w = torch.autograd.grad(w_merged, (fn_l, w_l), dw)
+    want = _ref_bwd(fn, normw, dw, torch.zeros_like(fn), torch.zeros_like(normw))
+    assert torch.equal(g_fn, want[0]) and torch.equal(g_w, want[1])
+    w_l.main_grad = torch.randn_like(normw)
+    start = w_l.main_grad.clone()
+    w_merged = F.MHCFnNormwMergeFn.apply(fn_l, w_l)
+    w_merged.backward(dw)
+    assert w_l.grad is None
+    assert torch.equal(w_l.main_grad, _ref_bwd(fn, normw, dw, torch.zeros_like(fn), start)[1])
+
+
+@pytest.mark.gpu
+def test_forward_other_k_takes_the_reference():
+    fn, normw = _inputs(7, 102)
+    assert not K.takes_fwd(fn) and K.takes_bwd(fn)
+    out = _nan(7, 102, device="cuda")
+    mhc_fn_normw_merge_fwd(fn, normw, out)
+    assert torch.equal(out, fn * normw)

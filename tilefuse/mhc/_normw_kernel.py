@@ -1,0 +1,200 @@
+"""TileLang kernels of the norm-weight merge (mhc.md §2.2.1, §5.2): ``mhc_fn_normw_merge_fwd`` and
+``mhc_fn_normw_merge_bwd``.
+
+Layout: ``fn``, the merged weight and its gradients are ``[M, K]`` fp32 (contiguous), the norm weight and its
+gradient ``[K]``. The row count ``M`` is a runtime (64-bit) value; ``K`` is compile-time. Every fp32 operation is
+an explicit ``__fmul_rn`` / ``__fadd_rn`` so nvcc cannot contract a product and a sum into one fma.
+
+Forward: ``out[j, k] = fn[j, k] * w[k]`` (one rounding). One thread per 16-byte vector of ``V = 4`` columns of
+one row, over the flattened ``M * K / V`` vectors (``K % 4 == 0``).
+
+Backward (both outputs accumulate into the caller's buffers): one thread per column ``k``. It walks the rows
+``j = 0, 1, ..., M - 1`` in order (loading ``BWD_ROWS`` rows ahead of their arithmetic, which changes no bit): ``fn_grad[j, k] = fn_grad[j, k] + RN(dW[j, k] * w[k])`` and
+``acc = acc + RN(dW[j, k] * fn[j, k])`` from ``acc = 0``; then ``normw_grad[k] = normw_grad[k] + acc`` once.
+That is the order of §2.2.1 and of the reference (``seq_sum`` over rows, then one add): bit for bit, with no
+atomics and nothing that depends on the launch. Consecutive threads take consecutive columns, so every row
+access of a warp is one coalesced 128-byte line.
+
+Kernel constraints: CUDA fp32 tensors; the forward needs ``K % 4 == 0`` (``takes_fwd``), the backward takes
+any ``K``. The public ops keep the reference path for other inputs.
+
+Speed: not yet measured on a GPU. ptxas (sm_90, K = 16384): the forward 19 registers, the backward 56 (BWD_ROWS = 8;
+the first knob to sweep: with 16384 columns there are only 4 warps an SM).
+"""
+
+import torch
+
+from tilefuse import _jit, _ops
+
+# ---- tuning knobs (TILEFUSE_KNOBS; results unchanged) ----
+FWD_THREADS = 128  # forward: threads per CTA (one 16-byte vector each)
+BWD_THREADS = 128  # backward: threads per CTA (one column each)
+BWD_ROWS = 8       # backward: rows whose loads a thread issues before their arithmetic (the order is the same)
+
+V = 4  # fp32 columns per forward vector (16 bytes)
+F32 = "float32"
+I64 = "int64"
+
+
+def _f(name: str, *args):
+    import tilelang.language as T
+
+    return T.call_extern(F32, name, *args)
+
+
+def _add(a, b):
+    return _f("__fadd_rn", a, b)
+
+
+def _mul(a, b):
+    return _f("__fmul_rn", a, b)
+
+
+def normw_merge_fwd_kernel(K: int):
+    """Factory: forward at ``K`` columns (``K % 4 == 0``). Launch: ``FN [M, K]``, ``W [K]``, ``OUT [M, K]``."""
+    import tilelang.language as T
+
+    assert K > 0 and K % V == 0, K
+    L = K // V
+    threads = FWD_THREADS
+    Mn = T.dynamic("rows", I64)
+
+    @T.prim_func
+    def mhc_normw_merge_fwd(FN: T.Tensor((Mn, K), F32), W: T.Tensor((K,), F32), OUT: T.Tensor((Mn, K), F32)):
+        with T.Kernel(T.ceildiv(Mn * L, threads), threads=threads) as bx:
+            a = T.alloc_local((V,), F32)
+            w = T.alloc_local((V,), F32)
+            o = T.alloc_local((V,), F32)
+            g = T.cast(bx, I64) * threads + T.get_thread_binding()
+            if g < Mn * L:
+                j = g // L
+                k = (g % L) * V
+                for e in T.vectorized(V):
+                    a[e] = FN[j, k + e]
+                for e in T.vectorized(V):
+                    w[e] = W[k + e]
+                for e in T.unroll(V):
+                    o[e] = _mul(a[e], w[e])
+                for e in T.vectorized(V):
+                    OUT[j, k + e] = o[e]
+
+    return mhc_normw_merge_fwd
+
+
+def normw_merge_bwd_kernel(K: int):
+    """Factory: backward at ``K`` columns. Launch: ``FN [M, K]``, ``W [K]``, ``DW [M, K]`` (the merged weight's
+    gradient), then the accumulated ``DFN [M, K]`` and ``DNW [K]``."""
+    import tilelang.language as T
+
+    assert K > 0, K
+    threads = BWD_THREADS
+    U = max(1, BWD_ROWS)
+    Mn = T.dynamic("rows", I64)
+
+    @T.prim_func
+    def mhc_normw_merge_bwd(FN: T.Tensor((Mn, K), F32), W: T.Tensor((K,), F32), DW: T.Tensor((Mn, K), F32),
+                            DFN: T.Tensor((Mn, K), F32), DNW: T.Tensor((K,), F32)):
+        with T.Kernel(T.ceildiv(K, threads), threads=threads) as bx:
+            acc = T.alloc_local((1,), F32)
+            w = T.alloc_local((1,), F32)
+            d = T.alloc_local((U,), F32)
+            f = T.alloc_local((U,), F32)
+            g = T.alloc_local((U,), F32)
+            k = bx * threads + T.get_thread_binding()
+            if k < K:
+                w[0] = W[k]
+                acc[0] = T.float32(0.0)
+                for s in T.serial(T.ceildiv(Mn, U)):
+                    for u in T.unroll(U):  # the loads of U rows, then their arithmetic in row order
+                        if s * U + u < Mn:
+                            d[u] = DW[s * U + u, k]
+                            f[u] = FN[s * U + u, k]
+                            g[u] = DFN[s * U + u, k]
+                    for u in T.unroll(U):
+                        if s * U + u < Mn:
+                            DFN[s * U + u, k] = _add(g[u], _mul(d[u], w[0]))
+                            acc[0] = _add(acc[0], _mul(d[u], f[u]))
+                DNW[k] = _add(DNW[k], acc[0])
+
+    return mhc_normw_merge_bwd
+
+
+# The bench's launches: K = n * C for n = 4, C in {2560, 4096, 7168} (issue #35's shapes).
+BENCH_K = (4 * 2560, 4 * 4096, 4 * 7168)
+
+
+def _configs() -> list[tuple]:
+    return [(k,) for k in BENCH_K]
+
+
+_jit.register("mhc_normw_merge_fwd", normw_merge_fwd_kernel, _configs)
+_jit.register("mhc_normw_merge_bwd", normw_merge_bwd_kernel, _configs)
+
+
+# ---- launchers (no validation: the public ops validate) ----
+
+def takes_fwd(fn: torch.Tensor) -> bool:
+    """Whether the forward kernel takes this (validated) ``fn [M, K]``: CUDA fp32 and ``K % 4 == 0``."""
+    return fn.is_cuda and fn.dtype == torch.float32 and fn.shape[1] % V == 0
+
+
+def takes_bwd(fn: torch.Tensor) -> bool:
+    """Whether the backward kernel takes this (validated) ``fn [M, K]``: CUDA fp32."""
+    return fn.is_cuda and fn.dtype == torch.float32
+
+
+def normw_merge_fwd_launch(fn: torch.Tensor, normw: torch.Tensor, out_fn: torch.Tensor) -> None:
+    """Write ``out_fn = fn * normw`` (contiguous fp32 tensors, ``K % 4 == 0``)."""
+    M, K = fn.shape
+    if M and K:
+        _jit.get("mhc_normw_merge_fwd", (K,))(fn, normw, out_fn)
+
+
+def normw_merge_bwd_launch(fn: torch.Tensor, normw: torch.Tensor, out_fn_grad: torch.Tensor, fn_grad: torch.Tensor,
+                           normw_grad: torch.Tensor) -> None:
+    """Accumulate ``fn_grad += out_fn_grad * normw`` and ``normw_grad += sum_j out_fn_grad[j] * fn[j]``
+    (contiguous fp32 tensors). With ``M = 0`` the row sum is 0 and ``normw_grad`` gets ``+ 0``."""
+    M, K = fn.shape
+    if not K:
+        return
+    if not M:
+        normw_grad.add_(0.0)  # the kernel's one add of an empty sum (turns -0 into +0, as the reference does)
+        return
+    _jit.get("mhc_normw_merge_bwd", (K,))(fn, normw, out_fn_grad, fn_grad, normw_grad)
+
+
+# ---- torch.library registration (torch.compile / fake tensors) ----
+
+@_ops.kernel_op("tilefuse::mhc_normw_merge_fwd", mutates_args=("out_fn",), device_types="cuda")
+def _fwd_op(fn: torch.Tensor, normw: torch.Tensor, out_fn: torch.Tensor) -> None:
+    normw_merge_fwd_launch(fn, normw, out_fn)
+
+
+@_fwd_op.register_fake
+def _(fn, normw, out_fn) -> None:
+    return None
+
+
+@_ops.kernel_op("tilefuse::mhc_normw_merge_bwd", mutates_args=("fn_grad", "normw_grad"), device_types="cuda")
+def _bwd_op(fn: torch.Tensor, normw: torch.Tensor, out_fn_grad: torch.Tensor, fn_grad: torch.Tensor,
+            normw_grad: torch.Tensor) -> None:
+    normw_merge_bwd_launch(fn, normw, out_fn_grad, fn_grad, normw_grad)
+
+
+@_bwd_op.register_fake
+def _(fn, normw, out_fn_grad, fn_grad, normw_grad) -> None:
+    return None
+
+
+# ---- CUDA entries: a direct launch in eager mode, the custom op under torch.compile ----
+
+def _tracing() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def normw_merge_fwd_cuda(*args) -> None:
+    (torch.ops.tilefuse.mhc_normw_merge_fwd if _tracing() else normw_merge_fwd_launch)(*args)
+
+
+def normw_merge_bwd_cuda(*args) -> None:
+    (torch.ops.tilefuse.mhc_normw_merge_bwd if _tracing() else normw_merge_bwd_launch)(*args)
