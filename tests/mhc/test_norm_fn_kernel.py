@@ -260,7 +260,8 @@ def test_side_channel_accumulates():
     assert r.grad is None
     # the RMS step's gradients as the op computes them, then the GEMM chain into the buffer's old content
     _, out_mul, sqrsum = F.norm_fn_forward(residual, fn, EPS)
-    d_mul, d_sq = R.mhc_reduce_partials_and_rmsnorm_bwd_ref(d_out.view(T, -1), out_mul, sqrsum, n * c, EPS)
+    d_mul, d_sq = torch.empty_like(out_mul), torch.empty_like(sqrsum)
+    F.reduce_rmsnorm_bwd_into(d_out.view(T, -1), out_mul, sqrsum, d_mul, d_sq, n * c, EPS)
     want, _ = _model_gemm_bwd(d_mul[:, 0], d_sq[:, 0], residual.view(T, -1), fn, start.view(T, -1))
     assert torch.equal(buf.view(T, -1), want)
 
