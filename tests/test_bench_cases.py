@@ -55,6 +55,8 @@ COUNTED = {
     "mhc_fn_normw_merge_bwd": 7,              # fn, normw, out_fn_grad, fn_grad, normw_grad; the 2 accumulated
     "mhc_reduce_partials_and_rmsnorm_fwd": 8,  # 2 partials, 3 destinations; the 3 again
     "mhc_reduce_partials_and_rmsnorm_bwd": 7,  # out_grad, out_mul, sqrsum, 2 destinations; the 2 again
+    "mhc_pre_norm_fn": 3,                     # residual, fn; out
+    "mhc_pre_norm_fn_bwd": 7,                 # d_mul, d_sq, x, fn, x_grad; x_grad, d_fn
     "norm_forward_and_per_token_cast": 4,     # x, weight, out, sf
     "norm_backward": 6,                       # out_grad, x, weight, rstd, x_grad, weight_grad
     "per_token_cast_and_cast_back": 2,        # x read, x written in place
@@ -195,7 +197,8 @@ BENCH_REGISTERED = ("per_token_cast", "per_block_cast", "per_block_cast_lossless
                     "moe_unique_group_indices", "moe_mask_indices_by_tp", "moe_fused_mapping_count",
                     "moe_fused_mapping_scan", "moe_fused_mapping_scatter", "mhc_expand_fwd", "mhc_expand_bwd",
                     "mhc_apply_mix_fwd", "mhc_apply_mix_bwd", "mhc_normw_merge_fwd", "mhc_normw_merge_bwd",
-                    "mhc_reduce_rmsnorm_fwd", "mhc_reduce_rmsnorm_bwd")
+                    "mhc_reduce_rmsnorm_fwd", "mhc_reduce_rmsnorm_bwd", "mhc_norm_fn_fwd", "mhc_norm_fn_bwd",
+                    "mhc_norm_fn_dw_sum")
 
 
 def test_registration_is_what_the_bench_launches():

@@ -21,8 +21,8 @@ def test_every_op_has_cuda_and_fake_kernels():
     from torch._library.simple_registry import singleton
 
     ops = _tilefuse_ops()
-    assert len(ops) == 55, ops  # quant and transpose 21, moe 15, transform 1, mhc 18 (sinkhorn 2, post 3,
-    # mixes 5, expand 2, apply_mix 2, normw 2, reduce_norm 2)
+    assert len(ops) == 57, ops  # quant and transpose 21, moe 15, transform 1, mhc 20 (sinkhorn 2, post 3,
+    # mixes 5, expand 2, apply_mix 2, normw 2, reduce_norm 2, norm_fn 2)
     for name in ops:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA"), name
         assert singleton.find(name).fake_impl.kernel is not None, name

@@ -6,7 +6,8 @@ and backward at C in {2560, 4096, 7168} (``--quick``: 4096), the split mixes and
 backward (M = n(n + 2) = 24 logits a token; mhc.md 4's v = 2, eps = 1e-2), and the Sinkhorn forward and backward
 on 32768 matrices of 4 x 4 with 20 iterations (issue #35's shapes), the norm-weight merge of the projection
 weight (M = 24, K = 4 C) forward and backward, and the reduction of 16 split-K partials with the RMS step
-forward and backward (T = 8192, K = 16384). Inputs are standard normal (the mixes
+forward and backward (T = 8192, K = 16384), and the prenorm projection ``mhc_pre_norm_fn`` (forward; the backward
+GEMMs) at the issue's T x C = 4096 x 2048 and 8192 x 4096. Inputs are standard normal (the mixes
 positive, as the layer makes them: sigmoid / softmax of a normal draw; the Sinkhorn logits as drawn).
 
 Bytes: each input read once and each output written once. The v2.1 ops write into the caller's buffers, so a
@@ -27,7 +28,8 @@ from tilefuse.bench.core import Case, _dim, _nbytes
 OPS = ("expand_to_mhc_fwd", "expand_to_mhc_bwd", "mhc_pre_apply_mix_fwd", "mhc_pre_apply_mix_bwd", "mhc_post_fwd",
        "mhc_post_bwd", "mhc_pre_split_mixes_fwd", "mhc_pre_split_mixes_bwd", "mhc_head_compute_mix_fwd",
        "mhc_head_compute_mix_bwd", "mhc_sinkhorn_fwd", "mhc_sinkhorn_bwd", "mhc_fn_normw_merge_fwd",
-       "mhc_fn_normw_merge_bwd", "mhc_reduce_partials_and_rmsnorm_fwd", "mhc_reduce_partials_and_rmsnorm_bwd")
+       "mhc_fn_normw_merge_bwd", "mhc_reduce_partials_and_rmsnorm_fwd", "mhc_reduce_partials_and_rmsnorm_bwd",
+       "mhc_pre_norm_fn", "mhc_pre_norm_fn_bwd")
 # v1 autograd ops -> the v2.1 op whose kernels they run (timed by that op's rows)
 SAME_KERNELS = {"expand_to_mhc": "expand_to_mhc_fwd", "mhc_pre_apply_mix": "mhc_pre_apply_mix_fwd",
                 "mhc_post": "mhc_post_fwd", "sinkhorn_normalize": "mhc_sinkhorn_fwd",
@@ -39,6 +41,7 @@ PARTIALS = 132          # the head mix backward's num_sms (an H200's SM count)
 SINKHORN_MATRICES = 32768
 SINKHORN_REPEAT, SINKHORN_EPS = 20, 1e-6
 HIDDEN = (2560, 4096, 7168)
+NORM_FN_SHAPES = ((4096, 2048), (8192, 4096))  # (T, C) of the projection rows (issue #35)
 QUICK_HIDDEN = 4096
 SPLITS, RMS_EPS = 16, 1e-6  # the prenorm projection's split-K partials and RMS epsilon (mhc.md 4)
 TOKENS = (0, TOKENS_LAYER, SINKHORN_MATRICES)  # 0: the weight-only rows (normw merge)
@@ -350,11 +353,68 @@ def _reduce_cases() -> list[Case]:
     ]
 
 
+def _norm_fn_cases(t: int, c: int) -> list[Case]:
+    """The prenorm projection (a skinny TF32 GEMM, K = n C by M = 24, plus the RMS factor). ``mhc_pre_norm_fn``:
+    the v1 autograd op's forward. ``mhc_pre_norm_fn_bwd``: its backward GEMMs (no public op of their own: the
+    autograd layer's ``norm_fn_gemm_bwd``) from the RMS step's gradients ``d_mul [T, M]``, ``d_sq [T]``: the
+    residual gradient accumulated into ``x_grad`` (``Case.in_place``) and the weight gradient. The peer is
+    TileKernels 1.0.0 (2.1.0 dropped the GEMM, mhc.md 5.1): its v1 op, and its backward GEMM kernel after its
+    TF32 rounding of ``d_mul``. Inputs: mhc.md 4's scales (weight N 1e-4)."""
+    import importlib
+
+    from tilefuse import mhc
+    from tilefuse.mhc import _functions as F
+    from tilefuse.reference import mhc as R
+
+    n = N
+    m = n * (n + 2)
+    label = f"T={t} n={n} C={c}"
+
+    def sized(make):
+        return lambda device, scale: (label if scale == 1.0 else f"T={_dim(t, scale)} n={n} C={_dim(c, scale, 256)}",
+                                      make(_dim(t, scale), _dim(c, scale, 256), device))
+
+    def fwd_inputs(t, c, d):
+        return _normal((1, t, n, c), BF16, d), _normal((m, n * c), F32, d) * 1e-4
+
+    def bwd_inputs(t, c, d):
+        return (_normal((t, m), F32, d), _normal((t,), F32, d) * 1e-3, *fwd_inputs(t, c, d),
+                _normal((1, t, n, c), BF16, d))
+
+    def ours_bwd(d_mul, d_sq, x, fn, x_grad):
+        return x_grad, F.norm_fn_gemm_bwd(d_mul, d_sq, x, fn, x_grad)[1]
+
+    def ref_bwd(d_mul, d_sq, x, fn, x_grad):
+        dx, d_fn = R.mhc_pre_norm_fn_gemm_bwd_ref(d_mul, d_sq, x, fn, x_grad)
+        return x_grad.copy_(dx), d_fn
+
+    def tk1_bwd(tk, d_mul, d_sq, x, fn, x_grad):
+        kern = importlib.import_module(tk.__name__ + ".mhc.norm_fn_kernel")
+        d_fn = torch.empty_like(fn)
+        kern._mhc_pre_norm_fn_bwd_mul(m, 1, n * c)(kern.round_to_tf32(d_mul).view(-1, 1, m), d_sq.view(-1, 1),
+                                                   x.view(-1, n * c), fn, x_grad.view(-1, n * c), d_fn)
+        return x_grad, d_fn
+
+    def tk1_fwd(tk, r, f):
+        return importlib.import_module(tk.__name__ + ".modeling.mhc.ops").mhc_pre_norm_fn(r, f, None, RMS_EPS, False)
+
+    x_spec, fn_spec, xg_spec = ((1, t, n, c), BF16), ((m, n * c), F32), ((1, t, n, c), BF16)
+    return [
+        Case("mhc_pre_norm_fn", sized(fwd_inputs), lambda r, f: mhc.mhc_pre_norm_fn(r, f, None, RMS_EPS, False),
+             lambda r, f: R.mhc_pre_norm_fn_ref(r, f, None, RMS_EPS), {"tk1": tk1_fwd}, False,
+             f"mhc_pre_norm_fn|n={n} C={c}", t, describe=lambda: (label, [x_spec, fn_spec], [((1, t, m), F32)])),
+        Case("mhc_pre_norm_fn_bwd", sized(bwd_inputs), ours_bwd, ref_bwd, {"tk1": tk1_bwd}, False,
+             f"mhc_pre_norm_fn_bwd|n={n} C={c}", t, in_place=True,
+             describe=lambda: (label, [((t, m), F32), ((t,), F32), x_spec, fn_spec, xg_spec], [xg_spec, fn_spec])),
+    ]
+
+
 def quick_cases() -> list[Case]:
     return (_layer_cases(QUICK_HIDDEN) + _mix_cases() + _sinkhorn_cases() + _normw_cases(QUICK_HIDDEN)
-            + _reduce_cases())
+            + _reduce_cases() + [case for t, c in NORM_FN_SHAPES for case in _norm_fn_cases(t, c)])
 
 
 def grid_cases() -> list[Case]:
     return ([case for c in HIDDEN for case in _layer_cases(c)] + _mix_cases() + _sinkhorn_cases()
-            + [case for c in HIDDEN for case in _normw_cases(c)] + _reduce_cases())
+            + [case for c in HIDDEN for case in _normw_cases(c)] + _reduce_cases()
+            + [case for t, c in NORM_FN_SHAPES for case in _norm_fn_cases(t, c)])

@@ -12,7 +12,7 @@ import torch
 
 from tilefuse.reference import mhc as R
 
-from . import _apply_mix_kernel, _expand_kernel, _mix_kernel, _post_kernel, _sinkhorn_kernel
+from . import _apply_mix_kernel, _expand_kernel, _mix_kernel, _norm_fn_kernel, _post_kernel, _sinkhorn_kernel
 from . import _normw_kernel, _reduce_norm_kernel
 
 # §2.12: the attribute of a residual's untyped storage that holds its fused bf16 gradient buffer.
@@ -127,10 +127,56 @@ def reduce_rmsnorm(out_mul_splitted, sqrsum_splitted, size: int, eps: float):
     return out_mul, sqrsum, out
 
 
-def norm_fn_forward(residual: torch.Tensor, fn: torch.Tensor, eps: float):
-    """§2.2.2 with one split: ``(out [T, M], out_mul [T, 1, M], sqrsum [T, 1])``."""
+def _norm_fn_kernel_takes(residual: torch.Tensor, fn: torch.Tensor) -> bool:
+    """CUDA bf16 residual and fp32 weight of a shape the projection kernels take (K % 256 == 0, M <= 32)."""
     K = residual.shape[-2] * residual.shape[-1]
-    out_mul, sqrsum, out = reduce_rmsnorm(*R.mhc_pre_norm_fn_partials_ref(residual, fn, 1), K, eps)
+    return (residual.is_cuda and residual.dtype == torch.bfloat16 and fn.dtype == torch.float32
+            and _norm_fn_kernel.takes(K, fn.shape[0]))
+
+
+def norm_fn_partials(residual: torch.Tensor, fn: torch.Tensor):
+    """§2.2.2 steps 1-3: split partials ``(out_mul [S, T, 1, M], sqrsum [S, T, 1])``: the GEMM kernel with
+    ``S = _norm_fn_kernel.splits(K)`` where it takes the shape, else the reference with one split. A fused pre
+    (§2.8) that must equal the unfused chain bit for bit takes its partials from here too."""
+    K = residual.shape[-2] * residual.shape[-1]
+    if not _norm_fn_kernel_takes(residual, fn):
+        return R.mhc_pre_norm_fn_partials_ref(residual, fn, 1)
+    x = residual.reshape(-1, K).contiguous()
+    S, T, M = _norm_fn_kernel.splits(K), x.shape[0], fn.shape[0]
+    out_mul = x.new_empty((S, T, M), dtype=torch.float32)
+    sqrsum = x.new_empty((S, T), dtype=torch.float32)
+    _norm_fn_kernel.norm_fn_partials_cuda(x, fn.contiguous(), out_mul, sqrsum)
+    return out_mul.unsqueeze(2), sqrsum.unsqueeze(2)
+
+
+def norm_fn_gemm_bwd(d_mul: torch.Tensor, d_sq: torch.Tensor, residual: torch.Tensor, fn: torch.Tensor,
+                     buf: torch.Tensor | None):
+    """§2.2.3 GEMMs from ``d_mul [T, M]``, ``d_sq [T]``: ``(dx, d_fn)``; with a side-channel ``buf`` (the
+    residual's shape) the residual gradient is accumulated into it and ``dx`` is None. The kernels (fixed-order
+    weight-gradient partials) where they take the shape, else the reference."""
+    if not _norm_fn_kernel_takes(residual, fn):
+        dx, d_fn = R.mhc_pre_norm_fn_gemm_bwd_ref(d_mul, d_sq, residual, fn, buf)
+        if buf is None:
+            return dx, d_fn
+        buf.copy_(dx)
+        return None, d_fn
+    K = fn.shape[1]
+    x = residual.reshape(-1, K).contiguous()
+    d_fn = fn.new_empty(fn.shape)
+    args = (d_mul.contiguous(), d_sq.contiguous(), x, fn.contiguous())
+    if buf is None:
+        dx = torch.empty_like(x)
+        _norm_fn_kernel.norm_fn_gemm_bwd_cuda(*args, dx, d_fn, False)
+        return dx.view(residual.shape), d_fn
+    _into(buf, (-1, K), lambda b: _norm_fn_kernel.norm_fn_gemm_bwd_cuda(*args, b, d_fn, True))
+    return None, d_fn
+
+
+def norm_fn_forward(residual: torch.Tensor, fn: torch.Tensor, eps: float):
+    """§2.2.2: ``(out [T, M], out_mul [T, 1, M], sqrsum [T, 1])`` from the split partials (``norm_fn_partials``),
+    reduced in split order (``reduce_rmsnorm``)."""
+    K = residual.shape[-2] * residual.shape[-1]
+    out_mul, sqrsum, out = reduce_rmsnorm(*norm_fn_partials(residual, fn), K, eps)
     return out, out_mul, sqrsum
 
 
@@ -240,10 +286,7 @@ class MHCPreNormFn(torch.autograd.Function):
         d_mul, d_sq = torch.empty_like(out_mul), torch.empty_like(sqrsum)
         reduce_rmsnorm_bwd_into(grad.reshape(-1, fn.shape[0]).contiguous(), out_mul, sqrsum, d_mul, d_sq, K, ctx.eps)
         buf = pop_residual_grad(residual) if ctx.fuse_grad_acc else None
-        dx, d_fn = R.mhc_pre_norm_fn_gemm_bwd_ref(d_mul[:, 0], d_sq[:, 0], residual, fn, buf)
-        if buf is not None:
-            buf.copy_(dx)
-            dx = None
+        dx, d_fn = norm_fn_gemm_bwd(d_mul[:, 0], d_sq[:, 0], residual, fn, buf)
         return dx, d_fn, None, None
 
 

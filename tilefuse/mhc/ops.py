@@ -220,13 +220,15 @@ def _check_norm_fn_inputs(op: str, residual, fn, norm_weight, fn_name: str = "mh
     _check.optional(op, weight_name, norm_weight, dtype=F32, shape=(K,), device=residual.device)
 
 
-@public("mhc")
+@public("mhc", path="kernel")
 def mhc_pre_norm_fn(residual: torch.Tensor, mhc_fn: torch.Tensor, mhc_norm_weight: torch.Tensor | None,
                     mhc_norm_eps: float, fuse_grad_acc: bool = True, n_splits: int = 16) -> torch.Tensor:
     """Mix logits ``[..., M]`` of ``residual [..., n, C]`` (RMSNorm + projection, §2.2), with autograd.
 
     With ``fuse_grad_acc`` the residual gradient is accumulated into the buffer that ``mhc_post``'s
-    backward attached to the residual (§2.12). ``n_splits`` has no numerical effect (v1: one partial).
+    backward attached to the residual (§2.12). ``n_splits`` has no numerical effect (the kernel's split count
+    depends on K alone). CUDA tensors with ``n*C % 256 == 0`` and ``M <= 32`` take the TileLang GEMM kernels
+    (split-K TF32 forward; backward with fixed-order weight-gradient partials), other shapes the reference.
     """
     op = "mhc_pre_norm_fn"
     _check_norm_fn_inputs(op, residual, mhc_fn, mhc_norm_weight)
@@ -590,7 +592,7 @@ def mhc_pre_big_fuse(residual: torch.Tensor, fn: torch.Tensor, mhc_scale: torch.
     lead = residual.shape[:-2]
     flat = residual.reshape(-1, n, C)
     with torch.no_grad():
-        out_mul, sqrsum = R.mhc_pre_norm_fn_partials_ref(flat, fn, 1)
+        out_mul, sqrsum = F.norm_fn_partials(flat, fn)  # the unfused op's partials: bit-identical chains (§3)
         post, comb, layer_input = F.pre_chain(out_mul, sqrsum, flat, mhc_scale, mhc_base, rms_eps, pre_eps, sk_eps,
                                               v, repeat)
     return post.view(*lead, n, 1), comb.view(*lead, n, n), layer_input.view(*lead, C)

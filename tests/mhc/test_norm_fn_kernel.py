@@ -1,0 +1,455 @@
+"""Kernel tiers of the prenorm projection ``mhc_pre_norm_fn`` (mhc.md §2.2): split-K TF32 forward GEMM, backward
+GEMMs with fixed-order weight-gradient partials.
+
+compile: every config the GPU tests launch (and every registered one) builds for sm_90; the launchers bind their
+arguments to the kernels' parameters; the TF32 rounding and the split count (CPU, no GPU).
+gpu: against the reference over T in {0, 1, 7, 4001, 8192}, n in {2, 4} (n = 8: M = 80, the reference path),
+C in {1280, 2560, 4096, 7168}, the spec's data (§4); launches with poisoned destinations; the residual gradient
+and the weight gradient bitwise against a torch model of the kernel's summation order; determinism, batch
+invariance, CUDA-graph replay and ``torch.compile(fullgraph=True)``.
+
+Tolerances, derived once here from §3 (norm_fn rows):
+* output: ``atol = rtol = 1e-3`` against the reference with the TF32-rounded weight (the spec compares with a
+  TF32 torch reference; MMA order is not contractual);
+* residual gradient: bf16 ``assert_close`` defaults (rtol 1.6e-2, atol 1e-5) against the float64 reference of
+  the TF32-rounded operands; weight gradient: ``atol 3e-2, rtol 1e-3``;
+* bitwise where the kernel's chain is fixed: the residual gradient (each product of two TF32 values, or of a TF32
+  and a bf16 value, is exact in fp32, so the fma chain equals a chain of rounded adds that torch reproduces) and
+  the weight gradient (the same, partials over token blocks ``b mod PARTIALS``, then the in-order partial sum).
+"""
+import pytest
+import torch
+
+from tilefuse import _jit
+from tilefuse.mhc import mhc_pre_norm_fn
+from tilefuse.mhc import _functions as F
+from tilefuse.mhc import _norm_fn_kernel as K
+from tilefuse.reference import mhc as R
+from tests.mhc.configs_norm_fn import GRID_C, GRID_N, norm_fn_configs
+from tests.quant.kernel_binding import fake_jit
+
+OUT_TOL = dict(atol=1e-3, rtol=1e-3)
+DX_TOL = dict(rtol=1.6e-2, atol=1e-5)
+DW_TOL = dict(atol=3e-2, rtol=1e-3)
+TOKENS = (0, 1, 7, 4001, 8192)
+EPS = 1e-6
+NAN = float("nan")
+BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
+
+
+# ---- compile tier ----
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name, cfg", norm_fn_configs(), ids=str)
+def test_builds_for_sm90(name, cfg):
+    src = _jit.compile_kernel(name, cfg, "sm_90").get_kernel_source()
+    assert "__global__" in src and "atomic" not in src
+    if name == "mhc_norm_fn_fwd":
+        assert "kTensorFloat32" in src  # the TF32 tensor-core MMA
+    if name == "mhc_norm_fn_bwd":
+        assert "__fmaf_rn(" in src
+
+
+BENCH_ONLY = [("mhc_norm_fn_fwd", (8192, 24)), ("mhc_norm_fn_bwd", (8192, 24, True))]  # C = 2048: not in the grid
+
+
+@pytest.mark.compile
+def test_registered_configs_are_tested():
+    regs = {(name, cfg) for name, cfgs in _jit.registered().items() if name.startswith("mhc_norm_fn")
+            for cfg in cfgs}
+    assert regs and regs <= set(norm_fn_configs()) | set(BENCH_ONLY)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name, cfg", BENCH_ONLY, ids=str)
+def test_bench_only_configs_build(name, cfg):
+    assert "__global__" in _jit.compile_kernel(name, cfg, "sm_90").get_kernel_source()
+
+
+@pytest.mark.compile
+def test_tf32_round_is_the_spec_recipe():
+    # 1 + 2^-11 is a tie at bit 13: away from zero -> 1 + 2^-10; just below rounds down; negatives mirror
+    v = torch.tensor([1.0, 1 + 2 ** -11, 1 + 2 ** -11 - 2 ** -23, -(1 + 2 ** -11), 1 + 3 * 2 ** -11, 0.0, -0.0])
+    want = torch.tensor([1.0, 1 + 2 ** -10, 1.0, -(1 + 2 ** -10), 1 + 2 ** -9, 0.0, -0.0])
+    got = K.tf32_round(v)
+    assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))
+    x = torch.randn(1000)
+    r = K.tf32_round(x)
+    assert (r.view(torch.int32) & 0x1FFF == 0).all()  # 10 explicit mantissa bits left
+    assert ((r - x).abs() <= x.abs() * 2.0 ** -11).all()  # at most half an ulp of TF32
+
+
+@pytest.mark.compile
+def test_split_count_depends_on_k_alone():
+    assert [K.splits(n * c) for n in (2, 4) for c in (1280, 2048, 2560, 4096, 7168)] == [
+        2, 16, 4, 16, 8, 4, 16, 8, 16, 16]
+    for k in range(256, 1 << 16, 256):
+        s = K.splits(k)
+        assert k % s == 0 and (k // s) % K.FWD_BK == 0 and 1 <= s <= K.MAX_SPLITS
+    assert K.takes(256, 32) and not K.takes(384, 24) and not K.takes(512, 33) and not K.takes(0, 24)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("n, c", [(2, 1280), (4, 4096)])
+def test_launchers_bind(n, c, monkeypatch):
+    calls = fake_jit(monkeypatch)
+    T, k, m = 37, n * c, n * (n + 2)
+    s = K.splits(k)
+    x = torch.randn(T, k).to(BF16)
+    fn = torch.randn(m, k)
+    K.norm_fn_partials_launch(x, fn, torch.empty(s, T, m), torch.empty(s, T))
+    for acc in (False, True):
+        K.norm_fn_gemm_bwd_launch(torch.randn(T, m), torch.randn(T), x, fn, torch.empty(T, k, dtype=BF16),
+                                  torch.empty(m, k), acc)
+    assert [(cl.name, cl.cfg) for cl in calls] == [
+        ("mhc_norm_fn_fwd", (k, m)), ("mhc_norm_fn_bwd", (k, m, False)), ("mhc_norm_fn_dw_sum", ()),
+        ("mhc_norm_fn_bwd", (k, m, True)), ("mhc_norm_fn_dw_sum", ())]
+    assert calls[0].env == {"Tn": T}
+    assert calls[1].env == {"Tn": T, "P": K.PARTIALS}
+    assert calls[2].env == {"P": K.PARTIALS, "N": m * k}
+
+
+@pytest.mark.compile
+def test_empty_launches_nothing_and_zeroes_the_weight_gradient(monkeypatch):
+    calls = fake_jit(monkeypatch)
+    k, m = 1024, 24
+    x = torch.empty(0, k, dtype=BF16)
+    K.norm_fn_partials_launch(x, torch.randn(m, k), torch.empty(4, 0, m), torch.empty(4, 0))
+    d_fn = torch.full((m, k), NAN)
+    K.norm_fn_gemm_bwd_launch(torch.empty(0, m), torch.empty(0), x, torch.randn(m, k), torch.empty(0, k, dtype=BF16),
+                              d_fn, False)
+    assert calls == [] and torch.equal(d_fn, torch.zeros(m, k))
+
+
+def test_cpu_tensors_take_the_reference(monkeypatch):
+    def boom(*args):
+        raise AssertionError("kernel launched for CPU tensors")
+
+    monkeypatch.setattr(K, "norm_fn_partials_cuda", boom)
+    monkeypatch.setattr(K, "norm_fn_gemm_bwd_cuda", boom)
+    residual = torch.randn(1, 5, 4, 64).to(BF16).requires_grad_(True)
+    fn = (torch.randn(24, 256) * 1e-2).requires_grad_(True)
+    out = mhc_pre_norm_fn(residual, fn, None, EPS, fuse_grad_acc=False)
+    out.sum().backward()
+    want = R.mhc_pre_norm_fn_ref(residual.detach(), fn.detach(), None, EPS)
+    assert torch.equal(out.detach(), want)
+
+
+# ---- GPU tier ----
+
+def _inputs(T, n, c, weight=False):
+    """mhc.md §4 norm_fn data: residual N (1 + 0.01 i) for stream i, fn N 1e-4 (1 + 0.01 i) built [M, n, C]."""
+    m = n * (n + 2)
+    scale = 1 + 0.01 * torch.arange(n, device="cuda")
+    residual = (torch.randn(1, T, n, c, device="cuda") * scale.view(n, 1)).to(BF16)
+    fn = (torch.randn(m, n, c, device="cuda") * 1e-4 * scale.view(n, 1)).flatten(1)
+    normw = 1 + 0.1 * torch.randn(n * c, device="cuda") if weight else None
+    d_out = torch.randn(1, T, m, device="cuda")
+    return residual, fn, normw, d_out
+
+
+def _ref_out(residual, fn, normw):
+    """The forward in float64 with the TF32-rounded (merged) weight."""
+    w = fn if normw is None else fn * normw
+    return R.mhc_pre_norm_fn_ref(residual.to(F64), K.tf32_round(w).to(F64), None, EPS)
+
+
+def _grads(residual, fn, normw, d_out):
+    r, f = residual.detach().requires_grad_(True), fn.detach().clone().requires_grad_(True)  # keeps r's strides
+    w = None if normw is None else normw.detach().clone().requires_grad_(True)
+    out = mhc_pre_norm_fn(r, f, w, EPS, fuse_grad_acc=False)
+    out.backward(d_out)
+    return out.detach(), r.grad, f.grad, None if w is None else w.grad
+
+
+def _model_gemm_bwd(d_mul, d_sq, x, fn, D=None):
+    """The backward kernel's chains in torch fp32 (exact products: each fma is a rounded add):
+    ``(dx [T, K] bf16, dW [M, K])``."""
+    dp, w = K.tf32_round(d_mul), K.tf32_round(fn)
+    xf = x.float()
+    acc = torch.zeros_like(xf) if D is None else D.float()
+    for j in range(w.shape[0]):
+        acc = acc + dp[:, j:j + 1] * w[j]
+    dx = (acc + (xf + xf) * d_sq.unsqueeze(1)).to(BF16)
+    T_, P, TB = x.shape[0], K.PARTIALS, K.TOKEN_BLOCK
+    rounds = -(-(-(-T_ // TB)) // P)
+    pad = rounds * P * TB - T_
+    dpp = torch.cat([dp, dp.new_zeros(pad, dp.shape[1])]).view(rounds, P, TB, -1)
+    xp = torch.cat([xf, xf.new_zeros(pad, xf.shape[1])]).view(rounds, P, TB, -1)
+    part = xf.new_zeros(P, w.shape[0], xf.shape[1])
+    for r in range(rounds):
+        for i in range(TB):
+            part = part + dpp[r, :, i, :, None] * xp[r, :, i, None, :]
+    dw = torch.zeros_like(w)
+    for p in range(P):
+        dw = dw + part[p]
+    return dx, dw
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", TOKENS)
+@pytest.mark.parametrize("n", GRID_N)
+@pytest.mark.parametrize("c", GRID_C)
+def test_forward_against_reference(T, n, c):
+    residual, fn, _, _ = _inputs(T, n, c)
+    out = mhc_pre_norm_fn(residual, fn, None, EPS, fuse_grad_acc=False)
+    assert out.shape == (1, T, n * (n + 2)) and out.dtype == F32
+    torch.testing.assert_close(out.to(F64), _ref_out(residual, fn, None), **OUT_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", (7, 4001))
+@pytest.mark.parametrize("n, c", [(2, 1280), (4, 2560), (4, 7168)])
+def test_partials_launch_poisoned(T, n, c):
+    residual, fn, _, _ = _inputs(T, n, c)
+    k, m = n * c, n * (n + 2)
+    s = K.splits(k)
+    out_mul, sqrsum = torch.full((s, T, m), NAN, device="cuda"), torch.full((s, T), NAN, device="cuda")
+    K.norm_fn_partials_launch(residual.view(T, k), fn, out_mul, sqrsum)
+    pm, qm = R.mhc_pre_norm_fn_partials_ref(residual.to(F64), K.tf32_round(fn).to(F64), s)
+    # each split: a K/S-term dot product of exact products (TF32 x TF32 fits fp32); every MMA addition errs by at
+    # most one fp32 ulp of the running sum (2u: the tensor core's accumulator need not round to nearest), so
+    # |err| <= 2 (K/S) u sum|terms|; the squares (exact) are added on CUDA cores in round to nearest: (K/S) u Q
+    env = R.mhc_pre_norm_fn_partials_ref(residual.to(F64).abs(), K.tf32_round(fn).abs().to(F64), s)[0]
+    assert not out_mul.isnan().any() and not sqrsum.isnan().any()
+    assert ((out_mul.to(F64) - pm[:, :, 0]).abs() <= 2 * (k // s) * 2.0 ** -24 * env[:, :, 0]).all()
+    assert ((sqrsum.to(F64) - qm[:, :, 0]).abs() <= (k // s) * 2.0 ** -24 * qm[:, :, 0]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", TOKENS)
+@pytest.mark.parametrize("n", GRID_N)
+@pytest.mark.parametrize("c", GRID_C)
+def test_backward_against_reference(T, n, c):
+    residual, fn, _, d_out = _inputs(T, n, c)
+    out, dx, d_fn, _ = _grads(residual, fn, None, d_out)
+    r64, f64 = residual.to(F64).requires_grad_(True), K.tf32_round(fn).to(F64).requires_grad_(True)
+    R.mhc_pre_norm_fn_ref(r64, f64, None, EPS).backward(d_out.to(F64))
+    torch.testing.assert_close(dx.to(F64), r64.grad.to(BF16).to(F64), **DX_TOL)
+    torch.testing.assert_close(d_fn.to(F64), f64.grad, **DW_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", (1, 7, 4001))
+@pytest.mark.parametrize("n, c", [(2, 1280), (4, 4096)])
+@pytest.mark.parametrize("accumulate", (False, True))
+def test_gemm_backward_bitwise_model(T, n, c, accumulate):
+    residual, fn, _, _ = _inputs(T, n, c)
+    k, m = n * c, n * (n + 2)
+    x = residual.view(T, k)
+    d_mul = torch.randn(T, m, device="cuda") * 1e-1
+    d_sq = torch.randn(T, device="cuda") * 1e-3
+    D = torch.randn(T, k, device="cuda").to(BF16)
+    dx = D.clone() if accumulate else torch.full((T, k), NAN, device="cuda", dtype=BF16)
+    d_fn = torch.full((m, k), NAN, device="cuda")
+    K.norm_fn_gemm_bwd_launch(d_mul, d_sq, x, fn, dx, d_fn, accumulate)
+    want_dx, want_dw = _model_gemm_bwd(d_mul, d_sq, x, fn, D if accumulate else None)
+    assert torch.equal(dx, want_dx)
+    assert torch.equal(d_fn, want_dw)
+
+
+@pytest.mark.gpu
+def test_side_channel_accumulates():
+    T, n, c = 4001, 4, 2560
+    residual, fn, _, d_out = _inputs(T, n, c)
+    buf = torch.randn_like(residual, dtype=F32).to(BF16)
+    start = buf.clone()
+    r = residual.clone().requires_grad_(True)
+    F.attach_residual_grad(r, buf)
+    mhc_pre_norm_fn(r, fn, None, EPS, fuse_grad_acc=True).backward(d_out)
+    assert r.grad is None
+    # the RMS step's gradients as the op computes them, then the GEMM chain into the buffer's old content
+    _, out_mul, sqrsum = F.norm_fn_forward(residual, fn, EPS)
+    d_mul, d_sq = torch.empty_like(out_mul), torch.empty_like(sqrsum)
+    F.reduce_rmsnorm_bwd_into(d_out.view(T, -1), out_mul, sqrsum, d_mul, d_sq, n * c, EPS)
+    want, _ = _model_gemm_bwd(d_mul[:, 0], d_sq[:, 0], residual.view(T, -1), fn, start.view(T, -1))
+    assert torch.equal(buf.view(T, -1), want)
+
+
+@pytest.mark.gpu
+def test_strided_residual():
+    residual, fn, _, d_out = _inputs(2 * 4001, 4, 1280)
+    view = residual[:, ::2]
+    assert not view.is_contiguous()
+    got = _grads(view, fn, None, d_out[:, ::2])
+    want = _grads(view.contiguous(), fn, None, d_out[:, ::2].contiguous())
+    for a, b in zip(got[:3], want[:3]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_norm_weight_merge():
+    residual, fn, normw, d_out = _inputs(4001, 4, 2560, weight=True)
+    out, dx, d_fn, d_w = _grads(residual, fn, normw, d_out)
+    torch.testing.assert_close(out.to(F64), _ref_out(residual, fn, normw), **OUT_TOL)
+    r64, f64, w64 = (t.to(F64).requires_grad_(True) for t in (residual, fn, normw))
+    R.mhc_pre_norm_fn_ref(r64, f64, w64, EPS).backward(d_out.to(F64))
+    torch.testing.assert_close(dx.to(F64), r64.grad.to(BF16).to(F64), **DX_TOL)
+    torch.testing.assert_close(d_fn.to(F64), f64.grad, **DW_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", GRID_N)
+def test_deterministic(n):
+    residual, fn, _, d_out = _inputs(8192, n, 4096)
+    first = _grads(residual, fn, None, d_out)
+    for _ in range(2):
+        again = _grads(residual, fn, None, d_out)
+        for a, b in zip(first[:3], again[:3]):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", GRID_N)
+def test_batch_invariant(n):
+    residual, fn, _, d_out = _inputs(4001, n, 2560)
+    full_out, full_dx, _, _ = _grads(residual, fn, None, d_out)
+    for sl in (slice(1234, 1241), slice(4000, 4001), slice(0, 1), slice(64, 4001)):
+        out, dx, _, _ = _grads(residual[:, sl].clone(), fn, None, d_out[:, sl].clone())
+        assert torch.equal(out, full_out[:, sl])
+        assert torch.equal(dx, full_dx[:, sl])
+
+
+@pytest.mark.gpu
+def test_weight_gradient_bits_follow_the_token_blocks():
+    # the partial count is fixed (not the SM count) and a token's block is t // TOKEN_BLOCK: padding the batch
+    # with zero tokens (zero terms in the last block and in new blocks) leaves every partial's bits unchanged
+    residual, fn, _, d_out = _inputs(4001, 4, 2560)
+    _, _, d_fn, _ = _grads(residual, fn, None, d_out)
+    pad_r = torch.cat([residual, torch.zeros_like(residual[:, :1000])], 1)
+    pad_d = torch.cat([d_out, torch.zeros_like(d_out[:, :1000])], 1)
+    _, _, d_fn_pad, _ = _grads(pad_r, fn, None, pad_d)
+    assert torch.equal(d_fn, d_fn_pad)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay():
+    residual, fn, _, d_out = _inputs(4001, 4, 4096)
+    k, m = 4 * 4096, 24
+    s = K.splits(k)
+    x = residual.view(4001, k)
+    static = [x.clone(), fn.clone(), torch.randn(4001, m, device="cuda"), torch.randn(4001, device="cuda")]
+    pm, qm = torch.empty(s, 4001, m, device="cuda"), torch.empty(s, 4001, device="cuda")
+    dx, d_fn = torch.empty_like(x), torch.empty(m, k, device="cuda")
+
+    def launch():
+        K.norm_fn_partials_launch(static[0], static[1], pm, qm)
+        K.norm_fn_gemm_bwd_launch(static[2], static[3], static[0], static[1], dx, d_fn, False)
+
+    launch()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    fresh = [torch.randn_like(static[0], dtype=F32).to(BF16), torch.randn_like(fn) * 1e-4,
+             torch.randn_like(static[2]), torch.randn_like(static[3])]
+    for a, b in zip(static, fresh):
+        a.copy_(b)
+    for t in (pm, qm, dx, d_fn):
+        t.fill_(NAN)
+    graph.replay()
+    torch.cuda.synchronize()
+    got = [t.clone() for t in (pm, qm, dx, d_fn)]
+    launch()
+    for a, b in zip(got, (pm, qm, dx, d_fn)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_torch_compile_fullgraph():
+    residual, fn, _, d_out = _inputs(4001, 4, 2560)
+    compiled = torch.compile(lambda r, f: mhc_pre_norm_fn(r, f, None, EPS, fuse_grad_acc=False), fullgraph=True)
+    r, f = residual.detach().clone().requires_grad_(True), fn.detach().clone().requires_grad_(True)
+    out = compiled(r, f)
+    out.backward(d_out)
+    want = _grads(residual, fn, None, d_out)
+    for a, b in zip((out.detach(), r.grad, f.grad), want[:3]):
+        assert torch.equal(a, b)
+
+
+# ---- the backward kernels' CUDA source, run on the CPU ----
+
+EMU_EXTRA = r"""
+typedef unsigned char uchar;
+static inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
+static inline int64_t min(int64_t a, int64_t b) { return a < b ? a : b; }
+alignas(1024) static uchar g_shmem[1 << 16];
+static std::barrier<>* g_cta_bar;
+static inline void __syncthreads() { g_cta_bar->arrive_and_wait(); }
+"""
+
+
+def _emulate(src: str, name: str, threads: int, workdir):
+    """Compile ``name`` of the generated CUDA ``src`` for the CPU (``post_emulation``'s shim plus a 2-D block index,
+    the CTA's dynamic shared memory and ``__syncthreads`` as a barrier of the CTA's host threads; CTAs run one
+    after another). Returns ``run(tensors: dict, scalars: dict, grid: (x, y))``."""
+    import ctypes
+    import re
+    import subprocess
+
+    from tests.mhc import post_emulation as emu
+
+    body = src[src.index('extern "C" __global__ void __launch_bounds__'):]
+    body = body.replace("extern __shared__ __align__(1024) uchar buf_dyn_shmem[];", "uchar* buf_dyn_shmem = g_shmem;")
+    params = [p.strip() for p in re.search(re.escape(name) + r"\(([^)]*)\)", body).group(1).split(",")]
+    names = [p.split()[-1] for p in params]
+    scalar = [p.startswith("int64_t") for p in params]
+    cargs = ", ".join(f"int64_t {a}" if s else f"void* {a}" for a, s in zip(names, scalar))
+    call = ", ".join(a if s else f"({p.rsplit(' ', 1)[0].replace('__restrict__', '').strip()}){a}"
+                     for p, a, s in zip(params, names, scalar))
+    shim = emu.SHIM.replace("struct Idx { unsigned x; };", "struct Idx { unsigned x, y; };") + EMU_EXTRA
+    cpp = shim + body.replace('extern "C" __global__', "static") + f"""
+extern "C" void run({cargs}, int64_t gx, int64_t gy) {{
+  std::barrier<> bar({threads}); g_cta_bar = &bar;
+  for (int64_t by = 0; by < gy; ++by) for (int64_t bx = 0; bx < gx; ++bx) {{
+    std::vector<std::thread> th;
+    for (unsigned t = 0; t < {threads}; ++t)
+      th.emplace_back([=]() {{ blockIdx.x = bx; blockIdx.y = by; threadIdx.x = t; {name}({call}); }});
+    for (auto& h : th) h.join();
+  }}
+}}
+"""
+    workdir.mkdir(parents=True, exist_ok=True)
+    source, lib = workdir / f"{name}.cpp", workdir / f"{name}.so"
+    source.write_text(cpp)
+    subprocess.run(["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC",
+                    "-pthread", "-o", str(lib), str(source)], check=True, capture_output=True)
+    fn = ctypes.CDLL(str(lib)).run
+
+    def run(tensors: dict, scalars: dict, grid) -> None:
+        for t in tensors.values():
+            assert t.device.type == "cpu" and t.is_contiguous()
+        fn(*[ctypes.c_int64(scalars[a]) if s else ctypes.c_void_p(tensors[a].data_ptr())
+             for a, s in zip(names, scalar)], ctypes.c_int64(grid[0]), ctypes.c_int64(grid[1]))
+
+    return run
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="needs g++")
+@pytest.mark.parametrize("n, c", [(2, 256), (4, 256)])
+@pytest.mark.parametrize("accumulate", (False, True))
+def test_backward_source_on_cpu_bitwise(n, c, accumulate, tmp_path):
+    """The backward kernel's and the partial sum's generated CUDA, run on the CPU, equal the torch model of their
+    chains bit for bit (exact products: each fma is one rounded add), over token counts that leave partials
+    empty, end mid-block and wrap the partials more than once; every element written."""
+    k, m = n * c, n * (n + 2)
+    bwd = _emulate(_jit.compile_kernel("mhc_norm_fn_bwd", (k, m, accumulate), "sm_90").get_kernel_source(),
+                   "mhc_norm_fn_bwd_kernel", K.BWD_THREADS, tmp_path / "bwd")
+    dws = _emulate(_jit.compile_kernel("mhc_norm_fn_dw_sum", (), "sm_90").get_kernel_source(),
+                   "mhc_norm_fn_dw_sum_kernel", K.SUM_THREADS, tmp_path / "sum")
+    for T in (1, 37, 100, 2 * K.PARTIALS * K.TOKEN_BLOCK + 5):
+        x = torch.randn(T, k).to(BF16)
+        fn = torch.randn(m, k) * 1e-2
+        d_mul, d_sq = torch.randn(T, m), torch.randn(T) * 1e-2
+        D = torch.randn(T, k).to(BF16)
+        dx = D.clone() if accumulate else torch.full((T, k), NAN, dtype=BF16)
+        dwp = torch.full((K.PARTIALS, m, k), NAN)
+        d_fn = torch.full((m * k,), NAN)
+        bwd(dict(DP=K.tf32_round(d_mul), DQ=d_sq, X=x, W=K.tf32_round(fn), DX=dx, DWP=dwp),
+            dict(P=K.PARTIALS, Tn=T), (K.PARTIALS, k // K.COLS))
+        dws(dict(DWP=dwp.view(K.PARTIALS, m * k), DW=d_fn), dict(P=K.PARTIALS, N=m * k),
+            (-(-(m * k) // K.SUM_THREADS), 1))
+        want_dx, want_dw = _model_gemm_bwd(d_mul, d_sq, x, fn, D if accumulate else None)
+        assert torch.equal(dx, want_dx), T
+        assert torch.equal(d_fn.view(m, k), want_dw), T

@@ -1,0 +1,303 @@
+"""TileLang kernels of the mHC prenorm projection ``mhc_pre_norm_fn`` (mhc.md §2.2): the split-K forward GEMM with
+its sums of squares, the backward GEMMs (the residual gradient and token partials of the weight gradient), and the
+in-order sum of those partials.
+
+Forward (§2.2.2 steps 1-3). ``x [T, K]`` (bf16, exact in TF32) times the TF32-rounded weight ``W~ [M, K]``
+(``tf32_round``, §2.2.4, applied by the launcher) on TF32 tensor cores with fp32 accumulation. ``K`` is cut into
+``S = splits(K)`` contiguous slices of ``K / S`` columns; split ``s`` writes ``P[s, t, j] = sum_{k in s} x[t, k]
+W~[j, k]`` and ``Q[s, t] = sum_{k in s} x[t, k]^2``. ``S`` depends on ``K`` only (never on T), so a token's
+partials, and the output the reduce step makes of them (``mhc_reduce_partials_and_rmsnorm_fwd``, splits in
+order), do not depend on the batch. The MMA summation order is not contractual (§2.2.2 step 2).
+
+Backward (§2.2.3 last bullets), on CUDA cores with explicit ``__fmaf_rn``: ``dP~ = tf32_round(dP)`` (launcher).
+Per token and column ``k``: ``dx = bf16(((D + dP~[0] W~[0, k]) + dP~[1] W~[1, k] + ...) + (2 x) dQ)`` with the
+``M`` products fused into the chain in row order (each product of a TF32 value and a TF32 value is exact in
+fp32, as on the tensor cores), ``(2 x) dQ`` rounded then added (the reference's chain), and ``D`` the destination's previous content (``accumulate``) or 0. The weight
+gradient ``dW[j, k] = sum_t dP~[t, j] x[t, k]`` (each product exact) is a sum over tokens, made deterministic and
+independent of the launch: tokens are cut into blocks of ``TOKEN_BLOCK``; partial ``p`` of ``PARTIALS`` (a fixed
+count, not the SM count) is the fma chain over blocks ``p, p + PARTIALS, ...`` in increasing order, tokens in
+order inside a block, from zero. A CTA owns one partial and a slice of ``COLS`` columns. ``mhc_norm_fn_dw_sum``
+then adds the partials ``[PARTIALS, M, K]`` in increasing ``p`` from zero, one thread per element. No atomics.
+
+Kernels take ``K % 256 == 0`` and ``1 <= M <= 32`` (``takes``); the public op keeps the reference for other shapes.
+"""
+
+import math
+
+import torch
+
+from tilefuse import _jit, _launch, _ops
+
+MAX_M = 32       # rows of the weight the kernels take (the MMA's N, padded to 32)
+K_ALIGN = 256    # K % 256 == 0 (mhc.md §2.2.2)
+SPLIT_COLS = 256  # the split width is a multiple of this; splits(K) = gcd(K / 256, MAX_SPLITS)
+MAX_SPLITS = 16  # upstream's n_splits: the reduce kernel's registered split count at the bench's K
+FWD_TOKENS = 64  # forward: tokens per CTA (MMA M)
+FWD_BK = 64      # forward: columns per MMA step
+FWD_THREADS = 128
+BWD_THREADS = 128
+BWD_KPT = 2      # backward: columns a thread owns (its weight columns and weight-gradient sums in registers)
+COLS = BWD_THREADS * BWD_KPT  # backward: columns per CTA
+TOKEN_BLOCK = 32
+PARTIALS = 16    # weight-gradient partials (fixed: the gradient's bits do not depend on the device)
+SUM_THREADS = 256
+
+BF16 = "bfloat16"
+F32 = "float32"
+I64 = "int64"
+
+
+def takes(K: int, M: int) -> bool:
+    """Whether the kernels take ``K = n*C`` columns and ``M`` weight rows."""
+    return K >= K_ALIGN and K % K_ALIGN == 0 and 1 <= M <= MAX_M
+
+
+def splits(K: int) -> int:
+    """The forward's split count S for ``K`` columns: a function of K alone (batch invariance)."""
+    return math.gcd(K // SPLIT_COLS, MAX_SPLITS)
+
+
+def tf32_round(t: torch.Tensor) -> torch.Tensor:
+    """§2.2.4: ``bits((bits(v) + 0x1000) & ~0x1FFF)`` of fp32 ``t`` (round to nearest at bit 13, ties away from
+    zero; a new tensor)."""
+    return ((t.contiguous().view(torch.int32) + 0x1000) & -0x2000).view(torch.float32)
+
+
+def _fma(a, b, c):
+    import tilelang.language as T
+
+    return T.call_extern(F32, "__fmaf_rn", a, b, c)
+
+
+def _add(a, b):
+    import tilelang.language as T
+
+    return T.call_extern(F32, "__fadd_rn", a, b)
+
+
+def _mul(a, b):
+    import tilelang.language as T
+
+    return T.call_extern(F32, "__fmul_rn", a, b)
+
+
+# ---- forward: split-K partial GEMM and sums of squares ----
+
+def norm_fn_fwd_kernel(K: int, M: int):
+    """Factory: ``X [T, K]`` bf16, ``W [M, K]`` fp32 (TF32-rounded) -> ``P [S, T, M]``, ``Q [S, T]`` (S = splits(K)).
+
+    Grid: token tiles of ``FWD_TOKENS`` x splits. A step loads a ``64 x 64`` tile of x (widened to fp32) and of W
+    (rows past M zero) into shared memory, adds the tile's squares to the per-token sums and multiplies on TF32
+    tensor cores.
+    """
+    import tilelang.language as T
+
+    assert takes(K, M), (K, M)
+    S = splits(K)
+    KS = K // S
+    BT, BK, MP = FWD_TOKENS, FWD_BK, MAX_M
+    Tn = T.dynamic("Tn", I64)
+
+    @T.prim_func
+    def mhc_norm_fn_fwd(X: T.Tensor((Tn, K), BF16), W: T.Tensor((M, K), F32), P: T.Tensor((S, Tn, M), F32),
+                        Q: T.Tensor((S, Tn), F32)):
+        with T.Kernel(T.ceildiv(Tn, BT), S, threads=FWD_THREADS) as (bx, s):
+            xs = T.alloc_shared((BT, BK), F32)
+            ws = T.alloc_shared((MP, BK), F32)
+            xf = T.alloc_fragment((BT, BK), F32)
+            acc = T.alloc_fragment((BT, MP), F32)
+            qt = T.alloc_fragment((BT,), F32)
+            qa = T.alloc_fragment((BT,), F32)
+            T.clear(acc)
+            T.clear(qa)
+            t0 = T.cast(bx, I64) * BT
+            for ko in T.serial(KS // BK):
+                c0 = s * KS + ko * BK
+                for i, kk in T.Parallel(BT, BK):
+                    xf[i, kk] = T.if_then_else(t0 + i < Tn, T.cast(X[T.min(t0 + i, Tn - 1), c0 + kk], F32),
+                                               T.float32(0.0))
+                for j, kk in T.Parallel(MP, BK):
+                    ws[j, kk] = T.if_then_else(j < M, W[T.min(j, M - 1), c0 + kk], T.float32(0.0))
+                T.copy(xf, xs)
+                for i, kk in T.Parallel(BT, BK):
+                    xf[i, kk] = xf[i, kk] * xf[i, kk]
+                T.reduce_sum(xf, qt, dim=1)
+                for i in T.Parallel(BT):
+                    qa[i] = qa[i] + qt[i]
+                T.gemm(xs, ws, acc, transpose_B=True)
+            for i, j in T.Parallel(BT, MP):
+                if t0 + i < Tn and j < M:
+                    P[s, t0 + i, j] = acc[i, j]
+            for i in T.Parallel(BT):
+                if t0 + i < Tn:
+                    Q[s, t0 + i] = qa[i]
+
+    return mhc_norm_fn_fwd
+
+
+# ---- backward: residual gradient and weight-gradient partials ----
+
+def norm_fn_bwd_kernel(K: int, M: int, accumulate: bool):
+    """Factory: ``DP [T, M]`` (TF32-rounded), ``DQ [T]``, ``X [T, K]`` bf16, ``W [M, K]`` (TF32-rounded) ->
+    ``DX [T, K]`` bf16 (read first as ``D`` when ``accumulate``; may be the same buffer as nothing else reads
+    it) and the partials ``DWP [P, M, K]`` (one CTA per partial and ``COLS`` columns; P symbolic). A thread keeps
+    its columns' weight-gradient sums in registers and its weight columns in shared memory (ptxas -v, sm_90, K = 16384:
+    146 registers a thread, 3 CTAs an SM; 175 and 2 with the weight in registers too). Not yet timed (no GPU).
+    """
+    import tilelang.language as T
+
+    assert takes(K, M), (K, M)
+    KPT, TB = BWD_KPT, TOKEN_BLOCK
+    Tn, P = T.dynamic("Tn, P", I64)
+
+    @T.prim_func
+    def mhc_norm_fn_bwd(DP: T.Tensor((Tn, M), F32), DQ: T.Tensor((Tn,), F32), X: T.Tensor((Tn, K), BF16),
+                        W: T.Tensor((M, K), F32), DX: T.Tensor((Tn, K), BF16), DWP: T.Tensor((P, M, K), F32)):
+        with T.Kernel(P, K // COLS, threads=BWD_THREADS) as (p, kc):
+            dps = T.alloc_shared((TB, M), F32)
+            dqs = T.alloc_shared((TB,), F32)
+            ws = T.alloc_shared((M, COLS), F32)
+            aw = T.alloc_local((M * KPT,), F32)
+            xv = T.alloc_local((KPT,), F32)
+            acc = T.alloc_local((KPT,), F32)
+            tid = T.get_thread_binding()
+            pp = T.cast(p, I64)
+            k0 = kc * COLS + tid * KPT
+            for j in T.unroll(M):
+                for e in T.unroll(KPT):
+                    ws[j, tid * KPT + e] = W[j, k0 + e]  # read by this thread only: no barrier needed
+                    aw[j * KPT + e] = T.float32(0.0)
+            for r in T.serial(T.ceildiv(T.ceildiv(Tn, TB) - pp, P)):
+                blk = pp + r * P
+                for c in T.serial(T.ceildiv(TB * M, BWD_THREADS)):
+                    f = c * BWD_THREADS + tid
+                    if f < TB * M:
+                        t = blk * TB + f // M
+                        dps[f // M, f % M] = T.if_then_else(t < Tn, DP[T.min(t, Tn - 1), f % M], T.float32(0.0))
+                if tid < TB:
+                    t = blk * TB + tid
+                    dqs[tid] = T.if_then_else(t < Tn, DQ[T.min(t, Tn - 1)], T.float32(0.0))
+                T.sync_threads()
+                for i in T.serial(TB):
+                    t = blk * TB + i
+                    if t < Tn:
+                        for e in T.unroll(KPT):
+                            xv[e] = T.cast(X[t, k0 + e], F32)
+                            if accumulate:
+                                acc[e] = T.cast(DX[t, k0 + e], F32)
+                            else:
+                                acc[e] = T.float32(0.0)
+                        for j in T.unroll(M):
+                            for e in T.unroll(KPT):
+                                acc[e] = _fma(dps[i, j], ws[j, tid * KPT + e], acc[e])
+                                aw[j * KPT + e] = _fma(dps[i, j], xv[e], aw[j * KPT + e])
+                        for e in T.unroll(KPT):
+                            DX[t, k0 + e] = T.cast(_add(acc[e], _mul(xv[e] + xv[e], dqs[i])), BF16)
+                T.sync_threads()
+            for j in T.unroll(M):
+                for e in T.unroll(KPT):
+                    DWP[pp, j, k0 + e] = aw[j * KPT + e]
+
+    return mhc_norm_fn_bwd
+
+
+def dw_sum_kernel():
+    """Factory: ``DW[e] = sum_p DWP[p, e]`` over the ``N = M*K`` flattened elements, ``p`` increasing from zero
+    (one thread per element; all sizes symbolic: one binary)."""
+    import tilelang.language as T
+
+    P, N = T.dynamic("P, N", I64)
+
+    @T.prim_func
+    def mhc_norm_fn_dw_sum(DWP: T.Tensor((P, N), F32), DW: T.Tensor((N,), F32)):
+        with T.Kernel(T.ceildiv(N, SUM_THREADS), threads=SUM_THREADS) as bx:
+            e = T.cast(bx, I64) * SUM_THREADS + T.get_thread_binding()
+            acc = T.alloc_local((1,), F32)
+            if e < N:
+                acc[0] = T.float32(0.0)
+                for p in T.serial(P):
+                    acc[0] = _add(acc[0], DWP[p, e])
+                DW[e] = acc[0]
+
+    return mhc_norm_fn_dw_sum
+
+
+# ---- registration of the configs the bench launches ----
+
+BENCH_N = 4
+BENCH_M = BENCH_N * (BENCH_N + 2)
+BENCH_HIDDEN = (2048, 4096)  # the bench's rows: the issue's T x C = 4096 x 2048 and 8192 x 4096
+
+
+def _fwd_configs() -> list[tuple]:
+    return [(BENCH_N * c, BENCH_M) for c in BENCH_HIDDEN]
+
+
+def _bwd_configs() -> list[tuple]:
+    return [(BENCH_N * c, BENCH_M, True) for c in BENCH_HIDDEN]  # the bench's backward accumulates into x_grad
+
+
+_jit.register("mhc_norm_fn_fwd", norm_fn_fwd_kernel, _fwd_configs)
+_jit.register("mhc_norm_fn_bwd", norm_fn_bwd_kernel, _bwd_configs)
+_jit.register("mhc_norm_fn_dw_sum", dw_sum_kernel, lambda: [()])
+
+
+# ---- launchers (no validation: the public ops validate; shapes must satisfy ``takes``) ----
+
+def norm_fn_partials_launch(x, fn, out_mul, sqrsum) -> None:
+    """Write the split partials ``out_mul [S, T, M]``, ``sqrsum [S, T]`` of ``x [T, K]`` (bf16, contiguous) and
+    ``fn [M, K]`` (fp32; rounded to TF32 here), S = ``splits(K)``."""
+    T_, K = x.shape
+    if T_ == 0:
+        return
+    # 16-byte loads of x: a contiguous view may start at any element; the rounded weight is a fresh tensor
+    _jit.get("mhc_norm_fn_fwd", (K, fn.shape[0]))(_launch.aligned(x), tf32_round(fn), out_mul, sqrsum)
+
+
+def norm_fn_gemm_bwd_launch(out_mul_grad, sqrsum_grad, x, fn, x_grad, fn_grad, accumulate: bool) -> None:
+    """Write ``x_grad [T, K]`` bf16 (``+=`` its content when ``accumulate``) and overwrite ``fn_grad [M, K]``
+    (fp32) from ``out_mul_grad [T, M]``, ``sqrsum_grad [T]`` (fp32), ``x [T, K]`` and ``fn [M, K]`` (both
+    gradients' TF32 rounding here): the GEMM kernel with ``PARTIALS`` token partials, then their in-order sum.
+    ``T == 0`` zeroes ``fn_grad``."""
+    T_, K = x.shape
+    M = fn.shape[0]
+    if T_ == 0:
+        fn_grad.zero_()
+        return
+    dwp = torch.empty(PARTIALS, M, K, dtype=torch.float32, device=x.device)
+    _jit.get("mhc_norm_fn_bwd", (K, M, bool(accumulate)))(tf32_round(out_mul_grad), sqrsum_grad.contiguous(), x,
+                                                           tf32_round(fn), x_grad, dwp)
+    _jit.get("mhc_norm_fn_dw_sum", ())(dwp.view(PARTIALS, M * K), fn_grad.view(M * K))
+
+
+# ---- torch.library registration (torch.compile / fake tensors) ----
+
+@_ops.kernel_op("tilefuse::mhc_norm_fn_partials", mutates_args=("out_mul", "sqrsum"), device_types="cuda")
+def _partials_op(x: torch.Tensor, fn: torch.Tensor, out_mul: torch.Tensor, sqrsum: torch.Tensor) -> None:
+    norm_fn_partials_launch(x, fn, out_mul, sqrsum)
+
+
+@_partials_op.register_fake
+def _(x, fn, out_mul, sqrsum) -> None:
+    return None
+
+
+@_ops.kernel_op("tilefuse::mhc_norm_fn_gemm_bwd", mutates_args=("x_grad", "fn_grad"), device_types="cuda")
+def _gemm_bwd_op(out_mul_grad: torch.Tensor, sqrsum_grad: torch.Tensor, x: torch.Tensor, fn: torch.Tensor,
+                 x_grad: torch.Tensor, fn_grad: torch.Tensor, accumulate: bool) -> None:
+    norm_fn_gemm_bwd_launch(out_mul_grad, sqrsum_grad, x, fn, x_grad, fn_grad, accumulate)
+
+
+@_gemm_bwd_op.register_fake
+def _(out_mul_grad, sqrsum_grad, x, fn, x_grad, fn_grad, accumulate) -> None:
+    return None
+
+
+# ---- CUDA entries: a direct launch in eager mode, the custom op while tracing ----
+
+def norm_fn_partials_cuda(*args) -> None:
+    (torch.ops.tilefuse.mhc_norm_fn_partials if torch.compiler.is_compiling() else norm_fn_partials_launch)(*args)
+
+
+def norm_fn_gemm_bwd_cuda(*args) -> None:
+    (torch.ops.tilefuse.mhc_norm_fn_gemm_bwd if torch.compiler.is_compiling() else norm_fn_gemm_bwd_launch)(*args)
