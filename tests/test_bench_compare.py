@@ -375,8 +375,9 @@ def test_in_place_cases_are_restored_outside_the_timed_call():
 
 @pytest.mark.parametrize("case", runner.select_cases(True, ["mhc"]), ids=lambda c: c.name)
 def test_mhc_reference_and_peer_calls_compute_our_op(case):
-    """On the CPU our op takes its reference: each mHC case's torch.compile reference and its TileKernels call
-    (against a stand-in ``tile_kernels`` holding our ``tilefuse.mhc``) give our outputs, shapes included."""
+    """On the CPU our op takes its reference: each mHC case's torch.compile reference and its TileKernels 2.1.0
+    call (against a stand-in ``tile_kernels`` holding our ``tilefuse.mhc``: the same v2.1 API) give our outputs,
+    shapes included. (The 1.0.0 calls of the projection reach into 1.0.0's own modules: no stand-in.)"""
     import tilefuse.mhc
 
     _, inputs = case.make("cpu", 0.02)
@@ -385,5 +386,6 @@ def test_mhc_reference_and_peer_calls_compute_our_op(case):
     assert ok, f"reference: {text}"
     stand_in = types.SimpleNamespace(mhc=tilefuse.mhc)
     for peer, call in case.peers.items():
-        ok, text = _peers.agree(ours, call(stand_in, *core._clone(inputs)), case.exact)
-        assert ok, f"{peer}: {text}"
+        if peer == "tk2":
+            ok, text = _peers.agree(ours, call(stand_in, *core._clone(inputs)), case.exact)
+            assert ok, f"{peer}: {text}"

@@ -44,7 +44,8 @@ HIDDEN = (2560, 4096, 7168)
 NORM_FN_SHAPES = ((4096, 2048), (8192, 4096))  # (T, C) of the projection rows (issue #35)
 QUICK_HIDDEN = 4096
 SPLITS, RMS_EPS = 16, 1e-6  # the prenorm projection's split-K partials and RMS epsilon (mhc.md 4)
-TOKENS = (0, TOKENS_LAYER, SINKHORN_MATRICES)  # 0: the weight-only rows (normw merge)
+# the rows' token counts (0: the weight-only rows of the normw merge)
+TOKENS = tuple(sorted({0, TOKENS_LAYER, SINKHORN_MATRICES, *(t for t, _ in NORM_FN_SHAPES)}))
 BF16, F32 = torch.bfloat16, torch.float32
 
 
