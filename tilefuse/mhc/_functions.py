@@ -182,15 +182,19 @@ def norm_fn_forward(residual: torch.Tensor, fn: torch.Tensor, eps: float):
 
 def pre_chain(out_mul_splitted, sqrsum_splitted, residual, scale, base, rms_eps, pre_eps, sinkhorn_eps,
               post_mult_value, sinkhorn_repeat):
-    """The fused pre of §2.8 on flattened tensors: reduce + RMS, split, Sinkhorn, apply.
+    """The fused pre of §2.8 on flattened tensors: reduce + RMS, split, Sinkhorn, apply, each step through the
+    helper its unfused op takes (the kernels on CUDA), so the chain's bits are the unfused ops' (§3). One launch
+    per step: a single fused kernel is still to come.
 
     Returns ``(post_mix [T, n, 1], comb_mix [T, n, n], layer_input [T, C])``.
     """
     n, C = residual.shape[-2:]
     _, _, mixes = reduce_rmsnorm(out_mul_splitted, sqrsum_splitted, n * C, rms_eps)
-    pre, post, comb = R.mhc_pre_split_mixes_ref(mixes, scale, base, n, post_mult_value, pre_eps)
-    comb = R.sinkhorn_normalize_ref(comb, sinkhorn_repeat, sinkhorn_eps)
-    return post, comb, R.mhc_pre_apply_mix_ref(residual, pre)
+    pre, post, comb = split_mixes_fwd(mixes, scale, base, n, post_mult_value, pre_eps)
+    comb = sinkhorn_fwd(comb.contiguous(), sinkhorn_repeat, sinkhorn_eps)
+    layer_input = residual.new_empty(*residual.shape[:-2], C)
+    apply_mix_fwd_into(residual, pre, layer_input)
+    return post, comb, layer_input
 
 
 def _kernel_rows(t: torch.Tensor, n: int, takes) -> bool:
@@ -295,20 +299,24 @@ def _mix_kernel_takes(x: torch.Tensor, n: int) -> bool:
     return x.is_cuda and x.dtype == torch.float32 and _mix_kernel.supports(n)
 
 
+def split_mixes_fwd(input_mixes, scale, base, n: int, post_mult_value: float, pre_eps: float):
+    """§2.3 forward: ``(pre [..., n, 1], post [..., n, 1], comb [..., n, n])``; the mix kernel on fp32 CUDA
+    logits it takes, else the reference."""
+    if not _mix_kernel_takes(input_mixes, n):
+        return R.mhc_pre_split_mixes_ref(input_mixes, scale, base, n, post_mult_value, pre_eps)
+    flat = input_mixes.reshape(-1, n * (n + 2))
+    lead = input_mixes.shape[:-1]
+    pre, post, comb = (flat.new_empty(flat.shape[0], w) for w in (n, n, n * n))
+    _mix_kernel.split_mixes_fwd_cuda(flat, scale, base, pre, post, comb, post_mult_value, pre_eps)
+    return pre.view(*lead, n, 1), post.view(*lead, n, 1), comb.view(*lead, n, n)
+
+
 class MHCPreSplitMixesFn(torch.autograd.Function):
     """§2.3: split mix logits; saves the logits, the post mix, scale and base. CUDA: the mix kernels."""
 
     @staticmethod
     def forward(ctx, input_mixes, scale, base, mhc_mult, post_mult_value, pre_eps):
-        n = mhc_mult
-        if _mix_kernel_takes(input_mixes, n):
-            flat = input_mixes.reshape(-1, n * (n + 2))
-            lead = input_mixes.shape[:-1]
-            pre, post, comb = (flat.new_empty(flat.shape[0], w) for w in (n, n, n * n))
-            _mix_kernel.split_mixes_fwd_cuda(flat, scale, base, pre, post, comb, post_mult_value, pre_eps)
-            pre, post, comb = pre.view(*lead, n, 1), post.view(*lead, n, 1), comb.view(*lead, n, n)
-        else:
-            pre, post, comb = R.mhc_pre_split_mixes_ref(input_mixes, scale, base, n, post_mult_value, pre_eps)
+        pre, post, comb = split_mixes_fwd(input_mixes, scale, base, mhc_mult, post_mult_value, pre_eps)
         ctx.save_for_backward(input_mixes, post, scale, base)
         ctx.post_mult_value = post_mult_value
         return pre, post, comb
@@ -332,6 +340,17 @@ class MHCPreSplitMixesFn(torch.autograd.Function):
         return d_input.view(input_mixes.shape), d_scale, d_base, None, None, None
 
 
+def sinkhorn_fwd(x: torch.Tensor, repeat: int, eps: float) -> torch.Tensor:
+    """§2.4 forward: the Sinkhorn kernel where it takes ``x`` (contiguous ``[..., n, n]``, seen as ``[T, n, n]``),
+    else the reference."""
+    if not _sinkhorn_kernel.fwd_supported(x, repeat):
+        return R.sinkhorn_normalize_ref(x, repeat, eps)
+    out = torch.empty_like(x)
+    n = x.shape[-1]
+    _sinkhorn_kernel.sinkhorn_fwd_cuda(x.view(-1, n, n), out.view(-1, n, n), repeat, eps)
+    return out
+
+
 class SinkhornNormalizeFn(torch.autograd.Function):
     """§2.4: Sinkhorn; saves only the input and replays the forward in backward."""
 
@@ -339,12 +358,7 @@ class SinkhornNormalizeFn(torch.autograd.Function):
     def forward(ctx, x, repeat, eps):
         ctx.save_for_backward(x)
         ctx.repeat, ctx.eps = repeat, eps
-        if _sinkhorn_kernel.fwd_supported(x, repeat):  # contiguous [..., n, n]: the kernel sees [T, n, n]
-            out = torch.empty_like(x)
-            n = x.shape[-1]
-            _sinkhorn_kernel.sinkhorn_fwd_cuda(x.view(-1, n, n), out.view(-1, n, n), repeat, eps)
-            return out
-        return R.sinkhorn_normalize_ref(x, repeat, eps)
+        return sinkhorn_fwd(x, repeat, eps)
 
     @staticmethod
     def backward(ctx, grad):

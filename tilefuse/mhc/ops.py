@@ -578,7 +578,8 @@ def mhc_pre_big_fuse(residual: torch.Tensor, fn: torch.Tensor, mhc_scale: torch.
                      rms_eps: float, mhc_pre_eps: float, mhc_sinkhorn_eps: float, mhc_post_mult_value: float,
                      sinkhorn_repeat: int, n_splits: int = 16):
     """Inference pre (§2.8): ``(post_mix [..., n, 1], comb_mix [..., n, n], layer_input [..., C])``,
-    bit-identical to norm_fn -> split -> Sinkhorn -> apply. No autograd; ``n_splits`` has no numerical
+    bit-identical to norm_fn -> split -> Sinkhorn -> apply: on CUDA the same kernels, step by step. Listed as
+    ``reference`` until it has its own fused kernel and bench rows. No autograd; ``n_splits`` has no numerical
     effect (v1: one partial)."""
     op = "mhc_pre_big_fuse"
     _check_norm_fn_inputs(op, residual, fn, None, fn_name="fn")
@@ -647,7 +648,9 @@ def _stream_mix(op: str, name: str, t, lead: tuple, n: int, dev) -> None:
 def mhc_multilayer_recompute(initial_residual: torch.Tensor, pre_mix_list, layer_output_list, post_mix_list,
                              comb_mix_list, layer_input_list, residual_list) -> None:
     """Replay the apply/post chain of L layers (§2.9), writing ``layer_input_list[l]`` (bf16 ``[..., C]``)
-    and ``residual_list[l]`` (the residual after layer l, bf16 ``[..., n, C]``); P == L or L - 1 post steps."""
+    and ``residual_list[l]`` (the residual after layer l, bf16 ``[..., n, C]``); P == L or L - 1 post steps.
+    CUDA tensors run the apply and post kernels step by step (bit-equal to the unfused ops); listed as
+    ``reference`` until it has its own fused kernel and bench rows."""
     op = "mhc_multilayer_recompute"
     _streams(op, "initial_residual", initial_residual, contiguous=True)
     lead, (n, C) = tuple(initial_residual.shape[:-2]), initial_residual.shape[-2:]
@@ -679,9 +682,9 @@ def mhc_multilayer_recompute(initial_residual: torch.Tensor, pre_mix_list, layer
         _check.tensor(op, f"residual_list[{l}]", residual_list[l], dtype=BF16, shape=(*lead, n, C), contiguous=True,
                       device=dev)
     residual = initial_residual
-    for l in range(L):
-        layer_input_list[l].copy_(R.mhc_pre_apply_mix_ref(residual, pre_mix_list[l].reshape(*lead, n, 1)))
+    for l in range(L):  # each step through the helper its unfused op takes (the kernels on CUDA): the same bits
+        F.apply_mix_fwd_into(residual, pre_mix_list[l].reshape(*lead, n, 1), layer_input_list[l])
         if l < P:
-            residual_list[l].copy_(R.mhc_post_ref(layer_output_list[l], residual,
-                                                  post_mix_list[l].reshape(*lead, n, 1), comb_mix_list[l]))
+            F.post_forward(layer_output_list[l], residual, post_mix_list[l].reshape(*lead, n, 1), comb_mix_list[l],
+                           residual_list[l])
             residual = residual_list[l]
