@@ -23,9 +23,10 @@ non-contiguous) tensor into an aligned one.
 import torch
 
 from tilefuse import _jit, _launch, _ops
+from tilefuse._rn import fma as _fma, mul as _fmul
 from tilefuse.mhc._rows import MAX_N, V, ready, row_threads, takes  # noqa: F401  (takes, MAX_N: for _functions)
 
-KERNEL_HELPERS = ("tilefuse.mhc._rows",)  # part of this module's kernel cache key (_jit._module_digest)
+KERNEL_HELPERS = ("tilefuse.mhc._rows", "tilefuse._rn")  # part of this module's cache key (_jit._module_digest)
 
 # Threads per CTA of the backward: up to BWD_MAX_THREADS (_rows.row_threads). Not a tuning knob: the thread count
 # sets the mix gradient's summation tree, so changing it changes results (within the derived bound).
@@ -37,18 +38,6 @@ MAX_THREADS = 256  # the most threads per CTA (_rows.row_threads)
 TOKENS_PER_CTA = 1
 # PDL: the first statement waits for the stream's previous grid (griddepcontrol.wait). Results unchanged.
 PDL = True
-
-
-def _fmul(a, b):
-    import tilelang.language as T
-
-    return T.call_extern("float32", "__fmul_rn", a, b)
-
-
-def _fma(a, b, c):
-    import tilelang.language as T
-
-    return T.call_extern("float32", "__fmaf_rn", a, b, c)
 
 
 def apply_mix_fwd_kernel(n: int, C: int):

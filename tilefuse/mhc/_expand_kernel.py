@@ -22,9 +22,10 @@ other shapes to the reference, and the launchers copy a misaligned (or non-conti
 import torch
 
 from tilefuse import _jit, _launch, _ops
+from tilefuse._rn import add as _fadd
 from tilefuse.mhc._rows import MAX_N, V, ready, row_threads, takes  # noqa: F401  (takes, MAX_N: for _functions)
 
-KERNEL_HELPERS = ("tilefuse.mhc._rows",)  # part of this module's kernel cache key (_jit._module_digest)
+KERNEL_HELPERS = ("tilefuse.mhc._rows", "tilefuse._rn")  # part of this module's cache key (_jit._module_digest)
 
 # ---- tuning knobs (TILEFUSE_KNOBS) ----
 MAX_THREADS = 256  # the most threads per CTA (_rows.row_threads)
@@ -34,12 +35,6 @@ TOKENS_PER_CTA = 1
 # PDL: the first statement waits for the stream's previous grid (griddepcontrol.wait), so the launch and CTA setup
 # overlap the previous kernel's tail. Results unchanged.
 PDL = True
-
-
-def _fadd(a, b):
-    import tilelang.language as T
-
-    return T.call_extern("float32", "__fadd_rn", a, b)
 
 
 def expand_fwd_kernel(n: int, C: int):

@@ -33,6 +33,9 @@ import torch
 
 from tilefuse import _jit, _ops
 from tilefuse.reference.mhc import TOKEN_BLOCK  # default token block of the parameter-gradient partials
+from tilefuse._rn import add as _add, call as _f, div as _div, mul as _mul, sub as _sub
+
+KERNEL_HELPERS = ("tilefuse._rn",)  # part of this module's kernel cache key (_jit._module_digest)
 
 MAX_N = 8        # largest multiplicity the kernels take (per-token arrays of n(n+2) floats in registers)
 THREADS = 128    # forward kernels and the partial sum: threads per CTA, one token (column) per thread
@@ -48,28 +51,6 @@ def supports(n: int) -> bool:
 
 
 # ---- device arithmetic (explicitly rounded fp32 operations) ----
-
-def _f(name: str, *args):
-    import tilelang.language as T
-
-    return T.call_extern(F32, name, *args)
-
-
-def _add(a, b):
-    return _f("__fadd_rn", a, b)
-
-
-def _sub(a, b):
-    return _f("__fsub_rn", a, b)
-
-
-def _mul(a, b):
-    return _f("__fmul_rn", a, b)
-
-
-def _div(a, b):
-    return _f("__fdiv_rn", a, b)
-
 
 def _sigmoid(z):
     """``1 / (1 + expf(0 - z))`` (mhc.md §0)."""

@@ -27,6 +27,9 @@ import math
 import torch
 
 from tilefuse import _jit, _launch, _ops
+from tilefuse._rn import add as _add, fma as _fma, mul as _mul
+
+KERNEL_HELPERS = ("tilefuse._rn",)  # part of this module's kernel cache key (_jit._module_digest)
 
 MAX_M = 32       # rows of the weight the kernels take (the MMA's N, padded to 32)
 K_ALIGN = 256    # K % 256 == 0 (mhc.md §2.2.2)
@@ -61,24 +64,6 @@ def tf32_round(t: torch.Tensor) -> torch.Tensor:
     """§2.2.4: ``bits((bits(v) + 0x1000) & ~0x1FFF)`` of fp32 ``t`` (round to nearest at bit 13, ties away from
     zero; a new tensor)."""
     return ((t.contiguous().view(torch.int32) + 0x1000) & -0x2000).view(torch.float32)
-
-
-def _fma(a, b, c):
-    import tilelang.language as T
-
-    return T.call_extern(F32, "__fmaf_rn", a, b, c)
-
-
-def _add(a, b):
-    import tilelang.language as T
-
-    return T.call_extern(F32, "__fadd_rn", a, b)
-
-
-def _mul(a, b):
-    import tilelang.language as T
-
-    return T.call_extern(F32, "__fmul_rn", a, b)
 
 
 # ---- forward: split-K partial GEMM and sums of squares ----

@@ -33,6 +33,9 @@ Speed: not yet measured on a GPU. ptxas (sm_90, n = 4) gives the forward 72 regi
 import torch
 
 from tilefuse import _jit, _launch, _ops
+from tilefuse._rn import fma as _fma, mul as _fmul
+
+KERNEL_HELPERS = ("tilefuse._rn",)  # part of this module's kernel cache key (_jit._module_digest)
 
 # ---- tuning knobs (TILEFUSE_KNOBS) ----
 FWD_THREADS = 128  # threads per CTA of the forward (one lane each)
@@ -42,18 +45,6 @@ BWD_UNROLL = 2     # backward lane steps whose loads a thread issues before thei
 V = 8                  # bf16 columns per lane: one 16-byte vector
 KERNEL_N = (2, 4, 8)   # multiplicities the kernels are built for
 WARP = 32
-
-
-def _fmul(a, b):
-    import tilelang.language as T
-
-    return T.call_extern("float32", "__fmul_rn", a, b)
-
-
-def _fma(a, b, c):
-    import tilelang.language as T
-
-    return T.call_extern("float32", "__fmaf_rn", a, b, c)
 
 
 def _chain(first, terms):

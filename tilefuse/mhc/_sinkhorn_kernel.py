@@ -31,6 +31,9 @@ from __future__ import annotations
 import torch
 
 from tilefuse import _jit, _ops
+from tilefuse._rn import add as _fadd, mul as _fmul
+
+KERNEL_HELPERS = ("tilefuse._rn",)  # part of this module's kernel cache key (_jit._module_digest)
 
 # ---- tuning knobs (TILEFUSE_KNOBS) ----
 # lanes per CTA: THREADS / n^2 matrices (8 for n = 4). 128 rather than 256: the backward at repeat = 20 uses 92
@@ -43,18 +46,6 @@ PDL = True
 KERNEL_N = (2, 4)       # multiplicities the kernels take (n^2 lanes of one warp); others keep the reference
 MAX_BWD_REPEAT = 32     # the backward keeps 2 (2 repeat - 1) registers per lane; longer chains keep the reference
 MAX_FWD_REPEAT = 2 ** 31 - 1  # the forward's repeat is an int32 launch argument
-
-
-def _fadd(a, b):
-    import tilelang.language as T
-
-    return T.call_extern("float32", "__fadd_rn", a, b)
-
-
-def _fmul(a, b):
-    import tilelang.language as T
-
-    return T.call_extern("float32", "__fmul_rn", a, b)
 
 
 def _expf(v):

@@ -32,6 +32,9 @@ from typing import NamedTuple
 import torch
 
 from tilefuse import _jit, _launch, _ops
+from tilefuse._rn import fma as _fma, mul as _fmul
+
+KERNEL_HELPERS = ("tilefuse._rn",)  # part of this module's kernel cache key (_jit._module_digest)
 
 # ---- tuning knobs (TILEFUSE_KNOBS) ----
 THREADS = 128  # per CTA
@@ -48,18 +51,6 @@ _DT_NAME = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 _POS_NAME = {torch.int32: "int32", torch.int64: "int64"}
 VECS = {"bf16": (8, 4, 2, 1), "fp32": (4, 2, 1)}  # elements per data access, widest first (16 bytes max)
 CACHE_VECS = (4, 2, 1)                              # fp32 cache values per access
-
-
-def _fmul(a, b):
-    import tilelang.language as T
-
-    return T.call_extern("float32", "__fmul_rn", a, b)
-
-
-def _fma(a, b, c):
-    import tilelang.language as T
-
-    return T.call_extern("float32", "__fmaf_rn", a, b, c)
 
 
 def rotary_kernel(dtype: str, D: int, V: int, CW: int, interleaved: bool, pos: str, rank: int = 3):
