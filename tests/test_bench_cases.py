@@ -49,6 +49,9 @@ COUNTED = {
     "mhc_pre_split_mixes_bwd": 13,            # 3 grads, logits, post, scale, base, 3 destinations; the 3 again
     "mhc_head_compute_mix_fwd": 5,            # logits, scale, base, out; out
     "mhc_head_compute_mix_bwd": 10,           # d_out, logits, scale, base, 3 destinations; the 3 again
+    "mhc_pre_big_fuse_fwd": 11,               # partials, sqrsum, scale, base, residual, 3 destinations; the 3 again
+    "mhc_multilayer_recompute": 81,           # residual, 6 lists of 10 (pre, out, post, comb, inputs, residuals);
+                                              # the 2 written lists again
     "mhc_sinkhorn_fwd": 3,                    # x, out, out
     "mhc_sinkhorn_bwd": 4,                    # d_out, x, d_x, d_x
     "mhc_fn_normw_merge_fwd": 4,              # fn, normw, out_fn; out_fn

@@ -29,11 +29,13 @@ OPS = ("expand_to_mhc_fwd", "expand_to_mhc_bwd", "mhc_pre_apply_mix_fwd", "mhc_p
        "mhc_post_bwd", "mhc_pre_split_mixes_fwd", "mhc_pre_split_mixes_bwd", "mhc_head_compute_mix_fwd",
        "mhc_head_compute_mix_bwd", "mhc_sinkhorn_fwd", "mhc_sinkhorn_bwd", "mhc_fn_normw_merge_fwd",
        "mhc_fn_normw_merge_bwd", "mhc_reduce_partials_and_rmsnorm_fwd", "mhc_reduce_partials_and_rmsnorm_bwd",
-       "mhc_pre_norm_fn", "mhc_pre_norm_fn_bwd")
-# v1 autograd ops -> the v2.1 op whose kernels they run (timed by that op's rows)
+       "mhc_pre_norm_fn", "mhc_pre_norm_fn_bwd", "mhc_pre_big_fuse_fwd", "mhc_multilayer_recompute")
+# v1 ops -> the v2.1 op whose kernels they run (timed by that op's rows; the v1 fused pre also runs the
+# projection's kernels, timed by the mhc_pre_norm_fn rows)
 SAME_KERNELS = {"expand_to_mhc": "expand_to_mhc_fwd", "mhc_pre_apply_mix": "mhc_pre_apply_mix_fwd",
                 "mhc_post": "mhc_post_fwd", "sinkhorn_normalize": "mhc_sinkhorn_fwd",
-                "mhc_pre_split_mixes": "mhc_pre_split_mixes_fwd", "mhc_head_compute_mix": "mhc_head_compute_mix_fwd"}
+                "mhc_pre_split_mixes": "mhc_pre_split_mixes_fwd", "mhc_head_compute_mix": "mhc_head_compute_mix_fwd",
+                "mhc_pre_big_fuse": "mhc_pre_big_fuse_fwd"}
 N = 4                   # streams (DeepSeek-V4)
 TOKENS_LAYER = 8192     # tokens of the layer rows
 POST_MULT, PRE_EPS = 2.0, 1e-2  # mhc.md 4's split-mix values
@@ -354,6 +356,77 @@ def _reduce_cases() -> list[Case]:
     ]
 
 
+def _fused_cases(c: int) -> list[Case]:
+    """The fused pre from external GEMM partials (``mhc_pre_big_fuse_fwd``: reduce + RMS, split, Sinkhorn, apply;
+    T = 8192, S = 16, mhc.md 4's epsilons, v = 1, 10 Sinkhorn iterations) and the recompute of L = 10 layers
+    with P = 10 post steps on [1, 8192] tokens (mhc.md 4's benchmark: every tensor once is its ``io_fused``)."""
+    from tilefuse import mhc
+    from tilefuse.reference import mhc as R
+
+    t, n, s, layers = TOKENS_LAYER, N, SPLITS, 10
+    m = n * (n + 2)
+    eps, v, rep = 1e-6, 1.0, 10
+    label = f"T={t} n={n} C={c}"
+
+    def sized(make):
+        return lambda device, scale: (label if scale == 1.0 else f"T={_dim(t, scale)} n={n} C={_dim(c, scale, 256)}",
+                                      make(_dim(t, scale), _dim(c, scale, 256), device))
+
+    def fuse_inputs(t, c, d):
+        k = n * c
+        return (_normal((s, t, m), F32, d) * (k / s) ** 0.5 * 1e-2, (0.5 + torch.rand(s, t, device=d)) * (k / s),
+                _normal((3,), F32, d) * 0.1, _normal((m,), F32, d) * 0.1, _normal((t, n, c), BF16, d),
+                torch.empty(t, n, device=d), torch.empty(t, n * n, device=d),
+                torch.empty(t, c, dtype=BF16, device=d))
+
+    def fuse(ns, ps, qs, scale, base, res, post, comb, li):
+        ns.mhc_pre_big_fuse_fwd(ps, qs, scale, base, res, post, comb, li, eps, eps, eps, v, rep, s)
+        return post, comb, li
+
+    def fuse_ref(ps, qs, scale, base, res, post, comb, li):
+        k = res.shape[1] * res.shape[2]
+        _, _, mixes = R.mhc_reduce_partials_and_rmsnorm_ref(ps.unsqueeze(2), qs.unsqueeze(2), k, eps)
+        pre, p, cm = R.mhc_pre_split_mixes_ref(mixes, scale, base, n, v, eps)
+        post.copy_(p.view(post.shape))
+        comb.copy_(R.sinkhorn_normalize_ref(cm, rep, eps).view(comb.shape))
+        li.copy_(R.mhc_pre_apply_mix_ref(res, pre))
+        return post, comb, li
+
+    def layer_inputs(t, c, d):
+        return (_normal((1, t, n, c), BF16, d), [_positive_mix((1, t, n, 1), d) for _ in range(layers)],
+                [_normal((1, t, c), BF16, d) for _ in range(layers)],
+                [_positive_mix((1, t, n, 1), d) for _ in range(layers)],
+                [_positive_mix((1, t, n, n), d) for _ in range(layers)],
+                [torch.empty(1, t, c, dtype=BF16, device=d) for _ in range(layers)],
+                [torch.empty(1, t, n, c, dtype=BF16, device=d) for _ in range(layers)])
+
+    def recompute(ns, r0, pre, out, post, comb, li, res):
+        ns.mhc_multilayer_recompute(r0, pre, out, post, comb, li, res)
+        return li, res
+
+    def recompute_ref(r0, pre, out, post, comb, li, res):
+        r = r0
+        for l in range(layers):
+            li[l].copy_(R.mhc_pre_apply_mix_ref(r, pre[l]))
+            r = res[l].copy_(R.mhc_post_ref(out[l], r, post[l], comb[l]))
+        return li, res
+
+    f32 = lambda *shape: (shape, F32)  # noqa: E731
+    per_layer = [f32(1, t, n, 1), ((1, t, c), BF16), f32(1, t, n, 1), f32(1, t, n, n), ((1, t, c), BF16),
+                 ((1, t, n, c), BF16)]
+    return [
+        Case("mhc_pre_big_fuse_fwd", sized(fuse_inputs), lambda *args: fuse(mhc, *args), fuse_ref,
+             {"tk2": lambda tk, *args: fuse(tk.mhc, *args)}, False, f"mhc_pre_big_fuse_fwd|n={n} C={c}", t,
+             describe=lambda: (label, [f32(s, t, m), f32(s, t), f32(3), f32(m), ((t, n, c), BF16), f32(t, n),
+                                       f32(t, n * n), ((t, c), BF16)], []),
+             nbytes=_written_once),
+        Case("mhc_multilayer_recompute", sized(layer_inputs), lambda *args: recompute(mhc, *args), recompute_ref,
+             {"tk2": lambda tk, *args: recompute(tk.mhc, *args)}, False, f"mhc_multilayer_recompute|n={n} C={c}",
+             t, describe=lambda: (label, [((1, t, n, c), BF16), *per_layer * layers], []),
+             nbytes=_written_once),
+    ]
+
+
 def _norm_fn_cases(t: int, c: int) -> list[Case]:
     """The prenorm projection (a skinny TF32 GEMM, K = n C by M = 24, plus the RMS factor). ``mhc_pre_norm_fn``:
     the v1 autograd op's forward. ``mhc_pre_norm_fn_bwd``: its backward GEMMs (no public op of their own: the
@@ -412,10 +485,12 @@ def _norm_fn_cases(t: int, c: int) -> list[Case]:
 
 def quick_cases() -> list[Case]:
     return (_layer_cases(QUICK_HIDDEN) + _mix_cases() + _sinkhorn_cases() + _normw_cases(QUICK_HIDDEN)
-            + _reduce_cases() + [case for t, c in NORM_FN_SHAPES for case in _norm_fn_cases(t, c)])
+            + _reduce_cases() + [case for t, c in NORM_FN_SHAPES for case in _norm_fn_cases(t, c)]
+            + _fused_cases(QUICK_HIDDEN))
 
 
 def grid_cases() -> list[Case]:
     return ([case for c in HIDDEN for case in _layer_cases(c)] + _mix_cases() + _sinkhorn_cases()
             + [case for c in HIDDEN for case in _normw_cases(c)] + _reduce_cases()
-            + [case for t, c in NORM_FN_SHAPES for case in _norm_fn_cases(t, c)])
+            + [case for t, c in NORM_FN_SHAPES for case in _norm_fn_cases(t, c)]
+            + [case for c in HIDDEN for case in _fused_cases(c)])

@@ -181,18 +181,20 @@ def norm_fn_forward(residual: torch.Tensor, fn: torch.Tensor, eps: float):
 
 
 def pre_chain(out_mul_splitted, sqrsum_splitted, residual, scale, base, rms_eps, pre_eps, sinkhorn_eps,
-              post_mult_value, sinkhorn_repeat):
+              post_mult_value, sinkhorn_repeat, out=None):
     """The fused pre of §2.8 on flattened tensors: reduce + RMS, split, Sinkhorn, apply, each step through the
     helper its unfused op takes (the kernels on CUDA), so the chain's bits are the unfused ops' (§3). One launch
     per step: a single fused kernel is still to come.
 
-    Returns ``(post_mix [T, n, 1], comb_mix [T, n, n], layer_input [T, C])``.
+    Returns ``(post_mix [T, n, 1], comb_mix [T, n, n], layer_input [T, C])``, written into ``out`` (three
+    contiguous buffers of ``T n``, ``T n^2`` and ``T C`` elements) where given.
     """
-    n, C = residual.shape[-2:]
+    T, n, C = residual.shape
+    post_out, comb_out, layer_input = out if out is not None else (None, None, residual.new_empty(T, C))
     _, _, mixes = reduce_rmsnorm(out_mul_splitted, sqrsum_splitted, n * C, rms_eps)
-    pre, post, comb = split_mixes_fwd(mixes, scale, base, n, post_mult_value, pre_eps)
-    comb = sinkhorn_fwd(comb.contiguous(), sinkhorn_repeat, sinkhorn_eps)
-    layer_input = residual.new_empty(*residual.shape[:-2], C)
+    pre, post, comb = split_mixes_fwd(mixes, scale, base, n, post_mult_value, pre_eps, post_out)
+    comb = sinkhorn_fwd(comb.contiguous(), sinkhorn_repeat, sinkhorn_eps,
+                        None if comb_out is None else comb_out.view(T, n, n))
     apply_mix_fwd_into(residual, pre, layer_input)
     return post, comb, layer_input
 
@@ -299,14 +301,17 @@ def _mix_kernel_takes(x: torch.Tensor, n: int) -> bool:
     return x.is_cuda and x.dtype == torch.float32 and _mix_kernel.supports(n)
 
 
-def split_mixes_fwd(input_mixes, scale, base, n: int, post_mult_value: float, pre_eps: float):
+def split_mixes_fwd(input_mixes, scale, base, n: int, post_mult_value: float, pre_eps: float, post_out=None):
     """§2.3 forward: ``(pre [..., n, 1], post [..., n, 1], comb [..., n, n])``; the mix kernel on fp32 CUDA
-    logits it takes, else the reference."""
-    if not _mix_kernel_takes(input_mixes, n):
-        return R.mhc_pre_split_mixes_ref(input_mixes, scale, base, n, post_mult_value, pre_eps)
-    flat = input_mixes.reshape(-1, n * (n + 2))
+    logits it takes, else the reference. ``post_out`` (contiguous, ``n`` values a token), where given, receives
+    the post mix (the kernel writes it there)."""
     lead = input_mixes.shape[:-1]
-    pre, post, comb = (flat.new_empty(flat.shape[0], w) for w in (n, n, n * n))
+    if not _mix_kernel_takes(input_mixes, n):
+        pre, post, comb = R.mhc_pre_split_mixes_ref(input_mixes, scale, base, n, post_mult_value, pre_eps)
+        return pre, post if post_out is None else post_out.view(*lead, n, 1).copy_(post), comb
+    flat = input_mixes.reshape(-1, n * (n + 2))
+    pre, comb = flat.new_empty(flat.shape[0], n), flat.new_empty(flat.shape[0], n * n)
+    post = flat.new_empty(flat.shape[0], n) if post_out is None else post_out.view(-1, n)
     _mix_kernel.split_mixes_fwd_cuda(flat, scale, base, pre, post, comb, post_mult_value, pre_eps)
     return pre.view(*lead, n, 1), post.view(*lead, n, 1), comb.view(*lead, n, n)
 
@@ -340,12 +345,13 @@ class MHCPreSplitMixesFn(torch.autograd.Function):
         return d_input.view(input_mixes.shape), d_scale, d_base, None, None, None
 
 
-def sinkhorn_fwd(x: torch.Tensor, repeat: int, eps: float) -> torch.Tensor:
-    """§2.4 forward: the Sinkhorn kernel where it takes ``x`` (contiguous ``[..., n, n]``, seen as ``[T, n, n]``),
-    else the reference."""
+def sinkhorn_fwd(x: torch.Tensor, repeat: int, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """§2.4 forward into ``out`` (a new tensor if None; contiguous, ``x``'s shape): the Sinkhorn kernel where it
+    takes ``x`` (contiguous ``[..., n, n]``, seen as ``[T, n, n]``), else the reference."""
     if not _sinkhorn_kernel.fwd_supported(x, repeat):
-        return R.sinkhorn_normalize_ref(x, repeat, eps)
-    out = torch.empty_like(x)
+        result = R.sinkhorn_normalize_ref(x, repeat, eps)
+        return result if out is None else out.copy_(result)
+    out = torch.empty_like(x) if out is None else out
     n = x.shape[-1]
     _sinkhorn_kernel.sinkhorn_fwd_cuda(x.view(-1, n, n), out.view(-1, n, n), repeat, eps)
     return out

@@ -573,14 +573,13 @@ def _check_fuse_scalars(op: str, rms_eps, mhc_pre_eps, mhc_sinkhorn_eps, mhc_pos
             _check.integer(op, "n_splits", n_splits, min=1))
 
 
-@public("mhc")
+@public("mhc", path="kernel")
 def mhc_pre_big_fuse(residual: torch.Tensor, fn: torch.Tensor, mhc_scale: torch.Tensor, mhc_base: torch.Tensor,
                      rms_eps: float, mhc_pre_eps: float, mhc_sinkhorn_eps: float, mhc_post_mult_value: float,
                      sinkhorn_repeat: int, n_splits: int = 16):
     """Inference pre (§2.8): ``(post_mix [..., n, 1], comb_mix [..., n, n], layer_input [..., C])``,
-    bit-identical to norm_fn -> split -> Sinkhorn -> apply: on CUDA the same kernels, step by step. Listed as
-    ``reference`` until it has its own fused kernel and bench rows. No autograd; ``n_splits`` has no numerical
-    effect (v1: one partial)."""
+    bit-identical to norm_fn -> split -> Sinkhorn -> apply: on CUDA the same kernels, step by step (no single
+    fused kernel yet). No autograd; ``n_splits`` has no numerical effect (v1: one partial)."""
     op = "mhc_pre_big_fuse"
     _check_norm_fn_inputs(op, residual, fn, None, fn_name="fn")
     n, C = residual.shape[-2:]
@@ -599,7 +598,7 @@ def mhc_pre_big_fuse(residual: torch.Tensor, fn: torch.Tensor, mhc_scale: torch.
     return post.view(*lead, n, 1), comb.view(*lead, n, n), layer_input.view(*lead, C)
 
 
-@public("mhc")
+@public("mhc", path="kernel")
 def mhc_pre_big_fuse_fwd(gemm_out_mul: torch.Tensor, gemm_out_sqrsum: torch.Tensor, mhc_scale: torch.Tensor,
                          mhc_base: torch.Tensor, residual: torch.Tensor, post_mix: torch.Tensor,
                          comb_mix: torch.Tensor, layer_input: torch.Tensor, rms_eps: float, mhc_pre_eps: float,
@@ -626,11 +625,8 @@ def mhc_pre_big_fuse_fwd(gemm_out_mul: torch.Tensor, gemm_out_sqrsum: torch.Tens
         op, rms_eps, mhc_pre_eps, mhc_sinkhorn_eps, mhc_post_mult_value, sinkhorn_repeat, n_splits)
     if S != n_splits:
         _check.fail(op, f"gemm_out_mul must have n_splits={n_splits} partials in dim 0, got {S}")
-    post, comb, li = F.pre_chain(gemm_out_mul.unsqueeze(2), gemm_out_sqrsum.unsqueeze(2), residual, mhc_scale,
-                                 mhc_base, rms_eps, pre_eps, sk_eps, v, repeat)
-    post_mix.copy_(post.view(T, n))
-    comb_mix.copy_(comb.view(T, n * n))
-    layer_input.copy_(li)
+    F.pre_chain(gemm_out_mul.unsqueeze(2), gemm_out_sqrsum.unsqueeze(2), residual, mhc_scale, mhc_base, rms_eps,
+                pre_eps, sk_eps, v, repeat, (post_mix, comb_mix, layer_input))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -644,13 +640,13 @@ def _stream_mix(op: str, name: str, t, lead: tuple, n: int, dev) -> None:
         _check.fail(op, f"{name} must have shape {(*lead, n)} or {(*lead, n, 1)}, got {tuple(t.shape)}")
 
 
-@public("mhc")
+@public("mhc", path="kernel")
 def mhc_multilayer_recompute(initial_residual: torch.Tensor, pre_mix_list, layer_output_list, post_mix_list,
                              comb_mix_list, layer_input_list, residual_list) -> None:
     """Replay the apply/post chain of L layers (§2.9), writing ``layer_input_list[l]`` (bf16 ``[..., C]``)
     and ``residual_list[l]`` (the residual after layer l, bf16 ``[..., n, C]``); P == L or L - 1 post steps.
-    CUDA tensors run the apply and post kernels step by step (bit-equal to the unfused ops); listed as
-    ``reference`` until it has its own fused kernel and bench rows."""
+    CUDA tensors run the apply and post kernels step by step (bit-equal to the unfused ops; no single fused
+    kernel yet)."""
     op = "mhc_multilayer_recompute"
     _streams(op, "initial_residual", initial_residual, contiguous=True)
     lead, (n, C) = tuple(initial_residual.shape[:-2]), initial_residual.shape[-2:]
