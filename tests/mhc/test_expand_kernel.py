@@ -264,3 +264,28 @@ def test_torch_compile_fullgraph():
     _same(out, R.expand_to_mhc_ref(h.detach().cpu(), n))
     out.backward(g.view(3, 43, n, C))
     _same(h.grad, R.expand_to_mhc_bwd_ref(g.view(3, 43, n, C).cpu()))
+
+
+def test_write_through_takes_a_ready_buffer_as_it_is_and_others_through_an_aligned_copy():
+    """``_rows.write_through``: a contiguous 16-byte-aligned destination is the kernel's buffer; a misaligned one is
+    written through an aligned copy (holding its values when the kernel reads them) and copied back."""
+    from tilefuse.mhc._rows import ready, write_through
+
+    base = torch.arange(1, 34, dtype=torch.bfloat16)
+    aligned, misaligned = base[:32].view(4, 8), base[1:33].view(4, 8)
+    assert ready(aligned) and not ready(misaligned)
+    seen = []
+    write_through(aligned, lambda buf: seen.append(buf))
+    assert seen[-1] is aligned
+    for read in (False, True):
+        before = misaligned.clone()
+
+        def launch(buf):
+            assert ready(buf) and buf is not misaligned
+            if read:
+                assert torch.equal(buf, before)
+            buf.fill_(7)
+
+        write_through(misaligned, launch, read=read)
+        assert torch.equal(misaligned, torch.full((4, 8), 7, dtype=torch.bfloat16))
+        misaligned.copy_(before)

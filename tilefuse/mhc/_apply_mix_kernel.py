@@ -24,7 +24,7 @@ import torch
 
 from tilefuse import _jit, _launch, _ops
 from tilefuse._rn import fma as _fma, mul as _fmul
-from tilefuse.mhc._rows import MAX_N, V, ready, row_threads, takes  # noqa: F401  (takes, MAX_N: for _functions)
+from tilefuse.mhc._rows import MAX_N, V, row_threads, takes, write_through  # noqa: F401  (takes, MAX_N: _functions)
 
 KERNEL_HELPERS = ("tilefuse.mhc._rows", "tilefuse._rn")  # part of this module's cache key (_jit._module_digest)
 
@@ -207,10 +207,7 @@ def apply_mix_fwd_launch(x: torch.Tensor, mix: torch.Tensor, o: torch.Tensor) ->
     if Tn == 0:
         return
     fn = _jit.get("mhc_apply_mix_fwd", (n, C))
-    dst = o if ready(o) else torch.empty_like(o, memory_format=torch.contiguous_format)
-    fn(_launch.aligned(x.contiguous()), _launch.aligned(mix.contiguous()), dst)
-    if dst is not o:
-        o.copy_(dst)
+    write_through(o, lambda dst: fn(_launch.aligned(x.contiguous()), _launch.aligned(mix.contiguous()), dst))
 
 
 def apply_mix_bwd_launch(o_grad: torch.Tensor, x: torch.Tensor, mix: torch.Tensor, x_grad: torch.Tensor,
@@ -221,16 +218,8 @@ def apply_mix_bwd_launch(o_grad: torch.Tensor, x: torch.Tensor, mix: torch.Tenso
     if Tn == 0:
         return mix_grad
     fn = _jit.get("mhc_apply_mix_bwd", (n, C, bool(accumulate)))
-    if ready(x_grad):
-        dst = x_grad
-    elif accumulate:
-        dst = _launch.aligned(x_grad.contiguous())
-    else:
-        dst = torch.empty_like(x_grad, memory_format=torch.contiguous_format)
-    fn(_launch.aligned(o_grad.contiguous()), _launch.aligned(x.contiguous()), _launch.aligned(mix.contiguous()),
-       dst, mix_grad)
-    if dst is not x_grad:
-        x_grad.copy_(dst)
+    write_through(x_grad, lambda dst: fn(_launch.aligned(o_grad.contiguous()), _launch.aligned(x.contiguous()),
+                                         _launch.aligned(mix.contiguous()), dst, mix_grad), read=accumulate)
     return mix_grad
 
 

@@ -23,7 +23,7 @@ import torch
 
 from tilefuse import _jit, _launch, _ops
 from tilefuse._rn import add as _fadd
-from tilefuse.mhc._rows import MAX_N, V, ready, row_threads, takes  # noqa: F401  (takes, MAX_N: for _functions)
+from tilefuse.mhc._rows import MAX_N, V, row_threads, takes, write_through  # noqa: F401  (takes, MAX_N: _functions)
 
 KERNEL_HELPERS = ("tilefuse.mhc._rows", "tilefuse._rn")  # part of this module's cache key (_jit._module_digest)
 
@@ -141,10 +141,7 @@ def expand_fwd_launch(x: torch.Tensor, o: torch.Tensor) -> None:
     if Tn == 0:
         return
     fn = _jit.get("mhc_expand_fwd", (n, C))
-    dst = o if ready(o) else torch.empty_like(o, memory_format=torch.contiguous_format)
-    fn(_launch.aligned(x.contiguous()), dst)
-    if dst is not o:
-        o.copy_(dst)
+    write_through(o, lambda dst: fn(_launch.aligned(x.contiguous()), dst))
 
 
 def expand_bwd_launch(o_grad: torch.Tensor, x_grad: torch.Tensor) -> None:
@@ -153,10 +150,7 @@ def expand_bwd_launch(o_grad: torch.Tensor, x_grad: torch.Tensor) -> None:
     if Tn == 0:
         return
     fn = _jit.get("mhc_expand_bwd", (n, C))
-    dst = x_grad if ready(x_grad) else torch.empty_like(x_grad, memory_format=torch.contiguous_format)
-    fn(_launch.aligned(o_grad.contiguous()), dst)
-    if dst is not x_grad:
-        x_grad.copy_(dst)
+    write_through(x_grad, lambda dst: fn(_launch.aligned(o_grad.contiguous()), dst))
 
 
 # ---- torch.library registration (torch.compile / fake tensors) ----

@@ -1,6 +1,7 @@
 """Row geometry shared by the streaming mHC kernels (expand, apply_mix): a row of ``C`` bf16 is ``C / V`` chunks of
 16 bytes, and a CTA's threads take consecutive chunks of a row. No TileLang here; kernel modules import it and name it
 in their ``KERNEL_HELPERS``, so its source is part of their cache keys (``_jit._module_digest``)."""
+import torch
 
 V = 8      # bf16 per 16-byte chunk
 MAX_N = 8  # the most streams the kernels take (a thread holds n chunks in registers); more take the reference
@@ -28,3 +29,14 @@ def ready(t) -> bool:
     """Whether a tensor can be bound as it is: contiguous, its data on a 16-byte boundary (the kernels' vector
     accesses; a contiguous view may start at any storage offset)."""
     return t.is_contiguous() and t.data_ptr() % 16 == 0
+
+
+def write_through(dst, launch, read: bool = False) -> None:
+    """``launch(buffer)`` with ``dst`` itself as the buffer when it is :func:`ready`, else an aligned contiguous
+    buffer (holding ``dst``'s values when the kernel ``read``s it, i.e. accumulates) copied back into ``dst``."""
+    if ready(dst):
+        launch(dst)
+        return
+    buf = dst.contiguous().clone() if read else torch.empty_like(dst, memory_format=torch.contiguous_format)
+    launch(buf)
+    dst.copy_(buf)
