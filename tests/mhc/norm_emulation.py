@@ -9,7 +9,6 @@ after another. Scalar parameters (the row or token count, fp32 constants) are pa
 """
 import ctypes
 import re
-import subprocess
 from pathlib import Path
 
 from tests.mhc import post_emulation as emu
@@ -41,12 +40,7 @@ extern "C" void run({cargs}, int64_t blocks) {{
   }}
 }}
 """
-    workdir.mkdir(parents=True, exist_ok=True)
-    source, lib = workdir / f"{name}.cpp", workdir / f"{name}.so"
-    source.write_text(cpp)
-    subprocess.run(["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC",
-                    "-pthread", "-o", str(lib), str(source)], check=True, capture_output=True)
-    fn = ctypes.CDLL(str(lib)).run
+    fn = emu.compile_run(cpp, name, workdir)
 
     def run(args: dict, blocks: int) -> None:
         values = []

@@ -60,6 +60,17 @@ static inline float __shfl_xor_sync(uint, float v, int delta, int) {
 """
 
 
+def compile_run(cpp: str, name: str, workdir: Path):
+    """Compile ``cpp`` (device code made host C++, with an ``extern "C" run``) with g++, no contraction of
+    multiply-adds, into ``workdir``; return its ``run`` (ctypes)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    source, lib = workdir / f"{name}.cpp", workdir / f"{name}.so"
+    source.write_text(cpp)
+    subprocess.run(["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC",
+                    "-pthread", "-o", str(lib), str(source)], check=True, capture_output=True)
+    return ctypes.CDLL(str(lib)).run
+
+
 def build(src: str, name: str, threads: int, warp_threads: bool, workdir: Path):
     """Compile the ``__global__`` function ``name`` of ``src`` for the CPU; returns ``run(tensors: dict, num_tokens,
     blocks)``, which binds tensors by the kernel's parameter names."""
@@ -86,12 +97,7 @@ extern "C" void run({cargs}, int64_t blocks) {{
   {loop}
 }}
 """
-    workdir.mkdir(parents=True, exist_ok=True)
-    source, lib = workdir / f"{name}.cpp", workdir / f"{name}.so"
-    source.write_text(cpp)
-    subprocess.run(["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC",
-                    "-pthread", "-o", str(lib), str(source)], check=True, capture_output=True)
-    fn = ctypes.CDLL(str(lib)).run
+    fn = compile_run(cpp, name, workdir)
 
     def run(tensors: dict, num_tokens: int, blocks: int) -> None:
         for t in tensors.values():

@@ -385,7 +385,6 @@ def _emulate(src: str, name: str, threads: int, workdir):
     after another). Returns ``run(tensors: dict, scalars: dict, grid: (x, y))``."""
     import ctypes
     import re
-    import subprocess
 
     from tests.mhc import post_emulation as emu
 
@@ -409,12 +408,7 @@ extern "C" void run({cargs}, int64_t gx, int64_t gy) {{
   }}
 }}
 """
-    workdir.mkdir(parents=True, exist_ok=True)
-    source, lib = workdir / f"{name}.cpp", workdir / f"{name}.so"
-    source.write_text(cpp)
-    subprocess.run(["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC",
-                    "-pthread", "-o", str(lib), str(source)], check=True, capture_output=True)
-    fn = ctypes.CDLL(str(lib)).run
+    fn = emu.compile_run(cpp, name, workdir)
 
     def run(tensors: dict, scalars: dict, grid) -> None:
         for t in tensors.values():
