@@ -101,8 +101,8 @@ def test_launchers_bind(n, monkeypatch):
     assert calls[1].env == {"Tn": T, "P": P}
     assert calls[2].env == {"P": P, "G": 3, "M": M}
     assert calls[4].env == {"Tn": T, "P": P}
-    # the v1 backward entries take the device's SM count of partials
-    monkeypatch.setitem(K._SM_COUNTS, torch.device("cpu"), 7)
+    # the v1 backward entries take num_partials (a constant on CUDA, whatever the SM count)
+    monkeypatch.setattr(K, "num_partials", lambda device: 7)
     del calls[:]
     K.split_mixes_bwd_launch(torch.randn(T, n), torch.randn(T, n), torch.randn(T, n * n), m, post, s, b,
                              torch.empty(T, M), d_s, d_b, V)
@@ -411,3 +411,13 @@ def test_torch_compile_fullgraph():
     got = run(torch.compile(layer, fullgraph=True))
     for a, c in zip(got, want):
         assert torch.equal(a, c)
+
+
+def test_the_partial_count_is_a_constant_not_the_sm_count():
+    """The parameter gradients' token grouping (and so their bits) must not depend on the GPU: the partial count of
+    every CUDA device is ``PARTIALS``, read without asking the device (this test runs without one)."""
+    from tilefuse.mhc import _functions as F
+
+    for device in (torch.device("cuda", 0), torch.device("cuda", 3)):
+        assert K.num_partials(device) == F.num_partials(device) == K.PARTIALS
+    assert K.num_partials(torch.device("cpu")) == 1

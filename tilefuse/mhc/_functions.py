@@ -19,11 +19,7 @@ from . import _normw_kernel, _reduce_norm_kernel
 SIDE_CHANNEL = "grad_from_mhc_post"
 
 
-def num_partials(device: torch.device) -> int:
-    """Number P of parameter-gradient partials (§2.3): the SM count on CUDA, 1 elsewhere."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1
+num_partials = _mix_kernel.num_partials  # P of the parameter gradients' token partials: a constant on CUDA
 
 
 def attach_residual_grad(residual: torch.Tensor, grad: torch.Tensor) -> None:

@@ -17,7 +17,7 @@ this same split chain.
 
 Parameter gradients (``d_scale``, ``d_base``) are sums over tokens, made deterministic and independent of
 the launch (no atomics): tokens are cut into blocks of ``TB`` tokens (the spec's ``token_block_size``,
-default 32); partial ``p`` of ``P`` (a runtime count: the SM count for split mixes and the v1 head-mix
+default 32); partial ``p`` of ``P`` (a runtime count: ``PARTIALS`` for split mixes and the v1 head-mix
 backward, the caller's ``num_sms`` for the v2.1 head-mix backward) is the sum of blocks
 ``p, p + P, p + 2P, ...`` added in increasing block order to a zero start; a block's sum adds its tokens
 one after another in token order (tail tokens past ``T`` add nothing). This is the grouping of
@@ -331,17 +331,15 @@ def split_mixes_fwd_launch(input_mixes, scale, base, pre, post, comb, post_mult_
                                            float(post_mult_value), float(pre_eps))
 
 
-_SM_COUNTS: dict = {}
+# The partial count P of the parameter gradients' token reductions (the split-mixes backward and the v1 head-mix
+# backward): a constant, not the device's SM count as upstream takes it (mhc.md 2.3), so the gradients' bits do not
+# depend on the GPU; about one partial an SM of an H100 or H200.
+PARTIALS = 128
 
 
 def num_partials(device: torch.device) -> int:
-    """The partial count P of the split-mixes backward and the v1 head-mix backward: the device's SM count
-    (mhc.md §2.3), read once per device. Launchers call it (inside the custom ops, so a compiled graph never
-    traces it)."""
-    P = _SM_COUNTS.get(device)
-    if P is None:
-        P = _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return P
+    """``PARTIALS`` on CUDA, 1 elsewhere (the reference's plain token sum)."""
+    return PARTIALS if device.type == "cuda" else 1
 
 
 def partials_sum_launch(scale_partial, base_partial, d_scale, d_base) -> None:
@@ -352,7 +350,7 @@ def partials_sum_launch(scale_partial, base_partial, d_scale, d_base) -> None:
 def split_mixes_bwd_launch(d_pre, d_post, d_comb, input_mixes, post, scale, base, d_input, d_scale, d_base,
                            post_mult_value: float, partials: int = 0) -> None:
     """Write ``d_input [T, M]`` and overwrite ``d_scale [3]``, ``d_base [M]`` (two launches: per-token
-    gradients with ``partials`` token partials (0: ``num_partials``, the SM count), then their in-order sum).
+    gradients with ``partials`` token partials (0: ``num_partials``), then their in-order sum).
     ``T == 0`` zeroes the sums."""
     T_, M = input_mixes.shape
     n = post.shape[1]

@@ -303,8 +303,8 @@ def mhc_pre_split_mixes_bwd(pre_layer_mix_grad: torch.Tensor, post_layer_mix_gra
                             mhc_scale_grad: torch.Tensor, mhc_base_grad: torch.Tensor,
                             mhc_post_mult_value: float) -> None:
     """v2.1: write ``input_mixes_grad [T, M]``; **overwrite** ``mhc_scale_grad [3]``, ``mhc_base_grad [M]``
-    with the token sums (fixed-order partials, §2.3). CUDA tensors take the TileLang kernels (the SM count of
-    partials, then their in-order sum) for n <= 8, the reference otherwise."""
+    with the token sums (fixed-order partials, §2.3). CUDA tensors take the TileLang kernels (a fixed number
+    of partials, then their in-order sum) for n <= 8, the reference otherwise."""
     op = "mhc_pre_split_mixes_bwd"
     _check.tensor(op, "input_mixes", input_mixes, dtype=F32, ndim=2, contiguous=True)
     T, M = input_mixes.shape
