@@ -36,9 +36,15 @@ class KernelOp:
         return getattr(getattr(torch.ops, ns), name)(*args, **kwargs)
 
 
+def _no_outputs(*args, **kwargs) -> None:
+    """The fake of an op that returns nothing (it writes into its arguments)."""
+    return None
+
+
 def kernel_op(qualname: str, *, mutates_args: Iterable[str] | str, device_types: str = "cuda") -> Callable:
     """Decorator: define ``qualname`` (``"tilefuse::name"``) from the function's annotations and register the
-    function as its kernel for ``device_types`` (CUDA only, like every kernel op here)."""
+    function as its kernel for ``device_types`` (CUDA only, like every kernel op here). An op that returns nothing
+    gets its fake here; an op with outputs registers one with ``register_fake``."""
     ns, name = qualname.split("::")
     if ns != "tilefuse" or device_types != "cuda":
         raise ValueError(f"kernel_op: tilefuse::<name> ops on cuda only, got {qualname!r} on {device_types!r}")
@@ -47,6 +53,8 @@ def kernel_op(qualname: str, *, mutates_args: Iterable[str] | str, device_types:
         schema = torch.library.infer_schema(fn, mutates_args=mutates_args)
         _LIB.define(name + schema)
         _LIB.impl(name, fn, "CUDA")
+        if schema.endswith("-> ()"):  # an op that only writes its arguments: its fake has nothing to compute
+            torch.library.register_fake(qualname, _no_outputs, lib=_LIB)
         return KernelOp(qualname, fn)
 
     return register

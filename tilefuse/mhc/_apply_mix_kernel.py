@@ -230,10 +230,6 @@ def _apply_mix_fwd_op(x: torch.Tensor, mix: torch.Tensor, o: torch.Tensor) -> No
     apply_mix_fwd_launch(x, mix, o)
 
 
-@_apply_mix_fwd_op.register_fake
-def _(x, mix, o) -> None:
-    return None
-
 
 @_ops.kernel_op("tilefuse::mhc_apply_mix_bwd", mutates_args=("x_grad",), device_types="cuda")
 def _apply_mix_bwd_op(o_grad: torch.Tensor, x: torch.Tensor, mix: torch.Tensor, x_grad: torch.Tensor,

@@ -160,19 +160,11 @@ def _expand_fwd_op(x: torch.Tensor, o: torch.Tensor) -> None:
     expand_fwd_launch(x, o)
 
 
-@_expand_fwd_op.register_fake
-def _(x, o) -> None:
-    return None
-
 
 @_ops.kernel_op("tilefuse::mhc_expand_bwd", mutates_args=("x_grad",), device_types="cuda")
 def _expand_bwd_op(o_grad: torch.Tensor, x_grad: torch.Tensor) -> None:
     expand_bwd_launch(o_grad, x_grad)
 
-
-@_expand_bwd_op.register_fake
-def _(o_grad, x_grad) -> None:
-    return None
 
 
 def expand_fwd_cuda(x: torch.Tensor, o: torch.Tensor) -> None:

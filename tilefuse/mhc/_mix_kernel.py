@@ -406,10 +406,6 @@ def _split_fwd_op(input_mixes: torch.Tensor, scale: torch.Tensor, base: torch.Te
     split_mixes_fwd_launch(input_mixes, scale, base, pre, post, comb, post_mult_value, pre_eps)
 
 
-@_split_fwd_op.register_fake
-def _(input_mixes, scale, base, pre, post, comb, post_mult_value, pre_eps) -> None:
-    return None
-
 
 @_ops.kernel_op("tilefuse::mhc_split_mixes_bwd", mutates_args=("d_input", "d_scale", "d_base"),
                 device_types="cuda")
@@ -420,20 +416,12 @@ def _split_bwd_op(d_pre: torch.Tensor, d_post: torch.Tensor, d_comb: torch.Tenso
                            post_mult_value)
 
 
-@_split_bwd_op.register_fake
-def _(d_pre, d_post, d_comb, input_mixes, post, scale, base, d_input, d_scale, d_base, post_mult_value) -> None:
-    return None
-
 
 @_ops.kernel_op("tilefuse::mhc_head_mix_fwd", mutates_args=("output_mix",), device_types="cuda")
 def _head_fwd_op(input_mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, output_mix: torch.Tensor,
                  pre_eps: float) -> None:
     head_mix_fwd_launch(input_mix, scale, base, output_mix, pre_eps)
 
-
-@_head_fwd_op.register_fake
-def _(input_mix, scale, base, output_mix, pre_eps) -> None:
-    return None
 
 
 @_ops.kernel_op("tilefuse::mhc_head_mix_bwd", mutates_args=("d_input", "scale_partial", "base_partial"),
@@ -444,10 +432,6 @@ def _head_bwd_op(d_out: torch.Tensor, input_mix: torch.Tensor, scale: torch.Tens
     head_mix_bwd_launch(d_out, input_mix, scale, base, d_input, scale_partial, base_partial, token_block)
 
 
-@_head_bwd_op.register_fake
-def _(d_out, input_mix, scale, base, d_input, scale_partial, base_partial, token_block) -> None:
-    return None
-
 
 @_ops.kernel_op("tilefuse::mhc_head_mix_bwd_sums", mutates_args=("d_input", "d_scale", "d_base"),
                 device_types="cuda")
@@ -455,10 +439,6 @@ def _head_bwd_sums_op(d_out: torch.Tensor, input_mix: torch.Tensor, scale: torch
                       d_input: torch.Tensor, d_scale: torch.Tensor, d_base: torch.Tensor) -> None:
     head_mix_bwd_sums_launch(d_out, input_mix, scale, base, d_input, d_scale, d_base)
 
-
-@_head_bwd_sums_op.register_fake
-def _(d_out, input_mix, scale, base, d_input, d_scale, d_base) -> None:
-    return None
 
 
 # ---- CUDA entries: a direct launch in eager mode, the custom op while tracing ----

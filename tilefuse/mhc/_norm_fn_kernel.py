@@ -262,20 +262,12 @@ def _partials_op(x: torch.Tensor, fn: torch.Tensor, out_mul: torch.Tensor, sqrsu
     norm_fn_partials_launch(x, fn, out_mul, sqrsum)
 
 
-@_partials_op.register_fake
-def _(x, fn, out_mul, sqrsum) -> None:
-    return None
-
 
 @_ops.kernel_op("tilefuse::mhc_norm_fn_gemm_bwd", mutates_args=("x_grad", "fn_grad"), device_types="cuda")
 def _gemm_bwd_op(out_mul_grad: torch.Tensor, sqrsum_grad: torch.Tensor, x: torch.Tensor, fn: torch.Tensor,
                  x_grad: torch.Tensor, fn_grad: torch.Tensor, accumulate: bool) -> None:
     norm_fn_gemm_bwd_launch(out_mul_grad, sqrsum_grad, x, fn, x_grad, fn_grad, accumulate)
 
-
-@_gemm_bwd_op.register_fake
-def _(out_mul_grad, sqrsum_grad, x, fn, x_grad, fn_grad, accumulate) -> None:
-    return None
 
 
 # ---- CUDA entries: a direct launch in eager mode, the custom op while tracing ----

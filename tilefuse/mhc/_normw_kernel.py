@@ -159,20 +159,12 @@ def _fwd_op(fn: torch.Tensor, normw: torch.Tensor, out_fn: torch.Tensor) -> None
     normw_merge_fwd_launch(fn, normw, out_fn)
 
 
-@_fwd_op.register_fake
-def _(fn, normw, out_fn) -> None:
-    return None
-
 
 @_ops.kernel_op("tilefuse::mhc_normw_merge_bwd", mutates_args=("fn_grad", "normw_grad"), device_types="cuda")
 def _bwd_op(fn: torch.Tensor, normw: torch.Tensor, out_fn_grad: torch.Tensor, fn_grad: torch.Tensor,
             normw_grad: torch.Tensor) -> None:
     normw_merge_bwd_launch(fn, normw, out_fn_grad, fn_grad, normw_grad)
 
-
-@_bwd_op.register_fake
-def _(fn, normw, out_fn_grad, fn_grad, normw_grad) -> None:
-    return None
 
 
 # ---- CUDA entries: a direct launch in eager mode, the custom op under torch.compile ----

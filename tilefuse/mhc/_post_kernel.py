@@ -300,10 +300,6 @@ def _fwd_out_op(x: torch.Tensor, residual: torch.Tensor, post_layer_mix: torch.T
     post_fwd_launch(x, residual, post_layer_mix, comb_res_mix, out)
 
 
-@_fwd_out_op.register_fake
-def _(x, residual, post_layer_mix, comb_res_mix, out):
-    return None
-
 
 @_ops.kernel_op("tilefuse::mhc_post_bwd", mutates_args=(), device_types="cuda")
 def _bwd_op(x: torch.Tensor, residual: torch.Tensor, post_layer_mix: torch.Tensor, comb_res_mix: torch.Tensor,

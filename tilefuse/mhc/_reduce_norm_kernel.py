@@ -167,10 +167,6 @@ def _fwd_op(out_mul_splitted: torch.Tensor, sqrsum_splitted: torch.Tensor, out_m
     reduce_fwd_launch(out_mul_splitted, sqrsum_splitted, out_mul, sqrsum, out, rms_group_size, rms_eps)
 
 
-@_fwd_op.register_fake
-def _(out_mul_splitted, sqrsum_splitted, out_mul, sqrsum, out, rms_group_size, rms_eps) -> None:
-    return None
-
 
 @_ops.kernel_op("tilefuse::mhc_reduce_rmsnorm_bwd", mutates_args=("out_mul_grad", "sqrsum_grad"),
                 device_types="cuda")
@@ -178,10 +174,6 @@ def _bwd_op(out_grad: torch.Tensor, out_mul: torch.Tensor, sqrsum: torch.Tensor,
             sqrsum_grad: torch.Tensor, rms_group_size: int, rms_eps: float) -> None:
     reduce_bwd_launch(out_grad, out_mul, sqrsum, out_mul_grad, sqrsum_grad, rms_group_size, rms_eps)
 
-
-@_bwd_op.register_fake
-def _(out_grad, out_mul, sqrsum, out_mul_grad, sqrsum_grad, rms_group_size, rms_eps) -> None:
-    return None
 
 
 # ---- CUDA entries: a direct launch in eager mode, the custom op under torch.compile ----

@@ -230,19 +230,11 @@ def _sinkhorn_fwd_op(x: torch.Tensor, y: torch.Tensor, repeat: int, eps: float) 
     sinkhorn_fwd_launch(x, y, repeat, eps)
 
 
-@_sinkhorn_fwd_op.register_fake
-def _(x, y, repeat, eps) -> None:
-    return None
-
 
 @_ops.kernel_op("tilefuse::mhc_sinkhorn_bwd", mutates_args=("d_x",), device_types="cuda")
 def _sinkhorn_bwd_op(d_out: torch.Tensor, x: torch.Tensor, d_x: torch.Tensor, repeat: int, eps: float) -> None:
     sinkhorn_bwd_launch(d_out, x, d_x, repeat, eps)
 
-
-@_sinkhorn_bwd_op.register_fake
-def _(d_out, x, d_x, repeat, eps) -> None:
-    return None
 
 
 def sinkhorn_fwd_cuda(x: torch.Tensor, out: torch.Tensor, repeat: int, eps: float) -> None:

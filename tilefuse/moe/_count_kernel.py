@@ -401,10 +401,6 @@ def _unique_op(group_indices: torch.Tensor, num_groups: int) -> None:
     inplace_unique_group_indices_launch(group_indices, num_groups)
 
 
-@_unique_op.register_fake
-def _(group_indices, num_groups):
-    return None
-
 
 @_ops.kernel_op("tilefuse::mask_indices_by_tp", mutates_args=(), device_types="cuda")
 def _mask_op(indices: torch.Tensor, n: int, num_ep_ranks: int, tp_rank: int, num_tp_ranks: int) -> torch.Tensor:

@@ -689,12 +689,6 @@ def _forward_op(logits: torch.Tensor, num_topk: int, num_shared: int, routed_sca
                     force_random, topk_idx, topk_weights, scores)
 
 
-@_forward_op.register_fake
-def _(logits, num_topk, num_shared, routed_scaling_factor, ep_rank, mask, bias, image_bias, image_token_mask,
-      fix_routing_mask, to_physical_map, logical_count, unmapped_topk_idx, force_random, topk_idx, topk_weights,
-      scores):
-    return None
-
 
 def moe_topk_gate_forward_cuda(logits, num_topk, use_shared_as_routed, num_shared_experts, routed_scaling_factor,
                                ep_rank, scoring_func="sqrtsoftplus", mask=None, bias=None, image_bias=None,
@@ -753,10 +747,6 @@ def _backward_op(scores: torch.Tensor, topk_idx: torch.Tensor, topk_weights: tor
     _backward_launch(scores, topk_idx, topk_weights, grad_topk_weights, routed_scaling_factor, mask,
                      grad_scores_sum, out)
 
-
-@_backward_op.register_fake
-def _(scores, topk_idx, topk_weights, grad_topk_weights, routed_scaling_factor, mask, grad_scores_sum, out):
-    return None
 
 
 def moe_topk_gate_backward_cuda(scores, topk_idx, topk_weights, grad_topk_weights, routed_scaling_factor,

@@ -467,10 +467,6 @@ def _reduce_out_op(x: torch.Tensor, x_sf: torch.Tensor | None, topk_weights: tor
     _reduce_launch(x if x_sf is None else (x, x_sf), topk_weights, token_topk_to_pos, fp8_format, sf, out)
 
 
-@_reduce_out_op.register_fake
-def _(x, x_sf, topk_weights, token_topk_to_pos, fp8_format, sf, out):
-    return None
-
 
 def expand_to_fused_cuda(x, token_topk_to_pos, pos_to_expert):
     """CUDA entry for the public ``expand_to_fused``: a direct launch, the custom op under torch.compile."""

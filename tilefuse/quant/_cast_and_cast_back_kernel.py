@@ -202,10 +202,6 @@ def _cast_and_cast_back_op(x: torch.Tensor, fmt: str, num_per_channels: int, rou
     cast_and_cast_back_launch(x, fmt, num_per_channels, round_sf, use_e4m3_sf)
 
 
-@_cast_and_cast_back_op.register_fake
-def _(x, fmt, num_per_channels, round_sf, use_e4m3_sf):
-    return None
-
 
 def per_token_cast_and_cast_back_cuda(x: torch.Tensor, fmt: str, num_per_channels: int, round_sf: bool = False,
                                       use_e4m3_sf: bool = False) -> None:

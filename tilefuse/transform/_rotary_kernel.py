@@ -352,10 +352,6 @@ def _apply_rotary_op(query: torch.Tensor, cos_sin_cache: torch.Tensor, key: torc
     apply_rotary_launch(query, cos_sin_cache, key, positions, interleaved, conjugate, seqlen_offset)
 
 
-@_apply_rotary_op.register_fake
-def _(query, cos_sin_cache, key, positions, interleaved, conjugate, seqlen_offset) -> None:
-    return None
-
 
 def apply_rotary_cuda(query, cos_sin_cache, key, positions, interleaved: bool, conjugate: bool,
                       seqlen_offset: int) -> None:
