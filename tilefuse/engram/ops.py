@@ -4,8 +4,10 @@ and the v2.1 Sinkhorn helpers.
 Each op validates its arguments (metadata only, no host sync) and computes on the input's device through
 ``tilefuse.reference.engram``; no TileLang kernel exists yet, so CUDA tensors take the same path.
 
-Partial buffers (gate backward, Sinkhorn step) have a row count set by the SM count ``S_m``: the device's
-multiprocessor count on CUDA, :data:`DEFAULT_NUM_SMS` elsewhere, or the ``num_sms=`` keyword.
+Partial buffers (gate backward, Sinkhorn step) have a row count set by ``S_m``: :data:`DEFAULT_NUM_SMS` on
+every device, or the ``num_sms=`` keyword. Upstream takes the device's SM count; a fixed count makes the
+partials, and so the reduced weight gradient and column statistics, the same bits on every GPU (and equal to
+upstream's on a 132-SM H100/H200).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ __all__ = [
 ]
 
 DEFAULT_NUM_SMS = 132
-"""``S_m`` for non-CUDA tensors (an H100/H200's SM count, so CPU partial layouts match those GPUs)."""
+"""``S_m`` on every device, whatever its SM count (an H100/H200's, so partial layouts match upstream's there)."""
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -38,12 +40,10 @@ BF16, FP32 = torch.bfloat16, torch.float32
 # ----------------------------------------------------------------------------------------------------
 
 
-def _num_sms(op: str, device: torch.device, num_sms: int | None) -> int:
-    """``S_m``: the explicit ``num_sms``, else the CUDA device's SM count, else ``DEFAULT_NUM_SMS``."""
+def _num_sms(op: str, num_sms: int | None) -> int:
+    """``S_m``: the explicit ``num_sms``, else ``DEFAULT_NUM_SMS`` (never the device's SM count)."""
     if num_sms is not None:
         return _check.integer(op, "num_sms", num_sms, min=1)
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
     return DEFAULT_NUM_SMS
 
 
@@ -157,10 +157,10 @@ def engram_gate_bwd(grad_out: torch.Tensor, hidden_states: torch.Tensor, k: torc
     for name, stat in (("dot", dot), ("gate_score", gate_score), ("rstd_x", rstd_x), ("rstd_k", rstd_k)):
         _check.tensor(op, name, stat, dtype=FP32, shape=(t, m), contiguous=True)
     clamp_value = _check.real(op, "clamp_value", clamp_value, positive=True)
-    device = _check.same_device(op, grad_out=grad_out, hidden_states=hidden_states, k=k, v=v,
+    _check.same_device(op, grad_out=grad_out, hidden_states=hidden_states, k=k, v=v,
                                 weight_fused=weight_fused, dot=dot, gate_score=gate_score, rstd_x=rstd_x,
                                 rstd_k=rstd_k)
-    partials = _num_sms(op, device, num_sms)
+    partials = _num_sms(op, num_sms)
     return _ref._gate_bwd(grad_out, hidden_states, k, v, weight_fused, dot, gate_score, rstd_x, rstd_k,
                           clamp_value, partials)
 
@@ -225,8 +225,8 @@ def engram_sinkhorn_step(matrix: torch.Tensor, row_scale: torch.Tensor, col_scal
     op = "engram_sinkhorn_step"
     _sinkhorn_operands(op, matrix, row_scale, col_scale)
     eps = _check.real(op, "eps", eps)
-    device = _check.same_device(op, matrix=matrix, row_scale=row_scale, col_scale=col_scale)
-    partials = 3 * _num_sms(op, device, num_sms)
+    _check.same_device(op, matrix=matrix, row_scale=row_scale, col_scale=col_scale)
+    partials = 3 * _num_sms(op, num_sms)
     return _ref._sinkhorn_step(matrix, row_scale, col_scale, eps, partials)
 
 
