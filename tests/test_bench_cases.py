@@ -59,6 +59,7 @@ COUNTED = {
     "mhc_reduce_partials_and_rmsnorm_fwd": 8,  # 2 partials, 3 destinations; the 3 again
     "mhc_reduce_partials_and_rmsnorm_bwd": 7,  # out_grad, out_mul, sqrsum, 2 destinations; the 2 again
     "mhc_pre_norm_fn": 3,                     # residual, fn; out
+    "mhc_layer_step": 7,                      # residual, fn, scale, base, grad; new residual, residual grad
     "mhc_pre_norm_fn_bwd": 7,                 # d_mul, d_sq, x, fn, x_grad; x_grad, d_fn
     "norm_forward_and_per_token_cast": 4,     # x, weight, out, sf
     "norm_backward": 6,                       # out_grad, x, weight, rstd, x_grad, weight_grad

@@ -160,9 +160,10 @@ def _randn(shape, dtype, device) -> torch.Tensor:
 
 
 def _clone(obj):
-    """A deep copy of the tensors of ``obj`` (in-place ops must see the same input on every implementation)."""
+    """A deep copy of the tensors of ``obj`` (in-place ops must see the same input on every implementation); a
+    leaf that requires grad is copied as a fresh leaf (an autograd step reads its ``.grad``)."""
     if isinstance(obj, torch.Tensor):
-        return obj.clone()
+        return obj.detach().clone().requires_grad_(obj.requires_grad)
     if isinstance(obj, (tuple, list)):
         return type(obj)(_clone(o) for o in obj)
     return obj

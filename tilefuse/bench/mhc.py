@@ -29,7 +29,8 @@ OPS = ("expand_to_mhc_fwd", "expand_to_mhc_bwd", "mhc_pre_apply_mix_fwd", "mhc_p
        "mhc_post_bwd", "mhc_pre_split_mixes_fwd", "mhc_pre_split_mixes_bwd", "mhc_head_compute_mix_fwd",
        "mhc_head_compute_mix_bwd", "mhc_sinkhorn_fwd", "mhc_sinkhorn_bwd", "mhc_fn_normw_merge_fwd",
        "mhc_fn_normw_merge_bwd", "mhc_reduce_partials_and_rmsnorm_fwd", "mhc_reduce_partials_and_rmsnorm_bwd",
-       "mhc_pre_norm_fn", "mhc_pre_norm_fn_bwd", "mhc_pre_big_fuse_fwd", "mhc_multilayer_recompute")
+       "mhc_pre_norm_fn", "mhc_pre_norm_fn_bwd", "mhc_pre_big_fuse_fwd", "mhc_multilayer_recompute",
+       "mhc_layer_step")
 # v1 ops -> the v2.1 op whose kernels they run (timed by that op's rows; the v1 fused pre also runs the
 # projection's kernels, timed by the mhc_pre_norm_fn rows)
 SAME_KERNELS = {"expand_to_mhc": "expand_to_mhc_fwd", "mhc_pre_apply_mix": "mhc_pre_apply_mix_fwd",
@@ -483,14 +484,85 @@ def _norm_fn_cases(t: int, c: int) -> list[Case]:
     ]
 
 
+def _step_cases(c: int) -> list[Case]:
+    """One layer step of the autograd layer (``mhc_layer_step``): ``mhc_pre`` (projection, split, Sinkhorn of
+    10 iterations, apply) then ``mhc_post`` with the layer input as the sublayer's output, forward and backward
+    from a given output gradient, at T = 8192, n = 4 (mhc.md 4's split-mix values). It returns the new residual
+    and the residual's gradient. Peers: the same composition of TileKernels 1.0.0's autograd ops (2.1.0 has no
+    projection), and Liger-Kernel's (its coefficient op takes the projection transposed, ``[n C, M]``). Its bytes
+    are the inputs and outputs once, not the traffic of the dozen kernels: its copy ratio is no target."""
+    from tilefuse import mhc
+    from tilefuse.modeling import mhc as layer
+    from tilefuse.reference import mhc as R
+
+    t, n, m = TOKENS_LAYER, N, N * (N + 2)
+    label = f"T={t} n={n} C={c}"
+    transposed = {}  # Liger's [n C, M] leaf of each projection, made once (outside the timed calls)
+
+    def sized(make):
+        return lambda device, scale: (label if scale == 1.0 else f"T={_dim(t, scale)} n={n} C={_dim(c, scale, 256)}",
+                                      make(_dim(t, scale), _dim(c, scale, 256), device))
+
+    def inputs(t, c, d):
+        return (_normal((1, t, n, c), BF16, d).requires_grad_(), (_normal((m, n * c), F32, d) * 1e-4).requires_grad_(),
+                (_normal((3,), F32, d) * 0.1).requires_grad_(), (_normal((m,), F32, d) * 0.1).requires_grad_(),
+                _normal((1, t, n, c), BF16, d))
+
+    def step(pre, post, r, fn, scale, base, grad):
+        for leaf in (r, fn, scale, base):
+            leaf.grad = None
+        u, (p, comb) = pre(r, fn, scale, base)
+        out = post(u, r, p, comb)
+        out.backward(grad)
+        return out.detach(), r.grad
+
+    def ours(r, fn, scale, base, grad):
+        return step(lambda *a: layer.mhc_pre(*a, post_mult_value=POST_MULT, pre_eps=PRE_EPS), mhc.mhc_post,
+                    r, fn, scale, base, grad)
+
+    def ref_pre(r, fn, scale, base):
+        mixes = R.mhc_pre_norm_fn_ref(r, fn, None, RMS_EPS)
+        pre, p, comb = R.mhc_pre_split_mixes_ref(mixes, scale, base, n, POST_MULT, PRE_EPS)
+        return R.mhc_pre_apply_mix_ref(r, pre), (p, R.sinkhorn_normalize_ref(comb, 10, SINKHORN_EPS))
+
+    def tk1(tk, r, fn, scale, base, grad):
+        import importlib
+        functional = importlib.import_module(tk.__name__ + ".modeling.mhc.functional")
+        return step(lambda *a: functional.mhc_pre(*a, post_mult_value=POST_MULT, pre_eps=PRE_EPS),
+                    functional.mhc_post, r, fn, scale, base, grad)
+
+    def liger(lk, r, fn, scale, base, grad):
+        import importlib
+        ops = importlib.import_module(lk.__name__ + ".ops.mhc")
+        key = (fn.data_ptr(), fn.shape)
+        if key not in transposed:
+            transposed[key] = fn.detach().t().contiguous().requires_grad_()
+        phi = transposed[key]
+        phi.grad = None
+
+        def pre(r, fn, scale, base):
+            h_pre, h_post, h_res = ops.LigerMHCCoeffsFunction.apply(
+                r, phi, base, scale[0], scale[1], scale[2], False, 10, RMS_EPS, PRE_EPS, SINKHORN_EPS, POST_MULT)
+            return ops.LigerMHCPreFunction.apply(r, h_pre), (h_post, h_res)
+
+        return step(pre, lambda u, r, p, comb: ops.LigerMHCPostResFunction.apply(r, u, p, comb),
+                    r, fn, scale, base, grad)
+
+    x_spec = ((1, t, n, c), BF16)
+    return [Case("mhc_layer_step", sized(inputs), ours, lambda *a: step(ref_pre, R.mhc_post_ref, *a),
+                 {"tk1": tk1, "liger": liger}, False, f"mhc_layer_step|n={n} C={c}", t,
+                 describe=lambda: (label, [x_spec, ((m, n * c), F32), ((3,), F32), ((m,), F32), x_spec],
+                                   [x_spec, x_spec]))]
+
+
 def quick_cases() -> list[Case]:
     return (_layer_cases(QUICK_HIDDEN) + _mix_cases() + _sinkhorn_cases() + _normw_cases(QUICK_HIDDEN)
             + _reduce_cases() + [case for t, c in NORM_FN_SHAPES for case in _norm_fn_cases(t, c)]
-            + _fused_cases(QUICK_HIDDEN))
+            + _fused_cases(QUICK_HIDDEN) + _step_cases(QUICK_HIDDEN))
 
 
 def grid_cases() -> list[Case]:
     return ([case for c in HIDDEN for case in _layer_cases(c)] + _mix_cases() + _sinkhorn_cases()
             + [case for c in HIDDEN for case in _normw_cases(c)] + _reduce_cases()
             + [case for t, c in NORM_FN_SHAPES for case in _norm_fn_cases(t, c)]
-            + [case for c in HIDDEN for case in _fused_cases(c)])
+            + [case for c in HIDDEN for case in _fused_cases(c)] + _step_cases(QUICK_HIDDEN))

@@ -406,7 +406,10 @@ def _trace_configs(ops: list[str] | None, grid: bool = True) -> list[tuple[str, 
                     continue  # no kernel yet: CUDA tensors take the reference, which launches nothing to trace
                 try:
                     with FakeTensorMode(allow_non_fake_inputs=True):
-                        case.run(*case.make("cuda", 1.0)[1])
+                        inputs = case.make("cuda", 1.0)[1]
+                        if any(t.requires_grad for t in tensors(inputs)):
+                            continue  # an autograd step (autograd aborts on fake CUDA tensors): its ops' rows trace it
+                        case.run(*inputs)
                 except (DataDependentOutputException, DynamicOutputShapeException):
                     # the op syncs with the host (get_fused_mapping with N = 0 reads the counts back): shapes alone
                     # cannot run it; its kernels are the ones the same op's no-sync case traces
