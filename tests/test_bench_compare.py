@@ -382,10 +382,10 @@ def test_mhc_reference_and_peer_calls_compute_our_op(case):
 
     _, inputs = case.make("cpu", 0.02)
     ours = case.run(*core._clone(inputs))
-    ok, text = _peers.agree(ours, case.ref(*core._clone(inputs)), case.exact)
+    ok, text = runner._agree(case, "compile", ours, case.ref(*core._clone(inputs)))
     assert ok, f"reference: {text}"
     stand_in = types.SimpleNamespace(mhc=tilefuse.mhc)
     for peer, call in case.peers.items():
         if peer == "tk2":
-            ok, text = _peers.agree(ours, call(stand_in, *core._clone(inputs)), case.exact)
+            ok, text = runner._agree(case, peer, ours, call(stand_in, *core._clone(inputs)))
             assert ok, f"{peer}: {text}"

@@ -548,9 +548,18 @@ def _step_cases(c: int) -> list[Case]:
         return step(pre, lambda u, r, p, comb: ops.LigerMHCPostResFunction.apply(r, u, p, comb),
                     r, fn, scale, base, grad)
 
+    def close(ours, theirs):
+        """The new residual within 1e-6 and its gradient within 1e-5 (calc_diff): a layer's residual gradient
+        sums three bf16 gradients, so implementations differ at bf16 level (mhc.md 3: about 3e-6)."""
+        from tilefuse.testing import calc_diff
+
+        diffs = [calc_diff(a.float(), b.float()) for a, b in zip(ours, theirs)]
+        return diffs[0] <= 1e-6 and diffs[1] <= 1e-5, "calc_diff " + " / ".join(f"{d:.1e}" for d in diffs)
+
     x_spec = ((1, t, n, c), BF16)
     return [Case("mhc_layer_step", sized(inputs), ours, lambda *a: step(ref_pre, R.mhc_post_ref, *a),
                  {"tk1": tk1, "liger": liger}, False, f"mhc_layer_step|n={n} C={c}", t,
+                 check={"compile": close, "tk1": close, "liger": close},
                  describe=lambda: (label, [x_spec, ((m, n * c), F32), ((3,), F32), ((m,), F32), x_spec],
                                    [x_spec, x_spec]))]
 
