@@ -29,6 +29,7 @@ SHIM = r"""
 using std::max;
 using std::min;
 typedef unsigned int uint;
+typedef unsigned char uchar;
 struct bfloat16_t {
   uint16_t s;
   bfloat16_t() = default;
@@ -57,7 +58,7 @@ static inline float __fmaf_rn(float a, float b, float c) { return std::fmaf(a, b
 static std::barrier<>* g_cta;
 static std::barrier<>* g_warp[32];
 static float g_slots[32][32];
-static float g_shared[8192];
+alignas(1024) static float g_shared[65536];
 #define __syncthreads() g_cta->arrive_and_wait()
 static inline float __shfl_xor_sync(uint, float v, int delta, int) {
   unsigned w = threadIdx.x / 32, l = threadIdx.x % 32;
@@ -77,7 +78,7 @@ def build(src: str, name: str, threads: int, workdir: Path, threaded: bool = Fal
     ``run(args: dict, grid: tuple)``, which binds CPU contiguous tensors and Python numbers by the kernel's parameter
     names and runs the ``(gx, gy)`` grid of CTAs."""
     body = src[src.index('extern "C" __global__ void __launch_bounds__'):]
-    body = re.sub(r"extern __shared__ __align__\(\d+\) float (\w+)\[\];", r"float* \1 = g_shared;", body)
+    body = re.sub(r"extern __shared__ __align__\(\d+\) (\w+) (\w+)\[\];", r"\1* \2 = (\1*)g_shared;", body)
     params = [p.replace("__restrict__", "").replace("const ", "").strip()
               for p in re.search(re.escape(name) + r"\(([^)]*)\)", body).group(1).split(",")]
     decl = [(p.rsplit(" ", 1)[0].strip(), p.rsplit(" ", 1)[1]) for p in params]

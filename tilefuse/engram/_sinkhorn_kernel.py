@@ -26,11 +26,13 @@ after every thread has read ``r``), and adds ``RN(z·z)``, ``z = RN(y·ρ)``, to
 at 0 (the reference's chunk sums, bit for bit given ``n``). It then writes its partial row, zeros for an empty
 chunk. Finalize (§2.9.4): one CTA per row, ``out = RN(y · RN(fp32(alpha) / RN(n + eps)))``.
 
-Step reduce (§2.9.3): one thread per column; ``acc = 0``, then ``acc = RN(acc + partial[p, j])`` for ``p = 0, 1,
-..., P - 1``, loading ``REDUCE_ROWS`` rows ahead of their adds (which changes no bit): the reference's sequential
-sum, bit for bit. ``D`` and ``P`` are runtime values.
+Step reduce (§2.9.3): a CTA takes 32 columns. Its warps stage blocks of ``REDUCE_BLOCK`` partial rows in shared
+memory (each warp a row at a time, 128 contiguous bytes: every load of the block in flight at once); then lane ``l``
+of warp 0 adds the block's rows to column ``l``'s sum: ``acc = 0``, ``acc = RN(acc + partial[p, j])`` for ``p = 0,
+1, ..., P - 1``. That is the reference's sequential sum, bit for bit; ``D`` and ``P`` are runtime values.
 
-No atomics; the only shared memory is the step's / finalize's warp sums. Deterministic and batch-invariant.
+No atomics. Shared memory: the row kernels' warp sums, the step's column sums (each thread its own columns), the
+reduce's staged rows. Deterministic and batch-invariant.
 """
 import torch
 
@@ -41,8 +43,13 @@ KERNEL_HELPERS = ("tilefuse._rn",)  # part of this module's kernel cache key (_j
 
 # ---- tuning knobs (TILEFUSE_KNOBS; results unchanged) ----
 MOMENTUM_THREADS = 256  # momentum update: threads per CTA (VEC elements each)
-REDUCE_THREADS = 64     # step reduce: threads per CTA (one column each)
-REDUCE_ROWS = 16        # step reduce: rows whose loads a thread issues before their adds (the order is the same)
+REDUCE_THREADS = 256    # step reduce: threads per CTA (32 columns; the warps stage rows, warp 0 adds them)
+REDUCE_BLOCK = 512      # step reduce: partial rows staged in shared memory at once (the public op's 396 in one)
+# step: CTAs an SM must hold at once (registers capped to fit): the public op's 3 S_m partials are 3 CTAs per SM of
+# a 132-SM GPU, so all of them run in one wave. ptxas (sm_90): 79 registers at D = 7168 (117 uncapped), 64 at 4096,
+# no spills. Applied up to STEP_CAP_D columns (wider rows would spill). 0: no cap
+STEP_MIN_BLOCKS = 3
+STEP_CAP_D = 8192
 
 VEC = 8      # momentum update: elements per thread
 LANES = 4    # row kernels: fp32 per vector access (16 bytes)
@@ -160,11 +167,14 @@ def step_kernel(D: int):
     def engram_sinkhorn_step(B: T.Tensor((Rn, D), F32), RS: T.Tensor((Rn,), F32), CS: T.Tensor((D,), F32),
                              NORM: T.Tensor((Rn,), F32), PART: T.Tensor((Pn, D), F32), eps: T.float32):
         with T.Kernel(Pn, threads=RT) as bx:
+            if STEP_MIN_BLOCKS and D <= STEP_CAP_D:
+                T.annotate_min_blocks_per_sm(STEP_MIN_BLOCKS)
             red = T.alloc_shared((2, W), F32)
+            col = T.alloc_shared((D,), F32)  # the column sums; a thread touches only its own columns
             b = T.alloc_local((Q,), F32)
             c = T.alloc_local((Q,), F32)
             y = T.alloc_local((Q,), F32)
-            col = T.alloc_local((Q,), F32)
+            z = T.alloc_local((LANES,), F32)
             acc = T.alloc_local((max(LANES, W),), F32)
             r = T.alloc_local((1,), F32)
             rho = T.alloc_local((1,), F32)
@@ -173,8 +183,9 @@ def step_kernel(D: int):
             span[1] = T.truncdiv(Rn + Pn - 1, Pn)  # q = ceil(R / P)
             span[0] = T.cast(bx, I64) * span[1]
             span[1] = T.max(T.min(span[1], Rn - span[0]), T.int64(0))
-            for k in T.unroll(Q):
-                col[k] = T.float32(0.0)
+            for s in T.unroll(S):
+                for e in T.vectorized(LANES):
+                    col[(s * RT + tid) * LANES + e] = T.float32(0.0)
             for k in T.serial(span[1]):
                 i = span[0] + k
                 r[0] = RS[i]
@@ -184,11 +195,16 @@ def step_kernel(D: int):
                 if tid == 0:
                     NORM[i] = acc[0]
                     RS[i] = _mul(r[0], rho[0])
-                for e in T.unroll(Q):
-                    col[e] = _add(col[e], _mul(_mul(y[e], rho[0]), _mul(y[e], rho[0])))
+                for s in T.unroll(S):
+                    for e in T.vectorized(LANES):
+                        z[e] = col[(s * RT + tid) * LANES + e]
+                    for e in T.unroll(LANES):
+                        z[e] = _add(z[e], _mul(_mul(y[s * LANES + e], rho[0]), _mul(y[s * LANES + e], rho[0])))
+                    for e in T.vectorized(LANES):
+                        col[(s * RT + tid) * LANES + e] = z[e]
             for s in T.unroll(S):
                 for e in T.vectorized(LANES):
-                    PART[bx, (s * RT + tid) * LANES + e] = col[s * LANES + e]
+                    PART[bx, (s * RT + tid) * LANES + e] = col[(s * RT + tid) * LANES + e]
 
     return engram_sinkhorn_step
 
@@ -228,29 +244,44 @@ def finalize_kernel(D: int):
 
 
 def reduce_kernel():
-    """Factory: the step reduce. Launch: ``PART (P, D)``, ``OUT (D,)`` fp32; ``P`` and ``D`` symbolic."""
+    """Factory: the step reduce. Launch: ``PART (P, D)``, ``OUT (D,)`` fp32; ``P`` and ``D`` symbolic (``D % 32 ==
+    0``); the grid is ``D / 32`` CTAs, one warp's width of columns each."""
     import tilelang.language as T
 
     threads = REDUCE_THREADS
-    U = max(1, REDUCE_ROWS)
+    WR = threads // 32          # warps: warp w loads rows w, w + WR, ... of a block
+    PB = REDUCE_BLOCK           # rows a block stages in shared memory
+    assert PB % WR == 0, (PB, WR)
+    U = PB // WR
     Pn = T.dynamic("partials", I64)
     Dn = T.dynamic("cols", I64)
 
     @T.prim_func
     def engram_sinkhorn_step_reduce(PART: T.Tensor((Pn, Dn), F32), OUT: T.Tensor((Dn,), F32)):
-        with T.Kernel(T.ceildiv(Dn, threads), threads=threads) as bx:
+        with T.Kernel(T.ceildiv(Dn, 32), threads=threads) as bx:
+            tile = T.alloc_shared((PB, 32), F32)
             acc = T.alloc_local((1,), F32)
             v = T.alloc_local((U,), F32)
-            j = T.cast(bx, I64) * threads + T.cast(T.get_thread_binding(), I64)
-            if j < Dn:
-                acc[0] = T.float32(0.0)
-                for s in T.serial(T.ceildiv(Pn, U)):
-                    for u in T.unroll(U):  # the loads of U rows, then their adds in row order
-                        if s * U + u < Pn:
-                            v[u] = PART[s * U + u, j]
-                    for u in T.unroll(U):
-                        if s * U + u < Pn:
-                            acc[0] = _add(acc[0], v[u])
+            tid = T.get_thread_binding()
+            w = tid // 32
+            lane = tid % 32
+            j = T.cast(bx, I64) * 32 + T.cast(lane, I64)
+            acc[0] = T.float32(0.0)
+            for blk in T.serial(T.ceildiv(Pn, PB)):
+                for u in T.unroll(U):  # every warp loads U rows of the block (whole 128-byte lines), then stages them
+                    v[u] = T.float32(0.0)
+                    if T.And(T.cast(blk, I64) * PB + w + u * WR < Pn, j < Dn):
+                        v[u] = PART[T.cast(blk, I64) * PB + w + u * WR, j]
+                for u in T.unroll(U):
+                    tile[w + u * WR, lane] = v[u]
+                T.sync_threads()
+                if w == 0:  # warp 0 adds the block's rows to its column sums in ascending order
+                    for g in T.serial(T.ceildiv(T.min(T.cast(PB, I64), Pn - T.cast(blk, I64) * PB), 8)):
+                        for u in T.unroll(8):
+                            if T.cast(blk, I64) * PB + g * 8 + u < Pn:
+                                acc[0] = _add(acc[0], tile[g * 8 + u, lane])
+                T.sync_threads()
+            if T.And(w == 0, j < Dn):
                 OUT[j] = acc[0]
 
     return engram_sinkhorn_step_reduce
