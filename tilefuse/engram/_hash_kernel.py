@@ -1,9 +1,12 @@
 """TileLang kernel of ``engram_hash`` (engram.md §2.2, v1): the row indices ``(L, T, C)`` int32 of every n-gram table.
 
-Work split: one thread per (token, layer); the grid is ``ceil(T / THREADS)`` CTAs along the tokens times ``L``
-along the layers. A thread reads its token's ``N`` ids, its layer's ``N`` multipliers, ``C = (N - 1) K`` table
-sizes and offsets (the last three are the same for every thread of a CTA: cached loads), keeps the ``C`` results in
-registers and writes its output row of ``C`` consecutive int32 (16-byte stores when ``C % 4 == 0``).
+Work split: one thread per output element: the grid is ``ceil(T C / THREADS)`` CTAs along a layer's ``T`` rows of
+``C = (N - 1) K`` indices times ``L`` along the layers. Thread ``g`` of layer ``l`` takes token ``t = g / C`` and
+column ``c = g % C`` (order ``j = c / K + 1``, head ``e = c % K``): it reads the token's ids ``0..j`` (shared by the
+``C`` threads of a token: cached loads), the layer's multipliers, one table size and one offset, and writes one
+int32; a warp writes 128 contiguous bytes. The 64-bit remainder is the costly step (a subroutine of some hundred
+instructions), and one a thread lets every SM hold enough warps to hide it. The hash prefix ``h_j`` is recomputed by
+every column of a token (``j`` multiplies: cheap).
 
 Arithmetic (§2.2.2), all integer and exact:
 * products and the XOR chain in uint64: ``h_0 = a_0 μ_0``, ``h_j = h_{j-1} ^ a_j μ_j``, the id sign-extended to
@@ -23,7 +26,7 @@ import torch
 from tilefuse import _jit, _ops
 
 # ---- tuning knobs (TILEFUSE_KNOBS; results unchanged) ----
-THREADS = 128  # tokens per CTA (one thread each)
+THREADS = 128  # output elements per CTA (one thread each)
 
 I32, I64, U32, U64 = "int32", "int64", "uint32", "uint64"
 
@@ -41,32 +44,24 @@ def hash_kernel(N: int, L: int, K: int):
     @T.prim_func
     def engram_hash(IDS: T.Tensor((Tn, N), I32), MULT: T.Tensor((L, N), I64), SIZES: T.Tensor((L, N - 1, K), I32),
                     OFFS: T.Tensor((L, C), I32), OUT: T.Tensor((L, Tn, C), I32)):
-        with T.Kernel(T.ceildiv(Tn, threads), L, threads=threads) as (bx, by):
+        with T.Kernel(T.ceildiv(Tn * C, threads), L, threads=threads) as (bx, by):
             h = T.alloc_local((1,), U64)   # running hash (two's-complement bits)
             r = T.alloc_local((1,), I64)   # remainder
             v = T.alloc_local((1,), I64)   # table size
-            res = T.alloc_local((C,), I32)
-            t = T.cast(bx, I64) * threads + T.cast(T.get_thread_binding(), I64)
-            if t < Tn:
-                for j in T.unroll(N):
-                    prod = T.cast(T.cast(IDS[t, j], I64), U64) * T.cast(MULT[by, j], U64)
-                    if j == 0:
-                        h[0] = prod
-                    else:
-                        h[0] = h[0] ^ prod
-                        for e in T.unroll(K):
-                            v[0] = T.cast(SIZES[by, j - 1, e], I64)
-                            r[0] = T.truncmod(T.cast(h[0], I64), v[0])
-                            if T.And(r[0] != 0, (r[0] < 0) != (v[0] < 0)):
-                                r[0] = r[0] + v[0]
-                            res[(j - 1) * K + e] = T.cast(
-                                T.cast(r[0], U32) + T.cast(OFFS[by, (j - 1) * K + e], U32), I32)
-                if C % 4 == 0:
-                    for c in T.vectorized(C):
-                        OUT[by, t, c] = res[c]
-                else:
-                    for c in T.unroll(C):
-                        OUT[by, t, c] = res[c]
+            g = T.cast(bx, I64) * threads + T.cast(T.get_thread_binding(), I64)  # element (t, c) of layer by
+            if g < Tn * C:
+                t = g // C
+                c = T.cast(g % C, I32)
+                j = c // K + 1  # the column's n-gram: ids 0..j
+                h[0] = T.cast(T.cast(IDS[t, 0], I64), U64) * T.cast(MULT[by, 0], U64)
+                for jj in T.unroll(1, N):
+                    if jj <= j:
+                        h[0] = h[0] ^ (T.cast(T.cast(IDS[t, jj], I64), U64) * T.cast(MULT[by, jj], U64))
+                v[0] = T.cast(SIZES[by, j - 1, c % K], I64)
+                r[0] = T.truncmod(T.cast(h[0], I64), v[0])
+                if T.And(r[0] != 0, (r[0] < 0) != (v[0] < 0)):
+                    r[0] = r[0] + v[0]
+                OUT[by, t, c] = T.cast(T.cast(r[0], U32) + T.cast(OFFS[by, c], U32), I32)
 
     return engram_hash
 
