@@ -87,7 +87,10 @@ def build(src: str, name: str, threads: int, workdir: Path, threaded: bool = Fal
     if threaded:
         cta = f"""std::barrier<> cta({threads}); g_cta = &cta;
     std::vector<std::unique_ptr<std::barrier<>>> warps;
-    for (unsigned w = 0; w < {threads} / 32; ++w) {{ warps.emplace_back(new std::barrier<>(32)); g_warp[w] = warps.back().get(); }}
+    for (unsigned w = 0; w < {threads} / 32; ++w) {{
+      warps.emplace_back(new std::barrier<>(32));
+      g_warp[w] = warps.back().get();
+    }}
     std::vector<std::thread> th;
     for (unsigned t = 0; t < {threads}; ++t)
       th.emplace_back([=]() {{ blockIdx.x = bx; blockIdx.y = by; threadIdx.x = t; {name}({call}); }});

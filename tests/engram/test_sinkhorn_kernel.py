@@ -28,7 +28,7 @@ from tilefuse.reference import engram as R
 from tilefuse.reference import engram_sinkhorn_finalize_ref, engram_sinkhorn_step_ref
 from tilefuse.testing import assert_equal, calc_diff
 from tests.engram import kernel_emulation as emu
-from tests.engram.configs_sinkhorn import GRID_D, MOMENTUM, sinkhorn_configs
+from tests.engram.configs_sinkhorn import GRID_D, MOMENTUM, WIDE_D, sinkhorn_configs
 from tests.moe.poison import is_poison, poison_outputs
 from tests.quant.kernel_binding import fake_jit
 
@@ -272,6 +272,24 @@ def test_step_partial_counts(num_sms, monkeypatch):
     more chunks than rows (empty chunks give zero rows)."""
     poison_outputs(monkeypatch, S)
     _step_case(4097, 768, num_sms)
+
+
+@pytest.mark.gpu
+def test_widest_rows_and_the_reference_beyond(monkeypatch):
+    """D = MAX_D runs the kernels (their widest rows); wider rows and D = 0 keep the reference."""
+    poison_outputs(monkeypatch, S)
+    assert WIDE_D == S.MAX_D
+    _step_case(33, WIDE_D)
+    for d in (WIDE_D + 256, 0):
+        matrix, row_scale, col_scale = _rows(5, d)
+        assert not S.takes_rows(matrix.cuda())
+        rs_d = row_scale.cuda()
+        norm_d, part_d = E.engram_sinkhorn_step(matrix.cuda(), rs_d, col_scale.cuda(), EPS)
+        ref_norm, ref_part = R._sinkhorn_step(matrix, row_scale, col_scale, EPS, 3 * DEFAULT_NUM_SMS)
+        assert calc_diff(norm_d.cpu(), ref_norm) < ROW_DIFF and calc_diff(rs_d.cpu(), row_scale) < ROW_DIFF
+        assert calc_diff(part_d.cpu(), ref_part) < COL_DIFF
+        out = E.engram_sinkhorn_finalize(matrix.cuda(), rs_d, col_scale.cuda(), EPS, ALPHA)
+        assert calc_diff(out.cpu(), engram_sinkhorn_finalize_ref(matrix, row_scale, col_scale, EPS, ALPHA)) < FINAL_DIFF
 
 
 @pytest.mark.gpu

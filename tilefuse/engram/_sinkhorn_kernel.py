@@ -302,8 +302,8 @@ _jit.register("engram_sinkhorn_finalize", finalize_kernel, lambda: [(d,) for d i
 # ---- which inputs the kernels take ----
 
 def takes_rows(matrix: torch.Tensor) -> bool:
-    """Whether the step and finalize kernels take this (validated) ``matrix (R, D)``: CUDA and ``D <= MAX_D``."""
-    return matrix.is_cuda and matrix.shape[1] <= MAX_D
+    """Whether the step and finalize kernels take this (validated) ``matrix (R, D)``: CUDA and ``0 < D <= MAX_D``."""
+    return matrix.is_cuda and 0 < matrix.shape[1] <= MAX_D
 
 
 # ---- launchers (no validation: the public ops validate; tensors contiguous) ----

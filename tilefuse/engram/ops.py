@@ -229,8 +229,8 @@ def engram_sinkhorn_step(matrix: torch.Tensor, row_scale: torch.Tensor, col_scal
 
     Returns ``(row_norm (R,), col_sumsq_partial (3·S_m, D))``: the row norms before the update and the
     column sums of squares of the normalised iterate over ``3·S_m`` consecutive row chunks.
-    CUDA tensors with ``D <= 16384`` take the TileLang kernel (its row sums in a fixed blocked order: the
-    reference's within the spec's tolerance; the chunk sums in the reference's order); wider rows keep the reference.
+    CUDA tensors with ``0 < D <= 16384`` take the TileLang kernel (its row sums in a fixed blocked order: the
+    reference's within the spec's tolerance; the chunk sums in the reference's order); others keep the reference.
     """
     op = "engram_sinkhorn_step"
     _sinkhorn_operands(op, matrix, row_scale, col_scale)
@@ -261,8 +261,8 @@ def engram_sinkhorn_step_reduce(col_sumsq_partial: torch.Tensor, col_sumsq: torc
 def engram_sinkhorn_finalize(matrix: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor, eps: float,
                              alpha: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """``out = y·(alpha/(n + eps))`` with ``y = (r·B)·c`` and its row norms ``n`` (§2.9.4); ``row_scale`` is
-    only read. Returns ``out`` (new when ``None``). CUDA tensors with ``D <= 16384`` take the TileLang kernel
-    (row norms in a fixed blocked order); wider rows keep the reference."""
+    only read. Returns ``out`` (new when ``None``). CUDA tensors with ``0 < D <= 16384`` take the TileLang kernel
+    (row norms in a fixed blocked order); others keep the reference."""
     op = "engram_sinkhorn_finalize"
     _sinkhorn_operands(op, matrix, row_scale, col_scale)
     eps = _check.real(op, "eps", eps)
