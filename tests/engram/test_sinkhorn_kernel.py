@@ -268,8 +268,8 @@ def test_step_reduce_finalize_grid(d, r, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_sms", [1, 7, 50, 3000])
 def test_step_partial_counts(num_sms, monkeypatch):
-    """The partial count is the one passed (3 num_sms), whatever the device: chunks of 1366, 195, 27 rows and
-    more chunks than rows (empty chunks give zero rows)."""
+    """The partial count is the one passed (3 num_sms), whatever the device: 4097 rows in chunks of 1366, 196, 28
+    rows, and more chunks than rows (empty chunks give zero rows)."""
     poison_outputs(monkeypatch, S)
     _step_case(4097, 768, num_sms)
 

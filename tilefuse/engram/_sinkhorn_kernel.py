@@ -33,6 +33,9 @@ of warp 0 adds the block's rows to column ``l``'s sum: ``acc = 0``, ``acc = RN(a
 
 No atomics. Shared memory: the row kernels' warp sums, the step's column sums (each thread its own columns), the
 reduce's staged rows. Deterministic and batch-invariant.
+
+Speed: not yet measured on a GPU. ptxas (sm_90, no spills): step 79 registers at D = 7168 (capped for 3 CTAs an SM,
+see STEP_MIN_BLOCKS) and 64 at 4096; finalize 64 at 7168; reduce 102; momentum 28 (bf16 grad, fp32 buffer).
 """
 import torch
 
@@ -55,7 +58,6 @@ VEC = 8      # momentum update: elements per thread
 LANES = 4    # row kernels: fp32 per vector access (16 bytes)
 MAX_D = 16384  # row kernels: widest row held in registers (S = 16 vectors a thread); wider rows keep the reference
 F32, I64 = "float32", "int64"
-_DT = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _DT_NAME = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 _DT_TL = {"bf16": "bfloat16", "fp32": "float32"}
 
