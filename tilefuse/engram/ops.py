@@ -15,6 +15,7 @@ import torch
 
 from tilefuse import _check
 from tilefuse._registry import public
+from tilefuse.engram import _hash_kernel, _sinkhorn_kernel
 from tilefuse.reference import engram as _ref
 
 __all__ = [
@@ -79,12 +80,14 @@ def _sinkhorn_operands(op: str, matrix, row_scale, col_scale):
 # Hash and weights
 # ----------------------------------------------------------------------------------------------------
 
-@public("engram")
+@public("engram", path="kernel")
 def engram_hash(ngram_token_ids: torch.Tensor, multipliers: torch.Tensor, vocab_sizes: torch.Tensor,
                 offsets: torch.Tensor) -> torch.Tensor:
     """Row indices ``(L, T, (N-1)·K)`` int32 of every n-gram table (§2.2, v1). Exact integer arithmetic.
 
     Table sizes must be positive (``V = 0`` is undefined; not checked, it would need a host sync).
+    CUDA tensors with ``N >= 2`` and ``K >= 1`` take the TileLang kernel (bit for bit the reference); others (an
+    empty index row) keep the reference.
     """
     op = "engram_hash"
     _check.tensor(op, "ngram_token_ids", ngram_token_ids, dtype=torch.int32, ndim=2, contiguous=True)
@@ -98,6 +101,8 @@ def engram_hash(ngram_token_ids: torch.Tensor, multipliers: torch.Tensor, vocab_
     _check.tensor(op, "offsets", offsets, dtype=torch.int32, shape=(layers, cols), contiguous=True)
     _check.same_device(op, ngram_token_ids=ngram_token_ids, multipliers=multipliers, vocab_sizes=vocab_sizes,
                        offsets=offsets)
+    if _hash_kernel.takes(ngram_token_ids, vocab_sizes):
+        return _hash_kernel.hash_cuda(ngram_token_ids, multipliers, vocab_sizes, offsets)
     return _ref.engram_hash_ref(ngram_token_ids, multipliers, vocab_sizes, offsets)
 
 
@@ -192,13 +197,14 @@ def grad_w_reduce(grad_w_partial: torch.Tensor, weight_hidden: torch.Tensor, wei
 # Sinkhorn helpers (v2.1)
 # ----------------------------------------------------------------------------------------------------
 
-@public("engram")
+@public("engram", path="kernel")
 def engram_sinkhorn_momentum_update(grad: torch.Tensor, momentum_buffer: torch.Tensor, beta1: float,
                                     nesterov: bool = True) -> torch.Tensor:
     """Momentum step (§2.9.1): ``momentum_buffer ← fma(m, β, RN(β'·g))`` in place (rounded to its dtype);
     returns a new fp32 tensor shaped like the buffer: ``fma(g, β', RN(β·m'))`` (nesterov) or ``m'``.
 
     ``grad`` and ``momentum_buffer``: bf16 or fp32, contiguous, equal element count, a multiple of 256.
+    CUDA tensors take the TileLang kernel (bit for bit this formulation).
     """
     op = "engram_sinkhorn_momentum_update"
     _check.tensor(op, "grad", grad, dtype=(BF16, FP32), contiguous=True)
@@ -211,45 +217,58 @@ def engram_sinkhorn_momentum_update(grad: torch.Tensor, momentum_buffer: torch.T
     beta1 = _check.real(op, "beta1", beta1)
     _check.flag(op, "nesterov", nesterov)
     _check.same_device(op, grad=grad, momentum_buffer=momentum_buffer)
+    if momentum_buffer.is_cuda:
+        return _sinkhorn_kernel.momentum_cuda(grad, momentum_buffer, beta1, nesterov)
     return _ref._sinkhorn_momentum_update(grad, momentum_buffer, beta1, nesterov)
 
 
-@public("engram")
+@public("engram", path="kernel")
 def engram_sinkhorn_step(matrix: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor, eps: float,
                          *, num_sms: int | None = None):
     """One row normalisation of ``diag(r)·B·diag(c)`` (§2.9.2); ``row_scale`` is updated in place.
 
     Returns ``(row_norm (R,), col_sumsq_partial (3·S_m, D))``: the row norms before the update and the
     column sums of squares of the normalised iterate over ``3·S_m`` consecutive row chunks.
+    CUDA tensors with ``0 < D <= 16384`` take the TileLang kernel (its row sums in a fixed blocked order: the
+    reference's within the spec's tolerance; the chunk sums in the reference's order); others keep the reference.
     """
     op = "engram_sinkhorn_step"
     _sinkhorn_operands(op, matrix, row_scale, col_scale)
     eps = _check.real(op, "eps", eps)
     _check.same_device(op, matrix=matrix, row_scale=row_scale, col_scale=col_scale)
     partials = 3 * _num_sms(op, num_sms)
+    if _sinkhorn_kernel.takes_rows(matrix):
+        return _sinkhorn_kernel.step_cuda(matrix, row_scale, col_scale, eps, partials)
     return _ref._sinkhorn_step(matrix, row_scale, col_scale, eps, partials)
 
 
-@public("engram")
+@public("engram", path="kernel")
 def engram_sinkhorn_step_reduce(col_sumsq_partial: torch.Tensor, col_sumsq: torch.Tensor) -> None:
-    """``col_sumsq[j] = Σ_p col_sumsq_partial[p, j]`` in ascending ``p`` (overwritten; §2.9.3)."""
+    """``col_sumsq[j] = Σ_p col_sumsq_partial[p, j]`` in ascending ``p`` (overwritten; §2.9.3). CUDA tensors take
+    the TileLang kernel (the same order, bit for bit)."""
     op = "engram_sinkhorn_step_reduce"
     _check.tensor(op, "col_sumsq_partial", col_sumsq_partial, dtype=FP32, ndim=2, contiguous=True)
     _hidden(op, "col_sumsq_partial", col_sumsq_partial, 256)
     _check.tensor(op, "col_sumsq", col_sumsq, dtype=FP32, shape=(col_sumsq_partial.shape[1],), contiguous=True)
     _check.same_device(op, col_sumsq_partial=col_sumsq_partial, col_sumsq=col_sumsq)
+    if col_sumsq.is_cuda:
+        _sinkhorn_kernel.step_reduce_cuda(col_sumsq_partial, col_sumsq)
+        return
     col_sumsq.copy_(_ref._sequential_sum(col_sumsq_partial))
 
 
-@public("engram")
+@public("engram", path="kernel")
 def engram_sinkhorn_finalize(matrix: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor, eps: float,
                              alpha: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """``out = y·(alpha/(n + eps))`` with ``y = (r·B)·c`` and its row norms ``n`` (§2.9.4); ``row_scale`` is
-    only read. Returns ``out`` (new when ``None``)."""
+    only read. Returns ``out`` (new when ``None``). CUDA tensors with ``0 < D <= 16384`` take the TileLang kernel
+    (row norms in a fixed blocked order); others keep the reference."""
     op = "engram_sinkhorn_finalize"
     _sinkhorn_operands(op, matrix, row_scale, col_scale)
     eps = _check.real(op, "eps", eps)
     alpha = _check.real(op, "alpha", alpha)
     _check.optional(op, "out", out, dtype=FP32, shape=tuple(matrix.shape), contiguous=True)
     _check.same_device(op, matrix=matrix, row_scale=row_scale, col_scale=col_scale, out=out)
+    if _sinkhorn_kernel.takes_rows(matrix):
+        return _sinkhorn_kernel.finalize_cuda(matrix, row_scale, col_scale, eps, alpha, out)
     return _ref._sinkhorn_finalize(matrix, row_scale, col_scale, eps, alpha, out)
