@@ -211,29 +211,29 @@ def gate_fwd_kernel(M: int, H: int, save: bool):
 # ---- fused_weight ----
 
 def fused_weight_kernel():
-    """Factory: ``OUT[j] = fp32(A[j]) * fp32(B[j])`` over ``n`` elements (``n % 8 == 0``, runtime).
-    Arguments at launch: ``A [n]``, ``B [n]`` bf16, ``OUT [n]`` fp32."""
+    """Factory: ``OUT[j, e] = fp32(A[j, e]) * fp32(B[j, e])`` over ``n`` rows of 8 elements (``n`` runtime).
+    Arguments at launch: ``A [n, 8]``, ``B [n, 8]`` bf16, ``OUT [n, 8]`` fp32 (the flattened ``[M, H]``)."""
     import tilelang.language as T
 
     threads = FW_THREADS
-    n = T.dynamic("num_elements", I64)
+    n = T.dynamic("num_vectors", I64)
 
     @T.prim_func
-    def engram_fused_weight(A: T.Tensor((n,), BF16), B: T.Tensor((n,), BF16), OUT: T.Tensor((n,), F32)):
-        with T.Kernel(T.ceildiv(n, threads * V), threads=threads) as bx:
+    def engram_fused_weight(A: T.Tensor((n, V), BF16), B: T.Tensor((n, V), BF16), OUT: T.Tensor((n, V), F32)):
+        with T.Kernel(T.ceildiv(n, threads), threads=threads) as bx:
             a = T.alloc_local((V,), BF16)
             b = T.alloc_local((V,), BF16)
             o = T.alloc_local((V,), F32)
-            j = (T.cast(bx, I64) * threads + T.get_thread_binding()) * V
+            j = T.cast(bx, I64) * threads + T.get_thread_binding()
             if j < n:
                 for e in T.vectorized(V):
-                    a[e] = A[j + e]
+                    a[e] = A[j, e]
                 for e in T.vectorized(V):
-                    b[e] = B[j + e]
+                    b[e] = B[j, e]
                 for e in T.unroll(V):
                     o[e] = _mul(T.cast(a[e], F32), T.cast(b[e], F32))
                 for e in T.vectorized(V):
-                    OUT[j + e] = o[e]
+                    OUT[j, e] = o[e]
 
     return engram_fused_weight
 
@@ -311,10 +311,10 @@ def gate_fwd_launch(hidden_states: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 def fused_weight_launch(weight_hidden: torch.Tensor, weight_embed: torch.Tensor) -> torch.Tensor:
     """``fp32(w_h) * fp32(w_e)`` as a new ``[M, H]`` fp32 tensor (``H % 8 == 0``). Validates nothing."""
     out = _new(tuple(weight_hidden.shape), torch.float32, weight_hidden.device)
-    n = out.numel()
+    n = out.numel() // V
     if n:
-        _jit.get("engram_fused_weight", ())(_packed(weight_hidden).view(n), _packed(weight_embed).view(n),
-                                            out.view(n))
+        _jit.get("engram_fused_weight", ())(_packed(weight_hidden).view(n, V), _packed(weight_embed).view(n, V),
+                                            out.view(n, V))
     return out
 
 
