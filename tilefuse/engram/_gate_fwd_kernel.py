@@ -31,10 +31,10 @@ With ``save``, lane 0 writes the raw ``D``, ``g``, ``rx``, ``rk``; without it no
 on ``T``, the token's place or the device: deterministic and batch-invariant, no atomics.
 
 The output pass reads the row's ``x`` again, chunks in decreasing order, so the chunks read last by the reduction
-(the likeliest still in L1) come first; the rest are L2 hits. Keeping the row in registers instead was tried
-(ptxas, sm_90: 208 registers at H = 4096, spills at 7168, because ptxas also hoists the k and v loads of the
-unrolled chunks); this path takes 64-86 (M = 4: 86 at H = 4096, 84 at 7168, no spills). Each pass issues the loads of ``LOADS_AHEAD`` chunks before their
-arithmetic (the order of the arithmetic is the same for every value).
+(the likeliest still in L1) come first; the rest are L2 hits. Keeping the row in registers between the passes was
+tried: ptxas (sm_90) then also hoisted the k and v loads of the unrolled chunks (208 registers at H = 4096, spills
+at 7168). Each pass issues the loads of ``LOADS_AHEAD`` chunks before their arithmetic (the order of the
+arithmetic is the same for every value).
 
 Kernel constraints: ``512 <= H <= MAX_H``, ``H % 256 == 0`` (the public op's), any ``M >= 1``. The public op keeps
 the reference path for larger ``H`` (``takes``). A ``k`` / ``v`` whose base is not 16-byte aligned or whose
@@ -43,12 +43,15 @@ strides are not multiples of 8 elements is copied to a contiguous tensor first.
 fused_weight: ``out = RN(fp32(w_h) * fp32(w_e))`` (exact: 16 significant bits), one thread per 8 elements of the
 flattened ``[M, H]`` (16-byte loads, two 16-byte stores); the element count is a runtime value.
 
-Speed: not yet measured on a GPU.
+Speed: not yet measured on a GPU. ptxas (sm_90, M = 4): 86 registers at H = 4096, 84 at 7168, no spills, so 5 CTAs
+of 128 threads an SM (20 warps, each with the loads of ``LOADS_AHEAD`` chunks of x and k in flight: 4 KiB), and
+16-28 KiB of shared memory a CTA. ``v`` is read by the ``M`` CTAs of a token block (one HBM read, the others L2
+hits). The knobs to sweep first: ``ROWS_PER_WARP`` (waves and weight reloads: 2048 CTAs at T = 8192, M = 4),
+``LOADS_AHEAD``, ``WARPS``.
 """
 
-import math
+import struct
 
-import numpy as np
 import torch
 
 from tilefuse import _jit, _launch, _ops
@@ -72,7 +75,7 @@ BF16, F32, I64 = "bfloat16", "float32", "int64"
 
 def _c_h(H: int) -> float:
     """``c_H``: ``H^-0.5`` evaluated in double and rounded once to fp32 (as a Python float)."""
-    return float(np.float32(H ** -0.5))
+    return struct.unpack("f", struct.pack("f", H ** -0.5))[0]
 
 
 # ---- gate forward ----
