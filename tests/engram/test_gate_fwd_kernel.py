@@ -243,7 +243,7 @@ def test_tuning_knobs_change_no_result(tmp_path, monkeypatch):
     t, m, h = 23, 2, 1280
     x, k, v, _, _, w = _inputs(t, m, h)
     results = []
-    for ahead, warps, rows in ((4, 4, 4), (1, 4, 4), (2, 2, 3), (3, 8, 1)):
+    for ahead, warps, rows in ((4, 4, 2), (1, 4, 4), (2, 2, 3), (3, 8, 1)):
         monkeypatch.setattr(K, "LOADS_AHEAD", ahead)
         monkeypatch.setattr(K, "WARPS", warps)
         monkeypatch.setattr(K, "ROWS_PER_WARP", rows)

@@ -46,8 +46,9 @@ flattened ``[M, H]`` (16-byte loads, two 16-byte stores); the element count is a
 Speed: not yet measured on a GPU. ptxas (sm_90, M = 4): 86 registers at H = 4096, 84 at 7168, no spills, so 5 CTAs
 of 128 threads an SM (20 warps, each with the loads of ``LOADS_AHEAD`` chunks of x and k in flight: 4 KiB), and
 16-28 KiB of shared memory a CTA. ``v`` is read by the ``M`` CTAs of a token block (one HBM read, the others L2
-hits). The knobs to sweep first: ``ROWS_PER_WARP`` (waves and weight reloads: 2048 CTAs at T = 8192, M = 4),
-``LOADS_AHEAD``, ``WARPS``.
+hits). The knobs to sweep first: ``ROWS_PER_WARP`` (CTA granularity against weight reloads: at T = 8192, M = 4 the
+default makes 4096 CTAs of 8 rows, about 6 per CTA slot, and each CTA's 16-28 KiB weight fill is about 6% of its L2
+reads), ``LOADS_AHEAD``, ``WARPS``.
 """
 
 import struct
@@ -61,7 +62,7 @@ KERNEL_HELPERS = ("tilefuse._rn",)  # part of this module's kernel cache key (_j
 
 # ---- tuning knobs (TILEFUSE_KNOBS; results unchanged) ----
 WARPS = 4            # gate forward: warps per CTA, one (token, branch) row at a time each
-ROWS_PER_WARP = 4    # gate forward: tokens each warp handles in turn (token block = WARPS * ROWS_PER_WARP)
+ROWS_PER_WARP = 2    # gate forward: tokens each warp handles in turn (token block = WARPS * ROWS_PER_WARP)
 LOADS_AHEAD = 4      # gate forward: chunks whose loads are issued before their arithmetic
 FW_THREADS = 128     # fused_weight: threads per CTA (8 elements each)
 
