@@ -119,7 +119,7 @@ def test_gate_builds_for_sm90_with_the_explicit_arithmetic(cfg):
     assert _hex(K._c_h(h)) in body and "copysignf(__fsqrt_rn(" in body and "expf(__fsub_rn(" in body
     for buf in ("X", "K", "Vv", "OUT"):  # 16-byte accesses of every row operand
         assert f"*(uint4*)({buf} + " in body, buf
-    assert f"__shared__ __align__(1024) float ws[]" in body
+    assert "__shared__ __align__(1024) float ws[]" in body
     stores = [s in body for s in ("DOT[", "G[", "RX[", "RK[")]
     assert stores == [save] * 4  # no statistics written without save
 

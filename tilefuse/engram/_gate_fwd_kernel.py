@@ -85,9 +85,9 @@ def gate_fwd_kernel(M: int, H: int, save: bool):
     """Factory: the gate forward for ``M`` branches of hidden size ``H``; ``save`` adds the four statistics.
 
     Arguments at launch: ``X [T, M, H]`` bf16; ``K``, ``Vv``: the storage ``k [T, M, H]`` and ``v [T, H]`` span,
-    from their first element, viewed as ``[vectors, 8]`` bf16; ``W [M, H]`` fp32; ``OUT [T, M, H]`` bf16; with ``save``
-    ``DOT``, ``G``, ``RX``, ``RK`` ``[T, M]`` fp32; then the ints ``k_s0``, ``k_s1``, ``v_s0`` (the strides of
-    ``k``'s token and branch and of ``v``'s token dimension, in vectors) and the floats ``eps``,
+    from their first element, viewed as ``[vectors, 8]`` bf16; ``W [M, H]`` fp32; ``OUT [T, M, H]`` bf16; with
+    ``save`` ``DOT``, ``G``, ``RX``, ``RK`` ``[T, M]`` fp32; then the ints ``k_s0``, ``k_s1``, ``v_s0`` (the
+    strides of ``k``'s token and branch and of ``v``'s token dimension, in vectors) and the floats ``eps``,
     ``clamp``.
     """
     import tilelang.language as T
@@ -282,9 +282,9 @@ def _packed(t: torch.Tensor) -> torch.Tensor:
 
 def _vector_rows(t: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     """``t`` (unit last stride) as the kernel reads it: the storage span from its first element to its last, viewed
-    as rows of 8 elements (16-byte vectors), and its other strides in vectors (0 for a dimension of size 1, whose stride is never used).
-    A base that is not 16-byte aligned, or a stride that is not a multiple of 8 elements, makes a contiguous copy
-    first (the kernel's 16-byte vectors)."""
+    as rows of 8 elements (16-byte vectors), and its other strides in vectors (0 for a dimension of size 1, whose
+    stride is never used). A base that is not 16-byte aligned, or a stride that is not a multiple of 8 elements,
+    makes a contiguous copy first (the kernel's 16-byte vectors)."""
     dims = list(zip(t.shape[:-1], t.stride()[:-1]))
     if t.data_ptr() % 16 or any(s % V for n, s in dims if n > 1):
         t = _packed(t.contiguous())
