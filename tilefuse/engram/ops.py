@@ -15,7 +15,7 @@ import torch
 
 from tilefuse import _check
 from tilefuse._registry import public
-from tilefuse.engram import _hash_kernel, _sinkhorn_kernel
+from tilefuse.engram import _gate_fwd_kernel, _hash_kernel, _sinkhorn_kernel
 from tilefuse.reference import engram as _ref
 
 __all__ = [
@@ -106,14 +106,19 @@ def engram_hash(ngram_token_ids: torch.Tensor, multipliers: torch.Tensor, vocab_
     return _ref.engram_hash_ref(ngram_token_ids, multipliers, vocab_sizes, offsets)
 
 
-@public("engram")
+@public("engram", path="kernel")
 def fused_weight(weight_hidden: torch.Tensor, weight_embed: torch.Tensor) -> torch.Tensor:
-    """``fp32(w_h) · fp32(w_e)`` as a new ``(M, H)`` fp32 tensor, exact (§2.3). ``H % 256 == 0``."""
+    """``fp32(w_h) · fp32(w_e)`` as a new ``(M, H)`` fp32 tensor, exact (§2.3). ``H % 256 == 0``.
+
+    CUDA tensors take the TileLang kernel (``_gate_fwd_kernel``), others the reference product; the same bits.
+    """
     op = "fused_weight"
     _check.tensor(op, "weight_hidden", weight_hidden, dtype=BF16, ndim=2, contiguous=True)
     _hidden(op, "weight_hidden", weight_hidden, 256)
     _check.tensor(op, "weight_embed", weight_embed, dtype=BF16, shape=tuple(weight_hidden.shape), contiguous=True)
     _check.same_device(op, weight_hidden=weight_hidden, weight_embed=weight_embed)
+    if weight_hidden.is_cuda:
+        return _gate_fwd_kernel.fused_weight_cuda(weight_hidden, weight_embed)
     return weight_hidden.float() * weight_embed.float()
 
 
@@ -121,7 +126,7 @@ def fused_weight(weight_hidden: torch.Tensor, weight_embed: torch.Tensor) -> tor
 # Gate forward / backward
 # ----------------------------------------------------------------------------------------------------
 
-@public("engram")
+@public("engram", path="kernel")
 def engram_gate_fwd(hidden_states: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weight_fused: torch.Tensor,
                     eps: float, clamp_value: float, save_for_backward: bool = True):
     """Gated residual ``out = x + σ(u)·v`` per token and branch (§2.4, v1).
@@ -129,6 +134,10 @@ def engram_gate_fwd(hidden_states: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     Returns ``(output, dot, gate_score, rstd_x, rstd_k)``; the statistics (``(T, M)`` fp32, ``dot`` the
     raw ``Σ x·w·k``) are ``None`` unless ``save_for_backward``. ``H % 256 == 0`` and ``H >= 512``;
     ``k``, ``v`` may have any strides but a unit last stride.
+
+    CUDA tensors take the TileLang kernel (``_gate_fwd_kernel``: upstream's summation order, the sign bit of
+    ``s`` for ``u``) for ``H <= 12288``; larger ``H`` and CPU tensors take the reference formulation
+    (``reference.engram._gate_fwd``), which follows the same sign convention.
     """
     op = "engram_gate_fwd"
     _gate_operands(op, hidden_states, k, v, weight_fused)
@@ -137,6 +146,8 @@ def engram_gate_fwd(hidden_states: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     clamp_value = _check.real(op, "clamp_value", clamp_value, positive=True)
     _check.flag(op, "save_for_backward", save_for_backward)
     _check.same_device(op, hidden_states=hidden_states, k=k, v=v, weight_fused=weight_fused)
+    if _gate_fwd_kernel.takes(hidden_states):
+        return _gate_fwd_kernel.gate_fwd_cuda(hidden_states, k, v, weight_fused, eps, clamp_value, save_for_backward)
     out, dot, g, rx, rk = _ref._gate_fwd(hidden_states, k, v, weight_fused, eps, clamp_value)
     if not save_for_backward:
         return out, None, None, None, None

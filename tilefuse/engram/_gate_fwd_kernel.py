@@ -1,0 +1,379 @@
+"""TileLang kernels of the Engram gate forward (engram.md §2.4, v1) and its weight prep ``fused_weight`` (§2.3).
+
+Gate forward. Layout: ``x``, ``out`` ``[T, M, H]`` bf16 contiguous; ``k`` ``[T, M, H]`` and ``v`` ``[T, H]`` bf16
+with runtime 64-bit token/branch strides and a unit last stride (views into one fused projection work as they
+are); ``w`` ``[M, H]`` fp32; the saved statistics ``[T, M]`` fp32. ``T`` and the strides are runtime values;
+``M``, ``H`` and ``save`` are compile-time; ``eps`` and ``clamp_value`` are runtime fp32 scalars.
+
+Schedule: CTA ``b * M + h`` takes branch ``h`` of the token block ``b`` (``WARPS * ROWS_PER_WARP`` tokens). It
+first stages the branch's weight row in shared memory (read once per CTA from L2, not once per token); each of its
+warps then handles one (token, branch) row at a time: tokens ``b * TB + r * WARPS + warp`` for
+``r = 0 .. ROWS_PER_WARP - 1``. A row is read in chunks of 256 columns; lane ``l`` owns the 8 columns
+``256 c + 8 l .. 256 c + 8 l + 7`` of chunk ``c``: one 16-byte vector of ``x``, ``k``, ``v`` and ``out``, so every
+warp access is a coalesced 512-byte line. Shared memory holds chunk ``c``'s weights as two 128-float halves
+(``w[256 c + 8 l + 4 q + e]`` at ``256 c + 128 q + 4 l + e``), so each lane's two 16-byte reads of a chunk are
+conflict-free.
+
+Arithmetic per row (all fp32; every operation an explicit ``__f*_rn`` intrinsic, so nvcc cannot contract or
+reorder it), in upstream's order (§2.4.2):
+
+* lane ``l`` keeps the partial sums ``Sxx``, ``Skk``, ``D`` of its columns, visited in increasing ``c`` then
+  ``i`` from 0: ``Sxx = fma(x, x, Sxx)``, ``Skk = fma(k, k, Skk)``, ``D = fma(RN(x * w), k, D)``;
+* the 32 partials are added by an XOR butterfly (distances 16, 8, 4, 2, 1): every lane ends with the same bits;
+* ``rx = 1 / sqrt(Sxx / H + eps)``, ``rk`` likewise (IEEE division and square root);
+  ``s = ((D * rx) * rk) * c_H`` with ``c_H = fp32(H^-0.5)`` (rounded once from double);
+  ``u = copysign(sqrt(max(|s|, clamp)), s)`` (the sign *bit* of ``s``: ``s = -0`` gives ``-sqrt(clamp)``;
+  a NaN ``s`` stays NaN, as the reference's ``clamp_min``); ``g = 1 / (1 + expf(0 - u))``;
+* ``out = bf16(fma(g, v, x))`` (one fp32 rounding, then round-to-nearest-even to bf16).
+
+With ``save``, lane 0 writes the raw ``D``, ``g``, ``rx``, ``rk``; without it nothing but ``out`` is written, and
+``out`` is the same bits either way (the same code up to those four stores). The order depends only on ``H``, never
+on ``T``, the token's place or the device: deterministic and batch-invariant, no atomics.
+
+The output pass reads the row's ``x`` again, chunks in decreasing order, so the chunks read last by the reduction
+(the likeliest still in L1) come first; the rest are L2 hits. Keeping the row in registers between the passes was
+tried: ptxas (sm_90) then also hoisted the k and v loads of the unrolled chunks (208 registers at H = 4096, spills
+at 7168). Each pass issues the loads of ``LOADS_AHEAD`` chunks before their arithmetic (the order of the
+arithmetic is the same for every value).
+
+Kernel constraints: ``512 <= H <= MAX_H``, ``H % 256 == 0`` (the public op's), any ``M >= 1``. The public op keeps
+the reference path for larger ``H`` (``takes``). A ``k`` / ``v`` whose base is not 16-byte aligned or whose
+strides are not multiples of 8 elements is copied to a contiguous tensor first.
+
+fused_weight: ``out = RN(fp32(w_h) * fp32(w_e))`` (exact: 16 significant bits), one thread per 8 elements of the
+flattened ``[M, H]`` (16-byte loads, two 16-byte stores); the element count is a runtime value.
+
+Speed: not yet measured on a GPU. ptxas (sm_90, M = 4): 86 registers at H = 4096, 84 at 7168, no spills, so 5 CTAs
+of 128 threads an SM (20 warps, each with the loads of ``LOADS_AHEAD`` chunks of x and k in flight: 4 KiB), and
+16-28 KiB of shared memory a CTA. ``v`` is read by the ``M`` CTAs of a token block (one HBM read, the others L2
+hits). The knobs to sweep first: ``ROWS_PER_WARP`` (CTA granularity against weight reloads: at T = 8192, M = 4 the
+default makes 4096 CTAs of 8 rows, about 6 per CTA slot, and each CTA's 16-28 KiB weight fill is about 6% of its L2
+reads), ``LOADS_AHEAD``, ``WARPS``.
+"""
+
+import struct
+
+import torch
+
+from tilefuse import _jit, _launch, _ops
+from tilefuse._rn import add as _add, call as _f, div as _div, fma as _fma, mul as _mul, sub as _sub
+
+KERNEL_HELPERS = ("tilefuse._rn",)  # part of this module's kernel cache key (_jit._module_digest)
+
+# ---- tuning knobs (TILEFUSE_KNOBS; results unchanged) ----
+WARPS = 4            # gate forward: warps per CTA, one (token, branch) row at a time each
+ROWS_PER_WARP = 2    # gate forward: tokens each warp handles in turn (token block = WARPS * ROWS_PER_WARP)
+LOADS_AHEAD = 4      # gate forward: chunks whose loads are issued before their arithmetic
+FW_THREADS = 128     # fused_weight: threads per CTA (8 elements each)
+
+CHUNK = 256      # columns of one warp step (32 lanes x 8)
+V = 8            # bf16 columns per lane per chunk: one 16-byte vector
+LANES = 32
+MIN_H = 512
+MAX_H = 12288    # the weight row staged in shared memory: H * 4 bytes <= 48 KiB
+BF16, F32, I64 = "bfloat16", "float32", "int64"
+
+
+def _c_h(H: int) -> float:
+    """``c_H``: ``H^-0.5`` evaluated in double and rounded once to fp32 (as a Python float)."""
+    return struct.unpack("f", struct.pack("f", H ** -0.5))[0]
+
+
+# ---- gate forward ----
+
+def gate_fwd_kernel(M: int, H: int, save: bool):
+    """Factory: the gate forward for ``M`` branches of hidden size ``H``; ``save`` adds the four statistics.
+
+    Arguments at launch: ``X [T, M, H]`` bf16; ``K``, ``Vv``: the storage ``k [T, M, H]`` and ``v [T, H]`` span,
+    from their first element, viewed as ``[vectors, 8]`` bf16; ``W [M, H]`` fp32; ``OUT [T, M, H]`` bf16; with
+    ``save`` ``DOT``, ``G``, ``RX``, ``RK`` ``[T, M]`` fp32; then the ints ``k_s0``, ``k_s1``, ``v_s0`` (the
+    strides of ``k``'s token and branch and of ``v``'s token dimension, in vectors) and the floats ``eps``,
+    ``clamp``.
+    """
+    import tilelang.language as T
+
+    assert M >= 1 and H % CHUNK == 0 and MIN_H <= H <= MAX_H, (M, H)
+    C = H // CHUNK
+    U = max(1, min(LOADS_AHEAD, C))  # chunks per load group
+    groups = -(-C // U)
+    threads = WARPS * LANES
+    TB = WARPS * ROWS_PER_WARP
+    quads = H // 4
+    fill_steps = -(-quads // threads)
+    Tn, k_vecs, v_vecs = T.dynamic("num_tokens, k_vectors, v_vectors", I64)
+
+    @T.macro
+    def body(X, K, Vv, W, OUT, stats, k_s0, k_s1, v_s0, eps, clamp):
+        with T.Kernel(T.ceildiv(Tn, TB) * M, threads=threads) as bx:
+            tid = T.get_thread_binding()
+            lane = tid % LANES
+            warp = tid // LANES
+            h = bx % M
+            blk = T.cast(bx // M, I64)
+            ws = T.alloc_shared((H,), F32)
+            wq = T.alloc_local((4,), F32)
+            xb = T.alloc_local((U * V,), BF16)
+            kb = T.alloc_local((U * V,), BF16)
+            vb = T.alloc_local((U * V,), BF16)
+            wv = T.alloc_local((V,), F32)
+            ob = T.alloc_local((V,), BF16)
+            acc = T.alloc_local((3,), F32)  # Sxx, Skk, D
+            sc = T.alloc_local((4,), F32)   # rx, rk, s, then u and g
+            # the branch's weight row, chunk halves interleaved (see the module docstring)
+            for f in T.serial(fill_steps):
+                j = f * threads + tid
+                if j < quads:
+                    for e in T.vectorized(4):
+                        wq[e] = W[h, j * 4 + e]
+                    for e in T.vectorized(4):
+                        ws[(j // 64) * CHUNK + (j % 2) * 128 + ((j % 64) // 2) * 4 + e] = wq[e]
+            T.sync_threads()
+            for r in T.serial(ROWS_PER_WARP):
+                t = blk * TB + r * WARPS + warp
+                if t < Tn:  # the same for the whole warp: every lane takes part in the shuffles
+                    k_row = t * k_s0 + h * k_s1 + lane  # the lane's vector of chunk 0 (vectors of 8 elements)
+                    v_row = t * v_s0 + lane
+                    for a in T.unroll(3):
+                        acc[a] = T.float32(0.0)
+                    # reduction: chunks in increasing order, U loaded ahead of their arithmetic
+                    for s in T.serial(groups):
+                        for u in T.unroll(U):
+                            c = s * U + u
+                            if c < C:
+                                for e in T.vectorized(V):
+                                    xb[u * V + e] = X[t, h, c * CHUNK + lane * V + e]
+                                for e in T.vectorized(V):
+                                    kb[u * V + e] = K[k_row + c * LANES, e]
+                        for u in T.unroll(U):
+                            c = s * U + u
+                            if c < C:
+                                for e in T.vectorized(4):
+                                    wv[e] = ws[c * CHUNK + lane * 4 + e]
+                                for e in T.vectorized(4):
+                                    wv[4 + e] = ws[c * CHUNK + 128 + lane * 4 + e]
+                                for i in T.unroll(V):
+                                    xf = T.cast(xb[u * V + i], F32)
+                                    kf = T.cast(kb[u * V + i], F32)
+                                    acc[0] = _fma(xf, xf, acc[0])
+                                    acc[1] = _fma(kf, kf, acc[1])
+                                    acc[2] = _fma(_mul(xf, wv[i]), kf, acc[2])
+                    for d in (16, 8, 4, 2, 1):
+                        for a in T.unroll(3):
+                            acc[a] = _add(acc[a], T.shfl_xor(acc[a], d))
+                    one = T.float32(1.0)
+                    sc[0] = _div(one, _f("__fsqrt_rn", _add(_div(acc[0], T.float32(H)), eps)))
+                    sc[1] = _div(one, _f("__fsqrt_rn", _add(_div(acc[1], T.float32(H)), eps)))
+                    sc[2] = _mul(_mul(_mul(acc[2], sc[0]), sc[1]), T.float32(_c_h(H)))
+                    sc[3] = _f("fabsf", sc[2])
+                    sc[3] = _f("copysignf", _f("__fsqrt_rn", T.if_then_else(sc[3] < clamp, clamp, sc[3])), sc[2])
+                    sc[3] = _div(one, _add(one, _f("expf", _sub(T.float32(0.0), sc[3]))))
+                    if save:
+                        DOT, G, RX, RK = stats
+                        if lane == 0:
+                            DOT[t, h] = acc[2]
+                            G[t, h] = sc[3]
+                            RX[t, h] = sc[0]
+                            RK[t, h] = sc[1]
+                    # output: chunks in decreasing order (the last ones read are the likeliest still in L1)
+                    for s in T.serial(groups):
+                        for u in T.unroll(U):
+                            c = C - 1 - (s * U + u)
+                            if c >= 0:
+                                for e in T.vectorized(V):
+                                    xb[u * V + e] = X[t, h, c * CHUNK + lane * V + e]
+                                for e in T.vectorized(V):
+                                    vb[u * V + e] = Vv[v_row + c * LANES, e]
+                        for u in T.unroll(U):
+                            c = C - 1 - (s * U + u)
+                            if c >= 0:
+                                for i in T.unroll(V):
+                                    ob[i] = T.cast(_fma(sc[3], T.cast(vb[u * V + i], F32), T.cast(xb[u * V + i], F32)),
+                                                   BF16)
+                                for e in T.vectorized(V):
+                                    OUT[t, h, c * CHUNK + lane * V + e] = ob[e]
+
+    # every parameter gets its own annotation object: TileLang binds parameters by their buffer objects
+    if save:
+        @T.prim_func
+        def engram_gate_fwd(X: T.Tensor((Tn, M, H), BF16), K: T.Tensor((k_vecs, V), BF16),
+                            Vv: T.Tensor((v_vecs, V), BF16), W: T.Tensor((M, H), F32),
+                            OUT: T.Tensor((Tn, M, H), BF16), DOT: T.Tensor((Tn, M), F32), G: T.Tensor((Tn, M), F32),
+                            RX: T.Tensor((Tn, M), F32), RK: T.Tensor((Tn, M), F32), k_s0: T.int64, k_s1: T.int64,
+                            v_s0: T.int64, eps: T.float32, clamp: T.float32):
+            body(X, K, Vv, W, OUT, (DOT, G, RX, RK), k_s0, k_s1, v_s0, eps, clamp)
+    else:
+        @T.prim_func
+        def engram_gate_fwd(X: T.Tensor((Tn, M, H), BF16), K: T.Tensor((k_vecs, V), BF16),
+                            Vv: T.Tensor((v_vecs, V), BF16), W: T.Tensor((M, H), F32),
+                            OUT: T.Tensor((Tn, M, H), BF16), k_s0: T.int64, k_s1: T.int64, v_s0: T.int64,
+                            eps: T.float32, clamp: T.float32):
+            body(X, K, Vv, W, OUT, None, k_s0, k_s1, v_s0, eps, clamp)
+
+    return engram_gate_fwd
+
+
+# ---- fused_weight ----
+
+def fused_weight_kernel():
+    """Factory: ``OUT[j, e] = fp32(A[j, e]) * fp32(B[j, e])`` over ``n`` rows of 8 elements (``n`` runtime).
+    Arguments at launch: ``A [n, 8]``, ``B [n, 8]`` bf16, ``OUT [n, 8]`` fp32 (the flattened ``[M, H]``)."""
+    import tilelang.language as T
+
+    threads = FW_THREADS
+    n = T.dynamic("num_vectors", I64)
+
+    @T.prim_func
+    def engram_fused_weight(A: T.Tensor((n, V), BF16), B: T.Tensor((n, V), BF16), OUT: T.Tensor((n, V), F32)):
+        with T.Kernel(T.ceildiv(n, threads), threads=threads) as bx:
+            a = T.alloc_local((V,), BF16)
+            b = T.alloc_local((V,), BF16)
+            o = T.alloc_local((V,), F32)
+            j = T.cast(bx, I64) * threads + T.get_thread_binding()
+            if j < n:
+                for e in T.vectorized(V):
+                    a[e] = A[j, e]
+                for e in T.vectorized(V):
+                    b[e] = B[j, e]
+                for e in T.unroll(V):
+                    o[e] = _mul(T.cast(a[e], F32), T.cast(b[e], F32))
+                for e in T.vectorized(V):
+                    OUT[j, e] = o[e]
+
+    return engram_fused_weight
+
+
+# The bench's launches (the issue's T = 8192, M = 4, H in {4096, 7168}, statistics saved and not); any other
+# config compiles on first use.
+BENCH_M = 4
+BENCH_H = (4096, 7168)
+
+
+def _gate_configs() -> list[tuple]:
+    return [(BENCH_M, h, save) for h in BENCH_H for save in (True, False)]
+
+
+_jit.register("engram_gate_fwd", gate_fwd_kernel, _gate_configs)
+_jit.register("engram_fused_weight", fused_weight_kernel, lambda: [()])
+
+
+# ---- launchers (no validation: the public ops validate) ----
+
+def takes(hidden_states: torch.Tensor) -> bool:
+    """Whether the gate kernel takes these (validated) arguments: CUDA and ``H <= MAX_H``."""
+    return hidden_states.is_cuda and hidden_states.shape[-1] <= MAX_H
+
+
+def _new(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """An uninitialised output buffer (one place, so tests can hand out poisoned buffers)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _packed(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor with the standard strides (a size-1 dimension may carry any stride) and a 16-byte
+    aligned base (copied when not)."""
+    t = _launch.aligned(t)
+    want, step = [], 1
+    for size in reversed(t.shape):
+        want.append(step)
+        step *= size
+    want = tuple(reversed(want))
+    return t if t.stride() == want else t.as_strided(t.shape, want)
+
+
+def _vector_rows(t: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """``t`` (unit last stride) as the kernel reads it: the storage span from its first element to its last, viewed
+    as rows of 8 elements (16-byte vectors), and its other strides in vectors (0 for a dimension of size 1, whose
+    stride is never used). A base that is not 16-byte aligned, or a stride that is not a multiple of 8 elements,
+    makes a contiguous copy first (the kernel's 16-byte vectors)."""
+    dims = list(zip(t.shape[:-1], t.stride()[:-1]))
+    if t.data_ptr() % 16 or any(s % V for n, s in dims if n > 1):
+        t = _packed(t.contiguous())
+        dims = list(zip(t.shape[:-1], t.stride()[:-1]))
+    span = t.shape[-1] + sum((n - 1) * s for n, s in dims)
+    return t.as_strided((span // V, V), (V, 1)), [s // V if n > 1 else 0 for n, s in dims]
+
+
+def gate_fwd_launch(hidden_states: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weight_fused: torch.Tensor,
+                    eps: float, clamp_value: float, save_for_backward: bool):
+    """``(out, dot, gate_score, rstd_x, rstd_k)`` of §2.4 (the last four ``None`` unless ``save_for_backward``).
+    Validates nothing; ``T = 0`` launches nothing."""
+    t, m, h = hidden_states.shape
+    dev = hidden_states.device
+    out = _new((t, m, h), torch.bfloat16, dev)
+    stats = [_new((t, m), torch.float32, dev) for _ in range(4)] if save_for_backward else []
+    if t:
+        k_flat, (k_s0, k_s1) = _vector_rows(k)
+        v_flat, (v_s0,) = _vector_rows(v)
+        _jit.get("engram_gate_fwd", (m, h, bool(save_for_backward)))(
+            _packed(hidden_states), k_flat, v_flat, _packed(weight_fused), out, *stats, k_s0, k_s1, v_s0,
+            float(eps), float(clamp_value))
+    if not save_for_backward:
+        return out, None, None, None, None
+    return (out, *stats)
+
+
+def fused_weight_launch(weight_hidden: torch.Tensor, weight_embed: torch.Tensor) -> torch.Tensor:
+    """``fp32(w_h) * fp32(w_e)`` as a new ``[M, H]`` fp32 tensor (``H % 8 == 0``). Validates nothing."""
+    out = _new(tuple(weight_hidden.shape), torch.float32, weight_hidden.device)
+    n = out.numel() // V
+    if n:
+        _jit.get("engram_fused_weight", ())(_packed(weight_hidden).view(n, V), _packed(weight_embed).view(n, V),
+                                            out.view(n, V))
+    return out
+
+
+# ---- torch.library registration (torch.compile / fake tensors) ----
+
+@_ops.kernel_op("tilefuse::engram_gate_fwd", mutates_args=(), device_types="cuda")
+def _gate_fwd_op(hidden_states: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weight_fused: torch.Tensor,
+                 eps: float, clamp_value: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                          torch.Tensor]:
+    return gate_fwd_launch(hidden_states, k, v, weight_fused, eps, clamp_value, True)
+
+
+@_gate_fwd_op.register_fake
+def _(hidden_states, k, v, weight_fused, eps, clamp_value):
+    t, m, _ = hidden_states.shape
+    return (hidden_states.new_empty(hidden_states.shape),
+            *(weight_fused.new_empty((t, m)) for _ in range(4)))
+
+
+@_ops.kernel_op("tilefuse::engram_gate_fwd_nosave", mutates_args=(), device_types="cuda")
+def _gate_fwd_nosave_op(hidden_states: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weight_fused: torch.Tensor,
+                        eps: float, clamp_value: float) -> torch.Tensor:
+    return gate_fwd_launch(hidden_states, k, v, weight_fused, eps, clamp_value, False)[0]
+
+
+@_gate_fwd_nosave_op.register_fake
+def _(hidden_states, k, v, weight_fused, eps, clamp_value):
+    return hidden_states.new_empty(hidden_states.shape)
+
+
+@_ops.kernel_op("tilefuse::engram_fused_weight", mutates_args=(), device_types="cuda")
+def _fused_weight_op(weight_hidden: torch.Tensor, weight_embed: torch.Tensor) -> torch.Tensor:
+    return fused_weight_launch(weight_hidden, weight_embed)
+
+
+@_fused_weight_op.register_fake
+def _(weight_hidden, weight_embed):
+    return weight_hidden.new_empty(weight_hidden.shape, dtype=torch.float32)
+
+
+# ---- CUDA entries: a direct launch in eager mode, the custom op under torch.compile ----
+
+def gate_fwd_cuda(hidden_states, k, v, weight_fused, eps: float, clamp_value: float, save_for_backward: bool):
+    """CUDA entry of the gate forward: ``(out, dot, gate_score, rstd_x, rstd_k)``, statistics ``None`` unless
+    ``save_for_backward``."""
+    if torch.compiler.is_compiling():
+        if save_for_backward:
+            return torch.ops.tilefuse.engram_gate_fwd(hidden_states, k, v, weight_fused, eps, clamp_value)
+        out = torch.ops.tilefuse.engram_gate_fwd_nosave(hidden_states, k, v, weight_fused, eps, clamp_value)
+        return out, None, None, None, None
+    return gate_fwd_launch(hidden_states, k, v, weight_fused, eps, clamp_value, save_for_backward)
+
+
+def fused_weight_cuda(weight_hidden, weight_embed) -> torch.Tensor:
+    """CUDA entry of ``fused_weight``."""
+    if torch.compiler.is_compiling():
+        return torch.ops.tilefuse.engram_fused_weight(weight_hidden, weight_embed)
+    return fused_weight_launch(weight_hidden, weight_embed)
