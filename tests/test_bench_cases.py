@@ -95,6 +95,21 @@ COUNTED = {
     "apply_rotary-4": 5,
     "apply_rotary-5": 6,
     "apply_rotary-6": 6,
+    # Engram (tilefuse/bench/engram.py): in-place results returned and counted as written
+    "engram_gate_fwd-1": 8,                   # x, kv, w; out, dot, gate, rstd_x, rstd_k (H = 4096, saved)
+    "engram_gate_fwd-2": 4,                   # x, kv, w; out (H = 4096, not saved)
+    "engram_gate_fwd-3": 8,                   # H = 7168, saved
+    "engram_gate_fwd-4": 4,                   # H = 7168, not saved
+    "engram_gate_bwd": 17,                    # grad_out, x, kv, w, 4 statistics, w_h, w_e, 2 accumulators;
+                                              # grad_x, grad_k, grad_v, the 2 accumulators
+    "grad_w_reduce": 7,                       # partial, w_h, w_e, 2 accumulators; the 2 accumulators
+    "engram_hash": 5,                         # ids, multipliers, vocab_sizes, offsets; indices
+    "fused_weight": 3,                        # w_h, w_e; w
+    "engram_sinkhorn_momentum_update": 4,     # grad, buffer; buffer, output
+    "engram_sinkhorn_step": 6,                # matrix, row_scale, col_scale; row_norm, partial, row_scale
+    "engram_sinkhorn_step_reduce": 3,         # partial, col_sumsq; col_sumsq
+    "engram_sinkhorn_finalize": 4,            # matrix, row_scale, col_scale; out
+    "engram_gate_step": 11,                   # x, kv, w_h, w_e, grad; out, x, k, v, w_h, w_e gradients
 }
 
 CASES = runner.select_cases(True, None)
@@ -202,7 +217,9 @@ BENCH_REGISTERED = ("per_token_cast", "per_block_cast", "per_block_cast_lossless
                     "moe_fused_mapping_scan", "moe_fused_mapping_scatter", "mhc_expand_fwd", "mhc_expand_bwd",
                     "mhc_apply_mix_fwd", "mhc_apply_mix_bwd", "mhc_normw_merge_fwd", "mhc_normw_merge_bwd",
                     "mhc_reduce_rmsnorm_fwd", "mhc_reduce_rmsnorm_bwd", "mhc_norm_fn_fwd", "mhc_norm_fn_bwd",
-                    "mhc_norm_fn_dw_sum")
+                    "mhc_norm_fn_dw_sum", "engram_gate_fwd", "engram_fused_weight", "engram_hash",
+                    "engram_sinkhorn_momentum", "engram_sinkhorn_step", "engram_sinkhorn_step_reduce",
+                    "engram_sinkhorn_finalize")
 
 
 def test_registration_is_what_the_bench_launches():

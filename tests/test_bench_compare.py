@@ -389,3 +389,72 @@ def test_mhc_reference_and_peer_calls_compute_our_op(case):
         if peer == "tk2":
             ok, text = runner._agree(case, peer, ours, call(stand_in, *core._clone(inputs)))
             assert ok, f"{peer}: {text}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Engram cases (tilefuse/bench/engram.py)
+# ---------------------------------------------------------------------------------------------------------------
+
+def _engram_v21_stand_in():
+    """A stand-in ``tile_kernels`` with TileKernels 2.1.0's Engram API (``engram`` and ``modeling.engram``) made of
+    our v1 ops: the packed ``kv (T, M+1, H)`` read through the views ``kv[:, :M]``, ``kv[:, M]``, ``grad_kv`` packed
+    from ``grad_k`` and ``grad_v``; the autograd gate takes the flat ``kv [T, (M+1) H]``."""
+    from tilefuse import engram as E
+    from tilefuse.modeling import engram as layer
+
+    def gate_fwd(x, kv, w, eps, clamp, save_for_backward=True, image_token_mask=None, inplace=False):
+        assert image_token_mask is None and not inplace
+        m = x.shape[1]
+        return E.engram_gate_fwd(x, kv[:, :m], kv[:, m], w, eps, clamp, save_for_backward)
+
+    def gate_bwd(grad, x, kv, w, dot, g, rx, rk, clamp, image_token_mask=None):
+        assert image_token_mask is None
+        m = x.shape[1]
+        gx, gk, gv, partial = E.engram_gate_bwd(grad, x, kv[:, :m], kv[:, m], w, dot, g, rx, rk, clamp)
+        return gx, torch.cat((gk, gv.unsqueeze(1)), 1), partial
+
+    def gate(x, kv, wh, we, clamp, eps, image_token_mask):
+        assert image_token_mask is None
+        m, h = x.shape[-2:]
+        packed = kv.view(-1, m + 1, h)
+        return layer.engram_gate(x, packed[:, :m], packed[:, m], wh, we, clamp, eps)
+
+    ops = {name: getattr(E, name) for name in E.__all__}
+    ops.update(engram_gate_fwd=gate_fwd, engram_gate_bwd=gate_bwd)
+    return types.SimpleNamespace(engram=types.SimpleNamespace(**ops),
+                                 modeling=types.SimpleNamespace(engram=types.SimpleNamespace(engram_gate=gate)))
+
+
+@pytest.mark.parametrize("case", runner.select_cases(False, ["engram"]), ids=lambda c: f"{c.name}|{c.key}")
+def test_engram_reference_and_peer_calls_compute_our_op(case):
+    """On the CPU our op takes its reference: each Engram case's torch.compile reference and its TileKernels 2.1.0
+    call (against a stand-in ``tile_kernels`` holding our ops behind the v2.1 API, the packed ``kv`` included) give
+    our outputs by the case's own comparison, which maps TileKernels' ``grad_kv`` to our ``grad_k``, ``grad_v``."""
+    torch.manual_seed(0)
+    _, inputs = case.make("cpu", 0.02)
+    ours = case.run(*core._clone(inputs))
+    ok, text = runner._agree(case, "compile", ours, case.ref(*core._clone(inputs)))
+    assert ok, f"reference: {text}"
+    assert set(case.peers) == {"tk2"}
+    ok, text = runner._agree(case, "tk2", ours, case.peers["tk2"](_engram_v21_stand_in(), *core._clone(inputs)))
+    assert ok, f"tk2: {text}"
+
+
+def test_engram_checks_map_the_packed_gradient_and_hold_the_bounds():
+    """The gate backward's check reads TileKernels' ``grad_kv`` rows ``0..M-1`` as ``grad_k`` and row ``M`` as
+    ``grad_v``: swapped rows or a gradient off by more than the bound fail."""
+    from tilefuse.bench import engram as bench_engram
+
+    case = next(c for c in bench_engram.quick_cases() if c.name == "engram_gate_bwd")
+    _, inputs = case.make("cpu", 0.02)
+    ours = case.run(*core._clone(inputs))
+    gx, gk, gv, ah, ae = ours
+    packed = torch.cat((gk, gv.unsqueeze(1)), 1)
+    check = case.check["tk2"]
+    assert check(ours, (gx, packed, ah, ae)) == (True, "bitwise")
+    swapped = torch.cat((gv.unsqueeze(1), gk), 1)
+    assert not check(ours, (gx, swapped, ah, ae))[0]
+    ok, text = check(ours, (gx, packed, ah * (1 + 1e-3), ae))
+    assert not ok and text.startswith("calc_diff")
+    ok, text = check(ours, (gx, packed, ah * (1 + 1e-6), ae))
+    assert ok and text.startswith("calc_diff")

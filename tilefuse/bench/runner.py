@@ -30,7 +30,7 @@ from tilefuse.bench import peers as _peers
 from tilefuse.bench.core import (_COPY_CACHE, _L2_ROTATE_BYTES, _clone, _nbytes, copy_us, counted_bytes, describe,
                                  isolated_us, median_us, spec_bytes, tensors)
 
-AREAS = ("quant", "transpose", "moe", "transform", "mhc", "rand")  # the case modules tilefuse.bench.<area>, in the order their rows run
+AREAS = ("quant", "transpose", "moe", "transform", "mhc", "engram", "rand")  # the case modules tilefuse.bench.<area>, in the order their rows run
 
 
 def area_module(area: str):
