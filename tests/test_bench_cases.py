@@ -361,3 +361,23 @@ def test_rotary_bytes_by_hand():
     distinct = len(set(bt._positions(4001, 8192, 3)))
     assert got["fp32"] == (
         2 * (4001 * 18 * 64) * 4 + 4001 * 4 + distinct * 64 * 4) <= 37_913_476
+
+
+def test_engram_bytes_by_hand():
+    """engram.md 4 at T = 8192, M = 4: the gate forward counts x, k, v, w, the output and (saved) the four (T, M)
+    statistics; the backward grad_out, x, k, v, w, the statistics, grad_x, grad_k, grad_v and the two fp32 weight
+    gradients, plus what grad_w_reduce reads besides the partials (w_h, w_e, the accumulators it adds to)."""
+    from tilefuse.bench import engram as bench_engram
+
+    t, m = 8192, 4
+    rows = {(c.name, c.describe()[0]): core.described_bytes(c) for c in bench_engram.quick_cases()}
+    for h in (4096, 7168):
+        x, v, w, stat = t * m * h * 2, t * h * 2, m * h * 4, t * m * 4
+        assert rows["engram_gate_fwd", f"T={t} M={m} H={h} kv packed, no save"] == 3 * x + v + w
+        assert rows["engram_gate_fwd", f"T={t} M={m} H={h} kv packed, save"] == 3 * x + v + w + 4 * stat
+        spec = 5 * x + 2 * v + w + 4 * stat + 2 * m * h * 4
+        bwd = rows["engram_gate_bwd", f"T={t} M={m} H={h} kv packed + grad_w_reduce P=132"]
+        assert bwd == spec + 2 * m * h * 2 + 2 * m * h * 4
+        assert rows["fused_weight", f"M={m} H={h}"] == 32 * h
+        assert rows["grad_w_reduce", f"P=132 M={m} H={h}"] == 132 * m * h * 4 + 2 * m * h * 2 + 2 * 2 * m * h * 4
+    assert rows["engram_hash", "T=8192 N=3 L=2 K=8"] == t * 3 * 4 + 2 * 3 * 8 + 2 * 2 * 8 * 4 + 2 * 16 * 4 + 2 * t * 16 * 4

@@ -99,7 +99,7 @@ def _within(*bounds):
         for i, (x, y) in enumerate(zip(a, b)):
             if tuple(x.shape) != tuple(y.shape) or x.dtype != y.dtype:
                 return False, f"output {i}: {tuple(x.shape)} {x.dtype} vs {tuple(y.shape)} {y.dtype}"
-            d = 0.0 if torch.equal(_bytes(x), _bytes(y)) else calc_diff(x.double(), y.double())
+            d = 0.0 if torch.equal(_bytes(x), _bytes(y)) else calc_diff(x, y)
             ok = ok and d < bounds[min(i, len(bounds) - 1)]  # a NaN difference fails
             diffs.append(d)
         if not any(diffs):
@@ -228,7 +228,8 @@ def _grad_w_reduce_case(h: int) -> Case:
     wspec, acc = ((m, h), BF16), ((m, h), F32)
     return Case("grad_w_reduce", make, call(E.grad_w_reduce), call(R._grad_w_reduce),
                 {"tk2": lambda tk, *args: call(tk.engram.grad_w_reduce)(*args)}, True,
-                f"grad_w_reduce|P={p} M={m} H={h}", 0, in_place=True, describe=lambda: (label(h), [((p, m, h), F32), wspec, wspec, acc, acc], [acc, acc]))
+                f"grad_w_reduce|P={p} M={m} H={h}", 0, in_place=True,
+                describe=lambda: (label(h), [((p, m, h), F32), wspec, wspec, acc, acc], [acc, acc]))
 
 
 def _gate_step_case(h: int) -> Case:
