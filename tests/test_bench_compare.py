@@ -427,17 +427,25 @@ def _engram_v21_stand_in():
 
 @pytest.mark.parametrize("case", runner.select_cases(False, ["engram"]), ids=lambda c: f"{c.name}|{c.key}")
 def test_engram_reference_and_peer_calls_compute_our_op(case):
-    """On the CPU our op takes its reference: each Engram case's torch.compile reference and its TileKernels 2.1.0
-    call (against a stand-in ``tile_kernels`` holding our ops behind the v2.1 API, the packed ``kv`` included) give
-    our outputs by the case's own comparison, which maps TileKernels' ``grad_kv`` to our ``grad_k``, ``grad_v``."""
+    """On the CPU our op takes its reference: each Engram case's torch.compile reference, its TileKernels 2.1.0 call
+    (against a stand-in ``tile_kernels`` holding our ops behind the v2.1 API, the packed ``kv`` included) and its
+    1.0.0 call (against our own modules: the v1 API is ours) give our outputs by the case's own comparison, which
+    maps 2.1.0's ``grad_kv`` to our ``grad_k``, ``grad_v``."""
     torch.manual_seed(0)
     _, inputs = case.make("cpu", 0.02)
     ours = case.run(*core._clone(inputs))
     ok, text = runner._agree(case, "compile", ours, case.ref(*core._clone(inputs)))
     assert ok, f"reference: {text}"
-    assert set(case.peers) == {"tk2"}
-    ok, text = runner._agree(case, "tk2", ours, case.peers["tk2"](_engram_v21_stand_in(), *core._clone(inputs)))
-    assert ok, f"tk2: {text}"
+    import tilefuse.engram
+    import tilefuse.modeling.engram
+
+    v1 = types.SimpleNamespace(engram=tilefuse.engram, modeling=types.SimpleNamespace(engram=tilefuse.modeling.engram))
+    stand_ins = {"tk2": _engram_v21_stand_in(), "tk1": v1}
+    sinkhorn = case.name.startswith("engram_sinkhorn")  # v2.1 helpers: 1.0.0 has none
+    assert set(case.peers) == ({"tk2"} if sinkhorn else {"tk2", "tk1"})
+    for peer, call in case.peers.items():
+        ok, text = runner._agree(case, peer, ours, call(stand_ins[peer], *core._clone(inputs)))
+        assert ok, f"{peer}: {text}"
 
 
 def test_engram_checks_map_the_packed_gradient_and_hold_the_bounds():

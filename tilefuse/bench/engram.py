@@ -11,8 +11,9 @@ Rows (``--quick`` and the grid alike; the grid adds the momentum update without 
 - ``engram_gate_bwd`` including ``grad_w_reduce`` at each H: the backward from the *reference's* forward statistics
   (engram.md 3.4: the backward is validated with them), then the reduction of its 132 partials into two fp32
   accumulators. The accumulators are the caller's (a Megatron ``main_grad``), updated in place: the row is
-  ``Case.in_place`` and the isolated timer restores them to zero before each call, so the timed region holds the two
-  kernels and nothing else (fresh accumulators made inside the call would add two fill kernels to both sides).
+  ``Case.in_place`` and the isolated timer restores them to zero before each call (untimed), so the timed region
+  holds the backward and the reduction only (fresh accumulators made inside the call would add two fill kernels to
+  both sides, and the check would see the same zero start).
 - ``grad_w_reduce`` alone at each H (engram.md 4's row: random partials ``(132, 4, H)`` and accumulators).
 - ``engram_hash`` at T = 8192, (N, L, K) = (3, 2, 8), engram.md 4's draw.
 - ``fused_weight`` at M = 4, H in {4096, 7168}.
@@ -29,8 +30,9 @@ Rows (``--quick`` and the grid alike; the grid adds the momentum update without 
   output gradient at T = 8192, M = 4, H = 4096. Its inputs are leaves that require grad (the runner clones them as
   fresh leaves; the config trace skips the row, whose kernels the op rows trace). Ours reads ``k`` and ``v`` as leaf
   views of the packed ``kv`` (gradients ``k.grad``, ``v.grad``: what our v1 API returns), TileKernels 2.1.0 runs its
-  own ``modeling.engram.engram_gate`` on the flat ``kv [T, (M+1) H]`` (gradient ``kv.grad``). Its bytes are the
-  inputs and outputs once, not the traffic of its kernels: its copy ratio is no target.
+  own ``modeling.engram.engram_gate`` on the flat ``kv [T, (M+1) H]`` (gradient ``kv.grad``), TileKernels 1.0.0 its
+  v1 layer on the same leaf views as ours. Its bytes are the inputs and outputs once, not the traffic of its
+  kernels: its copy ratio is no target.
 
 Bytes: each input read once and each output written once (``core.counted_bytes``), which is engram.md 4's
 accounting (gate forward: x, k, v, w, output and, saved, dot, gate, rstd_x, rstd_k; gate backward: grad_out, x, k,
@@ -40,7 +42,9 @@ to (192 KB at H = 4096, of 1.48 GB). In-place results are returned for the check
 momentum buffer, ``row_scale`` of the Sinkhorn step, the accumulators. The step reduce's destination is counted
 once (written; ``Case.nbytes``).
 
-Peers: TileKernels 2.1.0 (``tk2``, its v2.1 ``tile_kernels.engram`` API) and ``torch.compile`` of our reference.
+Peers: TileKernels 2.1.0 (``tk2``, its v2.1 ``tile_kernels.engram`` API: the issue's yardstick), TileKernels 1.0.0
+(``tk1``, in its second process: the v1 API, ours, called on the same strided views; it has no Sinkhorn helpers)
+and ``torch.compile`` of our reference.
 Agreement: bitwise for the hash, the fused weight, the momentum update, the step reduce and ``grad_w_reduce``
 (engram.md 3.4); otherwise ``calc_diff`` per output under engram.md's bounds (``Case.check``): gate forward
 outputs and statistics < 2e-10 (3.2), gate backward gradients < 1e-8 (3.2), Sinkhorn row norms, row scales and
@@ -146,8 +150,8 @@ def _gate_fwd_case(h: int, save: bool) -> Case:
         x, kv, wh, we = _gate_data(tt, hh, device)
         return label(tt, hh), (x, kv, wh.float() * we.float())
 
-    def run(x, kv, w):
-        return E.engram_gate_fwd(x, kv[:, :m], kv[:, m], w, EPS, CLAMP, save)
+    def v1(ns, x, kv, w):
+        return ns.engram_gate_fwd(x, kv[:, :m], kv[:, m], w, EPS, CLAMP, save)
 
     def ref(x, kv, w):
         res = R._gate_fwd(x, kv[:, :m], kv[:, m], w, EPS, CLAMP)
@@ -158,8 +162,9 @@ def _gate_fwd_case(h: int, save: bool) -> Case:
 
     stats = [((t, m), F32)] * 4 if save else []
     check = _within(FWD_DIFF)
-    return Case("engram_gate_fwd", make, run, ref, {"tk2": tk2}, False, f"engram_gate_fwd|M={m} H={h} {flag}", t,
-                check={"compile": check, "tk2": check},
+    return Case("engram_gate_fwd", make, lambda *args: v1(E, *args), ref,
+                {"tk2": tk2, "tk1": lambda tk, *args: v1(tk.engram, *args)}, False,
+                f"engram_gate_fwd|M={m} H={h} {flag}", t, check={"compile": check, "tk2": check, "tk1": check},
                 describe=lambda: (label(t, h), [((t, m, h), BF16), ((t, m + 1, h), BF16), ((m, h), F32)],
                                   [((t, m, h), BF16), *stats]))
 
@@ -181,9 +186,9 @@ def _gate_bwd_case(h: int) -> Case:
         return label(tt, hh), (_normal((tt, m, hh), BF16, device), x, kv, wh.float() * we.float(), dot, g, rx, rk,
                                wh, we, *acc)
 
-    def run(grad, x, kv, w, dot, g, rx, rk, wh, we, acc_h, acc_e):
-        gx, gk, gv, partial = E.engram_gate_bwd(grad, x, kv[:, :m], kv[:, m], w, dot, g, rx, rk, CLAMP)
-        E.grad_w_reduce(partial, wh, we, acc_h, acc_e)
+    def v1(ns, grad, x, kv, w, dot, g, rx, rk, wh, we, acc_h, acc_e):
+        gx, gk, gv, partial = ns.engram_gate_bwd(grad, x, kv[:, :m], kv[:, m], w, dot, g, rx, rk, CLAMP)
+        ns.grad_w_reduce(partial, wh, we, acc_h, acc_e)
         return gx, gk, gv, acc_h, acc_e
 
     def ref(grad, x, kv, w, dot, g, rx, rk, wh, we, acc_h, acc_e):
@@ -199,8 +204,9 @@ def _gate_bwd_case(h: int) -> Case:
     stat, wspec, acc = ((t, m), F32), ((m, h), BF16), ((m, h), F32)
     xspec = ((t, m, h), BF16)
     check = _within(BWD_DIFF)
-    return Case("engram_gate_bwd", make, run, ref, {"tk2": tk2}, False, f"engram_gate_bwd|M={m} H={h}", t,
-                check={"compile": check, "tk2": _mapped(_split_kv(1), check)}, in_place=True,
+    return Case("engram_gate_bwd", make, lambda *args: v1(E, *args), ref,
+                {"tk2": tk2, "tk1": lambda tk, *args: v1(tk.engram, *args)}, False, f"engram_gate_bwd|M={m} H={h}", t,
+                check={"compile": check, "tk2": _mapped(_split_kv(1), check), "tk1": check}, in_place=True,
                 describe=lambda: (label(t, h), [xspec, xspec, ((t, m + 1, h), BF16), ((m, h), F32), stat, stat, stat,
                                                 stat, wspec, wspec, acc, acc],
                                   [xspec, xspec, ((t, h), BF16), acc, acc]))
@@ -227,7 +233,7 @@ def _grad_w_reduce_case(h: int) -> Case:
 
     wspec, acc = ((m, h), BF16), ((m, h), F32)
     return Case("grad_w_reduce", make, call(E.grad_w_reduce), call(R._grad_w_reduce),
-                {"tk2": lambda tk, *args: call(tk.engram.grad_w_reduce)(*args)}, True,
+                {peer: lambda tk, *args: call(tk.engram.grad_w_reduce)(*args) for peer in ("tk2", "tk1")}, True,
                 f"grad_w_reduce|P={p} M={m} H={h}", 0, in_place=True,
                 describe=lambda: (label(h), [((p, m, h), F32), wspec, wspec, acc, acc], [acc, acc]))
 
@@ -267,6 +273,9 @@ def _gate_step_case(h: int) -> Case:
     def ref(x, kv, wh, we, grad):
         return v1_step(lambda *a: R.engram_gate_ref(*a, CLAMP, EPS), x, kv, wh, we, grad)
 
+    def tk1(tk, x, kv, wh, we, grad):
+        return v1_step(lambda *a: tk.modeling.engram.engram_gate(*a, CLAMP, EPS), x, kv, wh, we, grad)
+
     def tk2(tk, x, kv, wh, we, grad):
         for leaf in (x, kv, wh, we):
             leaf.grad = None
@@ -276,8 +285,9 @@ def _gate_step_case(h: int) -> Case:
 
     xspec, wspec = ((t, m, h), BF16), ((m, h), BF16)
     check = _within(FWD_DIFF, STEP_GRAD_DIFF)
-    return Case("engram_gate_step", make, ours, ref, {"tk2": tk2}, False, f"engram_gate_step|M={m} H={h}", t,
-                check={"compile": check, "tk2": _mapped(_split_kv(2), check)},
+    return Case("engram_gate_step", make, ours, ref, {"tk2": tk2, "tk1": tk1}, False,
+                f"engram_gate_step|M={m} H={h}", t, check={"compile": check, "tk2": _mapped(_split_kv(2), check),
+                                                           "tk1": check},
                 describe=lambda: (label(t, h), [xspec, ((t, (m + 1) * h), BF16), wspec, wspec, xspec],
                                   [xspec, xspec, xspec, ((t, h), BF16), wspec, wspec]))
 
@@ -304,7 +314,8 @@ def _hash_case() -> Case:
                            R.make_offsets(sizes))
 
     return Case("engram_hash", make, E.engram_hash, R.engram_hash_ref,
-                {"tk2": lambda tk, *args: tk.engram.engram_hash(*args)}, True, f"engram_hash|N={n} L={l} K={k}", t,
+                {peer: lambda tk, *args: tk.engram.engram_hash(*args) for peer in ("tk2", "tk1")}, True,
+                f"engram_hash|N={n} L={l} K={k}", t,
                 describe=lambda: (label(t), [((t, n), torch.int32), ((l, n), torch.int64), ((l, n - 1, k), torch.int32),
                                              ((l, c), torch.int32)], [((l, t, c), torch.int32)]))
 
@@ -322,7 +333,8 @@ def _fused_weight_case(h: int) -> Case:
         return label(hh), (_normal((m, hh), BF16, device), _normal((m, hh), BF16, device))
 
     return Case("fused_weight", make, E.fused_weight, lambda wh, we: wh.float() * we.float(),
-                {"tk2": lambda tk, wh, we: tk.engram.fused_weight(wh, we)}, True, f"fused_weight|M={m} H={h}", 0,
+                {peer: lambda tk, wh, we: tk.engram.fused_weight(wh, we) for peer in ("tk2", "tk1")}, True,
+                f"fused_weight|M={m} H={h}", 0,
                 describe=lambda: (label(h), [((m, h), BF16), ((m, h), BF16)], [((m, h), F32)]))
 
 
