@@ -291,7 +291,8 @@ def poisoned(monkeypatch):
 @pytest.mark.parametrize("t", TOKENS)
 def test_forward_grid(t, m, h, poisoned):
     x, k, v, w_h, w_e, w = _inputs(t, m, h, "cuda")
-    assert K.takes(x) and not k.is_contiguous() and not v.is_contiguous()
+    # views into one packed projection (at T <= 1 a view of one token is contiguous by definition)
+    assert K.takes(x) and k.stride(0) == v.stride(0) == (m + 1) * h
     got = E.engram_gate_fwd(x, k, v, w, EPS, CLAMP)
     assert [a.shape for a in got] == [x.shape] + [(t, m)] * 4
     _check_against_model(got, x, k, v, w)
