@@ -4,7 +4,8 @@ not support. (Their results under ``torch.compile`` and CUDA graphs are GPU-tier
 import pytest
 import torch
 
-import tilefuse.mhc  # noqa: F401  (registers the ops)
+import tilefuse.engram  # noqa: F401  (registers the ops)
+import tilefuse.mhc  # noqa: F401
 import tilefuse.moe  # noqa: F401
 import tilefuse.quant  # noqa: F401
 import tilefuse.transform  # noqa: F401
@@ -21,8 +22,8 @@ def test_every_op_has_cuda_and_fake_kernels():
     from torch._library.simple_registry import singleton
 
     ops = _tilefuse_ops()
-    assert len(ops) == 57, ops  # quant and transpose 21, moe 15, transform 1, mhc 20 (sinkhorn 2, post 3,
-    # mixes 5, expand 2, apply_mix 2, normw 2, reduce_norm 2, norm_fn 2)
+    assert len(ops) == 59, ops  # quant and transpose 21, moe 15, transform 1, mhc 20 (sinkhorn 2, post 3,
+    # mixes 5, expand 2, apply_mix 2, normw 2, reduce_norm 2, norm_fn 2), engram 2 (gate_bwd, grad_w_reduce)
     for name in ops:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA"), name
         assert singleton.find(name).fake_impl.kernel is not None, name

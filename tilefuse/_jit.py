@@ -65,6 +65,7 @@ KERNEL_MODULES = (
     "tilefuse.mhc._expand_kernel",
     "tilefuse.mhc._apply_mix_kernel", "tilefuse.mhc._normw_kernel", "tilefuse.mhc._reduce_norm_kernel",
     "tilefuse.mhc._norm_fn_kernel",
+    "tilefuse.engram._gate_bwd_kernel",
 )
 
 # Modules of TileLang helpers that kernels import: their source is part of every kernel's cache key. A helper
