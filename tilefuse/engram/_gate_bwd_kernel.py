@@ -50,13 +50,16 @@ from tilefuse._rn import add as _add, call as _f, div as _div, fma as _fma, mul 
 KERNEL_HELPERS = ("tilefuse._rn",)  # part of this module's kernel cache key (_jit._module_digest)
 
 # ---- tuning knobs (TILEFUSE_KNOBS; results unchanged) ----
-MAX_THREADS = 512   # gate backward: most threads a CTA; a thread takes J = ceil(H / 8 / MAX_THREADS) vectors a branch
 EARLY_XK_J = 1      # gate backward: x and k loaded with grad_out and v (before the barrier) when J <= this
 KEEP_GO_J = 1       # gate backward: grad_out kept in registers across the barrier when J <= this, else read again
 ACC_SMEM_J = 2      # gate backward: weight-gradient sums in shared memory (not registers) when J >= this and they fit
 SMEM_BYTES = 227 * 1024  # shared memory a CTA may take (sm_90)
 REDUCE_THREADS = 128  # reduction: threads per CTA
 REDUCE_ROWS = 8       # reduction: partial rows whose loads a thread issues before their adds
+
+# Most threads a gate-backward CTA; a thread takes J = ceil(H / 8 / MAX_THREADS) vectors a branch. Not a knob: the
+# thread layout fixes the order of the dg sums (lanes, then warps), so it is part of the results.
+MAX_THREADS = 512
 
 M = 4            # branches (the v1 backward's only multiplicity)
 V = 8            # bf16 columns per vector (16 bytes)
@@ -89,7 +92,7 @@ def gate_bwd_kernel(H: int):
     assert takes_hidden(H), H
     J, threads = layout(H)
     lanes = H // V
-    guard = J * threads != lanes  # some threads own fewer than J vectors
+    assert J * threads == lanes, (H, J, threads)  # H % 512 == 0 and J <= 2: the threads tile each row exactly
     warps = threads // WARP
     early = J <= EARLY_XK_J
     keep_go = J <= KEEP_GO_J
@@ -104,10 +107,6 @@ def gate_bwd_kernel(H: int):
     def slot(h, j, half, tid):
         """Shared-memory offset of the thread's 4 fp32 ``half`` of vector ``j`` of branch ``h``."""
         return (((h * J + j) * 2 + half) * threads + tid) * 4
-
-    def owned(j, tid):
-        """Whether the thread has a vector ``j`` (always, a Python ``True``, when the threads tile the row)."""
-        return (j * threads + tid) < lanes if guard else True
 
     @T.prim_func
     def engram_gate_bwd(GO: T.Tensor((Tn, M, H), BF), X: T.Tensor((Tn, M, H), BF),
@@ -145,18 +144,17 @@ def gate_bwd_kernel(H: int):
             qx = T.alloc_local((M,), F32)
             qk = T.alloc_local((M,), F32)
             pp = T.cast(bp, I64)
-            q = T.alloc_var(I64, init=T.ceildiv(Tn, P))  # tokens a chunk
-            start = T.alloc_var(I64, init=pp * q)
-            ntok = T.alloc_var(I64, init=T.max(T.min(q, Tn - start), T.int64(0)))  # this chunk's (may be 0)
+            q = T.ceildiv(Tn, P)  # tokens a chunk
+            start = pp * q
+            ntok = T.max(T.min(q, Tn - start), T.int64(0))  # this chunk's (0 past the last token)
 
             for h in T.unroll(M):
                 for j in T.unroll(J):
-                    if owned(j, tid):
-                        for half in T.unroll(2):
-                            for e in T.vectorized(4):
-                                ws[slot(h, j, half, tid) + e] = W[h, vec(j, tid) + half * 4 + e]
-                                if acc_smem:
-                                    accs[slot(h, j, half, tid) + e] = T.float32(0.0)
+                    for half in T.unroll(2):
+                        for e in T.vectorized(4):
+                            ws[slot(h, j, half, tid) + e] = W[h, vec(j, tid) + half * 4 + e]
+                            if acc_smem:
+                                accs[slot(h, j, half, tid) + e] = T.float32(0.0)
             if not acc_smem:
                 for i in T.unroll(MJV):
                     acc[i] = T.float32(0.0)
@@ -174,33 +172,31 @@ def gate_bwd_kernel(H: int):
                 for h in T.vectorized(M):
                     srk[h] = RK[t, h]
                 for j in T.unroll(J):
-                    if owned(j, tid):
+                    for e in T.vectorized(V):
+                        vv[j * V + e] = Vt[t, vec(j, tid) + e]
+                    for h in T.unroll(M):
                         for e in T.vectorized(V):
-                            vv[j * V + e] = Vt[t, vec(j, tid) + e]
+                            go[(h * J + j) * V + e] = GO[t, h, vec(j, tid) + e]
+                    if early:
                         for h in T.unroll(M):
                             for e in T.vectorized(V):
-                                go[(h * J + j) * V + e] = GO[t, h, vec(j, tid) + e]
-                        if early:
-                            for h in T.unroll(M):
-                                for e in T.vectorized(V):
-                                    xv[(h * J + j) * V + e] = X[t, h, vec(j, tid) + e]
-                                for e in T.vectorized(V):
-                                    kv[(h * J + j) * V + e] = K[t, h, vec(j, tid) + e]
+                                xv[(h * J + j) * V + e] = X[t, h, vec(j, tid) + e]
+                            for e in T.vectorized(V):
+                                kv[(h * J + j) * V + e] = K[t, h, vec(j, tid) + e]
                 for h in T.unroll(M):
                     part[h] = T.float32(0.0)
                 for j in T.unroll(J):
-                    if owned(j, tid):
-                        for e in T.unroll(V):
-                            sv[0] = T.float32(0.0)
-                            for h in T.unroll(M):
-                                sv[0] = _add(sv[0], _mul(T.cast(go[(h * J + j) * V + e], F32), sg[h]))
-                            ov[e] = T.cast(sv[0], BF)
-                        for e in T.vectorized(V):
-                            DV[t, vec(j, tid) + e] = ov[e]
+                    for e in T.unroll(V):
+                        sv[0] = T.float32(0.0)
                         for h in T.unroll(M):
-                            for e in T.unroll(V):
-                                part[h] = _fma(T.cast(go[(h * J + j) * V + e], F32), T.cast(vv[j * V + e], F32),
-                                               part[h])
+                            sv[0] = _add(sv[0], _mul(T.cast(go[(h * J + j) * V + e], F32), sg[h]))
+                        ov[e] = T.cast(sv[0], BF)
+                    for e in T.vectorized(V):
+                        DV[t, vec(j, tid) + e] = ov[e]
+                    for h in T.unroll(M):
+                        for e in T.unroll(V):
+                            part[h] = _fma(T.cast(go[(h * J + j) * V + e], F32), T.cast(vv[j * V + e], F32),
+                                           part[h])
                 # ---- 2. dg: warp butterfly, then the warps' sums in warp order ----
                 for h in T.unroll(M):
                     for m in T.unroll(5):
@@ -225,52 +221,50 @@ def gate_bwd_kernel(H: int):
                 # ---- 4. elementwise gradients and the chunk's weight-gradient sums ----
                 for h in T.unroll(M):
                     for j in T.unroll(J):
-                        if owned(j, tid):
-                            o = (h * J + j) * V
-                            a0 = 0 if acc_smem else o
-                            if not early:
-                                for e in T.vectorized(V):
-                                    xv[o + e] = X[t, h, vec(j, tid) + e]
-                                for e in T.vectorized(V):
-                                    kv[o + e] = K[t, h, vec(j, tid) + e]
-                            if not keep_go:
-                                for e in T.vectorized(V):
-                                    go[o + e] = GO[t, h, vec(j, tid) + e]
-                            for half in T.unroll(2):
-                                for e in T.vectorized(4):
-                                    wl[half * 4 + e] = ws[slot(h, j, half, tid) + e]
-                            if acc_smem:
-                                for half in T.unroll(2):
-                                    for e in T.vectorized(4):
-                                        acc[half * 4 + e] = accs[slot(h, j, half, tid) + e]
-                            for e in T.unroll(V):
-                                xf = T.cast(xv[o + e], F32)
-                                kf = T.cast(kv[o + e], F32)
-                                gf = T.cast(go[o + e], F32)
-                                ov[e] = T.cast(_add(gf, _mul(beta[h], _sub(_mul(kf, wl[e]), _mul(xf, qx[h])))), BF)
-                                acc[a0 + e] = _add(acc[a0 + e], _mul(_mul(beta[h], xf), kf))
-                            if acc_smem:
-                                for half in T.unroll(2):
-                                    for e in T.vectorized(4):
-                                        accs[slot(h, j, half, tid) + e] = acc[half * 4 + e]
+                        o = (h * J + j) * V
+                        a0 = 0 if acc_smem else o
+                        if not early:
                             for e in T.vectorized(V):
-                                DX[t, h, vec(j, tid) + e] = ov[e]
-                            for e in T.unroll(V):
-                                xf = T.cast(xv[o + e], F32)
-                                kf = T.cast(kv[o + e], F32)
-                                ov[e] = T.cast(_mul(beta[h], _sub(_mul(xf, wl[e]), _mul(kf, qk[h]))), BF)
+                                xv[o + e] = X[t, h, vec(j, tid) + e]
                             for e in T.vectorized(V):
-                                DK[t, h, vec(j, tid) + e] = ov[e]
-
-            for h in T.unroll(M):
-                for j in T.unroll(J):
-                    if owned(j, tid):
+                                kv[o + e] = K[t, h, vec(j, tid) + e]
+                        if not keep_go:
+                            for e in T.vectorized(V):
+                                go[o + e] = GO[t, h, vec(j, tid) + e]
+                        for half in T.unroll(2):
+                            for e in T.vectorized(4):
+                                wl[half * 4 + e] = ws[slot(h, j, half, tid) + e]
                         if acc_smem:
                             for half in T.unroll(2):
                                 for e in T.vectorized(4):
                                     acc[half * 4 + e] = accs[slot(h, j, half, tid) + e]
+                        for e in T.unroll(V):
+                            xf = T.cast(xv[o + e], F32)
+                            kf = T.cast(kv[o + e], F32)
+                            gf = T.cast(go[o + e], F32)
+                            ov[e] = T.cast(_add(gf, _mul(beta[h], _sub(_mul(kf, wl[e]), _mul(xf, qx[h])))), BF)
+                            acc[a0 + e] = _add(acc[a0 + e], _mul(_mul(beta[h], xf), kf))
+                        if acc_smem:
+                            for half in T.unroll(2):
+                                for e in T.vectorized(4):
+                                    accs[slot(h, j, half, tid) + e] = acc[half * 4 + e]
                         for e in T.vectorized(V):
-                            DWP[pp, h, vec(j, tid) + e] = acc[(0 if acc_smem else (h * J + j) * V) + e]
+                            DX[t, h, vec(j, tid) + e] = ov[e]
+                        for e in T.unroll(V):
+                            xf = T.cast(xv[o + e], F32)
+                            kf = T.cast(kv[o + e], F32)
+                            ov[e] = T.cast(_mul(beta[h], _sub(_mul(xf, wl[e]), _mul(kf, qk[h]))), BF)
+                        for e in T.vectorized(V):
+                            DK[t, h, vec(j, tid) + e] = ov[e]
+
+            for h in T.unroll(M):
+                for j in T.unroll(J):
+                    if acc_smem:
+                        for half in T.unroll(2):
+                            for e in T.vectorized(4):
+                                acc[half * 4 + e] = accs[slot(h, j, half, tid) + e]
+                    for e in T.vectorized(V):
+                        DWP[pp, h, vec(j, tid) + e] = acc[(0 if acc_smem else (h * J + j) * V) + e]
 
     return engram_gate_bwd
 
