@@ -204,13 +204,14 @@ def test_gate_knobs_change_no_result(h, variants, tmp_path, monkeypatch):
 @pytest.mark.skipif(not emu.HAS_GXX, reason="needs g++")
 def test_reduce_source_on_the_cpu(tmp_path, monkeypatch):
     """grad_w_reduce's CUDA source on the CPU: bit for bit the reference for P = 0, 4, 12, 132 (not multiples of the
-    REDUCE_ROWS = 8 rows a thread loads ahead) and with REDUCE_ROWS = 3."""
+    rows a thread loads ahead: 32 by default, 3 and 8 here) and with 1 or 4 elements a thread."""
     m_, h = 4, 1024
     n = m_ * h
-    for rows in (K.REDUCE_ROWS, 3):
+    for rows, vec in ((K.REDUCE_ROWS, K.REDUCE_VEC), (3, 4), (8, 1)):
         monkeypatch.setattr(K, "REDUCE_ROWS", rows)
+        monkeypatch.setattr(K, "REDUCE_VEC", vec)
         src = _jit.compile_kernel("engram_grad_w_reduce", (), "sm_90", export=False).get_kernel_source()
-        run = emu.build(src, "engram_grad_w_reduce_kernel", K.REDUCE_THREADS, tmp_path / str(rows))
+        run = emu.build(src, "engram_grad_w_reduce_kernel", K.REDUCE_THREADS, tmp_path / f"{rows}-{vec}")
         for p in (0, 4, 12, 132):
             partial = torch.randn(p, m_, h)
             wh, we = torch.randn(m_, h).bfloat16(), torch.randn(m_, h).bfloat16()
@@ -218,7 +219,7 @@ def test_reduce_source_on_the_cpu(tmp_path, monkeypatch):
             want_h, want_e = acc_h.clone(), acc_e.clone()
             R._grad_w_reduce(partial, wh, we, want_h, want_e)
             run(dict(PART=partial, WH=wh, WE=we, AH=acc_h, AE=acc_e, num_partials=p, numel=n),
-                -(-n // (K.R * K.REDUCE_THREADS)))
+                -(-n // (vec * K.REDUCE_THREADS)))
             assert torch.equal(acc_h, want_h) and torch.equal(acc_e, want_e), p
 
 

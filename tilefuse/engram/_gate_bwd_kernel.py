@@ -21,25 +21,34 @@ is coalesced. Per token:
 3. ``β``, ``qx``, ``qk`` exactly as the reference (``tilefuse.reference.engram._gate_bwd``) rounds them:
    ``β = 0`` if ``((|D| c_H) rx) rk < clamp`` else ``(((dg g) (1 - g)) 0.5) sqrt((c_H rx) rk / |D|)``,
    ``qx = ((D rx) rx) / H``; then per column ``grad_x = bf16(G + β (k w - x qx))``,
-   ``grad_k = bf16(β (x w - k qk))`` and the chunk's weight-gradient sum ``acc = acc + (β x) k`` (from 0, in
-   registers; written to ``grad_w_partial[p]`` after the last token, zeros for an empty chunk).
+   ``grad_k = bf16(β (x w - k qk))`` and the chunk's weight-gradient sum ``acc = acc + (β x) k`` (from 0, two
+   roundings a term as the reference's ``_chunk_sum``; written to ``grad_w_partial[p]`` after the last token, zeros
+   for an empty chunk).
 
 Every fp32 operation is an explicit ``__f*_rn`` intrinsic (no contraction, IEEE division and square root), in the
 reference's order: given the same ``dg`` every output is the reference's bits (the tests make ``dg`` exact to check
-this); ``dg`` itself differs from the reference's sum by rounding only. No atomics. ``w`` is staged in shared
-memory (each thread reads back only what it wrote: no barrier). The thread's ``x`` and ``k`` vectors are loaded
-with ``grad_out`` and ``v`` (before the barrier) when ``J <= EARLY_XK_J``; that changes no result.
+this); ``dg`` itself differs from the reference's sum by rounding only. No atomics.
 
-Weight-gradient reduction: one thread per 4 consecutive elements of the flattened ``(M·H)`` accumulators (16-byte
-accesses); ``S = 0 + partial[0] + partial[1] + ...`` in ascending ``p`` (loads of ``REDUCE_ROWS`` rows issued before
-their adds: the order is the same), then ``acc_h = fma(S, w_e, acc_h)`` and ``acc_e = fma(S, w_h, acc_e)``
-(§2.6): the reference's bits. Every size is a runtime value (one binary); ``M·H % 4 == 0``.
+Storage (changes no result): ``w`` is staged in shared memory, each thread reading back only what it wrote (no
+barrier). With one vector a branch (``J = 1``, H <= 4096) the sums, ``grad_out``, ``x`` and ``k`` stay in registers
+and ``x``, ``k`` are loaded with ``grad_out`` and ``v``, before the barrier (``EARLY_XK_J``). With two (``J = 2``)
+the sums live in shared memory when they fit (``ACC_SMEM_J``; H <= 7168: 224 KiB with ``w``), ``grad_out`` is read
+again after the barrier (``KEEP_GO_J``) and ``x``, ``k`` are loaded after it.
+
+Weight-gradient reduction: one thread per ``REDUCE_VEC`` consecutive elements of the flattened ``(M·H)``
+accumulators; ``S = 0 + partial[0] + partial[1] + ...`` in ascending ``p`` (the loads of ``REDUCE_ROWS`` rows issued
+before their adds, so about ``M·H·REDUCE_ROWS·4`` bytes are in flight: the order is the same), then
+``acc_h = fma(S, w_e, acc_h)`` and ``acc_e = fma(S, w_h, acc_e)`` (§2.6): the reference's bits. Every size is a
+runtime value (one binary).
 
 Kernel constraints: CUDA tensors; the gate backward needs ``M == 4``, ``H % 512 == 0`` and
-``1024 <= H <= MAX_H`` (larger ``H`` would keep more accumulators a thread than fit in registers); the public op
-keeps the reference path for ``H > MAX_H``. The reduction takes every validated input.
+``1024 <= H <= MAX_H`` (at most two vectors a thread and branch); the public op keeps the reference path for
+``H > MAX_H``. The reduction takes every validated input.
 
-Speed: not yet measured on a GPU.
+Speed: not yet measured on a GPU. One CTA an SM (``P = 132`` CTAs); ptxas (sm_90, no spills): H = 4096 128
+registers (512 threads), H = 7168 128 (448 threads, 224 KiB shared memory), H = 1024 212 (128 threads); H = 8192
+(sums in registers) spills about 290 bytes a thread. The reduction: 70 registers. What a CTA overlaps is one
+token's loads with the previous token's stores; prefetching the next token would be the next step.
 """
 
 import torch
@@ -53,9 +62,9 @@ KERNEL_HELPERS = ("tilefuse._rn",)  # part of this module's kernel cache key (_j
 EARLY_XK_J = 1      # gate backward: x and k loaded with grad_out and v (before the barrier) when J <= this
 KEEP_GO_J = 1       # gate backward: grad_out kept in registers across the barrier when J <= this, else read again
 ACC_SMEM_J = 2      # gate backward: weight-gradient sums in shared memory (not registers) when J >= this and they fit
-SMEM_BYTES = 227 * 1024  # shared memory a CTA may take (sm_90)
 REDUCE_THREADS = 128  # reduction: threads per CTA
-REDUCE_ROWS = 8       # reduction: partial rows whose loads a thread issues before their adds
+REDUCE_ROWS = 32      # reduction: partial rows whose loads a thread issues before their adds
+REDUCE_VEC = 1        # reduction: consecutive elements a thread (1, 2 or 4; M·H must be a multiple)
 
 # Most threads a gate-backward CTA; a thread takes J = ceil(H / 8 / MAX_THREADS) vectors a branch. Not a knob: the
 # thread layout fixes the order of the dg sums (lanes, then warps), so it is part of the results.
@@ -63,9 +72,9 @@ MAX_THREADS = 512
 
 M = 4            # branches (the v1 backward's only multiplicity)
 V = 8            # bf16 columns per vector (16 bytes)
-R = 4            # fp32 elements per reduction thread (16 bytes)
 WARP = 32
 MAX_H = 8192
+SMEM_BYTES = 227 * 1024  # shared memory a CTA may take (sm_90)
 BF, F32, I64 = "bfloat16", "float32", "int64"
 
 
@@ -271,50 +280,51 @@ def gate_bwd_kernel(H: int):
 
 def grad_w_reduce_kernel():
     """Factory: the reduction (every size symbolic). Launch: ``PART`` ``(P, N)`` fp32, ``WH, WE`` ``(N,)`` bf16,
-    ``AH, AE`` ``(N,)`` fp32 accumulators (read and written); ``N % 4 == 0``."""
+    ``AH, AE`` ``(N,)`` fp32 accumulators (read and written); ``N % REDUCE_VEC == 0``."""
     import tilelang.language as T
 
-    threads, U = REDUCE_THREADS, max(1, REDUCE_ROWS)
+    threads, U, RV = REDUCE_THREADS, max(1, REDUCE_ROWS), REDUCE_VEC
+    assert RV in (1, 2, 4), RV
     Pn, N = T.dynamic("num_partials, numel", I64)
 
     @T.prim_func
     def engram_grad_w_reduce(PART: T.Tensor((Pn, N), F32), WH: T.Tensor((N,), BF), WE: T.Tensor((N,), BF),
                              AH: T.Tensor((N,), F32), AE: T.Tensor((N,), F32)):
-        T.assume(N % R == 0)
-        with T.Kernel(T.ceildiv(N, R * threads), threads=threads) as bx:
-            s = T.alloc_local((R,), F32)
-            rows = T.alloc_local((U * R,), F32)
-            wh = T.alloc_local((R,), BF)
-            we = T.alloc_local((R,), BF)
-            ah = T.alloc_local((R,), F32)
-            ae = T.alloc_local((R,), F32)
-            e0 = (T.cast(bx, I64) * threads + T.get_thread_binding()) * R
+        T.assume(N % RV == 0)
+        with T.Kernel(T.ceildiv(N, RV * threads), threads=threads) as bx:
+            s = T.alloc_local((RV,), F32)
+            rows = T.alloc_local((U * RV,), F32)
+            wh = T.alloc_local((RV,), BF)
+            we = T.alloc_local((RV,), BF)
+            ah = T.alloc_local((RV,), F32)
+            ae = T.alloc_local((RV,), F32)
+            e0 = (T.cast(bx, I64) * threads + T.get_thread_binding()) * RV
             if e0 < N:
-                for e in T.unroll(R):
+                for e in T.unroll(RV):
                     s[e] = T.float32(0.0)
                 for it in T.serial(T.ceildiv(Pn, U)):
                     for u in T.unroll(U):  # the loads of U rows, then their adds in row order
                         if it * U + u < Pn:
-                            for e in T.vectorized(R):
-                                rows[u * R + e] = PART[it * U + u, e0 + e]
+                            for e in T.vectorized(RV):
+                                rows[u * RV + e] = PART[it * U + u, e0 + e]
                     for u in T.unroll(U):
                         if it * U + u < Pn:
-                            for e in T.unroll(R):
-                                s[e] = _add(s[e], rows[u * R + e])
-                for e in T.vectorized(R):
+                            for e in T.unroll(RV):
+                                s[e] = _add(s[e], rows[u * RV + e])
+                for e in T.vectorized(RV):
                     wh[e] = WH[e0 + e]
-                for e in T.vectorized(R):
+                for e in T.vectorized(RV):
                     we[e] = WE[e0 + e]
-                for e in T.vectorized(R):
+                for e in T.vectorized(RV):
                     ah[e] = AH[e0 + e]
-                for e in T.vectorized(R):
+                for e in T.vectorized(RV):
                     ae[e] = AE[e0 + e]
-                for e in T.unroll(R):
+                for e in T.unroll(RV):
                     ah[e] = _fma(s[e], T.cast(we[e], F32), ah[e])
                     ae[e] = _fma(s[e], T.cast(wh[e], F32), ae[e])
-                for e in T.vectorized(R):
+                for e in T.vectorized(RV):
                     AH[e0 + e] = ah[e]
-                for e in T.vectorized(R):
+                for e in T.vectorized(RV):
                     AE[e0 + e] = ae[e]
 
     return engram_grad_w_reduce
@@ -338,9 +348,10 @@ def takes(hidden_states: torch.Tensor) -> bool:
 
 
 def takes_reduce(grad_w_partial: torch.Tensor) -> bool:
-    """Whether the reduction kernel takes this (validated) ``(P, M, H)`` fp32 partial: CUDA and ``M·H % 4 == 0``."""
+    """Whether the reduction kernel takes this (validated) ``(P, M, H)`` fp32 partial: CUDA and
+    ``M·H % REDUCE_VEC == 0``."""
     return grad_w_partial.is_cuda and grad_w_partial.dtype == torch.float32 and (
-        grad_w_partial.shape[1] * grad_w_partial.shape[2]) % R == 0
+        grad_w_partial.shape[1] * grad_w_partial.shape[2]) % REDUCE_VEC == 0
 
 
 def _new(shape, dtype: torch.dtype, device) -> torch.Tensor:
