@@ -12,6 +12,8 @@ import ctypes
 import re
 from pathlib import Path
 
+import torch
+
 from tests.mhc.post_emulation import HAS_GXX, compile_run  # noqa: F401  (HAS_GXX: re-exported for the tests)
 
 SHIM = r"""
@@ -113,3 +115,44 @@ extern "C" void run({cargs}, int64_t blocks) {{
         fn(*values, ctypes.c_int64(blocks))
 
     return run
+
+
+def emulate_launches(monkeypatch, workdir: Path) -> None:
+    """Route the kernel module's launches on CPU tensors through the emulated kernels: ``_jit.get`` returns a
+    callable that binds the launcher's arguments to the prim_func's parameters (``kernel_binding.bind``: the same
+    checks as ``fake_jit``) and runs the generated source; ``takes`` / ``takes_reduce`` accept CPU tensors. The
+    public ops then take their kernel path end to end (validation, launcher, kernel) without a GPU."""
+    from tilefuse import _jit
+    from tilefuse.engram import _gate_bwd_kernel as K
+    from tests.quant.kernel_binding import bind
+
+    built = {}
+
+    def get(name, cfg):
+        func = _jit._FACTORIES[name][0](*cfg)
+        threads = K.layout(cfg[0])[1] if name == "engram_gate_bwd" else K.REDUCE_THREADS
+        if (name, cfg) not in built:
+            src = _jit.compile_kernel(name, cfg, "sm_90", export=False).get_kernel_source()
+            built[name, cfg] = build(src, name + "_kernel", threads, workdir / f"{name}{cfg}")
+
+        def launch(*args):
+            env = bind(func, args)
+            values = dict(env)
+            for param, arg in zip(func.params, args):
+                if param not in func.buffer_map:
+                    values[param.name] = arg
+                    continue
+                buf = func.buffer_map[param]
+                values[buf.name] = arg
+                for stride, value in zip(buf.strides, arg.stride()):  # strides of size-1 dims: not bound
+                    if hasattr(stride, "name"):
+                        values.setdefault(stride.name, value)
+            blocks = (env["num_partials"] if name == "engram_gate_bwd"
+                      else -(-env["numel"] // (K.REDUCE_VEC * threads)))
+            built[name, cfg](values, blocks)
+
+        return launch
+
+    monkeypatch.setattr(_jit, "get", get)
+    monkeypatch.setattr(K, "takes", lambda x: x.dim() == 3 and x.shape[1] == K.M and K.takes_hidden(x.shape[2]))
+    monkeypatch.setattr(K, "takes_reduce", lambda p: p.dtype == torch.float32)

@@ -224,6 +224,30 @@ def test_reduce_source_on_the_cpu(tmp_path, monkeypatch):
 
 
 @pytest.mark.compile
+@pytest.mark.skipif(not emu.HAS_GXX, reason="needs g++")
+def test_public_ops_take_the_kernel_path_on_the_cpu(tmp_path, monkeypatch):
+    """The public ops end to end (validation, dispatch, launcher, kernel) with the kernels emulated on the CPU:
+    ``k``, ``v`` views into one projection and a ``v`` row stride that is not a multiple of 8 (copied), one token,
+    no tokens; then grad_w_reduce of the partial into random accumulators. Bit for bit (``dg`` exact)."""
+    emu.emulate_launches(monkeypatch, tmp_path)
+    a = make_inputs(37, 1024, exact=True)
+    want = ieee_reference(a, 8, monkeypatch)
+    odd = torch.empty(37, 1025, dtype=torch.bfloat16)[:, :1024]
+    odd.copy_(a["v"])
+    for args in (_strided(a), dict(a, v=odd)):
+        got = E.engram_gate_bwd(*bwd_args(args), CLAMP, num_sms=8)
+        assert_bits(got, want)
+    acc = [torch.randn(4, 1024), torch.randn(4, 1024)]
+    want_acc = [t.clone() for t in acc]
+    R._grad_w_reduce(want[3], a["wh"], a["we"], *want_acc)
+    E.grad_w_reduce(got[3], a["wh"], a["we"], *acc)
+    assert_bits(acc, want_acc)
+    for tokens in (1, 0):
+        one = make_inputs(tokens, 1024, exact=True)
+        assert_bits(E.engram_gate_bwd(*bwd_args(one), CLAMP, num_sms=4), ieee_reference(one, 4, monkeypatch))
+
+
+@pytest.mark.compile
 def test_launchers_bind_their_arguments(monkeypatch):
     """Strided, 16-byte-aligned ``k``/``v`` views are passed as they are; a stride that is not a multiple of 8
     elements goes through a contiguous copy; no tokens: no launch, zero partial rows."""
@@ -336,7 +360,7 @@ def test_deterministic_and_batch_invariant(poisoned):
     """Two runs: the same bits. A token's grad_x/k/v rows do not depend on the batch around it; a chunk's partial
     row is that chunk alone reduced into one partial (so grad_w_reduce sees the same rows whatever else is in the
     batch); grad_w_reduce of the same partials is the same bits."""
-    t, h, p = 300, 7168, 7
+    t, h, p = 300, 7168, 8
     a = make_inputs(t, h, device="cuda")
     first = E.engram_gate_bwd(*bwd_args(a), CLAMP, num_sms=p)
     assert_bits(E.engram_gate_bwd(*bwd_args(a), CLAMP, num_sms=p), first)
@@ -345,7 +369,7 @@ def test_deterministic_and_batch_invariant(poisoned):
     got = E.engram_gate_bwd(*bwd_args(sub), CLAMP, num_sms=p)
     assert_bits(got[:3], [o[rows] for o in first[:3]])
     q = -(-t // p)
-    for c in (0, 3, p - 1):  # the last chunk is short (300 = 6 * 43 + 42)
+    for c in (0, 3, p - 1):  # the last chunk is short (300 = 7 * 38 + 34)
         span = slice(c * q, min((c + 1) * q, t))
         one = {n: (v[span].clone() if n not in ("w", "wh", "we") else v) for n, v in a.items()}
         assert torch.equal(E.engram_gate_bwd(*bwd_args(one), CLAMP, num_sms=1)[3][0], first[3][c])
