@@ -186,10 +186,11 @@ def test_generated_source_on_the_cpu(h, tokens, partials, strided, tmp_path, mon
 @pytest.mark.skipif(not emu.HAS_GXX, reason="needs g++")
 @pytest.mark.parametrize("h, variants", [
     (1024, [dict(EARLY_XK_J=0, KEEP_GO_J=0), dict(ACC_SMEM_J=1), dict(ACC_SMEM_J=1, EARLY_XK_J=0)]),
-    (7168, [dict(ACC_SMEM_J=3), dict(ACC_SMEM_J=3, EARLY_XK_J=2, KEEP_GO_J=2)])])
+    (7168, [dict(KEEP_GO_J=1), dict(ACC_SMEM_J=3), dict(ACC_SMEM_J=3, EARLY_XK_J=2, KEEP_GO_J=1)])])
 def test_gate_knobs_change_no_result(h, variants, tmp_path, monkeypatch):
     """EARLY_XK_J, KEEP_GO_J and ACC_SMEM_J only move loads and storage: the same bits (CPU emulation; at H = 7168
-    ACC_SMEM_J = 3 keeps the sums of two vectors a thread in registers, the path of H = 8192)."""
+    ACC_SMEM_J = 3 keeps the sums of two vectors a thread in registers, the path of H = 8192; KEEP_GO_J = 1 reads
+    grad_out again after the barrier)."""
     tokens, partials = 9, 2
     a = make_inputs(tokens, h)
     want = _emulated_gate(h, tmp_path / "default")(a, partials)

@@ -30,10 +30,10 @@ reference's order: given the same ``dg`` every output is the reference's bits (t
 this); ``dg`` itself differs from the reference's sum by rounding only. No atomics.
 
 Storage (changes no result): ``w`` is staged in shared memory, each thread reading back only what it wrote (no
-barrier). With one vector a branch (``J = 1``, H <= 4096) the sums, ``grad_out``, ``x`` and ``k`` stay in registers
-and ``x``, ``k`` are loaded with ``grad_out`` and ``v``, before the barrier (``EARLY_XK_J``). With two (``J = 2``)
-the sums live in shared memory when they fit (``ACC_SMEM_J``; H <= 7168: 224 KiB with ``w``), ``grad_out`` is read
-again after the barrier (``KEEP_GO_J``) and ``x``, ``k`` are loaded after it.
+barrier). ``grad_out`` stays in registers across the barrier (``KEEP_GO_J``). With one vector a branch (``J = 1``,
+H <= 4096) the sums, ``x`` and ``k`` are in registers too, and ``x``, ``k`` are loaded with ``grad_out`` and ``v``,
+before the barrier (``EARLY_XK_J``). With two (``J = 2``) the sums live in shared memory when they fit
+(``ACC_SMEM_J``; H <= 7168: 224 KiB with ``w``) and ``x``, ``k`` are loaded after the barrier.
 
 Weight-gradient reduction: one thread per ``REDUCE_VEC`` consecutive elements of the flattened ``(M·H)``
 accumulators; ``S = 0 + partial[0] + partial[1] + ...`` in ascending ``p`` (the loads of ``REDUCE_ROWS`` rows issued
@@ -60,7 +60,7 @@ KERNEL_HELPERS = ("tilefuse._rn",)  # part of this module's kernel cache key (_j
 
 # ---- tuning knobs (TILEFUSE_KNOBS; results unchanged) ----
 EARLY_XK_J = 1      # gate backward: x and k loaded with grad_out and v (before the barrier) when J <= this
-KEEP_GO_J = 1       # gate backward: grad_out kept in registers across the barrier when J <= this, else read again
+KEEP_GO_J = 2       # gate backward: grad_out kept in registers across the barrier when J <= this, else read again
 ACC_SMEM_J = 2      # gate backward: weight-gradient sums in shared memory (not registers) when J >= this and they fit
 REDUCE_THREADS = 128  # reduction: threads per CTA
 REDUCE_ROWS = 32      # reduction: partial rows whose loads a thread issues before their adds
