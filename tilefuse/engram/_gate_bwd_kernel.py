@@ -51,6 +51,8 @@ registers (512 threads), H = 7168 128 (448 threads, 224 KiB shared memory), H = 
 token's loads with the previous token's stores; prefetching the next token would be the next step.
 """
 
+import struct
+
 import torch
 
 from tilefuse import _jit, _launch, _ops
@@ -368,8 +370,8 @@ def _vectors(t: torch.Tensor) -> torch.Tensor:
 
 
 def _f32(x: float) -> float:
-    """``x`` rounded once to fp32."""
-    return float(torch.tensor(x, dtype=torch.float32))
+    """``x`` rounded once (to nearest even) to fp32."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def gate_bwd_launch(grad_out: torch.Tensor, hidden_states: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
