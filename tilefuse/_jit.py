@@ -66,6 +66,7 @@ KERNEL_MODULES = (
     "tilefuse.mhc._apply_mix_kernel", "tilefuse.mhc._normw_kernel", "tilefuse.mhc._reduce_norm_kernel",
     "tilefuse.mhc._norm_fn_kernel",
     "tilefuse.engram._hash_kernel", "tilefuse.engram._sinkhorn_kernel", "tilefuse.engram._gate_fwd_kernel",
+    "tilefuse.engram._gate_bwd_kernel",
 )
 
 # Modules of TileLang helpers that kernels import: their source is part of every kernel's cache key. A helper

@@ -1,8 +1,9 @@
 """Public Engram ops (engram.md §2): n-gram hash, fused gate forward/backward, weight-gradient reduction,
 and the v2.1 Sinkhorn helpers.
 
-Each op validates its arguments (metadata only, no host sync) and computes on the input's device through
-``tilefuse.reference.engram``; no TileLang kernel exists yet, so CUDA tensors take the same path.
+Each op validates its arguments (metadata only, no host sync); CUDA tensors then take the op's TileLang kernel
+(``_<family>_kernel``) where it takes the shape, and CPU tensors (and the shapes no kernel takes, named in each
+docstring) the math of ``tilefuse.reference.engram``.
 
 Partial buffers (gate backward, Sinkhorn step) have a row count set by ``S_m``: :data:`DEFAULT_NUM_SMS` on
 every device, or the ``num_sms=`` keyword. Upstream takes the device's SM count; a fixed count makes the
@@ -15,7 +16,7 @@ import torch
 
 from tilefuse import _check
 from tilefuse._registry import public
-from tilefuse.engram import _gate_fwd_kernel, _hash_kernel, _sinkhorn_kernel
+from tilefuse.engram import _gate_bwd_kernel, _gate_fwd_kernel, _hash_kernel, _sinkhorn_kernel
 from tilefuse.reference import engram as _ref
 
 __all__ = [
@@ -154,7 +155,7 @@ def engram_gate_fwd(hidden_states: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return out, dot, g, rx, rk
 
 
-@public("engram")
+@public("engram", path="kernel")
 def engram_gate_bwd(grad_out: torch.Tensor, hidden_states: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     weight_fused: torch.Tensor, dot: torch.Tensor, gate_score: torch.Tensor, rstd_x: torch.Tensor,
                     rstd_k: torch.Tensor, clamp_value: float, *, num_sms: int | None = None):
@@ -163,6 +164,9 @@ def engram_gate_bwd(grad_out: torch.Tensor, hidden_states: torch.Tensor, k: torc
     Returns ``(grad_hidden_states, grad_k, grad_v, grad_w_partial)``: bf16 gradients (contiguous) and the
     ``(S_m, M, H)`` fp32 partial weight gradient ``Σ_t β·x·k`` over ``S_m`` consecutive token chunks
     (§2.5.4), to be reduced by :func:`grad_w_reduce`. ``M == 4``, ``H % 512 == 0``, ``H >= 1024``.
+
+    CUDA tensors with ``H <= 8192`` take the TileLang kernel (``_gate_bwd_kernel``; bitwise deterministic and
+    batch-invariant, ``grad_w_partial`` summed in ascending tokens); larger ``H`` and CPU tensors take the reference.
     """
     op = "engram_gate_bwd"
     t, m, h = _gate_operands(op, hidden_states, k, v, weight_fused)
@@ -177,17 +181,22 @@ def engram_gate_bwd(grad_out: torch.Tensor, hidden_states: torch.Tensor, k: torc
                                 weight_fused=weight_fused, dot=dot, gate_score=gate_score, rstd_x=rstd_x,
                                 rstd_k=rstd_k)
     partials = _num_sms(op, num_sms)
+    if _gate_bwd_kernel.takes(hidden_states):
+        return _gate_bwd_kernel.gate_bwd_cuda(grad_out, hidden_states, k, v, weight_fused, dot, gate_score, rstd_x,
+                                              rstd_k, clamp_value, partials)
     return _ref._gate_bwd(grad_out, hidden_states, k, v, weight_fused, dot, gate_score, rstd_x, rstd_k,
                           clamp_value, partials)
 
 
-@public("engram")
+@public("engram", path="kernel")
 def grad_w_reduce(grad_w_partial: torch.Tensor, weight_hidden: torch.Tensor, weight_embed: torch.Tensor,
                   grad_weight_hidden: torch.Tensor, grad_weight_embed: torch.Tensor) -> None:
     """Reduce the partial weight gradient into the two fp32 accumulators in place (§2.6, v1).
 
     ``S = Σ_p partial[p]`` in ascending ``p``; ``grad_weight_hidden ← fma(S, w_e, grad_weight_hidden)`` and
     ``grad_weight_embed ← fma(S, w_h, grad_weight_embed)``. ``H % 512 == 0`` and ``P % 4 == 0``.
+
+    CUDA tensors take the TileLang kernel (``_gate_bwd_kernel``), the reference's bits; CPU tensors the reference.
     """
     op = "grad_w_reduce"
     _check.tensor(op, "grad_w_partial", grad_w_partial, dtype=FP32, ndim=3, contiguous=True)
@@ -201,6 +210,10 @@ def grad_w_reduce(grad_w_partial: torch.Tensor, weight_hidden: torch.Tensor, wei
         _check.tensor(op, name, acc, dtype=FP32, shape=(m, h), contiguous=True)
     _check.same_device(op, grad_w_partial=grad_w_partial, weight_hidden=weight_hidden, weight_embed=weight_embed,
                        grad_weight_hidden=grad_weight_hidden, grad_weight_embed=grad_weight_embed)
+    if _gate_bwd_kernel.takes_reduce(grad_w_partial):
+        _gate_bwd_kernel.grad_w_reduce_cuda(grad_w_partial, weight_hidden, weight_embed, grad_weight_hidden,
+                                            grad_weight_embed)
+        return
     _ref._grad_w_reduce(grad_w_partial, weight_hidden, weight_embed, grad_weight_hidden, grad_weight_embed)
 
 

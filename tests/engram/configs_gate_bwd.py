@@ -1,0 +1,14 @@
+"""Static configs of the gate backward / grad_w_reduce kernels that the tests launch (test-only; the package
+registers the bench's in ``tilefuse/engram/_gate_bwd_kernel.py``)."""
+
+GRID_T = (0, 1, 7, 4001, 8192)
+GRID_H = (1024, 4096, 7168)
+# run on the CPU from the generated source: one vector a thread in registers (1024), two with the sums in shared
+# memory (7168)
+EMU_H = (1024, 7168)
+BEYOND_H = 8704  # H % 512 == 0 but above MAX_H: the public op keeps the reference path (never compiled)
+
+
+def gate_bwd_configs() -> list[tuple]:
+    """Every ``(name, cfg)`` the tests build."""
+    return [("engram_gate_bwd", (h,)) for h in GRID_H] + [("engram_grad_w_reduce", ())]

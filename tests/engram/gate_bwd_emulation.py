@@ -1,0 +1,158 @@
+"""Run the CUDA source that TileLang generates for the gate backward and grad_w_reduce kernels on the CPU (not a
+test module).
+
+g++ compiles the ``__global__`` function with a shim: ``bfloat16_t`` rounding to nearest even, the vector types
+(no alignment demands), ``__f*_rn`` as one IEEE-rounded fp32 operation each (``-ffp-contract=off``, ``std::fmaf``,
+``std::sqrt``), dynamic shared memory as one host buffer (filled with NaN bytes before each CTA), and every thread
+of a CTA as a host thread: ``__syncthreads`` is a barrier of the CTA, ``__shfl_xor_sync`` an exchange through 32
+slots of the warp between two barriers of the warp. CTAs run one after another. So the CPU computes what the GPU
+computes, bit for bit, and checks the kernels' indexing, chunking, barriers and reductions without a GPU.
+"""
+import ctypes
+import re
+from pathlib import Path
+
+import torch
+
+from tests.mhc.post_emulation import HAS_GXX, compile_run  # noqa: F401  (HAS_GXX: re-exported for the tests)
+
+SHIM = r"""
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+using std::max;
+using std::min;
+typedef unsigned int uint;
+typedef unsigned char uchar;
+struct bfloat16_t {
+  uint16_t s;
+  bfloat16_t() = default;
+  explicit bfloat16_t(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if (std::isnan(f)) { s = 0x7fc0; return; }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    s = (uint16_t)(u >> 16);
+  }
+  explicit operator float() const { uint32_t u = (uint32_t)s << 16; float f; std::memcpy(&f, &u, 4); return f; }
+};
+struct uint4 { uint x, y, z, w; };
+struct uint2 { uint x, y; };
+struct float4 { float x, y, z, w; };
+static inline float4 make_float4(float a, float b, float c, float d) { return float4{a, b, c, d}; }
+struct Idx { unsigned x; };
+thread_local Idx threadIdx, blockIdx;
+#define __launch_bounds__(a, b)
+#define __restrict__
+#define __align__(n)
+static inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
+static inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
+static inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
+static inline float __fdiv_rn(float a, float b) { volatile float r = a / b; return r; }
+static inline float __fmaf_rn(float a, float b, float c) { return std::fmaf(a, b, c); }
+static inline float __fsqrt_rn(float a) { return std::sqrt(a); }
+static uchar g_smem[232448] __attribute__((aligned(1024)));
+static std::barrier<>* g_bar;
+static std::barrier<>* g_wbar[32];
+static float g_slots[32][32];
+static inline void __syncthreads() { g_bar->arrive_and_wait(); }
+static inline float __shfl_xor_sync(uint, float v, int delta, int) {
+  unsigned w = threadIdx.x / 32, lane = threadIdx.x % 32;
+  g_slots[w][lane] = v;
+  g_wbar[w]->arrive_and_wait();
+  float r = g_slots[w][lane ^ delta];
+  g_wbar[w]->arrive_and_wait();
+  return r;
+}
+"""
+
+_SCALARS = {"int64_t": ctypes.c_int64, "float": ctypes.c_float}
+
+
+def build(src: str, name: str, threads: int, workdir: Path):
+    """Compile the ``__global__`` function ``name`` of ``src`` for the CPU, run with ``threads`` threads a CTA;
+    returns ``run(args: dict, blocks)``, which binds CPU tensors (any strides: the kernel is given their data
+    pointers, its stride arguments come from ``args``) and Python numbers by the kernel's parameter names."""
+    assert threads % 32 == 0 and threads <= 1024, threads
+    body = src[src.index('extern "C" __global__ void __launch_bounds__'):]
+    body = re.sub(r"extern __shared__ [^;]*buf_dyn_shmem\[\];", "uchar* buf_dyn_shmem = g_smem;", body)
+    params = [p.replace("__restrict__", "").replace("const ", "").strip()
+              for p in re.search(re.escape(name) + r"\(([^)]*)\)", body).group(1).split(",")]
+    decl = [(p.rsplit(" ", 1)[0].strip(), p.rsplit(" ", 1)[1]) for p in params]
+    cargs = ", ".join(f"void* {a}" if t.endswith("*") else f"{t} {a}" for t, a in decl)
+    call = ", ".join(f"({t}){a}" if t.endswith("*") else a for t, a in decl)
+    cpp = SHIM + body.replace('extern "C" __global__', "static") + f"""
+extern "C" void run({cargs}, int64_t blocks) {{
+  std::barrier<> bar({threads});
+  g_bar = &bar;
+  std::vector<std::barrier<>*> warps;
+  for (unsigned w = 0; w < {threads // 32}; ++w) warps.push_back(g_wbar[w] = new std::barrier<>(32));
+  for (int64_t b = 0; b < blocks; ++b) {{
+    std::memset(g_smem, 0xFF, sizeof(g_smem));
+    std::vector<std::thread> th;
+    for (unsigned t = 0; t < {threads}; ++t)
+      th.emplace_back([=]() {{ blockIdx.x = (unsigned)b; threadIdx.x = t; {name}({call}); }});
+    for (auto& t : th) t.join();
+  }}
+  for (auto* w : warps) delete w;
+}}
+"""
+    fn = compile_run(cpp, name, workdir)
+
+    def run(args: dict, blocks: int) -> None:
+        values = []
+        for t, a in decl:
+            v = args[a]
+            if t.endswith("*"):
+                assert v.device.type == "cpu", a
+                values.append(ctypes.c_void_p(v.data_ptr()))
+            else:
+                values.append(_SCALARS[t](v))
+        fn(*values, ctypes.c_int64(blocks))
+
+    return run
+
+
+def emulate_launches(monkeypatch, workdir: Path) -> None:
+    """Route the kernel module's launches on CPU tensors through the emulated kernels: ``_jit.get`` returns a
+    callable that binds the launcher's arguments to the prim_func's parameters (``kernel_binding.bind``: the same
+    checks as ``fake_jit``) and runs the generated source; ``takes`` / ``takes_reduce`` accept CPU tensors. The
+    public ops then take their kernel path end to end (validation, launcher, kernel) without a GPU."""
+    from tilefuse import _jit
+    from tilefuse.engram import _gate_bwd_kernel as K
+    from tests.quant.kernel_binding import bind
+
+    built = {}
+
+    def get(name, cfg):
+        func = _jit._FACTORIES[name][0](*cfg)
+        threads = K.layout(cfg[0])[1] if name == "engram_gate_bwd" else K.REDUCE_THREADS
+        if (name, cfg) not in built:
+            src = _jit.compile_kernel(name, cfg, "sm_90", export=False).get_kernel_source()
+            built[name, cfg] = build(src, name + "_kernel", threads, workdir / f"{name}{cfg}")
+
+        def launch(*args):
+            env = bind(func, args)
+            values = dict(env)
+            for param, arg in zip(func.params, args):
+                if param not in func.buffer_map:
+                    values[param.name] = arg
+                    continue
+                buf = func.buffer_map[param]
+                values[buf.name] = arg
+                for stride, value in zip(buf.strides, arg.stride()):  # strides of size-1 dims: not bound
+                    if hasattr(stride, "name"):
+                        values.setdefault(stride.name, value)
+            blocks = (env["num_partials"] if name == "engram_gate_bwd"
+                      else -(-env["numel"] // (K.REDUCE_VEC * threads)))
+            built[name, cfg](values, blocks)
+
+        return launch
+
+    monkeypatch.setattr(_jit, "get", get)
+    monkeypatch.setattr(K, "takes", lambda x: x.dim() == 3 and x.shape[1] == K.M and K.takes_hidden(x.shape[2]))
+    monkeypatch.setattr(K, "takes_reduce", lambda p: p.dtype == torch.float32)
