@@ -11,13 +11,22 @@ A thread loads its lane of the initial residual once and keeps the current resid
 for each layer l it loads the token's mixes (the same addresses for all lanes of a token: L1 broadcasts) and its
 lane of ``layer_output_list[l]``, writes ``layer_input_list[l] = bf(apply_mix(pre_l, R^l))`` and, for l < P,
 ``residual_list[l] = R^{l+1} = bf(post(post_l, y_l, comb_l, R^l))``, which the next layer reads as the rounded bf16
-value it stored. The per-element chains are ``tilefuse.mhc._chains``: the same expressions as the apply-mix and post
-kernels, so the results are bit-identical to the layer-by-layer chain (§2.9). Bytes: the chain reads each residual
-twice per layer (apply, post) and the fused kernel once in all (the initial one), per layer reading ``y_l`` and the
-mixes and writing ``layer_input`` and ``residual``.
+value it stored. The per-element chains are ``tilefuse.mhc._chains``: the post kernel's own expression and the
+apply-mix kernel's sequence of rounded operations, so the results are bit-identical to the layer-by-layer chain
+(§2.9).
 
-Arguments: the L (or P) tensors of a list are L separate kernel parameters (the kernel is specialised on ``(n, C,
-L, P)``; the token count is a runtime 64-bit value), in the order of ``ARG_ORDER``.
+Bytes per token (bf16 2, fp32 4): the chain reads the residual twice per layer (apply, then post), ``L (2nC + 4n +
+2C) + P (2C + 2nC + 4n + 4n^2 + 2nC)``; the fused kernel reads the initial residual once and every other tensor once,
+``2nC + L (4n + 2C) + P (2C + 4n + 4n^2 + 2nC)``: 2.19x fewer at n = 4, L = P = 10 and C in {2560, 4096, 7168}
+(4.30 GB against 9.40 GB at T = 8192, C = 4096). That is every tensor once, the bench's ``io_fused`` count.
+
+Arguments: the L (or P) tensors of a list are L (or P) separate kernel parameters, in the public op's argument order
+(the kernel is specialised on ``(n, C, L, P)``; the token count is a runtime 64-bit value). TileLang's ``prim_func``
+has a fixed signature, so the factory declares the lists' parameters with the IR builder's ``arg`` as the body's
+first statements, after the signature's one (the initial residual).
+
+Speed: not yet measured on a GPU. ptxas (sm_90, no spills): n = 4, L = P = 10 takes 128 registers (``MIN_BLOCKS``),
+n = 8 236 (2 CTAs an SM; no bench case has n = 8).
 
 Kernel constraints: ``n`` in ``KERNEL_N``, ``C % 8 == 0``, contiguous tensors (``takes``; the public op runs the
 layer-by-layer chain for anything else); the launcher gives the kernel 16-byte aligned copies of misaligned ones.
@@ -31,18 +40,19 @@ KERNEL_HELPERS = ("tilefuse.mhc._chains", "tilefuse._rn")  # part of this module
 
 # ---- tuning knobs (TILEFUSE_KNOBS; results unchanged) ----
 THREADS = 128  # threads per CTA (one lane each)
+# __launch_bounds__' minimum CTAs per SM (0: TileLang's default, no register cap). ptxas (sm_90, n = 4, L = P = 10):
+# uncapped 128 registers, no spills (4 CTAs, 16 warps an SM); 6 -> 80 registers, 4 bytes spilled; 8 -> 64 registers,
+# about 1 KB spilled a thread. Not measured on a GPU: the first knob to sweep.
+MIN_BLOCKS = 0
 
 V = 8                # bf16 columns per lane: one 16-byte vector
 KERNEL_N = (2, 4, 8)  # multiplicities the kernel is built for (those of the post kernels)
-# the kernel's list parameters, in order, after the initial residual: (name, count: "L" or "P")
-ARG_ORDER = (("pre_mix_list", "L"), ("layer_output_list", "P"), ("post_mix_list", "P"), ("comb_mix_list", "P"),
-             ("layer_input_list", "L"), ("residual_list", "P"))
 
 
 def recompute_kernel(n: int, C: int, L: int, P: int):
     """Factory: L layers with P post steps (``P in (L, L - 1)``) of ``n`` streams of ``C`` columns.
 
-    Arguments at launch (``ARG_ORDER``): ``R0`` bf16 ``[T, n, C]``; ``PRE_l`` fp32 ``[T, n]`` (L); ``Y_l`` bf16
+    Arguments at launch, in order: ``R0`` bf16 ``[T, n, C]``; ``PRE_l`` fp32 ``[T, n]`` (L); ``Y_l`` bf16
     ``[T, C]`` (P); ``PM_l`` fp32 ``[T, n]`` (P); ``CM_l`` fp32 ``[T, n, n]`` (P); outputs ``LI_l`` bf16 ``[T, C]`` (L)
     and ``RS_l`` bf16 ``[T, n, C]`` (P); contiguous, 16-byte aligned.
     """
@@ -69,6 +79,8 @@ def recompute_kernel(n: int, C: int, L: int, P: int):
         LI = params("LI", L, (Tn, C), bf)
         RS = params("RS", P, (Tn, n, C), bf)
         with T.Kernel(T.ceildiv(Tn * lanes, threads), threads=threads) as bx:
+            if MIN_BLOCKS:
+                T.annotate_min_blocks_per_sm(MIN_BLOCKS)
             tid = T.get_thread_binding()
             rv = T.alloc_local((n * V,), bf)   # the current residual R^l: stream i at [i * V, (i + 1) * V)
             nv = T.alloc_local((n * V,), bf)   # R^{l+1}
@@ -143,8 +155,8 @@ def takes(initial_residual: torch.Tensor, *lists) -> bool:
 def recompute_launch(initial_residual: torch.Tensor, pre_mix_list, layer_output_list, post_mix_list, comb_mix_list,
                      layer_input_list, residual_list) -> None:
     """Launch the kernel on the contiguous public tensors of §2.9 (``takes`` holds): views them flat and binds them
-    in ``ARG_ORDER``. An input whose data is not on a 16-byte boundary is copied into an aligned one, and such an
-    output is written through an aligned buffer copied back."""
+    in the kernel's parameter order. An input whose data is not on a 16-byte boundary is copied into an aligned one,
+    and such an output is written through an aligned buffer copied back."""
     n, C = initial_residual.shape[-2:]
     tokens = initial_residual.numel() // (n * C)
     if tokens == 0:
