@@ -98,6 +98,22 @@ def test_builds_for_sm90_with_the_exact_chains(cfg):
     assert f"PRE{L} " not in src and f"Y{P} " not in src
 
 
+def _param_names(L, P) -> list[str]:
+    """The kernel's buffer names in the order the launcher passes the public op's tensors."""
+    return ["R0"] + [f"{p}{l}" for p, count in zip(("PRE", "Y", "PM", "CM", "LI", "RS"), (L, P, P, P, L, P))
+                     for l in range(count)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("L, P", [(3, 2), (10, 9), (1, 0)])
+def test_parameters_in_the_public_order(L, P):
+    """The prim_func declares its parameters in the public op's argument order (the launcher binds by position; the
+    CPU emulation below binds these names)."""
+    func = K.recompute_kernel(4, 264, L, P)
+    assert [func.buffer_map[p].name for p in func.params if p in func.buffer_map] == _param_names(L, P)
+    assert len(func.params) == 1 + 2 * L + 4 * P
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("L, P", [(3, 2), (2, 2), (1, 0)])
 def test_launcher_binds_its_arguments(L, P, monkeypatch):
@@ -134,8 +150,7 @@ def _emulated(cfg, tmp_path):
     n, c, L, P = cfg
     src = _jit.compile_kernel("mhc_multilayer_recompute", cfg, "sm_90").get_kernel_source()
     run = emu.build(src, "mhc_recompute_kernel", K.THREADS, False, tmp_path / "_".join(map(str, cfg)))
-    names = ["R0"] + [f"{p}{l}" for p, count in zip(("PRE", "Y", "PM", "CM", "LI", "RS"), (L, P, P, P, L, P))
-                      for l in range(count)]
+    names = _param_names(L, P)
 
     def launch(*args):
         tokens = args[0].shape[0]
