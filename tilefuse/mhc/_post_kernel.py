@@ -34,8 +34,11 @@ import torch
 
 from tilefuse import _jit, _launch, _ops
 from tilefuse._rn import fma as _fma, mul as _fmul
+from tilefuse.mhc import _chains
+from tilefuse.mhc._chains import fma_chain as _chain
 
-KERNEL_HELPERS = ("tilefuse._rn",)  # part of this module's kernel cache key (_jit._module_digest)
+# part of this module's kernel cache key (_jit._module_digest)
+KERNEL_HELPERS = ("tilefuse.mhc._chains", "tilefuse._rn")
 
 # ---- tuning knobs (TILEFUSE_KNOBS) ----
 FWD_THREADS = 128  # threads per CTA of the forward (one lane each)
@@ -45,15 +48,6 @@ BWD_UNROLL = 2     # backward lane steps whose loads a thread issues before thei
 V = 8                  # bf16 columns per lane: one 16-byte vector
 KERNEL_N = (2, 4, 8)   # multiplicities the kernels are built for
 WARP = 32
-
-
-def _chain(first, terms):
-    """``fma(a_k, b_k, ... fma(a_1, b_1, first))`` for ``terms = [(a_1, b_1), ..., (a_k, b_k)]`` (built in Python,
-    so the chain is unrolled into one expression)."""
-    acc = first
-    for a, b in terms:
-        acc = _fma(a, b, acc)
-    return acc
 
 
 def post_fwd_kernel(n: int, C: int):
@@ -96,8 +90,8 @@ def post_fwd_kernel(n: int, C: int):
                         rv[i * V + e] = Rs[t, i, c + e]
                 for o in T.unroll(n):
                     for e in T.unroll(V):
-                        ov[e] = T.cast(_chain(_fma(pv[o], T.cast(xv[e], f32), _fmul(cv[o], T.cast(rv[e], f32))),
-                                              [(cv[i * n + o], T.cast(rv[i * V + e], f32)) for i in range(1, n)]), bf)
+                        ov[e] = T.cast(_chains.post(pv[o], T.cast(xv[e], f32), [cv[i * n + o] for i in range(n)],
+                                                    [T.cast(rv[i * V + e], f32) for i in range(n)]), bf)
                     for e in T.vectorized(V):
                         O[t, o, c + e] = ov[e]
 

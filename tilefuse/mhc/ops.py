@@ -22,6 +22,7 @@ from . import _functions as F
 from . import _sinkhorn_kernel
 from . import _mix_kernel
 from . import _normw_kernel
+from . import _recompute_kernel
 
 __all__ = [
     "expand_to_mhc",
@@ -645,8 +646,11 @@ def mhc_multilayer_recompute(initial_residual: torch.Tensor, pre_mix_list, layer
                              comb_mix_list, layer_input_list, residual_list) -> None:
     """Replay the apply/post chain of L layers (§2.9), writing ``layer_input_list[l]`` (bf16 ``[..., C]``)
     and ``residual_list[l]`` (the residual after layer l, bf16 ``[..., n, C]``); P == L or L - 1 post steps.
-    CUDA tensors run the apply and post kernels step by step (bit-equal to the unfused ops; no single fused
-    kernel yet)."""
+
+    CUDA tensors with ``n`` in {2, 4, 8} and ``C % 8 == 0`` run one fused kernel
+    (``_recompute_kernel``: each token's residual read once and kept in registers across the layers); other CUDA
+    inputs run the apply-mix and post kernels layer by layer, and CPU tensors the reference. All paths give the
+    same bits (the spec's bit-identity with the unfused ops)."""
     op = "mhc_multilayer_recompute"
     _streams(op, "initial_residual", initial_residual, contiguous=True)
     lead, (n, C) = tuple(initial_residual.shape[:-2]), initial_residual.shape[-2:]
@@ -677,6 +681,11 @@ def mhc_multilayer_recompute(initial_residual: torch.Tensor, pre_mix_list, layer
                       device=dev)
         _check.tensor(op, f"residual_list[{l}]", residual_list[l], dtype=BF16, shape=(*lead, n, C), contiguous=True,
                       device=dev)
+    args = (initial_residual, pre_mix_list, layer_output_list, post_mix_list, comb_mix_list, layer_input_list,
+            residual_list)
+    if _recompute_kernel.takes(*args):
+        _recompute_kernel.recompute_cuda(*args)
+        return
     residual = initial_residual
     for l in range(L):  # each step through the helper its unfused op takes (the kernels on CUDA): the same bits
         F.apply_mix_fwd_into(residual, pre_mix_list[l].reshape(*lead, n, 1), layer_input_list[l])
