@@ -3,7 +3,12 @@ results. Tolerances: fp32 reductions on the GPU are ordered differently from the
 order vs CPU BLAS), so an fp32 result of a length-n reduction may differ by up to about n * 2^-24 times the size of
 its terms: a normwise bound, |a - b| <= RED_LEN * 2^-24 * max|b| over the tensor. No elementwise rtol:
 some gradient rows are mathematically ~0 and come out as pure cancellation noise (~1e-11 next to ~1e2
-elsewhere in the tensor), which differs between any two summation orders. bf16 outputs allow 1 bf16 ulp."""
+elsewhere in the tensor), which differs between any two summation orders. The bf16 output allows 1 bf16 ulp. The
+bf16 embedding gradient is normwise too: it sums the n streams' residual gradients, each built through three bf16
+roundings (post, apply-mix and projection backward) of values as large as the gradient's largest, from mixes the
+TF32 projection moves by 2^-11 (the GPU's, not the CPU's): so |a - b| <= (3 n + 1) 2^-8 max|b|; elementwise, a
+row where the streams cancel (|b| ~ 1 next to ~400) differs by whole ulps of the streams (the first H200 run: 2.0
+in 6.4% of the elements)."""
 import pytest
 import torch
 
@@ -18,10 +23,16 @@ K, M = N * C, N * (N + 2)
 RED_LEN = max(K, B * S)  # the longest fp32 reduction behind any output: K channels or B*S tokens
 
 
-def _close(a, b):
+def _close(a, b, bf16_rounds: int | None = None):
+    """``bf16_rounds`` None: a bf16 result within 1 ulp elementwise; else normwise, ``bf16_rounds`` bf16 roundings
+    of terms up to ``max|b|``."""
     a = a.cpu()
-    if a.dtype == BF16:
+    if a.dtype == BF16 and bf16_rounds is None:
         torch.testing.assert_close(a, b, rtol=BF16_RTOL, atol=1e-5)
+        return
+    if a.dtype == BF16:
+        excess = (a.float() - b.float()).abs() - bf16_rounds * 2.0 ** -8 * b.float().abs().max()
+        assert excess.max() <= 0, f"bf16 result off by more than {bf16_rounds} roundings: worst excess {excess.max():.3e}"
         return
     bound = RED_LEN * 2.0 ** -24 * b.abs().max()
     excess = (a - b).abs() - bound
@@ -42,8 +53,8 @@ def _layer(device, e, fn, scale, base, normw, head_fn):
 def test_layer_on_cuda_equals_cpu():
     args = (torch.randn(B, S, C).to(BF16), torch.randn(M, K) * 0.05, 0.5 * torch.randn(3), 0.5 * torch.randn(M),
             1 + 0.1 * torch.randn(K), torch.randn(N, K) * 0.05)
-    for a, b in zip(_layer("cuda", *args), _layer("cpu", *args)):
-        _close(a, b)
+    for i, (a, b) in enumerate(zip(_layer("cuda", *args), _layer("cpu", *args))):
+        _close(a, b, None if i == 0 else 3 * N + 1)
 
 
 @pytest.mark.gpu
