@@ -65,6 +65,10 @@ WARPS = 4            # gate forward: warps per CTA, one (token, branch) row at a
 ROWS_PER_WARP = 2    # gate forward: tokens each warp handles in turn (token block = WARPS * ROWS_PER_WARP)
 LOADS_AHEAD = 4      # gate forward: chunks whose loads are issued before their arithmetic
 FW_THREADS = 128     # fused_weight: threads per CTA (8 elements each)
+TOKEN_CTA = False    # gate forward variant: a CTA per TOKEN_ROWS tokens, warp h = branch h, x kept in shared memory
+TOKEN_ROWS = 1       # gate forward variant: tokens each warp carries at once (one weight load serves them all)
+TOKEN_SMEM_MAX = 64 * 1024  # gate forward variant: the largest x stage (bytes) a CTA takes; larger: the default
+TOKEN_MAX_M = 8      # gate forward variant: the most branches (warps) a CTA takes; more: the default
 
 CHUNK = 256      # columns of one warp step (32 lanes x 8)
 V = 8            # bf16 columns per lane per chunk: one 16-byte vector
@@ -93,6 +97,31 @@ def gate_fwd_kernel(M: int, H: int, save: bool):
     import tilelang.language as T
 
     assert M >= 1 and H % CHUNK == 0 and MIN_H <= H <= MAX_H, (M, H)
+    Tn, k_vecs, v_vecs = T.dynamic("num_tokens, k_vectors, v_vectors", I64)
+    body = (_token_body if token_schedule(M, H) else _row_body)(T, M, H, save, Tn)
+
+    # every parameter gets its own annotation object: TileLang binds parameters by their buffer objects
+    if save:
+        @T.prim_func
+        def engram_gate_fwd(X: T.Tensor((Tn, M, H), BF16), K: T.Tensor((k_vecs, V), BF16),
+                            Vv: T.Tensor((v_vecs, V), BF16), W: T.Tensor((M, H), F32),
+                            OUT: T.Tensor((Tn, M, H), BF16), DOT: T.Tensor((Tn, M), F32), G: T.Tensor((Tn, M), F32),
+                            RX: T.Tensor((Tn, M), F32), RK: T.Tensor((Tn, M), F32), k_s0: T.int64, k_s1: T.int64,
+                            v_s0: T.int64, eps: T.float32, clamp: T.float32):
+            body(X, K, Vv, W, OUT, (DOT, G, RX, RK), k_s0, k_s1, v_s0, eps, clamp)
+    else:
+        @T.prim_func
+        def engram_gate_fwd(X: T.Tensor((Tn, M, H), BF16), K: T.Tensor((k_vecs, V), BF16),
+                            Vv: T.Tensor((v_vecs, V), BF16), W: T.Tensor((M, H), F32),
+                            OUT: T.Tensor((Tn, M, H), BF16), k_s0: T.int64, k_s1: T.int64, v_s0: T.int64,
+                            eps: T.float32, clamp: T.float32):
+            body(X, K, Vv, W, OUT, None, k_s0, k_s1, v_s0, eps, clamp)
+
+    return engram_gate_fwd
+
+
+def _row_body(T, M: int, H: int, save: bool, Tn):
+    """The default schedule (the module docstring): CTA ``b * M + h`` takes branch ``h`` of token block ``b``."""
     C = H // CHUNK
     U = max(1, min(LOADS_AHEAD, C))  # chunks per load group
     groups = -(-C // U)
@@ -100,7 +129,6 @@ def gate_fwd_kernel(M: int, H: int, save: bool):
     TB = WARPS * ROWS_PER_WARP
     quads = H // 4
     fill_steps = -(-quads // threads)
-    Tn, k_vecs, v_vecs = T.dynamic("num_tokens, k_vectors, v_vectors", I64)
 
     @T.macro
     def body(X, K, Vv, W, OUT, stats, k_s0, k_s1, v_s0, eps, clamp):
@@ -192,25 +220,121 @@ def gate_fwd_kernel(M: int, H: int, save: bool):
                                 for e in T.vectorized(V):
                                     OUT[t, h, c * CHUNK + lane * V + e] = ob[e]
 
-    # every parameter gets its own annotation object: TileLang binds parameters by their buffer objects
-    if save:
-        @T.prim_func
-        def engram_gate_fwd(X: T.Tensor((Tn, M, H), BF16), K: T.Tensor((k_vecs, V), BF16),
-                            Vv: T.Tensor((v_vecs, V), BF16), W: T.Tensor((M, H), F32),
-                            OUT: T.Tensor((Tn, M, H), BF16), DOT: T.Tensor((Tn, M), F32), G: T.Tensor((Tn, M), F32),
-                            RX: T.Tensor((Tn, M), F32), RK: T.Tensor((Tn, M), F32), k_s0: T.int64, k_s1: T.int64,
-                            v_s0: T.int64, eps: T.float32, clamp: T.float32):
-            body(X, K, Vv, W, OUT, (DOT, G, RX, RK), k_s0, k_s1, v_s0, eps, clamp)
-    else:
-        @T.prim_func
-        def engram_gate_fwd(X: T.Tensor((Tn, M, H), BF16), K: T.Tensor((k_vecs, V), BF16),
-                            Vv: T.Tensor((v_vecs, V), BF16), W: T.Tensor((M, H), F32),
-                            OUT: T.Tensor((Tn, M, H), BF16), k_s0: T.int64, k_s1: T.int64, v_s0: T.int64,
-                            eps: T.float32, clamp: T.float32):
-            body(X, K, Vv, W, OUT, None, k_s0, k_s1, v_s0, eps, clamp)
+    return body
 
-    return engram_gate_fwd
 
+def token_schedule(M: int, H: int) -> bool:
+    """Whether the gate forward of ``(M, H)`` takes the variant schedule (``TOKEN_CTA``): one warp a branch, at most
+    ``TOKEN_MAX_M`` warps a CTA, the CTA's x stage within ``TOKEN_SMEM_MAX`` bytes; otherwise the default."""
+    return bool(TOKEN_CTA) and M <= TOKEN_MAX_M and TOKEN_ROWS * M * H * 2 <= TOKEN_SMEM_MAX
+
+
+def gate_fwd_grid(num_tokens: int, M: int, H: int) -> tuple[int, int, int]:
+    """``(CTAs, threads, shared bytes)`` of the gate forward launch for ``(M, H)`` under the current knobs."""
+    if token_schedule(M, H):
+        return -(-num_tokens // TOKEN_ROWS), M * LANES, TOKEN_ROWS * M * H * 2
+    return -(-num_tokens // (WARPS * ROWS_PER_WARP)) * M, WARPS * LANES, H * 4
+
+
+def _token_body(T, M: int, H: int, save: bool, Tn):
+    """The variant schedule (``TOKEN_CTA``): CTA ``b`` takes tokens ``b * TW .. b * TW + TW - 1``
+    (``TW = TOKEN_ROWS``), warp ``h`` their branch ``h``. Each lane reads its columns of x, k and the weight once,
+    in the default's chunk layout, keeps every x vector it read in shared memory (its own 16 bytes: written and read
+    back by the same thread, so no barrier), and reads v in the output pass (the CTA's M warps read the same v row
+    at about the same time: one L2 read, the rest L1 hits). The weight chunk is read from global memory (L1 / L2:
+    ``M * H * 4`` bytes, the same for every CTA) once per chunk for all ``TW`` tokens. The arithmetic is the
+    default's, operation for operation (the same per-row chains, butterfly and scalar chain), so the bits are too."""
+    C = H // CHUNK
+    U = max(1, min(LOADS_AHEAD, C))  # chunks per load group
+    groups = -(-C // U)
+    TW = TOKEN_ROWS
+    threads = M * LANES
+
+    @T.macro
+    def body(X, K, Vv, W, OUT, stats, k_s0, k_s1, v_s0, eps, clamp):
+        with T.Kernel(T.ceildiv(Tn, TW), threads=threads) as bx:
+            tid = T.get_thread_binding()
+            lane = tid % LANES
+            h = tid // LANES
+            t0 = T.cast(bx, I64) * TW
+            xs = T.alloc_shared((TW * M * H,), BF16)  # [token, branch, H]: the x rows of the CTA's tokens
+            xb = T.alloc_local((TW * U * V,), BF16)
+            kb = T.alloc_local((TW * U * V,), BF16)
+            wv = T.alloc_local((U * V,), F32)
+            vb = T.alloc_local((U * V,), BF16)
+            ob = T.alloc_local((V,), BF16)
+            acc = T.alloc_local((TW * 3,), F32)  # per token: Sxx, Skk, D
+            sc = T.alloc_local((TW * 4,), F32)   # per token: rx, rk, s, then u and g
+            for a in T.unroll(TW * 3):
+                acc[a] = T.float32(0.0)
+            # reduction: chunks in increasing order, U loaded ahead of their arithmetic
+            for s in T.serial(groups):
+                for u in T.unroll(U):
+                    c = s * U + u
+                    if c < C:
+                        for e in T.vectorized(4):
+                            wv[u * V + e] = W[h, c * CHUNK + lane * V + e]
+                        for e in T.vectorized(4):
+                            wv[u * V + 4 + e] = W[h, c * CHUNK + lane * V + 4 + e]
+                        for j in T.unroll(TW):
+                            if t0 + j < Tn:  # the same for the whole CTA
+                                for e in T.vectorized(V):
+                                    xb[(j * U + u) * V + e] = X[t0 + j, h, c * CHUNK + lane * V + e]
+                                for e in T.vectorized(V):
+                                    kb[(j * U + u) * V + e] = K[(t0 + j) * k_s0 + h * k_s1 + c * LANES + lane, e]
+                for u in T.unroll(U):
+                    c = s * U + u
+                    if c < C:
+                        for j in T.unroll(TW):
+                            if t0 + j < Tn:
+                                for e in T.vectorized(V):
+                                    xs[(j * M + h) * H + c * CHUNK + lane * V + e] = xb[(j * U + u) * V + e]
+                                for i in T.unroll(V):
+                                    xf = T.cast(xb[(j * U + u) * V + i], F32)
+                                    kf = T.cast(kb[(j * U + u) * V + i], F32)
+                                    acc[j * 3] = _fma(xf, xf, acc[j * 3])
+                                    acc[j * 3 + 1] = _fma(kf, kf, acc[j * 3 + 1])
+                                    acc[j * 3 + 2] = _fma(_mul(xf, wv[u * V + i]), kf, acc[j * 3 + 2])
+            for j in T.unroll(TW):
+                t = t0 + j
+                if t < Tn:  # the same for the whole CTA: every lane takes part in the shuffles
+                    for d in (16, 8, 4, 2, 1):
+                        for a in T.unroll(3):
+                            acc[j * 3 + a] = _add(acc[j * 3 + a], T.shfl_xor(acc[j * 3 + a], d))
+                    one = T.float32(1.0)
+                    sc[j * 4] = _div(one, _f("__fsqrt_rn", _add(_div(acc[j * 3], T.float32(H)), eps)))
+                    sc[j * 4 + 1] = _div(one, _f("__fsqrt_rn", _add(_div(acc[j * 3 + 1], T.float32(H)), eps)))
+                    sc[j * 4 + 2] = _mul(_mul(_mul(acc[j * 3 + 2], sc[j * 4]), sc[j * 4 + 1]), T.float32(_c_h(H)))
+                    sc[j * 4 + 3] = _f("fabsf", sc[j * 4 + 2])
+                    sc[j * 4 + 3] = _f("copysignf", _f("__fsqrt_rn", T.if_then_else(sc[j * 4 + 3] < clamp, clamp,
+                                                                                     sc[j * 4 + 3])), sc[j * 4 + 2])
+                    sc[j * 4 + 3] = _div(one, _add(one, _f("expf", _sub(T.float32(0.0), sc[j * 4 + 3]))))
+                    if save:
+                        DOT, G, RX, RK = stats
+                        if lane == 0:
+                            DOT[t, h] = acc[j * 3 + 2]
+                            G[t, h] = sc[j * 4 + 3]
+                            RX[t, h] = sc[j * 4]
+                            RK[t, h] = sc[j * 4 + 1]
+                    # output: x from the stage, v loaded U chunks ahead of their arithmetic
+                    for s in T.serial(groups):
+                        for u in T.unroll(U):
+                            c = s * U + u
+                            if c < C:
+                                for e in T.vectorized(V):
+                                    vb[u * V + e] = Vv[t * v_s0 + c * LANES + lane, e]
+                        for u in T.unroll(U):
+                            c = s * U + u
+                            if c < C:
+                                for e in T.vectorized(V):
+                                    xb[e] = xs[(j * M + h) * H + c * CHUNK + lane * V + e]
+                                for i in T.unroll(V):
+                                    ob[i] = T.cast(_fma(sc[j * 4 + 3], T.cast(vb[u * V + i], F32),
+                                                        T.cast(xb[i], F32)), BF16)
+                                for e in T.vectorized(V):
+                                    OUT[t, h, c * CHUNK + lane * V + e] = ob[e]
+
+    return body
 
 # ---- fused_weight ----
 
