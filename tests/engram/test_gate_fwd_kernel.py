@@ -278,7 +278,7 @@ def test_token_variant_builds_for_sm90(knobs, shape, save, monkeypatch):
 @pytest.mark.skipif(not emu.HAS_GXX, reason="needs g++")
 @pytest.mark.parametrize("knobs", [{"TOKEN_CTA": True}, {"TOKEN_CTA": True, "TOKEN_ROWS": 2, "LOADS_AHEAD": 3},
                                    {"TOKEN_CTA": True, "TOKEN_ROWS": 3, "LOADS_AHEAD": 8,
-                                    "TOKEN_SMEM_MAX": 96 * 1024}], ids=str)
+                                    "TOKEN_SMEM_MAX": 128 * 1024}], ids=str)
 @pytest.mark.parametrize("t, m, h", [(7, 3, 768), (5, 2, 1280), (3, 1, 512), (2, 4, 4096)], ids=str)
 def test_token_variant_source_on_the_cpu(t, m, h, knobs, tmp_path, monkeypatch):
     """The TOKEN_CTA variant's CUDA source run on the CPU gives the default's bits (statistics and output, save on

@@ -65,9 +65,9 @@ WARPS = 4            # gate forward: warps per CTA, one (token, branch) row at a
 ROWS_PER_WARP = 2    # gate forward: tokens each warp handles in turn (token block = WARPS * ROWS_PER_WARP)
 LOADS_AHEAD = 4      # gate forward: chunks whose loads are issued before their arithmetic
 FW_THREADS = 128     # fused_weight: threads per CTA (8 elements each)
-TOKEN_CTA = False    # gate forward variant: a CTA per TOKEN_ROWS tokens, warp h = branch h, x kept in shared memory
+TOKEN_CTA = False    # gate forward variant: a CTA per TOKEN_ROWS tokens, warp h = branch h, x and v staged in smem
 TOKEN_ROWS = 1       # gate forward variant: tokens each warp carries at once (one weight load serves them all)
-TOKEN_SMEM_MAX = 64 * 1024  # gate forward variant: the largest x stage (bytes) a CTA takes; larger: the default
+TOKEN_SMEM_MAX = 96 * 1024  # gate forward variant: the largest x and v stage (bytes) a CTA takes; larger: default
 TOKEN_MAX_M = 8      # gate forward variant: the most branches (warps) a CTA takes; more: the default
 
 CHUNK = 256      # columns of one warp step (32 lanes x 8)
@@ -225,28 +225,30 @@ def _row_body(T, M: int, H: int, save: bool, Tn):
 
 def token_schedule(M: int, H: int) -> bool:
     """Whether the gate forward of ``(M, H)`` takes the variant schedule (``TOKEN_CTA``): one warp a branch, at most
-    ``TOKEN_MAX_M`` warps a CTA, the CTA's x stage within ``TOKEN_SMEM_MAX`` bytes; otherwise the default."""
-    return bool(TOKEN_CTA) and M <= TOKEN_MAX_M and TOKEN_ROWS * M * H * 2 <= TOKEN_SMEM_MAX
+    ``TOKEN_MAX_M`` warps a CTA, the CTA's x and v stage within ``TOKEN_SMEM_MAX`` bytes; otherwise the default."""
+    return bool(TOKEN_CTA) and M <= TOKEN_MAX_M and _token_smem(M, H) <= TOKEN_SMEM_MAX
+
+
+def _token_smem(M: int, H: int) -> int:
+    """Shared bytes of a variant CTA: the x rows and the v row of its ``TOKEN_ROWS`` tokens, bf16."""
+    return TOKEN_ROWS * (M + 1) * H * 2
 
 
 def gate_fwd_grid(num_tokens: int, M: int, H: int) -> tuple[int, int, int]:
     """``(CTAs, threads, shared bytes)`` of the gate forward launch for ``(M, H)`` under the current knobs."""
     if token_schedule(M, H):
-        return -(-num_tokens // TOKEN_ROWS), M * LANES, TOKEN_ROWS * M * H * 2
+        return -(-num_tokens // TOKEN_ROWS), M * LANES, _token_smem(M, H)
     return -(-num_tokens // (WARPS * ROWS_PER_WARP)) * M, WARPS * LANES, H * 4
 
 
 def _token_body(T, M: int, H: int, save: bool, Tn):
-    """The variant schedule (``TOKEN_CTA``): CTA ``b`` takes tokens ``b * TW .. b * TW + TW - 1``
-    (``TW = TOKEN_ROWS``), warp ``h`` their branch ``h``. Each lane reads its columns of x, k and the weight once,
-    in the default's chunk layout, keeps every x vector it read in shared memory (its own 16 bytes: written and read
-    back by the same thread, so no barrier), and reads v in the output pass (the CTA's M warps read the same v row
-    at about the same time: one L2 read, the rest L1 hits). The weight chunk is read from global memory (L1 / L2:
-    ``M * H * 4`` bytes, the same for every CTA) once per chunk for all ``TW`` tokens. The arithmetic is the
+    """The variant schedule (``TOKEN_CTA``, see "Variant" in the module docstring): CTA ``b`` takes tokens
+    ``b * TW .. b * TW + TW - 1`` (``TW = TOKEN_ROWS``), warp ``h`` their branch ``h``; the arithmetic is the
     default's, operation for operation (the same per-row chains, butterfly and scalar chain), so the bits are too."""
     C = H // CHUNK
     U = max(1, min(LOADS_AHEAD, C))  # chunks per load group
     groups = -(-C // U)
+    VQ = -(-U // M)  # v chunks a warp loads per group: chunk s * U + q * M + h of the group's U
     TW = TOKEN_ROWS
     threads = M * LANES
 
@@ -257,17 +259,18 @@ def _token_body(T, M: int, H: int, save: bool, Tn):
             lane = tid % LANES
             h = tid // LANES
             t0 = T.cast(bx, I64) * TW
-            xs = T.alloc_shared((TW * M * H,), BF16)  # [token, branch, H]: the x rows of the CTA's tokens
+            xs = T.alloc_shared((TW * (M + 1) * H,), BF16)  # [token, M x rows then the v row, H]
             xb = T.alloc_local((TW * U * V,), BF16)
             kb = T.alloc_local((TW * U * V,), BF16)
+            vb = T.alloc_local((TW * VQ * V,), BF16)
             wv = T.alloc_local((U * V,), F32)
-            vb = T.alloc_local((U * V,), BF16)
             ob = T.alloc_local((V,), BF16)
             acc = T.alloc_local((TW * 3,), F32)  # per token: Sxx, Skk, D
             sc = T.alloc_local((TW * 4,), F32)   # per token: rx, rk, s, then u and g
             for a in T.unroll(TW * 3):
                 acc[a] = T.float32(0.0)
-            # reduction: chunks in increasing order, U loaded ahead of their arithmetic
+            # reduction: chunks in increasing order, U loaded ahead of their arithmetic; the group's v chunks are
+            # loaded by the warps in turn and staged for the output pass
             for s in T.serial(groups):
                 for u in T.unroll(U):
                     c = s * U + u
@@ -282,19 +285,34 @@ def _token_body(T, M: int, H: int, save: bool, Tn):
                                     xb[(j * U + u) * V + e] = X[t0 + j, h, c * CHUNK + lane * V + e]
                                 for e in T.vectorized(V):
                                     kb[(j * U + u) * V + e] = K[(t0 + j) * k_s0 + h * k_s1 + c * LANES + lane, e]
+                for q in T.unroll(VQ):
+                    c = s * U + q * M + h
+                    if q * M + h < U and c < C:
+                        for j in T.unroll(TW):
+                            if t0 + j < Tn:
+                                for e in T.vectorized(V):
+                                    vb[(j * VQ + q) * V + e] = Vv[(t0 + j) * v_s0 + c * LANES + lane, e]
                 for u in T.unroll(U):
                     c = s * U + u
                     if c < C:
                         for j in T.unroll(TW):
                             if t0 + j < Tn:
                                 for e in T.vectorized(V):
-                                    xs[(j * M + h) * H + c * CHUNK + lane * V + e] = xb[(j * U + u) * V + e]
+                                    xs[(j * (M + 1) + h) * H + c * CHUNK + lane * V + e] = xb[(j * U + u) * V + e]
                                 for i in T.unroll(V):
                                     xf = T.cast(xb[(j * U + u) * V + i], F32)
                                     kf = T.cast(kb[(j * U + u) * V + i], F32)
                                     acc[j * 3] = _fma(xf, xf, acc[j * 3])
                                     acc[j * 3 + 1] = _fma(kf, kf, acc[j * 3 + 1])
                                     acc[j * 3 + 2] = _fma(_mul(xf, wv[u * V + i]), kf, acc[j * 3 + 2])
+                for q in T.unroll(VQ):
+                    c = s * U + q * M + h
+                    if q * M + h < U and c < C:
+                        for j in T.unroll(TW):
+                            if t0 + j < Tn:
+                                for e in T.vectorized(V):
+                                    xs[(j * (M + 1) + M) * H + c * CHUNK + lane * V + e] = vb[(j * VQ + q) * V + e]
+            T.sync_threads()  # the v rows, staged by all warps
             for j in T.unroll(TW):
                 t = t0 + j
                 if t < Tn:  # the same for the whole CTA: every lane takes part in the shuffles
@@ -316,25 +334,19 @@ def _token_body(T, M: int, H: int, save: bool, Tn):
                             G[t, h] = sc[j * 4 + 3]
                             RX[t, h] = sc[j * 4]
                             RK[t, h] = sc[j * 4 + 1]
-                    # output: x from the stage, v loaded U chunks ahead of their arithmetic
-                    for s in T.serial(groups):
-                        for u in T.unroll(U):
-                            c = s * U + u
-                            if c < C:
-                                for e in T.vectorized(V):
-                                    vb[u * V + e] = Vv[t * v_s0 + c * LANES + lane, e]
-                        for u in T.unroll(U):
-                            c = s * U + u
-                            if c < C:
-                                for e in T.vectorized(V):
-                                    xb[e] = xs[(j * M + h) * H + c * CHUNK + lane * V + e]
-                                for i in T.unroll(V):
-                                    ob[i] = T.cast(_fma(sc[j * 4 + 3], T.cast(vb[u * V + i], F32),
-                                                        T.cast(xb[i], F32)), BF16)
-                                for e in T.vectorized(V):
-                                    OUT[t, h, c * CHUNK + lane * V + e] = ob[e]
+                    # output: x and v from the stage, no global loads
+                    for c in T.serial(C):
+                        for e in T.vectorized(V):
+                            xb[e] = xs[(j * (M + 1) + h) * H + c * CHUNK + lane * V + e]
+                        for e in T.vectorized(V):
+                            xb[V + e] = xs[(j * (M + 1) + M) * H + c * CHUNK + lane * V + e]
+                        for i in T.unroll(V):
+                            ob[i] = T.cast(_fma(sc[j * 4 + 3], T.cast(xb[V + i], F32), T.cast(xb[i], F32)), BF16)
+                        for e in T.vectorized(V):
+                            OUT[t, h, c * CHUNK + lane * V + e] = ob[e]
 
     return body
+
 
 # ---- fused_weight ----
 
