@@ -43,12 +43,46 @@ strides are not multiples of 8 elements is copied to a contiguous tensor first.
 fused_weight: ``out = RN(fp32(w_h) * fp32(w_e))`` (exact: 16 significant bits), one thread per 8 elements of the
 flattened ``[M, H]`` (16-byte loads, two 16-byte stores); the element count is a runtime value.
 
-Speed: not yet measured on a GPU. ptxas (sm_90, M = 4): 86 registers at H = 4096, 84 at 7168, no spills, so 5 CTAs
-of 128 threads an SM (20 warps, each with the loads of ``LOADS_AHEAD`` chunks of x and k in flight: 4 KiB), and
-16-28 KiB of shared memory a CTA. ``v`` is read by the ``M`` CTAs of a token block (one HBM read, the others L2
-hits). The knobs to sweep first: ``ROWS_PER_WARP`` (CTA granularity against weight reloads: at T = 8192, M = 4 the
-default makes 4096 CTAs of 8 rows, about 6 per CTA slot, and each CTA's 16-28 KiB weight fill is about 6% of its L2
-reads), ``LOADS_AHEAD``, ``WARPS``.
+Speed (H200, isolated timer, T = 8192, M = 4, kv packed): 252.9 / 270.5 µs save / no save at H = 4096 (82.0 / 76.7%
+of a same-bytes copy; TileKernels 2.1.0 233.8), 470.5 / 500.4 µs at 7168 (77.3 / 72.8%; TileKernels 408.7). ptxas
+(sm_90, M = 4): 86 registers at H = 4096 with and without save, 90 / 84 at 7168, no spills, so 5 CTAs of 128
+threads an SM (20 warps, each with the loads of ``LOADS_AHEAD`` chunks of x and k in flight: 4 KiB), and 16-28 KiB
+of shared memory a CTA. ``v`` is read by the ``M`` CTAs of a token block (one HBM read, the others L2 hits). Save and
+no save compile to the same loops (SASS at H = 4096: the same 24 16-byte loads, in the same groups and order up to
+one swap in the output pass, the same 86 registers and occupancy; save adds four 4-byte stores of lane 0 between the
+passes): no save being slower is not in the generated code; look at the measurement (row order, the buffers'
+addresses: ``out`` is written at the offsets ``x`` is read at) before the kernel. The knobs to sweep first:
+``ROWS_PER_WARP`` (CTA granularity against weight reloads: at T = 8192, M = 4 the default makes 4096 CTAs of 8
+rows, about 6 per CTA slot, and each CTA's 16-28 KiB weight fill is about 6% of its L2 reads), ``LOADS_AHEAD``,
+``WARPS``.
+
+Variant (``TOKEN_CTA = True``; not measured yet). CTA ``b`` takes tokens ``b * TW .. b * TW + TW - 1``
+(``TW = TOKEN_ROWS``) and all their branches, warp ``h`` branch ``h`` (``M * 32`` threads). One pass over the row
+reads x, k and the weight (the default's lane layout and load groups, the weight straight from global memory, 32
+bytes a lane a chunk, once for the ``TW`` tokens) and the group's v chunks, split between the warps; every x and v
+vector goes to shared memory (``TW * (M + 1) * H`` bf16: 40 KiB at H = 4096, 70 KiB at 7168). After one barrier
+(the v row is staged by all warps) the butterfly and scalar chain, then the output pass reads only shared memory.
+So every byte of x, k and v comes from DRAM once and is read once by an SM (the default reads x twice and v ``M``
+times, the second reads from L2), and the output pass has no load latency. Each lane writes and reads back its own
+x vectors (no bank conflicts: a warp's 16-byte accesses are contiguous). The arithmetic is the default's, operation
+for operation, so the bits are the default's (the g++ emulation of both sources agrees bit for bit).
+
+The variant's numbers (ptxas, sm_90, M = 4, ``LOADS_AHEAD = 4``): 95 registers with and without save at both sizes,
+no spills; 5 CTAs an SM at H = 4096 (registers and shared memory both allow 5: 20 warps), 3 at 7168 (shared memory:
+12 warps). A CTA's load group keeps 18 KiB of DRAM reads in flight (16 KiB of x and k, 2 KiB of v) plus 16 KiB of
+weight (L1 / L2): 90 KiB an SM at 4096, 54 KiB at 7168, against the ~36 KiB an SM that 4.8 TB/s at ~1 µs loaded
+latency needs (Little's law), for the ~80% of a CTA's life it spends in that pass (4 or 7 groups of DRAM latency,
+then a barrier, a ~0.5 µs scalar chain and 16-28 shared-memory chunks). The cost: the weight (``M * H * 4`` bytes,
+64 / 112 KiB) is read by every CTA; shared memory leaves L1 too small to hold it, so it is L2 traffic of 64 KiB a
+token at 4096, which makes the variant's L2-to-SM reads about the default's (136 KiB a token either way), but
+without a dependent second pass. Expected: H = 4096 at 215-235 µs (88-95% of the copy), 7168 at 380-420 µs;
+``TOKEN_ROWS = 2`` halves the weight traffic (153 registers, 80 KiB: 2 CTAs, 8 warps with two tokens each; at 7168
+it exceeds ``TOKEN_SMEM_MAX`` and keeps the default); ``LOADS_AHEAD = 7`` with ``TOKEN_MIN_BLOCKS = 3`` (168
+registers, 4 full groups at 7168) doubles the bytes in flight where shared memory already caps the CTAs at 3;
+``LOADS_AHEAD = 8`` with ``TOKEN_MIN_BLOCKS = 5`` at 4096 (96 registers, no spills; ptxas then interleaves part of
+the loads with the arithmetic). What would falsify it: no gain with ncu showing L2 (lts) throughput near its peak
+(the weight traffic: then ``TOKEN_ROWS = 2`` must win) or long-scoreboard stalls dominating with DRAM throughput
+under 90% (too few bytes in flight: then the deeper groups must win).
 """
 
 import struct
@@ -69,6 +103,7 @@ TOKEN_CTA = False    # gate forward variant: a CTA per TOKEN_ROWS tokens, warp h
 TOKEN_ROWS = 1       # gate forward variant: tokens each warp carries at once (one weight load serves them all)
 TOKEN_SMEM_MAX = 96 * 1024  # gate forward variant: the largest x and v stage (bytes) a CTA takes; larger: default
 TOKEN_MAX_M = 8      # gate forward variant: the most branches (warps) a CTA takes; more: the default
+TOKEN_MIN_BLOCKS = 0  # gate forward variant: __launch_bounds__' minimum CTAs per SM (a register cap; 0: none)
 
 CHUNK = 256      # columns of one warp step (32 lanes x 8)
 V = 8            # bf16 columns per lane per chunk: one 16-byte vector
@@ -255,6 +290,8 @@ def _token_body(T, M: int, H: int, save: bool, Tn):
     @T.macro
     def body(X, K, Vv, W, OUT, stats, k_s0, k_s1, v_s0, eps, clamp):
         with T.Kernel(T.ceildiv(Tn, TW), threads=threads) as bx:
+            if TOKEN_MIN_BLOCKS:
+                T.annotate_min_blocks_per_sm(TOKEN_MIN_BLOCKS)
             tid = T.get_thread_binding()
             lane = tid % LANES
             h = tid // LANES
