@@ -265,7 +265,7 @@ def test_token_variant_builds_for_sm90(knobs, shape, save, monkeypatch):
     _, m, h = shape
     src = _jit.compile_kernel("engram_gate_fwd", (m, h, save), "sm_90", export=False).get_kernel_source()
     body = src[src.index("__launch_bounds__"):]
-    assert f"__launch_bounds__({m * 32}, 1)" in src and "__shared__ __align__(1024) bfloat16_t xs[]" in body
+    assert f"__launch_bounds__({m * 32}, " in src and "__shared__ __align__(1024) bfloat16_t xs[]" in body
     assert body.count("__fmaf_rn(") == 4 and body.count("__fmul_rn(") == 4
     assert body.count("__shfl_xor_sync(") == 5 and "atomic" not in body
     assert _hex(K._c_h(h)) in body and "copysignf(__fsqrt_rn(" in body and "expf(__fsub_rn(" in body
@@ -278,13 +278,14 @@ def test_token_variant_builds_for_sm90(knobs, shape, save, monkeypatch):
 @pytest.mark.skipif(not emu.HAS_GXX, reason="needs g++")
 @pytest.mark.parametrize("knobs", [{"TOKEN_CTA": True}, {"TOKEN_CTA": True, "TOKEN_ROWS": 2, "LOADS_AHEAD": 2},
                                    {"TOKEN_CTA": True, "TOKEN_ROWS": 3, "LOADS_AHEAD": 8,
-                                    "TOKEN_SMEM_MAX": 128 * 1024}], ids=str)
+                                    "TOKEN_SMEM_MAX": 128 * 1024},
+                                   {"TOKEN_CTA": True, "TOKEN_STAGE_V": False, "LOADS_AHEAD": 3}], ids=str)
 @pytest.mark.parametrize("t, m, h", [(7, 3, 768), (5, 2, 1280), (3, 1, 512), (2, 4, 4096), (3, 8, 512)], ids=str)
 def test_token_variant_source_on_the_cpu(t, m, h, knobs, tmp_path, monkeypatch):
     """The TOKEN_CTA variant's CUDA source run on the CPU gives the default's bits (statistics and output, save on
     and off) and the model's: T not a multiple of TOKEN_ROWS leaves the last CTA's tokens partly idle, C = 5 chunks
     leaves the last load group partly guarded, more warps than chunks in a group leave some warps without a v chunk
-    to stage, and every x and v vector makes its round trip through shared memory."""
+    to stage, and every x vector (and v vector, with TOKEN_STAGE_V) makes its round trip through shared memory."""
     x, k, v, _, _, w = _inputs(t, m, h)
     want = _run_emulated(tmp_path, m, h, x, k, v, w, True, "rows")
     for name, value in knobs.items():

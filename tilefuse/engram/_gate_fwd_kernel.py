@@ -104,6 +104,8 @@ TOKEN_ROWS = 1       # gate forward variant: tokens each warp carries at once (o
 TOKEN_SMEM_MAX = 96 * 1024  # gate forward variant: the largest x and v stage (bytes) a CTA takes; larger: default
 TOKEN_MAX_M = 8      # gate forward variant: the most branches (warps) a CTA takes; more: the default
 TOKEN_MIN_BLOCKS = 0  # gate forward variant: __launch_bounds__' minimum CTAs per SM (a register cap; 0: none)
+TOKEN_STAGE_V = True  # gate forward variant: v staged in shared memory in the reduction pass (False: the output
+                      # pass loads it, LOADS_AHEAD chunks at a time; the M warps' reads of it are L1 / L2 hits)
 
 CHUNK = 256      # columns of one warp step (32 lanes x 8)
 V = 8            # bf16 columns per lane per chunk: one 16-byte vector
@@ -265,8 +267,9 @@ def token_schedule(M: int, H: int) -> bool:
 
 
 def _token_smem(M: int, H: int) -> int:
-    """Shared bytes of a variant CTA: the x rows and the v row of its ``TOKEN_ROWS`` tokens, bf16."""
-    return TOKEN_ROWS * (M + 1) * H * 2
+    """Shared bytes of a variant CTA: the x rows and (``TOKEN_STAGE_V``) the v row of its ``TOKEN_ROWS`` tokens,
+    bf16."""
+    return TOKEN_ROWS * (M + int(bool(TOKEN_STAGE_V))) * H * 2
 
 
 def gate_fwd_grid(num_tokens: int, M: int, H: int) -> tuple[int, int, int]:
@@ -283,7 +286,8 @@ def _token_body(T, M: int, H: int, save: bool, Tn):
     C = H // CHUNK
     U = max(1, min(LOADS_AHEAD, C))  # chunks per load group
     groups = -(-C // U)
-    VQ = -(-U // M)  # v chunks a warp loads per group: chunk s * U + q * M + h of the group's U
+    VQ = -(-U // M) if TOKEN_STAGE_V else 0  # v chunks a warp stages per group: chunk s * U + q * M + h
+    R = M + 1 if TOKEN_STAGE_V else M  # rows of a token's stage: its M x rows, then the v row
     TW = TOKEN_ROWS
     threads = M * LANES
 
@@ -296,10 +300,10 @@ def _token_body(T, M: int, H: int, save: bool, Tn):
             lane = tid % LANES
             h = tid // LANES
             t0 = T.cast(bx, I64) * TW
-            xs = T.alloc_shared((TW * (M + 1) * H,), BF16)  # [token, M x rows then the v row, H]
+            xs = T.alloc_shared((TW * R * H,), BF16)  # [token, M x rows then the v row, H]
             xb = T.alloc_local((TW * U * V,), BF16)
             kb = T.alloc_local((TW * U * V,), BF16)
-            vb = T.alloc_local((TW * VQ * V,), BF16)
+            vb = T.alloc_local(((TW * VQ if VQ else U) * V,), BF16)
             wv = T.alloc_local((U * V,), F32)
             ob = T.alloc_local((V,), BF16)
             acc = T.alloc_local((TW * 3,), F32)  # per token: Sxx, Skk, D
@@ -322,34 +326,36 @@ def _token_body(T, M: int, H: int, save: bool, Tn):
                                     xb[(j * U + u) * V + e] = X[t0 + j, h, c * CHUNK + lane * V + e]
                                 for e in T.vectorized(V):
                                     kb[(j * U + u) * V + e] = K[(t0 + j) * k_s0 + h * k_s1 + c * LANES + lane, e]
-                for q in T.unroll(VQ):
-                    c = s * U + q * M + h
-                    if q * M + h < U and c < C:
-                        for j in T.unroll(TW):
-                            if t0 + j < Tn:
-                                for e in T.vectorized(V):
-                                    vb[(j * VQ + q) * V + e] = Vv[(t0 + j) * v_s0 + c * LANES + lane, e]
+                if VQ:
+                    for q in T.unroll(VQ):
+                        c = s * U + q * M + h
+                        if q * M + h < U and c < C:
+                            for j in T.unroll(TW):
+                                if t0 + j < Tn:
+                                    for e in T.vectorized(V):
+                                        vb[(j * VQ + q) * V + e] = Vv[(t0 + j) * v_s0 + c * LANES + lane, e]
                 for u in T.unroll(U):
                     c = s * U + u
                     if c < C:
                         for j in T.unroll(TW):
                             if t0 + j < Tn:
                                 for e in T.vectorized(V):
-                                    xs[(j * (M + 1) + h) * H + c * CHUNK + lane * V + e] = xb[(j * U + u) * V + e]
+                                    xs[(j * R + h) * H + c * CHUNK + lane * V + e] = xb[(j * U + u) * V + e]
                                 for i in T.unroll(V):
                                     xf = T.cast(xb[(j * U + u) * V + i], F32)
                                     kf = T.cast(kb[(j * U + u) * V + i], F32)
                                     acc[j * 3] = _fma(xf, xf, acc[j * 3])
                                     acc[j * 3 + 1] = _fma(kf, kf, acc[j * 3 + 1])
                                     acc[j * 3 + 2] = _fma(_mul(xf, wv[u * V + i]), kf, acc[j * 3 + 2])
-                for q in T.unroll(VQ):
-                    c = s * U + q * M + h
-                    if q * M + h < U and c < C:
-                        for j in T.unroll(TW):
-                            if t0 + j < Tn:
-                                for e in T.vectorized(V):
-                                    xs[(j * (M + 1) + M) * H + c * CHUNK + lane * V + e] = vb[(j * VQ + q) * V + e]
-            T.sync_threads()  # the v rows, staged by all warps
+                if VQ:
+                    for q in T.unroll(VQ):
+                        c = s * U + q * M + h
+                        if q * M + h < U and c < C:
+                            for j in T.unroll(TW):
+                                if t0 + j < Tn:
+                                    for e in T.vectorized(V):
+                                        xs[(j * R + M) * H + c * CHUNK + lane * V + e] = vb[(j * VQ + q) * V + e]
+            T.sync_threads()  # the v rows, staged by all warps (TileLang would place one here in any case)
             for j in T.unroll(TW):
                 t = t0 + j
                 if t < Tn:  # the same for the whole CTA: every lane takes part in the shuffles
@@ -371,16 +377,33 @@ def _token_body(T, M: int, H: int, save: bool, Tn):
                             G[t, h] = sc[j * 4 + 3]
                             RX[t, h] = sc[j * 4]
                             RK[t, h] = sc[j * 4 + 1]
-                    # output: x and v from the stage, no global loads
-                    for c in T.serial(C):
-                        for e in T.vectorized(V):
-                            xb[e] = xs[(j * (M + 1) + h) * H + c * CHUNK + lane * V + e]
-                        for e in T.vectorized(V):
-                            xb[V + e] = xs[(j * (M + 1) + M) * H + c * CHUNK + lane * V + e]
-                        for i in T.unroll(V):
-                            ob[i] = T.cast(_fma(sc[j * 4 + 3], T.cast(xb[V + i], F32), T.cast(xb[i], F32)), BF16)
-                        for e in T.vectorized(V):
-                            OUT[t, h, c * CHUNK + lane * V + e] = ob[e]
+                    if TOKEN_STAGE_V:  # output: x and v from the stage, no global loads
+                        for c in T.serial(C):
+                            for e in T.vectorized(V):
+                                xb[e] = xs[(j * R + h) * H + c * CHUNK + lane * V + e]
+                            for e in T.vectorized(V):
+                                xb[V + e] = xs[(j * R + M) * H + c * CHUNK + lane * V + e]
+                            for i in T.unroll(V):
+                                ob[i] = T.cast(_fma(sc[j * 4 + 3], T.cast(xb[V + i], F32), T.cast(xb[i], F32)), BF16)
+                            for e in T.vectorized(V):
+                                OUT[t, h, c * CHUNK + lane * V + e] = ob[e]
+                    else:  # output: x from the stage, v loaded U chunks ahead of their arithmetic
+                        for s in T.serial(groups):
+                            for u in T.unroll(U):
+                                c = s * U + u
+                                if c < C:
+                                    for e in T.vectorized(V):
+                                        vb[u * V + e] = Vv[t * v_s0 + c * LANES + lane, e]
+                            for u in T.unroll(U):
+                                c = s * U + u
+                                if c < C:
+                                    for e in T.vectorized(V):
+                                        xb[e] = xs[(j * R + h) * H + c * CHUNK + lane * V + e]
+                                    for i in T.unroll(V):
+                                        ob[i] = T.cast(_fma(sc[j * 4 + 3], T.cast(vb[u * V + i], F32),
+                                                            T.cast(xb[i], F32)), BF16)
+                                    for e in T.vectorized(V):
+                                        OUT[t, h, c * CHUNK + lane * V + e] = ob[e]
 
     return body
 
