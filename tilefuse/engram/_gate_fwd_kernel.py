@@ -80,9 +80,12 @@ without a dependent second pass. Expected: H = 4096 at 215-235 µs (88-95% of th
 it exceeds ``TOKEN_SMEM_MAX`` and keeps the default); ``LOADS_AHEAD = 7`` with ``TOKEN_MIN_BLOCKS = 3`` (168
 registers, 4 full groups at 7168) doubles the bytes in flight where shared memory already caps the CTAs at 3;
 ``LOADS_AHEAD = 8`` with ``TOKEN_MIN_BLOCKS = 5`` at 4096 (96 registers, no spills; ptxas then interleaves part of
-the loads with the arithmetic). What would falsify it: no gain with ncu showing L2 (lts) throughput near its peak
-(the weight traffic: then ``TOKEN_ROWS = 2`` must win) or long-scoreboard stalls dominating with DRAM throughput
-under 90% (too few bytes in flight: then the deeper groups must win).
+the loads with the arithmetic); ``TOKEN_STAGE_V = False`` (88-90 registers, x only in the stage: 32 / 56 KiB, so 5
+CTAs at 4096 and 4 at 7168; the output pass then loads v, the M warps' reads of it one DRAM read and L1 / L2 hits,
+after the barrier that keeps them together) trades the load-free output pass for a third more warps at 7168. What
+would falsify it: no gain with ncu showing L2 (lts) throughput near its peak (the weight traffic: then
+``TOKEN_ROWS = 2`` must win) or long-scoreboard stalls dominating with DRAM throughput under 90% (too few bytes in
+flight: then the deeper groups must win).
 """
 
 import struct
