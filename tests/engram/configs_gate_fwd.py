@@ -15,7 +15,8 @@ def gate_fwd_configs() -> list[tuple]:
 
 
 # The TOKEN_CTA variant (``_gate_fwd_kernel.token_schedule``): the knob sets the tests build and launch (the bench's
-# variant sweep), and the shapes they launch it at (the bench's, odd branch and chunk counts, the largest H, T not a multiple of TOKEN_ROWS)
+# variant sweep), and the shapes they launch it at (the bench's, odd branch and chunk counts, the largest H, T not a
+# multiple of TOKEN_ROWS)
 TOKEN_KNOBS = ({"TOKEN_CTA": True}, {"TOKEN_CTA": True, "TOKEN_STAGE_V": False}, {"TOKEN_CTA": True, "TOKEN_ROWS": 2},
                {"TOKEN_CTA": True, "LOADS_AHEAD": 7, "TOKEN_MIN_BLOCKS": 3},
                {"TOKEN_CTA": True, "LOADS_AHEAD": 8, "TOKEN_MIN_BLOCKS": 5})
