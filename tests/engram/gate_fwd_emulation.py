@@ -10,10 +10,10 @@ So ``dot``, ``rstd_x``, ``rstd_k`` and ``u`` are the kernel's bits on any device
 ``build``: the kernel function compiled by g++ with a shim (``bfloat16_t`` rounding to nearest even, 16-byte vector
 types without alignment, the ``__f*_rn`` intrinsics as single rounded host operations with contraction off,
 ``__syncthreads`` a barrier of the CTA's host threads, ``__shfl_xor_sync`` exchanged through a 32-slot array at a
-barrier of the warp's host threads, shared memory one host buffer). Each CTA runs as one host thread per CUDA
-thread. The host ``expf`` stands in for CUDA's, so ``g`` may differ from the GPU's in the last bits; everything
-else is the GPU's arithmetic bit for bit, which checks the indexing, the guards, the shared-memory layout and the
-reduction without a GPU.
+barrier of the warp's host threads, the dynamic shared memory, of any element type, one host buffer). Each CTA runs
+as one host thread per CUDA thread. The host ``expf`` stands in for CUDA's, so ``g`` may differ from the GPU's in
+the last bits; everything else is the GPU's arithmetic bit for bit, which checks the indexing, the guards, the
+shared-memory layout and the reduction without a GPU.
 """
 import ctypes
 import re
@@ -149,7 +149,7 @@ def build(src: str, name: str, threads: int, workdir: Path):
     """Compile the ``__global__`` function ``name`` of ``src`` for the CPU; returns ``run(args: dict, blocks,
     smem_floats=0)``, which binds tensors (CPU, contiguous) and Python numbers by the kernel's parameter names."""
     body = src[src.index('extern "C" __global__ void __launch_bounds__'):]
-    body = body.replace("extern __shared__ __align__(1024) float ws[];", "float* ws = g_smem;")
+    body = re.sub(r"extern __shared__ __align__\(\d+\) (\w+) (\w+)\[\];", r"\1* \2 = (\1*)g_smem;", body)
     params = [p.strip() for p in re.search(re.escape(name) + r"\(([^)]*)\)", body).group(1).split(",")]
     names = [p.split()[-1] for p in params]
     kinds = ["ptr" if "*" in p else ("f32" if p.startswith("float ") else "i64") for p in params]

@@ -30,7 +30,7 @@ from tilefuse.engram import _gate_fwd_kernel as K
 from tilefuse.reference.engram import _gate_fwd, engram_gate_ref
 from tilefuse.testing import calc_diff
 from tests.engram import gate_fwd_emulation as emu
-from tests.engram.configs_gate_fwd import GRID_H, GRID_M, ODD, TOKENS, gate_fwd_configs
+from tests.engram.configs_gate_fwd import GRID_H, GRID_M, ODD, TOKENS, gate_fwd_configs, token_variant_cases
 from tests.quant.kernel_binding import fake_jit
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -180,8 +180,9 @@ def test_vector_rows_keep_views_and_copy_what_the_vectors_cannot_read():
 
 def _run_emulated(tmp_path, m, h, x, k, v, w, save, name="gate"):
     src = _jit.compile_kernel("engram_gate_fwd", (m, h, save), "sm_90", export=False).get_kernel_source()
-    run = emu.build(src, "engram_gate_fwd_kernel", K.WARPS * 32, tmp_path / name)
     t = x.shape[0]
+    blocks, threads, smem = K.gate_fwd_grid(t, m, h)
+    run = emu.build(src, "engram_gate_fwd_kernel", threads, tmp_path / name)
     out = torch.full((t, m, h), float("nan"), dtype=BF16)
     stats = [torch.full((t, m), float("nan")) for _ in range(4)] if save else []
     k_flat, (k_s0, k_s1) = K._vector_rows(k)
@@ -190,7 +191,7 @@ def _run_emulated(tmp_path, m, h, x, k, v, w, save, name="gate"):
                 num_tokens=t, k_vectors=k_flat.shape[0], v_vectors=v_flat.shape[0])
     if save:
         args.update(DOT=stats[0], G=stats[1], RX=stats[2], RK=stats[3])
-    run(args, -(-t // (K.WARPS * K.ROWS_PER_WARP)) * m, h)
+    run(args, blocks, -(-smem // 4))
     return (out, *stats)
 
 
@@ -251,6 +252,52 @@ def test_tuning_knobs_change_no_result(tmp_path, monkeypatch):
     for other in results[1:]:
         for a, b in zip(results[0], other):
             assert torch.equal(a, b)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("save", [True, False])
+@pytest.mark.parametrize("knobs, shape", token_variant_cases(), ids=str)
+def test_token_variant_builds_for_sm90(knobs, shape, save, monkeypatch):
+    """The TOKEN_CTA variant at every knob set and shape its GPU test launches: an sm_90 build with the same explicit
+    arithmetic, x staged in shared memory, no statistics written without save."""
+    for name, value in knobs.items():
+        monkeypatch.setattr(K, name, value)
+    _, m, h = shape
+    src = _jit.compile_kernel("engram_gate_fwd", (m, h, save), "sm_90", export=False).get_kernel_source()
+    body = src[src.index("__launch_bounds__"):]
+    assert f"__launch_bounds__({m * 32}, " in src and "__shared__ __align__(1024) bfloat16_t xs[]" in body
+    assert body.count("__fmaf_rn(") == 4 and body.count("__fmul_rn(") == 4
+    assert body.count("__shfl_xor_sync(") == 5 and "atomic" not in body
+    assert _hex(K._c_h(h)) in body and "copysignf(__fsqrt_rn(" in body and "expf(__fsub_rn(" in body
+    for buf in ("X", "K", "Vv", "OUT"):
+        assert f"*(uint4*)({buf} + " in body, buf
+    assert [s in body for s in ("DOT[", "G[", "RX[", "RK[")] == [save] * 4
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not emu.HAS_GXX, reason="needs g++")
+@pytest.mark.parametrize("knobs", [{"TOKEN_CTA": True}, {"TOKEN_CTA": True, "TOKEN_ROWS": 2, "LOADS_AHEAD": 2},
+                                   {"TOKEN_CTA": True, "TOKEN_ROWS": 3, "LOADS_AHEAD": 8,
+                                    "TOKEN_SMEM_MAX": 128 * 1024},
+                                   {"TOKEN_CTA": True, "TOKEN_STAGE_V": False, "LOADS_AHEAD": 3}], ids=str)
+@pytest.mark.parametrize("t, m, h", [(7, 3, 768), (5, 2, 1280), (3, 1, 512), (2, 4, 4096), (3, 8, 512)], ids=str)
+def test_token_variant_source_on_the_cpu(t, m, h, knobs, tmp_path, monkeypatch):
+    """The TOKEN_CTA variant's CUDA source run on the CPU gives the default's bits (statistics and output, save on
+    and off) and the model's: T not a multiple of TOKEN_ROWS leaves the last CTA's tokens partly idle, C = 5 chunks
+    leaves the last load group partly guarded, more warps than chunks in a group leave some warps without a v chunk
+    to stage, and every x vector (and v vector, with TOKEN_STAGE_V) makes its round trip through shared memory."""
+    x, k, v, _, _, w = _inputs(t, m, h)
+    want = _run_emulated(tmp_path, m, h, x, k, v, w, True, "rows")
+    for name, value in knobs.items():
+        monkeypatch.setattr(K, name, value)
+    assert K.token_schedule(m, h)
+    got = _run_emulated(tmp_path, m, h, x, k, v, w, True, "token")
+    assert not any(torch.isnan(a.float()).any() for a in got)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    _check_against_model(got, x, k, v, w)
+    (plain,) = _run_emulated(tmp_path, m, h, x, k, v, w, False, "token_plain")
+    assert torch.equal(plain, want[0])
 
 
 @pytest.mark.compile
@@ -420,6 +467,25 @@ def test_fused_weight_exact(m, h, poisoned):
     w_h, w_e = torch.randn(m, h, device="cuda").to(BF16), torch.randn(m, h, device="cuda").to(BF16)
     got = E.fused_weight(w_h, w_e)
     assert got.dtype == F32 and got.is_contiguous() and torch.equal(got, w_h.float() * w_e.float())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs, shape", token_variant_cases(), ids=str)
+def test_token_variant_bit_identical_gpu(knobs, shape, poisoned, knob_kernels):
+    """The TOKEN_CTA variant (k and v views into the packed projection) gives the default's bits, save on and off,
+    and a token slice gives the full run's rows (batch invariance)."""
+    t, m, h = shape
+    x, k, v, _, _, w = _inputs(t, m, h, "cuda")
+    want = E.engram_gate_fwd(x, k, v, w, EPS, CLAMP)
+    knob_kernels(K, knobs)
+    assert K.token_schedule(m, h)
+    got = E.engram_gate_fwd(x, k, v, w, EPS, CLAMP)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert torch.equal(E.engram_gate_fwd(x, k, v, w, EPS, CLAMP, save_for_backward=False)[0], want[0])
+    sl = slice(t // 3, t - t // 5)
+    for a, b in zip(E.engram_gate_fwd(x[sl].clone(), k[sl], v[sl], w, EPS, CLAMP), want):
+        assert torch.equal(a, b[sl])
 
 
 @pytest.mark.gpu

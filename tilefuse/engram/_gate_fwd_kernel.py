@@ -43,12 +43,49 @@ strides are not multiples of 8 elements is copied to a contiguous tensor first.
 fused_weight: ``out = RN(fp32(w_h) * fp32(w_e))`` (exact: 16 significant bits), one thread per 8 elements of the
 flattened ``[M, H]`` (16-byte loads, two 16-byte stores); the element count is a runtime value.
 
-Speed: not yet measured on a GPU. ptxas (sm_90, M = 4): 86 registers at H = 4096, 84 at 7168, no spills, so 5 CTAs
-of 128 threads an SM (20 warps, each with the loads of ``LOADS_AHEAD`` chunks of x and k in flight: 4 KiB), and
-16-28 KiB of shared memory a CTA. ``v`` is read by the ``M`` CTAs of a token block (one HBM read, the others L2
-hits). The knobs to sweep first: ``ROWS_PER_WARP`` (CTA granularity against weight reloads: at T = 8192, M = 4 the
-default makes 4096 CTAs of 8 rows, about 6 per CTA slot, and each CTA's 16-28 KiB weight fill is about 6% of its L2
-reads), ``LOADS_AHEAD``, ``WARPS``.
+Speed (H200, isolated timer, T = 8192, M = 4, kv packed): 252.9 / 270.5 µs save / no save at H = 4096 (82.0 / 76.7%
+of a same-bytes copy; TileKernels 2.1.0 233.8), 470.5 / 500.4 µs at 7168 (77.3 / 72.8%; TileKernels 408.7). ptxas
+(sm_90, M = 4): 86 registers at H = 4096 with and without save, 90 / 84 at 7168, no spills, so 5 CTAs of 128
+threads an SM (20 warps, each with the loads of ``LOADS_AHEAD`` chunks of x and k in flight: 4 KiB), and 16-28 KiB
+of shared memory a CTA. ``v`` is read by the ``M`` CTAs of a token block (one HBM read, the others L2 hits). Save and
+no save compile to the same loops (SASS at H = 4096: the same 24 16-byte loads, in the same groups and order up to
+one swap in the output pass, the same 86 registers and occupancy; save adds four 4-byte stores of lane 0 between the
+passes): no save being slower is not in the generated code; look at the measurement (row order, the buffers'
+addresses: ``out`` is written at the offsets ``x`` is read at) before the kernel. The knobs to sweep first:
+``ROWS_PER_WARP`` (CTA granularity against weight reloads: at T = 8192, M = 4 the default makes 4096 CTAs of 8
+rows, about 6 per CTA slot, and each CTA's 16-28 KiB weight fill is about 6% of its L2 reads), ``LOADS_AHEAD``,
+``WARPS``.
+
+Variant (``TOKEN_CTA = True``; not measured yet). CTA ``b`` takes tokens ``b * TW .. b * TW + TW - 1``
+(``TW = TOKEN_ROWS``) and all their branches, warp ``h`` branch ``h`` (``M * 32`` threads). One pass over the row
+reads x, k and the weight (the default's lane layout and load groups, the weight straight from global memory, 32
+bytes a lane a chunk, once for the ``TW`` tokens) and the group's v chunks, split between the warps; every x and v
+vector goes to shared memory (``TW * (M + 1) * H`` bf16: 40 KiB at H = 4096, 70 KiB at 7168). After one barrier
+(the v row is staged by all warps) the butterfly and scalar chain, then the output pass reads only shared memory.
+So every byte of x, k and v comes from DRAM once and is read once by an SM (the default reads x twice and v ``M``
+times, the second reads from L2), and the output pass has no load latency. Each lane writes and reads back its own
+x vectors (no bank conflicts: a warp's 16-byte accesses are contiguous). The arithmetic is the default's, operation
+for operation, so the bits are the default's (the g++ emulation of both sources agrees bit for bit).
+
+The variant's numbers (ptxas, sm_90, M = 4, ``LOADS_AHEAD = 4``): 95 registers with and without save at both sizes,
+no spills; 5 CTAs an SM at H = 4096 (registers and shared memory both allow 5: 20 warps), 3 at 7168 (shared memory:
+12 warps). A CTA's load group keeps 18 KiB of DRAM reads in flight (16 KiB of x and k, 2 KiB of v) plus 16 KiB of
+weight (L1 / L2): 90 KiB an SM at 4096, 54 KiB at 7168, against the ~36 KiB an SM that 4.8 TB/s at ~1 µs loaded
+latency needs (Little's law), for the ~80% of a CTA's life it spends in that pass (4 or 7 groups of DRAM latency,
+then a barrier, a ~0.5 µs scalar chain and 16-28 shared-memory chunks). The cost: the weight (``M * H * 4`` bytes,
+64 / 112 KiB) is read by every CTA; shared memory leaves L1 too small to hold it, so it is L2 traffic of 64 KiB a
+token at 4096, which makes the variant's L2-to-SM reads about the default's (136 KiB a token either way), but
+without a dependent second pass. Expected: H = 4096 at 215-235 µs (88-95% of the copy), 7168 at 380-420 µs;
+``TOKEN_ROWS = 2`` halves the weight traffic (153 registers, 80 KiB: 2 CTAs, 8 warps with two tokens each; at 7168
+it exceeds ``TOKEN_SMEM_MAX`` and keeps the default); ``LOADS_AHEAD = 7`` with ``TOKEN_MIN_BLOCKS = 3`` (168
+registers, 4 full groups at 7168) doubles the bytes in flight where shared memory already caps the CTAs at 3;
+``LOADS_AHEAD = 8`` with ``TOKEN_MIN_BLOCKS = 5`` at 4096 (96 registers, no spills; ptxas then interleaves part of
+the loads with the arithmetic); ``TOKEN_STAGE_V = False`` (88-90 registers, x only in the stage: 32 / 56 KiB, so 5
+CTAs at 4096 and 4 at 7168; the output pass then loads v, the M warps' reads of it one DRAM read and L1 / L2 hits,
+after the barrier that keeps them together) trades the load-free output pass for a third more warps at 7168. What
+would falsify it: no gain with ncu showing L2 (lts) throughput near its peak (the weight traffic: then
+``TOKEN_ROWS = 2`` must win) or long-scoreboard stalls dominating with DRAM throughput under 90% (too few bytes in
+flight: then the deeper groups must win).
 """
 
 import struct
@@ -65,6 +102,13 @@ WARPS = 4            # gate forward: warps per CTA, one (token, branch) row at a
 ROWS_PER_WARP = 2    # gate forward: tokens each warp handles in turn (token block = WARPS * ROWS_PER_WARP)
 LOADS_AHEAD = 4      # gate forward: chunks whose loads are issued before their arithmetic
 FW_THREADS = 128     # fused_weight: threads per CTA (8 elements each)
+TOKEN_CTA = False    # gate forward variant: a CTA per TOKEN_ROWS tokens, warp h = branch h, x and v staged in smem
+TOKEN_ROWS = 1       # gate forward variant: tokens each warp carries at once (one weight load serves them all)
+TOKEN_SMEM_MAX = 96 * 1024  # gate forward variant: the largest x and v stage (bytes) a CTA takes; larger: default
+TOKEN_MAX_M = 8      # gate forward variant: the most branches (warps) a CTA takes; more: the default
+TOKEN_MIN_BLOCKS = 0  # gate forward variant: __launch_bounds__' minimum CTAs per SM (a register cap; 0: none)
+TOKEN_STAGE_V = True  # gate forward variant: v staged in shared memory in the reduction pass (False: the output
+                      # pass loads it, LOADS_AHEAD chunks at a time; the M warps' reads of it are L1 / L2 hits)
 
 CHUNK = 256      # columns of one warp step (32 lanes x 8)
 V = 8            # bf16 columns per lane per chunk: one 16-byte vector
@@ -93,6 +137,31 @@ def gate_fwd_kernel(M: int, H: int, save: bool):
     import tilelang.language as T
 
     assert M >= 1 and H % CHUNK == 0 and MIN_H <= H <= MAX_H, (M, H)
+    Tn, k_vecs, v_vecs = T.dynamic("num_tokens, k_vectors, v_vectors", I64)
+    body = (_token_body if token_schedule(M, H) else _row_body)(T, M, H, save, Tn)
+
+    # every parameter gets its own annotation object: TileLang binds parameters by their buffer objects
+    if save:
+        @T.prim_func
+        def engram_gate_fwd(X: T.Tensor((Tn, M, H), BF16), K: T.Tensor((k_vecs, V), BF16),
+                            Vv: T.Tensor((v_vecs, V), BF16), W: T.Tensor((M, H), F32),
+                            OUT: T.Tensor((Tn, M, H), BF16), DOT: T.Tensor((Tn, M), F32), G: T.Tensor((Tn, M), F32),
+                            RX: T.Tensor((Tn, M), F32), RK: T.Tensor((Tn, M), F32), k_s0: T.int64, k_s1: T.int64,
+                            v_s0: T.int64, eps: T.float32, clamp: T.float32):
+            body(X, K, Vv, W, OUT, (DOT, G, RX, RK), k_s0, k_s1, v_s0, eps, clamp)
+    else:
+        @T.prim_func
+        def engram_gate_fwd(X: T.Tensor((Tn, M, H), BF16), K: T.Tensor((k_vecs, V), BF16),
+                            Vv: T.Tensor((v_vecs, V), BF16), W: T.Tensor((M, H), F32),
+                            OUT: T.Tensor((Tn, M, H), BF16), k_s0: T.int64, k_s1: T.int64, v_s0: T.int64,
+                            eps: T.float32, clamp: T.float32):
+            body(X, K, Vv, W, OUT, None, k_s0, k_s1, v_s0, eps, clamp)
+
+    return engram_gate_fwd
+
+
+def _row_body(T, M: int, H: int, save: bool, Tn):
+    """The default schedule (the module docstring): CTA ``b * M + h`` takes branch ``h`` of token block ``b``."""
     C = H // CHUNK
     U = max(1, min(LOADS_AHEAD, C))  # chunks per load group
     groups = -(-C // U)
@@ -100,7 +169,6 @@ def gate_fwd_kernel(M: int, H: int, save: bool):
     TB = WARPS * ROWS_PER_WARP
     quads = H // 4
     fill_steps = -(-quads // threads)
-    Tn, k_vecs, v_vecs = T.dynamic("num_tokens, k_vectors, v_vectors", I64)
 
     @T.macro
     def body(X, K, Vv, W, OUT, stats, k_s0, k_s1, v_s0, eps, clamp):
@@ -192,24 +260,155 @@ def gate_fwd_kernel(M: int, H: int, save: bool):
                                 for e in T.vectorized(V):
                                     OUT[t, h, c * CHUNK + lane * V + e] = ob[e]
 
-    # every parameter gets its own annotation object: TileLang binds parameters by their buffer objects
-    if save:
-        @T.prim_func
-        def engram_gate_fwd(X: T.Tensor((Tn, M, H), BF16), K: T.Tensor((k_vecs, V), BF16),
-                            Vv: T.Tensor((v_vecs, V), BF16), W: T.Tensor((M, H), F32),
-                            OUT: T.Tensor((Tn, M, H), BF16), DOT: T.Tensor((Tn, M), F32), G: T.Tensor((Tn, M), F32),
-                            RX: T.Tensor((Tn, M), F32), RK: T.Tensor((Tn, M), F32), k_s0: T.int64, k_s1: T.int64,
-                            v_s0: T.int64, eps: T.float32, clamp: T.float32):
-            body(X, K, Vv, W, OUT, (DOT, G, RX, RK), k_s0, k_s1, v_s0, eps, clamp)
-    else:
-        @T.prim_func
-        def engram_gate_fwd(X: T.Tensor((Tn, M, H), BF16), K: T.Tensor((k_vecs, V), BF16),
-                            Vv: T.Tensor((v_vecs, V), BF16), W: T.Tensor((M, H), F32),
-                            OUT: T.Tensor((Tn, M, H), BF16), k_s0: T.int64, k_s1: T.int64, v_s0: T.int64,
-                            eps: T.float32, clamp: T.float32):
-            body(X, K, Vv, W, OUT, None, k_s0, k_s1, v_s0, eps, clamp)
+    return body
 
-    return engram_gate_fwd
+
+def token_schedule(M: int, H: int) -> bool:
+    """Whether the gate forward of ``(M, H)`` takes the variant schedule (``TOKEN_CTA``): one warp a branch, at most
+    ``TOKEN_MAX_M`` warps a CTA, the CTA's x and v stage within ``TOKEN_SMEM_MAX`` bytes; otherwise the default."""
+    return bool(TOKEN_CTA) and M <= TOKEN_MAX_M and _token_smem(M, H) <= TOKEN_SMEM_MAX
+
+
+def _token_smem(M: int, H: int) -> int:
+    """Shared bytes of a variant CTA: the x rows and (``TOKEN_STAGE_V``) the v row of its ``TOKEN_ROWS`` tokens,
+    bf16."""
+    return TOKEN_ROWS * (M + int(bool(TOKEN_STAGE_V))) * H * 2
+
+
+def gate_fwd_grid(num_tokens: int, M: int, H: int) -> tuple[int, int, int]:
+    """``(CTAs, threads, shared bytes)`` of the gate forward launch for ``(M, H)`` under the current knobs."""
+    if token_schedule(M, H):
+        return -(-num_tokens // TOKEN_ROWS), M * LANES, _token_smem(M, H)
+    return -(-num_tokens // (WARPS * ROWS_PER_WARP)) * M, WARPS * LANES, H * 4
+
+
+def _token_body(T, M: int, H: int, save: bool, Tn):
+    """The variant schedule (``TOKEN_CTA``, see "Variant" in the module docstring): CTA ``b`` takes tokens
+    ``b * TW .. b * TW + TW - 1`` (``TW = TOKEN_ROWS``), warp ``h`` their branch ``h``; the arithmetic is the
+    default's, operation for operation (the same per-row chains, butterfly and scalar chain), so the bits are too."""
+    C = H // CHUNK
+    U = max(1, min(LOADS_AHEAD, C))  # chunks per load group
+    groups = -(-C // U)
+    VQ = -(-U // M) if TOKEN_STAGE_V else 0  # v chunks a warp stages per group: chunk s * U + q * M + h
+    R = M + 1 if TOKEN_STAGE_V else M  # rows of a token's stage: its M x rows, then the v row
+    TW = TOKEN_ROWS
+    threads = M * LANES
+
+    @T.macro
+    def body(X, K, Vv, W, OUT, stats, k_s0, k_s1, v_s0, eps, clamp):
+        with T.Kernel(T.ceildiv(Tn, TW), threads=threads) as bx:
+            if TOKEN_MIN_BLOCKS:
+                T.annotate_min_blocks_per_sm(TOKEN_MIN_BLOCKS)
+            tid = T.get_thread_binding()
+            lane = tid % LANES
+            h = tid // LANES
+            t0 = T.cast(bx, I64) * TW
+            xs = T.alloc_shared((TW * R * H,), BF16)  # [token, M x rows then the v row, H]
+            xb = T.alloc_local((TW * U * V,), BF16)
+            kb = T.alloc_local((TW * U * V,), BF16)
+            vb = T.alloc_local(((TW * VQ if VQ else U) * V,), BF16)
+            wv = T.alloc_local((U * V,), F32)
+            ob = T.alloc_local((V,), BF16)
+            acc = T.alloc_local((TW * 3,), F32)  # per token: Sxx, Skk, D
+            sc = T.alloc_local((TW * 4,), F32)   # per token: rx, rk, s, then u and g
+            for a in T.unroll(TW * 3):
+                acc[a] = T.float32(0.0)
+            # reduction: chunks in increasing order, U loaded ahead of their arithmetic; the group's v chunks are
+            # loaded by the warps in turn and staged for the output pass
+            for s in T.serial(groups):
+                for u in T.unroll(U):
+                    c = s * U + u
+                    if c < C:
+                        for e in T.vectorized(4):
+                            wv[u * V + e] = W[h, c * CHUNK + lane * V + e]
+                        for e in T.vectorized(4):
+                            wv[u * V + 4 + e] = W[h, c * CHUNK + lane * V + 4 + e]
+                        for j in T.unroll(TW):
+                            if t0 + j < Tn:  # the same for the whole CTA
+                                for e in T.vectorized(V):
+                                    xb[(j * U + u) * V + e] = X[t0 + j, h, c * CHUNK + lane * V + e]
+                                for e in T.vectorized(V):
+                                    kb[(j * U + u) * V + e] = K[(t0 + j) * k_s0 + h * k_s1 + c * LANES + lane, e]
+                if VQ:
+                    for q in T.unroll(VQ):
+                        c = s * U + q * M + h
+                        if q * M + h < U and c < C:
+                            for j in T.unroll(TW):
+                                if t0 + j < Tn:
+                                    for e in T.vectorized(V):
+                                        vb[(j * VQ + q) * V + e] = Vv[(t0 + j) * v_s0 + c * LANES + lane, e]
+                for u in T.unroll(U):
+                    c = s * U + u
+                    if c < C:
+                        for j in T.unroll(TW):
+                            if t0 + j < Tn:
+                                for e in T.vectorized(V):
+                                    xs[(j * R + h) * H + c * CHUNK + lane * V + e] = xb[(j * U + u) * V + e]
+                                for i in T.unroll(V):
+                                    xf = T.cast(xb[(j * U + u) * V + i], F32)
+                                    kf = T.cast(kb[(j * U + u) * V + i], F32)
+                                    acc[j * 3] = _fma(xf, xf, acc[j * 3])
+                                    acc[j * 3 + 1] = _fma(kf, kf, acc[j * 3 + 1])
+                                    acc[j * 3 + 2] = _fma(_mul(xf, wv[u * V + i]), kf, acc[j * 3 + 2])
+                if VQ:
+                    for q in T.unroll(VQ):
+                        c = s * U + q * M + h
+                        if q * M + h < U and c < C:
+                            for j in T.unroll(TW):
+                                if t0 + j < Tn:
+                                    for e in T.vectorized(V):
+                                        xs[(j * R + M) * H + c * CHUNK + lane * V + e] = vb[(j * VQ + q) * V + e]
+            T.sync_threads()  # the v rows, staged by all warps (TileLang would place one here in any case)
+            for j in T.unroll(TW):
+                t = t0 + j
+                if t < Tn:  # the same for the whole CTA: every lane takes part in the shuffles
+                    for d in (16, 8, 4, 2, 1):
+                        for a in T.unroll(3):
+                            acc[j * 3 + a] = _add(acc[j * 3 + a], T.shfl_xor(acc[j * 3 + a], d))
+                    one = T.float32(1.0)
+                    sc[j * 4] = _div(one, _f("__fsqrt_rn", _add(_div(acc[j * 3], T.float32(H)), eps)))
+                    sc[j * 4 + 1] = _div(one, _f("__fsqrt_rn", _add(_div(acc[j * 3 + 1], T.float32(H)), eps)))
+                    sc[j * 4 + 2] = _mul(_mul(_mul(acc[j * 3 + 2], sc[j * 4]), sc[j * 4 + 1]), T.float32(_c_h(H)))
+                    sc[j * 4 + 3] = _f("fabsf", sc[j * 4 + 2])
+                    sc[j * 4 + 3] = _f("copysignf", _f("__fsqrt_rn", T.if_then_else(sc[j * 4 + 3] < clamp, clamp,
+                                                                                     sc[j * 4 + 3])), sc[j * 4 + 2])
+                    sc[j * 4 + 3] = _div(one, _add(one, _f("expf", _sub(T.float32(0.0), sc[j * 4 + 3]))))
+                    if save:
+                        DOT, G, RX, RK = stats
+                        if lane == 0:
+                            DOT[t, h] = acc[j * 3 + 2]
+                            G[t, h] = sc[j * 4 + 3]
+                            RX[t, h] = sc[j * 4]
+                            RK[t, h] = sc[j * 4 + 1]
+                    if TOKEN_STAGE_V:  # output: x and v from the stage, no global loads
+                        for c in T.serial(C):
+                            for e in T.vectorized(V):
+                                xb[e] = xs[(j * R + h) * H + c * CHUNK + lane * V + e]
+                            for e in T.vectorized(V):
+                                xb[V + e] = xs[(j * R + M) * H + c * CHUNK + lane * V + e]
+                            for i in T.unroll(V):
+                                ob[i] = T.cast(_fma(sc[j * 4 + 3], T.cast(xb[V + i], F32), T.cast(xb[i], F32)), BF16)
+                            for e in T.vectorized(V):
+                                OUT[t, h, c * CHUNK + lane * V + e] = ob[e]
+                    else:  # output: x from the stage, v loaded U chunks ahead of their arithmetic
+                        for s in T.serial(groups):
+                            for u in T.unroll(U):
+                                c = s * U + u
+                                if c < C:
+                                    for e in T.vectorized(V):
+                                        vb[u * V + e] = Vv[t * v_s0 + c * LANES + lane, e]
+                            for u in T.unroll(U):
+                                c = s * U + u
+                                if c < C:
+                                    for e in T.vectorized(V):
+                                        xb[e] = xs[(j * R + h) * H + c * CHUNK + lane * V + e]
+                                    for i in T.unroll(V):
+                                        ob[i] = T.cast(_fma(sc[j * 4 + 3], T.cast(vb[u * V + i], F32),
+                                                            T.cast(xb[i], F32)), BF16)
+                                    for e in T.vectorized(V):
+                                        OUT[t, h, c * CHUNK + lane * V + e] = ob[e]
+
+    return body
 
 
 # ---- fused_weight ----
