@@ -66,6 +66,26 @@ def test_bench_only_configs_build(name, cfg):
     assert "__global__" in _jit.compile_kernel(name, cfg, "sm_90").get_kernel_source()
 
 
+BWD_CONFIGS = [cfg for name, cfg in norm_fn_configs() + BENCH_ONLY if name == "mhc_norm_fn_bwd"]
+
+
+def _build_mma(monkeypatch, cfg):
+    """The tensor-core backward (``BWD_MMA``) at ``cfg``, built for sm_90 outside tilefuse's caches."""
+    import tilelang
+
+    monkeypatch.setattr(K, "BWD_MMA", True)
+    return tilelang.compile(K.norm_fn_bwd_kernel(*cfg), target={"kind": "cuda", "arch": "sm_90"},
+                            execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("cfg", BWD_CONFIGS, ids=str)
+def test_mma_backward_builds_for_sm90(cfg, monkeypatch):
+    src = _build_mma(monkeypatch, cfg).get_kernel_source()
+    assert "kTensorFloat32" in src and "atomic" not in src and "__fmaf_rn(" not in src
+    assert f"__launch_bounds__({K.MMA_THREADS}, {K.MMA_MIN_BLOCKS})" in src
+
+
 @pytest.mark.compile
 def test_tf32_round_is_the_spec_recipe():
     # 1 + 2^-11 is a tie at bit 13: away from zero -> 1 + 2^-10; just below rounds down; negatives mirror
@@ -107,6 +127,18 @@ def test_launchers_bind(n, c, monkeypatch):
     assert calls[0].env == {"Tn": T}
     assert calls[1].env == {"Tn": T, "P": K.PARTIALS}
     assert calls[2].env == {"P": K.PARTIALS, "N": m * k}
+
+
+@pytest.mark.compile
+def test_mma_launcher_binds_its_partials(monkeypatch):
+    monkeypatch.setattr(K, "BWD_MMA", True)
+    calls = fake_jit(monkeypatch)
+    T, k, m = 37, 4 * 1280, 24
+    K.norm_fn_gemm_bwd_launch(torch.randn(T, m), torch.randn(T), torch.randn(T, k).to(BF16), torch.randn(m, k),
+                              torch.empty(T, k, dtype=BF16), torch.empty(m, k), True)
+    assert [(cl.name, cl.cfg) for cl in calls] == [("mhc_norm_fn_bwd", (k, m, True)), ("mhc_norm_fn_dw_sum", ())]
+    assert calls[0].env == {"Tn": T, "P": K.MMA_PARTIALS}
+    assert calls[1].env == {"P": K.MMA_PARTIALS, "N": m * k}
 
 
 @pytest.mark.compile
@@ -385,6 +417,122 @@ def test_cuda_graph_replay():
 @pytest.mark.gpu
 def test_torch_compile_fullgraph():
     residual, fn, _, d_out = _inputs(4001, 4, 2560)
+    compiled = torch.compile(lambda r, f: mhc_pre_norm_fn(r, f, None, EPS, fuse_grad_acc=False), fullgraph=True)
+    r, f = residual.detach().clone().requires_grad_(True), fn.detach().clone().requires_grad_(True)
+    out = compiled(r, f)
+    out.backward(d_out)
+    want = _grads(residual, fn, None, d_out)
+    for a, b in zip((out.detach(), r.grad, f.grad), want[:3]):
+        assert torch.equal(a, b)
+
+
+# ---- the tensor-core backward (knob BWD_MMA): its own MMA summation order, so against the reference ----
+
+MMA_KNOBS = {"BWD_MMA": True}
+
+
+def _model_bwd64(d_mul, d_sq, x, fn, D=None):
+    """``(dx, dW)`` of the backward GEMMs in float64 from the kernels' TF32 operands (dx before its bf16 rounding)."""
+    dp, w, xd = K.tf32_round(d_mul).to(F64), K.tf32_round(fn).to(F64), x.to(F64)
+    dx = dp @ w + 2 * xd * d_sq.to(F64).unsqueeze(1)
+    return dx if D is None else dx + D.to(F64), dp.T @ xd
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", GRID_N)
+@pytest.mark.parametrize("c", GRID_C)
+def test_mma_backward_against_reference(n, c, knob_kernels):
+    knob_kernels(K, MMA_KNOBS)
+    for T in TOKENS:
+        residual, fn, _, d_out = _inputs(T, n, c)
+        out, dx, d_fn, _ = _grads(residual, fn, None, d_out)
+        want_dx, want_fn, _ = _ref_grads(residual, fn, None, d_out)
+        torch.testing.assert_close(dx.to(F64), want_dx.to(BF16).to(F64), **DX_TOL)
+        torch.testing.assert_close(d_fn.to(F64), want_fn, **DW_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, c", [(2, 1280), (4, 4096)])
+def test_mma_gemm_backward_launch(n, c, knob_kernels):
+    """The launch with poisoned destinations against the float64 GEMMs of its operands: dx is ``bf16`` of a sum
+    off the exact one by at most the MMA's accumulation error (``M <= 32`` exact products: a few fp32 ulps of
+    their magnitudes), so within the bf16 tolerance; dW by the spec's; and the weight gradient's bits do not depend
+    on the residual gradient's destination (accumulated into or not, whatever its content)."""
+    knob_kernels(K, MMA_KNOBS)
+    k, m = n * c, n * (n + 2)
+    for T in (1, 7, 4001):
+        residual, fn, _, _ = _inputs(T, n, c)
+        x = residual.view(T, k)
+        d_mul = torch.randn(T, m, device="cuda") * 1e-1
+        d_sq = torch.randn(T, device="cuda") * 1e-3
+        D = torch.randn(T, k, device="cuda").to(BF16)
+        dws = []
+        for accumulate in (False, True):
+            dx = D.clone() if accumulate else torch.full((T, k), NAN, device="cuda", dtype=BF16)
+            d_fn = torch.full((m, k), NAN, device="cuda")
+            K.norm_fn_gemm_bwd_launch(d_mul, d_sq, x, fn, dx, d_fn, accumulate)
+            want_dx, want_dw = _model_bwd64(d_mul, d_sq, x, fn, D if accumulate else None)
+            torch.testing.assert_close(dx.to(F64), want_dx.to(BF16).to(F64), **DX_TOL)
+            torch.testing.assert_close(d_fn.to(F64), want_dw, **DW_TOL)
+            dws.append(d_fn)
+        assert torch.equal(dws[0], dws[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", GRID_N)
+def test_mma_deterministic_and_batch_invariant(n, knob_kernels):
+    knob_kernels(K, MMA_KNOBS)
+    residual, fn, _, d_out = _inputs(8192, n, 4096)
+    first = _grads(residual, fn, None, d_out)
+    for _ in range(2):
+        again = _grads(residual, fn, None, d_out)
+        for a, b in zip(first[:3], again[:3]):
+            assert torch.equal(a, b)
+    # a token's dx is a function of the token alone (each MMA output row reads its own row of dP~)
+    for sl in (slice(1234, 1241), slice(8191, 8192), slice(0, 1), slice(64, 4001)):
+        out, dx, _, _ = _grads(residual[:, sl].clone(), fn, None, d_out[:, sl].clone())
+        assert torch.equal(out, first[0][:, sl])
+        assert torch.equal(dx, first[1][:, sl])
+
+
+@pytest.mark.gpu
+def test_mma_weight_gradient_bits_follow_the_token_blocks(knob_kernels):
+    # as the default's: a fixed partial count and a token's block t // MMA_TOKENS; zero tokens appended are zero
+    # rows of the block's MMA (the same operands where the kernel masked them) and whole MMAs of zeros after it
+    knob_kernels(K, MMA_KNOBS)
+    residual, fn, _, d_out = _inputs(4001, 4, 2560)
+    _, _, d_fn, _ = _grads(residual, fn, None, d_out)
+    pad_r = torch.cat([residual, torch.zeros_like(residual[:, :1000])], 1)
+    pad_d = torch.cat([d_out, torch.zeros_like(d_out[:, :1000])], 1)
+    _, _, d_fn_pad, _ = _grads(pad_r, fn, None, pad_d)
+    assert torch.equal(d_fn, d_fn_pad)
+
+
+@pytest.mark.gpu
+def test_mma_cuda_graph_and_compile(knob_kernels):
+    knob_kernels(K, MMA_KNOBS)
+    T, k, m = 4001, 4 * 2560, 24
+    residual, fn, _, d_out = _inputs(T, 4, 2560)
+    x = residual.view(T, k)
+    static = [x.clone(), fn.clone(), torch.randn(T, m, device="cuda"), torch.randn(T, device="cuda")]
+    dx, d_fn = torch.empty_like(x), torch.empty(m, k, device="cuda")
+
+    def launch():
+        K.norm_fn_gemm_bwd_launch(static[2], static[3], static[0], static[1], dx, d_fn, False)
+
+    launch()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    static[2].copy_(torch.randn_like(static[2]))
+    dx.fill_(NAN)
+    d_fn.fill_(NAN)
+    graph.replay()
+    torch.cuda.synchronize()
+    got = [dx.clone(), d_fn.clone()]
+    launch()
+    assert torch.equal(got[0], dx) and torch.equal(got[1], d_fn)
     compiled = torch.compile(lambda r, f: mhc_pre_norm_fn(r, f, None, EPS, fuse_grad_acc=False), fullgraph=True)
     r, f = residual.detach().clone().requires_grad_(True), fn.detach().clone().requires_grad_(True)
     out = compiled(r, f)

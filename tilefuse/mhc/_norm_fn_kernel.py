@@ -43,6 +43,12 @@ BWD_KPT = 2      # backward: columns a thread owns (its weight columns and weigh
 COLS = BWD_THREADS * BWD_KPT  # backward: columns per CTA
 TOKEN_BLOCK = 32
 PARTIALS = 16    # weight-gradient partials (fixed: the gradient's bits do not depend on the device)
+BWD_MMA = False  # tuning knob: True runs both backward GEMMs on TF32 tensor cores (``_bwd_mma_kernel``)
+MMA_TOKENS = 64  # tensor-core backward: tokens per step (its block of the weight-gradient partials)
+MMA_COLS = 64    # tensor-core backward: columns per CTA
+MMA_THREADS = 128
+MMA_PARTIALS = 8  # tensor-core backward: weight-gradient partials (fixed, as PARTIALS)
+MMA_MIN_BLOCKS = 4  # tensor-core backward: __launch_bounds__' CTAs per SM (65536 / (128 * 4) = 128 registers)
 SUM_THREADS = 256
 
 BF16 = "bfloat16"
@@ -122,14 +128,22 @@ def norm_fn_fwd_kernel(K: int, M: int):
 
 # ---- backward: residual gradient and weight-gradient partials ----
 
+def bwd_partials() -> int:
+    """The weight-gradient partial count of the backward kernel the knobs select."""
+    return MMA_PARTIALS if BWD_MMA else PARTIALS
+
+
 def norm_fn_bwd_kernel(K: int, M: int, accumulate: bool):
-    """Factory: ``DP [T, M]`` (TF32-rounded), ``DQ [T]``, ``X [T, K]`` bf16, ``W [M, K]`` (TF32-rounded) ->
+    """Factory (``BWD_MMA`` selects ``_bwd_mma_kernel`` instead): ``DP [T, M]`` (TF32-rounded), ``DQ [T]``, ``X [T, K]`` bf16, ``W [M, K]`` (TF32-rounded) ->
     ``DX [T, K]`` bf16 (read first as ``D`` when ``accumulate``; may be the same buffer as nothing else reads
     it) and the partials ``DWP [P, M, K]`` (one CTA per partial and ``COLS`` columns; P symbolic). A thread keeps
     its columns' weight-gradient sums in registers and its weight columns in shared memory (ptxas -v, sm_90, K = 16384:
     146 registers a thread, 3 CTAs an SM; 175 and 2 with the weight in registers too). Not yet timed (no GPU).
     """
     import tilelang.language as T
+
+    if BWD_MMA:
+        return _bwd_mma_kernel(K, M, accumulate)
 
     assert takes(K, M), (K, M)
     KPT, TB = BWD_KPT, TOKEN_BLOCK
@@ -182,6 +196,76 @@ def norm_fn_bwd_kernel(K: int, M: int, accumulate: bool):
             for j in T.unroll(M):
                 for e in T.unroll(KPT):
                     DWP[pp, j, k0 + e] = aw[j * KPT + e]
+
+    return mhc_norm_fn_bwd
+
+
+def _bwd_mma_kernel(K: int, M: int, accumulate: bool):
+    """The backward on TF32 tensor cores, one pass over x; same parameters as ``norm_fn_bwd_kernel``'s.
+
+    CTA ``(p, kc)`` owns partial ``p`` and the ``MMA_COLS`` columns ``kc``: it keeps its weight slice ``W~ [32,
+    Kt]`` (rows past M zero) in shared memory and its weight-gradient partial ``[32, Kt]`` in MMA fragments, and
+    walks the token blocks ``p, p + P, ...`` of ``MMA_TOKENS`` in order. Per block: ``dP~ [Tt, 32]`` and x (bf16,
+    exact in TF32) into shared memory; ``G = dP~ W~`` (MMA, from zero) and ``dW_p += dP~^T x`` (MMA); then per
+    element ``dx = bf16((D + G) + (2 x) dQ)`` (round-to-nearest adds, ``D`` = the destination's content or 0).
+    """
+    import tilelang.language as T
+
+    assert takes(K, M) and K % MMA_COLS == 0, (K, M)
+    BT, BK, MP = MMA_TOKENS, MMA_COLS, MAX_M
+    Tn, P = T.dynamic("Tn, P", I64)
+
+    @T.prim_func
+    def mhc_norm_fn_bwd(DP: T.Tensor((Tn, M), F32), DQ: T.Tensor((Tn,), F32), X: T.Tensor((Tn, K), BF16),
+                        W: T.Tensor((M, K), F32), DX: T.Tensor((Tn, K), BF16), DWP: T.Tensor((P, M, K), F32)):
+        with T.Kernel(P, K // BK, threads=MMA_THREADS) as (p, kc):
+            if MMA_MIN_BLOCKS:
+                T.annotate_min_blocks_per_sm(MMA_MIN_BLOCKS)
+            ws = T.alloc_shared((MP, BK), F32)
+            dps = T.alloc_shared((BT, MP), F32)
+            xs = T.alloc_shared((BT, BK), F32)
+            gs = T.alloc_shared((BT, BK), F32)
+            dqs = T.alloc_shared((BT,), F32)
+            xb = T.alloc_fragment((BT, BK), BF16)
+            db = T.alloc_fragment((BT, BK), BF16)
+            o = T.alloc_fragment((BT, BK), BF16)
+            g = T.alloc_fragment((BT, BK), F32)
+            dw = T.alloc_fragment((MP, BK), F32)
+            pp = T.cast(p, I64)
+            c0 = kc * BK
+            for j, kk in T.Parallel(MP, BK):
+                ws[j, kk] = T.if_then_else(j < M, W[T.min(j, M - 1), c0 + kk], T.float32(0.0))
+            T.clear(dw)
+            for r in T.serial(T.ceildiv(T.ceildiv(Tn, BT) - pp, P)):
+                t0 = (pp + r * P) * BT
+                # the block's global loads first, into registers: they stay in flight across the barriers below
+                for i, kk in T.Parallel(BT, BK):
+                    xb[i, kk] = T.if_then_else(t0 + i < Tn, X[T.min(t0 + i, Tn - 1), c0 + kk], T.bfloat16(0.0))
+                if accumulate:
+                    for i, kk in T.Parallel(BT, BK):
+                        db[i, kk] = DX[T.min(t0 + i, Tn - 1), c0 + kk]
+                for i, j in T.Parallel(BT, MP):
+                    dps[i, j] = T.if_then_else(t0 + i < Tn and j < M, DP[T.min(t0 + i, Tn - 1), T.min(j, M - 1)],
+                                               T.float32(0.0))
+                for i in T.Parallel(BT):
+                    dqs[i] = T.if_then_else(t0 + i < Tn, DQ[T.min(t0 + i, Tn - 1)], T.float32(0.0))
+                for i, kk in T.Parallel(BT, BK):
+                    xs[i, kk] = T.cast(xb[i, kk], F32)
+                T.gemm(dps, ws, g, clear_accum=True)
+                T.gemm(dps, xs, dw, transpose_A=True)
+                T.copy(g, gs)
+                for i, kk in T.Parallel(BT, BK):
+                    x2 = T.cast(xb[i, kk], F32) * T.float32(2.0)  # exact
+                    if accumulate:
+                        o[i, kk] = T.cast(_add(_add(T.cast(db[i, kk], F32), gs[i, kk]), _mul(x2, dqs[i])), BF16)
+                    else:
+                        o[i, kk] = T.cast(_add(gs[i, kk], _mul(x2, dqs[i])), BF16)
+                for i, kk in T.Parallel(BT, BK):
+                    if t0 + i < Tn:
+                        DX[t0 + i, c0 + kk] = o[i, kk]
+            for j, kk in T.Parallel(MP, BK):
+                if j < M:
+                    DWP[pp, j, c0 + kk] = dw[j, kk]
 
     return mhc_norm_fn_bwd
 
@@ -249,10 +333,11 @@ def norm_fn_gemm_bwd_launch(out_mul_grad, sqrsum_grad, x, fn, x_grad, fn_grad, a
     if T_ == 0:
         fn_grad.zero_()
         return
-    dwp = torch.empty(PARTIALS, M, K, dtype=torch.float32, device=x.device)
+    parts = bwd_partials()
+    dwp = torch.empty(parts, M, K, dtype=torch.float32, device=x.device)
     _jit.get("mhc_norm_fn_bwd", (K, M, bool(accumulate)))(tf32_round(out_mul_grad), sqrsum_grad.contiguous(), x,
                                                            tf32_round(fn), x_grad, dwp)
-    _jit.get("mhc_norm_fn_dw_sum", ())(dwp.view(PARTIALS, M * K), fn_grad.view(M * K))
+    _jit.get("mhc_norm_fn_dw_sum", ())(dwp.view(parts, M * K), fn_grad.view(M * K))
 
 
 # ---- torch.library registration (torch.compile / fake tensors) ----
