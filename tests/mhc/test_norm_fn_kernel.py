@@ -16,6 +16,12 @@ Tolerances, derived once here from §3 (norm_fn rows):
 * bitwise where the kernel's chain is fixed: the residual gradient (each product of two TF32 values, or of a TF32
   and a bf16 value, is exact in fp32, so the fma chain equals a chain of rounded adds that torch reproduces) and
   the weight gradient (the same, partials over token blocks ``b mod PARTIALS``, then the in-order partial sum).
+
+The tensor-core backward (knob ``BWD_MMA``, the ``knobs`` GPU tests through ``knob_kernels``) sums in the MMA's
+order: its results are held to the same tolerances against the reference (and its launch to them against the
+float64 GEMMs), plus determinism, batch invariance of dx, dW's bits independent of dx's destination and of zero
+tokens appended, graph replay and compile. On the CPU its generated CUDA runs with the warp instructions emulated
+(``MMA_SHIM``, itself checked on the forward kernel that passes on the H200).
 """
 import pytest
 import torch

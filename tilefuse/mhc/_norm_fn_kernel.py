@@ -19,6 +19,31 @@ count, not the SM count) is the fma chain over blocks ``p, p + PARTIALS, ...`` i
 order inside a block, from zero. A CTA owns one partial and a slice of ``COLS`` columns. ``mhc_norm_fn_dw_sum``
 then adds the partials ``[PARTIALS, M, K]`` in increasing ``p`` from zero, one thread per element. No atomics.
 
+Tensor-core backward (knob ``BWD_MMA = True``; the default is the CUDA-core kernel above, measured on the H200 at
+357 us for T = 4096, K = 8192, M = 24: its per-token 24-step fma chains and 48 weight-gradient fmas a column are
+issue and latency bound). Both GEMMs on TF32 tensor cores (§2.2.3), one pass over x: a CTA owns partial ``p`` of
+``MMA_PARTIALS`` and ``MMA_COLS`` columns; per block of ``MMA_TOKENS`` tokens (blocks ``p, p + P, ...`` in order)
+``G = dP~ W~`` and ``dW_p += dP~^T x`` (fp32 accumulators in MMA fragments across the blocks), then ``dx = bf16((D
++ G) + (2 x) dQ)``; the same ``mhc_norm_fn_dw_sum`` adds the partials in order. Results: not the default's bits (the
+MMA's summation order is its own): dx is the bf16 rounding of a value within ``~2 M u sum_j |dP~_j W~_jk|`` (M exact
+products summed in fp32 by the MMA) plus a rounded add or two of the exact one, inside the bf16 tolerance; dW sums
+the same exact products as the default in another fixed order (the spec's atol/rtol). Deterministic and batch
+invariant as the default: a token's dx reads only its own row of every operand; dW's bits depend on the token count
+alone (a fixed partial count; zero tokens appended are zero rows or whole zero MMAs, which leave the sums' bits).
+
+Its speed, from first principles (not yet timed; T = 4096, K = 8192, accumulating): HBM bytes x 67 MB + D 67 MB +
+dx 67 MB + partials 6.3 MB written and read: ~210 MB, ~50 us at 4.2 TB/s. 1024 CTAs (8 x 128) of 128 threads;
+ptxas -v (sm_90): 128 registers (the ``__launch_bounds__(128, 4)`` cap; 4 bytes spilled when accumulating), 50 KB
+of shared memory: 4 CTAs, 16 warps an SM, 2 waves. A block's global loads (x, D, dP: 22 KB a CTA) go into
+registers first and stay in flight across the barriers: ~88 KB an SM against the ~35 KB that HBM's bandwidth x
+latency asks. Shared-memory wavefronts a 64 x 64 tile: ~1600 (the second GEMM's operands are not K-major: 96
+scalar loads a warp, 2-way conflicts, ~770; G staged through padded rows: ~380; ldmatrix and tile stores ~450),
+62 tiles an SM: ~100k cycles, ~55 us at 1.8 GHz, overlapping the HBM time. Tensor work is small (64 MMAs a warp
+a tile, ~10 us). Expected: 70-100 us for the kernel at 4096 x 2048 (3.5-5x the default), ~2x the copy time;
+over ~130 us would say barriers/latency (4 a tile, 4 CTAs an SM) dominate and a register double buffer of the next
+block is the next step; if the shared-memory estimate is the limit, a bf16 second GEMM (dP~ = hi + lo, two
+exact bf16 halves; ldmatrix.trans) halves its operand traffic.
+
 Kernels take ``K % 256 == 0`` and ``1 <= M <= 32`` (``takes``); the public op keeps the reference for other shapes.
 """
 
@@ -48,6 +73,7 @@ MMA_TOKENS = 64  # tensor-core backward: tokens per step (its block of the weigh
 MMA_COLS = 64    # tensor-core backward: columns per CTA
 MMA_THREADS = 128
 MMA_PARTIALS = 8  # tensor-core backward: weight-gradient partials (fixed, as PARTIALS)
+GS_PAD = 8       # tensor-core backward: G's staging rows are BK + 8 floats (its fragment stores: no bank conflict)
 MMA_MIN_BLOCKS = 4  # tensor-core backward: __launch_bounds__' CTAs per SM (65536 / (128 * 4) = 128 registers)
 SUM_THREADS = 256
 
@@ -221,20 +247,21 @@ def _bwd_mma_kernel(K: int, M: int, accumulate: bool):
         with T.Kernel(P, K // BK, threads=MMA_THREADS) as (p, kc):
             if MMA_MIN_BLOCKS:
                 T.annotate_min_blocks_per_sm(MMA_MIN_BLOCKS)
-            ws = T.alloc_shared((MP, BK), F32)
+            ws = T.alloc_shared((BK, MP), F32)  # W~ slice transposed: K-major, as the MMA loads it (ldmatrix)
             dps = T.alloc_shared((BT, MP), F32)
             xs = T.alloc_shared((BT, BK), F32)
-            gs = T.alloc_shared((BT, BK), F32)
+            gs = T.alloc_shared((BT, BK + GS_PAD), F32)
             dqs = T.alloc_shared((BT,), F32)
             xb = T.alloc_fragment((BT, BK), BF16)
             db = T.alloc_fragment((BT, BK), BF16)
             o = T.alloc_fragment((BT, BK), BF16)
             g = T.alloc_fragment((BT, BK), F32)
+            gf = T.alloc_fragment((BT, BK), F32)
             dw = T.alloc_fragment((MP, BK), F32)
             pp = T.cast(p, I64)
             c0 = kc * BK
-            for j, kk in T.Parallel(MP, BK):
-                ws[j, kk] = T.if_then_else(j < M, W[T.min(j, M - 1), c0 + kk], T.float32(0.0))
+            for kk, j in T.Parallel(BK, MP):
+                ws[kk, j] = T.if_then_else(j < M, W[T.min(j, M - 1), c0 + kk], T.float32(0.0))
             T.clear(dw)
             for r in T.serial(T.ceildiv(T.ceildiv(Tn, BT) - pp, P)):
                 t0 = (pp + r * P) * BT
@@ -251,15 +278,18 @@ def _bwd_mma_kernel(K: int, M: int, accumulate: bool):
                     dqs[i] = T.if_then_else(t0 + i < Tn, DQ[T.min(t0 + i, Tn - 1)], T.float32(0.0))
                 for i, kk in T.Parallel(BT, BK):
                     xs[i, kk] = T.cast(xb[i, kk], F32)
-                T.gemm(dps, ws, g, clear_accum=True)
+                T.gemm(dps, ws, g, transpose_B=True, clear_accum=True)
                 T.gemm(dps, xs, dw, transpose_A=True)
-                T.copy(g, gs)
+                for i, kk in T.Parallel(BT, BK):  # G to the layout of x's registers, through shared memory
+                    gs[i, kk] = g[i, kk]
+                for i, kk in T.Parallel(BT, BK):
+                    gf[i, kk] = gs[i, kk]
                 for i, kk in T.Parallel(BT, BK):
                     x2 = T.cast(xb[i, kk], F32) * T.float32(2.0)  # exact
                     if accumulate:
-                        o[i, kk] = T.cast(_add(_add(T.cast(db[i, kk], F32), gs[i, kk]), _mul(x2, dqs[i])), BF16)
+                        o[i, kk] = T.cast(_add(_add(T.cast(db[i, kk], F32), gf[i, kk]), _mul(x2, dqs[i])), BF16)
                     else:
-                        o[i, kk] = T.cast(_add(gs[i, kk], _mul(x2, dqs[i])), BF16)
+                        o[i, kk] = T.cast(_add(gf[i, kk], _mul(x2, dqs[i])), BF16)
                 for i, kk in T.Parallel(BT, BK):
                     if t0 + i < Tn:
                         DX[t0 + i, c0 + kk] = o[i, kk]
