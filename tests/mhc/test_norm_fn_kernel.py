@@ -435,6 +435,7 @@ def test_torch_compile_fullgraph():
 # ---- the tensor-core backward (knob BWD_MMA): its own MMA summation order, so against the reference ----
 
 MMA_KNOBS = {"BWD_MMA": True}
+MMA_VARIANTS = [MMA_KNOBS, {**MMA_KNOBS, "MMA_TOKENS": 32, "MMA_PARTIALS": 16, "MMA_MIN_BLOCKS": 5}]  # swept
 
 
 def _model_bwd64(d_mul, d_sq, x, fn, D=None):
@@ -459,12 +460,13 @@ def test_mma_backward_against_reference(n, c, knob_kernels):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n, c", [(2, 1280), (4, 4096)])
-def test_mma_gemm_backward_launch(n, c, knob_kernels):
+@pytest.mark.parametrize("knobs", MMA_VARIANTS, ids=str)
+def test_mma_gemm_backward_launch(n, c, knobs, knob_kernels):
     """The launch with poisoned destinations against the float64 GEMMs of its operands: dx is ``bf16`` of a sum
     off the exact one by at most the MMA's accumulation error (``M <= 32`` exact products: a few fp32 ulps of
     their magnitudes), so within the bf16 tolerance; dW by the spec's; and the weight gradient's bits do not depend
     on the residual gradient's destination (accumulated into or not, whatever its content)."""
-    knob_kernels(K, MMA_KNOBS)
+    knob_kernels(K, knobs)
     k, m = n * c, n * (n + 2)
     for T in (1, 7, 4001):
         residual, fn, _, _ = _inputs(T, n, c)
@@ -706,13 +708,16 @@ static inline void mma_sync(float* c, const unsigned* a, const unsigned* b) {
 @pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="needs g++")
 @pytest.mark.parametrize("n, c", [(2, 256), (4, 256)])
 @pytest.mark.parametrize("accumulate", (False, True))
-def test_mma_backward_source_on_cpu(n, c, accumulate, tmp_path, monkeypatch):
+@pytest.mark.parametrize("knobs", MMA_VARIANTS, ids=str)
+def test_mma_backward_source_on_cpu(n, c, accumulate, knobs, tmp_path, monkeypatch):
     """The tensor-core backward's generated CUDA, run on the CPU with the warp instructions emulated (``MMA_SHIM``):
     its tiles, fragment layouts, guards and barriers give the GEMMs of the float64 model (dx within one bf16 rounding
     of it: the emulated MMA errs by an fp32 rounding per call; dW within 2^-20 of the sum of |terms|), every element
     written; token counts that leave partials empty, end mid-block and wrap the partials more than once; dW's bits
     the same whether dx accumulates or not."""
     k, m = n * c, n * (n + 2)
+    for name, value in knobs.items():
+        monkeypatch.setattr(K, name, value)
     src = _build_mma(monkeypatch, (k, m, accumulate)).get_kernel_source()
     bwd = _emulate(src, "mhc_norm_fn_bwd_kernel", K.MMA_THREADS, tmp_path / "bwd", MMA_SHIM)
     parts = K.MMA_PARTIALS
