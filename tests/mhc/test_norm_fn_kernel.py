@@ -729,7 +729,7 @@ def test_mma_backward_source_on_cpu(n, c, accumulate, knobs, tmp_path, monkeypat
         dx = D.clone() if accumulate else torch.full((T, k), NAN, dtype=BF16)
         dwp = torch.full((parts, m, k), NAN)
         bwd(dict(DP=K.tf32_round(d_mul), DQ=d_sq, X=x, W=K.tf32_round(fn), DX=dx, DWP=dwp),
-            dict(P=parts, Tn=T), (parts, k // K.MMA_COLS))
+            dict(P=parts, Tn=T), (k // K.MMA_COLS, parts))
         want_dx, want_dw = _model_bwd64(d_mul, d_sq, x, fn, D if accumulate else None)
         env_dx, env_dw = _model_bwd64(d_mul.abs(), d_sq.abs(), x.abs(), fn.abs(), D.abs() if accumulate else None)
         # bf16 of a value within 2^-20 env of the model: off the model by half a bf16 ulp of it plus that

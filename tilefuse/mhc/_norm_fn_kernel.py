@@ -31,17 +31,17 @@ the same exact products as the default in another fixed order (the spec's atol/r
 invariant as the default: a token's dx reads only its own row of every operand; dW's bits depend on the token count
 alone (a fixed partial count; zero tokens appended are zero rows or whole zero MMAs, which leave the sums' bits).
 
-Its speed, from first principles (not yet timed; T = 4096, K = 8192, accumulating): HBM bytes x 67 MB + D 67 MB +
-dx 67 MB + partials 6.3 MB written and read: ~210 MB, ~50 us at 4.2 TB/s. 1024 CTAs (8 x 128) of 128 threads;
-ptxas -v (sm_90): 128 registers (the ``__launch_bounds__(128, 4)`` cap; 4 bytes spilled when accumulating), 50 KB
-of shared memory: 4 CTAs, 16 warps an SM, 2 waves. A block's global loads (x, D, dP: 22 KB a CTA) go into
-registers first and stay in flight across the barriers: ~88 KB an SM against the ~35 KB that HBM's bandwidth x
-latency asks. Shared-memory wavefronts a 64 x 64 tile: ~1600 (the second GEMM's operands are not K-major: 96
-scalar loads a warp, 2-way conflicts, ~770; G staged through padded rows: ~380; ldmatrix and tile stores ~450),
-62 tiles an SM: ~100k cycles, ~55 us at 1.8 GHz, overlapping the HBM time. Tensor work is small (64 MMAs a warp
-a tile, ~10 us). Expected: 70-100 us for the kernel at 4096 x 2048 (3.5-5x the default), ~2x the copy time;
-over ~130 us would say barriers/latency (4 a tile, 4 CTAs an SM) dominate and a register double buffer of the next
-block is the next step; if the shared-memory estimate is the limit, a bf16 second GEMM (dP~ = hi + lo, two
+Its speed, from first principles (not yet timed; T = 4096, K = 8192, accumulating): HBM bytes x 67 MB + D 67 MB + dx
+67 MB + partials 6.3 MB written and read: ~210 MB, ~50 us at 4.2 TB/s. 1024 CTAs (128 column slices, the fastest
+grid index, x 8 partials) of 128 threads; ptxas -v (sm_90): 128 registers (the ``__launch_bounds__(128, 4)`` cap; 4
+bytes spilled when accumulating), 50 KB of shared memory: 4 CTAs, 16 warps an SM, 2 waves. A block's global loads
+(x, D, dP: 22 KB a CTA) go into registers first and stay in flight across the barriers: ~88 KB an SM against the ~35
+KB that HBM's bandwidth x latency asks. Shared-memory wavefronts a 64 x 64 tile: ~1600 (the second GEMM's operands
+are not K-major: 96 scalar loads a warp, 2-way conflicts, ~770; G staged through padded rows: ~380; ldmatrix and
+tile stores ~450), 62 tiles an SM: ~100k cycles, ~55 us at 1.8 GHz, overlapping the HBM time. Tensor work is small
+(64 MMAs a warp a tile, ~10 us). Expected: 70-100 us for the kernel at 4096 x 2048 (3.5-5x the default), 1.4-2x the
+copy time; over ~130 us would say barriers/latency (4 a tile, 4 CTAs an SM) dominate and a register double buffer of
+the next block is the next step; if the shared-memory estimate is the limit, a bf16 second GEMM (dP~ = hi + lo, two
 exact bf16 halves; ldmatrix.trans) halves its operand traffic.
 
 Kernels take ``K % 256 == 0`` and ``1 <= M <= 32`` (``takes``); the public op keeps the reference for other shapes.
@@ -244,7 +244,8 @@ def _bwd_mma_kernel(K: int, M: int, accumulate: bool):
     @T.prim_func
     def mhc_norm_fn_bwd(DP: T.Tensor((Tn, M), F32), DQ: T.Tensor((Tn,), F32), X: T.Tensor((Tn, K), BF16),
                         W: T.Tensor((M, K), F32), DX: T.Tensor((Tn, K), BF16), DWP: T.Tensor((P, M, K), F32)):
-        with T.Kernel(P, K // BK, threads=MMA_THREADS) as (p, kc):
+        # column slices first in launch order: the CTAs resident together read whole rows of x and D
+        with T.Kernel(K // BK, P, threads=MMA_THREADS) as (kc, p):
             if MMA_MIN_BLOCKS:
                 T.annotate_min_blocks_per_sm(MMA_MIN_BLOCKS)
             ws = T.alloc_shared((BK, MP), F32)  # W~ slice transposed: K-major, as the MMA loads it (ldmatrix)
