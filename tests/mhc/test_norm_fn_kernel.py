@@ -742,7 +742,8 @@ def test_mma_backward_source_on_cpu(n, c, accumulate, knobs, tmp_path, monkeypat
 @pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="needs g++")
 def test_mma_shim_runs_the_forward(tmp_path):
     """``MMA_SHIM`` checked on the forward kernel (its TF32 MMA passes the GPU tier on the H200): the forward's
-    CUDA source, run on the CPU with it, gives its split partials within the bound of ``test_partials_launch_poisoned``."""
+    CUDA source, run on the CPU with it, gives its split partials within the bound of
+    ``test_partials_launch_poisoned``."""
     n, c, T = 2, 256, 100
     k, m = n * c, n * (n + 2)
     s = K.splits(k)
