@@ -34,7 +34,7 @@ alone (a fixed partial count; zero tokens appended are zero rows or whole zero M
 Its speed, from first principles (not yet timed; T = 4096, K = 8192, accumulating): HBM bytes x 67 MB + D 67 MB + dx
 67 MB + partials 6.3 MB written and read: ~210 MB, ~50 us at 4.2 TB/s. 1024 CTAs (128 column slices, the fastest
 grid index, x 8 partials) of 128 threads; ptxas -v (sm_90): 128 registers (the ``__launch_bounds__(128, 4)`` cap; 4
-bytes spilled when accumulating), 50 KB of shared memory: 4 CTAs, 16 warps an SM, 2 waves. A block's global loads
+bytes spilled when accumulating), 51.5 KB of shared memory: 4 CTAs, 16 warps an SM, 2 waves. A block's global loads
 (x, D, dP: 22 KB a CTA) go into registers first and stay in flight across the barriers: ~88 KB an SM against the ~35
 KB that HBM's bandwidth x latency asks. Shared-memory wavefronts a 64 x 64 tile: ~1600 (the second GEMM's operands
 are not K-major: 96 scalar loads a warp, 2-way conflicts, ~770; G staged through padded rows: ~380; ldmatrix and
