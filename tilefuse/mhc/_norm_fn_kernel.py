@@ -231,8 +231,8 @@ def norm_fn_bwd_kernel(K: int, M: int, accumulate: bool):
 def _bwd_mma_kernel(K: int, M: int, accumulate: bool):
     """The backward on TF32 tensor cores, one pass over x; same parameters as ``norm_fn_bwd_kernel``'s.
 
-    CTA ``(p, kc)`` owns partial ``p`` and the ``MMA_COLS`` columns ``kc``: it keeps its weight slice ``W~ [32,
-    Kt]`` (rows past M zero) in shared memory and its weight-gradient partial ``[32, Kt]`` in MMA fragments, and
+    CTA ``(kc, p)`` owns the ``MMA_COLS`` columns ``kc`` and partial ``p``: it keeps its weight slice (transposed,
+    ``[Kt, 32]``, rows past M zero) in shared memory and its weight-gradient partial ``[32, Kt]`` in MMA fragments, and
     walks the token blocks ``p, p + P, ...`` of ``MMA_TOKENS`` in order. Per block: ``dP~ [Tt, 32]`` and x (bf16,
     exact in TF32) into shared memory; ``G = dP~ W~`` (MMA, from zero) and ``dW_p += dP~^T x`` (MMA); then per
     element ``dx = bf16((D + G) + (2 x) dQ)`` (round-to-nearest adds, ``D`` = the destination's content or 0).
