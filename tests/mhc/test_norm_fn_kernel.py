@@ -16,6 +16,12 @@ Tolerances, derived once here from §3 (norm_fn rows):
 * bitwise where the kernel's chain is fixed: the residual gradient (each product of two TF32 values, or of a TF32
   and a bf16 value, is exact in fp32, so the fma chain equals a chain of rounded adds that torch reproduces) and
   the weight gradient (the same, partials over token blocks ``b mod PARTIALS``, then the in-order partial sum).
+
+The tensor-core backward (knob ``BWD_MMA``, the ``knobs`` GPU tests through ``knob_kernels``) sums in the MMA's
+order: its results are held to the same tolerances against the reference (and its launch to them against the
+float64 GEMMs), plus determinism, batch invariance of dx, dW's bits independent of dx's destination and of zero
+tokens appended, graph replay and compile. On the CPU its generated CUDA runs with the warp instructions emulated
+(``MMA_SHIM``, itself checked on the forward kernel that passes on the H200).
 """
 import pytest
 import torch
@@ -66,6 +72,26 @@ def test_bench_only_configs_build(name, cfg):
     assert "__global__" in _jit.compile_kernel(name, cfg, "sm_90").get_kernel_source()
 
 
+BWD_CONFIGS = [cfg for name, cfg in norm_fn_configs() + BENCH_ONLY if name == "mhc_norm_fn_bwd"]
+
+
+def _build_mma(monkeypatch, cfg):
+    """The tensor-core backward (``BWD_MMA``) at ``cfg``, built for sm_90 outside tilefuse's caches."""
+    import tilelang
+
+    monkeypatch.setattr(K, "BWD_MMA", True)
+    return tilelang.compile(K.norm_fn_bwd_kernel(*cfg), target={"kind": "cuda", "arch": "sm_90"},
+                            execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("cfg", BWD_CONFIGS, ids=str)
+def test_mma_backward_builds_for_sm90(cfg, monkeypatch):
+    src = _build_mma(monkeypatch, cfg).get_kernel_source()
+    assert "kTensorFloat32" in src and "atomic" not in src and "__fmaf_rn(" not in src
+    assert f"__launch_bounds__({K.MMA_THREADS}, {K.MMA_MIN_BLOCKS})" in src
+
+
 @pytest.mark.compile
 def test_tf32_round_is_the_spec_recipe():
     # 1 + 2^-11 is a tie at bit 13: away from zero -> 1 + 2^-10; just below rounds down; negatives mirror
@@ -107,6 +133,18 @@ def test_launchers_bind(n, c, monkeypatch):
     assert calls[0].env == {"Tn": T}
     assert calls[1].env == {"Tn": T, "P": K.PARTIALS}
     assert calls[2].env == {"P": K.PARTIALS, "N": m * k}
+
+
+@pytest.mark.compile
+def test_mma_launcher_binds_its_partials(monkeypatch):
+    monkeypatch.setattr(K, "BWD_MMA", True)
+    calls = fake_jit(monkeypatch)
+    T, k, m = 37, 4 * 1280, 24
+    K.norm_fn_gemm_bwd_launch(torch.randn(T, m), torch.randn(T), torch.randn(T, k).to(BF16), torch.randn(m, k),
+                              torch.empty(T, k, dtype=BF16), torch.empty(m, k), True)
+    assert [(cl.name, cl.cfg) for cl in calls] == [("mhc_norm_fn_bwd", (k, m, True)), ("mhc_norm_fn_dw_sum", ())]
+    assert calls[0].env == {"Tn": T, "P": K.MMA_PARTIALS}
+    assert calls[1].env == {"P": K.MMA_PARTIALS, "N": m * k}
 
 
 @pytest.mark.compile
@@ -394,6 +432,124 @@ def test_torch_compile_fullgraph():
         assert torch.equal(a, b)
 
 
+# ---- the tensor-core backward (knob BWD_MMA): its own MMA summation order, so against the reference ----
+
+MMA_KNOBS = {"BWD_MMA": True}
+MMA_VARIANTS = [MMA_KNOBS, {**MMA_KNOBS, "MMA_TOKENS": 32, "MMA_PARTIALS": 16, "MMA_MIN_BLOCKS": 5}]  # swept
+
+
+def _model_bwd64(d_mul, d_sq, x, fn, D=None):
+    """``(dx, dW)`` of the backward GEMMs in float64 from the kernels' TF32 operands (dx before its bf16 rounding)."""
+    dp, w, xd = K.tf32_round(d_mul).to(F64), K.tf32_round(fn).to(F64), x.to(F64)
+    dx = dp @ w + 2 * xd * d_sq.to(F64).unsqueeze(1)
+    return dx if D is None else dx + D.to(F64), dp.T @ xd
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", GRID_N)
+@pytest.mark.parametrize("c", GRID_C)
+def test_mma_backward_against_reference(n, c, knob_kernels):
+    knob_kernels(K, MMA_KNOBS)
+    for T in TOKENS:
+        residual, fn, _, d_out = _inputs(T, n, c)
+        out, dx, d_fn, _ = _grads(residual, fn, None, d_out)
+        want_dx, want_fn, _ = _ref_grads(residual, fn, None, d_out)
+        torch.testing.assert_close(dx.to(F64), want_dx.to(BF16).to(F64), **DX_TOL)
+        torch.testing.assert_close(d_fn.to(F64), want_fn, **DW_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, c", [(2, 1280), (4, 4096)])
+@pytest.mark.parametrize("knobs", MMA_VARIANTS, ids=str)
+def test_mma_gemm_backward_launch(n, c, knobs, knob_kernels):
+    """The launch with poisoned destinations against the float64 GEMMs of its operands: dx is ``bf16`` of a sum
+    off the exact one by at most the MMA's accumulation error (``M <= 32`` exact products: a few fp32 ulps of
+    their magnitudes), so within the bf16 tolerance; dW by the spec's; and the weight gradient's bits do not depend
+    on the residual gradient's destination (accumulated into or not, whatever its content)."""
+    knob_kernels(K, knobs)
+    k, m = n * c, n * (n + 2)
+    for T in (1, 7, 4001):
+        residual, fn, _, _ = _inputs(T, n, c)
+        x = residual.view(T, k)
+        d_mul = torch.randn(T, m, device="cuda") * 1e-1
+        d_sq = torch.randn(T, device="cuda") * 1e-3
+        D = torch.randn(T, k, device="cuda").to(BF16)
+        dws = []
+        for accumulate in (False, True):
+            dx = D.clone() if accumulate else torch.full((T, k), NAN, device="cuda", dtype=BF16)
+            d_fn = torch.full((m, k), NAN, device="cuda")
+            K.norm_fn_gemm_bwd_launch(d_mul, d_sq, x, fn, dx, d_fn, accumulate)
+            want_dx, want_dw = _model_bwd64(d_mul, d_sq, x, fn, D if accumulate else None)
+            torch.testing.assert_close(dx.to(F64), want_dx.to(BF16).to(F64), **DX_TOL)
+            torch.testing.assert_close(d_fn.to(F64), want_dw, **DW_TOL)
+            dws.append(d_fn)
+        assert torch.equal(dws[0], dws[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", GRID_N)
+def test_mma_deterministic_and_batch_invariant(n, knob_kernels):
+    knob_kernels(K, MMA_KNOBS)
+    residual, fn, _, d_out = _inputs(8192, n, 4096)
+    first = _grads(residual, fn, None, d_out)
+    for _ in range(2):
+        again = _grads(residual, fn, None, d_out)
+        for a, b in zip(first[:3], again[:3]):
+            assert torch.equal(a, b)
+    # a token's dx is a function of the token alone (each MMA output row reads its own row of dP~)
+    for sl in (slice(1234, 1241), slice(8191, 8192), slice(0, 1), slice(64, 4001)):
+        out, dx, _, _ = _grads(residual[:, sl].clone(), fn, None, d_out[:, sl].clone())
+        assert torch.equal(out, first[0][:, sl])
+        assert torch.equal(dx, first[1][:, sl])
+
+
+@pytest.mark.gpu
+def test_mma_weight_gradient_bits_follow_the_token_blocks(knob_kernels):
+    # as the default's: a fixed partial count and a token's block t // MMA_TOKENS; zero tokens appended are zero
+    # rows of the block's MMA (the same operands where the kernel masked them) and whole MMAs of zeros after it
+    knob_kernels(K, MMA_KNOBS)
+    residual, fn, _, d_out = _inputs(4001, 4, 2560)
+    _, _, d_fn, _ = _grads(residual, fn, None, d_out)
+    pad_r = torch.cat([residual, torch.zeros_like(residual[:, :1000])], 1)
+    pad_d = torch.cat([d_out, torch.zeros_like(d_out[:, :1000])], 1)
+    _, _, d_fn_pad, _ = _grads(pad_r, fn, None, pad_d)
+    assert torch.equal(d_fn, d_fn_pad)
+
+
+@pytest.mark.gpu
+def test_mma_cuda_graph_and_compile(knob_kernels):
+    knob_kernels(K, MMA_KNOBS)
+    T, k, m = 4001, 4 * 2560, 24
+    residual, fn, _, d_out = _inputs(T, 4, 2560)
+    x = residual.view(T, k)
+    static = [x.clone(), fn.clone(), torch.randn(T, m, device="cuda"), torch.randn(T, device="cuda")]
+    dx, d_fn = torch.empty_like(x), torch.empty(m, k, device="cuda")
+
+    def launch():
+        K.norm_fn_gemm_bwd_launch(static[2], static[3], static[0], static[1], dx, d_fn, False)
+
+    launch()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    static[2].copy_(torch.randn_like(static[2]))
+    dx.fill_(NAN)
+    d_fn.fill_(NAN)
+    graph.replay()
+    torch.cuda.synchronize()
+    got = [dx.clone(), d_fn.clone()]
+    launch()
+    assert torch.equal(got[0], dx) and torch.equal(got[1], d_fn)
+    compiled = torch.compile(lambda r, f: mhc_pre_norm_fn(r, f, None, EPS, fuse_grad_acc=False), fullgraph=True)
+    r, f = residual.detach().clone().requires_grad_(True), fn.detach().clone().requires_grad_(True)
+    out = compiled(r, f)
+    out.backward(d_out)
+    want = _grads(residual, fn, None, d_out)
+    for a, b in zip((out.detach(), r.grad, f.grad), want[:3]):
+        assert torch.equal(a, b)
+
+
 # ---- the backward kernels' CUDA source, run on the CPU ----
 
 EMU_EXTRA = r"""
@@ -406,10 +562,10 @@ static inline void __syncthreads() { g_cta_bar->arrive_and_wait(); }
 """
 
 
-def _emulate(src: str, name: str, threads: int, workdir):
+def _emulate(src: str, name: str, threads: int, workdir, extra: str = ""):
     """Compile ``name`` of the generated CUDA ``src`` for the CPU (``post_emulation``'s shim plus a 2-D block index,
     the CTA's dynamic shared memory and ``__syncthreads`` as a barrier of the CTA's host threads; CTAs run one
-    after another). Returns ``run(tensors: dict, scalars: dict, grid: (x, y))``."""
+    after another; ``extra``: more shim). Returns ``run(tensors: dict, scalars: dict, grid: (x, y))``."""
     import ctypes
     import re
 
@@ -423,7 +579,7 @@ def _emulate(src: str, name: str, threads: int, workdir):
     cargs = ", ".join(f"int64_t {a}" if s else f"void* {a}" for a, s in zip(names, scalar))
     call = ", ".join(a if s else f"({p.rsplit(' ', 1)[0].replace('__restrict__', '').strip()}){a}"
                      for p, a, s in zip(params, names, scalar))
-    shim = emu.SHIM.replace("struct Idx { unsigned x; };", "struct Idx { unsigned x, y; };") + EMU_EXTRA
+    shim = emu.SHIM.replace("struct Idx { unsigned x; };", "struct Idx { unsigned x, y; };") + EMU_EXTRA + extra
     cpp = shim + body.replace('extern "C" __global__', "static") + f"""
 extern "C" void run({cargs}, int64_t gx, int64_t gy) {{
   std::barrier<> bar({threads}); g_cta_bar = &bar;
@@ -474,3 +630,130 @@ def test_backward_source_on_cpu_bitwise(n, c, accumulate, tmp_path):
         want_dx, want_dw = _model_gemm_bwd(d_mul, d_sq, x, fn, D if accumulate else None)
         assert torch.equal(dx, want_dx), T
         assert torch.equal(d_fn.view(m, k), want_dw), T
+
+
+# The warp-level instructions of the tensor-core backward, for the CPU: each warp's 32 host threads exchange their
+# registers through arrays at a barrier of the warp. ``ldmatrix.x4`` (b16): lane l gives the address of row l % 8
+# of matrix l / 8 and receives, of each matrix i, the 32-bit word (l / 4, l % 4). ``mma.m16n8k8`` TF32 (PTX ISA
+# fragment layouts, g = l / 4, c = l % 4): A (g, c) (g + 8, c) (g, c + 4) (g + 8, c + 4); B (k = c, n = g)
+# (c + 4, g); C/D (g, 2c) (g, 2c + 1) (g + 8, 2c) (g + 8, 2c + 1); the forward's in-warp sum ``tl::AllReduce`` as
+# its butterfly of ``__shfl_xor_sync``. The operands' low 13 bits are dropped (TF32);
+# the products are exact in double and their sum with C is rounded once to fp32 (the hardware's order and rounding
+# of the sum are not specified: the test compares the result with a bound, not bitwise).
+MMA_SHIM = r"""
+struct uint1 { uint x; };
+struct __nv_bfloat162 { bfloat16_t x, y; };
+static inline float2 __bfloat1622float2(__nv_bfloat162 v) { return float2{(float)v.x, (float)v.y}; }
+static inline uint __pack_nv_bfloat162(bfloat16_t a, bfloat16_t b) { return (uint)a.s | ((uint)b.s << 16); }
+static inline float2 make_float2(float a, float b) { return float2{a, b}; }
+static inline float4 make_float4(float a, float b, float c, float d) { return float4{a, b, c, d}; }
+static inline uint4 make_uint4(uint a, uint b, uint c, uint d) { return uint4{a, b, c, d}; }
+static inline uint1 make_uint1(uint a) { return uint1{a}; }
+namespace tl {
+enum class DataType { kTensorFloat32, kFloat32 };
+static std::barrier<> g_warp_bar[8] = {std::barrier<>(32), std::barrier<>(32), std::barrier<>(32),
+  std::barrier<>(32), std::barrier<>(32), std::barrier<>(32), std::barrier<>(32), std::barrier<>(32)};
+static const void* g_rows[8][32];
+static unsigned g_a[8][32][4], g_b[8][32][2];
+static float g_shfl[8][32];
+static inline float warp_xor(float v, int d) {
+  unsigned w = threadIdx.x / 32, l = threadIdx.x % 32;
+  g_shfl[w][l] = v;
+  g_warp_bar[w].arrive_and_wait();
+  float r = g_shfl[w][l ^ d];
+  g_warp_bar[w].arrive_and_wait();
+  return r;
+}
+struct SumOp {};
+template <int> struct NamedBarrier {};
+template <class Op, int threads, int scale, int offset, class Bar> struct AllReduce {
+  static float run(float x) { for (int d = threads / 2; d >= scale; d /= 2) x = x + warp_xor(x, d); return x; }
+};
+static inline double tf32(unsigned u) { u &= ~0x1FFFu; float f; std::memcpy(&f, &u, 4); return f; }
+static inline void ptx_ldmatrix_x4(const void* p, void* out) {
+  unsigned w = threadIdx.x / 32, l = threadIdx.x % 32;
+  g_rows[w][l] = p;
+  g_warp_bar[w].arrive_and_wait();
+  for (int i = 0; i < 4; ++i) ((unsigned*)out)[i] = ((const unsigned*)g_rows[w][i * 8 + l / 4])[l % 4];
+  g_warp_bar[w].arrive_and_wait();
+}
+template <DataType A, DataType B, DataType C, int M, int N, int K, bool TA, bool TB>
+static inline void mma_sync(float* c, const unsigned* a, const unsigned* b) {
+  static_assert(M == 16 && N == 8 && K == 8 && !TA && TB, "m16n8k8 TN only");
+  unsigned w = threadIdx.x / 32, l = threadIdx.x % 32;
+  for (int i = 0; i < 4; ++i) g_a[w][l][i] = a[i];
+  for (int i = 0; i < 2; ++i) g_b[w][l][i] = b[i];
+  g_warp_bar[w].arrive_and_wait();
+  double As[16][8], Bs[8][8];
+  for (int q = 0; q < 32; ++q) {
+    int g = q / 4, k = q % 4;
+    As[g][k] = tf32(g_a[w][q][0]); As[g + 8][k] = tf32(g_a[w][q][1]);
+    As[g][k + 4] = tf32(g_a[w][q][2]); As[g + 8][k + 4] = tf32(g_a[w][q][3]);
+    Bs[k][g] = tf32(g_b[w][q][0]); Bs[k + 4][g] = tf32(g_b[w][q][1]);
+  }
+  g_warp_bar[w].arrive_and_wait();
+  int g = l / 4, k = l % 4;
+  const int row[4] = {g, g, g + 8, g + 8}, col[4] = {2 * k, 2 * k + 1, 2 * k, 2 * k + 1};
+  for (int i = 0; i < 4; ++i) {
+    double acc = c[i];
+    for (int j = 0; j < 8; ++j) acc += As[row[i]][j] * Bs[j][col[i]];
+    c[i] = (float)acc;
+  }
+}
+}  // namespace tl
+"""
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="needs g++")
+@pytest.mark.parametrize("n, c", [(2, 256), (4, 256)])
+@pytest.mark.parametrize("accumulate", (False, True))
+@pytest.mark.parametrize("knobs", MMA_VARIANTS, ids=str)
+def test_mma_backward_source_on_cpu(n, c, accumulate, knobs, tmp_path, monkeypatch):
+    """The tensor-core backward's generated CUDA, run on the CPU with the warp instructions emulated (``MMA_SHIM``):
+    its tiles, fragment layouts, guards and barriers give the GEMMs of the float64 model (dx within one bf16 rounding
+    of it: the emulated MMA errs by an fp32 rounding per call; dW within 2^-20 of the sum of |terms|), every element
+    written; token counts that leave partials empty, end mid-block and wrap the partials more than once; dW's bits
+    the same whether dx accumulates or not."""
+    k, m = n * c, n * (n + 2)
+    for name, value in knobs.items():
+        monkeypatch.setattr(K, name, value)
+    src = _build_mma(monkeypatch, (k, m, accumulate)).get_kernel_source()
+    bwd = _emulate(src, "mhc_norm_fn_bwd_kernel", K.MMA_THREADS, tmp_path / "bwd", MMA_SHIM)
+    parts = K.MMA_PARTIALS
+    for T in (1, 37, 100, 2 * parts * K.MMA_TOKENS + 5):
+        x = torch.randn(T, k).to(BF16)
+        fn = torch.randn(m, k) * 1e-2
+        d_mul, d_sq = torch.randn(T, m), torch.randn(T) * 1e-2
+        D = torch.randn(T, k).to(BF16)
+        dx = D.clone() if accumulate else torch.full((T, k), NAN, dtype=BF16)
+        dwp = torch.full((parts, m, k), NAN)
+        bwd(dict(DP=K.tf32_round(d_mul), DQ=d_sq, X=x, W=K.tf32_round(fn), DX=dx, DWP=dwp),
+            dict(P=parts, Tn=T), (k // K.MMA_COLS, parts))
+        want_dx, want_dw = _model_bwd64(d_mul, d_sq, x, fn, D if accumulate else None)
+        env_dx, env_dw = _model_bwd64(d_mul.abs(), d_sq.abs(), x.abs(), fn.abs(), D.abs() if accumulate else None)
+        # bf16 of a value within 2^-20 env of the model: off the model by half a bf16 ulp of it plus that
+        assert ((dx.to(F64) - want_dx).abs() <= want_dx.abs() * 2.0 ** -8 + env_dx * 2.0 ** -20).all(), T
+        dw = dwp.to(F64).sum(0)
+        assert ((dw - want_dw).abs() <= env_dw * 2.0 ** -20).all(), T
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="needs g++")
+def test_mma_shim_runs_the_forward(tmp_path):
+    """``MMA_SHIM`` checked on the forward kernel (its TF32 MMA passes the GPU tier on the H200): the forward's
+    CUDA source, run on the CPU with it, gives its split partials within the bound of
+    ``test_partials_launch_poisoned``."""
+    n, c, T = 2, 256, 100
+    k, m = n * c, n * (n + 2)
+    s = K.splits(k)
+    src = _jit.compile_kernel("mhc_norm_fn_fwd", (k, m), "sm_90", export=False).get_kernel_source()
+    fwd = _emulate(src, "mhc_norm_fn_fwd_kernel", K.FWD_THREADS, tmp_path / "fwd", MMA_SHIM)
+    x = torch.randn(T, k).to(BF16)
+    w = K.tf32_round(torch.randn(m, k) * 1e-2)
+    out_mul, sqrsum = torch.full((s, T, m), NAN), torch.full((s, T), NAN)
+    fwd(dict(X=x, W=w, P=out_mul, Q=sqrsum), dict(Tn=T), (-(-T // K.FWD_TOKENS), s))
+    pm, qm = R.mhc_pre_norm_fn_partials_ref(x.view(1, T, n, c).to(F64), w.to(F64), s)
+    env = R.mhc_pre_norm_fn_partials_ref(x.view(1, T, n, c).to(F64).abs(), w.abs().to(F64), s)[0]
+    assert ((out_mul.to(F64) - pm[:, :, 0]).abs() <= 2 * (k // s) * 2.0 ** -24 * env[:, :, 0]).all()
+    assert ((sqrsum.to(F64) - qm[:, :, 0]).abs() <= (k // s) * 2.0 ** -24 * qm[:, :, 0]).all()

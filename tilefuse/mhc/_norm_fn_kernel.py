@@ -19,6 +19,31 @@ count, not the SM count) is the fma chain over blocks ``p, p + PARTIALS, ...`` i
 order inside a block, from zero. A CTA owns one partial and a slice of ``COLS`` columns. ``mhc_norm_fn_dw_sum``
 then adds the partials ``[PARTIALS, M, K]`` in increasing ``p`` from zero, one thread per element. No atomics.
 
+Tensor-core backward (knob ``BWD_MMA = True``; the default is the CUDA-core kernel above, measured on the H200 at
+357 us for T = 4096, K = 8192, M = 24: its per-token 24-step fma chains and 48 weight-gradient fmas a column are
+issue and latency bound). Both GEMMs on TF32 tensor cores (§2.2.3), one pass over x: a CTA owns partial ``p`` of
+``MMA_PARTIALS`` and ``MMA_COLS`` columns; per block of ``MMA_TOKENS`` tokens (blocks ``p, p + P, ...`` in order)
+``G = dP~ W~`` and ``dW_p += dP~^T x`` (fp32 accumulators in MMA fragments across the blocks), then ``dx = bf16((D
++ G) + (2 x) dQ)``; the same ``mhc_norm_fn_dw_sum`` adds the partials in order. Results: not the default's bits (the
+MMA's summation order is its own): dx is the bf16 rounding of a value within ``~2 M u sum_j |dP~_j W~_jk|`` (M exact
+products summed in fp32 by the MMA) plus a rounded add or two of the exact one, inside the bf16 tolerance; dW sums
+the same exact products as the default in another fixed order (the spec's atol/rtol). Deterministic and batch
+invariant as the default: a token's dx reads only its own row of every operand; dW's bits depend on the token count
+alone (a fixed partial count; zero tokens appended are zero rows or whole zero MMAs, which leave the sums' bits).
+
+Its speed, from first principles (not yet timed; T = 4096, K = 8192, accumulating): HBM bytes x 67 MB + D 67 MB + dx
+67 MB + partials 6.3 MB written and read: ~210 MB, ~50 us at 4.2 TB/s. 1024 CTAs (128 column slices, the fastest
+grid index, x 8 partials) of 128 threads; ptxas -v (sm_90): 128 registers (the ``__launch_bounds__(128, 4)`` cap; 4
+bytes spilled when accumulating), 51.5 KB of shared memory: 4 CTAs, 16 warps an SM, 2 waves. A block's global loads
+(x, D, dP: 22 KB a CTA) go into registers first and stay in flight across the barriers: ~88 KB an SM against the ~35
+KB that HBM's bandwidth x latency asks. Shared-memory wavefronts a 64 x 64 tile: ~1600 (the second GEMM's operands
+are not K-major: 96 scalar loads a warp, 2-way conflicts, ~770; G staged through padded rows: ~380; ldmatrix and
+tile stores ~450), 62 tiles an SM: ~100k cycles, ~55 us at 1.8 GHz, overlapping the HBM time. Tensor work is small
+(64 MMAs a warp a tile, ~10 us). Expected: 70-100 us for the kernel at 4096 x 2048 (3.5-5x the default), 1.4-2x the
+copy time; over ~130 us would say barriers/latency (4 a tile, 4 CTAs an SM) dominate and a register double buffer of
+the next block is the next step; if the shared-memory estimate is the limit, a bf16 second GEMM (dP~ = hi + lo, two
+exact bf16 halves; ldmatrix.trans) halves its operand traffic.
+
 Kernels take ``K % 256 == 0`` and ``1 <= M <= 32`` (``takes``); the public op keeps the reference for other shapes.
 """
 
@@ -43,6 +68,13 @@ BWD_KPT = 2      # backward: columns a thread owns (its weight columns and weigh
 COLS = BWD_THREADS * BWD_KPT  # backward: columns per CTA
 TOKEN_BLOCK = 32
 PARTIALS = 16    # weight-gradient partials (fixed: the gradient's bits do not depend on the device)
+BWD_MMA = False  # tuning knob: True runs both backward GEMMs on TF32 tensor cores (``_bwd_mma_kernel``)
+MMA_TOKENS = 64  # tensor-core backward: tokens per step (its block of the weight-gradient partials)
+MMA_COLS = 64    # tensor-core backward: columns per CTA
+MMA_THREADS = 128
+MMA_PARTIALS = 8  # tensor-core backward: weight-gradient partials (fixed, as PARTIALS)
+GS_PAD = 8       # tensor-core backward: G's staging rows are BK + 8 floats (its fragment stores: no bank conflict)
+MMA_MIN_BLOCKS = 4  # tensor-core backward: __launch_bounds__' CTAs per SM (65536 / (128 * 4) = 128 registers)
 SUM_THREADS = 256
 
 BF16 = "bfloat16"
@@ -122,14 +154,24 @@ def norm_fn_fwd_kernel(K: int, M: int):
 
 # ---- backward: residual gradient and weight-gradient partials ----
 
+def bwd_partials() -> int:
+    """The weight-gradient partial count of the backward kernel the knobs select."""
+    return MMA_PARTIALS if BWD_MMA else PARTIALS
+
+
 def norm_fn_bwd_kernel(K: int, M: int, accumulate: bool):
-    """Factory: ``DP [T, M]`` (TF32-rounded), ``DQ [T]``, ``X [T, K]`` bf16, ``W [M, K]`` (TF32-rounded) ->
-    ``DX [T, K]`` bf16 (read first as ``D`` when ``accumulate``; may be the same buffer as nothing else reads
-    it) and the partials ``DWP [P, M, K]`` (one CTA per partial and ``COLS`` columns; P symbolic). A thread keeps
-    its columns' weight-gradient sums in registers and its weight columns in shared memory (ptxas -v, sm_90, K = 16384:
-    146 registers a thread, 3 CTAs an SM; 175 and 2 with the weight in registers too). Not yet timed (no GPU).
+    """Factory (``BWD_MMA`` selects ``_bwd_mma_kernel`` instead): ``DP [T, M]`` (TF32-rounded), ``DQ [T]``, ``X [T,
+    K]`` bf16, ``W [M, K]`` (TF32-rounded) -> ``DX [T, K]`` bf16 (read first as ``D`` when ``accumulate``; may be
+    the same buffer as nothing else reads it) and the partials ``DWP [P, M, K]`` (one CTA per partial and ``COLS``
+    columns; P symbolic). A thread keeps its columns' weight-gradient sums in registers and its weight columns in
+    shared memory (ptxas -v, sm_90, K = 16384: 146 registers a thread, 3 CTAs an SM; 175 and 2 with the weight in
+    registers too). The bench row ``mhc_pre_norm_fn_bwd`` (this kernel, the roundings and the partial sum) on the
+    H200: 357 us at T = 4096, K = 8192 and 1023 us at T = 8192, K = 16384.
     """
     import tilelang.language as T
+
+    if BWD_MMA:
+        return _bwd_mma_kernel(K, M, accumulate)
 
     assert takes(K, M), (K, M)
     KPT, TB = BWD_KPT, TOKEN_BLOCK
@@ -182,6 +224,81 @@ def norm_fn_bwd_kernel(K: int, M: int, accumulate: bool):
             for j in T.unroll(M):
                 for e in T.unroll(KPT):
                     DWP[pp, j, k0 + e] = aw[j * KPT + e]
+
+    return mhc_norm_fn_bwd
+
+
+def _bwd_mma_kernel(K: int, M: int, accumulate: bool):
+    """The backward on TF32 tensor cores, one pass over x; same parameters as ``norm_fn_bwd_kernel``'s.
+
+    CTA ``(kc, p)`` owns the ``MMA_COLS`` columns ``kc`` and partial ``p``: it keeps its weight slice (transposed,
+    ``[Kt, 32]``, rows past M zero) in shared memory and its weight-gradient partial ``[32, Kt]`` in MMA fragments, and
+    walks the token blocks ``p, p + P, ...`` of ``MMA_TOKENS`` in order. Per block: ``dP~ [Tt, 32]`` and x (bf16,
+    exact in TF32) into shared memory; ``G = dP~ W~`` (MMA, from zero) and ``dW_p += dP~^T x`` (MMA); then per
+    element ``dx = bf16((D + G) + (2 x) dQ)`` (round-to-nearest adds, ``D`` = the destination's content or 0).
+    """
+    import tilelang.language as T
+
+    assert takes(K, M) and K % MMA_COLS == 0, (K, M)
+    BT, BK, MP = MMA_TOKENS, MMA_COLS, MAX_M
+    Tn, P = T.dynamic("Tn, P", I64)
+
+    @T.prim_func
+    def mhc_norm_fn_bwd(DP: T.Tensor((Tn, M), F32), DQ: T.Tensor((Tn,), F32), X: T.Tensor((Tn, K), BF16),
+                        W: T.Tensor((M, K), F32), DX: T.Tensor((Tn, K), BF16), DWP: T.Tensor((P, M, K), F32)):
+        # column slices first in launch order: the CTAs resident together read whole rows of x and D
+        with T.Kernel(K // BK, P, threads=MMA_THREADS) as (kc, p):
+            if MMA_MIN_BLOCKS:
+                T.annotate_min_blocks_per_sm(MMA_MIN_BLOCKS)
+            ws = T.alloc_shared((BK, MP), F32)  # W~ slice transposed: K-major, as the MMA loads it (ldmatrix)
+            dps = T.alloc_shared((BT, MP), F32)
+            xs = T.alloc_shared((BT, BK), F32)
+            gs = T.alloc_shared((BT, BK + GS_PAD), F32)
+            dqs = T.alloc_shared((BT,), F32)
+            xb = T.alloc_fragment((BT, BK), BF16)
+            db = T.alloc_fragment((BT, BK), BF16)
+            o = T.alloc_fragment((BT, BK), BF16)
+            g = T.alloc_fragment((BT, BK), F32)
+            gf = T.alloc_fragment((BT, BK), F32)
+            dw = T.alloc_fragment((MP, BK), F32)
+            pp = T.cast(p, I64)
+            c0 = kc * BK
+            for kk, j in T.Parallel(BK, MP):
+                ws[kk, j] = T.if_then_else(j < M, W[T.min(j, M - 1), c0 + kk], T.float32(0.0))
+            T.clear(dw)
+            for r in T.serial(T.ceildiv(T.ceildiv(Tn, BT) - pp, P)):
+                t0 = (pp + r * P) * BT
+                # the block's global loads first, into registers: they stay in flight across the barriers below
+                for i, kk in T.Parallel(BT, BK):
+                    xb[i, kk] = T.if_then_else(t0 + i < Tn, X[T.min(t0 + i, Tn - 1), c0 + kk], T.bfloat16(0.0))
+                if accumulate:
+                    for i, kk in T.Parallel(BT, BK):
+                        db[i, kk] = DX[T.min(t0 + i, Tn - 1), c0 + kk]
+                for i, j in T.Parallel(BT, MP):
+                    dps[i, j] = T.if_then_else(t0 + i < Tn and j < M, DP[T.min(t0 + i, Tn - 1), T.min(j, M - 1)],
+                                               T.float32(0.0))
+                for i in T.Parallel(BT):
+                    dqs[i] = T.if_then_else(t0 + i < Tn, DQ[T.min(t0 + i, Tn - 1)], T.float32(0.0))
+                for i, kk in T.Parallel(BT, BK):
+                    xs[i, kk] = T.cast(xb[i, kk], F32)
+                T.gemm(dps, ws, g, transpose_B=True, clear_accum=True)
+                T.gemm(dps, xs, dw, transpose_A=True)
+                for i, kk in T.Parallel(BT, BK):  # G to the layout of x's registers, through shared memory
+                    gs[i, kk] = g[i, kk]
+                for i, kk in T.Parallel(BT, BK):
+                    gf[i, kk] = gs[i, kk]
+                for i, kk in T.Parallel(BT, BK):
+                    x2 = T.cast(xb[i, kk], F32) * T.float32(2.0)  # exact
+                    if accumulate:
+                        o[i, kk] = T.cast(_add(_add(T.cast(db[i, kk], F32), gf[i, kk]), _mul(x2, dqs[i])), BF16)
+                    else:
+                        o[i, kk] = T.cast(_add(gf[i, kk], _mul(x2, dqs[i])), BF16)
+                for i, kk in T.Parallel(BT, BK):
+                    if t0 + i < Tn:
+                        DX[t0 + i, c0 + kk] = o[i, kk]
+            for j, kk in T.Parallel(MP, BK):
+                if j < M:
+                    DWP[pp, j, c0 + kk] = dw[j, kk]
 
     return mhc_norm_fn_bwd
 
@@ -249,10 +366,11 @@ def norm_fn_gemm_bwd_launch(out_mul_grad, sqrsum_grad, x, fn, x_grad, fn_grad, a
     if T_ == 0:
         fn_grad.zero_()
         return
-    dwp = torch.empty(PARTIALS, M, K, dtype=torch.float32, device=x.device)
+    parts = bwd_partials()
+    dwp = torch.empty(parts, M, K, dtype=torch.float32, device=x.device)
     _jit.get("mhc_norm_fn_bwd", (K, M, bool(accumulate)))(tf32_round(out_mul_grad), sqrsum_grad.contiguous(), x,
                                                            tf32_round(fn), x_grad, dwp)
-    _jit.get("mhc_norm_fn_dw_sum", ())(dwp.view(PARTIALS, M * K), fn_grad.view(M * K))
+    _jit.get("mhc_norm_fn_dw_sum", ())(dwp.view(parts, M * K), fn_grad.view(M * K))
 
 
 # ---- torch.library registration (torch.compile / fake tensors) ----
