@@ -306,3 +306,162 @@ def test_torch_compile_fullgraph():
     (d,) = torch.autograd.grad(y, xl, g.view(1, 4001, 4, 4))
     assert torch.equal(y.detach().view(4001, 4, 4), _fwd(x, 20))
     assert torch.equal(d.view(4001, 4, 4), _bwd(g, x, 20))
+
+
+# ---- the per-thread variant (knob PER_THREAD): the same bits as the lane kernels ----
+
+# Knob sets of the per-thread kernels the GPU tier runs (each against the default kernels' bits). The first runs the
+# whole grid of n and repeat; the others the bench's n = 4 at a short and the bench's chain.
+PT_VARIANTS = ({"PER_THREAD": True},
+               {"PER_THREAD": True, "FAST_DIV": False},
+               {"PER_THREAD": True, "RCP_APPROX": False, "PT_KEEP": 2, "PT_THREADS": 64})
+
+
+def test_trees_are_the_butterflies_lane_sums():
+    """The per-thread kernels' row / column trees end with lane 0's bits of the butterfly model, for every group."""
+    for n in N_VALUES:
+        v = torch.randn(50, n, n) * torch.tensor([1.0, 2.0 ** -24, 1e3, -1.0][:n]).view(1, 1, n)
+        for over in ("row", "col"):
+            want = _bsum(v, over).reshape(50, n * n)
+            flat = v.reshape(50, n * n)
+            for gi in range(n):
+                got = SK._tree([flat[:, q] for q in SK._members(n, over, gi)], torch.add)
+                assert torch.equal(got, want[:, SK._members(n, over, gi)[0]])
+
+
+def test_shared_reciprocal_quotient_is_ieee_in_its_range(tmp_path):
+    """q0 = RN(a y), q = RN(q0 + y (a - d q0)) with y = RN(1/d) is RN(a/d) (Markstein), checked bit for bit on 10^7
+    random operand pairs across the whole range the per-thread kernels take it in (g++, no contraction)."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++")
+    src = tmp_path / "markstein.cpp"
+    src.write_text(r"""
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+static float from(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+static uint32_t to(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+extern "C" long run(long count, int dlo, int dhi, int nlo, int nhi) {
+  std::mt19937_64 r(12345);
+  long bad = 0;
+  for (long i = 0; i < count; i++) {
+    float d = from(uint32_t(127 + dlo + long(r() % (dhi - dlo))) << 23 | uint32_t(r() & 0x7fffff));
+    float a = from(uint32_t(127 + nlo + long(r() % (nhi - nlo))) << 23 | uint32_t(r() & 0x7fffff) | uint32_t(r() & 1) << 31);
+    float y = 1.0f / d, q0 = a * y;
+    float q = std::fmaf(y, std::fmaf(-d, q0, a), q0);
+    bad += to(q) != to(a / d);
+  }
+  return bad;
+}
+""")
+    lib = tmp_path / "markstein.so"
+    subprocess.run(["g++", "-O2", "-ffp-contract=off", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    run = ctypes.CDLL(str(lib)).run
+    run.restype = ctypes.c_long
+    log2 = lambda v: int(round(__import__("math").log2(v)))  # noqa: E731
+    dlo, dhi, nlo, nhi = (log2(v) for v in (SK.DIV_DEN_LO, SK.DIV_DEN_HI, SK.DIV_NUM_LO, SK.DIV_NUM_HI))
+    assert run(ctypes.c_long(10_000_000), dlo, dhi, nlo, nhi) == 0
+    # outside the range (subnormal quotients) the shortcut is wrong for some pairs: the range check is needed
+    assert run(ctypes.c_long(1_000_000), 1, 20, -126, -110) > 0
+
+
+def _pt_configs():
+    cfgs = [("mhc_sinkhorn_fwd", (n,)) for n in N_VALUES]
+    cfgs += [("mhc_sinkhorn_bwd", (n, r)) for n in N_VALUES for r in (1, 3)]
+    cfgs += [("mhc_sinkhorn_bwd", (4, r)) for r in SK.BENCH_REPEATS + (MAX_REPEAT,)]
+    return cfgs
+
+
+def _build_with(monkeypatch, knobs, name, cfg):
+    import tilelang
+
+    for k, v in knobs.items():
+        monkeypatch.setattr(SK, k, v)
+    return tilelang.compile(_jit._FACTORIES[name][0](*cfg), target={"kind": "cuda", "arch": "sm_90"},
+                            execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name,cfg", _pt_configs(), ids=str)
+def test_per_thread_variant_builds_for_sm90(name, cfg, monkeypatch):
+    import re
+
+    src = _build_with(monkeypatch, PT_VARIANTS[0], name, cfg)
+    n = cfg[0]
+    assert "__shfl" not in src and "__syncthreads" not in src  # no lane exchange: every thread owns its matrix
+    assert "expf(" in src and "__expf" not in src and "__fdividef(1" in src
+    assert not re.search(r"__fdividef\((?!1\.0f|0x1p\+0f)", src)  # only the reciprocal's MUFU seed
+    # the per-step sums are trees of __fadd_rn: softmax row sums (n - 1 adds each) at least
+    assert src.count("__fadd_rn(") >= n * (n - 1)
+    if name == "mhc_sinkhorn_bwd":
+        assert re.search(r"__shared__.*float kept\[", src) or "kept" in src
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("knobs", PT_VARIANTS[1:], ids=str)
+def test_per_thread_knob_sets_build_for_sm90(knobs, monkeypatch):
+    for name, cfg in (("mhc_sinkhorn_fwd", (4,)), ("mhc_sinkhorn_bwd", (4, 20))):
+        src = _build_with(monkeypatch, knobs, name, cfg)
+        assert "__shfl" not in src
+        assert ("__fdividef" in src) == (knobs.get("FAST_DIV", True) and knobs.get("RCP_APPROX", True))
+
+
+def _variant_grid(i):
+    if i == 0:
+        return [(n, r) for n in N_VALUES for r in REPEATS + (MAX_REPEAT,)]
+    return [(4, 3), (4, 20)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("i", range(len(PT_VARIANTS)), ids=lambda i: str(PT_VARIANTS[i]))
+def test_per_thread_variant_gives_the_lane_kernels_bits(i, knob_kernels):
+    """Every per-thread knob set gives the default kernels' bits, forward and backward, over T in the issue's list,
+    standard, wide (30) and huge (1e4) logits, eps = 1e-6 and eps = 0 (exact zeros: the IEEE fallback)."""
+    cases = []
+    for n, repeat in _variant_grid(i):
+        for t in (1, 7, 4001, 8192):
+            for scale, eps in ((1.0, EPS), (30.0, EPS), (1e4, EPS), (30.0, 0.0)):
+                if (t, scale, eps) != (8192, 1.0, EPS) and t == 8192:
+                    continue
+                x = torch.randn(t, n, n, device="cuda") * scale
+                g = torch.randn(t, n, n, device="cuda")
+                y, d = _nan(t, n, n), _nan(t, n, n)
+                mhc_sinkhorn_fwd(x, y, repeat, eps)
+                mhc_sinkhorn_bwd(g, x, d, repeat, eps)
+                cases.append((x, g, repeat, eps, y, d))
+    knob_kernels(SK, PT_VARIANTS[i])
+    for x, g, repeat, eps, want_y, want_d in cases:
+        y, d = _nan(*x.shape), _nan(*x.shape)
+        mhc_sinkhorn_fwd(x, y, repeat, eps)
+        mhc_sinkhorn_bwd(g, x, d, repeat, eps)
+        assert torch.equal(y, want_y), (x.shape, repeat, eps)
+        assert torch.equal(d, want_d), (x.shape, repeat, eps)
+    x, g = _inputs(4001, 4)  # and the reference (the default's tolerance)
+    _close(_fwd(x, 20), sinkhorn_normalize_ref(x, 20, EPS))
+    _close(_bwd(g, x, 20), sinkhorn_normalize_bwd_ref(g, x, 20, EPS))
+
+
+@pytest.mark.gpu
+def test_per_thread_variant_bench_row_batch_invariance_and_graphs(knob_kernels):
+    x, g = _inputs(32768, 4)
+    want_y, want_d = _fwd(x, 20), _bwd(g, x, 20)
+    knob_kernels(SK, PT_VARIANTS[0])
+    assert torch.equal(_fwd(x, 20), want_y) and torch.equal(_bwd(g, x, 20), want_d)
+    for lo, hi in ((0, 1), (5, 12), (4001, 4001 + 37), (32767, 32768)):
+        assert torch.equal(_fwd(x[lo:hi].clone(), 20), want_y[lo:hi])
+        assert torch.equal(_bwd(g[lo:hi].clone(), x[lo:hi].clone(), 20), want_d[lo:hi])
+    out, d_x = _nan(4001, 4, 4), _nan(4001, 4, 4)
+    xs, gs = x[:4001].clone(), g[:4001].clone()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mhc_sinkhorn_fwd(xs, out, 20, EPS)
+        mhc_sinkhorn_bwd(gs, xs, d_x, 20, EPS)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want_y[:4001]) and torch.equal(d_x, want_d[:4001])
