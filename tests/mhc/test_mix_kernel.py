@@ -421,3 +421,74 @@ def test_the_partial_count_is_a_constant_not_the_sm_count():
     for device in (torch.device("cuda", 0), torch.device("cuda", 3)):
         assert K.num_partials(device) == F.num_partials(device) == K.PARTIALS
     assert K.num_partials(torch.device("cpu")) == 1
+
+
+# ---- the multi-warp backward variant (knob BWD_WARPS) and the partial sum's loads in flight (PARTIAL_ROWS) ----
+
+# Knob sets the GPU tier runs against the default kernels' bits: 2 warps (the bench's two blocks a partial at
+# T = 8192 in one round), 3 (rounds that end part-way, W not a power of two) and 4 with the wider partial loads.
+MIX_VARIANTS = ({"BWD_WARPS": 2, "PARTIAL_ROWS": 64}, {"BWD_WARPS": 3}, {"BWD_WARPS": 4, "PARTIAL_ROWS": 128})
+
+
+def _variant_source(monkeypatch, knobs, name, cfg):
+    import tilelang
+
+    for k, v in knobs.items():
+        monkeypatch.setattr(K, k, v)
+    return tilelang.compile(_jit._FACTORIES[name][0](*cfg), target={"kind": "cuda", "arch": "sm_90"},
+                            execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("knobs", MIX_VARIANTS, ids=str)
+@pytest.mark.parametrize("name, cfg", [c for c in mix_configs() if c[0].endswith("_bwd") or c[0] == "mhc_partials_sum"],
+                         ids=str)
+def test_variant_builds_for_sm90(knobs, name, cfg, monkeypatch):
+    import re
+
+    src = _variant_source(monkeypatch, knobs, name, cfg)
+    if name == "mhc_partials_sum":
+        assert re.search(rf"float vals\[{knobs.get('PARTIAL_ROWS', 16)}\];", src)
+        return
+    assert "expf(" in src and "__expf" not in src and "__fdividef" not in src
+    W = knobs["BWD_WARPS"]
+    assert f"__launch_bounds__({32 * W}" in src
+    # the round's block sums are added in block order, one unrolled add per warp: W adds of the tile per column
+    assert re.search(rf"for \(int ww = 0; ww < {W}; \+\+ww\)", src)
+    assert "atomic" not in src
+
+
+def _mix_outputs():
+    """Split-mixes and head-mix backward outputs (d_input, sums / partials) over the GPU grid, on the current
+    kernels."""
+    outs = []
+    for n in MULTS:
+        for T in TOKENS:
+            m, s, b, post, grads = _split_data(T, n)
+            outs += list(_split_bwd_cuda(m, s, b, post, grads))
+            x, hs, hb, g = _head_data(T, n)
+            for P in (1, 3, F.num_partials(torch.device("cuda"))):
+                for block in (0,) + HEAD_BLOCKS[1:]:
+                    outs += list(_head_bwd_cuda(x, hs, hb, g, P, block))
+    for P, M in ((1, 24), (132, 24), (133, 80), (7, 300)):
+        ps, pb = torch.randn(P, 3, device="cuda") * 100, torch.randn(P, M, device="cuda")
+        d_s, d_b = _poisoned(3), _poisoned(M)
+        K.partials_sum_launch(ps, pb, d_s, d_b)
+        outs += [d_s, d_b]
+    return outs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", MIX_VARIANTS, ids=str)
+def test_variant_gives_the_default_bits(knobs, knob_kernels):
+    """Each knob set gives the default kernels' d_input, d_scale / d_base and head partials bit for bit (the same
+    partial grouping and order) over T in {0, 1, 7, 4001, 8192}, n in {2, 4, 8}, P in {1, 3, 128} and token blocks
+    {32, 8, 50} (50: two 32-token chunks a block); the data are drawn from the same seed for both runs."""
+    seed = torch.initial_seed()
+    want = _mix_outputs()
+    knob_kernels(K, knobs)
+    torch.manual_seed(seed)
+    got = _mix_outputs()
+    assert len(got) == len(want)
+    for i, (a, c) in enumerate(zip(got, want)):
+        assert torch.equal(a, c), i

@@ -50,8 +50,8 @@ def _bsum(v, over):
     return _butterfly(v, over, torch.add)
 
 
-def _softmax(x):
-    e = torch.exp(x - _butterfly(x, "row", torch.maximum))
+def _softmax(x, exp=torch.exp):
+    e = exp(x - _butterfly(x, "row", torch.maximum))
     return e / _bsum(e, "row")
 
 
@@ -59,15 +59,15 @@ def _steps(repeat):
     return ["col" if s % 2 == 0 else "row" for s in range(2 * repeat - 1)]
 
 
-def model_fwd(x, repeat, eps):
-    a = _softmax(x) + eps
+def model_fwd(x, repeat, eps, exp=torch.exp):
+    a = _softmax(x, exp) + eps
     for over in _steps(repeat):
         a = a / (_bsum(a, over) + eps)
     return a
 
 
-def model_bwd(g, x, repeat, eps):
-    a0 = _softmax(x)
+def model_bwd(g, x, repeat, eps, exp=torch.exp):
+    a0 = _softmax(x, exp)
     a, kept = a0 + eps, []
     for over in _steps(repeat):
         den = _bsum(a, over) + eps
@@ -313,8 +313,8 @@ def test_torch_compile_fullgraph():
 # Knob sets of the per-thread kernels the GPU tier runs (each against the default kernels' bits). The first runs the
 # whole grid of n and repeat; the others the bench's n = 4 at a short and the bench's chain.
 PT_VARIANTS = ({"PER_THREAD": True},
-               {"PER_THREAD": True, "FAST_DIV": False},
-               {"PER_THREAD": True, "RCP_APPROX": False, "PT_KEEP": 2, "PT_THREADS": 64})
+               {"PER_THREAD": True, "FAST_DIV": False, "PT_KEEP": 2},
+               {"PER_THREAD": True, "RCP_APPROX": False, "PT_KEEP": 6, "PT_THREADS": 64})
 
 
 def test_trees_are_the_butterflies_lane_sums():
@@ -394,12 +394,12 @@ def test_per_thread_variant_builds_for_sm90(name, cfg, monkeypatch):
     src = _build_with(monkeypatch, PT_VARIANTS[0], name, cfg)
     n = cfg[0]
     assert "__shfl" not in src and "__syncthreads" not in src  # no lane exchange: every thread owns its matrix
-    assert "expf(" in src and "__expf" not in src and "__fdividef(1" in src
-    assert not re.search(r"__fdividef\((?!1\.0f|0x1p\+0f)", src)  # only the reciprocal's MUFU seed
+    assert "expf(" in src and "__expf" not in src and "__fdividef(0x1p+0f" in src
+    assert not re.search(r"__fdividef\((?!0x1p\+0f)", src)  # only the reciprocal's MUFU seed
     # the per-step sums are trees of __fadd_rn: softmax row sums (n - 1 adds each) at least
     assert src.count("__fadd_rn(") >= n * (n - 1)
-    if name == "mhc_sinkhorn_bwd":
-        assert re.search(r"__shared__.*float kept\[", src) or "kept" in src
+    if name == "mhc_sinkhorn_bwd":  # the kept iterates live in shared memory, the segment in registers
+        assert "kept[" in src and re.search(r"float u\[\d+\];", src)
 
 
 @pytest.mark.compile

@@ -40,6 +40,11 @@ KERNEL_HELPERS = ("tilefuse._rn",)  # part of this module's kernel cache key (_j
 MAX_N = 8        # largest multiplicity the kernels take (per-token arrays of n(n+2) floats in registers)
 THREADS = 128    # forward kernels and the partial sum: threads per CTA, one token (column) per thread
 LANES = 32       # backward kernels: threads per CTA, one token of a 32-token chunk per thread
+# backward kernels: warps per CTA (knob; 1 = the measured default). With W > 1 warp w of partial p's CTA takes its
+# blocks r = w, w + W, ... (one 32-token chunk per warp at a time), and the CTA adds the W block sums of a round
+# in block order: the same sums in the same order (the same bits), W blocks in flight instead of one
+BWD_WARPS = 1
+PARTIAL_ROWS = 16  # mhc_partials_sum: partials a thread loads at a time (in flight) before adding them in order
 
 F32 = "float32"
 I64 = "int64"
@@ -211,6 +216,8 @@ def split_mixes_bwd_kernel(n: int, TB: int):
 
     assert supports(n) and TB >= 1, (n, TB)
     M = n * (n + 2)
+    if BWD_WARPS > 1:
+        return _wide_bwd_kernel(True, n, TB)
     Tn, P = T.dynamic("Tn, P", I64)
     loop, F, CPT = _bwd_loop(True, n, TB)
 
@@ -240,6 +247,8 @@ def head_mix_bwd_kernel(n: int, TB: int):
     import tilelang.language as T
 
     assert supports(n) and TB >= 1, (n, TB)
+    if BWD_WARPS > 1:
+        return _wide_bwd_kernel(False, n, TB)
     Tn, P = T.dynamic("Tn, P", I64)
     loop, F, CPT = _bwd_loop(False, n, TB)
 
@@ -257,6 +266,125 @@ def head_mix_bwd_kernel(n: int, TB: int):
     return mhc_head_mix_bwd
 
 
+def _wide_bwd_kernel(split: bool, n: int, TB: int):
+    """The backward kernels with ``BWD_WARPS`` (W > 1) warps per CTA, launched like the one-warp kernels (one CTA
+    per partial, the same arguments). Partial ``p`` still sums its blocks ``p, p + P, ...`` in increasing order from
+    zero, and a block's sum adds its tokens in token order from zero (zero rows past ``TB`` or ``Tn``), exactly the
+    default loop's additions: warp ``w`` computes the block sums of blocks ``r = w, w + W, ...`` of the partial
+    (its own 32-row stage; column ``c`` summed by lane ``c`` of that warp, the 32 loads unrolled ahead of the adds),
+    puts them in a ``[W, F]`` tile, and after a barrier thread ``c`` adds the round's W block sums (those with
+    ``r < R``) in order to its running partial."""
+    import tilelang.language as T
+
+    W = BWD_WARPS
+    M, G = (n * (n + 2), 3) if split else (n, 1)
+    groups = _groups(n) if split else ((0, n),)
+    F = M + G
+    CPT = -(-F // LANES)             # columns a lane sums in its warp's stage
+    CPW = -(-F // (W * LANES))       # columns a thread adds into the partials
+    CHUNKS = -(-TB // LANES)
+    NT = W * LANES
+    Tn, P = T.dynamic("Tn, P", I64)
+
+    @T.macro
+    def body(Tn, P, p, tid, stage, tile, row, acc, bsum, PS, PB, bufs):
+        w = tid // LANES
+        lane = tid % LANES
+        R = T.ceildiv(T.ceildiv(Tn, TB) - p, P)  # blocks of this partial (<= 0: none)
+        for k in T.unroll(CPW):
+            acc[k] = T.float32(0.0)
+        for rr in T.serial(T.ceildiv(R, W)):
+            r = rr * W + w
+            blk = p + r * P
+            for k in T.unroll(CPT):
+                bsum[k] = T.float32(0.0)
+            for c in T.serial(CHUNKS):
+                within = c * LANES + lane
+                t = blk * TB + within
+                if r < R and within < TB and t < Tn:
+                    if split:
+                        DPRE, DPOST, DCOMB, X, POST, S, Bs, DX, v = bufs
+                        for i in T.unroll(n):
+                            sig = _sigmoid(_add(_mul(X[t, i], S[0]), Bs[i]))
+                            row[i] = _mul(_mul(DPRE[t, i], sig), _sub(T.float32(1.0), sig))
+                        for i in T.unroll(n):
+                            po = POST[t, i]
+                            row[n + i] = _mul(_mul(DPOST[t, i], po), _sub(T.float32(1.0), _div(po, v)))
+                        for q in T.unroll(n * n):
+                            row[2 * n + q] = DCOMB[t, q]
+                    else:
+                        DOUT, X, S, Bs, DX = bufs
+                        for i in T.unroll(n):
+                            sig = _sigmoid(_add(_mul(X[t, i], S[0]), Bs[i]))
+                            row[i] = _mul(_mul(sig, _sub(T.float32(1.0), sig)), DOUT[t, i])
+                    for g, (lo, hi) in enumerate(groups):
+                        for j in T.unroll(lo, hi):
+                            DX[t, j] = _mul(row[j], S[g])
+                        row[M + g] = _mul(row[lo], X[t, lo])
+                        for j in T.unroll(lo + 1, hi):
+                            row[M + g] = _add(row[M + g], _mul(row[j], X[t, j]))
+                else:
+                    for j in T.unroll(F):
+                        row[j] = T.float32(0.0)
+                for j in T.unroll(F):
+                    stage[w, lane, j] = row[j]
+                T.sync_threads()
+                for k in T.unroll(CPT):
+                    if k * LANES + lane < F:
+                        for s in T.unroll(LANES):
+                            bsum[k] = _add(bsum[k], stage[w, s, k * LANES + lane])
+                T.sync_threads()
+            for k in T.unroll(CPT):
+                if k * LANES + lane < F:
+                    tile[w, k * LANES + lane] = bsum[k]
+            T.sync_threads()
+            for k in T.unroll(CPW):
+                if k * NT + tid < F:
+                    for ww in T.unroll(W):
+                        if rr * W + ww < R:
+                            acc[k] = _add(acc[k], tile[ww, k * NT + tid])
+            T.sync_threads()
+        for k in T.unroll(CPW):
+            col = k * NT + tid
+            if col < M:
+                PB[p, col] = acc[k]
+            elif col < F:
+                PS[p, col - M] = acc[k]
+
+    if split:
+        @T.prim_func
+        def mhc_split_mixes_bwd(DPRE: T.Tensor((Tn, n), F32), DPOST: T.Tensor((Tn, n), F32),
+                                DCOMB: T.Tensor((Tn, n * n), F32), X: T.Tensor((Tn, M), F32),
+                                POST: T.Tensor((Tn, n), F32), S: T.Tensor((3,), F32), Bs: T.Tensor((M,), F32),
+                                DX: T.Tensor((Tn, M), F32), PS: T.Tensor((P, 3), F32), PB: T.Tensor((P, M), F32),
+                                v: T.float32):
+            with T.Kernel(P, threads=NT) as p:
+                stage = T.alloc_shared((W, LANES, F), F32)
+                tile = T.alloc_shared((W, F), F32)
+                row = T.alloc_local((F,), F32)
+                acc = T.alloc_local((CPW,), F32)
+                bsum = T.alloc_local((CPT,), F32)
+                body(Tn, P, T.cast(p, I64), T.get_thread_binding(), stage, tile, row, acc, bsum, PS, PB,
+                     (DPRE, DPOST, DCOMB, X, POST, S, Bs, DX, v))
+
+        return mhc_split_mixes_bwd
+
+    @T.prim_func
+    def mhc_head_mix_bwd(DOUT: T.Tensor((Tn, n), F32), X: T.Tensor((Tn, n), F32), S: T.Tensor((1,), F32),
+                         Bs: T.Tensor((n,), F32), DX: T.Tensor((Tn, n), F32), PS: T.Tensor((P, 1), F32),
+                         PB: T.Tensor((P, n), F32)):
+        with T.Kernel(P, threads=NT) as p:
+            stage = T.alloc_shared((W, LANES, F), F32)
+            tile = T.alloc_shared((W, F), F32)
+            row = T.alloc_local((F,), F32)
+            acc = T.alloc_local((CPW,), F32)
+            bsum = T.alloc_local((CPT,), F32)
+            body(Tn, P, T.cast(p, I64), T.get_thread_binding(), stage, tile, row, acc, bsum, PS, PB,
+                 (DOUT, X, S, Bs, DX))
+
+    return mhc_head_mix_bwd
+
+
 def partials_sum_kernel():
     """Factory: ``OS[g] = sum_p PS[p, g]`` and ``OB[j] = sum_p PB[p, j]``, each a left-to-right sum over
     ``p`` from zero, one thread per output column (all sizes symbolic: one binary). A thread loads ``ROWS``
@@ -264,7 +392,7 @@ def partials_sum_kernel():
     import tilelang.language as T
 
     P, G, M = T.dynamic("P, G, M", I64)
-    ROWS = 16
+    ROWS = PARTIAL_ROWS
 
     @T.macro
     def column_sum(A, col, acc, vals):
