@@ -411,6 +411,99 @@ def test_per_thread_knob_sets_build_for_sm90(knobs, monkeypatch):
         assert ("__fdividef" in src) == (knobs.get("FAST_DIV", True) and knobs.get("RCP_APPROX", True))
 
 
+# The per-thread kernels' generated CUDA run on the CPU (g++; one host call a thread, threads in turn: no thread
+# reads another's data). Shim: __fadd_rn / __fmul_rn one rounded operation (no contraction), __fmaf_rn = fmaf, the
+# reciprocal's MUFU seed __fdividef(1, d) = RN(1 / d) (the GPU's is within an ulp; the Newton step ends at RN(1 / d)
+# from either), expf = the float64 exponential rounded to fp32, the same exponential as the model below gets.
+_EMU_SHIM = r"""
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+typedef unsigned int uint;
+struct float4 { float x, y, z, w; };
+struct float2 { float x, y; };
+struct Idx { unsigned x; };
+static Idx threadIdx, blockIdx;
+#define __launch_bounds__(a, b)
+#define __restrict__
+static inline void cudaGridDependencySynchronize() {}
+static inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
+static inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
+static inline float __fmaf_rn(float a, float b, float c) { return std::fmaf(a, b, c); }
+static inline float __fdividef(float a, float b) { volatile float r = a / b; return r; }
+static inline float __frcp_rn(float b) { volatile float r = 1.0f / b; return r; }
+static inline float emu_expf(float x) { return (float)std::exp((double)x); }
+static inline float max(float a, float b) { return std::fmax(a, b); }
+static inline float min(float a, float b) { return std::fmin(a, b); }
+#define expf emu_expf
+"""
+
+
+def _emulated(src, kernel, threads, workdir):
+    """``run(blocks, **args)`` of ``kernel`` in ``src`` compiled for the CPU, arguments by the kernel's parameter
+    names (pointers: CPU tensors)."""
+    import ctypes
+    import re
+    import subprocess
+
+    body = src[src.index('extern "C" __global__ void __launch_bounds__'):]
+    body = re.sub(r"extern __shared__ __align__\(\d+\) float (\w+)\[\];", r"static float \1[1 << 20];", body)
+    params = [p.strip() for p in re.search(re.escape(kernel) + r"\(([^)]*)\)", body).group(1).split(",")]
+    names = [p.split()[-1] for p in params]
+    cpp = _EMU_SHIM + body.replace('extern "C" __global__', "static") + f"""
+extern "C" void run({", ".join(params)}, int64_t blocks) {{
+  for (int64_t b = 0; b < blocks; ++b) for (unsigned t = 0; t < {threads}; ++t) {{
+    blockIdx.x = (unsigned)b; threadIdx.x = t; {kernel}({", ".join(names)});
+  }}
+}}
+"""
+    (workdir / f"{kernel}.cpp").write_text(cpp)
+    lib = workdir / f"{kernel}.so"
+    subprocess.run(["g++", "-std=c++17", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-o", str(lib),
+                    str(workdir / f"{kernel}.cpp")], check=True, capture_output=True)
+    fn = ctypes.CDLL(str(lib)).run
+    kinds = {"float": ctypes.c_float, "int": ctypes.c_int, "int64_t": ctypes.c_int64}
+
+    def run(blocks, **args):
+        assert set(args) == set(names), (sorted(args), names)
+        conv = [ctypes.c_void_p(args[a].data_ptr()) if torch.is_tensor(args[a])
+                else kinds[p.rsplit(" ", 1)[0].strip()](args[a]) for p, a in zip(params, names)]
+        fn(*conv, ctypes.c_int64(blocks))
+
+    return run
+
+
+def _exp64(v):
+    return torch.exp(v.double()).float()
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("knobs", PT_VARIANTS, ids=str)
+@pytest.mark.parametrize("n,repeat", [(2, 1), (2, 3), (4, 1), (4, 3), (4, 10)])
+def test_per_thread_kernels_on_the_cpu_are_the_model_bit_for_bit(knobs, n, repeat, tmp_path, monkeypatch):
+    """The per-thread kernels' CUDA, run on the CPU, equals the model of the lane kernels' arithmetic (butterfly
+    sums, the backward's walk) bit for bit: standard, wide and huge logits, eps = 1e-6 and 0 (exact zeros: the IEEE
+    fallback), 37 matrices (a partial last CTA)."""
+    import shutil
+
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++")
+    fwd_src = _build_with(monkeypatch, knobs, "mhc_sinkhorn_fwd", (n,))
+    bwd_src = _build_with(monkeypatch, knobs, "mhc_sinkhorn_bwd", (n, repeat))
+    tpb = knobs.get("PT_THREADS", SK.PT_THREADS)
+    fwd = _emulated(fwd_src, "sinkhorn_fwd_kernel", tpb, tmp_path)
+    bwd = _emulated(bwd_src, "sinkhorn_bwd_kernel", tpb, tmp_path)
+    t = 37
+    blocks = -(-t // tpb)
+    for scale, eps in ((1.0, EPS), (30.0, EPS), (1e4, EPS), (30.0, 0.0)):
+        x, g = torch.randn(t, n, n) * scale, torch.randn(t, n, n)
+        y, d = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+        fwd(blocks, X=x, Y=y, eps=eps, num_tokens=t, repeat=repeat)
+        bwd(blocks, G=g, X=x, DX=d, eps=eps, num_tokens=t)
+        assert torch.equal(y, model_fwd(x, repeat, eps, _exp64)), (scale, eps)
+        assert torch.equal(d, model_bwd(g, x, repeat, eps, _exp64)), (scale, eps)
+
+
 def _variant_grid(i):
     if i == 0:
         return [(n, r) for n in N_VALUES for r in REPEATS + (MAX_REPEAT,)]
