@@ -492,3 +492,104 @@ def test_variant_gives_the_default_bits(knobs, knob_kernels):
     assert len(got) == len(want)
     for i, (a, c) in enumerate(zip(got, want)):
         assert torch.equal(a, c), i
+
+
+# The backward kernels' generated CUDA on the CPU (g++): every CTA's threads as host threads, __syncthreads a
+# barrier, shared memory one array a CTA (CTAs in turn), __f*_rn one rounded operation each (no contraction), expf
+# the C library's (the same function for both kernels compared).
+_CTA_SHIM = r"""
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <thread>
+#include <vector>
+typedef unsigned int uint;
+typedef unsigned char uchar;
+struct Idx { unsigned x; };
+thread_local Idx threadIdx, blockIdx;
+static std::barrier<>* g_bar;
+#define __launch_bounds__(a, b)
+#define __restrict__
+static inline void __syncthreads() { g_bar->arrive_and_wait(); }
+static inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
+static inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
+static inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
+static inline float __fdiv_rn(float a, float b) { volatile float r = a / b; return r; }
+"""
+
+
+def _cta_emulated(src, kernel, threads, workdir):
+    """``run(blocks, **args)``: ``kernel`` of ``src`` compiled for the CPU, arguments by parameter name."""
+    import ctypes
+    import re
+    import subprocess
+
+    body = src[src.index('extern "C" __global__ void __launch_bounds__'):]
+    body = re.sub(r"extern __shared__ __align__\(\d+\) (\w+) (\w+)\[\];", r"static \1 \2[1 << 18];", body)
+    params = [p.strip() for p in re.search(re.escape(kernel) + r"\(([^)]*)\)", body).group(1).split(",")]
+    names = [p.split()[-1] for p in params]
+    cpp = _CTA_SHIM + body.replace('extern "C" __global__', "static") + f"""
+extern "C" void run({", ".join(params)}, int64_t blocks) {{
+  for (int64_t b = 0; b < blocks; ++b) {{
+    std::barrier<> bar({threads}); g_bar = &bar;
+    std::vector<std::thread> th;
+    for (unsigned t = 0; t < {threads}; ++t)
+      th.emplace_back([=]() {{ blockIdx.x = (unsigned)b; threadIdx.x = t; {kernel}({", ".join(names)}); }});
+    for (auto& x : th) x.join();
+  }}
+}}
+"""
+    tag = abs(hash(cpp)) % 10 ** 8
+    (workdir / f"{kernel}{tag}.cpp").write_text(cpp)
+    lib = workdir / f"{kernel}{tag}.so"
+    subprocess.run(["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-pthread", "-o", str(lib),
+                    str(workdir / f"{kernel}{tag}.cpp")], check=True, capture_output=True)
+    fn = ctypes.CDLL(str(lib)).run
+    kinds = {"float": ctypes.c_float, "int64_t": ctypes.c_int64}
+
+    def run(blocks, **args):
+        assert set(args) == set(names), (sorted(args), names)
+        conv = [ctypes.c_void_p(args[a].data_ptr()) if torch.is_tensor(args[a])
+                else kinds[p.rsplit(" ", 1)[0].strip()](args[a]) for p, a in zip(params, names)]
+        fn(*conv, ctypes.c_int64(blocks))
+
+    return run
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("knobs", MIX_VARIANTS, ids=str)
+@pytest.mark.parametrize("n", (2, 4))
+def test_variant_on_the_cpu_gives_the_default_bits(knobs, n, tmp_path, monkeypatch):
+    """The backward kernels' CUDA run on the CPU: each knob set writes the default's d_input and partials bit for
+    bit (split mixes, token block 32; head mix, token blocks 32 and 50), over token counts with a partial last block
+    and partial counts with 0 to 5 blocks each; the partials also equal the reference's grouping to its tolerance."""
+    import shutil
+
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++")
+    M = n * (n + 2)
+    runs = {}
+    for tag, kn in (("default", {"BWD_WARPS": 1}), ("variant", knobs)):
+        runs[tag] = {(name, tb): _cta_emulated(_variant_source(monkeypatch, kn, name, (n, tb)), f"{name}_kernel",
+                                               32 * kn["BWD_WARPS"], tmp_path)
+                     for name, tb in (("mhc_split_mixes_bwd", 32), ("mhc_head_mix_bwd", 32), ("mhc_head_mix_bwd", 50))}
+    for T, P in ((1, 3), (700, 7), (1000, 5), (4001, 40)):
+        m, s, b, post, grads = _split_data(T, n)
+        x, hs, hb, hg = _head_data(T, n)
+        outs = {}
+        for tag, fns in runs.items():
+            dx, ps, pb = torch.full((T, M), NAN), torch.full((P, 3), NAN), torch.full((P, M), NAN)
+            fns["mhc_split_mixes_bwd", 32](P, DPRE=grads[0], DPOST=grads[1], DCOMB=grads[2], X=m, POST=post, S=s,
+                                           Bs=b, DX=dx, PS=ps, PB=pb, Tn=T, P=P, v=V)
+            got = [dx, ps, pb]
+            for tb in (32, 50):
+                hdx, hps, hpb = torch.full((T, n), NAN), torch.full((P, 1), NAN), torch.full((P, n), NAN)
+                fns["mhc_head_mix_bwd", tb](P, DOUT=hg, X=x, S=hs, Bs=hb, DX=hdx, PS=hps, PB=hpb, Tn=T, P=P)
+                got += [hdx, hps, hpb]
+            outs[tag] = got
+        for a, c in zip(outs["variant"], outs["default"]):
+            assert torch.equal(a, c), (T, P)
+        ri, rs, rb = R.mhc_pre_split_mixes_bwd_ref(*grads, m, post, s, b, V, P)
+        assert torch.equal(outs["variant"][0][:, 2 * n:], ri[:, 2 * n:])
+        torch.testing.assert_close(R.seq_sum(outs["variant"][1], 0), rs, **SPLIT_TOL)
+        torch.testing.assert_close(R.seq_sum(outs["variant"][2], 0), rb, **SPLIT_TOL)

@@ -25,6 +25,20 @@ one after another in token order (tail tokens past ``T`` add nothing). This is t
 ``[P, G]``, ``[P, M]`` are then summed over ``p`` in increasing order from zero by ``mhc_partials_sum``
 (one thread per column) -- the order of ``reference.mhc.seq_sum``, so that step is bit-identical to it.
 
+Multi-warp backward (knob ``BWD_WARPS``, 1 by default: the measured one-warp kernels). The one-warp backward runs
+P = 128 CTAs of one warp, each walking its partial's blocks one after another: at T = 8192 (256 blocks) two blocks
+a CTA, each a chain of DRAM loads, 8 IEEE divisions and 4 ``expf`` (about 0.4 µs), 24 scattered stores, a barrier
+and 32 dependent adds of the stage, then the partial sum's launch, which loads each column's 128 partials 16 at a
+time (8 dependent L2 round trips). With ``BWD_WARPS = W`` each partial's CTA has W warps; warp ``w`` takes blocks
+``r = w, w + W, ...`` (its own 32-row stage, its 32 stage loads unrolled ahead of the adds), and after a barrier
+thread ``c`` adds the round's block sums (``r < R``) to its running partial in block order: every addition of the
+default in the same order, so ``d_scale`` / ``d_base`` / the head partials keep their bits (GPU knob tests).
+``PARTIAL_ROWS`` (16) is the partial sum's loads in flight a thread: 64 makes its 128 partials two round trips.
+Expected at T = 8192, n = 4 (H200): one round of blocks instead of two (about -2 µs) and 2 partial-sum round trips
+instead of 8 (about -2 µs); the one-warp chain models to some 10-12 µs in all, so the measured 33.9 µs holds a part
+this model misses. Falsified if ``BWD_WARPS=2;PARTIAL_ROWS=64`` saves less than 3 µs: then the bound is outside the
+block chain (Nsight Compute on both kernels, ``tools/ncu_cases.py``, says where).
+
 Kernels take ``1 <= n <= MAX_N``; the public ops keep the reference path for larger n. Token counts and
 partial counts are symbolic (int64 indices): one binary per n (and token block) serves every batch.
 """
