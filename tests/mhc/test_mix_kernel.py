@@ -426,8 +426,11 @@ def test_the_partial_count_is_a_constant_not_the_sm_count():
 # ---- the multi-warp backward variant (knob BWD_WARPS) and the partial sum's loads in flight (PARTIAL_ROWS) ----
 
 # Knob sets the GPU tier runs against the default kernels' bits: 2 warps (the bench's two blocks a partial at
-# T = 8192 in one round), 3 (rounds that end part-way, W not a power of two) and 4 with the wider partial loads.
-MIX_VARIANTS = ({"BWD_WARPS": 2, "PARTIAL_ROWS": 64}, {"BWD_WARPS": 3}, {"BWD_WARPS": 4, "PARTIAL_ROWS": 128})
+# T = 8192 in one round) with the one-path partial sum loading all 128 partials at once and PDL, 3 warps (rounds
+# that end part-way, W not a power of two), 4 warps with 64 partials a load round.
+MIX_VARIANTS = ({"BWD_WARPS": 2, "PARTIAL_ROWS": 128, "PARTIAL_ONE_PATH": True, "MIX_PDL": True},
+                {"BWD_WARPS": 3},
+                {"BWD_WARPS": 4, "PARTIAL_ROWS": 64, "PARTIAL_ONE_PATH": True})
 
 
 def _variant_source(monkeypatch, knobs, name, cfg):
@@ -447,8 +450,11 @@ def test_variant_builds_for_sm90(knobs, name, cfg, monkeypatch):
     import re
 
     src = _variant_source(monkeypatch, knobs, name, cfg)
+    assert ("cudaGridDependencySynchronize" in src) == knobs.get("MIX_PDL", False)
     if name == "mhc_partials_sum":
         assert re.search(rf"float vals\[{knobs.get('PARTIAL_ROWS', 16)}\];", src)
+        # two code paths (scale columns, then base columns) or one whose loads pick the source
+        assert src.count("__fadd_rn(") == (1 if knobs.get("PARTIAL_ONE_PATH") else 2)
         return
     assert "expf(" in src and "__expf" not in src and "__fdividef" not in src
     W = knobs["BWD_WARPS"]
@@ -498,6 +504,7 @@ def test_variant_gives_the_default_bits(knobs, knob_kernels):
 # barrier, shared memory one array a CTA (CTAs in turn), __f*_rn one rounded operation each (no contraction), expf
 # the C library's (the same function for both kernels compared).
 _CTA_SHIM = r"""
+#include <algorithm>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -505,12 +512,15 @@ _CTA_SHIM = r"""
 #include <vector>
 typedef unsigned int uint;
 typedef unsigned char uchar;
+using std::max;
+using std::min;
 struct Idx { unsigned x; };
 thread_local Idx threadIdx, blockIdx;
 static std::barrier<>* g_bar;
 #define __launch_bounds__(a, b)
 #define __restrict__
 static inline void __syncthreads() { g_bar->arrive_and_wait(); }
+static inline void cudaGridDependencySynchronize() {}
 static inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
 static inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
 static inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
@@ -593,3 +603,22 @@ def test_variant_on_the_cpu_gives_the_default_bits(knobs, n, tmp_path, monkeypat
         assert torch.equal(outs["variant"][0][:, 2 * n:], ri[:, 2 * n:])
         torch.testing.assert_close(R.seq_sum(outs["variant"][1], 0), rs, **SPLIT_TOL)
         torch.testing.assert_close(R.seq_sum(outs["variant"][2], 0), rb, **SPLIT_TOL)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("knobs", MIX_VARIANTS, ids=str)
+def test_partials_sum_variant_on_the_cpu_is_the_in_order_sum(knobs, tmp_path, monkeypatch):
+    import shutil
+
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++")
+    fns = {tag: _cta_emulated(_variant_source(monkeypatch, kn, "mhc_partials_sum", ()), "mhc_partials_sum_kernel",
+                              K.THREADS, tmp_path)
+           for tag, kn in (("default", {"PARTIAL_ROWS": 16, "PARTIAL_ONE_PATH": False, "MIX_PDL": False}),
+                           ("variant", knobs))}
+    for P, G, M in ((1, 3, 24), (128, 3, 24), (133, 3, 80), (7, 1, 300)):
+        ps, pb = torch.randn(P, G) * 100, torch.randn(P, M)
+        for tag, fn in fns.items():
+            os_, ob = torch.full((G,), NAN), torch.full((M,), NAN)
+            fn(-(-(G + M) // K.THREADS), PS=ps, PB=pb, OS=os_, OB=ob, P=P, G=G, M=M)
+            assert torch.equal(os_, R.seq_sum(ps, 0)) and torch.equal(ob, R.seq_sum(pb, 0)), (tag, P, M)

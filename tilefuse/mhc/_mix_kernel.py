@@ -33,11 +33,16 @@ time (8 dependent L2 round trips). With ``BWD_WARPS = W`` each partial's CTA has
 ``r = w, w + W, ...`` (its own 32-row stage, its 32 stage loads unrolled ahead of the adds), and after a barrier
 thread ``c`` adds the round's block sums (``r < R``) to its running partial in block order: every addition of the
 default in the same order, so ``d_scale`` / ``d_base`` / the head partials keep their bits (GPU knob tests).
-``PARTIAL_ROWS`` (16) is the partial sum's loads in flight a thread: 64 makes its 128 partials two round trips.
-Expected at T = 8192, n = 4 (H200): one round of blocks instead of two (about -2 µs) and 2 partial-sum round trips
-instead of 8 (about -2 µs); the one-warp chain models to some 10-12 µs in all, so the measured 33.9 µs holds a part
-this model misses. Falsified if ``BWD_WARPS=2;PARTIAL_ROWS=64`` saves less than 3 µs: then the bound is outside the
-block chain (Nsight Compute on both kernels, ``tools/ncu_cases.py``, says where).
+The partial sum's one CTA runs its scale columns and its base columns as two divergent paths of one warp, each
+loading a column's 128 partials 16 at a time: 16 dependent L2 round trips one after another. ``PARTIAL_ROWS`` is the
+loads in flight a thread (128: all of them at once) and ``PARTIAL_ONE_PATH`` makes the two column kinds one path
+(each load picks its source): one round trip. ``MIX_PDL`` starts the multi-warp backward and the partial sum with
+``griddepcontrol.wait``, so the partial sum's launch overlaps the backward's tail. Expected at T = 8192, n = 4
+(H200): one round of blocks instead of two (about -2 µs), one partial-sum round trip instead of 16 (about -4 µs)
+and the second launch hidden (about -1 to -2 µs); the one-warp chain models to some 15 µs in all, so the measured
+33.9 µs holds a part this model misses. Falsified if ``BWD_WARPS=2;PARTIAL_ROWS=128;PARTIAL_ONE_PATH=True;
+MIX_PDL=True`` saves less than 5 µs: then the bound is elsewhere (Nsight Compute on both kernels,
+``tools/ncu_cases.py``, says where).
 
 Kernels take ``1 <= n <= MAX_N``; the public ops keep the reference path for larger n. Token counts and
 partial counts are symbolic (int64 indices): one binary per n (and token block) serves every batch.
@@ -59,6 +64,12 @@ LANES = 32       # backward kernels: threads per CTA, one token of a 32-token ch
 # in block order: the same sums in the same order (the same bits), W blocks in flight instead of one
 BWD_WARPS = 1
 PARTIAL_ROWS = 16  # mhc_partials_sum: partials a thread loads at a time (in flight) before adding them in order
+# mhc_partials_sum: one code path for the scale and base columns (each load picks its source by the column), so a
+# warp holding both kinds does not run the two paths one after the other (False: the measured two-path kernel)
+PARTIAL_ONE_PATH = False
+# the multi-warp backward and the partial sum start with griddepcontrol.wait (PDL): their launch overlaps the
+# previous kernel's tail (results unchanged; False: the measured kernels)
+MIX_PDL = False
 
 F32 = "float32"
 I64 = "int64"
@@ -373,6 +384,8 @@ def _wide_bwd_kernel(split: bool, n: int, TB: int):
                                 DX: T.Tensor((Tn, M), F32), PS: T.Tensor((P, 3), F32), PB: T.Tensor((P, M), F32),
                                 v: T.float32):
             with T.Kernel(P, threads=NT) as p:
+                if MIX_PDL:
+                    T.pdl_sync()
                 stage = T.alloc_shared((W, LANES, F), F32)
                 tile = T.alloc_shared((W, F), F32)
                 row = T.alloc_local((F,), F32)
@@ -388,6 +401,8 @@ def _wide_bwd_kernel(split: bool, n: int, TB: int):
                          Bs: T.Tensor((n,), F32), DX: T.Tensor((Tn, n), F32), PS: T.Tensor((P, 1), F32),
                          PB: T.Tensor((P, n), F32)):
         with T.Kernel(P, threads=NT) as p:
+            if MIX_PDL:
+                T.pdl_sync()
             stage = T.alloc_shared((W, LANES, F), F32)
             tile = T.alloc_shared((W, F), F32)
             row = T.alloc_local((F,), F32)
@@ -419,14 +434,36 @@ def partials_sum_kernel():
                 if ch * ROWS + r < P:
                     acc[0] = _add(acc[0], vals[r])
 
+    @T.macro
+    def one_path_sum(PS, PB, col, acc, vals, OS, OB):
+        # column col of [PS | PB]: the load picks PS or PB (indices clamped into both), the adds are column_sum's
+        acc[0] = T.float32(0.0)
+        for ch in T.serial(T.ceildiv(P, ROWS)):
+            for r in T.unroll(ROWS):
+                if ch * ROWS + r < P:
+                    vals[r] = T.if_then_else(col < G, PS[ch * ROWS + r, T.min(col, G - 1)],
+                                             PB[ch * ROWS + r, T.max(col - G, 0)])
+            for r in T.unroll(ROWS):
+                if ch * ROWS + r < P:
+                    acc[0] = _add(acc[0], vals[r])
+        if col < G:
+            OS[col] = acc[0]
+        else:
+            OB[col - G] = acc[0]
+
     @T.prim_func
     def mhc_partials_sum(PS: T.Tensor((P, G), F32), PB: T.Tensor((P, M), F32), OS: T.Tensor((G,), F32),
                          OB: T.Tensor((M,), F32)):
         with T.Kernel(T.ceildiv(G + M, THREADS), threads=THREADS) as bx:
+            if MIX_PDL:
+                T.pdl_sync()
             col = T.cast(bx, I64) * THREADS + T.get_thread_binding()
             acc = T.alloc_local((1,), F32)
             vals = T.alloc_local((ROWS,), F32)
-            if col < G:
+            if PARTIAL_ONE_PATH:
+                if col < G + M:
+                    one_path_sum(PS, PB, col, acc, vals, OS, OB)
+            elif col < G:
                 column_sum(PS, col, acc, vals)
                 OS[col] = acc[0]
             elif col < G + M:
