@@ -42,10 +42,12 @@ step; ``RCP_APPROX``), without its range branch. The plain IEEE division is a su
 branch: 10 instructions, and ptxas does not overlap two of them (each is a separate convergence region), so 16 of
 them a step in one thread would be a 16-deep serial chain.
 Expected (H200, 32768 matrices, 20 iterations; ptxas sm_90: forward 42 registers, backward 135 at repeat 20, no
-spills): a step costs one thread about 130 instructions (12 + 4 adds, about 36 for the range check, 4 x 5 for the
-reciprocals, 16 x 3 for the quotients), some 4 warp-instructions a matrix-step against about 7 for the lane kernels,
-with 16 independent quotients a step in flight. Forward: 1024 warps x 40 steps x 130 = 5.3 M warp-instructions,
-5 µs of issue on 132 SMs x 4 schedulers + launch and one DRAM pass: 7-9 µs (lane kernel 19.0, TileKernels 19.0).
+spills): a step costs one thread about 150 SASS instructions (16 adds, 36 min / max for the range check, 4 x 7 for
+the reciprocals, 16 x 3 for the quotients, the branch), some 4.7 warp-instructions a matrix-step against about 7 for
+the lane kernels, with 16 independent quotients a step in flight and a dependent chain of about 90 cycles a step
+against 300 issue cycles of the two warps a scheduler holds (issue-bound). Forward: 1024 warps x 40 steps x 150 =
+6.1 M warp-instructions, 6 µs of issue on 132 SMs x 4 schedulers + launch and one DRAM pass: 8-10 µs (lane kernel
+19.0, TileKernels 19.0).
 Backward: the iterate entering every ``PT_KEEP`` (4) steps is kept in shared memory (``[segment, element, thread]``,
 20 KB a CTA of 32 threads at repeat 20), each segment replayed into registers on the way back (29 extra steps);
 forward replay 39 + 29 steps, walk 39 steps of about 150 instructions: about 15 k instructions a thread, 1024 warps
