@@ -421,3 +421,204 @@ def test_the_partial_count_is_a_constant_not_the_sm_count():
     for device in (torch.device("cuda", 0), torch.device("cuda", 3)):
         assert K.num_partials(device) == F.num_partials(device) == K.PARTIALS
     assert K.num_partials(torch.device("cpu")) == 1
+
+
+# ---- the multi-warp backward variant (knob BWD_WARPS) and the partial sum's loads in flight (PARTIAL_ROWS) ----
+
+# Knob sets the GPU tier runs against the default kernels' bits: 2 warps (the bench's two blocks a partial at
+# T = 8192 in one round) with the one-path partial sum loading all 128 partials at once and PDL, 3 warps (rounds
+# that end part-way, W not a power of two), 4 warps with 64 partials a load round.
+MIX_VARIANTS = ({"BWD_WARPS": 2, "PARTIAL_ROWS": 128, "PARTIAL_ONE_PATH": True, "MIX_PDL": True},
+                {"BWD_WARPS": 3},
+                {"BWD_WARPS": 4, "PARTIAL_ROWS": 64, "PARTIAL_ONE_PATH": True})
+
+
+def _variant_source(monkeypatch, knobs, name, cfg):
+    import tilelang
+
+    for k, v in knobs.items():
+        monkeypatch.setattr(K, k, v)
+    return tilelang.compile(_jit._FACTORIES[name][0](*cfg), target={"kind": "cuda", "arch": "sm_90"},
+                            execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("knobs", MIX_VARIANTS, ids=str)
+@pytest.mark.parametrize("name, cfg", [c for c in mix_configs() if c[0].endswith("_bwd") or c[0] == "mhc_partials_sum"],
+                         ids=str)
+def test_variant_builds_for_sm90(knobs, name, cfg, monkeypatch):
+    import re
+
+    src = _variant_source(monkeypatch, knobs, name, cfg)
+    assert ("cudaGridDependencySynchronize" in src) == knobs.get("MIX_PDL", False)
+    if name == "mhc_partials_sum":
+        assert re.search(rf"float vals\[{knobs.get('PARTIAL_ROWS', 16)}\];", src)
+        # two code paths (scale columns, then base columns) or one whose loads pick the source
+        assert src.count("__fadd_rn(") == (1 if knobs.get("PARTIAL_ONE_PATH") else 2)
+        return
+    assert "expf(" in src and "__expf" not in src and "__fdividef" not in src
+    W = knobs["BWD_WARPS"]
+    assert f"__launch_bounds__({32 * W}" in src
+    # the round's block sums are added in block order, one unrolled add per warp: W adds of the tile per column
+    assert re.search(rf"for \(int ww = 0; ww < {W}; \+\+ww\)", src)
+    assert "atomic" not in src
+
+
+def _mix_outputs():
+    """Split-mixes and head-mix backward outputs (d_input, sums / partials) over the GPU grid, on the current
+    kernels."""
+    outs = []
+    for n in MULTS:
+        for T in TOKENS:
+            m, s, b, post, grads = _split_data(T, n)
+            outs += list(_split_bwd_cuda(m, s, b, post, grads))
+            x, hs, hb, g = _head_data(T, n)
+            for P in (1, 3, F.num_partials(torch.device("cuda"))):
+                for block in (0,) + HEAD_BLOCKS[1:]:
+                    outs += list(_head_bwd_cuda(x, hs, hb, g, P, block))
+    for P, M in ((1, 24), (132, 24), (133, 80), (7, 300)):
+        ps, pb = torch.randn(P, 3, device="cuda") * 100, torch.randn(P, M, device="cuda")
+        d_s, d_b = _poisoned(3), _poisoned(M)
+        K.partials_sum_launch(ps, pb, d_s, d_b)
+        outs += [d_s, d_b]
+    return outs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", MIX_VARIANTS, ids=str)
+def test_variant_gives_the_default_bits(knobs, knob_kernels):
+    """Each knob set gives the default kernels' d_input, d_scale / d_base and head partials bit for bit (the same
+    partial grouping and order) over T in {0, 1, 7, 4001, 8192}, n in {2, 4, 8}, P in {1, 3, 128} and token blocks
+    {32, 8, 50} (50: two 32-token chunks a block); the data are drawn from the same seed for both runs."""
+    seed = torch.initial_seed()
+    want = _mix_outputs()
+    knob_kernels(K, knobs)
+    torch.manual_seed(seed)
+    got = _mix_outputs()
+    assert len(got) == len(want)
+    for i, (a, c) in enumerate(zip(got, want)):
+        assert torch.equal(a, c), i
+
+
+# The backward kernels' generated CUDA on the CPU (g++): every CTA's threads as host threads, __syncthreads a
+# barrier, shared memory one array a CTA (CTAs in turn), __f*_rn one rounded operation each (no contraction), expf
+# the C library's (the same function for both kernels compared).
+_CTA_SHIM = r"""
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <thread>
+#include <vector>
+typedef unsigned int uint;
+typedef unsigned char uchar;
+using std::max;
+using std::min;
+struct Idx { unsigned x; };
+thread_local Idx threadIdx, blockIdx;
+static std::barrier<>* g_bar;
+#define __launch_bounds__(a, b)
+#define __restrict__
+static inline void __syncthreads() { g_bar->arrive_and_wait(); }
+static inline void cudaGridDependencySynchronize() {}
+static inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
+static inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
+static inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
+static inline float __fdiv_rn(float a, float b) { volatile float r = a / b; return r; }
+"""
+
+
+def _cta_emulated(src, kernel, threads, workdir):
+    """``run(blocks, **args)``: ``kernel`` of ``src`` compiled for the CPU, arguments by parameter name."""
+    import ctypes
+    import re
+    import subprocess
+
+    body = src[src.index('extern "C" __global__ void __launch_bounds__'):]
+    body = re.sub(r"extern __shared__ __align__\(\d+\) (\w+) (\w+)\[\];", r"static \1 \2[1 << 18];", body)
+    params = [p.strip() for p in re.search(re.escape(kernel) + r"\(([^)]*)\)", body).group(1).split(",")]
+    names = [p.split()[-1] for p in params]
+    cpp = _CTA_SHIM + body.replace('extern "C" __global__', "static") + f"""
+extern "C" void run({", ".join(params)}, int64_t blocks) {{
+  for (int64_t b = 0; b < blocks; ++b) {{
+    std::barrier<> bar({threads}); g_bar = &bar;
+    std::vector<std::thread> th;
+    for (unsigned t = 0; t < {threads}; ++t)
+      th.emplace_back([=]() {{ blockIdx.x = (unsigned)b; threadIdx.x = t; {kernel}({", ".join(names)}); }});
+    for (auto& x : th) x.join();
+  }}
+}}
+"""
+    tag = abs(hash(cpp)) % 10 ** 8
+    (workdir / f"{kernel}{tag}.cpp").write_text(cpp)
+    lib = workdir / f"{kernel}{tag}.so"
+    subprocess.run(["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-pthread", "-o", str(lib),
+                    str(workdir / f"{kernel}{tag}.cpp")], check=True, capture_output=True)
+    fn = ctypes.CDLL(str(lib)).run
+    kinds = {"float": ctypes.c_float, "int64_t": ctypes.c_int64}
+
+    def run(blocks, **args):
+        assert set(args) == set(names), (sorted(args), names)
+        conv = [ctypes.c_void_p(args[a].data_ptr()) if torch.is_tensor(args[a])
+                else kinds[p.rsplit(" ", 1)[0].strip()](args[a]) for p, a in zip(params, names)]
+        fn(*conv, ctypes.c_int64(blocks))
+
+    return run
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("knobs", MIX_VARIANTS, ids=str)
+@pytest.mark.parametrize("n", (2, 4))
+def test_variant_on_the_cpu_gives_the_default_bits(knobs, n, tmp_path, monkeypatch):
+    """The backward kernels' CUDA run on the CPU: each knob set writes the default's d_input and partials bit for
+    bit (split mixes, token block 32; head mix, token blocks 32 and 50), over token counts with a partial last block
+    and partial counts with 0 to 5 blocks each; the partials also equal the reference's grouping to its tolerance."""
+    import shutil
+
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++")
+    M = n * (n + 2)
+    runs = {}
+    for tag, kn in (("default", {"BWD_WARPS": 1}), ("variant", knobs)):
+        runs[tag] = {(name, tb): _cta_emulated(_variant_source(monkeypatch, kn, name, (n, tb)), f"{name}_kernel",
+                                               32 * kn["BWD_WARPS"], tmp_path)
+                     for name, tb in (("mhc_split_mixes_bwd", 32), ("mhc_head_mix_bwd", 32), ("mhc_head_mix_bwd", 50))}
+    for T, P in ((1, 3), (700, 7), (1000, 5), (4001, 40)):
+        m, s, b, post, grads = _split_data(T, n)
+        x, hs, hb, hg = _head_data(T, n)
+        outs = {}
+        for tag, fns in runs.items():
+            dx, ps, pb = torch.full((T, M), NAN), torch.full((P, 3), NAN), torch.full((P, M), NAN)
+            fns["mhc_split_mixes_bwd", 32](P, DPRE=grads[0], DPOST=grads[1], DCOMB=grads[2], X=m, POST=post, S=s,
+                                           Bs=b, DX=dx, PS=ps, PB=pb, Tn=T, P=P, v=V)
+            got = [dx, ps, pb]
+            for tb in (32, 50):
+                hdx, hps, hpb = torch.full((T, n), NAN), torch.full((P, 1), NAN), torch.full((P, n), NAN)
+                fns["mhc_head_mix_bwd", tb](P, DOUT=hg, X=x, S=hs, Bs=hb, DX=hdx, PS=hps, PB=hpb, Tn=T, P=P)
+                got += [hdx, hps, hpb]
+            outs[tag] = got
+        for a, c in zip(outs["variant"], outs["default"]):
+            assert torch.equal(a, c), (T, P)
+        ri, rs, rb = R.mhc_pre_split_mixes_bwd_ref(*grads, m, post, s, b, V, P)
+        assert torch.equal(outs["variant"][0][:, 2 * n:], ri[:, 2 * n:])
+        torch.testing.assert_close(R.seq_sum(outs["variant"][1], 0), rs, **SPLIT_TOL)
+        torch.testing.assert_close(R.seq_sum(outs["variant"][2], 0), rb, **SPLIT_TOL)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("knobs", MIX_VARIANTS, ids=str)
+def test_partials_sum_variant_on_the_cpu_is_the_in_order_sum(knobs, tmp_path, monkeypatch):
+    import shutil
+
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++")
+    fns = {tag: _cta_emulated(_variant_source(monkeypatch, kn, "mhc_partials_sum", ()), "mhc_partials_sum_kernel",
+                              K.THREADS, tmp_path)
+           for tag, kn in (("default", {"PARTIAL_ROWS": 16, "PARTIAL_ONE_PATH": False, "MIX_PDL": False}),
+                           ("variant", knobs))}
+    for P, G, M in ((1, 3, 24), (128, 3, 24), (133, 3, 80), (7, 1, 300)):
+        ps, pb = torch.randn(P, G) * 100, torch.randn(P, M)
+        for tag, fn in fns.items():
+            os_, ob = torch.full((G,), NAN), torch.full((M,), NAN)
+            fn(-(-(G + M) // K.THREADS), PS=ps, PB=pb, OS=os_, OB=ob, P=P, G=G, M=M)
+            assert torch.equal(os_, R.seq_sum(ps, 0)) and torch.equal(ob, R.seq_sum(pb, 0)), (tag, P, M)

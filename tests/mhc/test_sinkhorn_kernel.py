@@ -50,8 +50,8 @@ def _bsum(v, over):
     return _butterfly(v, over, torch.add)
 
 
-def _softmax(x):
-    e = torch.exp(x - _butterfly(x, "row", torch.maximum))
+def _softmax(x, exp=torch.exp):
+    e = exp(x - _butterfly(x, "row", torch.maximum))
     return e / _bsum(e, "row")
 
 
@@ -59,15 +59,15 @@ def _steps(repeat):
     return ["col" if s % 2 == 0 else "row" for s in range(2 * repeat - 1)]
 
 
-def model_fwd(x, repeat, eps):
-    a = _softmax(x) + eps
+def model_fwd(x, repeat, eps, exp=torch.exp):
+    a = _softmax(x, exp) + eps
     for over in _steps(repeat):
         a = a / (_bsum(a, over) + eps)
     return a
 
 
-def model_bwd(g, x, repeat, eps):
-    a0 = _softmax(x)
+def model_bwd(g, x, repeat, eps, exp=torch.exp):
+    a0 = _softmax(x, exp)
     a, kept = a0 + eps, []
     for over in _steps(repeat):
         den = _bsum(a, over) + eps
@@ -306,3 +306,257 @@ def test_torch_compile_fullgraph():
     (d,) = torch.autograd.grad(y, xl, g.view(1, 4001, 4, 4))
     assert torch.equal(y.detach().view(4001, 4, 4), _fwd(x, 20))
     assert torch.equal(d.view(4001, 4, 4), _bwd(g, x, 20))
+
+
+# ---- the per-thread variant (knob PER_THREAD): the same bits as the lane kernels ----
+
+# Knob sets of the per-thread kernels the GPU tier runs (each against the default kernels' bits). The first runs the
+# whole grid of n and repeat; the others the bench's n = 4 at a short and the bench's chain.
+PT_VARIANTS = ({"PER_THREAD": True},
+               {"PER_THREAD": True, "FAST_DIV": False, "PT_KEEP": 2},
+               {"PER_THREAD": True, "RCP_APPROX": False, "PT_KEEP": 6, "PT_THREADS": 64})
+
+
+def test_trees_are_the_butterflies_lane_sums():
+    """The per-thread kernels' row / column trees end with lane 0's bits of the butterfly model, for every group."""
+    for n in N_VALUES:
+        v = torch.randn(50, n, n) * torch.tensor([1.0, 2.0 ** -24, 1e3, -1.0][:n]).view(1, 1, n)
+        for over in ("row", "col"):
+            want = _bsum(v, over).reshape(50, n * n)
+            flat = v.reshape(50, n * n)
+            for gi in range(n):
+                got = SK._tree([flat[:, q] for q in SK._members(n, over, gi)], torch.add)
+                assert torch.equal(got, want[:, SK._members(n, over, gi)[0]])
+
+
+def test_shared_reciprocal_quotient_is_ieee_in_its_range(tmp_path):
+    """q0 = RN(a y), q = RN(q0 + y (a - d q0)) with y = RN(1/d) is RN(a/d) (Markstein), checked bit for bit on 10^7
+    random operand pairs across the whole range the per-thread kernels take it in (g++, no contraction)."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++")
+    src = tmp_path / "markstein.cpp"
+    src.write_text(r"""
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+static float from(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+static uint32_t to(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+extern "C" long run(long count, int dlo, int dhi, int nlo, int nhi) {
+  std::mt19937_64 r(12345);
+  long bad = 0;
+  for (long i = 0; i < count; i++) {
+    float d = from(uint32_t(127 + dlo + long(r() % (dhi - dlo))) << 23 | uint32_t(r() & 0x7fffff));
+    float a = from(uint32_t(127 + nlo + long(r() % (nhi - nlo))) << 23 | uint32_t(r() & 0x7fffff) | uint32_t(r() & 1) << 31);
+    float y = 1.0f / d, q0 = a * y;
+    float q = std::fmaf(y, std::fmaf(-d, q0, a), q0);
+    bad += to(q) != to(a / d);
+  }
+  return bad;
+}
+""")
+    lib = tmp_path / "markstein.so"
+    subprocess.run(["g++", "-O2", "-ffp-contract=off", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    run = ctypes.CDLL(str(lib)).run
+    run.restype = ctypes.c_long
+    log2 = lambda v: int(round(__import__("math").log2(v)))  # noqa: E731
+    dlo, dhi, nlo, nhi = (log2(v) for v in (SK.DIV_DEN_LO, SK.DIV_DEN_HI, SK.DIV_NUM_LO, SK.DIV_NUM_HI))
+    assert run(ctypes.c_long(10_000_000), dlo, dhi, nlo, nhi) == 0
+    # outside the range (subnormal quotients) the shortcut is wrong for some pairs: the range check is needed
+    assert run(ctypes.c_long(1_000_000), 1, 20, -126, -110) > 0
+
+
+def _pt_configs():
+    cfgs = [("mhc_sinkhorn_fwd", (n,)) for n in N_VALUES]
+    cfgs += [("mhc_sinkhorn_bwd", (n, r)) for n in N_VALUES for r in (1, 3)]
+    cfgs += [("mhc_sinkhorn_bwd", (4, r)) for r in SK.BENCH_REPEATS + (MAX_REPEAT,)]
+    return cfgs
+
+
+def _build_with(monkeypatch, knobs, name, cfg):
+    import tilelang
+
+    for k, v in knobs.items():
+        monkeypatch.setattr(SK, k, v)
+    return tilelang.compile(_jit._FACTORIES[name][0](*cfg), target={"kind": "cuda", "arch": "sm_90"},
+                            execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name,cfg", _pt_configs(), ids=str)
+def test_per_thread_variant_builds_for_sm90(name, cfg, monkeypatch):
+    import re
+
+    src = _build_with(monkeypatch, PT_VARIANTS[0], name, cfg)
+    n = cfg[0]
+    assert "__shfl" not in src and "__syncthreads" not in src  # no lane exchange: every thread owns its matrix
+    assert "expf(" in src and "__expf" not in src and "__fdividef(0x1p+0f" in src
+    assert not re.search(r"__fdividef\((?!0x1p\+0f)", src)  # only the reciprocal's MUFU seed
+    # the per-step sums are trees of __fadd_rn: softmax row sums (n - 1 adds each) at least
+    assert src.count("__fadd_rn(") >= n * (n - 1)
+    if name == "mhc_sinkhorn_bwd":  # the kept iterates live in shared memory, the segment in registers
+        assert "kept[" in src and re.search(r"float u\[\d+\];", src)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("knobs", PT_VARIANTS[1:], ids=str)
+def test_per_thread_knob_sets_build_for_sm90(knobs, monkeypatch):
+    for name, cfg in (("mhc_sinkhorn_fwd", (4,)), ("mhc_sinkhorn_bwd", (4, 20))):
+        src = _build_with(monkeypatch, knobs, name, cfg)
+        assert "__shfl" not in src
+        assert ("__fdividef" in src) == (knobs.get("FAST_DIV", True) and knobs.get("RCP_APPROX", True))
+
+
+# The per-thread kernels' generated CUDA run on the CPU (g++; one host call a thread, threads in turn: no thread
+# reads another's data). Shim: __fadd_rn / __fmul_rn one rounded operation (no contraction), __fmaf_rn = fmaf, the
+# reciprocal's MUFU seed __fdividef(1, d) = RN(1 / d) (the GPU's is within an ulp; the Newton step ends at RN(1 / d)
+# from either), expf = the float64 exponential rounded to fp32, the same exponential as the model below gets.
+_EMU_SHIM = r"""
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+typedef unsigned int uint;
+struct float4 { float x, y, z, w; };
+struct float2 { float x, y; };
+struct Idx { unsigned x; };
+static Idx threadIdx, blockIdx;
+#define __launch_bounds__(a, b)
+#define __restrict__
+static inline void cudaGridDependencySynchronize() {}
+static inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
+static inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
+static inline float __fmaf_rn(float a, float b, float c) { return std::fmaf(a, b, c); }
+static inline float __fdividef(float a, float b) { volatile float r = a / b; return r; }
+static inline float __frcp_rn(float b) { volatile float r = 1.0f / b; return r; }
+static inline float emu_expf(float x) { return (float)std::exp((double)x); }
+static inline float max(float a, float b) { return std::fmax(a, b); }
+static inline float min(float a, float b) { return std::fmin(a, b); }
+#define expf emu_expf
+"""
+
+
+def _emulated(src, kernel, threads, workdir):
+    """``run(blocks, **args)`` of ``kernel`` in ``src`` compiled for the CPU, arguments by the kernel's parameter
+    names (pointers: CPU tensors)."""
+    import ctypes
+    import re
+    import subprocess
+
+    body = src[src.index('extern "C" __global__ void __launch_bounds__'):]
+    body = re.sub(r"extern __shared__ __align__\(\d+\) float (\w+)\[\];", r"static float \1[1 << 20];", body)
+    params = [p.strip() for p in re.search(re.escape(kernel) + r"\(([^)]*)\)", body).group(1).split(",")]
+    names = [p.split()[-1] for p in params]
+    cpp = _EMU_SHIM + body.replace('extern "C" __global__', "static") + f"""
+extern "C" void run({", ".join(params)}, int64_t blocks) {{
+  for (int64_t b = 0; b < blocks; ++b) for (unsigned t = 0; t < {threads}; ++t) {{
+    blockIdx.x = (unsigned)b; threadIdx.x = t; {kernel}({", ".join(names)});
+  }}
+}}
+"""
+    (workdir / f"{kernel}.cpp").write_text(cpp)
+    lib = workdir / f"{kernel}.so"
+    subprocess.run(["g++", "-std=c++17", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-o", str(lib),
+                    str(workdir / f"{kernel}.cpp")], check=True, capture_output=True)
+    fn = ctypes.CDLL(str(lib)).run
+    kinds = {"float": ctypes.c_float, "int": ctypes.c_int, "int64_t": ctypes.c_int64}
+
+    def run(blocks, **args):
+        assert set(args) == set(names), (sorted(args), names)
+        conv = [ctypes.c_void_p(args[a].data_ptr()) if torch.is_tensor(args[a])
+                else kinds[p.rsplit(" ", 1)[0].strip()](args[a]) for p, a in zip(params, names)]
+        fn(*conv, ctypes.c_int64(blocks))
+
+    return run
+
+
+def _exp64(v):
+    return torch.exp(v.double()).float()
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("knobs", PT_VARIANTS, ids=str)
+@pytest.mark.parametrize("n,repeat", [(2, 1), (2, 3), (4, 1), (4, 3), (4, 10)])
+def test_per_thread_kernels_on_the_cpu_are_the_model_bit_for_bit(knobs, n, repeat, tmp_path, monkeypatch):
+    """The per-thread kernels' CUDA, run on the CPU, equals the model of the lane kernels' arithmetic (butterfly
+    sums, the backward's walk) bit for bit: standard, wide and huge logits, eps = 1e-6 and 0 (exact zeros: the IEEE
+    fallback), 37 matrices (a partial last CTA)."""
+    import shutil
+
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++")
+    fwd_src = _build_with(monkeypatch, knobs, "mhc_sinkhorn_fwd", (n,))
+    bwd_src = _build_with(monkeypatch, knobs, "mhc_sinkhorn_bwd", (n, repeat))
+    tpb = knobs.get("PT_THREADS", SK.PT_THREADS)
+    fwd = _emulated(fwd_src, "sinkhorn_fwd_kernel", tpb, tmp_path)
+    bwd = _emulated(bwd_src, "sinkhorn_bwd_kernel", tpb, tmp_path)
+    t = 37
+    blocks = -(-t // tpb)
+    for scale, eps in ((1.0, EPS), (30.0, EPS), (1e4, EPS), (30.0, 0.0)):
+        x, g = torch.randn(t, n, n) * scale, torch.randn(t, n, n)
+        y, d = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+        fwd(blocks, X=x, Y=y, eps=eps, num_tokens=t, repeat=repeat)
+        bwd(blocks, G=g, X=x, DX=d, eps=eps, num_tokens=t)
+        bits = lambda v: v.view(torch.int32)  # noqa: E731  (NaN and the sign of zero count too)
+        assert torch.equal(bits(y), bits(model_fwd(x, repeat, eps, _exp64))), (scale, eps)
+        assert torch.equal(bits(d), bits(model_bwd(g, x, repeat, eps, _exp64))), (scale, eps)
+
+
+def _variant_grid(i):
+    if i == 0:
+        return [(n, r) for n in N_VALUES for r in REPEATS + (MAX_REPEAT,)]
+    return [(4, 3), (4, 20)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("i", range(len(PT_VARIANTS)), ids=lambda i: str(PT_VARIANTS[i]))
+def test_per_thread_variant_gives_the_lane_kernels_bits(i, knob_kernels):
+    """Every per-thread knob set gives the default kernels' bits, forward and backward, over T in the issue's list,
+    standard, wide (30) and huge (1e4) logits, eps = 1e-6 and eps = 0 (exact zeros: the IEEE fallback)."""
+    cases = []
+    for n, repeat in _variant_grid(i):
+        for t in (1, 7, 4001, 8192):
+            for scale, eps in ((1.0, EPS), (30.0, EPS), (1e4, EPS), (30.0, 0.0)):
+                if (t, scale, eps) != (8192, 1.0, EPS) and t == 8192:
+                    continue
+                x = torch.randn(t, n, n, device="cuda") * scale
+                g = torch.randn(t, n, n, device="cuda")
+                y, d = _nan(t, n, n), _nan(t, n, n)
+                mhc_sinkhorn_fwd(x, y, repeat, eps)
+                mhc_sinkhorn_bwd(g, x, d, repeat, eps)
+                cases.append((x, g, repeat, eps, y, d))
+    knob_kernels(SK, PT_VARIANTS[i])
+    for x, g, repeat, eps, want_y, want_d in cases:
+        y, d = _nan(*x.shape), _nan(*x.shape)
+        mhc_sinkhorn_fwd(x, y, repeat, eps)
+        mhc_sinkhorn_bwd(g, x, d, repeat, eps)
+        # bit patterns: NaN (a zero column at eps = 0) and the sign of zero count too
+        assert torch.equal(y.view(torch.int32), want_y.view(torch.int32)), (x.shape, repeat, eps)
+        assert torch.equal(d.view(torch.int32), want_d.view(torch.int32)), (x.shape, repeat, eps)
+    x, g = _inputs(4001, 4)  # and the reference (the default's tolerance)
+    _close(_fwd(x, 20), sinkhorn_normalize_ref(x, 20, EPS))
+    _close(_bwd(g, x, 20), sinkhorn_normalize_bwd_ref(g, x, 20, EPS))
+
+
+@pytest.mark.gpu
+def test_per_thread_variant_bench_row_batch_invariance_and_graphs(knob_kernels):
+    x, g = _inputs(32768, 4)
+    want_y, want_d = _fwd(x, 20), _bwd(g, x, 20)
+    knob_kernels(SK, PT_VARIANTS[0])
+    assert torch.equal(_fwd(x, 20), want_y) and torch.equal(_bwd(g, x, 20), want_d)
+    for lo, hi in ((0, 1), (5, 12), (4001, 4001 + 37), (32767, 32768)):
+        assert torch.equal(_fwd(x[lo:hi].clone(), 20), want_y[lo:hi])
+        assert torch.equal(_bwd(g[lo:hi].clone(), x[lo:hi].clone(), 20), want_d[lo:hi])
+    out, d_x = _nan(4001, 4, 4), _nan(4001, 4, 4)
+    xs, gs = x[:4001].clone(), g[:4001].clone()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mhc_sinkhorn_fwd(xs, out, 20, EPS)
+        mhc_sinkhorn_bwd(gs, xs, d_x, 20, EPS)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want_y[:4001]) and torch.equal(d_x, want_d[:4001])

@@ -25,6 +25,25 @@ one after another in token order (tail tokens past ``T`` add nothing). This is t
 ``[P, G]``, ``[P, M]`` are then summed over ``p`` in increasing order from zero by ``mhc_partials_sum``
 (one thread per column) -- the order of ``reference.mhc.seq_sum``, so that step is bit-identical to it.
 
+Multi-warp backward (knob ``BWD_WARPS``, 1 by default: the measured one-warp kernels). The one-warp backward runs
+P = 128 CTAs of one warp, each walking its partial's blocks one after another: at T = 8192 (256 blocks) two blocks
+a CTA, each a chain of DRAM loads, 8 IEEE divisions and 4 ``expf`` (about 0.4 µs), 24 scattered stores, a barrier
+and 32 dependent adds of the stage, then the partial sum's launch, which loads each column's 128 partials 16 at a
+time (8 dependent L2 round trips). With ``BWD_WARPS = W`` each partial's CTA has W warps; warp ``w`` takes blocks
+``r = w, w + W, ...`` (its own 32-row stage, its 32 stage loads unrolled ahead of the adds), and after a barrier
+thread ``c`` adds the round's block sums (``r < R``) to its running partial in block order: every addition of the
+default in the same order, so ``d_scale`` / ``d_base`` / the head partials keep their bits (GPU knob tests).
+The partial sum's one CTA runs its scale columns and its base columns as two divergent paths of one warp, each
+loading a column's 128 partials 16 at a time: 16 dependent L2 round trips one after another. ``PARTIAL_ROWS`` is the
+loads in flight a thread (128: all of them at once) and ``PARTIAL_ONE_PATH`` makes the two column kinds one path
+(each load picks its source): one round trip. ``MIX_PDL`` starts the multi-warp backward and the partial sum with
+``griddepcontrol.wait``, so the partial sum's launch overlaps the backward's tail. Expected at T = 8192, n = 4
+(H200): one round of blocks instead of two (about -2 µs), one partial-sum round trip instead of 16 (about -4 µs)
+and the second launch hidden (about -1 to -2 µs); the one-warp chain models to some 15 µs in all, so the measured
+33.9 µs holds a part this model misses. Falsified if ``BWD_WARPS=2;PARTIAL_ROWS=128;PARTIAL_ONE_PATH=True;
+MIX_PDL=True`` saves less than 5 µs: then the bound is elsewhere (Nsight Compute on both kernels,
+``tools/ncu_cases.py``, says where).
+
 Kernels take ``1 <= n <= MAX_N``; the public ops keep the reference path for larger n. Token counts and
 partial counts are symbolic (int64 indices): one binary per n (and token block) serves every batch.
 """
@@ -40,6 +59,17 @@ KERNEL_HELPERS = ("tilefuse._rn",)  # part of this module's kernel cache key (_j
 MAX_N = 8        # largest multiplicity the kernels take (per-token arrays of n(n+2) floats in registers)
 THREADS = 128    # forward kernels and the partial sum: threads per CTA, one token (column) per thread
 LANES = 32       # backward kernels: threads per CTA, one token of a 32-token chunk per thread
+# backward kernels: warps per CTA (knob; 1 = the measured default). With W > 1 warp w of partial p's CTA takes its
+# blocks r = w, w + W, ... (one 32-token chunk per warp at a time), and the CTA adds the W block sums of a round
+# in block order: the same sums in the same order (the same bits), W blocks in flight instead of one
+BWD_WARPS = 1
+PARTIAL_ROWS = 16  # mhc_partials_sum: partials a thread loads at a time (in flight) before adding them in order
+# mhc_partials_sum: one code path for the scale and base columns (each load picks its source by the column), so a
+# warp holding both kinds does not run the two paths one after the other (False: the measured two-path kernel)
+PARTIAL_ONE_PATH = False
+# the multi-warp backward and the partial sum start with griddepcontrol.wait (PDL): their launch overlaps the
+# previous kernel's tail (results unchanged; False: the measured kernels)
+MIX_PDL = False
 
 F32 = "float32"
 I64 = "int64"
@@ -211,6 +241,8 @@ def split_mixes_bwd_kernel(n: int, TB: int):
 
     assert supports(n) and TB >= 1, (n, TB)
     M = n * (n + 2)
+    if BWD_WARPS > 1:
+        return _wide_bwd_kernel(True, n, TB)
     Tn, P = T.dynamic("Tn, P", I64)
     loop, F, CPT = _bwd_loop(True, n, TB)
 
@@ -240,6 +272,8 @@ def head_mix_bwd_kernel(n: int, TB: int):
     import tilelang.language as T
 
     assert supports(n) and TB >= 1, (n, TB)
+    if BWD_WARPS > 1:
+        return _wide_bwd_kernel(False, n, TB)
     Tn, P = T.dynamic("Tn, P", I64)
     loop, F, CPT = _bwd_loop(False, n, TB)
 
@@ -257,6 +291,129 @@ def head_mix_bwd_kernel(n: int, TB: int):
     return mhc_head_mix_bwd
 
 
+def _wide_bwd_kernel(split: bool, n: int, TB: int):
+    """The backward kernels with ``BWD_WARPS`` (W > 1) warps per CTA, launched like the one-warp kernels (one CTA
+    per partial, the same arguments). Partial ``p`` still sums its blocks ``p, p + P, ...`` in increasing order from
+    zero, and a block's sum adds its tokens in token order from zero (zero rows past ``TB`` or ``Tn``), exactly the
+    default loop's additions: warp ``w`` computes the block sums of blocks ``r = w, w + W, ...`` of the partial
+    (its own 32-row stage; column ``c`` summed by lane ``c`` of that warp, the 32 loads unrolled ahead of the adds),
+    puts them in a ``[W, F]`` tile, and after a barrier thread ``c`` adds the round's W block sums (those with
+    ``r < R``) in order to its running partial."""
+    import tilelang.language as T
+
+    W = BWD_WARPS
+    M, G = (n * (n + 2), 3) if split else (n, 1)
+    groups = _groups(n) if split else ((0, n),)
+    F = M + G
+    CPT = -(-F // LANES)             # columns a lane sums in its warp's stage
+    CPW = -(-F // (W * LANES))       # columns a thread adds into the partials
+    CHUNKS = -(-TB // LANES)
+    NT = W * LANES
+    Tn, P = T.dynamic("Tn, P", I64)
+
+    @T.macro
+    def body(Tn, P, p, tid, stage, tile, row, acc, bsum, PS, PB, bufs):
+        w = tid // LANES
+        lane = tid % LANES
+        R = T.ceildiv(T.ceildiv(Tn, TB) - p, P)  # blocks of this partial (<= 0: none)
+        for k in T.unroll(CPW):
+            acc[k] = T.float32(0.0)
+        for rr in T.serial(T.ceildiv(R, W)):
+            r = rr * W + w
+            blk = p + r * P
+            for k in T.unroll(CPT):
+                bsum[k] = T.float32(0.0)
+            for c in T.serial(CHUNKS):
+                within = c * LANES + lane
+                t = blk * TB + within
+                if r < R and within < TB and t < Tn:
+                    if split:
+                        DPRE, DPOST, DCOMB, X, POST, S, Bs, DX, v = bufs
+                        for i in T.unroll(n):
+                            sig = _sigmoid(_add(_mul(X[t, i], S[0]), Bs[i]))
+                            row[i] = _mul(_mul(DPRE[t, i], sig), _sub(T.float32(1.0), sig))
+                        for i in T.unroll(n):
+                            po = POST[t, i]
+                            row[n + i] = _mul(_mul(DPOST[t, i], po), _sub(T.float32(1.0), _div(po, v)))
+                        for q in T.unroll(n * n):
+                            row[2 * n + q] = DCOMB[t, q]
+                    else:
+                        DOUT, X, S, Bs, DX = bufs
+                        for i in T.unroll(n):
+                            sig = _sigmoid(_add(_mul(X[t, i], S[0]), Bs[i]))
+                            row[i] = _mul(_mul(sig, _sub(T.float32(1.0), sig)), DOUT[t, i])
+                    for g, (lo, hi) in enumerate(groups):
+                        for j in T.unroll(lo, hi):
+                            DX[t, j] = _mul(row[j], S[g])
+                        row[M + g] = _mul(row[lo], X[t, lo])
+                        for j in T.unroll(lo + 1, hi):
+                            row[M + g] = _add(row[M + g], _mul(row[j], X[t, j]))
+                else:
+                    for j in T.unroll(F):
+                        row[j] = T.float32(0.0)
+                for j in T.unroll(F):
+                    stage[w, lane, j] = row[j]
+                T.sync_threads()
+                for k in T.unroll(CPT):
+                    if k * LANES + lane < F:
+                        for s in T.unroll(LANES):
+                            bsum[k] = _add(bsum[k], stage[w, s, k * LANES + lane])
+                T.sync_threads()
+            for k in T.unroll(CPT):
+                if k * LANES + lane < F:
+                    tile[w, k * LANES + lane] = bsum[k]
+            T.sync_threads()
+            for k in T.unroll(CPW):
+                if k * NT + tid < F:
+                    for ww in T.unroll(W):
+                        if rr * W + ww < R:
+                            acc[k] = _add(acc[k], tile[ww, k * NT + tid])
+            T.sync_threads()
+        for k in T.unroll(CPW):
+            col = k * NT + tid
+            if col < M:
+                PB[p, col] = acc[k]
+            elif col < F:
+                PS[p, col - M] = acc[k]
+
+    if split:
+        @T.prim_func
+        def mhc_split_mixes_bwd(DPRE: T.Tensor((Tn, n), F32), DPOST: T.Tensor((Tn, n), F32),
+                                DCOMB: T.Tensor((Tn, n * n), F32), X: T.Tensor((Tn, M), F32),
+                                POST: T.Tensor((Tn, n), F32), S: T.Tensor((3,), F32), Bs: T.Tensor((M,), F32),
+                                DX: T.Tensor((Tn, M), F32), PS: T.Tensor((P, 3), F32), PB: T.Tensor((P, M), F32),
+                                v: T.float32):
+            with T.Kernel(P, threads=NT) as p:
+                if MIX_PDL:
+                    T.pdl_sync()
+                stage = T.alloc_shared((W, LANES, F), F32)
+                tile = T.alloc_shared((W, F), F32)
+                row = T.alloc_local((F,), F32)
+                acc = T.alloc_local((CPW,), F32)
+                bsum = T.alloc_local((CPT,), F32)
+                body(Tn, P, T.cast(p, I64), T.get_thread_binding(), stage, tile, row, acc, bsum, PS, PB,
+                     (DPRE, DPOST, DCOMB, X, POST, S, Bs, DX, v))
+
+        return mhc_split_mixes_bwd
+
+    @T.prim_func
+    def mhc_head_mix_bwd(DOUT: T.Tensor((Tn, n), F32), X: T.Tensor((Tn, n), F32), S: T.Tensor((1,), F32),
+                         Bs: T.Tensor((n,), F32), DX: T.Tensor((Tn, n), F32), PS: T.Tensor((P, 1), F32),
+                         PB: T.Tensor((P, n), F32)):
+        with T.Kernel(P, threads=NT) as p:
+            if MIX_PDL:
+                T.pdl_sync()
+            stage = T.alloc_shared((W, LANES, F), F32)
+            tile = T.alloc_shared((W, F), F32)
+            row = T.alloc_local((F,), F32)
+            acc = T.alloc_local((CPW,), F32)
+            bsum = T.alloc_local((CPT,), F32)
+            body(Tn, P, T.cast(p, I64), T.get_thread_binding(), stage, tile, row, acc, bsum, PS, PB,
+                 (DOUT, X, S, Bs, DX))
+
+    return mhc_head_mix_bwd
+
+
 def partials_sum_kernel():
     """Factory: ``OS[g] = sum_p PS[p, g]`` and ``OB[j] = sum_p PB[p, j]``, each a left-to-right sum over
     ``p`` from zero, one thread per output column (all sizes symbolic: one binary). A thread loads ``ROWS``
@@ -264,7 +421,7 @@ def partials_sum_kernel():
     import tilelang.language as T
 
     P, G, M = T.dynamic("P, G, M", I64)
-    ROWS = 16
+    ROWS = PARTIAL_ROWS
 
     @T.macro
     def column_sum(A, col, acc, vals):
@@ -277,14 +434,36 @@ def partials_sum_kernel():
                 if ch * ROWS + r < P:
                     acc[0] = _add(acc[0], vals[r])
 
+    @T.macro
+    def one_path_sum(PS, PB, col, acc, vals, OS, OB):
+        # column col of [PS | PB]: the load picks PS or PB (indices clamped into both), the adds are column_sum's
+        acc[0] = T.float32(0.0)
+        for ch in T.serial(T.ceildiv(P, ROWS)):
+            for r in T.unroll(ROWS):
+                if ch * ROWS + r < P:
+                    vals[r] = T.if_then_else(col < G, PS[ch * ROWS + r, T.min(col, G - 1)],
+                                             PB[ch * ROWS + r, T.max(col - G, 0)])
+            for r in T.unroll(ROWS):
+                if ch * ROWS + r < P:
+                    acc[0] = _add(acc[0], vals[r])
+        if col < G:
+            OS[col] = acc[0]
+        else:
+            OB[col - G] = acc[0]
+
     @T.prim_func
     def mhc_partials_sum(PS: T.Tensor((P, G), F32), PB: T.Tensor((P, M), F32), OS: T.Tensor((G,), F32),
                          OB: T.Tensor((M,), F32)):
         with T.Kernel(T.ceildiv(G + M, THREADS), threads=THREADS) as bx:
+            if MIX_PDL:
+                T.pdl_sync()
             col = T.cast(bx, I64) * THREADS + T.get_thread_binding()
             acc = T.alloc_local((1,), F32)
             vals = T.alloc_local((ROWS,), F32)
-            if col < G:
+            if PARTIAL_ONE_PATH:
+                if col < G + M:
+                    one_path_sum(PS, PB, col, acc, vals, OS, OB)
+            elif col < G:
                 column_sum(PS, col, acc, vals)
                 OS[col] = acc[0]
             elif col < G + M:

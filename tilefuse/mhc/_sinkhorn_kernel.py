@@ -25,13 +25,43 @@ registers per step, statically indexed: ``repeat`` is a compile-time constant of
 
 Lanes past the last token compute on zeros (the butterflies need every lane of the warp) and store nothing.
 No shared memory, no atomics: deterministic and batch-invariant.
+
+Per-thread variant (knob ``PER_THREAD``, off by default; the lane kernels above are the measured path). What bounds
+the lane kernels: each lane is one dependent chain (two shuffles, two adds and an IEEE division a step, about
+110 cycles of latency) and a lane does every step of its matrix, so 16 lanes spend some 14 instructions each a
+step on one matrix (about 7 warp-instructions a matrix-step); the backward's 92 registers a lane leave 20 warps
+an SM for those chains. The variant gives a thread a whole matrix: its ``n^2`` values in registers, row and column
+sums as the butterflies' trees (lane 0's order; every lane of the lane kernels ends with the same bits), the same
+``expf``, maxima, additions and IEEE quotients in the same order -- the same bits as the lane kernels (the GPU knob
+tests check it). With ``FAST_DIV`` the quotients of a row or column by its ``d = sum + eps`` share ``y = RN(1/d)``:
+``q0 = RN(a y)``, ``q = RN(q0 + y RN-exact(a - d q0))`` is the IEEE quotient (Markstein's theorem; a g++ test checks
+it on 10^7 operand pairs) while ``d`` is in [2^-30, 2^30] and every ``|a|`` in [2^-90, 2^90] (no subnormal quotient,
+remainder or reciprocal); one check a step (min / max trees) picks that path or plain IEEE division for the whole
+matrix. ``y`` comes from ``__frcp_rn``'s own fast-path steps (``MUFU.RCP`` through ``__fdividef(1, d)``, one Newton
+step; ``RCP_APPROX``), without its range branch. The plain IEEE division is a subroutine with its own range
+branch: 10 instructions, and ptxas does not overlap two of them (each is a separate convergence region), so 16 of
+them a step in one thread would be a 16-deep serial chain.
+Expected (H200, 32768 matrices, 20 iterations; ptxas sm_90: forward 42 registers, backward 135 at repeat 20, no
+spills): a step costs one thread about 150 SASS instructions (16 adds, 36 min / max for the range check, 4 x 7 for
+the reciprocals, 16 x 3 for the quotients, the branch), some 4.7 warp-instructions a matrix-step against about 7 for
+the lane kernels, with 16 independent quotients a step in flight and a dependent chain of about 90 cycles a step
+against 300 issue cycles of the two warps a scheduler holds (issue-bound). Forward: 1024 warps x 40 steps x 150 =
+6.1 M warp-instructions, 6 µs of issue on 132 SMs x 4 schedulers + launch and one DRAM pass: 8-10 µs (lane kernel
+19.0, TileKernels 19.0).
+Backward: the iterate entering every ``PT_KEEP`` (4) steps is kept in shared memory (``[segment, element, thread]``,
+20 KB a CTA of 32 threads at repeat 20), each segment replayed into registers on the way back (29 extra steps);
+forward replay 39 + 29 steps, walk 39 steps of about 150 instructions: about 15 k instructions a thread, 1024 warps
+all resident in one wave (8 CTAs an SM by shared memory and registers), 15 M warp-instructions: 15-25 µs
+(lane kernel 73.2, TileKernels 60.3). Falsified if the forward stays above 12 µs (then the range check or the loads
+bound it: try ``FAST_DIV=False`` to see the plain division's cost) or the backward above 30 µs (then the two warps a
+scheduler do not hide the quotient chains: ``PT_KEEP=2`` trades shared memory for recomputation).
 """
 from __future__ import annotations
 
 import torch
 
 from tilefuse import _jit, _ops
-from tilefuse._rn import add as _fadd, mul as _fmul
+from tilefuse._rn import add as _fadd, call as _call, fma as _fma, mul as _fmul
 
 KERNEL_HELPERS = ("tilefuse._rn",)  # part of this module's kernel cache key (_jit._module_digest)
 
@@ -42,6 +72,14 @@ THREADS = 128
 # PDL: the first statement waits for the stream's previous grid (griddepcontrol.wait), so the launch and CTA
 # setup overlap the previous kernel's tail. Results unchanged.
 PDL = True
+# one matrix per thread (``PER_THREAD`` kernels, module doc): False = the lane-per-element kernels (the measured
+# default); True = every value of a matrix in one thread's registers, the same operations in the same order (the
+# same bits)
+PER_THREAD = False
+PT_THREADS = 32   # per-thread kernels: threads (= matrices) per CTA
+PT_KEEP = 4       # per-thread backward: the iterate before every PT_KEEP-th step is kept in shared memory
+FAST_DIV = True   # per-thread kernels: the quotients by one sum share RN(1 / sum) (Markstein; module doc)
+RCP_APPROX = True  # FAST_DIV: RN(1 / sum) by __frcp_rn's fast-path steps from MUFU.RCP (False: __frcp_rn itself)
 
 KERNEL_N = (2, 4)       # multiplicities the kernels take (n^2 lanes of one warp); others keep the reference
 MAX_BWD_REPEAT = 32     # the backward keeps 2 (2 repeat - 1) registers per lane; longer chains keep the reference
@@ -95,6 +133,8 @@ def sinkhorn_fwd_kernel(n: int):
     contiguous (T symbolic), ``repeat`` (int32, >= 1), ``eps`` (fp32)."""
     import tilelang.language as T
 
+    if PER_THREAD:
+        return _pt_fwd_kernel(n)
     butterfly_sum, softmax = _common(n)
     NN = n * n
     MPC = THREADS // NN  # matrices per CTA
@@ -139,6 +179,8 @@ def sinkhorn_bwd_kernel(n: int, repeat: int):
     import tilelang.language as T
 
     assert 1 <= repeat <= MAX_BWD_REPEAT, repeat
+    if PER_THREAD:
+        return _pt_bwd_kernel(n, repeat)
     butterfly_sum, softmax = _common(n)
     NN = n * n
     MPC = THREADS // NN
@@ -183,6 +225,228 @@ def sinkhorn_bwd_kernel(n: int, repeat: int):
             butterfly_sum(acc, "row")
             if t < Tn:
                 DX[t, j, k] = (g[0] - acc[0]) * a0[0]
+
+    return sinkhorn_bwd
+
+
+# ---- the per-thread variant (PER_THREAD): one matrix per thread ----
+
+# Operand ranges where the shared-reciprocal quotient is the IEEE quotient (module doc): the divisor in
+# [2^-30, 2^30], every dividend's magnitude in [2^-90, 2^90] (so the quotient, the remainder's granule and 1 / d
+# are normal numbers). Zeros, denormals, infinities and NaN fall outside and take IEEE division.
+DIV_DEN_LO, DIV_DEN_HI = 2.0 ** -30, 2.0 ** 30
+DIV_NUM_LO, DIV_NUM_HI = 2.0 ** -90, 2.0 ** 90
+
+
+def _members(n: int, over: str, gi: int) -> tuple:
+    """Element indices (``j * n + k``) of row ``gi`` (``"row"``) or column ``gi`` (``"col"``)."""
+    return tuple(gi * n + k for k in range(n)) if over == "row" else tuple(j * n + gi for j in range(n))
+
+
+def _group(n: int, over: str, q: int) -> int:
+    """The row (``"row"``) or column (``"col"``) of element ``q``."""
+    return q // n if over == "row" else q % n
+
+
+def _tree(vals, op):
+    """What lane 0 of a row or column ends with after the XOR butterfly (distances n/2, ..., 1 of the group's
+    values): ``op`` over pairs ``(l, l + d)``; every lane ends with the same bits since ``op`` commutes. For n = 4:
+    ``op(op(v0, v2), op(v1, v3))``."""
+    vals = list(vals)
+    d = len(vals) // 2
+    while d >= 1:
+        vals = [op(vals[l], vals[l + d]) for l in range(d)]
+        d //= 2
+    return vals[0]
+
+
+def _matrix_pairs(n: int, over: str, doff: int = 0, noff: int = 0) -> tuple:
+    """``(dst index, dividend index, divisor slot)`` of dividing a matrix by its row / column sums."""
+    return tuple((doff + q, noff + q, _group(n, over, q)) for q in range(n * n))
+
+
+def _pt_common(n: int):
+    """Macros of the per-thread kernels: ``divide`` (quotients sharing a divisor), ``normalize`` (one Sinkhorn step)
+    and ``softmax``."""
+    import tilelang.language as T
+
+    assert n in KERNEL_N, n
+    rows = tuple(range(n))
+
+    def fast_ok(num, den, pairs, dens):
+        """Every divisor in [DIV_DEN_LO, DIV_DEN_HI] and every |dividend| in [DIV_NUM_LO, DIV_NUM_HI]: the
+        extremes by min / max trees (no branch per operand)."""
+        ds = [den[d] for d in dens]
+        ns = [T.abs(num[i]) for _, i, _ in pairs]
+        return T.And(T.And(_tree(ds, T.min) >= T.float32(DIV_DEN_LO), _tree(ds, T.max) <= T.float32(DIV_DEN_HI)),
+                     T.And(_tree(ns, T.min) >= T.float32(DIV_NUM_LO), _tree(ns, T.max) <= T.float32(DIV_NUM_HI)))
+
+    def quotient(a, d, y):
+        """RN(a / d) from y = RN(1 / d): q0 = RN(a y), r = a - d q0 (exact), RN(q0 + r y) (Markstein)."""
+        q0 = _fmul(a, y)
+        return _fma(y, _fma(T.float32(0.0) - d, q0, a), q0)
+
+    @T.macro
+    def divide(dst, num, den, rcp, pairs, dens):
+        """``dst[i] = num[j] / den[dens[k]]`` for ``(i, j, k)`` in ``pairs`` (IEEE quotients)."""
+        if FAST_DIV:
+            if fast_ok(num, den, pairs, dens):
+                for k, d in tuple(enumerate(dens)):
+                    if RCP_APPROX:  # RN(1 / d) by __frcp_rn's own steps (its range branch is the check above)
+                        rcp[k] = _call("__fdividef", T.float32(1.0), den[d])
+                        rcp[k] = _fma(rcp[k], _fma(T.float32(0.0) - den[d], rcp[k], T.float32(1.0)), rcp[k])
+                    else:
+                        rcp[k] = _call("__frcp_rn", den[d])
+                for i, j, k in pairs:
+                    dst[i] = quotient(num[j], den[dens[k]], rcp[k])
+            else:
+                for i, j, k in pairs:
+                    dst[i] = num[j] / den[dens[k]]
+        else:
+            for i, j, k in pairs:
+                dst[i] = num[j] / den[dens[k]]
+
+    @T.macro
+    def normalize(a, off, den, doff, rcp, over, eps, dst, dst_off):
+        """One step: ``den[doff + g] = sum(group g of a[off:]) + eps``, ``dst[dst_off + q] = a[off + q] / den``."""
+        for gi in rows:
+            den[doff + gi] = _tree([a[off + q] for q in _members(n, over, gi)], _fadd) + eps
+        divide(dst, a, den, rcp, _matrix_pairs(n, over, dst_off, off), tuple(doff + gi for gi in rows))
+
+    @T.macro
+    def softmax(a, den, rcp):
+        """``a`` (logits) becomes the softmax of its rows; ``den`` (n) and ``rcp`` (n) are scratch."""
+        for gi in rows:
+            den[gi] = _tree([a[q] for q in _members(n, "row", gi)], T.max)
+        for q in tuple(range(n * n)):
+            a[q] = _expf(a[q] - den[q // n])
+        for gi in rows:
+            den[gi] = _tree([a[q] for q in _members(n, "row", gi)], _fadd)
+        divide(a, a, den, rcp, _matrix_pairs(n, "row"), rows)
+
+    return divide, normalize, softmax
+
+
+def _pt_fwd_kernel(n: int):
+    """The forward with one matrix per thread (``PER_THREAD``); launch as ``sinkhorn_fwd_kernel``."""
+    import tilelang.language as T
+
+    divide, normalize, softmax = _pt_common(n)
+    NN, TPB = n * n, PT_THREADS
+    Tn = T.dynamic("num_tokens", "int64")
+
+    @T.prim_func
+    def sinkhorn_fwd(X: T.Tensor((Tn, n, n), "float32"), Y: T.Tensor((Tn, n, n), "float32"),
+                     repeat: T.int32, eps: T.float32):
+        with T.Kernel(T.ceildiv(Tn, TPB), threads=TPB) as bx:
+            if PDL:
+                T.pdl_sync()
+            t = T.cast(bx, "int64") * TPB + T.cast(T.get_thread_binding(), "int64")
+            a = T.alloc_local((NN,), "float32")
+            den = T.alloc_local((n,), "float32")
+            rcp = T.alloc_local((n,), "float32")
+            if t < Tn:
+                for j in T.unroll(n):
+                    for k in T.vectorized(n):
+                        a[j * n + k] = X[t, j, k]
+                softmax(a, den, rcp)
+                for q in T.unroll(NN):
+                    a[q] = a[q] + eps
+                normalize(a, 0, den, 0, rcp, "col", eps, a, 0)
+                for _ in T.serial(repeat - 1):
+                    normalize(a, 0, den, 0, rcp, "row", eps, a, 0)
+                    normalize(a, 0, den, 0, rcp, "col", eps, a, 0)
+                for j in T.unroll(n):
+                    for k in T.vectorized(n):
+                        Y[t, j, k] = a[j * n + k]
+
+    return sinkhorn_fwd
+
+
+def _pt_bwd_kernel(n: int, repeat: int):
+    """The backward with one matrix per thread (``PER_THREAD``); launch as ``sinkhorn_bwd_kernel``. The steps are
+    cut into segments of ``PT_KEEP`` (even: a step's row / column kind is its parity within the segment); the
+    iterate entering each segment goes to shared memory (``[segment, element, thread]``: consecutive threads,
+    consecutive words). Walking back, each segment is replayed from its kept iterate into registers (the same
+    operations: the same bits) and then walked back. Full segments run in a loop (one copy of the code), the
+    shorter last one unrolled."""
+    import tilelang.language as T
+
+    divide, normalize, softmax = _pt_common(n)
+    NN, TPB, K = n * n, PT_THREADS, PT_KEEP
+    assert K >= 2 and K % 2 == 0, K
+    S = 2 * repeat - 1
+    FULL, TAIL = divmod(S, K)
+    SLOTS = FULL + (TAIL > 0)
+    rows = tuple(range(n))
+
+    def over(i):
+        return "col" if i % 2 == 0 else "row"
+
+    Tn = T.dynamic("num_tokens", "int64")
+
+    @T.macro
+    def walk_segment(kept, seg, L, tid, u, den, g, tau, rcp, eps):
+        """Replay the ``L`` steps of segment ``seg`` from its kept iterate, then walk ``g`` back through them."""
+        for q in T.unroll(NN):
+            u[q] = kept[seg, q, tid]
+        for i in tuple(range(L)):
+            if i + 1 < L:
+                normalize(u, i * NN, den, i * n, rcp, over(i), eps, u, (i + 1) * NN)
+            else:
+                for gi in rows:
+                    den[i * n + gi] = _tree([u[i * NN + q] for q in _members(n, over(i), gi)], _fadd) + eps
+        for i in tuple(reversed(range(L))):
+            for gi in rows:
+                tau[gi] = _tree([_fmul(g[q], u[i * NN + q]) for q in _members(n, over(i), gi)], _fadd)
+            divide(tau, tau, den, rcp, tuple((gi, gi, gi) for gi in rows), tuple(i * n + gi for gi in rows))
+            for q in tuple(range(NN)):
+                g[q] = g[q] - tau[_group(n, over(i), q)]
+            divide(g, g, den, rcp, _matrix_pairs(n, over(i)), tuple(i * n + gi for gi in rows))
+
+    @T.prim_func
+    def sinkhorn_bwd(G: T.Tensor((Tn, n, n), "float32"), X: T.Tensor((Tn, n, n), "float32"),
+                     DX: T.Tensor((Tn, n, n), "float32"), eps: T.float32):
+        with T.Kernel(T.ceildiv(Tn, TPB), threads=TPB) as bx:
+            if PDL:
+                T.pdl_sync()
+            tid = T.get_thread_binding()
+            t = T.cast(bx, "int64") * TPB + T.cast(tid, "int64")
+            kept = T.alloc_shared((SLOTS, NN, TPB), "float32")
+            a0 = T.alloc_local((NN,), "float32")     # softmax output (before + eps)
+            a = T.alloc_local((NN,), "float32")      # the replayed iterate
+            g = T.alloc_local((NN,), "float32")      # the gradient walked back
+            u = T.alloc_local((K * NN,), "float32")  # a segment's step inputs
+            den = T.alloc_local((K * n,), "float32")  # a segment's sums + eps
+            tau = T.alloc_local((n,), "float32")
+            rcp = T.alloc_local((n,), "float32")
+            for q in T.unroll(NN):
+                a0[q] = T.float32(0.0)
+                g[q] = T.float32(0.0)
+            if t < Tn:  # threads past the last matrix compute on zeros and store nothing
+                for j in T.unroll(n):
+                    for k in T.vectorized(n):
+                        a0[j * n + k] = X[t, j, k]
+                        g[j * n + k] = G[t, j, k]
+            softmax(a0, tau, rcp)
+            for q in T.unroll(NN):
+                a[q] = a0[q] + eps
+            for seg in T.serial(FULL):
+                for q in T.unroll(NN):
+                    kept[seg, q, tid] = a[q]
+                for i in tuple(range(K)):
+                    normalize(a, 0, den, 0, rcp, over(i), eps, a, 0)
+            if TAIL > 0:
+                for q in T.unroll(NN):
+                    kept[FULL, q, tid] = a[q]
+                walk_segment(kept, FULL, TAIL, tid, u, den, g, tau, rcp, eps)
+            for r in T.serial(FULL):
+                walk_segment(kept, FULL - 1 - r, K, tid, u, den, g, tau, rcp, eps)
+            for gi in rows:
+                tau[gi] = _tree([_fmul(g[q], a0[q]) for q in _members(n, "row", gi)], _fadd)
+            if t < Tn:
+                for q in tuple(range(NN)):
+                    DX[t, q // n, q % n] = (g[q] - tau[q // n]) * a0[q]
 
     return sinkhorn_bwd
 
