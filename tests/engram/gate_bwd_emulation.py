@@ -14,47 +14,13 @@ from pathlib import Path
 
 import torch
 
-from tests.mhc.post_emulation import HAS_GXX, compile_run  # noqa: F401  (HAS_GXX: re-exported for the tests)
+from tests.cuda_emulation import HAS_GXX, PREAMBLE, compile_run, signature, values  # noqa: F401 (HAS_GXX: re-exported)
 
-SHIM = r"""
-#include <algorithm>
-#include <barrier>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <thread>
-#include <vector>
-using std::max;
-using std::min;
-typedef unsigned int uint;
-typedef unsigned char uchar;
-struct bfloat16_t {
-  uint16_t s;
-  bfloat16_t() = default;
-  explicit bfloat16_t(float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    if (std::isnan(f)) { s = 0x7fc0; return; }
-    u += 0x7fffu + ((u >> 16) & 1u);
-    s = (uint16_t)(u >> 16);
-  }
-  explicit operator float() const { uint32_t u = (uint32_t)s << 16; float f; std::memcpy(&f, &u, 4); return f; }
-};
+SHIM = PREAMBLE + r"""
 struct uint4 { uint x, y, z, w; };
 struct uint2 { uint x, y; };
 struct float4 { float x, y, z, w; };
 static inline float4 make_float4(float a, float b, float c, float d) { return float4{a, b, c, d}; }
-struct Idx { unsigned x; };
-thread_local Idx threadIdx, blockIdx;
-#define __launch_bounds__(a, b)
-#define __restrict__
-#define __align__(n)
-static inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
-static inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
-static inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
-static inline float __fdiv_rn(float a, float b) { volatile float r = a / b; return r; }
-static inline float __fmaf_rn(float a, float b, float c) { return std::fmaf(a, b, c); }
-static inline float __fsqrt_rn(float a) { return std::sqrt(a); }
 static uchar g_smem[232448] __attribute__((aligned(1024)));
 static std::barrier<>* g_bar;
 static std::barrier<>* g_wbar[32];
@@ -70,8 +36,6 @@ static inline float __shfl_xor_sync(uint, float v, int delta, int) {
 }
 """
 
-_SCALARS = {"int64_t": ctypes.c_int64, "float": ctypes.c_float}
-
 
 def build(src: str, name: str, threads: int, workdir: Path):
     """Compile the ``__global__`` function ``name`` of ``src`` for the CPU, run with ``threads`` threads a CTA;
@@ -80,11 +44,7 @@ def build(src: str, name: str, threads: int, workdir: Path):
     assert threads % 32 == 0 and threads <= 1024, threads
     body = src[src.index('extern "C" __global__ void __launch_bounds__'):]
     body = re.sub(r"extern __shared__ [^;]*buf_dyn_shmem\[\];", "uchar* buf_dyn_shmem = g_smem;", body)
-    params = [p.replace("__restrict__", "").replace("const ", "").strip()
-              for p in re.search(re.escape(name) + r"\(([^)]*)\)", body).group(1).split(",")]
-    decl = [(p.rsplit(" ", 1)[0].strip(), p.rsplit(" ", 1)[1]) for p in params]
-    cargs = ", ".join(f"void* {a}" if t.endswith("*") else f"{t} {a}" for t, a in decl)
-    call = ", ".join(f"({t}){a}" if t.endswith("*") else a for t, a in decl)
+    decl, cargs, call = signature(body, name)
     cpp = SHIM + body.replace('extern "C" __global__', "static") + f"""
 extern "C" void run({cargs}, int64_t blocks) {{
   std::barrier<> bar({threads});
@@ -104,15 +64,7 @@ extern "C" void run({cargs}, int64_t blocks) {{
     fn = compile_run(cpp, name, workdir)
 
     def run(args: dict, blocks: int) -> None:
-        values = []
-        for t, a in decl:
-            v = args[a]
-            if t.endswith("*"):
-                assert v.device.type == "cpu", a
-                values.append(ctypes.c_void_p(v.data_ptr()))
-            else:
-                values.append(_SCALARS[t](v))
-        fn(*values, ctypes.c_int64(blocks))
+        fn(*values(decl, args, contiguous=False), ctypes.c_int64(blocks))
 
     return run
 

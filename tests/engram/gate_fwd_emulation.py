@@ -17,15 +17,14 @@ shared-memory layout and the reduction without a GPU.
 """
 import ctypes
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import torch
 
+from tests.cuda_emulation import HAS_GXX, PREAMBLE, compile_run, signature, values  # noqa: F401 (HAS_GXX: re-exported)
+
 from tilefuse.reference.engram import _fma_f32
 
-HAS_GXX = shutil.which("g++") is not None
 LANES, V, CHUNK = 32, 8, 256
 
 
@@ -95,40 +94,11 @@ def f32_ulp(t: torch.Tensor) -> torch.Tensor:
 
 # ---- the generated CUDA source on the CPU ----
 
-SHIM = r"""
-#include <barrier>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <thread>
-#include <vector>
-typedef unsigned int uint;
-struct bfloat16_t {
-  uint16_t s;
-  bfloat16_t() = default;
-  explicit bfloat16_t(float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    if (std::isnan(f)) { s = 0x7fc0; return; }
-    u += 0x7fffu + ((u >> 16) & 1u);
-    s = (uint16_t)(u >> 16);
-  }
-  explicit operator float() const { uint32_t u = (uint32_t)s << 16; float f; std::memcpy(&f, &u, 4); return f; }
-};
+SHIM = PREAMBLE + r"""
 struct uint4 { uint x, y, z, w; };
 struct float4 { float x, y, z, w; };
 static inline uint __pack_nv_bfloat162(bfloat16_t a, bfloat16_t b) { return (uint)a.s | ((uint)b.s << 16); }
 static inline uint4 make_uint4(uint a, uint b, uint c, uint d) { return uint4{a, b, c, d}; }
-struct Idx { unsigned x; };
-thread_local Idx threadIdx, blockIdx;
-#define __launch_bounds__(a, b)
-#define __restrict__
-static inline float __fmaf_rn(float a, float b, float c) { return std::fmaf(a, b, c); }
-static inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
-static inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
-static inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
-static inline float __fdiv_rn(float a, float b) { volatile float r = a / b; return r; }
-static inline float __fsqrt_rn(float a) { return std::sqrt(a); }
 static float* g_smem;
 static std::barrier<>* g_cta;
 static std::vector<std::barrier<>*> g_warp;
@@ -150,12 +120,7 @@ def build(src: str, name: str, threads: int, workdir: Path):
     smem_floats=0)``, which binds tensors (CPU, contiguous) and Python numbers by the kernel's parameter names."""
     body = src[src.index('extern "C" __global__ void __launch_bounds__'):]
     body = re.sub(r"extern __shared__ __align__\(\d+\) (\w+) (\w+)\[\];", r"\1* \2 = (\1*)g_smem;", body)
-    params = [p.strip() for p in re.search(re.escape(name) + r"\(([^)]*)\)", body).group(1).split(",")]
-    names = [p.split()[-1] for p in params]
-    kinds = ["ptr" if "*" in p else ("f32" if p.startswith("float ") else "i64") for p in params]
-    ctype = {"ptr": "void*", "f32": "double", "i64": "int64_t"}
-    cargs = ", ".join(f"{ctype[kd]} {a}" for kd, a in zip(kinds, names))
-    call = ", ".join(f"({p.rsplit(' ', 1)[0].replace('__restrict__', '').strip()}){a}" for p, a in zip(params, names))
+    decl, cargs, call = signature(body, name)
     cpp = SHIM + body.replace('extern "C" __global__', "static") + f"""
 extern "C" void run({cargs}, int64_t blocks, int64_t smem_floats) {{
   std::vector<float> smem(smem_floats > 0 ? smem_floats : 1);
@@ -174,22 +139,9 @@ extern "C" void run({cargs}, int64_t blocks, int64_t smem_floats) {{
   }}
 }}
 """
-    workdir.mkdir(parents=True, exist_ok=True)
-    source, lib = workdir / f"{name}.cpp", workdir / f"{name}.so"
-    source.write_text(cpp)
-    subprocess.run(["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-fno-strict-aliasing", "-w", "-shared", "-fPIC",
-                    "-pthread", "-o", str(lib), str(source)], check=True, capture_output=True)
-    fn = ctypes.CDLL(str(lib)).run
+    fn = compile_run(cpp, name, workdir)
 
     def run(args: dict, blocks: int, smem_floats: int = 0) -> None:
-        cargs = []
-        for a, kd in zip(names, kinds):
-            value = args[a]
-            if kd == "ptr":
-                assert value.device.type == "cpu" and value.is_contiguous(), a
-                cargs.append(ctypes.c_void_p(value.data_ptr()))
-            else:
-                cargs.append(ctypes.c_double(value) if kd == "f32" else ctypes.c_int64(value))
-        fn(*cargs, ctypes.c_int64(blocks), ctypes.c_int64(smem_floats))
+        fn(*values(decl, args), ctypes.c_int64(blocks), ctypes.c_int64(smem_floats))
 
     return run

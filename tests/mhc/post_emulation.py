@@ -8,45 +8,17 @@ backward runs each warp as 32 host threads. So the CPU computes exactly what the
 checks the kernels' indexing, guards and reductions without a GPU.
 """
 import ctypes
-import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import torch
 
-HAS_GXX = shutil.which("g++") is not None
+from tests.cuda_emulation import HAS_GXX, PREAMBLE, compile_run, signature, values  # noqa: F401 (re-exported)
 
-SHIM = r"""
-#include <barrier>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <thread>
-#include <vector>
-typedef unsigned int uint;
-struct bfloat16_t {
-  uint16_t s;
-  bfloat16_t() = default;
-  explicit bfloat16_t(float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    if (std::isnan(f)) { s = 0x7fc0; return; }
-    u += 0x7fffu + ((u >> 16) & 1u);
-    s = (uint16_t)(u >> 16);
-  }
-  explicit operator float() const { uint32_t u = (uint32_t)s << 16; float f; std::memcpy(&f, &u, 4); return f; }
-};
+SHIM = PREAMBLE + r"""
 struct alignas(16) uint4 { uint x, y, z, w; };
 struct alignas(8) uint2 { uint x, y; };
 struct alignas(16) float4 { float x, y, z, w; };
 struct alignas(8) float2 { float x, y; };
-struct Idx { unsigned x; };
-thread_local Idx threadIdx, blockIdx;
-#define __launch_bounds__(a, b)
-#define __restrict__
-static inline float __fmaf_rn(float a, float b, float c) { return std::fmaf(a, b, c); }
-static inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
 static float g_slots[32];
 static std::barrier<>* g_bar;
 static inline float __shfl_xor_sync(uint, float v, int delta, int) {
@@ -60,26 +32,11 @@ static inline float __shfl_xor_sync(uint, float v, int delta, int) {
 """
 
 
-def compile_run(cpp: str, name: str, workdir: Path):
-    """Compile ``cpp`` (device code made host C++, with an ``extern "C" run``) with g++, no contraction of
-    multiply-adds, into ``workdir``; return its ``run`` (ctypes)."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    source, lib = workdir / f"{name}.cpp", workdir / f"{name}.so"
-    source.write_text(cpp)
-    subprocess.run(["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC",
-                    "-pthread", "-o", str(lib), str(source)], check=True, capture_output=True)
-    return ctypes.CDLL(str(lib)).run
-
-
 def build(src: str, name: str, threads: int, warp_threads: bool, workdir: Path):
     """Compile the ``__global__`` function ``name`` of ``src`` for the CPU; returns ``run(tensors: dict, num_tokens,
     blocks)``, which binds tensors by the kernel's parameter names."""
-    body = src[src.index(f'extern "C" __global__ void __launch_bounds__'):]
-    params = [p.strip() for p in re.search(re.escape(name) + r"\(([^)]*)\)", body).group(1).split(",")]
-    names = [p.split()[-1] for p in params]
-    cargs = ", ".join("int64_t num_tokens" if a == "num_tokens" else f"void* {a}" for a in names)
-    call = ", ".join(a if a == "num_tokens" else f"({p.rsplit(' ', 1)[0].replace('__restrict__', '').strip()}){a}"
-                     for p, a in zip(params, names))
+    body = src[src.index('extern "C" __global__ void __launch_bounds__'):]
+    decl, cargs, call = signature(body, name)
     if warp_threads:
         loop = f"""std::barrier<> bar(32); g_bar = &bar;
   for (int64_t b = 0; b < blocks; ++b) for (unsigned w = 0; w < {threads // 32}; ++w) {{
@@ -100,10 +57,7 @@ extern "C" void run({cargs}, int64_t blocks) {{
     fn = compile_run(cpp, name, workdir)
 
     def run(tensors: dict, num_tokens: int, blocks: int) -> None:
-        for t in tensors.values():
-            assert t.device.type == "cpu" and t.is_contiguous()
-        fn(*[ctypes.c_int64(num_tokens) if a == "num_tokens" else ctypes.c_void_p(tensors[a].data_ptr())
-             for a in names], ctypes.c_int64(blocks))
+        fn(*values(decl, {**tensors, "num_tokens": num_tokens}), ctypes.c_int64(blocks))
 
     return run
 

@@ -553,8 +553,6 @@ def test_mma_cuda_graph_and_compile(knob_kernels):
 # ---- the backward kernels' CUDA source, run on the CPU ----
 
 EMU_EXTRA = r"""
-typedef unsigned char uchar;
-static inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
 static inline int64_t min(int64_t a, int64_t b) { return a < b ? a : b; }
 alignas(1024) static uchar g_shmem[1 << 16];
 static std::barrier<>* g_cta_bar;
@@ -563,7 +561,7 @@ static inline void __syncthreads() { g_cta_bar->arrive_and_wait(); }
 
 
 def _emulate(src: str, name: str, threads: int, workdir, extra: str = ""):
-    """Compile ``name`` of the generated CUDA ``src`` for the CPU (``post_emulation``'s shim plus a 2-D block index,
+    """Compile ``name`` of the generated CUDA ``src`` for the CPU (``post_emulation``'s shim plus
     the CTA's dynamic shared memory and ``__syncthreads`` as a barrier of the CTA's host threads; CTAs run one
     after another; ``extra``: more shim). Returns ``run(tensors: dict, scalars: dict, grid: (x, y))``."""
     import ctypes
@@ -579,7 +577,7 @@ def _emulate(src: str, name: str, threads: int, workdir, extra: str = ""):
     cargs = ", ".join(f"int64_t {a}" if s else f"void* {a}" for a, s in zip(names, scalar))
     call = ", ".join(a if s else f"({p.rsplit(' ', 1)[0].replace('__restrict__', '').strip()}){a}"
                      for p, a, s in zip(params, names, scalar))
-    shim = emu.SHIM.replace("struct Idx { unsigned x; };", "struct Idx { unsigned x, y; };") + EMU_EXTRA + extra
+    shim = emu.SHIM + EMU_EXTRA + extra
     cpp = shim + body.replace('extern "C" __global__', "static") + f"""
 extern "C" void run({cargs}, int64_t gx, int64_t gy) {{
   std::barrier<> bar({threads}); g_cta_bar = &bar;

@@ -1,0 +1,90 @@
+"""Shared pieces of the CPU runs of TileLang's generated CUDA (not a test module): the C++ preamble every
+family's shim starts with, the g++ build, and the binding of a kernel's parameters.
+
+The preamble gives ``bfloat16_t`` rounding to nearest even, the thread and block indices as thread-locals, the
+launch and alias qualifiers as nothing, and the rounded fp32 intrinsics their IEEE meaning, one rounding each
+(``std::fmaf``; ``volatile`` keeps g++ from fusing, with ``-ffp-contract=off`` besides). Each family's module adds
+its vector types, shared memory and thread exchange (``__syncthreads``, ``__shfl_xor_sync``) to it.
+"""
+import ctypes
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+HAS_GXX = shutil.which("g++") is not None
+
+PREAMBLE = r"""
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+using std::max;
+using std::min;
+typedef unsigned int uint;
+typedef unsigned char uchar;
+struct bfloat16_t {
+  uint16_t s;
+  bfloat16_t() = default;
+  explicit bfloat16_t(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if (std::isnan(f)) { s = 0x7fc0; return; }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    s = (uint16_t)(u >> 16);
+  }
+  explicit operator float() const { uint32_t u = (uint32_t)s << 16; float f; std::memcpy(&f, &u, 4); return f; }
+};
+struct Idx { unsigned x, y, z; };
+thread_local Idx threadIdx, blockIdx;
+#define __launch_bounds__(a, b)
+#define __restrict__
+#define __align__(n)
+static inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
+static inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
+static inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
+static inline float __fdiv_rn(float a, float b) { volatile float r = a / b; return r; }
+static inline float __fsqrt_rn(float a) { volatile float r = std::sqrt(a); return r; }
+static inline float __fmaf_rn(float a, float b, float c) { return std::fmaf(a, b, c); }
+"""
+
+SCALARS = {"int64_t": ctypes.c_int64, "float": ctypes.c_float, "int": ctypes.c_int32}
+
+
+def compile_run(cpp: str, name: str, workdir: Path):
+    """Compile ``cpp`` (device code made host C++, with an ``extern "C" run``) with g++, no contraction of
+    multiply-adds, into ``workdir``; return its ``run`` (ctypes)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    source, lib = workdir / f"{name}.cpp", workdir / f"{name}.so"
+    source.write_text(cpp)
+    subprocess.run(["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-fno-strict-aliasing", "-w", "-shared", "-fPIC",
+                    "-pthread", "-o", str(lib), str(source)], check=True, capture_output=True)
+    return ctypes.CDLL(str(lib)).run
+
+
+def signature(body: str, name: str):
+    """The parameters of the kernel ``name`` in ``body``: ``(decl, cargs, call)``: ``[(C type, name)]``, the host
+    entry's parameter list (pointers as ``void*``) and the call's arguments (pointers cast back)."""
+    params = [p.replace("__restrict__", "").replace("const ", "").strip()
+              for p in re.search(re.escape(name) + r"\(([^)]*)\)", body).group(1).split(",")]
+    decl = [(p.rsplit(" ", 1)[0].strip(), p.rsplit(" ", 1)[1]) for p in params]
+    cargs = ", ".join(f"void* {a}" if t.endswith("*") else f"{t} {a}" for t, a in decl)
+    call = ", ".join(f"({t}){a}" if t.endswith("*") else a for t, a in decl)
+    return decl, cargs, call
+
+
+def values(decl, args: dict, contiguous: bool = True) -> list:
+    """ctypes values of ``args`` (CPU tensors and Python numbers) in the order of ``decl``."""
+    out = []
+    for t, a in decl:
+        v = args[a]
+        if t.endswith("*"):
+            assert v.device.type == "cpu" and (v.is_contiguous() or not contiguous), a
+            out.append(ctypes.c_void_p(v.data_ptr()))
+        else:
+            out.append(SCALARS[t](v))
+    return out
