@@ -375,16 +375,21 @@ def test_batch_invariant(n):
         assert torch.equal(dx, full_dx[:, sl])
 
 
-@pytest.mark.gpu
-def test_weight_gradient_bits_follow_the_token_blocks():
-    # the partial count is fixed (not the SM count) and a token's block is t // TOKEN_BLOCK: padding the batch
-    # with zero tokens (zero terms in the last block and in new blocks) leaves every partial's bits unchanged
+def _check_zero_tokens_keep_the_weight_gradient():
+    """1000 zero tokens appended to 4001 leave the weight gradient's bits unchanged."""
     residual, fn, _, d_out = _inputs(4001, 4, 2560)
     _, _, d_fn, _ = _grads(residual, fn, None, d_out)
     pad_r = torch.cat([residual, torch.zeros_like(residual[:, :1000])], 1)
     pad_d = torch.cat([d_out, torch.zeros_like(d_out[:, :1000])], 1)
     _, _, d_fn_pad, _ = _grads(pad_r, fn, None, pad_d)
     assert torch.equal(d_fn, d_fn_pad)
+
+
+@pytest.mark.gpu
+def test_weight_gradient_bits_follow_the_token_blocks():
+    # the partial count is fixed (not the SM count) and a token's block is t // TOKEN_BLOCK: padding the batch
+    # with zero tokens (zero terms in the last block and in new blocks) leaves every partial's bits unchanged
+    _check_zero_tokens_keep_the_weight_gradient()
 
 
 @pytest.mark.gpu
@@ -508,12 +513,7 @@ def test_mma_weight_gradient_bits_follow_the_token_blocks(knob_kernels):
     # as the default's: a fixed partial count and a token's block t // MMA_TOKENS; zero tokens appended are zero
     # rows of the block's MMA (the same operands where the kernel masked them) and whole MMAs of zeros after it
     knob_kernels(K, MMA_KNOBS)
-    residual, fn, _, d_out = _inputs(4001, 4, 2560)
-    _, _, d_fn, _ = _grads(residual, fn, None, d_out)
-    pad_r = torch.cat([residual, torch.zeros_like(residual[:, :1000])], 1)
-    pad_d = torch.cat([d_out, torch.zeros_like(d_out[:, :1000])], 1)
-    _, _, d_fn_pad, _ = _grads(pad_r, fn, None, pad_d)
-    assert torch.equal(d_fn, d_fn_pad)
+    _check_zero_tokens_keep_the_weight_gradient()
 
 
 @pytest.mark.gpu
