@@ -1,6 +1,7 @@
 """Test tiers (DESIGN.md): reference tests run everywhere; ``compile`` needs TileLang and nvcc;
 ``gpu`` needs CUDA. Each test is seeded from its node id; the seed is printed when it fails."""
 import importlib.util
+import os
 import shutil
 import zlib
 
@@ -10,6 +11,25 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 HAS_TILELANG = importlib.util.find_spec("tilelang") is not None
 HAS_NVCC = shutil.which("nvcc") is not None
+
+
+def pytest_configure(config):
+    """With ``TILEFUSE_LIB_LOG=FILE``, append the path of every kernel library the tests look up to FILE (each
+    process appends; ``tools/pack_kernel_cache.sh`` packs the libraries the compile tier built)."""
+    log = os.environ.get("TILEFUSE_LIB_LOG")
+    if not log:
+        return
+    from tilefuse import _jit
+
+    lib_path = _jit._lib_path
+
+    def logged(name, config_, arch):
+        path = lib_path(name, config_, arch)
+        with open(log, "a") as f:
+            f.write(path + "\n")
+        return path
+
+    _jit._lib_path = logged
 
 
 def pytest_collection_modifyitems(config, items):

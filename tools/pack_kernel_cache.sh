@@ -51,6 +51,14 @@ if __name__ == "__main__":  # compile_many spawns workers that re-import this fi
             f.write(os.path.basename(path) + "\n")
 PY
 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 /tmp/kcache_list.py /tmp/kcache.list 2>&1 | grep FAILED
+# TESTS="tests/mhc tests/engram" also packs every library those tests' compile tier builds (the configs the GPU
+# tests launch, beyond the registered ones): about 1 MB for mhc and engram
+if [ -n "${TESTS:-}" ]; then
+  rm -f /tmp/kcache_tests.log
+  TILEFUSE_LIB_LOG=/tmp/kcache_tests.log python3 -m pytest -q -n "${JOBS:-2}" -p no:randomly -m compile $TESTS | tail -1
+  sort -u /tmp/kcache_tests.log | while read -r p; do [ -f "$p" ] && basename "$p"; done >> /tmp/kcache.list
+  sort -u -o /tmp/kcache.list /tmp/kcache.list
+fi
 dir="${TILEFUSE_CACHE_DIR:-${TILELANG_CACHE_DIR:-$HOME/.tilelang/cache}/tilefuse}"
 mkdir -p .gpu && tar -C "$dir" -cJf .gpu/kcache.tar.xz -T /tmp/kcache.list
 echo "$(wc -l < /tmp/kcache.list) libraries, $(du -h .gpu/kcache.tar.xz | cut -f1)"
