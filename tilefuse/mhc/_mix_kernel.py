@@ -156,6 +156,43 @@ def head_mix_fwd_kernel(n: int):
 
 # ---- backward kernels (per-token gradient + per-CTA token partials) ----
 
+def _token_row(split: bool, n: int):
+    """The backward kernels' per-token part, as a macro ``token_row(t, row, bufs)``: token ``t``'s ``M`` column
+    gradients ``dz`` into ``row[:M]`` (and ``dz`` times its group's scale into ``d_input``), then its ``G`` scale
+    terms ``sum_j dz[j] * m[j]`` into ``row[M:]`` (``bufs`` as ``_bwd_loop``'s). One definition for every variant
+    of the loop, so they compute the same bits."""
+    import tilelang.language as T
+
+    M = n * (n + 2) if split else n
+    groups = _groups(n) if split else ((0, n),)
+
+    @T.macro
+    def token_row(t, row, bufs):
+        if split:
+            DPRE, DPOST, DCOMB, X, POST, S, Bs, DX, v = bufs
+            for i in T.unroll(n):
+                sig = _sigmoid(_add(_mul(X[t, i], S[0]), Bs[i]))
+                row[i] = _mul(_mul(DPRE[t, i], sig), _sub(T.float32(1.0), sig))
+            for i in T.unroll(n):
+                po = POST[t, i]
+                row[n + i] = _mul(_mul(DPOST[t, i], po), _sub(T.float32(1.0), _div(po, v)))
+            for q in T.unroll(n * n):
+                row[2 * n + q] = DCOMB[t, q]
+        else:
+            DOUT, X, S, Bs, DX = bufs
+            for i in T.unroll(n):
+                sig = _sigmoid(_add(_mul(X[t, i], S[0]), Bs[i]))
+                row[i] = _mul(_mul(sig, _sub(T.float32(1.0), sig)), DOUT[t, i])
+        for g, (lo, hi) in enumerate(groups):
+            for j in T.unroll(lo, hi):
+                DX[t, j] = _mul(row[j], S[g])
+            row[M + g] = _mul(row[lo], X[t, lo])
+            for j in T.unroll(lo + 1, hi):
+                row[M + g] = _add(row[M + g], _mul(row[j], X[t, j]))
+
+    return token_row
+
+
 def _bwd_loop(split: bool, n: int, TB: int):
     """The backward kernels' body, as a macro ``loop(Tn, P, p, lane, stage, row, acc, bsum, PS, PB, bufs)``.
 
@@ -169,10 +206,10 @@ def _bwd_loop(split: bool, n: int, TB: int):
     import tilelang.language as T
 
     M, G = (n * (n + 2), 3) if split else (n, 1)
-    groups = _groups(n) if split else ((0, n),)
     F = M + G
     CPT = -(-F // LANES)
     CHUNKS = -(-TB // LANES)
+    token_row = _token_row(split, n)
 
     @T.macro
     def loop(Tn, P, p, lane, stage, row, acc, bsum, PS, PB, bufs):
@@ -186,27 +223,7 @@ def _bwd_loop(split: bool, n: int, TB: int):
                 within = c * LANES + lane
                 t = blk * TB + within
                 if within < TB and t < Tn:
-                    if split:
-                        DPRE, DPOST, DCOMB, X, POST, S, Bs, DX, v = bufs
-                        for i in T.unroll(n):
-                            sig = _sigmoid(_add(_mul(X[t, i], S[0]), Bs[i]))
-                            row[i] = _mul(_mul(DPRE[t, i], sig), _sub(T.float32(1.0), sig))
-                        for i in T.unroll(n):
-                            po = POST[t, i]
-                            row[n + i] = _mul(_mul(DPOST[t, i], po), _sub(T.float32(1.0), _div(po, v)))
-                        for q in T.unroll(n * n):
-                            row[2 * n + q] = DCOMB[t, q]
-                    else:
-                        DOUT, X, S, Bs, DX = bufs
-                        for i in T.unroll(n):
-                            sig = _sigmoid(_add(_mul(X[t, i], S[0]), Bs[i]))
-                            row[i] = _mul(_mul(sig, _sub(T.float32(1.0), sig)), DOUT[t, i])
-                    for g, (lo, hi) in enumerate(groups):
-                        for j in T.unroll(lo, hi):
-                            DX[t, j] = _mul(row[j], S[g])
-                        row[M + g] = _mul(row[lo], X[t, lo])
-                        for j in T.unroll(lo + 1, hi):
-                            row[M + g] = _add(row[M + g], _mul(row[j], X[t, j]))
+                    token_row(t, row, bufs)
                 else:
                     for j in T.unroll(F):
                         row[j] = T.float32(0.0)
@@ -303,12 +320,12 @@ def _wide_bwd_kernel(split: bool, n: int, TB: int):
 
     W = BWD_WARPS
     M, G = (n * (n + 2), 3) if split else (n, 1)
-    groups = _groups(n) if split else ((0, n),)
     F = M + G
     CPT = -(-F // LANES)             # columns a lane sums in its warp's stage
     CPW = -(-F // (W * LANES))       # columns a thread adds into the partials
     CHUNKS = -(-TB // LANES)
     NT = W * LANES
+    token_row = _token_row(split, n)
     Tn, P = T.dynamic("Tn, P", I64)
 
     @T.macro
@@ -327,27 +344,7 @@ def _wide_bwd_kernel(split: bool, n: int, TB: int):
                 within = c * LANES + lane
                 t = blk * TB + within
                 if r < R and within < TB and t < Tn:
-                    if split:
-                        DPRE, DPOST, DCOMB, X, POST, S, Bs, DX, v = bufs
-                        for i in T.unroll(n):
-                            sig = _sigmoid(_add(_mul(X[t, i], S[0]), Bs[i]))
-                            row[i] = _mul(_mul(DPRE[t, i], sig), _sub(T.float32(1.0), sig))
-                        for i in T.unroll(n):
-                            po = POST[t, i]
-                            row[n + i] = _mul(_mul(DPOST[t, i], po), _sub(T.float32(1.0), _div(po, v)))
-                        for q in T.unroll(n * n):
-                            row[2 * n + q] = DCOMB[t, q]
-                    else:
-                        DOUT, X, S, Bs, DX = bufs
-                        for i in T.unroll(n):
-                            sig = _sigmoid(_add(_mul(X[t, i], S[0]), Bs[i]))
-                            row[i] = _mul(_mul(sig, _sub(T.float32(1.0), sig)), DOUT[t, i])
-                    for g, (lo, hi) in enumerate(groups):
-                        for j in T.unroll(lo, hi):
-                            DX[t, j] = _mul(row[j], S[g])
-                        row[M + g] = _mul(row[lo], X[t, lo])
-                        for j in T.unroll(lo + 1, hi):
-                            row[M + g] = _add(row[M + g], _mul(row[j], X[t, j]))
+                    token_row(t, row, bufs)
                 else:
                     for j in T.unroll(F):
                         row[j] = T.float32(0.0)
