@@ -22,8 +22,8 @@ def test_every_op_has_cuda_and_fake_kernels():
     from torch._library.simple_registry import singleton
 
     ops = _tilefuse_ops()
-    assert len(ops) == 68, ops  # quant and transpose 21, moe 15, transform 1, mhc 21 (sinkhorn 2, post 3,
-    # mixes 5, expand 2, apply_mix 2, normw 2, reduce_norm 2, norm_fn 2, recompute 1), engram 10 (hash 1, sinkhorn
+    assert len(ops) == 69, ops  # quant and transpose 21, moe 15, transform 1, mhc 22 (sinkhorn 2, post 3,
+    # mixes 5, expand 2, apply_mix 2, normw 2, reduce_norm 2, norm_fn 2, recompute 1, pre_mixes 1), engram 10 (hash 1, sinkhorn
     # helpers 4, gate forward 2, fused weight 1, gate backward 1, grad_w_reduce 1)
     for name in ops:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA"), name

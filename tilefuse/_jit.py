@@ -64,7 +64,7 @@ KERNEL_MODULES = (
     "tilefuse.mhc._mix_kernel",
     "tilefuse.mhc._expand_kernel",
     "tilefuse.mhc._apply_mix_kernel", "tilefuse.mhc._normw_kernel", "tilefuse.mhc._reduce_norm_kernel",
-    "tilefuse.mhc._norm_fn_kernel", "tilefuse.mhc._recompute_kernel",
+    "tilefuse.mhc._norm_fn_kernel", "tilefuse.mhc._recompute_kernel", "tilefuse.mhc._pre_mixes_kernel",
     "tilefuse.engram._hash_kernel", "tilefuse.engram._sinkhorn_kernel", "tilefuse.engram._gate_fwd_kernel",
     "tilefuse.engram._gate_bwd_kernel",
 )
