@@ -13,7 +13,7 @@ import torch
 from tilefuse.reference import mhc as R
 
 from . import _apply_mix_kernel, _expand_kernel, _mix_kernel, _norm_fn_kernel, _post_kernel, _sinkhorn_kernel
-from . import _normw_kernel, _reduce_norm_kernel
+from . import _normw_kernel, _pre_mixes_kernel, _reduce_norm_kernel
 
 # §2.12: the attribute of a residual's untyped storage that holds its fused bf16 gradient buffer.
 SIDE_CHANNEL = "grad_from_mhc_post"
@@ -178,15 +178,27 @@ def norm_fn_forward(residual: torch.Tensor, fn: torch.Tensor, eps: float):
 
 def pre_chain(out_mul_splitted, sqrsum_splitted, residual, scale, base, rms_eps, pre_eps, sinkhorn_eps,
               post_mult_value, sinkhorn_repeat, out=None):
-    """The fused pre of §2.8 on flattened tensors: reduce + RMS, split, Sinkhorn, apply, each step through the
-    helper its unfused op takes (the kernels on CUDA), so the chain's bits are the unfused ops' (§3). One launch
-    per step: a single fused kernel is still to come.
+    """The fused pre of §2.8 on flattened tensors: reduce + RMS, split, Sinkhorn, apply, so the chain's bits are the
+    unfused ops' (§3). Where the reduce, split and Sinkhorn kernels would all be taken, one kernel does the three
+    (``_pre_mixes_kernel``: the same operations in the same order) and the apply follows: two launches; elsewhere
+    each step goes through the helper its unfused op takes (the kernels on CUDA), one launch a step.
 
     Returns ``(post_mix [T, n, 1], comb_mix [T, n, n], layer_input [T, C])``, written into ``out`` (three
     contiguous buffers of ``T n``, ``T n^2`` and ``T C`` elements) where given.
     """
     T, n, C = residual.shape
     post_out, comb_out, layer_input = out if out is not None else (None, None, residual.new_empty(T, C))
+    if _pre_mixes_kernel.takes(out_mul_splitted, sqrsum_splitted, n, C, sinkhorn_repeat):
+        S = out_mul_splitted.shape[0]
+        f32 = dict(dtype=torch.float32, device=out_mul_splitted.device)
+        pre = torch.empty(T, n, **f32)
+        post = torch.empty(T, n, **f32) if post_out is None else post_out.view(T, n)
+        comb = torch.empty(T, n * n, **f32) if comb_out is None else comb_out.view(T, n * n)
+        _pre_mixes_kernel.pre_mixes_cuda(out_mul_splitted.reshape(S, T, -1).contiguous(),
+                                         sqrsum_splitted.reshape(S, T).contiguous(), scale, base, pre, post, comb,
+                                         n * C, rms_eps, post_mult_value, pre_eps, sinkhorn_repeat, sinkhorn_eps)
+        apply_mix_fwd_into(residual, pre, layer_input)
+        return post.view(T, n, 1), comb.view(T, n, n), layer_input
     _, _, mixes = reduce_rmsnorm(out_mul_splitted, sqrsum_splitted, n * C, rms_eps)
     pre, post, comb = split_mixes_fwd(mixes, scale, base, n, post_mult_value, pre_eps, post_out)
     comb = sinkhorn_fwd(comb.contiguous(), sinkhorn_repeat, sinkhorn_eps,
