@@ -8,7 +8,7 @@ launch; mhc.md §2.8, §3 contract 2).
   Sinkhorn eps 0 (zero column sums: the IEEE fallback, NaN).
 * gpu tier: ``mhc_pre_big_fuse_fwd`` and ``mhc_pre_big_fuse`` with the kernel against the four-kernel chain
   (``ENABLED = False``), ``torch.equal`` on NaN-poisoned outputs, T in {0, 1, 7, 4001, 8192}; the kernel is the
-  path taken; CUDA-graph replay; batch invariance.
+  path taken; CUDA-graph replay; batch invariance; ``torch.compile(fullgraph=True)`` (the custom op).
 
 No tolerances: the contract is bit-identity with the unfused chain.
 """
@@ -81,6 +81,33 @@ def test_launcher_binds_its_arguments(n, S, monkeypatch):
         K.pre_mixes_launch(ps, qs, scale, base, *outs, n * 8, EPS, V, EPS, REPEAT, EPS)
     assert [(c.name, c.cfg) for c in calls] == [("mhc_pre_mixes_fwd", (n, S))]
     assert calls[0].env["num_tokens"] == 7
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("t", (0, 7))
+@pytest.mark.parametrize("given", (False, True), ids=("fresh", "out"))
+def test_pre_chain_launches_the_kernel_then_the_apply(t, given, monkeypatch):
+    """``pre_chain``'s fused path on CPU tensors standing for CUDA ones (``takes`` forced, launches bound by
+    ``fake_jit``): one launch of this kernel (none at T = 0), its pre mix into the apply, post and comb written
+    into the caller's buffers where given, the chain's shapes returned."""
+    from tilefuse.mhc import _functions as F
+
+    n, S, c = 4, 16, 64
+    calls = fake_jit(monkeypatch)
+    monkeypatch.setattr(K, "takes", lambda *args: True)
+    applied = []
+    monkeypatch.setattr(F, "apply_mix_fwd_into", lambda x, mix, o: applied.append((x, mix, o)))
+    ps, qs, sc, bs = _partials(S, t, n, c)
+    res = torch.randn(t, n, c).to(BF16)
+    out = (torch.empty(t, n), torch.empty(t, n * n), torch.empty(t, c, dtype=BF16)) if given else None
+    post, comb, li = F.pre_chain(ps.unsqueeze(2), qs.unsqueeze(2), res, sc, bs, EPS, EPS, EPS, V, REPEAT, out)
+    assert post.shape == (t, n, 1) and comb.shape == (t, n, n) and li.shape == (t, c) and li.dtype == BF16
+    assert [(call.name, call.cfg) for call in calls] == ([("mhc_pre_mixes_fwd", (n, S))] if t else [])
+    assert len(applied) == 1 and applied[0][0] is res and applied[0][1].shape == (t, n) and applied[0][2] is li
+    if given:
+        assert li is out[2]
+        assert post.untyped_storage().data_ptr() == out[0].untyped_storage().data_ptr()
+        assert comb.untyped_storage().data_ptr() == out[1].untyped_storage().data_ptr()
 
 
 def test_takes_exactly_where_the_chain_takes_its_kernels(monkeypatch):
@@ -223,7 +250,7 @@ def test_kernel_is_the_four_kernel_chain(n, S, t, monkeypatch):
         want = _fwd(ps, qs, sc, bs, res, repeat)
         monkeypatch.setattr(K, "ENABLED", True)
         _equal(got, want)
-    assert len(launches) == 3  # the kernel ran with ENABLED (T = 0 returns before the launch)
+    assert len(launches) == 3  # the fused path ran with ENABLED (its launcher launches nothing at T = 0)
 
 
 @pytest.mark.gpu
@@ -257,3 +284,24 @@ def test_batch_invariance_and_graph_replay():
     graph.replay()
     torch.cuda.synchronize()
     _equal(outs, want)
+
+
+@pytest.mark.gpu
+def test_torch_compile_fullgraph():
+    n, S, c, t = 4, 16, 4096, 4001
+    ps, qs, sc, bs = _partials(S, t, n, c, "cuda")
+    res = torch.randn(t, n, c, device="cuda").to(BF16)
+
+    def step(ps, qs, sc, bs, res, post, comb, li):
+        mhc_pre_big_fuse_fwd(ps, qs, sc, bs, res, post, comb, li, EPS, EPS, EPS, V, REPEAT, S)
+        return comb.sum()
+
+    def poisoned():
+        return (torch.full((t, n), float("nan"), device="cuda"), torch.full((t, n * n), float("nan"), device="cuda"),
+                torch.full((t, c), float("nan"), device="cuda", dtype=BF16))
+
+    got_outs, want_outs = poisoned(), poisoned()
+    got = torch.compile(step, fullgraph=True)(ps, qs, sc, bs, res, *got_outs)
+    want = step(ps, qs, sc, bs, res, *want_outs)
+    _equal(got_outs, want_outs)
+    assert torch.equal(got, want)

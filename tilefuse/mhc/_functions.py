@@ -194,7 +194,7 @@ def pre_chain(out_mul_splitted, sqrsum_splitted, residual, scale, base, rms_eps,
         pre = torch.empty(T, n, **f32)
         post = torch.empty(T, n, **f32) if post_out is None else post_out.view(T, n)
         comb = torch.empty(T, n * n, **f32) if comb_out is None else comb_out.view(T, n * n)
-        _pre_mixes_kernel.pre_mixes_cuda(out_mul_splitted.reshape(S, T, -1).contiguous(),
+        _pre_mixes_kernel.pre_mixes_cuda(out_mul_splitted.reshape(S, T, n * (n + 2)).contiguous(),
                                          sqrsum_splitted.reshape(S, T).contiguous(), scale, base, pre, post, comb,
                                          n * C, rms_eps, post_mult_value, pre_eps, sinkhorn_repeat, sinkhorn_eps)
         apply_mix_fwd_into(residual, pre, layer_input)
