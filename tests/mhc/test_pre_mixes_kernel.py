@@ -172,10 +172,18 @@ def _cdiv(a, b):
     return -(-a // b)
 
 
+# knob sets the CPU run also covers (results unchanged): the Sinkhorn macros' plain IEEE division and __frcp_rn
+# reciprocal, and 64 threads a CTA
+KNOB_SETS = ((SK, "FAST_DIV", False), (SK, "RCP_APPROX", False), (K, "THREADS", 64))
+
+
 @pytest.mark.compile
 @pytest.mark.skipif(not HAS_GXX, reason="needs g++")
-@pytest.mark.parametrize("n,S", CONFIGS, ids=str)
-def test_cpu_run_is_the_chain_bit_for_bit(n, S, tmp_path):
+@pytest.mark.parametrize("n,S,knob", [(n, s, None) for n, s in CONFIGS] + [(4, 16, k) for k in KNOB_SETS],
+                         ids=lambda v: v[1] if isinstance(v, tuple) else str(v))
+def test_cpu_run_is_the_chain_bit_for_bit(n, S, knob, tmp_path, monkeypatch):
+    if knob is not None:
+        monkeypatch.setattr(*knob)
     m, nn, c = n * (n + 2), n * n, 64
     fused = _cpu_kernel(_source("mhc_pre_mixes_fwd", (n, S)), "mhc_pre_mixes_kernel", K.THREADS, False,
                         tmp_path / "fused")

@@ -5,7 +5,8 @@ in one launch. ``_functions.pre_chain`` runs it and then the apply-mix kernel: t
 Layout (fp32, contiguous): partials ``PS [S, T, M]`` and ``QS [S, T]`` (``M = n (n + 2)``), ``scale [3]``,
 ``base [M]``; outputs ``PRE [T, n]`` (the apply's mix), ``POST [T, n]``, ``COMB [T, n * n]``. ``T`` is a runtime
 (64-bit) value; ``n`` and ``S`` are compile-time. Launch arguments: ``kg`` (the group size ``n C`` as fp32),
-``rms_eps``, ``v`` (post_mult_value), ``pre_eps``, ``repeat`` (int32) and ``sk_eps``.
+``rms_eps``, ``v`` (post_mult_value), ``pre_eps``, ``repeat`` (int32) and ``sk_eps`` (named ``eps`` in the
+generated CUDA: the Sinkhorn macros' parameter name).
 
 Order of operations, per token ``t`` (thread ``t``), each the one of the kernel it replaces:
 
@@ -37,16 +38,17 @@ to the warp's following vector loads. ``QS`` loads are consecutive words across 
 Nothing is summed over tokens: deterministic and batch-invariant, no atomics, no shared memory.
 
 Expected speed (a model, not measured): at T = 8192, n = 4, S = 16 the kernel reads 8192 x 16 x 25 x 4 B = 13.1 MB
-of partials and writes 0.8 MB, about 3.5 µs at 4 TB/s; 256 CTAs of 32 threads (2 an SM on 132 SMs) then run
-1 + 2 x 9 + 1 = 20 Sinkhorn steps of about 150 SASS instructions (the sinkhorn module's count) on dependent chains
-of about 90 cycles a step: some 2 k cycles, 1 µs at 1.98 GHz, partly behind the loads. About 5 µs with the launch
-against the three kernels' ~13.6 µs (99.7 - 86.1 µs): the pre would take about 91-92 µs against 99.7 (TileKernels
-93.2). Falsified if the chain with ``ENABLED`` stays above 95 µs: then the latency of the loads of 2 warps an SM
-bounds it (try ``THREADS = 64`` with fewer CTAs, or staging the partials through shared memory).
+of partials and writes 0.8 MB, about 3.5 µs at 4 TB/s; 256 CTAs of 32 threads (2 an SM on 132 SMs) then run the
+softmax and 2 x 10 - 1 = 19 Sinkhorn steps (repeat 10) of about 150 SASS instructions (the sinkhorn module's count)
+on dependent chains of about 90 cycles a step: some 2 k cycles, 1 µs at 1.98 GHz, partly behind the loads. About
+5 µs with the launch against the three kernels' ~13.6 µs (99.7 - 86.1 µs): the pre would take about 91-92 µs against
+99.7 (TileKernels 93.2). Falsified if the chain with ``ENABLED`` stays above 95 µs: then the latency of the loads of
+2 warps an SM bounds it (try staging the partials through shared memory with whole-warp contiguous loads, or more
+tokens a thread's loads in flight).
 
-Registers a thread (ptxas, sm_90, ``nvcc -O3``, no spills, no stack): n = 4, S = 16: 254 (ptxas keeps every
-split's loads in flight: 8 CTAs of 32 threads an SM, more than the 2 that T = 8192 puts there); n = 4, S = 1: 63;
-n = 2, S = 16: 158; n = 2, S = 1: 31.
+Registers a thread (ptxas, sm_90, ``nvcc -O3``, no spills, no stack): n = 4, S = 16: 254 (ptxas hoists the splits'
+loads ahead of their adds; that still fits 8 CTAs of 32 threads an SM, more than the 2 that T = 8192 puts there);
+n = 4, S = 1: 63; n = 2, S = 16: 158; n = 2, S = 1: 31.
 
 Kernel constraints: ``n`` in ``_sinkhorn_kernel.KERNEL_N`` (2, 4), ``S <= _reduce_norm_kernel.MAX_S``, a group size
 exact in fp32; the caller keeps the four-kernel chain for anything else (``takes``).
