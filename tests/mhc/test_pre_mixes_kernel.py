@@ -129,21 +129,35 @@ def test_takes_exactly_where_the_chain_takes_its_kernels(monkeypatch):
 
 # The chain's kernels and this one, their generated CUDA run on the CPU. Shim: post_emulation's (IEEE __f*_rn, the
 # warp exchange of the lane Sinkhorn through 32 host threads), rsqrtf as norm_emulation's, PDL's wait as nothing,
-# and the Sinkhorn reciprocal's seed __fdividef(1, d) = RN(1 / d) (the sinkhorn tests' shim: the Newton step ends
-# at RN(1 / d) from either).
+# __syncthreads a barrier of the CTA's host threads, shared memory one array (CTAs in turn), and the Sinkhorn
+# reciprocal's seed __fdividef(1, d) = RN(1 / d) (the sinkhorn tests' shim: the Newton step ends at RN(1 / d) from
+# either).
 _EXTRA = norm_emulation.EXTRA + r"""
 static inline void cudaGridDependencySynchronize() {}
+static inline void __syncthreads() { g_bar->arrive_and_wait(); }
 static inline float __fdividef(float a, float b) { volatile float r = a / b; return r; }
 static inline float __frcp_rn(float b) { volatile float r = 1.0f / b; return r; }
 """
 
 
-def _cpu_kernel(src, name, threads, warps, workdir):
-    """``run(args: dict, blocks)`` of kernel ``name`` of ``src`` on the CPU; ``warps``: each warp's 32 threads run
-    as host threads (the lane Sinkhorn's shuffles), else a CTA's threads one after another."""
+def _cpu_kernel(src, name, threads, mode, workdir):
+    """``run(args: dict, blocks)`` of kernel ``name`` of ``src`` on the CPU. ``mode``: ``"warps"``, each warp's 32
+    threads run as host threads (the lane Sinkhorn's shuffles); ``"cta"``, a CTA's threads as host threads
+    (``__syncthreads``); ``"serial"``, a CTA's threads one after another."""
+    import re
+
     body = src[src.index('extern "C" __global__ void __launch_bounds__'):]
+    body = re.sub(r"extern __shared__ __align__\(\d+\) float (\w+)\[\];", r"alignas(16) static float \1[1 << 16];", body)
     decl, cargs, call = signature(body, name)
-    if warps:
+    if mode == "cta":
+        loop = f"""for (int64_t b = 0; b < blocks; ++b) {{
+    std::barrier<> bar({threads}); g_bar = &bar;
+    std::vector<std::thread> th;
+    for (unsigned l = 0; l < {threads}; ++l)
+      th.emplace_back([=]() {{ blockIdx.x = b; threadIdx.x = l; {name}({call}); }});
+    for (auto& t : th) t.join();
+  }}"""
+    elif mode == "warps":
         loop = f"""std::barrier<> bar(32); g_bar = &bar;
   for (int64_t b = 0; b < blocks; ++b) for (unsigned w = 0; w < {threads // 32}; ++w) {{
     std::vector<std::thread> th;
@@ -173,26 +187,28 @@ def _cdiv(a, b):
 
 
 # knob sets the CPU run also covers (results unchanged): the Sinkhorn macros' plain IEEE division and __frcp_rn
-# reciprocal, and 64 threads a CTA
-KNOB_SETS = ((SK, "FAST_DIV", False), (SK, "RCP_APPROX", False), (K, "THREADS", 64))
+# reciprocal, 64 threads a CTA, the staged loads (8 splits a stage; 5: a short last stage)
+KNOB_SETS = ((SK, "FAST_DIV", False), (SK, "RCP_APPROX", False), (K, "THREADS", 64), (K, "STAGE_SPLITS", 8),
+             (K, "STAGE_SPLITS", 5))
 
 
 @pytest.mark.compile
 @pytest.mark.skipif(not HAS_GXX, reason="needs g++")
-@pytest.mark.parametrize("n,S,knob", [(n, s, None) for n, s in CONFIGS] + [(4, 16, k) for k in KNOB_SETS],
-                         ids=lambda v: v[1] if isinstance(v, tuple) else str(v))
+@pytest.mark.parametrize("n,S,knob", [(n, s, None) for n, s in CONFIGS] + [(4, 16, k) for k in KNOB_SETS]
+                         + [(2, 1, (K, "STAGE_SPLITS", 8)), (2, 16, (K, "STAGE_SPLITS", 5))],
+                         ids=lambda v: f"{v[1]}={v[2]}" if isinstance(v, tuple) else str(v))
 def test_cpu_run_is_the_chain_bit_for_bit(n, S, knob, tmp_path, monkeypatch):
     if knob is not None:
         monkeypatch.setattr(*knob)
     m, nn, c = n * (n + 2), n * n, 64
-    fused = _cpu_kernel(_source("mhc_pre_mixes_fwd", (n, S)), "mhc_pre_mixes_kernel", K.THREADS, False,
+    fused = _cpu_kernel(_source("mhc_pre_mixes_fwd", (n, S)), "mhc_pre_mixes_kernel", K.THREADS, "cta",
                         tmp_path / "fused")
     reduce = _cpu_kernel(_source("mhc_reduce_rmsnorm_fwd", (S, 1, m)), "mhc_reduce_rmsnorm_fwd_kernel",
-                         RK.FWD_THREADS, False, tmp_path / "reduce")
-    split = _cpu_kernel(_source("mhc_split_mixes_fwd", (n,)), "mhc_split_mixes_fwd_kernel", MK.THREADS, False,
+                         RK.FWD_THREADS, "serial", tmp_path / "reduce")
+    split = _cpu_kernel(_source("mhc_split_mixes_fwd", (n,)), "mhc_split_mixes_fwd_kernel", MK.THREADS, "serial",
                         tmp_path / "split")
     assert not SK.PER_THREAD  # the chain's Sinkhorn: the lane kernel (butterflies through the warp exchange)
-    sinkhorn = _cpu_kernel(_source("mhc_sinkhorn_fwd", (n,)), "sinkhorn_fwd_kernel", SK.THREADS, True,
+    sinkhorn = _cpu_kernel(_source("mhc_sinkhorn_fwd", (n,)), "sinkhorn_fwd_kernel", SK.THREADS, "warps",
                            tmp_path / "sinkhorn")
     # (tokens, logit scale, Sinkhorn eps, repeat): tails, large (30, 1e3) and small (1e-4) logits, huge logits at
     # eps 0 (underflowing exponentials: zero sums, NaN through the IEEE fallback), one step, a long chain
