@@ -5,10 +5,13 @@ launch; mhc.md §2.8, §3 contract 2).
   exponential, only the Sinkhorn reciprocal's seed is an approximate division); the launcher binds its arguments;
   the generated CUDA of this kernel and of the chain's three kernels (reduce/RMS, split, lane Sinkhorn), run on the
   CPU with g++, give the same bits for T = 1, 7 and 4001 (a partial last CTA), standard, large and small logits and
-  Sinkhorn eps 0 (zero column sums: the IEEE fallback, NaN).
+  Sinkhorn eps 0 (zero column sums: the IEEE fallback, NaN), also under the knob sets (the Sinkhorn macros' plain
+  division and reciprocal, 64 threads a CTA, the staged loads); ``pre_chain``'s fused path binds one launch (none at
+  T = 0) and hands the pre mix to the apply; ``takes`` is the chain's kernel conditions.
 * gpu tier: ``mhc_pre_big_fuse_fwd`` and ``mhc_pre_big_fuse`` with the kernel against the four-kernel chain
   (``ENABLED = False``), ``torch.equal`` on NaN-poisoned outputs, T in {0, 1, 7, 4001, 8192}; the kernel is the
-  path taken; CUDA-graph replay; batch invariance; ``torch.compile(fullgraph=True)`` (the custom op).
+  path taken; CUDA-graph replay; batch invariance; ``torch.compile(fullgraph=True)`` (the custom op); the staged
+  variant (``STAGE_SPLITS``) gives the default's bits.
 
 No tolerances: the contract is bit-identity with the unfused chain.
 """
@@ -329,3 +332,17 @@ def test_torch_compile_fullgraph():
     want = step(ps, qs, sc, bs, res, *want_outs)
     _equal(got_outs, want_outs)
     assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage", (8, 5))
+def test_staged_variant_gives_the_default_bits(stage, knob_kernels):
+    cases = []
+    for n, S in CONFIGS:
+        for t in (1, 7, 4001, 8192):
+            ps, qs, sc, bs = _partials(S, t, n, 1280, "cuda")
+            res = torch.randn(t, n, 1280, device="cuda").to(BF16)
+            cases.append(((ps, qs, sc, bs, res), _fwd(ps, qs, sc, bs, res)))
+    knob_kernels(K, {"STAGE_SPLITS": stage})
+    for args, want in cases:
+        _equal(_fwd(*args), want)
