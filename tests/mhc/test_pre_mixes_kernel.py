@@ -36,6 +36,12 @@ EPS, V, REPEAT = 1e-6, 1.0, 10
 TOKENS = (0, 1, 7, 4001, 8192)
 
 
+@pytest.fixture(autouse=True)
+def _fused_path(monkeypatch):
+    """The fused path is off by default (``ENABLED``) until a GPU run has measured it: these tests turn it on."""
+    monkeypatch.setattr(K, "ENABLED", True)
+
+
 def _partials(S, t, n, c, device="cpu", scale=1.0):
     """Split partials as the projection's (``[S, t, M]``, ``[S, t]``: sums of squares positive), scale and base;
     ``scale`` multiplies the mix scale, so the logits are ``scale`` times their usual spread."""

@@ -75,8 +75,10 @@ KERNEL_HELPERS = ("tilefuse._rn", "tilefuse.mhc._reduce_norm_kernel", "tilefuse.
                   "tilefuse.mhc._sinkhorn_kernel")
 
 # ---- knobs (TILEFUSE_KNOBS; results unchanged) ----
-# False: pre_chain runs the four-kernel chain (reduce, split, Sinkhorn, apply), so a GPU run can compare the two
-ENABLED = True
+# True: pre_chain runs this kernel and the apply kernel (2 launches). Off until a GPU run has measured it beside the
+# four-kernel chain (reduce, split, Sinkhorn, apply) and passed its GPU tier; the CPU runs of its generated CUDA give
+# the chain's bits
+ENABLED = False
 THREADS = 32  # threads (tokens) per CTA: T = 8192 gives 256 CTAs, two on each of 132 SMs
 # 0: each thread loads its own token's rows of the partials (16-byte vectors; the default, neither measured); k > 0:
 # the CTA stages k splits at a time in shared memory (k THREADS M floats) through whole-CTA contiguous 16-byte
@@ -197,7 +199,7 @@ BENCH_N, BENCH_SPLITS = 4, 16
 
 
 def _configs() -> list[tuple]:
-    return [(BENCH_N, BENCH_SPLITS)]
+    return [(BENCH_N, BENCH_SPLITS)] if ENABLED else []  # off: the bench launches the chain's kernels instead
 
 
 _jit.register("mhc_pre_mixes_fwd", pre_mixes_kernel, _configs)

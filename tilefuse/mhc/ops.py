@@ -579,8 +579,9 @@ def mhc_pre_big_fuse(residual: torch.Tensor, fn: torch.Tensor, mhc_scale: torch.
                      rms_eps: float, mhc_pre_eps: float, mhc_sinkhorn_eps: float, mhc_post_mult_value: float,
                      sinkhorn_repeat: int, n_splits: int = 16):
     """Inference pre (§2.8): ``(post_mix [..., n, 1], comb_mix [..., n, n], layer_input [..., C])``,
-    bit-identical to norm_fn -> split -> Sinkhorn -> apply: on CUDA the same kernels, step by step (no single
-    fused kernel yet). No autograd; ``n_splits`` has no numerical effect (v1: one partial)."""
+    bit-identical to norm_fn -> split -> Sinkhorn -> apply: on CUDA the same kernels (``_functions.pre_chain``:
+    step by step, or the reduce, split and Sinkhorn in one kernel with ``_pre_mixes_kernel.ENABLED``).
+    No autograd; ``n_splits`` has no numerical effect (v1: one partial)."""
     op = "mhc_pre_big_fuse"
     _check_norm_fn_inputs(op, residual, fn, None, fn_name="fn")
     n, C = residual.shape[-2:]
