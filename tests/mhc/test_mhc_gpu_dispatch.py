@@ -1,14 +1,14 @@
 """The layer on CUDA tensors (the mHC kernels where they exist, the reference elsewhere) equals the CPU
-results. Tolerances: fp32 reductions on the GPU are ordered differently from the CPU (cuBLAS or a kernel's
-order vs CPU BLAS), so an fp32 result of a length-n reduction may differ by up to about n * 2^-24 times the size of
-its terms: a normwise bound, |a - b| <= RED_LEN * 2^-24 * max|b| over the tensor. No elementwise rtol:
-some gradient rows are mathematically ~0 and come out as pure cancellation noise (~1e-11 next to ~1e2
-elsewhere in the tensor), which differs between any two summation orders. The bf16 output allows 1 bf16 ulp. The
-bf16 embedding gradient is normwise too: it sums the n streams' residual gradients, each built through three bf16
-roundings (post, apply-mix and projection backward) of values as large as the gradient's largest, from mixes the
-TF32 projection moves by 2^-11 (the GPU's, not the CPU's): so |a - b| <= (3 n + 1) 2^-8 max|b|; elementwise, a
-row where the streams cancel (|b| ~ 1 next to ~400) differs by whole ulps of the streams (the first H200 run: 2.0
-in 6.4% of the elements)."""
+results. Tolerances: the output (bf16) within 1 bf16 ulp elementwise. Every gradient, bf16 or fp32, normwise:
+|a - b| <= (3 n + 1) 2^-8 max|b| over the tensor. Each is downstream of bf16 activations (post, apply-mix and the
+head's output, whose squares the loss sums) that a rounding flip moves by a whole bf16 ulp between the devices, and
+of the projection, which the GPU runs on TF32 (operands rounded to 2^-11, spec §2.2) and the CPU in fp32; the
+embedding gradient sums the n streams' residual gradients, each through three bf16 roundings (post, apply-mix and
+projection backward) of values as large as the gradient's largest. No elementwise bound on a gradient: rows
+where the streams cancel (|b| ~ 1 next to ~400) differ by whole ulps of the streams, and some rows are
+mathematically ~0 (cancellation noise ~1e-11 next to ~1e2). Seen on GPUs: the embedding gradient 2.0 off in 6.4%
+of its elements (H200), the projection weight's 1.8 off next to entries of ~500 (H100), both within the bound.
+An fp32 reduction bound (length x 2^-24) does not hold for any of them for these reasons."""
 import pytest
 import torch
 
@@ -20,23 +20,18 @@ PARTIAL_TOL = 1e-4  # parameter gradients: 1000-token fp32 sums regrouped into S
 BF16_RTOL = 2.0 ** -7
 N, C, B, S = 4, 64, 2, 40
 K, M = N * C, N * (N + 2)
-RED_LEN = max(K, B * S)  # the longest fp32 reduction behind any output: K channels or B*S tokens
 
 
 def _close(a, b, bf16_rounds: int | None = None):
     """``bf16_rounds`` None: a bf16 result within 1 ulp elementwise; else normwise, ``bf16_rounds`` bf16 roundings
     of terms up to ``max|b|``."""
     a = a.cpu()
-    if a.dtype == BF16 and bf16_rounds is None:
+    if bf16_rounds is None:
+        assert a.dtype == BF16
         torch.testing.assert_close(a, b, rtol=BF16_RTOL, atol=1e-5)
         return
-    if a.dtype == BF16:
-        excess = (a.float() - b.float()).abs() - bf16_rounds * 2.0 ** -8 * b.float().abs().max()
-        assert excess.max() <= 0, f"bf16 result off by more than {bf16_rounds} roundings: worst excess {excess.max():.3e}"
-        return
-    bound = RED_LEN * 2.0 ** -24 * b.abs().max()
-    excess = (a - b).abs() - bound
-    assert excess.max() <= 0, f"fp32 result off by more than the reduction bound: worst excess {excess.max():.3e}"
+    excess = (a.float() - b.float()).abs() - bf16_rounds * 2.0 ** -8 * b.float().abs().max()
+    assert excess.max() <= 0, f"result off by more than {bf16_rounds} bf16 roundings: worst excess {excess.max():.3e}"
 
 
 def _layer(device, e, fn, scale, base, normw, head_fn):
