@@ -3,12 +3,14 @@
 
 * reference tier: a model of the kernels' arithmetic (butterfly sums, the backward's walk) stays within the
   spec's tolerance of the reference; CPU tensors never reach a launcher.
-* compile tier: every config the package registers and the GPU tests launch builds for sm_90 with IEEE
-  ``expf`` and division and no contractible sums; the launchers bind their arguments to the prim_funcs.
+* compile tier: every config the package registers and the GPU tests launch builds for sm_90, both the default
+  (per-thread) kernels and the lane kernels (``PER_THREAD=False``), with IEEE ``expf`` and division and no
+  contractible sums; the per-thread kernels' CUDA run on the CPU (g++) is the model of the lane kernels bit for
+  bit; the launchers bind their arguments to the prim_funcs.
 * gpu tier: kernel against the reference over T in {0, 1, 7, 4001, 8192}, n in {2, 4}, repeat in
   {1, 3, 10, 20, 32}, outputs poisoned with NaN; the v1 op with leading dims, a strided input and autograd;
   n = 8 and repeat 33 (reference path); determinism and batch invariance, forward and backward; CUDA-graph
-  replay; ``torch.compile(fullgraph=True)``.
+  replay; ``torch.compile(fullgraph=True)``; every per-thread knob set gives the lane kernels' bits.
 
 Tolerance (written once): the spec's contract for Sinkhorn forward and d_x is ``assert_close``'s fp32
 defaults (mhc.md §3): FP32_RTOL = 1.3e-6, FP32_ATOL = 1e-5. Upstream's kernels measured 1.8e-7 / 3e-7 max abs
@@ -112,6 +114,18 @@ def test_cpu_tensors_never_reach_a_launcher(monkeypatch):
 
 # ---- compile tier ----
 
+LANE = {"PER_THREAD": False}  # the lane kernels: the knob's other value, the baseline of the per-thread kernels
+
+
+def _build_with(monkeypatch, knobs, name, cfg):
+    import tilelang
+
+    for k, v in knobs.items():
+        monkeypatch.setattr(SK, k, v)
+    return tilelang.compile(_jit._FACTORIES[name][0](*cfg), target={"kind": "cuda", "arch": "sm_90"},
+                            execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
+
+
 def _compiled_configs():
     cfgs = {("mhc_sinkhorn_fwd", c) for c in fwd_configs()} | {("mhc_sinkhorn_bwd", c) for c in bwd_configs()}
     cfgs |= {(name, c) for name, lst in _jit.registered().items() if name.startswith("mhc_sinkhorn")
@@ -121,10 +135,27 @@ def _compiled_configs():
 
 @pytest.mark.compile
 @pytest.mark.parametrize("name,cfg", _compiled_configs(), ids=str)
-def test_builds_for_sm90_with_ieee_arithmetic(name, cfg):
+def test_default_builds_for_sm90_as_the_per_thread_kernels(name, cfg):
     import re
 
     src = _jit.compile_kernel(name, cfg, "sm_90").get_kernel_source()
+    n = cfg[0]
+    assert "__global__" in src
+    assert "__shfl" not in src and "__syncthreads" not in src  # no lane exchange: every thread owns its matrix
+    assert "expf(" in src and "__expf" not in src and "__fdividef(0x1p+0f" in src
+    assert not re.search(r"__fdividef\((?!0x1p\+0f)", src)  # only the reciprocal's MUFU seed
+    # the per-step sums are trees of __fadd_rn: softmax row sums (n - 1 adds each) at least
+    assert src.count("__fadd_rn(") >= n * (n - 1)
+    if name == "mhc_sinkhorn_bwd":  # the kept iterates live in shared memory, the segment in registers
+        assert "kept[" in src and re.search(r"float u\[\d+\];", src)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name,cfg", _compiled_configs(), ids=str)
+def test_lane_kernels_build_for_sm90_with_ieee_arithmetic(name, cfg, monkeypatch):
+    import re
+
+    src = _build_with(monkeypatch, LANE, name, cfg)
     assert "__global__" in src
     n = cfg[0]
     log_n = n.bit_length() - 1
@@ -308,10 +339,11 @@ def test_torch_compile_fullgraph():
     assert torch.equal(d.view(4001, 4, 4), _bwd(g, x, 20))
 
 
-# ---- the per-thread variant (knob PER_THREAD): the same bits as the lane kernels ----
+# ---- the per-thread kernels (the default) and their knob sets: the same bits as the lane kernels ----
 
-# Knob sets of the per-thread kernels the GPU tier runs (each against the default kernels' bits). The first runs the
-# whole grid of n and repeat; the others the bench's n = 4 at a short and the bench's chain.
+# Knob sets of the per-thread kernels the GPU tier runs, each against the lane kernels' bits (LANE). The first (the
+# default's values) runs the whole grid of n and repeat; the others the bench's n = 4 at a short and the bench's
+# chain.
 PT_VARIANTS = ({"PER_THREAD": True},
                {"PER_THREAD": True, "FAST_DIV": False, "PT_KEEP": 2},
                {"PER_THREAD": True, "RCP_APPROX": False, "PT_KEEP": 6, "PT_THREADS": 64})
@@ -368,38 +400,6 @@ extern "C" long run(long count, int dlo, int dhi, int nlo, int nhi) {
     assert run(ctypes.c_long(10_000_000), dlo, dhi, nlo, nhi) == 0
     # outside the range (subnormal quotients) the shortcut is wrong for some pairs: the range check is needed
     assert run(ctypes.c_long(1_000_000), 1, 20, -126, -110) > 0
-
-
-def _pt_configs():
-    cfgs = [("mhc_sinkhorn_fwd", (n,)) for n in N_VALUES]
-    cfgs += [("mhc_sinkhorn_bwd", (n, r)) for n in N_VALUES for r in (1, 3)]
-    cfgs += [("mhc_sinkhorn_bwd", (4, r)) for r in SK.BENCH_REPEATS + (MAX_REPEAT,)]
-    return cfgs
-
-
-def _build_with(monkeypatch, knobs, name, cfg):
-    import tilelang
-
-    for k, v in knobs.items():
-        monkeypatch.setattr(SK, k, v)
-    return tilelang.compile(_jit._FACTORIES[name][0](*cfg), target={"kind": "cuda", "arch": "sm_90"},
-                            execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS)).get_kernel_source()
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("name,cfg", _pt_configs(), ids=str)
-def test_per_thread_variant_builds_for_sm90(name, cfg, monkeypatch):
-    import re
-
-    src = _build_with(monkeypatch, PT_VARIANTS[0], name, cfg)
-    n = cfg[0]
-    assert "__shfl" not in src and "__syncthreads" not in src  # no lane exchange: every thread owns its matrix
-    assert "expf(" in src and "__expf" not in src and "__fdividef(0x1p+0f" in src
-    assert not re.search(r"__fdividef\((?!0x1p\+0f)", src)  # only the reciprocal's MUFU seed
-    # the per-step sums are trees of __fadd_rn: softmax row sums (n - 1 adds each) at least
-    assert src.count("__fadd_rn(") >= n * (n - 1)
-    if name == "mhc_sinkhorn_bwd":  # the kept iterates live in shared memory, the segment in registers
-        assert "kept[" in src and re.search(r"float u\[\d+\];", src)
 
 
 @pytest.mark.compile
@@ -514,8 +514,9 @@ def _variant_grid(i):
 @pytest.mark.gpu
 @pytest.mark.parametrize("i", range(len(PT_VARIANTS)), ids=lambda i: str(PT_VARIANTS[i]))
 def test_per_thread_variant_gives_the_lane_kernels_bits(i, knob_kernels):
-    """Every per-thread knob set gives the default kernels' bits, forward and backward, over T in the issue's list,
+    """Every per-thread knob set gives the lane kernels' bits, forward and backward, over T in the issue's list,
     standard, wide (30) and huge (1e4) logits, eps = 1e-6 and eps = 0 (exact zeros: the IEEE fallback)."""
+    knob_kernels(SK, LANE)
     cases = []
     for n, repeat in _variant_grid(i):
         for t in (1, 7, 4001, 8192):
@@ -536,7 +537,7 @@ def test_per_thread_variant_gives_the_lane_kernels_bits(i, knob_kernels):
         # bit patterns: NaN (a zero column at eps = 0) and the sign of zero count too
         assert torch.equal(y.view(torch.int32), want_y.view(torch.int32)), (x.shape, repeat, eps)
         assert torch.equal(d.view(torch.int32), want_d.view(torch.int32)), (x.shape, repeat, eps)
-    x, g = _inputs(4001, 4)  # and the reference (the default's tolerance)
+    x, g = _inputs(4001, 4)  # and the reference (the spec's tolerance)
     _close(_fwd(x, 20), sinkhorn_normalize_ref(x, 20, EPS))
     _close(_bwd(g, x, 20), sinkhorn_normalize_bwd_ref(g, x, 20, EPS))
 
@@ -544,7 +545,10 @@ def test_per_thread_variant_gives_the_lane_kernels_bits(i, knob_kernels):
 @pytest.mark.gpu
 def test_per_thread_variant_bench_row_batch_invariance_and_graphs(knob_kernels):
     x, g = _inputs(32768, 4)
+    default_y, default_d = _fwd(x, 20), _bwd(g, x, 20)  # the shipped path: the package's cached kernels
+    knob_kernels(SK, LANE)
     want_y, want_d = _fwd(x, 20), _bwd(g, x, 20)
+    assert torch.equal(default_y, want_y) and torch.equal(default_d, want_d)
     knob_kernels(SK, PT_VARIANTS[0])
     assert torch.equal(_fwd(x, 20), want_y) and torch.equal(_bwd(g, x, 20), want_d)
     for lo, hi in ((0, 1), (5, 12), (4001, 4001 + 37), (32767, 32768)):

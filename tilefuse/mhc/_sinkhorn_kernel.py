@@ -1,60 +1,65 @@
 """TileLang kernels for the Sinkhorn of mHC (mhc.md §2.4, §5.2): ``mhc_sinkhorn_fwd`` / ``mhc_sinkhorn_bwd`` on
 ``[T, n, n]`` fp32 logits, behind ``sinkhorn_normalize`` (v1) and the v2.1 destination-passing ops.
 
-Work split: one lane per matrix element. The ``n * n`` lanes of a matrix are an aligned group inside one warp
-(lane ``l`` of the group holds row ``j = l // n``, column ``k = l % n``), so a CTA of ``THREADS`` lanes holds
+Two kernel families give the same bits (the GPU knob tests check it), picked by the knob ``PER_THREAD``: the
+per-thread kernels (``True``, the default: one matrix per thread) and the lane kernels (``False``: one lane per
+matrix element; the fallback and the baseline the knob tests compare against). Both take ``n`` in ``KERNEL_N``
+and a backward ``repeat`` up to ``MAX_BWD_REPEAT``; other inputs keep the reference (``fwd_supported`` /
+``bwd_supported``), whichever family the knob picks.
+
+Measured on an NVIDIA H100 80GB HBM3, 2026-12-05 (32768 x 4 x 4, 20 iterations, isolated timer), forward /
+backward: per-thread (default) 15.6 / 67.1 µs; lane kernels (``PER_THREAD=False``) 18.9 / 73.2; per-thread with
+``FAST_DIV=False`` 26.3 / 80.6; per-thread with ``PT_KEEP=2`` backward 84.6. TileKernels 2.1.0, measured on an
+NVIDIA H200, 2026-12-05: 19.0 / 60.3.
+
+Common to both (§2.4): forward steps 1-5 are the softmax of the row (max, ``expf(x - max)``, divide by the sum),
+``+ eps``, a column step, then ``repeat - 1`` (row step, column step) pairs, each dividing by ``sum + eps`` (IEEE
+division: fast-math is off). ``repeat`` and ``eps`` are launch arguments of the forward: one binary per ``n``.
+The backward (§2.4 backward, the order of ``sinkhorn_normalize_bwd_ref``) replays the forward keeping the softmax
+``A0`` and, for each of the ``2 repeat - 1`` steps, its input value and its ``sum + eps``; walking the steps
+back, ``tau = sum(g * U) / s`` and ``g = (g - tau) / s``; finally ``d_x = (g - sum_k g * A0) * A0``; ``repeat`` is
+a compile-time constant of the backward. Every add of a sum is ``__fadd_rn`` and every product feeding one is
+``__fmul_rn``, so nvcc contracts nothing into an fma (``expf`` ends in a multiply). No atomics: deterministic and
+batch-invariant.
+
+Lane kernels (``PER_THREAD=False``). The ``n * n`` lanes of a matrix are an aligned group inside one warp (lane
+``l`` of the group holds row ``j = l // n``, column ``k = l % n``), so a CTA of ``THREADS`` lanes holds
 ``THREADS / n^2`` matrices, every value lives in a register, and consecutive lanes read and write consecutive
-4-byte words (whole 128-byte lines per warp). Registers a lane (ptxas, sm_90, no spills): forward 15;
-backward 52 / 92 / 141 at repeat 10 / 20 / 32. Kernels take ``n`` in ``KERNEL_N`` (a matrix fits a warp).
+4-byte words (whole 128-byte lines per warp). Registers a lane (ptxas, sm_90, no spills): forward 15; backward
+52 / 92 / 141 at repeat 10 / 20 / 32. Sums and maxima over a row or column are XOR butterflies inside the group,
+halving the distance: a row sum (over k) takes distances ``n/2, ..., 1``, a column sum (over j) ``n^2/2, ...,
+n``. Every lane of the row / column ends with the same bits; for n = 4 the sum of ``e0..e3`` is ``(e0 + e2) +
+(e1 + e3)``, the order of upstream's forward (mhc.md §2.4). The backward keeps two registers per step, statically
+indexed (at most ``MAX_BWD_REPEAT``). Lanes past the last token compute on zeros (the butterflies need every lane
+of the warp) and store nothing. No shared memory. What bounds them: each lane is one dependent chain (two
+shuffles, two adds and an IEEE division a step, about 110 cycles of latency) and a lane does every step of its
+matrix, so 16 lanes spend some 14 instructions each a step on one matrix (about 7 warp-instructions a
+matrix-step); the backward's 92 registers a lane leave 20 warps an SM for those chains.
 
-Sums and maxima over a row or column are XOR butterflies inside the group, halving the distance: a row sum
-(over k) takes distances ``n/2, ..., 1``, a column sum (over j) ``n^2/2, ..., n``. Every lane of the row /
-column ends with the same bits; for n = 4 the sum of ``e0..e3`` is ``(e0 + e2) + (e1 + e3)``, the order of
-upstream's forward (mhc.md §2.4). Every add of a sum is ``__fadd_rn`` and every product feeding one is
-``__fmul_rn``, so nvcc contracts nothing into an fma (``expf`` ends in a multiply).
-
-Forward (§2.4 steps 1-5): softmax of the row (max, ``expf(x - max)``, divide by the sum), ``+ eps``, a column
-step, then ``repeat - 1`` (row step, column step) pairs, each dividing by ``sum + eps`` (IEEE division:
-fast-math is off). ``repeat`` and ``eps`` are launch arguments: one binary per ``n``.
-
-Backward (§2.4 backward, the order of ``sinkhorn_normalize_bwd_ref``): the forward is replayed keeping the
-softmax ``A0`` and, for each of the ``2 repeat - 1`` steps, its input value and its ``sum + eps`` (two
-registers per step, statically indexed: ``repeat`` is a compile-time constant of the backward, at most
-``MAX_BWD_REPEAT``). Walking the steps back, ``tau = sum(g * U) / s`` and ``g = (g - tau) / s``; finally
-``d_x = (g - sum_k g * A0) * A0``.
-
-Lanes past the last token compute on zeros (the butterflies need every lane of the warp) and store nothing.
-No shared memory, no atomics: deterministic and batch-invariant.
-
-Per-thread variant (knob ``PER_THREAD``, off by default; the lane kernels above are the measured path). What bounds
-the lane kernels: each lane is one dependent chain (two shuffles, two adds and an IEEE division a step, about
-110 cycles of latency) and a lane does every step of its matrix, so 16 lanes spend some 14 instructions each a
-step on one matrix (about 7 warp-instructions a matrix-step); the backward's 92 registers a lane leave 20 warps
-an SM for those chains. The variant gives a thread a whole matrix: its ``n^2`` values in registers, row and column
-sums as the butterflies' trees (lane 0's order; every lane of the lane kernels ends with the same bits), the same
-``expf``, maxima, additions and IEEE quotients in the same order -- the same bits as the lane kernels (the GPU knob
-tests check it). With ``FAST_DIV`` the quotients of a row or column by its ``d = sum + eps`` share ``y = RN(1/d)``:
-``q0 = RN(a y)``, ``q = RN(q0 + y RN-exact(a - d q0))`` is the IEEE quotient (Markstein's theorem; a g++ test checks
-it on 10^7 operand pairs) while ``d`` is in [2^-30, 2^30] and every ``|a|`` in [2^-90, 2^90] (no subnormal quotient,
-remainder or reciprocal); one check a step (min / max trees) picks that path or plain IEEE division for the whole
-matrix. ``y`` comes from ``__frcp_rn``'s own fast-path steps (``MUFU.RCP`` through ``__fdividef(1, d)``, one Newton
-step; ``RCP_APPROX``), without its range branch. The plain IEEE division is a subroutine with its own range
-branch: 10 instructions, and ptxas does not overlap two of them (each is a separate convergence region), so 16 of
-them a step in one thread would be a 16-deep serial chain.
-Expected (H200, 32768 matrices, 20 iterations; ptxas sm_90: forward 42 registers, backward 135 at repeat 20, no
-spills): a step costs one thread about 150 SASS instructions (16 adds, 36 min / max for the range check, 4 x 7 for
-the reciprocals, 16 x 3 for the quotients, the branch), some 4.7 warp-instructions a matrix-step against about 7 for
-the lane kernels, with 16 independent quotients a step in flight and a dependent chain of about 90 cycles a step
-against 300 issue cycles of the two warps a scheduler holds (issue-bound). Forward: 1024 warps x 40 steps x 150 =
-6.1 M warp-instructions, 6 µs of issue on 132 SMs x 4 schedulers + launch and one DRAM pass: 8-10 µs (lane kernel
-19.0, TileKernels 19.0).
-Backward: the iterate entering every ``PT_KEEP`` (4) steps is kept in shared memory (``[segment, element, thread]``,
-20 KB a CTA of 32 threads at repeat 20), each segment replayed into registers on the way back (29 extra steps);
-forward replay 39 + 29 steps, walk 39 steps of about 150 instructions: about 15 k instructions a thread, 1024 warps
-all resident in one wave (8 CTAs an SM by shared memory and registers), 15 M warp-instructions: 15-25 µs
-(lane kernel 73.2, TileKernels 60.3). Falsified if the forward stays above 12 µs (then the range check or the loads
-bound it: try ``FAST_DIV=False`` to see the plain division's cost) or the backward above 30 µs (then the two warps a
-scheduler do not hide the quotient chains: ``PT_KEEP=2`` trades shared memory for recomputation).
+Per-thread kernels (``PER_THREAD=True``, the default). A thread holds a whole matrix: its ``n^2`` values in
+registers, row and column sums as the butterflies' trees (lane 0's order; every lane of the lane kernels ends
+with the same bits), the same ``expf``, maxima, additions and IEEE quotients in the same order -- the lane
+kernels' bits. With ``FAST_DIV`` the quotients of a row or column by its ``d = sum + eps`` share ``y = RN(1/d)``:
+``q0 = RN(a y)``, ``q = RN(q0 + y RN-exact(a - d q0))`` is the IEEE quotient (Markstein's theorem; a g++ test
+checks it on 10^7 operand pairs) while ``d`` is in [2^-30, 2^30] and every ``|a|`` in [2^-90, 2^90] (no subnormal
+quotient, remainder or reciprocal); one check a step (min / max trees) picks that path or plain IEEE division for
+the whole matrix. ``y`` comes from ``__frcp_rn``'s own fast-path steps (``MUFU.RCP`` through ``__fdividef(1, d)``,
+one Newton step; ``RCP_APPROX``), without its range branch. The plain IEEE division is a subroutine with its own
+range branch: 10 instructions, and ptxas does not overlap two of them (each is a separate convergence region), so
+16 of them a step in one thread would be a 16-deep serial chain. ptxas sm_90: forward 42 registers, backward 135
+at repeat 20, no spills. A step costs one thread about 150 SASS instructions (16 adds, 36 min / max for the range
+check, 4 x 7 for the reciprocals, 16 x 3 for the quotients, the branch), some 4.7 warp-instructions a matrix-step
+against about 7 for the lane kernels. The backward keeps the iterate entering every ``PT_KEEP`` (4) steps in
+shared memory (``[segment, element, thread]``, 20 KB a CTA of 32 threads at repeat 20) and replays each segment
+into registers on the way back (29 extra steps at repeat 20); threads past the last matrix compute on zeros and
+store nothing.
+The issue-bound estimate predicted 8-10 µs forward and 15-25 µs backward (1024 warps x 40 steps x 150
+instructions = 6.1 M warp-instructions forward, 15 M backward), and named its falsifiers: a forward above 12 µs
+(then the range check or the loads bound it: ``FAST_DIV=False`` shows the plain division's cost) or a backward
+above 30 µs (then the two warps a scheduler do not hide the quotient chains: ``PT_KEEP=2`` trades shared memory
+for recomputation). The H100 numbers above falsify both: 15.6 / 67.1 µs. ``FAST_DIV=False`` is slower (26.3 /
+80.6: the shared reciprocal pays) and ``PT_KEEP=2`` is slower (84.6), so what bounds the per-thread kernels is
+not yet known.
 """
 from __future__ import annotations
 
@@ -66,23 +71,23 @@ from tilefuse._rn import add as _fadd, call as _call, fma as _fma, mul as _fmul
 KERNEL_HELPERS = ("tilefuse._rn",)  # part of this module's kernel cache key (_jit._module_digest)
 
 # ---- tuning knobs (TILEFUSE_KNOBS) ----
-# lanes per CTA: THREADS / n^2 matrices (8 for n = 4). 128 rather than 256: the backward at repeat = 20 uses 92
-# registers a lane (ptxas, sm_90; no spills), so an SM holds 5 CTAs of 4 warps (20 warps) against 2 of 8 (16)
+# lane kernels (PER_THREAD = False): lanes per CTA, THREADS / n^2 matrices (8 for n = 4). 128 rather than 256:
+# the backward at repeat = 20 uses 92 registers a lane (ptxas, sm_90; no spills), so an SM holds 5 CTAs of 4 warps
+# (20 warps) against 2 of 8 (16)
 THREADS = 128
 # PDL: the first statement waits for the stream's previous grid (griddepcontrol.wait), so the launch and CTA
 # setup overlap the previous kernel's tail. Results unchanged.
 PDL = True
-# one matrix per thread (``PER_THREAD`` kernels, module doc): False = the lane-per-element kernels (the measured
-# default); True = every value of a matrix in one thread's registers, the same operations in the same order (the
-# same bits)
-PER_THREAD = False
+# one matrix per thread (module doc): True = every value of a matrix in one thread's registers (the measured
+# default); False = the lane-per-element kernels, the same operations in the same order (the same bits)
+PER_THREAD = True
 PT_THREADS = 32   # per-thread kernels: threads (= matrices) per CTA
 PT_KEEP = 4       # per-thread backward: the iterate before every PT_KEEP-th step is kept in shared memory
 FAST_DIV = True   # per-thread kernels: the quotients by one sum share RN(1 / sum) (Markstein; module doc)
 RCP_APPROX = True  # FAST_DIV: RN(1 / sum) by __frcp_rn's fast-path steps from MUFU.RCP (False: __frcp_rn itself)
 
-KERNEL_N = (2, 4)       # multiplicities the kernels take (n^2 lanes of one warp); others keep the reference
-MAX_BWD_REPEAT = 32     # the backward keeps 2 (2 repeat - 1) registers per lane; longer chains keep the reference
+KERNEL_N = (2, 4)       # multiplicities both kernel families take (n^2 lanes of one warp); others keep the reference
+MAX_BWD_REPEAT = 32     # lane backward: 2 (2 repeat - 1) registers per lane; longer chains keep the reference (both)
 MAX_FWD_REPEAT = 2 ** 31 - 1  # the forward's repeat is an int32 launch argument
 
 
@@ -229,7 +234,7 @@ def sinkhorn_bwd_kernel(n: int, repeat: int):
     return sinkhorn_bwd
 
 
-# ---- the per-thread variant (PER_THREAD): one matrix per thread ----
+# ---- the per-thread kernels (PER_THREAD, the default): one matrix per thread ----
 
 # Operand ranges where the shared-reciprocal quotient is the IEEE quotient (module doc): the divisor in
 # [2^-30, 2^30], every dividend's magnitude in [2^-90, 2^90] (so the quotient, the remainder's granule and 1 / d
