@@ -3,7 +3,7 @@
 The ``__global__`` function is compiled by g++ with a shim that gives the device intrinsics their IEEE meaning, one
 rounding each and no contraction (``-ffp-contract=off``): ``__fadd_rn`` / ``__fmul_rn`` / ``__fdiv_rn`` /
 ``__fsqrt_rn`` are the rounded C operations, ``__fmaf_rn`` is ``std::fmaf``; ``bfloat16_t`` rounds to nearest even;
-the 16-byte vector types are plain structs. A CTA runs either its threads one after another (kernels without
+the 16- and 8-byte vector types are plain structs. A CTA runs either its threads one after another (kernels without
 exchange between threads) or as ``threads`` host threads (``threaded=True``) with ``__syncthreads`` a barrier of the
 CTA, ``__shfl_xor_sync`` an exchange through per-warp slots at a barrier of the warp, and the dynamic shared memory
 one host array. So the CPU computes what the GPU computes, bit for bit, and checks the kernels' indexing, guards,
@@ -17,6 +17,7 @@ from tests.cuda_emulation import HAS_GXX, PREAMBLE, compile_run, signature, valu
 
 SHIM = PREAMBLE + r"""
 struct alignas(16) uint4 { uint x, y, z, w; };
+struct alignas(8) uint2 { uint x, y; };
 struct alignas(16) int4 { int x, y, z, w; };
 struct alignas(16) float4 { float x, y, z, w; };
 static inline float4 make_float4(float a, float b, float c, float d) { return float4{a, b, c, d}; }

@@ -106,13 +106,29 @@ def _build(name, cfg, tmp_path, threaded=False):
     return emu.build(src, f"{name}_kernel", threads.get(name) or S.row_threads(cfg[0]), tmp_path / name, threaded)
 
 
+# The momentum knob's other value (the default before the H100 sweep): its kernels stay under test.
+MOMENTUM_VEC_BASELINE = 8
+
+
+def test_momentum_vec_default_is_not_the_baseline():
+    assert S.VEC != MOMENTUM_VEC_BASELINE and 256 % S.VEC == 0 == 256 % MOMENTUM_VEC_BASELINE
+
+
 @pytest.mark.compile
 @pytest.mark.skipif(not emu.HAS_GXX, reason="needs g++")
+@pytest.mark.parametrize("vec", ("default", MOMENTUM_VEC_BASELINE))
 @pytest.mark.parametrize("cfg", MOMENTUM, ids=str)
-def test_momentum_source_on_the_cpu(cfg, tmp_path):
-    """Bit for bit the spec's formulation (the CPU public op), the buffer rounded to its dtype; output poisoned."""
-    run = _build("engram_sinkhorn_momentum", cfg, tmp_path)
-    n = 256 * 37  # a partial CTA
+def test_momentum_source_on_the_cpu(cfg, vec, tmp_path, monkeypatch):
+    """Bit for bit the spec's formulation (the CPU public op), the buffer rounded to its dtype; output poisoned. At
+    the default VEC and at the knob's other value (8): the element count leaves a partial CTA at both."""
+    if vec == "default":
+        run = _build("engram_sinkhorn_momentum", cfg, tmp_path)
+    else:  # not exported: the disk cache's key holds the knob values set at import
+        monkeypatch.setattr(S, "VEC", vec)
+        src = _jit.compile_kernel("engram_sinkhorn_momentum", cfg, "sm_90", export=False).get_kernel_source()
+        run = emu.build(src, "engram_sinkhorn_momentum_kernel", S.MOMENTUM_THREADS, tmp_path / "momentum")
+    n = 256 * 37
+    assert (n // S.VEC) % S.MOMENTUM_THREADS
     grad, buf = torch.randn(n).to(DT[cfg[0]]), torch.randn(n).to(DT[cfg[1]])
     want_buf = buf.clone()
     want = E.engram_sinkhorn_momentum_update(grad, want_buf, 0.9, cfg[2])

@@ -20,8 +20,6 @@ Tolerances, derived once here:
   post columns; comb terms are exact); ``env`` is that envelope (times ``|m|`` for scale terms), and it bounds
   ``|dz|`` too.
 """
-import math
-
 import pytest
 import torch
 
@@ -423,14 +421,25 @@ def test_the_partial_count_is_a_constant_not_the_sm_count():
     assert K.num_partials(torch.device("cpu")) == 1
 
 
-# ---- the multi-warp backward variant (knob BWD_WARPS) and the partial sum's loads in flight (PARTIAL_ROWS) ----
+# ---- the multi-warp backward (knob BWD_WARPS) and the partial sum's loads in flight (PARTIAL_ROWS) ----
 
-# Knob sets the GPU tier runs against the default kernels' bits: 2 warps (the bench's two blocks a partial at
-# T = 8192 in one round) with the one-path partial sum loading all 128 partials at once and PDL, 3 warps (rounds
-# that end part-way, W not a power of two), 4 warps with 64 partials a load round.
+# The baseline every backward knob set is compared with: the one-warp backward kernels and the two-path partial sum
+# loading 16 partials at a time, without PDL (the knobs' other values; the defaults before the multi-warp kernels).
+ONE_WARP = {"BWD_WARPS": 1, "PARTIAL_ROWS": 16, "PARTIAL_ONE_PATH": False, "MIX_PDL": False}
+# Knob sets run against the baseline's bits, each setting every backward knob: the defaults (2 warps: the bench's two
+# blocks a partial at T = 8192 in one round; the one-path partial sum loading all 128 partials at once; PDL), 3 warps
+# (rounds that end part-way, W not a power of two), 4 warps with 64 partials a load round on one path.
 MIX_VARIANTS = ({"BWD_WARPS": 2, "PARTIAL_ROWS": 128, "PARTIAL_ONE_PATH": True, "MIX_PDL": True},
-                {"BWD_WARPS": 3},
-                {"BWD_WARPS": 4, "PARTIAL_ROWS": 64, "PARTIAL_ONE_PATH": True})
+                {**ONE_WARP, "BWD_WARPS": 3},
+                {**ONE_WARP, "BWD_WARPS": 4, "PARTIAL_ROWS": 64, "PARTIAL_ONE_PATH": True})
+
+
+def test_the_defaults_are_the_first_variant():
+    """The module's defaults are the first knob set (so the GPU and g++ knob tests check the default kernels against
+    the one-warp baseline), and the baseline sets each knob to another value."""
+    assert {k: getattr(K, k) for k in ONE_WARP} == MIX_VARIANTS[0]
+    assert all(ONE_WARP[k] != v for k, v in MIX_VARIANTS[0].items())
+    assert all(set(kn) == set(ONE_WARP) for kn in MIX_VARIANTS)
 
 
 def _variant_source(monkeypatch, knobs, name, cfg):
@@ -450,11 +459,11 @@ def test_variant_builds_for_sm90(knobs, name, cfg, monkeypatch):
     import re
 
     src = _variant_source(monkeypatch, knobs, name, cfg)
-    assert ("cudaGridDependencySynchronize" in src) == knobs.get("MIX_PDL", False)
+    assert ("cudaGridDependencySynchronize" in src) == knobs["MIX_PDL"]
     if name == "mhc_partials_sum":
-        assert re.search(rf"float vals\[{knobs.get('PARTIAL_ROWS', 16)}\];", src)
+        assert re.search(rf"float vals\[{knobs['PARTIAL_ROWS']}\];", src)
         # two code paths (scale columns, then base columns) or one whose loads pick the source
-        assert src.count("__fadd_rn(") == (1 if knobs.get("PARTIAL_ONE_PATH") else 2)
+        assert src.count("__fadd_rn(") == (1 if knobs["PARTIAL_ONE_PATH"] else 2)
         return
     assert "expf(" in src and "__expf" not in src and "__fdividef" not in src
     W = knobs["BWD_WARPS"]
@@ -486,11 +495,12 @@ def _mix_outputs():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("knobs", MIX_VARIANTS, ids=str)
-def test_variant_gives_the_default_bits(knobs, knob_kernels):
-    """Each knob set gives the default kernels' d_input, d_scale / d_base and head partials bit for bit (the same
+def test_variant_gives_the_one_warp_bits(knobs, knob_kernels):
+    """Each knob set gives the one-warp baseline's d_input, d_scale / d_base and head partials bit for bit (the same
     partial grouping and order) over T in {0, 1, 7, 4001, 8192}, n in {2, 4, 8}, P in {1, 3, 128} and token blocks
     {32, 8, 50} (50: two 32-token chunks a block); the data are drawn from the same seed for both runs."""
     seed = torch.initial_seed()
+    knob_kernels(K, ONE_WARP)
     want = _mix_outputs()
     knob_kernels(K, knobs)
     torch.manual_seed(seed)
@@ -569,17 +579,18 @@ extern "C" void run({", ".join(params)}, int64_t blocks) {{
 @pytest.mark.compile
 @pytest.mark.parametrize("knobs", MIX_VARIANTS, ids=str)
 @pytest.mark.parametrize("n", (2, 4))
-def test_variant_on_the_cpu_gives_the_default_bits(knobs, n, tmp_path, monkeypatch):
-    """The backward kernels' CUDA run on the CPU: each knob set writes the default's d_input and partials bit for
-    bit (split mixes, token block 32; head mix, token blocks 32 and 50), over token counts with a partial last block
-    and partial counts with 0 to 5 blocks each; the partials also equal the reference's grouping to its tolerance."""
+def test_variant_on_the_cpu_gives_the_one_warp_bits(knobs, n, tmp_path, monkeypatch):
+    """The backward kernels' CUDA run on the CPU: each knob set writes the one-warp baseline's d_input and partials
+    bit for bit (split mixes, token block 32; head mix, token blocks 32 and 50), over token counts with a partial last
+    block and partial counts with 0 to 5 blocks each; the partials also equal the reference's grouping to its
+    tolerance."""
     import shutil
 
     if shutil.which("g++") is None:
         pytest.skip("needs g++")
     M = n * (n + 2)
     runs = {}
-    for tag, kn in (("default", {"BWD_WARPS": 1}), ("variant", knobs)):
+    for tag, kn in (("baseline", ONE_WARP), ("variant", knobs)):
         runs[tag] = {(name, tb): _cta_emulated(_variant_source(monkeypatch, kn, name, (n, tb)), f"{name}_kernel",
                                                32 * kn["BWD_WARPS"], tmp_path)
                      for name, tb in (("mhc_split_mixes_bwd", 32), ("mhc_head_mix_bwd", 32), ("mhc_head_mix_bwd", 50))}
@@ -597,7 +608,7 @@ def test_variant_on_the_cpu_gives_the_default_bits(knobs, n, tmp_path, monkeypat
                 fns["mhc_head_mix_bwd", tb](P, DOUT=hg, X=x, S=hs, Bs=hb, DX=hdx, PS=hps, PB=hpb, Tn=T, P=P)
                 got += [hdx, hps, hpb]
             outs[tag] = got
-        for a, c in zip(outs["variant"], outs["default"]):
+        for a, c in zip(outs["variant"], outs["baseline"]):
             assert torch.equal(a, c), (T, P)
         ri, rs, rb = R.mhc_pre_split_mixes_bwd_ref(*grads, m, post, s, b, V, P)
         assert torch.equal(outs["variant"][0][:, 2 * n:], ri[:, 2 * n:])
@@ -614,11 +625,68 @@ def test_partials_sum_variant_on_the_cpu_is_the_in_order_sum(knobs, tmp_path, mo
         pytest.skip("needs g++")
     fns = {tag: _cta_emulated(_variant_source(monkeypatch, kn, "mhc_partials_sum", ()), "mhc_partials_sum_kernel",
                               K.THREADS, tmp_path)
-           for tag, kn in (("default", {"PARTIAL_ROWS": 16, "PARTIAL_ONE_PATH": False, "MIX_PDL": False}),
-                           ("variant", knobs))}
+           for tag, kn in (("baseline", ONE_WARP), ("variant", knobs))}
     for P, G, M in ((1, 3, 24), (128, 3, 24), (133, 3, 80), (7, 1, 300)):
         ps, pb = torch.randn(P, G) * 100, torch.randn(P, M)
         for tag, fn in fns.items():
             os_, ob = torch.full((G,), NAN), torch.full((M,), NAN)
             fn(-(-(G + M) // K.THREADS), PS=ps, PB=pb, OS=os_, OB=ob, P=P, G=G, M=M)
             assert torch.equal(os_, R.seq_sum(ps, 0)) and torch.equal(ob, R.seq_sum(pb, 0)), (tag, P, M)
+
+
+# ---- the split forward's threads per CTA (knob SPLIT_FWD_THREADS; one thread per token, nothing shared) ----
+
+SPLIT_FWD_BASELINE = 128  # the knob's other value: THREADS, the split forward's CTA size before the knob
+
+
+def test_split_fwd_threads_default_is_not_the_baseline():
+    assert K.SPLIT_FWD_THREADS != SPLIT_FWD_BASELINE == K.THREADS  # the head forward keeps THREADS
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("n", (2, 4))
+def test_split_fwd_threads_on_the_cpu_change_no_bit(n, tmp_path, monkeypatch):
+    """The split forward's CUDA run on the CPU at 32 (the default), 64 and 128 threads a CTA: the same pre / post /
+    comb bits, over token counts that leave a partial last CTA at each size; comb is the reference's bit for bit and
+    pre / post within the split tolerance of it."""
+    import shutil
+
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++")
+    name, default = "mhc_split_mixes_fwd", K.SPLIT_FWD_THREADS
+    fns = {th: _cta_emulated(_variant_source(monkeypatch, {"SPLIT_FWD_THREADS": th}, name, (n,)), f"{name}_kernel",
+                             th, tmp_path)
+           for th in (default, 64, SPLIT_FWD_BASELINE)}
+    for T in (1, 37, 700):
+        m, s, b, _, _ = _split_data(T, n)
+        outs = {}
+        for th, fn in fns.items():
+            pre, post, comb = torch.full((T, n), NAN), torch.full((T, n), NAN), torch.full((T, n * n), NAN)
+            fn(-(-T // th), X=m, S=s, Bs=b, PRE=pre, POST=post, COMB=comb, Tn=T, v=V, eps=EPS)
+            outs[th] = (pre, post, comb)
+        for th in fns:
+            for a, c in zip(outs[th], outs[default]):
+                assert torch.equal(a, c), (T, th)
+        rp, rq, rc = R.mhc_pre_split_mixes_ref(m, s, b, n, V, EPS)
+        pre, post, comb = outs[default]
+        torch.testing.assert_close(pre, rp.view(T, n), **SPLIT_TOL)
+        torch.testing.assert_close(post, rq.view(T, n), **SPLIT_TOL)
+        assert torch.equal(comb, rc.reshape(T, n * n))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", MULTS)
+def test_split_fwd_threads_change_no_bit(n, knob_kernels):
+    """The split forward at its default threads a CTA gives the 128-thread kernel's bits over the GPU grid (the data
+    drawn from the same seed for both runs)."""
+    seed, default, outs = torch.initial_seed(), K.SPLIT_FWD_THREADS, {}
+    for th in (SPLIT_FWD_BASELINE, default):
+        knob_kernels(K, {"SPLIT_FWD_THREADS": th})
+        torch.manual_seed(seed)
+        outs[th] = []
+        for T in TOKENS:
+            m, s, b, _, _ = _split_data(T, n)
+            outs[th] += list(_split_fwd_cuda(m, s, b, n))
+    assert len(outs[default]) == 3 * len(TOKENS)
+    for a, c in zip(outs[default], outs[SPLIT_FWD_BASELINE]):
+        assert torch.equal(a, c)

@@ -88,22 +88,36 @@ def test_generated_source_on_the_cpu(rows, k, tmp_path):
     assert torch.equal(fn_grad, want[0]) and torch.equal(normw_grad, want[1])
 
 
+# The backward knobs' other values (the defaults before the H100 sweep): the baseline of the knob test.
+BWD_BASELINE = {"BWD_THREADS": 128, "BWD_ROWS": 8}
+
+
+def test_backward_defaults_are_not_the_baseline():
+    assert K.BWD_THREADS != BWD_BASELINE["BWD_THREADS"] and K.BWD_ROWS != BWD_BASELINE["BWD_ROWS"]
+
+
 @pytest.mark.compile
 @pytest.mark.skipif(not emu.HAS_GXX, reason="needs g++")
-def test_backward_rows_knob_changes_no_result(tmp_path, monkeypatch):
-    """BWD_ROWS only groups loads: 1, 3 and 8 rows give bitwise the reference's gradients (CPU emulation; 7 rows
-    end on a partly guarded group for 3 and 8)."""
-    rows, k = 7, 264
-    fn, normw, dw = torch.randn(rows, k), 1 + 0.1 * torch.randn(k), torch.randn(rows, k)
-    start = (torch.randn(rows, k), torch.randn(k))
-    want = _ref_bwd(fn, normw, dw, *start)
-    for u in (1, 3, 8):
+def test_backward_knobs_change_no_result(tmp_path, monkeypatch):
+    """BWD_THREADS only shapes the launch and BWD_ROWS only groups loads: the defaults, the baseline (128 threads, 8
+    rows), 32 threads, and 1 and 3 rows give bitwise the reference's gradients (CPU emulation; K = 264 leaves a partial
+    CTA at every thread count; 7 and 30 rows end on a partly guarded group for 8 and 24 rows, 7 for 3)."""
+    k = 264
+    cases = [(K.BWD_THREADS, K.BWD_ROWS), tuple(BWD_BASELINE.values()), (32, 8), (64, 1), (64, 3)]
+    runs = {}
+    for threads, u in cases:
+        monkeypatch.setattr(K, "BWD_THREADS", threads)
         monkeypatch.setattr(K, "BWD_ROWS", u)
         src = _jit.compile_kernel("mhc_normw_merge_bwd", (k,), "sm_90", export=False).get_kernel_source()
-        bwd = emu.build(src, "mhc_normw_merge_bwd_kernel", K.BWD_THREADS, tmp_path / str(u))
-        fn_grad, normw_grad = start[0].clone(), start[1].clone()
-        bwd(dict(FN=fn, W=normw, DW=dw, DFN=fn_grad, DNW=normw_grad, rows=rows), -(-k // K.BWD_THREADS))
-        assert torch.equal(fn_grad, want[0]) and torch.equal(normw_grad, want[1])
+        runs[threads, u] = emu.build(src, "mhc_normw_merge_bwd_kernel", threads, tmp_path / f"{threads}-{u}")
+    for rows in (7, 30):
+        fn, normw, dw = torch.randn(rows, k), 1 + 0.1 * torch.randn(k), torch.randn(rows, k)
+        start = (torch.randn(rows, k), torch.randn(k))
+        want = _ref_bwd(fn, normw, dw, *start)
+        for (threads, u), bwd in runs.items():
+            fn_grad, normw_grad = start[0].clone(), start[1].clone()
+            bwd(dict(FN=fn, W=normw, DW=dw, DFN=fn_grad, DNW=normw_grad, rows=rows), -(-k // threads))
+            assert torch.equal(fn_grad, want[0]) and torch.equal(normw_grad, want[1]), (rows, threads, u)
 
 
 @pytest.mark.compile

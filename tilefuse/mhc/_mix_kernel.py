@@ -25,24 +25,32 @@ one after another in token order (tail tokens past ``T`` add nothing). This is t
 ``[P, G]``, ``[P, M]`` are then summed over ``p`` in increasing order from zero by ``mhc_partials_sum``
 (one thread per column) -- the order of ``reference.mhc.seq_sum``, so that step is bit-identical to it.
 
-Multi-warp backward (knob ``BWD_WARPS``, 1 by default: the measured one-warp kernels). The one-warp backward runs
-P = 128 CTAs of one warp, each walking its partial's blocks one after another: at T = 8192 (256 blocks) two blocks
-a CTA, each a chain of DRAM loads, 8 IEEE divisions and 4 ``expf`` (about 0.4 µs), 24 scattered stores, a barrier
-and 32 dependent adds of the stage, then the partial sum's launch, which loads each column's 128 partials 16 at a
-time (8 dependent L2 round trips). With ``BWD_WARPS = W`` each partial's CTA has W warps; warp ``w`` takes blocks
-``r = w, w + W, ...`` (its own 32-row stage, its 32 stage loads unrolled ahead of the adds), and after a barrier
-thread ``c`` adds the round's block sums (``r < R``) to its running partial in block order: every addition of the
-default in the same order, so ``d_scale`` / ``d_base`` / the head partials keep their bits (GPU knob tests).
-The partial sum's one CTA runs its scale columns and its base columns as two divergent paths of one warp, each
-loading a column's 128 partials 16 at a time: 16 dependent L2 round trips one after another. ``PARTIAL_ROWS`` is the
-loads in flight a thread (128: all of them at once) and ``PARTIAL_ONE_PATH`` makes the two column kinds one path
-(each load picks its source): one round trip. ``MIX_PDL`` starts the multi-warp backward and the partial sum with
-``griddepcontrol.wait``, so the partial sum's launch overlaps the backward's tail. Expected at T = 8192, n = 4
-(H200): one round of blocks instead of two (about -2 µs), one partial-sum round trip instead of 16 (about -4 µs)
-and the second launch hidden (about -1 to -2 µs); the one-warp chain models to some 15 µs in all, so the measured
-33.9 µs holds a part this model misses. Falsified if ``BWD_WARPS=2;PARTIAL_ROWS=128;PARTIAL_ONE_PATH=True;
-MIX_PDL=True`` saves less than 5 µs: then the bound is elsewhere (Nsight Compute on both kernels,
-``tools/ncu_cases.py``, says where).
+Multi-warp backward (knob ``BWD_WARPS``, 2 by default; 1 selects the one-warp kernels, the fallback and the
+comparison baseline). The one-warp backward runs P = 128 CTAs of one warp, each walking its partial's blocks one after
+another: at T = 8192 (256 blocks) two blocks a CTA, each a chain of DRAM loads, 8 IEEE divisions and 4 ``expf``, 24
+scattered stores, a barrier and 32 dependent adds of the stage. With ``BWD_WARPS = W`` each partial's CTA has W warps;
+warp ``w`` takes blocks ``r = w, w + W, ...`` (its own 32-row stage, its 32 stage loads unrolled ahead of the adds),
+and after a barrier thread ``c`` adds the round's block sums (``r < R``) to its running partial in block order: every
+addition of the one-warp kernels in the same order, so ``d_scale`` / ``d_base`` / the head partials have the same bits
+whatever W (GPU and g++ knob tests). The partial sum (one thread per column) loads ``PARTIAL_ROWS`` partials a thread
+at a time before adding them in order (128 by default: all of a split backward's partials in one round trip; 16: eight
+dependent round trips a column); ``PARTIAL_ONE_PATH`` (default True) makes its scale and base columns one code path
+whose loads pick their source (False: the two divergent paths of one warp run one after the other, 16 dependent round
+trips at 16 rows). ``MIX_PDL`` (default True) starts the multi-warp backward and the partial sum with
+``griddepcontrol.wait``, so the partial sum's launch overlaps the backward's tail (results unchanged).
+
+Measured on an NVIDIA H100 80GB HBM3, 2026-12-05 (T = 8192, n = 4): ``BWD_WARPS = 2``, ``PARTIAL_ROWS = 128``,
+``PARTIAL_ONE_PATH = True``, ``MIX_PDL = True`` (the defaults) take the split-mixes backward (both launches) from
+34.2 µs (the one-warp kernels, ``BWD_WARPS = 1``, 16 rows, two paths, no PDL) to 16.8 µs, and the v1 head-mix
+backward from 6.2 to 5.8 µs; ``BWD_WARPS = 4`` with the same other knobs: 16.8 and 6.0 µs. The 17.4 µs saved is more
+than twice what a latency model predicted (one round of blocks instead of two, about 2 µs; one partial-sum round trip
+instead of 16, about 4; the second launch hidden, 1 to 2), which put the one-warp chain at some 15 µs against the
+33.9 µs measured on an H200; how the saving splits between the knobs was not measured.
+
+Forward: one thread per token and nothing shared between threads, so a token's outputs do not depend on the threads
+a CTA. ``SPLIT_FWD_THREADS`` (split mixes) and ``THREADS`` (head mix, and the partial sum's columns) are the CTA
+sizes. Measured on the same H100, 2026-12-05 (T = 8192, n = 4): split forward 7.7 µs at 128 threads, 6.7 at 64, 6.6
+at 32 (the default); head forward 4.2 µs at 128 (the default), 4.7 at 64, 4.8 at 32.
 
 Kernels take ``1 <= n <= MAX_N``; the public ops keep the reference path for larger n. Token counts and
 partial counts are symbolic (int64 indices): one binary per n (and token block) serves every batch.
@@ -57,19 +65,20 @@ from tilefuse._rn import add as _add, call as _f, div as _div, mul as _mul, sub 
 KERNEL_HELPERS = ("tilefuse._rn",)  # part of this module's kernel cache key (_jit._module_digest)
 
 MAX_N = 8        # largest multiplicity the kernels take (per-token arrays of n(n+2) floats in registers)
-THREADS = 128    # forward kernels and the partial sum: threads per CTA, one token (column) per thread
-LANES = 32       # backward kernels: threads per CTA, one token of a 32-token chunk per thread
-# backward kernels: warps per CTA (knob; 1 = the measured default). With W > 1 warp w of partial p's CTA takes its
+THREADS = 128    # head-mix forward and the partial sum: threads per CTA, one token (column) per thread
+SPLIT_FWD_THREADS = 32  # split-mixes forward: threads per CTA, one token per thread (results do not depend on it)
+LANES = 32       # backward kernels: threads a warp (BWD_WARPS warps a CTA), one token of a 32-token chunk each
+# backward kernels: warps per CTA (knob; 1 = the one-warp kernels). With W > 1 warp w of partial p's CTA takes its
 # blocks r = w, w + W, ... (one 32-token chunk per warp at a time), and the CTA adds the W block sums of a round
 # in block order: the same sums in the same order (the same bits), W blocks in flight instead of one
-BWD_WARPS = 1
-PARTIAL_ROWS = 16  # mhc_partials_sum: partials a thread loads at a time (in flight) before adding them in order
+BWD_WARPS = 2
+PARTIAL_ROWS = 128  # mhc_partials_sum: partials a thread loads at a time (in flight) before adding them in order
 # mhc_partials_sum: one code path for the scale and base columns (each load picks its source by the column), so a
-# warp holding both kinds does not run the two paths one after the other (False: the measured two-path kernel)
-PARTIAL_ONE_PATH = False
+# warp holding both kinds does not run the two paths one after the other (False: the two-path kernel)
+PARTIAL_ONE_PATH = True
 # the multi-warp backward and the partial sum start with griddepcontrol.wait (PDL): their launch overlaps the
-# previous kernel's tail (results unchanged; False: the measured kernels)
-MIX_PDL = False
+# previous kernel's tail (results unchanged; False: no wait)
+MIX_PDL = True
 
 F32 = "float32"
 I64 = "int64"
@@ -114,8 +123,8 @@ def split_mixes_fwd_kernel(n: int):
     def mhc_split_mixes_fwd(X: T.Tensor((Tn, M), F32), S: T.Tensor((3,), F32), Bs: T.Tensor((M,), F32),
                             PRE: T.Tensor((Tn, n), F32), POST: T.Tensor((Tn, n), F32),
                             COMB: T.Tensor((Tn, n * n), F32), v: T.float32, eps: T.float32):
-        with T.Kernel(T.ceildiv(Tn, THREADS), threads=THREADS) as bx:
-            t = T.cast(bx, I64) * THREADS + T.get_thread_binding()
+        with T.Kernel(T.ceildiv(Tn, SPLIT_FWD_THREADS), threads=SPLIT_FWD_THREADS) as bx:
+            t = T.cast(bx, I64) * SPLIT_FWD_THREADS + T.get_thread_binding()
             z = T.alloc_local((M,), F32)
             if t < Tn:
                 for g, (lo, hi) in enumerate(groups):
