@@ -30,7 +30,8 @@ from tilefuse.engram import _gate_fwd_kernel as K
 from tilefuse.reference.engram import _gate_fwd, engram_gate_ref
 from tilefuse.testing import calc_diff
 from tests.engram import gate_fwd_emulation as emu
-from tests.engram.configs_gate_fwd import GRID_H, GRID_M, ODD, TOKENS, gate_fwd_configs, token_variant_cases
+from tests.engram.configs_gate_fwd import (GRID_H, GRID_M, ODD, ROW_KNOBS, ROW_SHAPES, TOKENS, gate_fwd_configs,
+                                          token_variant_cases)
 from tests.quant.kernel_binding import fake_jit
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -110,6 +111,8 @@ def _hex(value: float) -> str:
 @pytest.mark.compile
 @pytest.mark.parametrize("cfg", sorted(set(gate_fwd_configs()) | set(K._gate_configs())), ids=str)
 def test_gate_builds_for_sm90_with_the_explicit_arithmetic(cfg):
+    """The default dispatch's kernel at every config the tests use: the token schedule (x staged in shared memory,
+    a warp a branch) where ``token_schedule`` takes the shape, else the row schedule (the weight row staged)."""
     m, h, save = cfg
     src = _jit.compile_kernel("engram_gate_fwd", cfg, "sm_90").get_kernel_source()
     body = src[src.index("__launch_bounds__"):]
@@ -119,7 +122,12 @@ def test_gate_builds_for_sm90_with_the_explicit_arithmetic(cfg):
     assert _hex(K._c_h(h)) in body and "copysignf(__fsqrt_rn(" in body and "expf(__fsub_rn(" in body
     for buf in ("X", "K", "Vv", "OUT"):  # 16-byte accesses of every row operand
         assert f"*(uint4*)({buf} + " in body, buf
-    assert "__shared__ __align__(1024) float ws[]" in body
+    if K.token_schedule(m, h):
+        assert f"__launch_bounds__({m * 32}, " in src and "__shared__ __align__(1024) bfloat16_t xs[]" in body
+        assert "float ws[]" not in body
+    else:
+        assert f"__launch_bounds__({K.WARPS * 32}, " in src and "__shared__ __align__(1024) float ws[]" in body
+        assert "xs[]" not in body
     stores = [s in body for s in ("DOT[", "G[", "RX[", "RK[")]
     assert stores == [save] * 4  # no statistics written without save
 
@@ -134,6 +142,24 @@ def test_fused_weight_builds_for_sm90():
 def test_registered_configs_are_the_bench_shapes():
     assert K._gate_configs() == [(4, 4096, True), (4, 4096, False), (4, 7168, True), (4, 7168, False)]
     assert _jit.registered()["engram_fused_weight"] == [()]
+    # the default launches the token schedule without the v stage at the bench's shapes (the measured winner)
+    assert K.TOKEN_CTA and not K.TOKEN_STAGE_V and K.TOKEN_ROWS == 1
+    assert all(K.token_schedule(m, h) for m, h, _ in K._gate_configs())
+
+
+def test_the_dispatch_keeps_the_row_schedule_where_the_token_schedule_does_not_fit():
+    """``token_schedule`` takes a shape only with at most ``TOKEN_MAX_M`` branches and an x stage within
+    ``TOKEN_SMEM_MAX`` (within the 227 KiB an sm_90 CTA may have); elsewhere the launch is the row schedule's."""
+    assert K.TOKEN_SMEM_MAX <= 227 * 1024
+    for m, h in [(m, h) for m in GRID_M for h in GRID_H] + list(ODD):
+        assert K.token_schedule(m, h)
+        assert K.gate_fwd_grid(8192, m, h) == (8192, m * 32, m * h * 2)
+    for m, h in ROW_SHAPES:
+        assert not K.token_schedule(m, h)
+        assert K.gate_fwd_grid(8192, m, h) == (8192 // (K.WARPS * K.ROWS_PER_WARP) * m, K.WARPS * 32, h * 4)
+    assert not K.token_schedule(K.TOKEN_MAX_M + 1, 512)
+    h_max = K.TOKEN_SMEM_MAX // (2 * K.TOKEN_MAX_M) // K.CHUNK * K.CHUNK  # the largest H whose stage fits at M = 8
+    assert K.token_schedule(K.TOKEN_MAX_M, h_max) and not K.token_schedule(K.TOKEN_MAX_M, h_max + K.CHUNK)
 
 
 @pytest.mark.compile
@@ -197,11 +223,13 @@ def _run_emulated(tmp_path, m, h, x, k, v, w, save, name="gate"):
 
 @pytest.mark.compile
 @pytest.mark.skipif(not emu.HAS_GXX, reason="needs g++")
-@pytest.mark.parametrize("t, m, h", [(37, 2, 768), (5, 3, 512), (17, 1, 1024), (3, 4, 4096)], ids=str)
+@pytest.mark.parametrize("t, m, h", [(37, 2, 768), (5, 3, 512), (17, 1, 1024), (3, 4, 4096), (19, 9, 512)], ids=str)
 def test_generated_source_on_the_cpu(t, m, h, tmp_path):
-    """The kernel's CUDA source run on the CPU (``gate_fwd_emulation``): every output written (NaN before), the
-    statistics and output as the model says, the reference's contract, and the same output without save. k and v are
-    views into one fused projection; T not a multiple of the token block leaves the last CTA's warps partly idle."""
+    """The default dispatch's CUDA source run on the CPU (``gate_fwd_emulation``; the token schedule, and at M = 9
+    the row schedule): every output written (NaN before), the statistics and output as the model says, the
+    reference's contract, and the same output without save. k and v are views into one fused projection; T not a
+    multiple of the row schedule's token block leaves the last CTA's warps partly idle."""
+    assert K.token_schedule(m, h) == (m <= K.TOKEN_MAX_M)
     x, k, v, w_h, w_e, w = _inputs(t, m, h)
     got = _run_emulated(tmp_path, m, h, x, k, v, w, True)
     assert not any(torch.isnan(a.float()).any() for a in got)
@@ -239,10 +267,13 @@ def test_sign_convention_on_the_cpu(tmp_path):
 @pytest.mark.compile
 @pytest.mark.skipif(not emu.HAS_GXX, reason="needs g++")
 def test_tuning_knobs_change_no_result(tmp_path, monkeypatch):
-    """LOADS_AHEAD, WARPS and ROWS_PER_WARP only schedule: the same bits for every value (C = 5 chunks, so load
-    groups of 2 and 3 end partly guarded; T = 23 leaves CTAs partly idle)."""
+    """The row schedule's LOADS_AHEAD, WARPS and ROWS_PER_WARP only schedule: the same bits for every value (C = 5
+    chunks, so load groups of 2 and 3 end partly guarded; T = 23 leaves CTAs partly idle)."""
     t, m, h = 23, 2, 1280
     x, k, v, _, _, w = _inputs(t, m, h)
+    for name, value in ROW_KNOBS.items():
+        monkeypatch.setattr(K, name, value)
+    assert not K.token_schedule(m, h)
     results = []
     for ahead, warps, rows in ((4, 4, 2), (1, 4, 4), (2, 2, 3), (3, 8, 1)):
         monkeypatch.setattr(K, "LOADS_AHEAD", ahead)
@@ -276,17 +307,23 @@ def test_token_variant_builds_for_sm90(knobs, shape, save, monkeypatch):
 
 @pytest.mark.compile
 @pytest.mark.skipif(not emu.HAS_GXX, reason="needs g++")
-@pytest.mark.parametrize("knobs", [{"TOKEN_CTA": True}, {"TOKEN_CTA": True, "TOKEN_ROWS": 2, "LOADS_AHEAD": 2},
-                                   {"TOKEN_CTA": True, "TOKEN_ROWS": 3, "LOADS_AHEAD": 8,
+@pytest.mark.parametrize("knobs", [{"TOKEN_CTA": True, "TOKEN_STAGE_V": False},
+                                   {"TOKEN_CTA": True, "TOKEN_STAGE_V": True},
+                                   {"TOKEN_CTA": True, "TOKEN_STAGE_V": True, "TOKEN_ROWS": 2, "LOADS_AHEAD": 2},
+                                   {"TOKEN_CTA": True, "TOKEN_STAGE_V": True, "TOKEN_ROWS": 3, "LOADS_AHEAD": 8,
                                     "TOKEN_SMEM_MAX": 128 * 1024},
                                    {"TOKEN_CTA": True, "TOKEN_STAGE_V": False, "LOADS_AHEAD": 3}], ids=str)
 @pytest.mark.parametrize("t, m, h", [(7, 3, 768), (5, 2, 1280), (3, 1, 512), (2, 4, 4096), (3, 8, 512)], ids=str)
 def test_token_variant_source_on_the_cpu(t, m, h, knobs, tmp_path, monkeypatch):
-    """The TOKEN_CTA variant's CUDA source run on the CPU gives the default's bits (statistics and output, save on
-    and off) and the model's: T not a multiple of TOKEN_ROWS leaves the last CTA's tokens partly idle, C = 5 chunks
-    leaves the last load group partly guarded, more warps than chunks in a group leave some warps without a v chunk
-    to stage, and every x vector (and v vector, with TOKEN_STAGE_V) makes its round trip through shared memory."""
+    """The token schedule's CUDA source (the default's knobs first) run on the CPU gives the row schedule's bits
+    (``ROW_KNOBS``: statistics and output, save on and off) and the model's: T not a multiple of TOKEN_ROWS leaves
+    the last CTA's tokens partly idle, C = 5 chunks leaves the last load group partly guarded, more warps than chunks
+    in a group leave some warps without a v chunk to stage, and every x vector (and v vector, with TOKEN_STAGE_V)
+    makes its round trip through shared memory."""
     x, k, v, _, _, w = _inputs(t, m, h)
+    for name, value in ROW_KNOBS.items():
+        monkeypatch.setattr(K, name, value)
+    assert not K.token_schedule(m, h)
     want = _run_emulated(tmp_path, m, h, x, k, v, w, True, "rows")
     for name, value in knobs.items():
         monkeypatch.setattr(K, name, value)
@@ -349,8 +386,11 @@ def test_forward_grid(t, m, h, poisoned):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m, h", ODD, ids=str)
+@pytest.mark.parametrize("m, h", ODD + ROW_SHAPES, ids=str)
 def test_odd_shapes(m, h, poisoned):
+    """Odd branch and chunk counts and the largest H (the token schedule), and the shapes the dispatch keeps on the
+    row schedule."""
+    assert K.token_schedule(m, h) == ((m, h) not in ROW_SHAPES)
     x, k, v, w_h, w_e, w = _inputs(1000, m, h, "cuda")
     got = E.engram_gate_fwd(x, k, v, w, EPS, CLAMP)
     _check_against_model(got, x, k, v, w)
@@ -472,10 +512,13 @@ def test_fused_weight_exact(m, h, poisoned):
 @pytest.mark.gpu
 @pytest.mark.parametrize("knobs, shape", token_variant_cases(), ids=str)
 def test_token_variant_bit_identical_gpu(knobs, shape, poisoned, knob_kernels):
-    """The TOKEN_CTA variant (k and v views into the packed projection) gives the default's bits, save on and off,
-    and a token slice gives the full run's rows (batch invariance)."""
+    """The token schedule at each knob set (the default's among them; k and v views into the packed projection)
+    gives the row schedule's bits (``ROW_KNOBS``), save on and off, and a token slice gives the full run's rows
+    (batch invariance)."""
     t, m, h = shape
     x, k, v, _, _, w = _inputs(t, m, h, "cuda")
+    knob_kernels(K, ROW_KNOBS)
+    assert not K.token_schedule(m, h)
     want = E.engram_gate_fwd(x, k, v, w, EPS, CLAMP)
     knob_kernels(K, knobs)
     assert K.token_schedule(m, h)

@@ -5,7 +5,13 @@ with runtime 64-bit token/branch strides and a unit last stride (views into one 
 are); ``w`` ``[M, H]`` fp32; the saved statistics ``[T, M]`` fp32. ``T`` and the strides are runtime values;
 ``M``, ``H`` and ``save`` are compile-time; ``eps`` and ``clamp_value`` are runtime fp32 scalars.
 
-Schedule: CTA ``b * M + h`` takes branch ``h`` of the token block ``b`` (``WARPS * ROWS_PER_WARP`` tokens). It
+Two schedules compute the same bits (the same arithmetic, operation for operation). The default is the token
+schedule (``TOKEN_CTA = True``, ``TOKEN_STAGE_V = False``; "Token schedule" below), the measured fastest; it takes a
+shape with at most ``TOKEN_MAX_M`` branches whose x stage fits ``TOKEN_SMEM_MAX`` (``token_schedule``). The row
+schedule (``TOKEN_CTA = False``) takes every other shape, and is the baseline the tests compare the token schedule
+against.
+
+Row schedule: CTA ``b * M + h`` takes branch ``h`` of the token block ``b`` (``WARPS * ROWS_PER_WARP`` tokens). It
 first stages the branch's weight row in shared memory (read once per CTA from L2, not once per token); each of its
 warps then handles one (token, branch) row at a time: tokens ``b * TB + r * WARPS + warp`` for
 ``r = 0 .. ROWS_PER_WARP - 1``. A row is read in chunks of 256 columns; lane ``l`` owns the 8 columns
@@ -43,49 +49,61 @@ strides are not multiples of 8 elements is copied to a contiguous tensor first.
 fused_weight: ``out = RN(fp32(w_h) * fp32(w_e))`` (exact: 16 significant bits), one thread per 8 elements of the
 flattened ``[M, H]`` (16-byte loads, two 16-byte stores); the element count is a runtime value.
 
-Speed (H200, isolated timer, T = 8192, M = 4, kv packed): 252.9 / 270.5 µs save / no save at H = 4096 (82.0 / 76.7%
-of a same-bytes copy; TileKernels 2.1.0 233.8), 470.5 / 500.4 µs at 7168 (77.3 / 72.8%; TileKernels 408.7). ptxas
-(sm_90, M = 4): 86 registers at H = 4096 with and without save, 90 / 84 at 7168, no spills, so 5 CTAs of 128
-threads an SM (20 warps, each with the loads of ``LOADS_AHEAD`` chunks of x and k in flight: 4 KiB), and 16-28 KiB
+Row schedule speed (H200, isolated timer, T = 8192, M = 4, kv packed): 252.9 / 270.5 µs save / no save at H = 4096
+(82.0 / 76.7% of a same-bytes copy; TileKernels 2.1.0 233.8), 470.5 / 500.4 µs at 7168 (77.3 / 72.8%; TileKernels
+408.7). ptxas (sm_90, M = 4): 86 registers at H = 4096 with and without save, 90 / 84 at 7168, no spills, so 5 CTAs of
+128 threads an SM (20 warps, each with the loads of ``LOADS_AHEAD`` chunks of x and k in flight: 4 KiB), and 16-28 KiB
 of shared memory a CTA. ``v`` is read by the ``M`` CTAs of a token block (one HBM read, the others L2 hits). Save and
-no save compile to the same loops (SASS at H = 4096: the same 24 16-byte loads, in the same groups and order up to
-one swap in the output pass, the same 86 registers and occupancy; save adds four 4-byte stores of lane 0 between the
+no save compile to the same loops (SASS at H = 4096: the same 24 16-byte loads, in the same groups and order up to one
+swap in the output pass, the same 86 registers and occupancy; save adds four 4-byte stores of lane 0 between the
 passes): no save being slower is not in the generated code; look at the measurement (row order, the buffers'
-addresses: ``out`` is written at the offsets ``x`` is read at) before the kernel. The knobs to sweep first:
-``ROWS_PER_WARP`` (CTA granularity against weight reloads: at T = 8192, M = 4 the default makes 4096 CTAs of 8
-rows, about 6 per CTA slot, and each CTA's 16-28 KiB weight fill is about 6% of its L2 reads), ``LOADS_AHEAD``,
+addresses: ``out`` is written at the offsets ``x`` is read at) before the kernel. The row schedule's knobs:
+``ROWS_PER_WARP`` (CTA granularity against weight reloads: at T = 8192, M = 4 ``ROWS_PER_WARP = 2`` makes 4096 CTAs of
+8 rows, about 6 per CTA slot, and each CTA's 16-28 KiB weight fill is about 6% of its L2 reads), ``LOADS_AHEAD``,
 ``WARPS``.
 
-Variant (``TOKEN_CTA = True``; not measured yet). CTA ``b`` takes tokens ``b * TW .. b * TW + TW - 1``
-(``TW = TOKEN_ROWS``) and all their branches, warp ``h`` branch ``h`` (``M * 32`` threads). One pass over the row
-reads x, k and the weight (the default's lane layout and load groups, the weight straight from global memory, 32
-bytes a lane a chunk, once for the ``TW`` tokens) and the group's v chunks, split between the warps; every x and v
-vector goes to shared memory (``TW * (M + 1) * H`` bf16: 40 KiB at H = 4096, 70 KiB at 7168). After one barrier
-(the v row is staged by all warps) the butterfly and scalar chain, then the output pass reads only shared memory.
-So every byte of x, k and v comes from DRAM once and is read once by an SM (the default reads x twice and v ``M``
-times, the second reads from L2), and the output pass has no load latency. Each lane writes and reads back its own
-x vectors (no bank conflicts: a warp's 16-byte accesses are contiguous). The arithmetic is the default's, operation
-for operation, so the bits are the default's (the g++ emulation of both sources agrees bit for bit).
+Token schedule (the default: ``TOKEN_CTA = True``, ``TOKEN_STAGE_V = False``). CTA ``b`` takes tokens
+``b * TW .. b * TW + TW - 1`` (``TW = TOKEN_ROWS``) and all their branches, warp ``h`` branch ``h`` (``M * 32``
+threads). One pass over the row reads x, k and the weight (the row schedule's lane layout and load groups, the
+weight straight from global memory, 32 bytes a lane a chunk, once for the ``TW`` tokens); every x vector goes to
+shared memory (``TW * M * H`` bf16: 32 KiB at H = 4096, 56 KiB at 7168). After one barrier the butterfly and scalar
+chain, then the output pass reads x from shared memory and loads v, ``LOADS_AHEAD`` chunks ahead (the M warps read
+the same v row: one DRAM read, the others L1 / L2 hits, kept together by the barrier). So every byte of x and k
+comes from DRAM once and is read once by an SM (the row schedule reads x twice and v ``M`` times, the second reads
+from L2). Each lane writes and reads back its own x vectors (no bank conflicts: a warp's 16-byte accesses are
+contiguous). ``TOKEN_STAGE_V = True`` also stages the v row (``TW * (M + 1) * H`` bf16: 40 / 70 KiB), its chunks
+loaded in the reduction pass, split between the warps, so the output pass has no global load.
 
-The variant's numbers (ptxas, sm_90, M = 4, ``LOADS_AHEAD = 4``): 95 registers with and without save at both sizes,
-no spills; 5 CTAs an SM at H = 4096 (registers and shared memory both allow 5: 20 warps), 3 at 7168 (shared memory:
-12 warps). A CTA's load group keeps 18 KiB of DRAM reads in flight (16 KiB of x and k, 2 KiB of v) plus 16 KiB of
-weight (L1 / L2): 90 KiB an SM at 4096, 54 KiB at 7168, against the ~36 KiB an SM that 4.8 TB/s at ~1 µs loaded
-latency needs (Little's law), for the ~80% of a CTA's life it spends in that pass (4 or 7 groups of DRAM latency,
-then a barrier, a ~0.5 µs scalar chain and 16-28 shared-memory chunks). The cost: the weight (``M * H * 4`` bytes,
-64 / 112 KiB) is read by every CTA; shared memory leaves L1 too small to hold it, so it is L2 traffic of 64 KiB a
-token at 4096, which makes the variant's L2-to-SM reads about the default's (136 KiB a token either way), but
-without a dependent second pass. Expected: H = 4096 at 215-235 µs (88-95% of the copy), 7168 at 380-420 µs;
-``TOKEN_ROWS = 2`` halves the weight traffic (153 registers, 80 KiB: 2 CTAs, 8 warps with two tokens each; at 7168
-it exceeds ``TOKEN_SMEM_MAX`` and keeps the default); ``LOADS_AHEAD = 7`` with ``TOKEN_MIN_BLOCKS = 3`` (168
-registers, 4 full groups at 7168) doubles the bytes in flight where shared memory already caps the CTAs at 3;
-``LOADS_AHEAD = 8`` with ``TOKEN_MIN_BLOCKS = 5`` at 4096 (96 registers, no spills; ptxas then interleaves part of
-the loads with the arithmetic); ``TOKEN_STAGE_V = False`` (88-90 registers, x only in the stage: 32 / 56 KiB, so 5
-CTAs at 4096 and 4 at 7168; the output pass then loads v, the M warps' reads of it one DRAM read and L1 / L2 hits,
-after the barrier that keeps them together) trades the load-free output pass for a third more warps at 7168. What
-would falsify it: no gain with ncu showing L2 (lts) throughput near its peak (the weight traffic: then
-``TOKEN_ROWS = 2`` must win) or long-scoreboard stalls dominating with DRAM throughput under 90% (too few bytes in
-flight: then the deeper groups must win).
+Measured on NVIDIA H100 80GB HBM3, 2026-12-05 (isolated timer, T = 8192, M = 4, kv packed; save / no save, µs):
+
+==========  ===============  ===============  ================================
+H           row schedule     TOKEN_STAGE_V    default (no v stage)
+==========  ===============  ===============  ================================
+4096        357.8 / 358.1    343.3 / 342.6    297.6 / 296.9
+7168        660.1 / 660.4    604.3 / 603.3    613.7 / 611.6
+==========  ===============  ===============  ================================
+
+At H = 4096 the default moves the op's 873 MB in 297 µs, ~98% of that H100's same-bytes copy (2997 GB/s). Every
+knob set's GPU test gave the row schedule's bits.
+
+Why staging v costs at H = 4096 (computed, sm_90, M = 4, 128 threads a CTA; ptxas of CUDA 13.0): registers 95 with the v
+stage (save and not, both sizes), 90 / 88 (save / no save) without; 95 and 90 round to 96 a thread, 3072 a warp, 21
+warps of the SM's 65536 registers; 88 to 2816 a warp, 23 warps: 5 CTAs of 4 warps either way. Shared memory: the stage
+plus the 1 KiB the system reserves a CTA, of 228 KiB an SM: 41 KiB with the v stage (5 CTAs), 33 KiB without (6). So
+both run 5 CTAs (20 warps) an SM at 4096: staging v costs no occupancy there. What differs is the L1 the stage leaves:
+shared memory and L1 share 256 KiB an SM, the shared part one of 0, 8, 16, 32, 64, 100, 132, 164, 196, 228 KiB; 5 x 41 =
+205 KiB needs the 228 KiB split (28 KiB of L1), 5 x 33 = 165 KiB (1 KiB over 164) the 196 KiB split (60 KiB of L1). The
+5 CTAs of an SM read the same weight (``M * H * 4`` = 64 KiB) through L1, and without the v stage the M warps' v reads
+too: 60 KiB can keep most of the weight, 28 KiB under half, so with the v stage more of the weight's reads go on to L2.
+At 7168 both leave 28 KiB of L1 (3 x 71 = 213 KiB and 4 x 57 = 228 KiB: the 228 KiB split) and the v stage is the faster
+(604.3 against 613.7 µs) despite 3 CTAs an SM against 4: the measurements follow the L1 left, not the CTAs an SM. Not
+measured: that the driver picks the smallest split that keeps the occupancy (ncu's "Shared Memory Configuration Size"),
+and the L1 hit rates themselves (ncu's l1tex hit rate and lts throughput would show them).
+
+Other knob values of the token schedule (each gives the same bits; its GPU test passed in that H100 run):
+``TOKEN_ROWS = 2`` loads the weight once for two tokens (at 7168 its stage exceeds ``TOKEN_SMEM_MAX`` and the
+shape keeps the row schedule); ``LOADS_AHEAD = 7`` with ``TOKEN_MIN_BLOCKS = 3`` and ``LOADS_AHEAD = 8`` with
+``TOKEN_MIN_BLOCKS = 5`` deepen the load groups (more bytes in flight an SM).
 """
 
 import struct
@@ -102,12 +120,13 @@ WARPS = 4            # gate forward: warps per CTA, one (token, branch) row at a
 ROWS_PER_WARP = 2    # gate forward: tokens each warp handles in turn (token block = WARPS * ROWS_PER_WARP)
 LOADS_AHEAD = 4      # gate forward: chunks whose loads are issued before their arithmetic
 FW_THREADS = 128     # fused_weight: threads per CTA (8 elements each)
-TOKEN_CTA = False    # gate forward variant: a CTA per TOKEN_ROWS tokens, warp h = branch h, x and v staged in smem
-TOKEN_ROWS = 1       # gate forward variant: tokens each warp carries at once (one weight load serves them all)
-TOKEN_SMEM_MAX = 96 * 1024  # gate forward variant: the largest x and v stage (bytes) a CTA takes; larger: default
-TOKEN_MAX_M = 8      # gate forward variant: the most branches (warps) a CTA takes; more: the default
-TOKEN_MIN_BLOCKS = 0  # gate forward variant: __launch_bounds__' minimum CTAs per SM (a register cap; 0: none)
-TOKEN_STAGE_V = True  # gate forward variant: v staged in shared memory in the reduction pass (False: the output
+TOKEN_CTA = True     # gate forward: the token schedule (a CTA per TOKEN_ROWS tokens, warp h = branch h, x staged
+                     # in smem) where token_schedule takes the shape; False: the row schedule everywhere
+TOKEN_ROWS = 1       # token schedule: tokens each warp carries at once (one weight load serves them all)
+TOKEN_SMEM_MAX = 96 * 1024  # token schedule: the largest stage (bytes) a CTA takes; larger: the row schedule
+TOKEN_MAX_M = 8      # token schedule: the most branches (warps) a CTA takes; more: the row schedule
+TOKEN_MIN_BLOCKS = 0  # token schedule: __launch_bounds__' minimum CTAs per SM (a register cap; 0: none)
+TOKEN_STAGE_V = False  # token schedule: v staged in shared memory in the reduction pass (False: the output
                       # pass loads it, LOADS_AHEAD chunks at a time; the M warps' reads of it are L1 / L2 hits)
 
 CHUNK = 256      # columns of one warp step (32 lanes x 8)
@@ -161,7 +180,8 @@ def gate_fwd_kernel(M: int, H: int, save: bool):
 
 
 def _row_body(T, M: int, H: int, save: bool, Tn):
-    """The default schedule (the module docstring): CTA ``b * M + h`` takes branch ``h`` of token block ``b``."""
+    """The row schedule (``TOKEN_CTA = False`` or a shape ``token_schedule`` does not take; "Row schedule" in the
+    module docstring): CTA ``b * M + h`` takes branch ``h`` of token block ``b``."""
     C = H // CHUNK
     U = max(1, min(LOADS_AHEAD, C))  # chunks per load group
     groups = -(-C // U)
@@ -264,13 +284,13 @@ def _row_body(T, M: int, H: int, save: bool, Tn):
 
 
 def token_schedule(M: int, H: int) -> bool:
-    """Whether the gate forward of ``(M, H)`` takes the variant schedule (``TOKEN_CTA``): one warp a branch, at most
-    ``TOKEN_MAX_M`` warps a CTA, the CTA's x and v stage within ``TOKEN_SMEM_MAX`` bytes; otherwise the default."""
+    """Whether the gate forward of ``(M, H)`` takes the token schedule (``TOKEN_CTA``): one warp a branch, at most
+    ``TOKEN_MAX_M`` warps a CTA, the CTA's stage within ``TOKEN_SMEM_MAX`` bytes; otherwise the row schedule."""
     return bool(TOKEN_CTA) and M <= TOKEN_MAX_M and _token_smem(M, H) <= TOKEN_SMEM_MAX
 
 
 def _token_smem(M: int, H: int) -> int:
-    """Shared bytes of a variant CTA: the x rows and (``TOKEN_STAGE_V``) the v row of its ``TOKEN_ROWS`` tokens,
+    """Shared bytes of a token-schedule CTA: the x rows and (``TOKEN_STAGE_V``) the v row of its ``TOKEN_ROWS`` tokens,
     bf16."""
     return TOKEN_ROWS * (M + int(bool(TOKEN_STAGE_V))) * H * 2
 
@@ -283,9 +303,9 @@ def gate_fwd_grid(num_tokens: int, M: int, H: int) -> tuple[int, int, int]:
 
 
 def _token_body(T, M: int, H: int, save: bool, Tn):
-    """The variant schedule (``TOKEN_CTA``, see "Variant" in the module docstring): CTA ``b`` takes tokens
-    ``b * TW .. b * TW + TW - 1`` (``TW = TOKEN_ROWS``), warp ``h`` their branch ``h``; the arithmetic is the
-    default's, operation for operation (the same per-row chains, butterfly and scalar chain), so the bits are too."""
+    """The token schedule (``TOKEN_CTA``, see "Token schedule" in the module docstring): CTA ``b`` takes tokens
+    ``b * TW .. b * TW + TW - 1`` (``TW = TOKEN_ROWS``), warp ``h`` their branch ``h``; the arithmetic is the row
+    schedule's, operation for operation (the same per-row chains, butterfly and scalar chain), so the bits are too."""
     C = H // CHUNK
     U = max(1, min(LOADS_AHEAD, C))  # chunks per load group
     groups = -(-C // U)
