@@ -4,24 +4,26 @@ GEMMs with fixed-order weight-gradient partials.
 compile: every config the GPU tests launch (and every registered one) builds for sm_90; the launchers bind their
 arguments to the kernels' parameters; the TF32 rounding and the split count (CPU, no GPU).
 gpu: against the reference over T in {0, 1, 7, 4001, 8192}, n in {2, 4} (n = 8: M = 80, the reference path),
-C in {1280, 2560, 4096, 7168}, the spec's data (§4); launches with poisoned destinations; the residual gradient
-and the weight gradient bitwise against a torch model of the kernel's summation order; determinism, batch
-invariance, CUDA-graph replay and ``torch.compile(fullgraph=True)``.
+C in {1280, 2560, 4096, 7168}, the spec's data (§4); launches with poisoned destinations against the float64 GEMMs
+of their operands; determinism, batch invariance, CUDA-graph replay and ``torch.compile(fullgraph=True)``.
 
 Tolerances, derived once here from §3 (norm_fn rows):
 * output: ``atol = rtol = 1e-3`` against the reference with the TF32-rounded weight (the spec compares with a
   TF32 torch reference; MMA order is not contractual);
 * residual gradient: bf16 ``assert_close`` defaults (rtol 1.6e-2, atol 1e-5) against the float64 reference of
   the TF32-rounded operands; weight gradient: ``atol 3e-2, rtol 1e-3``;
-* bitwise where the kernel's chain is fixed: the residual gradient (each product of two TF32 values, or of a TF32
-  and a bf16 value, is exact in fp32, so the fma chain equals a chain of rounded adds that torch reproduces) and
-  the weight gradient (the same, partials over token blocks ``b mod PARTIALS``, then the in-order partial sum).
+* bitwise where the kernel's chain is fixed: the CUDA-core backward's (``BWD_MMA = False``) residual gradient (each
+  product of two TF32 values, or of a TF32 and a bf16 value, is exact in fp32, so the fma chain equals a chain of
+  rounded adds that torch reproduces) and weight gradient (the same, partials over token blocks ``b mod PARTIALS``,
+  then the in-order partial sum).
 
-The tensor-core backward (knob ``BWD_MMA``, the ``knobs`` GPU tests through ``knob_kernels``) sums in the MMA's
-order: its results are held to the same tolerances against the reference (and its launch to them against the
-float64 GEMMs), plus determinism, batch invariance of dx, dW's bits independent of dx's destination and of zero
-tokens appended, graph replay and compile. On the CPU its generated CUDA runs with the warp instructions emulated
-(``MMA_SHIM``, itself checked on the forward kernel that passes on the H200).
+The default backward runs on TF32 tensor cores (``BWD_MMA = True``) and sums in the MMA's order: its results are held
+to the tolerances above against the reference and its launch against the float64 GEMMs, plus determinism, batch
+invariance of dx, dW's bits independent of dx's destination and of zero tokens appended, graph replay and compile.
+On the CPU its generated CUDA runs with the warp instructions emulated (``MMA_SHIM``, itself checked on the forward
+kernel that passes on the H200). The CUDA-core backward (the fallback: ``knobs`` GPU tests through
+``knob_kernels`` set ``BWD_MMA = False``) keeps its own tests: the reference, its torch model bit for bit (on the
+GPU and, as generated CUDA, on the CPU), determinism, batch invariance, zero tokens, graph replay and compile.
 """
 import pytest
 import torch
@@ -48,12 +50,17 @@ BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
 @pytest.mark.compile
 @pytest.mark.parametrize("name, cfg", norm_fn_configs(), ids=str)
 def test_builds_for_sm90(name, cfg):
-    src = _jit.compile_kernel(name, cfg, "sm_90").get_kernel_source()
+    _check_source(name, _jit.compile_kernel(name, cfg, "sm_90").get_kernel_source())
+
+
+def _check_source(name, src):
+    """The generated CUDA of a registered kernel: no atomics; TF32 MMAs in the GEMMs."""
     assert "__global__" in src and "atomic" not in src
     if name == "mhc_norm_fn_fwd":
         assert "kTensorFloat32" in src  # the TF32 tensor-core MMA
-    if name == "mhc_norm_fn_bwd":
-        assert "__fmaf_rn(" in src
+    if name == "mhc_norm_fn_bwd":  # the default backward: TF32 tensor cores (BWD_MMA)
+        assert "kTensorFloat32" in src and "__fmaf_rn(" not in src
+        assert f"__launch_bounds__({K.MMA_THREADS}, {K.MMA_MIN_BLOCKS})" in src
 
 
 BENCH_ONLY = [("mhc_norm_fn_fwd", (8192, 24)), ("mhc_norm_fn_bwd", (8192, 24, True))]  # C = 2048: not in the grid
@@ -69,27 +76,31 @@ def test_registered_configs_are_tested():
 @pytest.mark.compile
 @pytest.mark.parametrize("name, cfg", BENCH_ONLY, ids=str)
 def test_bench_only_configs_build(name, cfg):
-    assert "__global__" in _jit.compile_kernel(name, cfg, "sm_90").get_kernel_source()
+    _check_source(name, _jit.compile_kernel(name, cfg, "sm_90").get_kernel_source())
 
 
 BWD_CONFIGS = [cfg for name, cfg in norm_fn_configs() + BENCH_ONLY if name == "mhc_norm_fn_bwd"]
 
 
-def _build_mma(monkeypatch, cfg):
-    """The tensor-core backward (``BWD_MMA``) at ``cfg``, built for sm_90 outside tilefuse's caches."""
+CUDA_CORE = {"BWD_MMA": False}  # the CUDA-core backward, the default's fallback
+
+
+def _build_bwd(monkeypatch, cfg, knobs):
+    """The backward at ``cfg`` with ``knobs`` set, built for sm_90 outside tilefuse's caches (whose keys hold the
+    module's knob values as set at import)."""
     import tilelang
 
-    monkeypatch.setattr(K, "BWD_MMA", True)
+    for name, value in knobs.items():
+        monkeypatch.setattr(K, name, value)
     return tilelang.compile(K.norm_fn_bwd_kernel(*cfg), target={"kind": "cuda", "arch": "sm_90"},
                             execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS))
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("cfg", BWD_CONFIGS, ids=str)
-def test_mma_backward_builds_for_sm90(cfg, monkeypatch):
-    src = _build_mma(monkeypatch, cfg).get_kernel_source()
-    assert "kTensorFloat32" in src and "atomic" not in src and "__fmaf_rn(" not in src
-    assert f"__launch_bounds__({K.MMA_THREADS}, {K.MMA_MIN_BLOCKS})" in src
+def test_cuda_core_backward_builds_for_sm90(cfg, monkeypatch):
+    src = _build_bwd(monkeypatch, cfg, CUDA_CORE).get_kernel_source()
+    assert "__fmaf_rn(" in src and "atomic" not in src and "kTensorFloat32" not in src
 
 
 @pytest.mark.compile
@@ -131,20 +142,22 @@ def test_launchers_bind(n, c, monkeypatch):
         ("mhc_norm_fn_fwd", (k, m)), ("mhc_norm_fn_bwd", (k, m, False)), ("mhc_norm_fn_dw_sum", ()),
         ("mhc_norm_fn_bwd", (k, m, True)), ("mhc_norm_fn_dw_sum", ())]
     assert calls[0].env == {"Tn": T}
-    assert calls[1].env == {"Tn": T, "P": K.PARTIALS}
-    assert calls[2].env == {"P": K.PARTIALS, "N": m * k}
+    # the default backward (tensor cores): its partials buffer and the partial sum's count are MMA_PARTIALS
+    for i in (1, 3):
+        assert calls[i].env == {"Tn": T, "P": K.MMA_PARTIALS}
+        assert calls[i + 1].env == {"P": K.MMA_PARTIALS, "N": m * k}
 
 
 @pytest.mark.compile
-def test_mma_launcher_binds_its_partials(monkeypatch):
-    monkeypatch.setattr(K, "BWD_MMA", True)
+def test_cuda_core_launcher_binds_its_partials(monkeypatch):
+    monkeypatch.setattr(K, "BWD_MMA", False)
     calls = fake_jit(monkeypatch)
     T, k, m = 37, 4 * 1280, 24
     K.norm_fn_gemm_bwd_launch(torch.randn(T, m), torch.randn(T), torch.randn(T, k).to(BF16), torch.randn(m, k),
                               torch.empty(T, k, dtype=BF16), torch.empty(m, k), True)
     assert [(cl.name, cl.cfg) for cl in calls] == [("mhc_norm_fn_bwd", (k, m, True)), ("mhc_norm_fn_dw_sum", ())]
-    assert calls[0].env == {"Tn": T, "P": K.MMA_PARTIALS}
-    assert calls[1].env == {"P": K.MMA_PARTIALS, "N": m * k}
+    assert calls[0].env == {"Tn": T, "P": K.PARTIALS}
+    assert calls[1].env == {"P": K.PARTIALS, "N": m * k}
 
 
 @pytest.mark.compile
@@ -230,8 +243,8 @@ def _ref_grads(residual, fn, normw, d_out):
 
 
 def _model_gemm_bwd(d_mul, d_sq, x, fn, D=None):
-    """The backward kernel's chains in torch fp32 (exact products: each fma is a rounded add):
-    ``(dx [T, K] bf16, dW [M, K])``."""
+    """The CUDA-core backward kernel's (``BWD_MMA = False``) chains in torch fp32 (exact products: each fma is a
+    rounded add): ``(dx [T, K] bf16, dW [M, K])``."""
     dp, w = K.tf32_round(d_mul), K.tf32_round(fn)
     xf = x.float()
     acc = torch.zeros_like(xf) if D is None else D.float()
@@ -251,6 +264,13 @@ def _model_gemm_bwd(d_mul, d_sq, x, fn, D=None):
     for p in range(P):
         dw = dw + part[p]
     return dx, dw
+
+
+def _model_bwd64(d_mul, d_sq, x, fn, D=None):
+    """``(dx, dW)`` of the backward GEMMs in float64 from the kernels' TF32 operands (dx before its bf16 rounding)."""
+    dp, w, xd = K.tf32_round(d_mul).to(F64), K.tf32_round(fn).to(F64), x.to(F64)
+    dx = dp @ w + 2 * xd * d_sq.to(F64).unsqueeze(1)
+    return dx if D is None else dx + D.to(F64), dp.T @ xd
 
 
 @pytest.mark.gpu
@@ -301,25 +321,6 @@ def _check_backward_against_reference(T, n, c):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", (1, 7, 4001))
-@pytest.mark.parametrize("n, c", [(2, 1280), (4, 4096)])
-@pytest.mark.parametrize("accumulate", (False, True))
-def test_gemm_backward_bitwise_model(T, n, c, accumulate):
-    residual, fn, _, _ = _inputs(T, n, c)
-    k, m = n * c, n * (n + 2)
-    x = residual.view(T, k)
-    d_mul = torch.randn(T, m, device="cuda") * 1e-1
-    d_sq = torch.randn(T, device="cuda") * 1e-3
-    D = torch.randn(T, k, device="cuda").to(BF16)
-    dx = D.clone() if accumulate else torch.full((T, k), NAN, device="cuda", dtype=BF16)
-    d_fn = torch.full((m, k), NAN, device="cuda")
-    K.norm_fn_gemm_bwd_launch(d_mul, d_sq, x, fn, dx, d_fn, accumulate)
-    want_dx, want_dw = _model_gemm_bwd(d_mul, d_sq, x, fn, D if accumulate else None)
-    assert torch.equal(dx, want_dx)
-    assert torch.equal(d_fn, want_dw)
-
-
-@pytest.mark.gpu
 def test_side_channel_accumulates():
     T, n, c = 4001, 4, 2560
     residual, fn, _, d_out = _inputs(T, n, c)
@@ -329,12 +330,17 @@ def test_side_channel_accumulates():
     F.attach_residual_grad(r, buf)
     mhc_pre_norm_fn(r, fn, None, EPS, fuse_grad_acc=True).backward(d_out)
     assert r.grad is None
-    # the RMS step's gradients as the op computes them, then the GEMM chain into the buffer's old content
+    # the RMS step's gradients as the op computes them, then the backward launch accumulating into the buffer's old
+    # content: the same bits; and that is the float64 GEMMs plus the old content within the bf16 tolerance
     _, out_mul, sqrsum = F.norm_fn_forward(residual, fn, EPS)
     d_mul, d_sq = torch.empty_like(out_mul), torch.empty_like(sqrsum)
     F.reduce_rmsnorm_bwd_into(d_out.view(T, -1), out_mul, sqrsum, d_mul, d_sq, n * c, EPS)
-    want, _ = _model_gemm_bwd(d_mul[:, 0], d_sq[:, 0], residual.view(T, -1), fn, start.view(T, -1))
-    assert torch.equal(buf.view(T, -1), want)
+    x, k = residual.view(T, -1), n * c
+    want = start.view(T, k).clone()
+    K.norm_fn_gemm_bwd_launch(d_mul[:, 0], d_sq[:, 0], x, fn, want, torch.empty(fn.shape, device="cuda"), True)
+    assert torch.equal(buf.view(T, k), want)
+    model, _ = _model_bwd64(d_mul[:, 0], d_sq[:, 0], x, fn, start.view(T, k))
+    torch.testing.assert_close(want.to(F64), model.to(BF16).to(F64), **DX_TOL)
 
 
 @pytest.mark.gpu
@@ -392,8 +398,9 @@ def _check_zero_tokens_keep_the_weight_gradient():
 
 @pytest.mark.gpu
 def test_weight_gradient_bits_follow_the_token_blocks():
-    # the partial count is fixed (not the SM count) and a token's block is t // TOKEN_BLOCK: padding the batch
-    # with zero tokens (zero terms in the last block and in new blocks) leaves every partial's bits unchanged
+    # the partial count is fixed (not the SM count) and a token's block is t // MMA_TOKENS: zero tokens appended
+    # are zero rows of the block's MMA (the same operands where the kernel masked them) and whole MMAs of zeros
+    # after it, which leave every partial's bits unchanged
     _check_zero_tokens_keep_the_weight_gradient()
 
 
@@ -442,37 +449,17 @@ def test_torch_compile_fullgraph():
         assert torch.equal(a, b)
 
 
-# ---- the tensor-core backward (knob BWD_MMA): its own MMA summation order, so against the reference ----
+# ---- the default backward's launch on TF32 tensor cores, and a swept knob set of it ----
 
-MMA_KNOBS = {"BWD_MMA": True}
-MMA_VARIANTS = [MMA_KNOBS, {**MMA_KNOBS, "MMA_TOKENS": 32, "MMA_PARTIALS": 16, "MMA_MIN_BLOCKS": 5}]  # swept
-
-
-def _model_bwd64(d_mul, d_sq, x, fn, D=None):
-    """``(dx, dW)`` of the backward GEMMs in float64 from the kernels' TF32 operands (dx before its bf16 rounding)."""
-    dp, w, xd = K.tf32_round(d_mul).to(F64), K.tf32_round(fn).to(F64), x.to(F64)
-    dx = dp @ w + 2 * xd * d_sq.to(F64).unsqueeze(1)
-    return dx if D is None else dx + D.to(F64), dp.T @ xd
+MMA_SWEPT = {"MMA_TOKENS": 32, "MMA_PARTIALS": 16, "MMA_MIN_BLOCKS": 5}
+MMA_VARIANTS = [{}, MMA_SWEPT]  # the default (BWD_MMA) and a swept set of its tiling knobs
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("n", GRID_N)
-@pytest.mark.parametrize("c", GRID_C)
-def test_mma_backward_against_reference(n, c, knob_kernels):
-    knob_kernels(K, MMA_KNOBS)
-    for T in TOKENS:
-        _check_backward_against_reference(T, n, c)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n, c", [(2, 1280), (4, 4096)])
-@pytest.mark.parametrize("knobs", MMA_VARIANTS, ids=str)
-def test_mma_gemm_backward_launch(n, c, knobs, knob_kernels):
+def _check_gemm_backward_launch(n, c):
     """The launch with poisoned destinations against the float64 GEMMs of its operands: dx is ``bf16`` of a sum
     off the exact one by at most the MMA's accumulation error (``M <= 32`` exact products: a few fp32 ulps of
     their magnitudes), so within the bf16 tolerance; dW by the spec's; and the weight gradient's bits do not depend
     on the residual gradient's destination (accumulated into or not, whatever its content)."""
-    knob_kernels(K, knobs)
     k, m = n * c, n * (n + 2)
     for T in (1, 7, 4001):
         residual, fn, _, _ = _inputs(T, n, c)
@@ -493,16 +480,60 @@ def test_mma_gemm_backward_launch(n, c, knobs, knob_kernels):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n, c", [(2, 1280), (4, 4096)])
+def test_gemm_backward_launch(n, c):
+    _check_gemm_backward_launch(n, c)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, c", [(2, 1280), (4, 4096)])
+def test_mma_swept_gemm_backward_launch(n, c, knob_kernels):
+    knob_kernels(K, MMA_SWEPT)
+    _check_gemm_backward_launch(n, c)
+
+
+# ---- the CUDA-core backward (knob BWD_MMA = False, the fallback): its fixed fma chains, bit for bit ----
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("n", GRID_N)
-def test_mma_deterministic_and_batch_invariant(n, knob_kernels):
-    knob_kernels(K, MMA_KNOBS)
+@pytest.mark.parametrize("c", GRID_C)
+def test_cuda_core_backward_against_reference(n, c, knob_kernels):
+    knob_kernels(K, CUDA_CORE)
+    for T in TOKENS:
+        _check_backward_against_reference(T, n, c)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", (1, 7, 4001))
+@pytest.mark.parametrize("n, c", [(2, 1280), (4, 4096)])
+@pytest.mark.parametrize("accumulate", (False, True))
+def test_cuda_core_gemm_backward_bitwise_model(T, n, c, accumulate, knob_kernels):
+    knob_kernels(K, CUDA_CORE)
+    residual, fn, _, _ = _inputs(T, n, c)
+    k, m = n * c, n * (n + 2)
+    x = residual.view(T, k)
+    d_mul = torch.randn(T, m, device="cuda") * 1e-1
+    d_sq = torch.randn(T, device="cuda") * 1e-3
+    D = torch.randn(T, k, device="cuda").to(BF16)
+    dx = D.clone() if accumulate else torch.full((T, k), NAN, device="cuda", dtype=BF16)
+    d_fn = torch.full((m, k), NAN, device="cuda")
+    K.norm_fn_gemm_bwd_launch(d_mul, d_sq, x, fn, dx, d_fn, accumulate)
+    want_dx, want_dw = _model_gemm_bwd(d_mul, d_sq, x, fn, D if accumulate else None)
+    assert torch.equal(dx, want_dx)
+    assert torch.equal(d_fn, want_dw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", GRID_N)
+def test_cuda_core_deterministic_and_batch_invariant(n, knob_kernels):
+    knob_kernels(K, CUDA_CORE)
     residual, fn, _, d_out = _inputs(8192, n, 4096)
     first = _grads(residual, fn, None, d_out)
     for _ in range(2):
         again = _grads(residual, fn, None, d_out)
         for a, b in zip(first[:3], again[:3]):
             assert torch.equal(a, b)
-    # a token's dx is a function of the token alone (each MMA output row reads its own row of dP~)
+    # a token's dx is a function of the token alone (its chains read its own row of dP~, x and D)
     for sl in (slice(1234, 1241), slice(8191, 8192), slice(0, 1), slice(64, 4001)):
         out, dx, _, _ = _grads(residual[:, sl].clone(), fn, None, d_out[:, sl].clone())
         assert torch.equal(out, first[0][:, sl])
@@ -510,16 +541,16 @@ def test_mma_deterministic_and_batch_invariant(n, knob_kernels):
 
 
 @pytest.mark.gpu
-def test_mma_weight_gradient_bits_follow_the_token_blocks(knob_kernels):
-    # as the default's: a fixed partial count and a token's block t // MMA_TOKENS; zero tokens appended are zero
-    # rows of the block's MMA (the same operands where the kernel masked them) and whole MMAs of zeros after it
-    knob_kernels(K, MMA_KNOBS)
+def test_cuda_core_weight_gradient_bits_follow_the_token_blocks(knob_kernels):
+    # a fixed partial count and a token's block t // TOKEN_BLOCK: zero tokens appended are zero terms in the last
+    # block and in new blocks, which leave every partial's bits unchanged
+    knob_kernels(K, CUDA_CORE)
     _check_zero_tokens_keep_the_weight_gradient()
 
 
 @pytest.mark.gpu
-def test_mma_cuda_graph_and_compile(knob_kernels):
-    knob_kernels(K, MMA_KNOBS)
+def test_cuda_core_cuda_graph_and_compile(knob_kernels):
+    knob_kernels(K, CUDA_CORE)
     T, k, m = 4001, 4 * 2560, 24
     residual, fn, _, d_out = _inputs(T, 4, 2560)
     x = residual.view(T, k)
@@ -605,12 +636,12 @@ extern "C" void run({cargs}, int64_t gx, int64_t gy) {{
 @pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="needs g++")
 @pytest.mark.parametrize("n, c", [(2, 256), (4, 256)])
 @pytest.mark.parametrize("accumulate", (False, True))
-def test_backward_source_on_cpu_bitwise(n, c, accumulate, tmp_path):
-    """The backward kernel's and the partial sum's generated CUDA, run on the CPU, equal the torch model of their
-    chains bit for bit (exact products: each fma is one rounded add), over token counts that leave partials
-    empty, end mid-block and wrap the partials more than once; every element written."""
+def test_cuda_core_backward_source_on_cpu_bitwise(n, c, accumulate, tmp_path, monkeypatch):
+    """The CUDA-core backward kernel's (``BWD_MMA = False``) and the partial sum's generated CUDA, run on the CPU,
+    equal the torch model of their chains bit for bit (exact products: each fma is one rounded add), over token
+    counts that leave partials empty, end mid-block and wrap the partials more than once; every element written."""
     k, m = n * c, n * (n + 2)
-    bwd = _emulate(_jit.compile_kernel("mhc_norm_fn_bwd", (k, m, accumulate), "sm_90").get_kernel_source(),
+    bwd = _emulate(_build_bwd(monkeypatch, (k, m, accumulate), CUDA_CORE).get_kernel_source(),
                    "mhc_norm_fn_bwd_kernel", K.BWD_THREADS, tmp_path / "bwd")
     dws = _emulate(_jit.compile_kernel("mhc_norm_fn_dw_sum", (), "sm_90").get_kernel_source(),
                    "mhc_norm_fn_dw_sum_kernel", K.SUM_THREADS, tmp_path / "sum")
@@ -709,15 +740,18 @@ static inline void mma_sync(float* c, const unsigned* a, const unsigned* b) {
 @pytest.mark.parametrize("accumulate", (False, True))
 @pytest.mark.parametrize("knobs", MMA_VARIANTS, ids=str)
 def test_mma_backward_source_on_cpu(n, c, accumulate, knobs, tmp_path, monkeypatch):
-    """The tensor-core backward's generated CUDA, run on the CPU with the warp instructions emulated (``MMA_SHIM``):
+    """The default (tensor-core) backward's generated CUDA (``knobs`` {}: the registered kernel tilefuse launches;
+    else built with the swept knobs), run on the CPU with the warp instructions emulated (``MMA_SHIM``):
     its tiles, fragment layouts, guards and barriers give the GEMMs of the float64 model (dx within one bf16 rounding
     of it: the emulated MMA errs by an fp32 rounding per call; dW within 2^-20 of the sum of |terms|), every element
     written; token counts that leave partials empty, end mid-block and wrap the partials more than once; dW's bits
     the same whether dx accumulates or not."""
     k, m = n * c, n * (n + 2)
-    for name, value in knobs.items():
-        monkeypatch.setattr(K, name, value)
-    src = _build_mma(monkeypatch, (k, m, accumulate)).get_kernel_source()
+    if knobs:
+        src = _build_bwd(monkeypatch, (k, m, accumulate), knobs).get_kernel_source()
+    else:
+        src = _jit.compile_kernel("mhc_norm_fn_bwd", (k, m, accumulate), "sm_90").get_kernel_source()
+    assert "kTensorFloat32" in src
     bwd = _emulate(src, "mhc_norm_fn_bwd_kernel", K.MMA_THREADS, tmp_path / "bwd", MMA_SHIM)
     parts = K.MMA_PARTIALS
     for T in (1, 37, 100, 2 * parts * K.MMA_TOKENS + 5):

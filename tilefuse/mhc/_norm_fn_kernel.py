@@ -9,40 +9,46 @@ W~[j, k]`` and ``Q[s, t] = sum_{k in s} x[t, k]^2``. ``S`` depends on ``K`` only
 partials, and the output the reduce step makes of them (``mhc_reduce_partials_and_rmsnorm_fwd``, splits in
 order), do not depend on the batch. The MMA summation order is not contractual (§2.2.2 step 2).
 
-Backward (§2.2.3 last bullets), on CUDA cores with explicit ``__fmaf_rn``: ``dP~ = tf32_round(dP)`` (launcher).
-Per token and column ``k``: ``dx = bf16(((D + dP~[0] W~[0, k]) + dP~[1] W~[1, k] + ...) + (2 x) dQ)`` with the
-``M`` products fused into the chain in row order (each product of a TF32 value and a TF32 value is exact in
-fp32, as on the tensor cores), ``(2 x) dQ`` rounded then added (the reference's chain), and ``D`` the destination's previous content (``accumulate``) or 0. The weight
-gradient ``dW[j, k] = sum_t dP~[t, j] x[t, k]`` (each product exact) is a sum over tokens, made deterministic and
-independent of the launch: tokens are cut into blocks of ``TOKEN_BLOCK``; partial ``p`` of ``PARTIALS`` (a fixed
-count, not the SM count) is the fma chain over blocks ``p, p + PARTIALS, ...`` in increasing order, tokens in
-order inside a block, from zero. A CTA owns one partial and a slice of ``COLS`` columns. ``mhc_norm_fn_dw_sum``
-then adds the partials ``[PARTIALS, M, K]`` in increasing ``p`` from zero, one thread per element. No atomics.
+Backward (§2.2.3), the default (``BWD_MMA = True``): both GEMMs on TF32 tensor cores, one pass over x, with
+``dP~ = tf32_round(dP)`` and ``W~`` rounded by the launcher. A CTA owns partial ``p`` of ``MMA_PARTIALS`` (a fixed
+count, not the SM count) and ``MMA_COLS`` columns; per block of ``MMA_TOKENS`` tokens (blocks ``p, p + P, ...`` in
+order) ``G = dP~ W~`` and ``dW_p += dP~^T x`` (fp32 accumulators in MMA fragments across the blocks), then ``dx =
+bf16((D + G) + (2 x) dQ)`` with ``D`` the destination's previous content (``accumulate``) or 0 (round-to-nearest adds;
+``(2 x) dQ`` rounded then added, the reference's chain). ``mhc_norm_fn_dw_sum`` then adds the partials ``[P, M, K]``
+in increasing ``p`` from zero, one thread per element. No atomics. The MMA's summation order is its own (not
+contractual, §2.2.3): dx is the bf16 rounding of a value within ``~2 M u sum_j |dP~_j W~_jk|`` (M exact products
+summed in fp32 by the MMA) plus a rounded add or two of the exact one, inside the bf16 tolerance; dW sums the exact
+products ``dP~[t, j] x[t, k]`` in a fixed order (the spec's atol/rtol). Deterministic and batch invariant: a token's
+dx reads only its own row of every operand; dW's bits depend on the token count alone (a fixed partial count; zero
+tokens appended are zero rows or whole zero MMAs, which leave the sums' bits).
 
-Tensor-core backward (knob ``BWD_MMA = True``; the default is the CUDA-core kernel above, measured on the H200 at
-357 us for T = 4096, K = 8192, M = 24: its per-token 24-step fma chains and 48 weight-gradient fmas a column are
-issue and latency bound). Both GEMMs on TF32 tensor cores (§2.2.3), one pass over x: a CTA owns partial ``p`` of
-``MMA_PARTIALS`` and ``MMA_COLS`` columns; per block of ``MMA_TOKENS`` tokens (blocks ``p, p + P, ...`` in order)
-``G = dP~ W~`` and ``dW_p += dP~^T x`` (fp32 accumulators in MMA fragments across the blocks), then ``dx = bf16((D
-+ G) + (2 x) dQ)``; the same ``mhc_norm_fn_dw_sum`` adds the partials in order. Results: not the default's bits (the
-MMA's summation order is its own): dx is the bf16 rounding of a value within ``~2 M u sum_j |dP~_j W~_jk|`` (M exact
-products summed in fp32 by the MMA) plus a rounded add or two of the exact one, inside the bf16 tolerance; dW sums
-the same exact products as the default in another fixed order (the spec's atol/rtol). Deterministic and batch
-invariant as the default: a token's dx reads only its own row of every operand; dW's bits depend on the token count
-alone (a fixed partial count; zero tokens appended are zero rows or whole zero MMAs, which leave the sums' bits).
+Measured on the H100 (80GB HBM3), 2026-12-05, isolated timer, the bench row ``mhc_pre_norm_fn_bwd`` (the kernel, the
+roundings and the partial sum) at T x n x C: 4096 x 4 x 2048: 134.5 us (the CUDA-core backward below: 371.7 us;
+torch.compile of the reference: 339.5 us); 8192 x 4 x 4096: 436.2 us (CUDA-core: 1080.9 us; torch.compile: 1164.2
+us). Swept beside it on that H100: ``MMA_PARTIALS = 16`` 143.1 / 451.1 us, ``MMA_MIN_BLOCKS = 3`` 142.7 / 461.9 us.
+Against the estimate from first principles below (70-100 us at 4096 x 2048; "over ~130 us would say barriers and
+latency dominate"): 134.5 us, so a register double buffer of the next token block is the next step to try.
 
-Its speed, from first principles (not yet timed; T = 4096, K = 8192, accumulating): HBM bytes x 67 MB + D 67 MB + dx
-67 MB + partials 6.3 MB written and read: ~210 MB, ~50 us at 4.2 TB/s. 1024 CTAs (128 column slices, the fastest
-grid index, x 8 partials) of 128 threads; ptxas -v (sm_90): 128 registers (the ``__launch_bounds__(128, 4)`` cap; 4
-bytes spilled when accumulating), 51.5 KB of shared memory: 4 CTAs, 16 warps an SM, 2 waves. A block's global loads
-(x, D, dP: 22 KB a CTA) go into registers first and stay in flight across the barriers: ~88 KB an SM against the ~35
-KB that HBM's bandwidth x latency asks. Shared-memory wavefronts a 64 x 64 tile: ~1600 (the second GEMM's operands
-are not K-major: 96 scalar loads a warp, 2-way conflicts, ~770; G staged through padded rows: ~380; ldmatrix and
-tile stores ~450), 62 tiles an SM: ~100k cycles, ~55 us at 1.8 GHz, overlapping the HBM time. Tensor work is small
-(64 MMAs a warp a tile, ~10 us). Expected: 70-100 us for the kernel at 4096 x 2048 (3.5-5x the default), 1.4-2x the
-copy time; over ~130 us would say barriers/latency (4 a tile, 4 CTAs an SM) dominate and a register double buffer of
-the next block is the next step; if the shared-memory estimate is the limit, a bf16 second GEMM (dP~ = hi + lo, two
-exact bf16 halves; ldmatrix.trans) halves its operand traffic.
+Its speed, from first principles (T = 4096, K = 8192, accumulating): HBM bytes x 67 MB + D 67 MB + dx 67 MB +
+partials 6.3 MB written and read: ~210 MB, ~50 us at 4.2 TB/s. 1024 CTAs (128 column slices, the fastest grid index,
+x 8 partials) of 128 threads; ptxas -v (sm_90): 128 registers (the ``__launch_bounds__(128, 4)`` cap; 4 bytes
+spilled when accumulating), 51.5 KB of shared memory: 4 CTAs, 16 warps an SM, 2 waves. A block's global loads (x, D,
+dP: 22 KB a CTA) go into registers first and stay in flight across the barriers: ~88 KB an SM against the ~35 KB that
+HBM's bandwidth x latency asks. Shared-memory wavefronts a 64 x 64 tile: ~1600 (the second GEMM's operands are not
+K-major: 96 scalar loads a warp, 2-way conflicts, ~770; G staged through padded rows: ~380; ldmatrix and tile stores
+~450), 62 tiles an SM: ~100k cycles, ~55 us at 1.8 GHz, overlapping the HBM time. Tensor work is small (64 MMAs a
+warp a tile, ~10 us). If the shared-memory estimate is the limit, a bf16 second GEMM (dP~ = hi + lo, two exact bf16
+halves; ldmatrix.trans) halves its operand traffic.
+
+CUDA-core backward (knob ``BWD_MMA = False``: the fallback and the comparison baseline; its per-token 24-step fma
+chains and 48 weight-gradient fmas a column are issue and latency bound), with explicit ``__fmaf_rn``. Per token and
+column ``k``: ``dx = bf16(((D + dP~[0] W~[0, k]) + dP~[1] W~[1, k] + ...) + (2 x) dQ)`` with the ``M`` products fused
+into the chain in row order (each product of a TF32 value and a TF32 value is exact in fp32, as on the tensor
+cores), ``(2 x) dQ`` rounded then added. The weight gradient ``dW[j, k] = sum_t dP~[t, j] x[t, k]`` (each product
+exact): tokens are cut into blocks of ``TOKEN_BLOCK``; partial ``p`` of ``PARTIALS`` is the fma chain over blocks
+``p, p + PARTIALS, ...`` in increasing order, tokens in order inside a block, from zero. A CTA owns one partial and a
+slice of ``COLS`` columns; the same ``mhc_norm_fn_dw_sum`` adds the partials in order. Its bits are the torch model's
+of these chains (the tests'); not the tensor-core backward's.
 
 Kernels take ``K % 256 == 0`` and ``1 <= M <= 32`` (``takes``); the public op keeps the reference for other shapes.
 """
@@ -63,16 +69,16 @@ MAX_SPLITS = 16  # upstream's n_splits: the reduce kernel's registered split cou
 FWD_TOKENS = 64  # forward: tokens per CTA (MMA M)
 FWD_BK = 64      # forward: columns per MMA step
 FWD_THREADS = 128
-BWD_THREADS = 128
-BWD_KPT = 2      # backward: columns a thread owns (its weight columns and weight-gradient sums in registers)
-COLS = BWD_THREADS * BWD_KPT  # backward: columns per CTA
-TOKEN_BLOCK = 32
-PARTIALS = 16    # weight-gradient partials (fixed: the gradient's bits do not depend on the device)
-BWD_MMA = False  # tuning knob: True runs both backward GEMMs on TF32 tensor cores (``_bwd_mma_kernel``)
+BWD_THREADS = 128  # CUDA-core backward (BWD_MMA = False)
+BWD_KPT = 2      # CUDA-core backward: columns a thread owns (its weight columns and weight-gradient sums in registers)
+COLS = BWD_THREADS * BWD_KPT  # CUDA-core backward: columns per CTA
+TOKEN_BLOCK = 32  # CUDA-core backward: tokens per block of the weight-gradient partials
+PARTIALS = 16    # CUDA-core backward: weight-gradient partials (fixed: the gradient's bits do not depend on the device)
+BWD_MMA = True  # knob: the backward GEMMs on TF32 tensor cores (``_bwd_mma_kernel``); False: on CUDA cores
 MMA_TOKENS = 64  # tensor-core backward: tokens per step (its block of the weight-gradient partials)
 MMA_COLS = 64    # tensor-core backward: columns per CTA
 MMA_THREADS = 128
-MMA_PARTIALS = 8  # tensor-core backward: weight-gradient partials (fixed, as PARTIALS)
+MMA_PARTIALS = 8  # tensor-core backward: weight-gradient partials (fixed: dW's bits do not depend on the device)
 GS_PAD = 8       # tensor-core backward: G's staging rows are BK + 8 floats (its fragment stores: no bank conflict)
 MMA_MIN_BLOCKS = 4  # tensor-core backward: __launch_bounds__' CTAs per SM (65536 / (128 * 4) = 128 registers)
 SUM_THREADS = 256
@@ -155,18 +161,20 @@ def norm_fn_fwd_kernel(K: int, M: int):
 # ---- backward: residual gradient and weight-gradient partials ----
 
 def bwd_partials() -> int:
-    """The weight-gradient partial count of the backward kernel the knobs select."""
+    """The weight-gradient partial count of the backward kernel ``BWD_MMA`` selects (the launcher's buffer and the
+    partial sum's ``P``)."""
     return MMA_PARTIALS if BWD_MMA else PARTIALS
 
 
 def norm_fn_bwd_kernel(K: int, M: int, accumulate: bool):
-    """Factory (``BWD_MMA`` selects ``_bwd_mma_kernel`` instead): ``DP [T, M]`` (TF32-rounded), ``DQ [T]``, ``X [T,
-    K]`` bf16, ``W [M, K]`` (TF32-rounded) -> ``DX [T, K]`` bf16 (read first as ``D`` when ``accumulate``; may be
-    the same buffer as nothing else reads it) and the partials ``DWP [P, M, K]`` (one CTA per partial and ``COLS``
-    columns; P symbolic). A thread keeps its columns' weight-gradient sums in registers and its weight columns in
-    shared memory (ptxas -v, sm_90, K = 16384: 146 registers a thread, 3 CTAs an SM; 175 and 2 with the weight in
-    registers too). The bench row ``mhc_pre_norm_fn_bwd`` (this kernel, the roundings and the partial sum) on the
-    H200: 357 us at T = 4096, K = 8192 and 1023 us at T = 8192, K = 16384.
+    """Factory (``BWD_MMA``, the default, selects ``_bwd_mma_kernel``; this body is the CUDA-core backward):
+    ``DP [T, M]`` (TF32-rounded), ``DQ [T]``, ``X [T, K]`` bf16, ``W [M, K]`` (TF32-rounded) -> ``DX [T, K]`` bf16
+    (read first as ``D`` when ``accumulate``; may be the same buffer as nothing else reads it) and the partials ``DWP
+    [P, M, K]`` (one CTA per partial and ``COLS`` columns; P symbolic). A thread keeps its columns' weight-gradient
+    sums in registers and its weight columns in shared memory (ptxas -v, sm_90, K = 16384: 146 registers a thread, 3
+    CTAs an SM; 175 and 2 with the weight in registers too). The bench row ``mhc_pre_norm_fn_bwd`` with this kernel
+    (the roundings and the partial sum included), measured on the H200: 357 us at T = 4096, K = 8192 and 1023 us at
+    T = 8192, K = 16384; on the H100, 2026-12-05: 371.7 and 1080.9 us.
     """
     import tilelang.language as T
 
@@ -359,7 +367,7 @@ def norm_fn_partials_launch(x, fn, out_mul, sqrsum) -> None:
 def norm_fn_gemm_bwd_launch(out_mul_grad, sqrsum_grad, x, fn, x_grad, fn_grad, accumulate: bool) -> None:
     """Write ``x_grad [T, K]`` bf16 (``+=`` its content when ``accumulate``) and overwrite ``fn_grad [M, K]``
     (fp32) from ``out_mul_grad [T, M]``, ``sqrsum_grad [T]`` (fp32), ``x [T, K]`` and ``fn [M, K]`` (both
-    gradients' TF32 rounding here): the GEMM kernel with ``PARTIALS`` token partials, then their in-order sum.
+    gradients' TF32 rounding here): the GEMM kernel with ``bwd_partials()`` token partials, then their in-order sum.
     ``T == 0`` zeroes ``fn_grad``."""
     T_, K = x.shape
     M = fn.shape[0]
