@@ -214,8 +214,8 @@ def test_cpu_run_is_the_chain_bit_for_bit(n, S, knob, tmp_path, monkeypatch):
                         tmp_path / "fused")
     reduce = _cpu_kernel(_source("mhc_reduce_rmsnorm_fwd", (S, 1, m)), "mhc_reduce_rmsnorm_fwd_kernel",
                          RK.FWD_THREADS, "serial", tmp_path / "reduce")
-    split = _cpu_kernel(_source("mhc_split_mixes_fwd", (n,)), "mhc_split_mixes_fwd_kernel", MK.THREADS, "serial",
-                        tmp_path / "split")
+    split = _cpu_kernel(_source("mhc_split_mixes_fwd", (n,)), "mhc_split_mixes_fwd_kernel", MK.SPLIT_FWD_THREADS,
+                        "serial", tmp_path / "split")
     # the chain's Sinkhorn as the lane kernel (butterflies through the warp exchange): the per-thread default gives
     # its bits (the GPU knob tests), and the lane kernel is a model independent of the macros the fused kernel shares
     monkeypatch.setattr(SK, "PER_THREAD", False)
@@ -238,7 +238,7 @@ def test_cpu_run_is_the_chain_bit_for_bit(n, S, knob, tmp_path, monkeypatch):
                 "eps": EPS, "num_tokens": t}, _cdiv(t * m, RK.FWD_THREADS))
         pre_u, post_u, logits = (torch.full((t, w), float("nan")) for w in (n, n, nn))
         split({"X": mixes, "S": sc, "Bs": bs, "PRE": pre_u, "POST": post_u, "COMB": logits, "v": V, "eps": EPS,
-               "Tn": t}, _cdiv(t, MK.THREADS))
+               "Tn": t}, _cdiv(t, MK.SPLIT_FWD_THREADS))
         comb_u = torch.full((t, nn), float("nan"))
         sinkhorn({"X": logits, "Y": comb_u, "repeat": repeat, "eps": sk_eps, "num_tokens": t},
                  _cdiv(t, SK.THREADS // nn))
