@@ -34,6 +34,18 @@ def _leaves(h):
     return [torch.randn(*s, device="cuda").bfloat16().requires_grad_() for s in shapes]
 
 
+def _well_conditioned_grad(args):
+    """A random upstream gradient, zero on the rows whose score ``|s|`` (from the forward's statistics) is below
+    ``S_MIN`` (module doc)."""
+    x, k, v, wh, we = (a.detach() for a in args)
+    h = x.shape[-1]
+    _, d, _, rx, rk = engram_gate_fwd(x.view(-1, 4, h), k.view(-1, 4, h), v.view(-1, h), fused_weight(wh, we), EPS,
+                                      CLAMP, True)
+    keep = (d.double() * rx.double() * rk.double() / h ** 0.5).abs() >= S_MIN
+    assert keep.float().mean() > 0.9
+    return torch.randn(*LEAD, 4, h, device="cuda").bfloat16() * keep.view(*LEAD, 4, 1)
+
+
 def _ops_grads(args, grad_out, start_h, start_e, passes=1):
     """The public ops on the layer's flattened tensors: gradients of x, k, v and the accumulators after ``passes``
     reductions starting from ``start_h``, ``start_e``."""
@@ -55,13 +67,7 @@ def test_gradients_against_autograd_through_the_reference(h):
     assert K.takes(args[0].detach().view(-1, 4, h))
     for w in args[3:]:
         w.main_grad = torch.zeros(4, h, device="cuda")
-    grad_out = torch.randn(*LEAD, 4, h, device="cuda").bfloat16()
-    x, k, v, wh, we = (a.detach() for a in args)
-    _, d, _, rx, rk = engram_gate_fwd(x.view(-1, 4, h), k.view(-1, 4, h), v.view(-1, h), fused_weight(wh, we), EPS,
-                                      CLAMP, True)
-    score = d.double() * rx.double() * rk.double() / h ** 0.5
-    grad_out = grad_out * (score.abs() >= S_MIN).view(*LEAD, 4, 1)
-    assert (score.abs() >= S_MIN).float().mean() > 0.9
+    grad_out = _well_conditioned_grad(args)
     engram_gate(*args, CLAMP, EPS).backward(grad_out)
     refs = [a.detach().clone() for a in args]
     refs[3:] = [w.float() for w in refs[3:]]
@@ -95,12 +101,6 @@ def test_without_main_grad_the_grad_is_the_rounded_fp32_gradient():
     h = 1024
     args = _leaves(h)
     grad_out = torch.randn(*LEAD, 4, h, device="cuda").bfloat16()
-    x, k, v, wh, we = (a.detach() for a in args)
-    _, d, _, rx, rk = engram_gate_fwd(x.view(-1, 4, h), k.view(-1, 4, h), v.view(-1, h), fused_weight(wh, we), EPS,
-                                      CLAMP, True)
-    score = d.double() * rx.double() * rk.double() / h ** 0.5
-    grad_out = grad_out * (score.abs() >= S_MIN).view(*LEAD, 4, 1)
-    assert (score.abs() >= S_MIN).float().mean() > 0.9
     engram_gate(*args, CLAMP, EPS).backward(grad_out)
     zeros = torch.zeros(4, h, device="cuda")
     want = _ops_grads(args, grad_out, zeros, zeros)

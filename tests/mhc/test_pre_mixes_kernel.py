@@ -158,26 +158,7 @@ def _cpu_kernel(src, name, threads, mode, workdir):
     body = src[src.index('extern "C" __global__ void __launch_bounds__'):]
     body = re.sub(r"extern __shared__ __align__\(\d+\) float (\w+)\[\];", r"alignas(16) static float \1[1 << 16];", body)
     decl, cargs, call = signature(body, name)
-    if mode == "cta":
-        loop = f"""for (int64_t b = 0; b < blocks; ++b) {{
-    std::barrier<> bar({threads}); g_bar = &bar;
-    std::vector<std::thread> th;
-    for (unsigned l = 0; l < {threads}; ++l)
-      th.emplace_back([=]() {{ blockIdx.x = b; threadIdx.x = l; {name}({call}); }});
-    for (auto& t : th) t.join();
-  }}"""
-    elif mode == "warps":
-        loop = f"""std::barrier<> bar(32); g_bar = &bar;
-  for (int64_t b = 0; b < blocks; ++b) for (unsigned w = 0; w < {threads // 32}; ++w) {{
-    std::vector<std::thread> th;
-    for (unsigned l = 0; l < 32; ++l)
-      th.emplace_back([=]() {{ blockIdx.x = b; threadIdx.x = w * 32 + l; {name}({call}); }});
-    for (auto& t : th) t.join();
-  }}"""
-    else:
-        loop = f"""for (int64_t b = 0; b < blocks; ++b) for (unsigned t = 0; t < {threads}; ++t) {{
-    blockIdx.x = b; threadIdx.x = t; {name}({call});
-  }}"""
+    loop = emu.launch_loop(mode, name, call, threads)
     cpp = emu.SHIM + _EXTRA + body.replace('extern "C" __global__', "static") + f"""
 extern "C" void run({cargs}, int64_t blocks) {{
   {loop}
