@@ -104,7 +104,7 @@ def pre_mixes_kernel(n: int, S: int):
     import tilelang.language as T
 
     assert supports(n, S), (n, S)
-    _, normalize, softmax = SK._pt_common(n)
+    forward = SK._pt_common(n)[3]
     M, NN, TPB = n * (n + 2), n * n, THREADS
     VEC = 4 if M % 4 == 0 else 1  # floats a load: 16-byte vectors when every row starts on a 16-byte boundary
     groups = _groups(n)
@@ -180,13 +180,7 @@ def pre_mixes_kernel(n: int, S: int):
                 # 3. Sinkhorn of the comb logits (the per-thread macros: the lane kernel's trees and quotients)
                 for k in T.unroll(NN):
                     a[k] = p[2 * n + k]
-                softmax(a, den, rcp)
-                for k in T.unroll(NN):
-                    a[k] = a[k] + sk_eps
-                normalize(a, 0, den, 0, rcp, "col", sk_eps, a, 0)
-                for _ in T.serial(repeat - 1):
-                    normalize(a, 0, den, 0, rcp, "row", sk_eps, a, 0)
-                    normalize(a, 0, den, 0, rcp, "col", sk_eps, a, 0)
+                forward(a, den, rcp, sk_eps, repeat)
                 for k in T.unroll(NN // VEC):
                     for e in T.vectorized(VEC):
                         COMB[t, k * VEC + e] = a[k * VEC + e]

@@ -329,14 +329,26 @@ def _pt_common(n: int):
             den[gi] = _tree([a[q] for q in _members(n, "row", gi)], _fadd)
         divide(a, a, den, rcp, _matrix_pairs(n, "row"), rows)
 
-    return divide, normalize, softmax
+    @T.macro
+    def forward(a, den, rcp, eps, repeat):
+        """The forward (§2.4 steps 1-5) of the logits ``a`` in place: softmax, ``+ eps``, a column step, then
+        ``repeat - 1`` (row step, column step) pairs."""
+        softmax(a, den, rcp)
+        for q in T.unroll(n * n):
+            a[q] = a[q] + eps
+        normalize(a, 0, den, 0, rcp, "col", eps, a, 0)
+        for _ in T.serial(repeat - 1):
+            normalize(a, 0, den, 0, rcp, "row", eps, a, 0)
+            normalize(a, 0, den, 0, rcp, "col", eps, a, 0)
+
+    return divide, normalize, softmax, forward
 
 
 def _pt_fwd_kernel(n: int):
     """The forward with one matrix per thread (``PER_THREAD``); launch as ``sinkhorn_fwd_kernel``."""
     import tilelang.language as T
 
-    divide, normalize, softmax = _pt_common(n)
+    forward = _pt_common(n)[3]
     NN, TPB = n * n, PT_THREADS
     Tn = T.dynamic("num_tokens", "int64")
 
@@ -354,13 +366,7 @@ def _pt_fwd_kernel(n: int):
                 for j in T.unroll(n):
                     for k in T.vectorized(n):
                         a[j * n + k] = X[t, j, k]
-                softmax(a, den, rcp)
-                for q in T.unroll(NN):
-                    a[q] = a[q] + eps
-                normalize(a, 0, den, 0, rcp, "col", eps, a, 0)
-                for _ in T.serial(repeat - 1):
-                    normalize(a, 0, den, 0, rcp, "row", eps, a, 0)
-                    normalize(a, 0, den, 0, rcp, "col", eps, a, 0)
+                forward(a, den, rcp, eps, repeat)
                 for j in T.unroll(n):
                     for k in T.vectorized(n):
                         Y[t, j, k] = a[j * n + k]
@@ -377,7 +383,7 @@ def _pt_bwd_kernel(n: int, repeat: int):
     shorter last one unrolled."""
     import tilelang.language as T
 
-    divide, normalize, softmax = _pt_common(n)
+    divide, normalize, softmax, _ = _pt_common(n)
     NN, TPB, K = n * n, PT_THREADS, PT_KEEP
     assert K >= 2 and K % 2 == 0, K
     S = 2 * repeat - 1
