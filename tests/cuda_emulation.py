@@ -7,6 +7,7 @@ launch and alias qualifiers as nothing, and the rounded fp32 intrinsics their IE
 its vector types, shared memory and thread exchange (``__syncthreads``, ``__shfl_xor_sync``) to it.
 """
 import ctypes
+import hashlib
 import re
 import shutil
 import subprocess
@@ -88,3 +89,49 @@ def values(decl, args: dict, contiguous: bool = True) -> list:
         else:
             out.append(SCALARS[t](v))
     return out
+
+
+def launch_loop(mode: str, name: str, call: str, threads: int) -> str:
+    """The C++ loop that runs a grid of ``blocks`` CTAs of ``threads`` threads on the host. ``mode``: ``"warps"``,
+    each warp's 32 threads as host threads (shuffles through ``g_bar``); ``"cta"``, a CTA's threads as host threads
+    (``__syncthreads`` through ``g_bar``); ``"serial"``, a CTA's threads one after another."""
+    if mode == "cta":
+        return f"""for (int64_t b = 0; b < blocks; ++b) {{
+    std::barrier<> bar({threads}); g_bar = &bar;
+    std::vector<std::thread> th;
+    for (unsigned l = 0; l < {threads}; ++l)
+      th.emplace_back([=]() {{ blockIdx.x = b; threadIdx.x = l; {name}({call}); }});
+    for (auto& t : th) t.join();
+  }}"""
+    if mode == "warps":
+        return f"""std::barrier<> bar(32); g_bar = &bar;
+  for (int64_t b = 0; b < blocks; ++b) for (unsigned w = 0; w < {threads // 32}; ++w) {{
+    std::vector<std::thread> th;
+    for (unsigned l = 0; l < 32; ++l)
+      th.emplace_back([=]() {{ blockIdx.x = b; threadIdx.x = w * 32 + l; {name}({call}); }});
+    for (auto& t : th) t.join();
+  }}"""
+    assert mode == "serial", mode
+    return f"""for (int64_t b = 0; b < blocks; ++b) for (unsigned t = 0; t < {threads}; ++t) {{
+    blockIdx.x = b; threadIdx.x = t; {name}({call});
+  }}"""
+
+
+def build_kernel(prefix: str, body: str, name: str, threads: int, mode: str, workdir: Path):
+    """``run(blocks, **args)``: the ``__global__`` function ``name`` of ``body`` (from its declaration on) after the
+    C++ ``prefix`` (a family's shim), compiled for the CPU and launched by ``launch_loop(mode)``; arguments by the
+    kernel's parameter names (pointers: contiguous CPU tensors)."""
+    decl, cargs, call = signature(body, name)
+    cpp = prefix + body.replace('extern "C" __global__', "static") + f"""
+extern "C" void run({cargs}, int64_t blocks) {{
+  {launch_loop(mode, name, call, threads)}
+}}
+"""
+    fn = compile_run(cpp, f"{name}_{hashlib.sha256(cpp.encode()).hexdigest()[:12]}", workdir)
+    names = {a for _, a in decl}
+
+    def run(blocks, **args):
+        assert set(args) == names, (sorted(args), sorted(names))
+        fn(*values(decl, args), ctypes.c_int64(blocks))
+
+    return run

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tests.cuda_emulation import HAS_GXX, PREAMBLE, compile_run, signature, values  # noqa: F401 (re-exported)
+from tests.cuda_emulation import HAS_GXX, PREAMBLE, compile_run, launch_loop, signature, values  # noqa: F401 (re-exported)
 
 SHIM = PREAMBLE + r"""
 struct alignas(16) uint4 { uint x, y, z, w; };
@@ -30,32 +30,6 @@ static inline float __shfl_xor_sync(uint, float v, int delta, int) {
   return r;
 }
 """
-
-
-def launch_loop(mode: str, name: str, call: str, threads: int) -> str:
-    """The C++ loop that runs a grid of ``blocks`` CTAs of ``threads`` threads on the host. ``mode``: ``"warps"``,
-    each warp's 32 threads as host threads (shuffles through ``g_bar``); ``"cta"``, a CTA's threads as host threads
-    (``__syncthreads`` through ``g_bar``); ``"serial"``, a CTA's threads one after another."""
-    if mode == "cta":
-        return f"""for (int64_t b = 0; b < blocks; ++b) {{
-    std::barrier<> bar({threads}); g_bar = &bar;
-    std::vector<std::thread> th;
-    for (unsigned l = 0; l < {threads}; ++l)
-      th.emplace_back([=]() {{ blockIdx.x = b; threadIdx.x = l; {name}({call}); }});
-    for (auto& t : th) t.join();
-  }}"""
-    if mode == "warps":
-        return f"""std::barrier<> bar(32); g_bar = &bar;
-  for (int64_t b = 0; b < blocks; ++b) for (unsigned w = 0; w < {threads // 32}; ++w) {{
-    std::vector<std::thread> th;
-    for (unsigned l = 0; l < 32; ++l)
-      th.emplace_back([=]() {{ blockIdx.x = b; threadIdx.x = w * 32 + l; {name}({call}); }});
-    for (auto& t : th) t.join();
-  }}"""
-    assert mode == "serial", mode
-    return f"""for (int64_t b = 0; b < blocks; ++b) for (unsigned t = 0; t < {threads}; ++t) {{
-    blockIdx.x = b; threadIdx.x = t; {name}({call});
-  }}"""
 
 
 def build(src: str, name: str, threads: int, warp_threads: bool, workdir: Path):

@@ -29,6 +29,7 @@ from tilefuse.mhc import (mhc_head_compute_mix, mhc_head_compute_mix_bwd, mhc_he
 from tilefuse.mhc import _functions as F
 from tilefuse.mhc import _mix_kernel as K
 from tilefuse.reference import mhc as R
+from tests.cuda_emulation import build_kernel
 from tests.mhc.configs_mix import HEAD_BLOCKS, MULTS, mix_configs
 from tests.quant.kernel_binding import fake_jit
 
@@ -539,41 +540,12 @@ static inline float __fdiv_rn(float a, float b) { volatile float r = a / b; retu
 
 
 def _cta_emulated(src, kernel, threads, workdir):
-    """``run(blocks, **args)``: ``kernel`` of ``src`` compiled for the CPU, arguments by parameter name."""
-    import ctypes
+    """``run(blocks, **args)``: ``kernel`` of ``src`` compiled for the CPU, a CTA's threads as host threads."""
     import re
-    import subprocess
 
     body = src[src.index('extern "C" __global__ void __launch_bounds__'):]
     body = re.sub(r"extern __shared__ __align__\(\d+\) (\w+) (\w+)\[\];", r"static \1 \2[1 << 18];", body)
-    params = [p.strip() for p in re.search(re.escape(kernel) + r"\(([^)]*)\)", body).group(1).split(",")]
-    names = [p.split()[-1] for p in params]
-    cpp = _CTA_SHIM + body.replace('extern "C" __global__', "static") + f"""
-extern "C" void run({", ".join(params)}, int64_t blocks) {{
-  for (int64_t b = 0; b < blocks; ++b) {{
-    std::barrier<> bar({threads}); g_bar = &bar;
-    std::vector<std::thread> th;
-    for (unsigned t = 0; t < {threads}; ++t)
-      th.emplace_back([=]() {{ blockIdx.x = (unsigned)b; threadIdx.x = t; {kernel}({", ".join(names)}); }});
-    for (auto& x : th) x.join();
-  }}
-}}
-"""
-    tag = abs(hash(cpp)) % 10 ** 8
-    (workdir / f"{kernel}{tag}.cpp").write_text(cpp)
-    lib = workdir / f"{kernel}{tag}.so"
-    subprocess.run(["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-pthread", "-o", str(lib),
-                    str(workdir / f"{kernel}{tag}.cpp")], check=True, capture_output=True)
-    fn = ctypes.CDLL(str(lib)).run
-    kinds = {"float": ctypes.c_float, "int64_t": ctypes.c_int64}
-
-    def run(blocks, **args):
-        assert set(args) == set(names), (sorted(args), names)
-        conv = [ctypes.c_void_p(args[a].data_ptr()) if torch.is_tensor(args[a])
-                else kinds[p.rsplit(" ", 1)[0].strip()](args[a]) for p, a in zip(params, names)]
-        fn(*conv, ctypes.c_int64(blocks))
-
-    return run
+    return build_kernel(_CTA_SHIM, body, kernel, threads, "cta", workdir)
 
 
 @pytest.mark.compile

@@ -24,6 +24,7 @@ from tilefuse import _jit
 from tilefuse.mhc import _sinkhorn_kernel as SK
 from tilefuse.mhc import mhc_sinkhorn_bwd, mhc_sinkhorn_fwd, sinkhorn_normalize
 from tilefuse.reference.mhc import sinkhorn_normalize_bwd_ref, sinkhorn_normalize_ref
+from tests.cuda_emulation import build_kernel
 from tests.mhc.configs_sinkhorn import MAX_REPEAT, N_VALUES, REPEATS, bwd_configs, fwd_configs
 from tests.quant.kernel_binding import fake_jit
 
@@ -440,37 +441,13 @@ static inline float min(float a, float b) { return std::fmin(a, b); }
 
 
 def _emulated(src, kernel, threads, workdir):
-    """``run(blocks, **args)`` of ``kernel`` in ``src`` compiled for the CPU, arguments by the kernel's parameter
-    names (pointers: CPU tensors)."""
-    import ctypes
+    """``run(blocks, **args)`` of ``kernel`` in ``src`` compiled for the CPU, a CTA's threads one after another,
+    arguments by the kernel's parameter names (pointers: CPU tensors)."""
     import re
-    import subprocess
 
     body = src[src.index('extern "C" __global__ void __launch_bounds__'):]
     body = re.sub(r"extern __shared__ __align__\(\d+\) float (\w+)\[\];", r"static float \1[1 << 20];", body)
-    params = [p.strip() for p in re.search(re.escape(kernel) + r"\(([^)]*)\)", body).group(1).split(",")]
-    names = [p.split()[-1] for p in params]
-    cpp = _EMU_SHIM + body.replace('extern "C" __global__', "static") + f"""
-extern "C" void run({", ".join(params)}, int64_t blocks) {{
-  for (int64_t b = 0; b < blocks; ++b) for (unsigned t = 0; t < {threads}; ++t) {{
-    blockIdx.x = (unsigned)b; threadIdx.x = t; {kernel}({", ".join(names)});
-  }}
-}}
-"""
-    (workdir / f"{kernel}.cpp").write_text(cpp)
-    lib = workdir / f"{kernel}.so"
-    subprocess.run(["g++", "-std=c++17", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-o", str(lib),
-                    str(workdir / f"{kernel}.cpp")], check=True, capture_output=True)
-    fn = ctypes.CDLL(str(lib)).run
-    kinds = {"float": ctypes.c_float, "int": ctypes.c_int, "int64_t": ctypes.c_int64}
-
-    def run(blocks, **args):
-        assert set(args) == set(names), (sorted(args), names)
-        conv = [ctypes.c_void_p(args[a].data_ptr()) if torch.is_tensor(args[a])
-                else kinds[p.rsplit(" ", 1)[0].strip()](args[a]) for p, a in zip(params, names)]
-        fn(*conv, ctypes.c_int64(blocks))
-
-    return run
+    return build_kernel(_EMU_SHIM, body, kernel, threads, "serial", workdir)
 
 
 def _exp64(v):
