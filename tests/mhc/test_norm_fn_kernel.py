@@ -12,18 +12,15 @@ Tolerances, derived once here from §3 (norm_fn rows):
   TF32 torch reference; MMA order is not contractual);
 * residual gradient: bf16 ``assert_close`` defaults (rtol 1.6e-2, atol 1e-5) against the float64 reference of
   the TF32-rounded operands; weight gradient: ``atol 3e-2, rtol 1e-3``;
-* bitwise where the kernel's chain is fixed: the CUDA-core backward's (``BWD_MMA = False``) residual gradient (each
-  product of two TF32 values, or of a TF32 and a bf16 value, is exact in fp32, so the fma chain equals a chain of
-  rounded adds that torch reproduces) and weight gradient (the same, partials over token blocks ``b mod PARTIALS``,
-  then the in-order partial sum).
+* bitwise where the chain is fixed: the partial sum ``mhc_norm_fn_dw_sum`` (the partials added in increasing ``p``
+  from zero, rounded adds that torch reproduces).
 
-The default backward runs on TF32 tensor cores (``BWD_MMA = True``) and sums in the MMA's order: its results are held
-to the tolerances above against the reference and its launch against the float64 GEMMs, plus determinism, batch
-invariance of dx, dW's bits independent of dx's destination and of zero tokens appended, graph replay and compile.
-On the CPU its generated CUDA runs with the warp instructions emulated (``MMA_SHIM``, itself checked on the forward
-kernel that passes on the H200). The CUDA-core backward (the fallback: ``knobs`` GPU tests through
-``knob_kernels`` set ``BWD_MMA = False``) keeps its own tests: the reference, its torch model bit for bit (on the
-GPU and, as generated CUDA, on the CPU), determinism, batch invariance, zero tokens, graph replay and compile.
+The backward runs on TF32 tensor cores and sums in the MMA's order: its results are held to the tolerances above
+against the reference and its launch against the float64 GEMMs, plus determinism, batch invariance of dx, dW's bits
+independent of dx's destination and of zero tokens appended, graph replay and compile. On the CPU its generated CUDA
+runs with the warp instructions emulated (``MMA_SHIM``, itself checked on the forward kernel that passes on the
+H200), at its defaults and at a swept set of its tiling knobs (``MMA_SWEPT``, also through ``knob_kernels`` on the
+GPU).
 """
 import pytest
 import torch
@@ -58,7 +55,7 @@ def _check_source(name, src):
     assert "__global__" in src and "atomic" not in src
     if name == "mhc_norm_fn_fwd":
         assert "kTensorFloat32" in src  # the TF32 tensor-core MMA
-    if name == "mhc_norm_fn_bwd":  # the default backward: TF32 tensor cores (BWD_MMA)
+    if name == "mhc_norm_fn_bwd":  # the backward: TF32 tensor cores
         assert "kTensorFloat32" in src and "__fmaf_rn(" not in src
         assert f"__launch_bounds__({K.MMA_THREADS}, {K.MMA_MIN_BLOCKS})" in src
 
@@ -79,12 +76,6 @@ def test_bench_only_configs_build(name, cfg):
     _check_source(name, _jit.compile_kernel(name, cfg, "sm_90").get_kernel_source())
 
 
-BWD_CONFIGS = [cfg for name, cfg in norm_fn_configs() + BENCH_ONLY if name == "mhc_norm_fn_bwd"]
-
-
-CUDA_CORE = {"BWD_MMA": False}  # the CUDA-core backward, the default's fallback
-
-
 def _build_bwd(monkeypatch, cfg, knobs):
     """The backward at ``cfg`` with ``knobs`` set, built for sm_90 outside tilefuse's caches (whose keys hold the
     module's knob values as set at import)."""
@@ -94,13 +85,6 @@ def _build_bwd(monkeypatch, cfg, knobs):
         monkeypatch.setattr(K, name, value)
     return tilelang.compile(K.norm_fn_bwd_kernel(*cfg), target={"kind": "cuda", "arch": "sm_90"},
                             execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS))
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("cfg", BWD_CONFIGS, ids=str)
-def test_cuda_core_backward_builds_for_sm90(cfg, monkeypatch):
-    src = _build_bwd(monkeypatch, cfg, CUDA_CORE).get_kernel_source()
-    assert "__fmaf_rn(" in src and "atomic" not in src and "kTensorFloat32" not in src
 
 
 @pytest.mark.compile
@@ -142,22 +126,10 @@ def test_launchers_bind(n, c, monkeypatch):
         ("mhc_norm_fn_fwd", (k, m)), ("mhc_norm_fn_bwd", (k, m, False)), ("mhc_norm_fn_dw_sum", ()),
         ("mhc_norm_fn_bwd", (k, m, True)), ("mhc_norm_fn_dw_sum", ())]
     assert calls[0].env == {"Tn": T}
-    # the default backward (tensor cores): its partials buffer and the partial sum's count are MMA_PARTIALS
+    # the backward's partials buffer and the partial sum's count are MMA_PARTIALS
     for i in (1, 3):
         assert calls[i].env == {"Tn": T, "P": K.MMA_PARTIALS}
         assert calls[i + 1].env == {"P": K.MMA_PARTIALS, "N": m * k}
-
-
-@pytest.mark.compile
-def test_cuda_core_launcher_binds_its_partials(monkeypatch):
-    monkeypatch.setattr(K, "BWD_MMA", False)
-    calls = fake_jit(monkeypatch)
-    T, k, m = 37, 4 * 1280, 24
-    K.norm_fn_gemm_bwd_launch(torch.randn(T, m), torch.randn(T), torch.randn(T, k).to(BF16), torch.randn(m, k),
-                              torch.empty(T, k, dtype=BF16), torch.empty(m, k), True)
-    assert [(cl.name, cl.cfg) for cl in calls] == [("mhc_norm_fn_bwd", (k, m, True)), ("mhc_norm_fn_dw_sum", ())]
-    assert calls[0].env == {"Tn": T, "P": K.PARTIALS}
-    assert calls[1].env == {"P": K.PARTIALS, "N": m * k}
 
 
 @pytest.mark.compile
@@ -240,30 +212,6 @@ def _ref_grads(residual, fn, normw, d_out):
     _, _, out = R.mhc_reduce_partials_and_rmsnorm_ref(_TF32Grad.apply(out_mul), sqrsum, k, EPS)
     out.view(d_out.shape).backward(d_out.to(F64))
     return r64.grad, f64.grad, None if w64 is None else w64.grad
-
-
-def _model_gemm_bwd(d_mul, d_sq, x, fn, D=None):
-    """The CUDA-core backward kernel's (``BWD_MMA = False``) chains in torch fp32 (exact products: each fma is a
-    rounded add): ``(dx [T, K] bf16, dW [M, K])``."""
-    dp, w = K.tf32_round(d_mul), K.tf32_round(fn)
-    xf = x.float()
-    acc = torch.zeros_like(xf) if D is None else D.float()
-    for j in range(w.shape[0]):
-        acc = acc + dp[:, j:j + 1] * w[j]
-    dx = (acc + (xf + xf) * d_sq.unsqueeze(1)).to(BF16)
-    T_, P, TB = x.shape[0], K.PARTIALS, K.TOKEN_BLOCK
-    rounds = -(-(-(-T_ // TB)) // P)
-    pad = rounds * P * TB - T_
-    dpp = torch.cat([dp, dp.new_zeros(pad, dp.shape[1])]).view(rounds, P, TB, -1)
-    xp = torch.cat([xf, xf.new_zeros(pad, xf.shape[1])]).view(rounds, P, TB, -1)
-    part = xf.new_zeros(P, w.shape[0], xf.shape[1])
-    for r in range(rounds):
-        for i in range(TB):
-            part = part + dpp[r, :, i, :, None] * xp[r, :, i, None, :]
-    dw = torch.zeros_like(w)
-    for p in range(P):
-        dw = dw + part[p]
-    return dx, dw
 
 
 def _model_bwd64(d_mul, d_sq, x, fn, D=None):
@@ -449,10 +397,10 @@ def test_torch_compile_fullgraph():
         assert torch.equal(a, b)
 
 
-# ---- the default backward's launch on TF32 tensor cores, and a swept knob set of it ----
+# ---- the backward's launch on TF32 tensor cores, at its defaults and a swept knob set ----
 
 MMA_SWEPT = {"MMA_TOKENS": 32, "MMA_PARTIALS": 16, "MMA_MIN_BLOCKS": 5}
-MMA_VARIANTS = [{}, MMA_SWEPT]  # the default (BWD_MMA) and a swept set of its tiling knobs
+MMA_VARIANTS = [{}, MMA_SWEPT]  # the defaults and a swept set of the backward's tiling knobs
 
 
 def _check_gemm_backward_launch(n, c):
@@ -490,96 +438,6 @@ def test_gemm_backward_launch(n, c):
 def test_mma_swept_gemm_backward_launch(n, c, knob_kernels):
     knob_kernels(K, MMA_SWEPT)
     _check_gemm_backward_launch(n, c)
-
-
-# ---- the CUDA-core backward (knob BWD_MMA = False, the fallback): its fixed fma chains, bit for bit ----
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n", GRID_N)
-@pytest.mark.parametrize("c", GRID_C)
-def test_cuda_core_backward_against_reference(n, c, knob_kernels):
-    knob_kernels(K, CUDA_CORE)
-    for T in TOKENS:
-        _check_backward_against_reference(T, n, c)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("T", (1, 7, 4001))
-@pytest.mark.parametrize("n, c", [(2, 1280), (4, 4096)])
-@pytest.mark.parametrize("accumulate", (False, True))
-def test_cuda_core_gemm_backward_bitwise_model(T, n, c, accumulate, knob_kernels):
-    knob_kernels(K, CUDA_CORE)
-    residual, fn, _, _ = _inputs(T, n, c)
-    k, m = n * c, n * (n + 2)
-    x = residual.view(T, k)
-    d_mul = torch.randn(T, m, device="cuda") * 1e-1
-    d_sq = torch.randn(T, device="cuda") * 1e-3
-    D = torch.randn(T, k, device="cuda").to(BF16)
-    dx = D.clone() if accumulate else torch.full((T, k), NAN, device="cuda", dtype=BF16)
-    d_fn = torch.full((m, k), NAN, device="cuda")
-    K.norm_fn_gemm_bwd_launch(d_mul, d_sq, x, fn, dx, d_fn, accumulate)
-    want_dx, want_dw = _model_gemm_bwd(d_mul, d_sq, x, fn, D if accumulate else None)
-    assert torch.equal(dx, want_dx)
-    assert torch.equal(d_fn, want_dw)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n", GRID_N)
-def test_cuda_core_deterministic_and_batch_invariant(n, knob_kernels):
-    knob_kernels(K, CUDA_CORE)
-    residual, fn, _, d_out = _inputs(8192, n, 4096)
-    first = _grads(residual, fn, None, d_out)
-    for _ in range(2):
-        again = _grads(residual, fn, None, d_out)
-        for a, b in zip(first[:3], again[:3]):
-            assert torch.equal(a, b)
-    # a token's dx is a function of the token alone (its chains read its own row of dP~, x and D)
-    for sl in (slice(1234, 1241), slice(8191, 8192), slice(0, 1), slice(64, 4001)):
-        out, dx, _, _ = _grads(residual[:, sl].clone(), fn, None, d_out[:, sl].clone())
-        assert torch.equal(out, first[0][:, sl])
-        assert torch.equal(dx, first[1][:, sl])
-
-
-@pytest.mark.gpu
-def test_cuda_core_weight_gradient_bits_follow_the_token_blocks(knob_kernels):
-    # a fixed partial count and a token's block t // TOKEN_BLOCK: zero tokens appended are zero terms in the last
-    # block and in new blocks, which leave every partial's bits unchanged
-    knob_kernels(K, CUDA_CORE)
-    _check_zero_tokens_keep_the_weight_gradient()
-
-
-@pytest.mark.gpu
-def test_cuda_core_cuda_graph_and_compile(knob_kernels):
-    knob_kernels(K, CUDA_CORE)
-    T, k, m = 4001, 4 * 2560, 24
-    residual, fn, _, d_out = _inputs(T, 4, 2560)
-    x = residual.view(T, k)
-    static = [x.clone(), fn.clone(), torch.randn(T, m, device="cuda"), torch.randn(T, device="cuda")]
-    dx, d_fn = torch.empty_like(x), torch.empty(m, k, device="cuda")
-
-    def launch():
-        K.norm_fn_gemm_bwd_launch(static[2], static[3], static[0], static[1], dx, d_fn, False)
-
-    launch()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        launch()
-    static[2].copy_(torch.randn_like(static[2]))
-    dx.fill_(NAN)
-    d_fn.fill_(NAN)
-    graph.replay()
-    torch.cuda.synchronize()
-    got = [dx.clone(), d_fn.clone()]
-    launch()
-    assert torch.equal(got[0], dx) and torch.equal(got[1], d_fn)
-    compiled = torch.compile(lambda r, f: mhc_pre_norm_fn(r, f, None, EPS, fuse_grad_acc=False), fullgraph=True)
-    r, f = residual.detach().clone().requires_grad_(True), fn.detach().clone().requires_grad_(True)
-    out = compiled(r, f)
-    out.backward(d_out)
-    want = _grads(residual, fn, None, d_out)
-    for a, b in zip((out.detach(), r.grad, f.grad), want[:3]):
-        assert torch.equal(a, b)
 
 
 # ---- the backward kernels' CUDA source, run on the CPU ----
@@ -630,36 +488,6 @@ extern "C" void run({cargs}, int64_t gx, int64_t gy) {{
              for a, s in zip(names, scalar)], ctypes.c_int64(grid[0]), ctypes.c_int64(grid[1]))
 
     return run
-
-
-@pytest.mark.compile
-@pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="needs g++")
-@pytest.mark.parametrize("n, c", [(2, 256), (4, 256)])
-@pytest.mark.parametrize("accumulate", (False, True))
-def test_cuda_core_backward_source_on_cpu_bitwise(n, c, accumulate, tmp_path, monkeypatch):
-    """The CUDA-core backward kernel's (``BWD_MMA = False``) and the partial sum's generated CUDA, run on the CPU,
-    equal the torch model of their chains bit for bit (exact products: each fma is one rounded add), over token
-    counts that leave partials empty, end mid-block and wrap the partials more than once; every element written."""
-    k, m = n * c, n * (n + 2)
-    bwd = _emulate(_build_bwd(monkeypatch, (k, m, accumulate), CUDA_CORE).get_kernel_source(),
-                   "mhc_norm_fn_bwd_kernel", K.BWD_THREADS, tmp_path / "bwd")
-    dws = _emulate(_jit.compile_kernel("mhc_norm_fn_dw_sum", (), "sm_90").get_kernel_source(),
-                   "mhc_norm_fn_dw_sum_kernel", K.SUM_THREADS, tmp_path / "sum")
-    for T in (1, 37, 100, 2 * K.PARTIALS * K.TOKEN_BLOCK + 5):
-        x = torch.randn(T, k).to(BF16)
-        fn = torch.randn(m, k) * 1e-2
-        d_mul, d_sq = torch.randn(T, m), torch.randn(T) * 1e-2
-        D = torch.randn(T, k).to(BF16)
-        dx = D.clone() if accumulate else torch.full((T, k), NAN, dtype=BF16)
-        dwp = torch.full((K.PARTIALS, m, k), NAN)
-        d_fn = torch.full((m * k,), NAN)
-        bwd(dict(DP=K.tf32_round(d_mul), DQ=d_sq, X=x, W=K.tf32_round(fn), DX=dx, DWP=dwp),
-            dict(P=K.PARTIALS, Tn=T), (K.PARTIALS, k // K.COLS))
-        dws(dict(DWP=dwp.view(K.PARTIALS, m * k), DW=d_fn), dict(P=K.PARTIALS, N=m * k),
-            (-(-(m * k) // K.SUM_THREADS), 1))
-        want_dx, want_dw = _model_gemm_bwd(d_mul, d_sq, x, fn, D if accumulate else None)
-        assert torch.equal(dx, want_dx), T
-        assert torch.equal(d_fn.view(m, k), want_dw), T
 
 
 # The warp-level instructions of the tensor-core backward, for the CPU: each warp's 32 host threads exchange their
@@ -740,12 +568,13 @@ static inline void mma_sync(float* c, const unsigned* a, const unsigned* b) {
 @pytest.mark.parametrize("accumulate", (False, True))
 @pytest.mark.parametrize("knobs", MMA_VARIANTS, ids=str)
 def test_mma_backward_source_on_cpu(n, c, accumulate, knobs, tmp_path, monkeypatch):
-    """The default (tensor-core) backward's generated CUDA (``knobs`` {}: the registered kernel tilefuse launches;
+    """The tensor-core backward's generated CUDA (``knobs`` {}: the registered kernel tilefuse launches;
     else built with the swept knobs), run on the CPU with the warp instructions emulated (``MMA_SHIM``):
     its tiles, fragment layouts, guards and barriers give the GEMMs of the float64 model (dx within one bf16 rounding
     of it: the emulated MMA errs by an fp32 rounding per call; dW within 2^-20 of the sum of |terms|), every element
     written; token counts that leave partials empty, end mid-block and wrap the partials more than once; dW's bits
-    the same whether dx accumulates or not."""
+    the same whether dx accumulates or not. The partial sum's generated CUDA, run on the CPU, adds those partials
+    in increasing ``p`` from zero, bit for bit."""
     k, m = n * c, n * (n + 2)
     if knobs:
         src = _build_bwd(monkeypatch, (k, m, accumulate), knobs).get_kernel_source()
@@ -753,6 +582,8 @@ def test_mma_backward_source_on_cpu(n, c, accumulate, knobs, tmp_path, monkeypat
         src = _jit.compile_kernel("mhc_norm_fn_bwd", (k, m, accumulate), "sm_90").get_kernel_source()
     assert "kTensorFloat32" in src
     bwd = _emulate(src, "mhc_norm_fn_bwd_kernel", K.MMA_THREADS, tmp_path / "bwd", MMA_SHIM)
+    dws = _emulate(_jit.compile_kernel("mhc_norm_fn_dw_sum", (), "sm_90").get_kernel_source(),
+                   "mhc_norm_fn_dw_sum_kernel", K.SUM_THREADS, tmp_path / "sum")
     parts = K.MMA_PARTIALS
     for T in (1, 37, 100, 2 * parts * K.MMA_TOKENS + 5):
         x = torch.randn(T, k).to(BF16)
@@ -769,6 +600,12 @@ def test_mma_backward_source_on_cpu(n, c, accumulate, knobs, tmp_path, monkeypat
         assert ((dx.to(F64) - want_dx).abs() <= want_dx.abs() * 2.0 ** -8 + env_dx * 2.0 ** -20).all(), T
         dw = dwp.to(F64).sum(0)
         assert ((dw - want_dw).abs() <= env_dw * 2.0 ** -20).all(), T
+        d_fn = torch.full((m * k,), NAN)
+        dws(dict(DWP=dwp.view(parts, m * k), DW=d_fn), dict(P=parts, N=m * k), (-(-(m * k) // K.SUM_THREADS), 1))
+        in_order = torch.zeros(m, k)
+        for p in range(parts):
+            in_order = in_order + dwp[p]
+        assert torch.equal(d_fn.view(m, k), in_order), T
 
 
 @pytest.mark.compile

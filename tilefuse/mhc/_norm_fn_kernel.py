@@ -9,7 +9,7 @@ W~[j, k]`` and ``Q[s, t] = sum_{k in s} x[t, k]^2``. ``S`` depends on ``K`` only
 partials, and the output the reduce step makes of them (``mhc_reduce_partials_and_rmsnorm_fwd``, splits in
 order), do not depend on the batch. The MMA summation order is not contractual (§2.2.2 step 2).
 
-Backward (§2.2.3), the default (``BWD_MMA = True``): both GEMMs on TF32 tensor cores, one pass over x, with
+Backward (§2.2.3): both GEMMs on TF32 tensor cores, one pass over x, with
 ``dP~ = tf32_round(dP)`` and ``W~`` rounded by the launcher. A CTA owns partial ``p`` of ``MMA_PARTIALS`` (a fixed
 count, not the SM count) and ``MMA_COLS`` columns; per block of ``MMA_TOKENS`` tokens (blocks ``p, p + P, ...`` in
 order) ``G = dP~ W~`` and ``dW_p += dP~^T x`` (fp32 accumulators in MMA fragments across the blocks), then ``dx =
@@ -23,9 +23,9 @@ dx reads only its own row of every operand; dW's bits depend on the token count 
 tokens appended are zero rows or whole zero MMAs, which leave the sums' bits).
 
 Measured on the H100 (80GB HBM3), 2026-12-05, isolated timer, the bench row ``mhc_pre_norm_fn_bwd`` (the kernel, the
-roundings and the partial sum) at T x n x C: 4096 x 4 x 2048: 134.5 us (the CUDA-core backward below: 371.7 us;
-torch.compile of the reference: 339.5 us); 8192 x 4 x 4096: 436.2 us (CUDA-core: 1080.9 us; torch.compile: 1164.2
-us). Swept beside it on that H100: ``MMA_PARTIALS = 16`` 143.1 / 451.1 us, ``MMA_MIN_BLOCKS = 3`` 142.7 / 461.9 us.
+roundings and the partial sum) at T x n x C: 4096 x 4 x 2048: 134.5 us (torch.compile of the reference: 339.5
+us); 8192 x 4 x 4096: 436.2 us (torch.compile: 1164.2 us). Swept beside it on that H100: ``MMA_PARTIALS = 16``
+143.1 / 451.1 us, ``MMA_MIN_BLOCKS = 3`` 142.7 / 461.9 us.
 Against the estimate from first principles below (70-100 us at 4096 x 2048; "over ~130 us would say barriers and
 latency dominate"): 134.5 us, so a register double buffer of the next token block is the next step to try.
 
@@ -40,16 +40,6 @@ K-major: 96 scalar loads a warp, 2-way conflicts, ~770; G staged through padded 
 warp a tile, ~10 us). If the shared-memory estimate is the limit, a bf16 second GEMM (dP~ = hi + lo, two exact bf16
 halves; ldmatrix.trans) halves its operand traffic.
 
-CUDA-core backward (knob ``BWD_MMA = False``: the fallback and the comparison baseline; its per-token 24-step fma
-chains and 48 weight-gradient fmas a column are issue and latency bound), with explicit ``__fmaf_rn``. Per token and
-column ``k``: ``dx = bf16(((D + dP~[0] W~[0, k]) + dP~[1] W~[1, k] + ...) + (2 x) dQ)`` with the ``M`` products fused
-into the chain in row order (each product of a TF32 value and a TF32 value is exact in fp32, as on the tensor
-cores), ``(2 x) dQ`` rounded then added. The weight gradient ``dW[j, k] = sum_t dP~[t, j] x[t, k]`` (each product
-exact): tokens are cut into blocks of ``TOKEN_BLOCK``; partial ``p`` of ``PARTIALS`` is the fma chain over blocks
-``p, p + PARTIALS, ...`` in increasing order, tokens in order inside a block, from zero. A CTA owns one partial and a
-slice of ``COLS`` columns; the same ``mhc_norm_fn_dw_sum`` adds the partials in order. Its bits are the torch model's
-of these chains (the tests'); not the tensor-core backward's.
-
 Kernels take ``K % 256 == 0`` and ``1 <= M <= 32`` (``takes``); the public op keeps the reference for other shapes.
 """
 
@@ -58,7 +48,7 @@ import math
 import torch
 
 from tilefuse import _jit, _launch, _ops
-from tilefuse._rn import add as _add, fma as _fma, mul as _mul
+from tilefuse._rn import add as _add, mul as _mul
 
 KERNEL_HELPERS = ("tilefuse._rn",)  # part of this module's kernel cache key (_jit._module_digest)
 
@@ -69,12 +59,6 @@ MAX_SPLITS = 16  # upstream's n_splits: the reduce kernel's registered split cou
 FWD_TOKENS = 64  # forward: tokens per CTA (MMA M)
 FWD_BK = 64      # forward: columns per MMA step
 FWD_THREADS = 128
-BWD_THREADS = 128  # CUDA-core backward (BWD_MMA = False)
-BWD_KPT = 2      # CUDA-core backward: columns a thread owns (its weight columns and weight-gradient sums in registers)
-COLS = BWD_THREADS * BWD_KPT  # CUDA-core backward: columns per CTA
-TOKEN_BLOCK = 32  # CUDA-core backward: tokens per block of the weight-gradient partials
-PARTIALS = 16    # CUDA-core backward: weight-gradient partials (fixed: the gradient's bits do not depend on the device)
-BWD_MMA = True  # knob: the backward GEMMs on TF32 tensor cores (``_bwd_mma_kernel``); False: on CUDA cores
 MMA_TOKENS = 64  # tensor-core backward: tokens per step (its block of the weight-gradient partials)
 MMA_COLS = 64    # tensor-core backward: columns per CTA
 MMA_THREADS = 128
@@ -160,84 +144,11 @@ def norm_fn_fwd_kernel(K: int, M: int):
 
 # ---- backward: residual gradient and weight-gradient partials ----
 
-def bwd_partials() -> int:
-    """The weight-gradient partial count of the backward kernel ``BWD_MMA`` selects (the launcher's buffer and the
-    partial sum's ``P``)."""
-    return MMA_PARTIALS if BWD_MMA else PARTIALS
-
-
 def norm_fn_bwd_kernel(K: int, M: int, accumulate: bool):
-    """Factory (``BWD_MMA``, the default, selects ``_bwd_mma_kernel``; this body is the CUDA-core backward):
-    ``DP [T, M]`` (TF32-rounded), ``DQ [T]``, ``X [T, K]`` bf16, ``W [M, K]`` (TF32-rounded) -> ``DX [T, K]`` bf16
-    (read first as ``D`` when ``accumulate``; may be the same buffer as nothing else reads it) and the partials ``DWP
-    [P, M, K]`` (one CTA per partial and ``COLS`` columns; P symbolic). A thread keeps its columns' weight-gradient
-    sums in registers and its weight columns in shared memory (ptxas -v, sm_90, K = 16384: 146 registers a thread, 3
-    CTAs an SM; 175 and 2 with the weight in registers too). The bench row ``mhc_pre_norm_fn_bwd`` with this kernel
-    (the roundings and the partial sum included), measured on the H200: 357 us at T = 4096, K = 8192 and 1023 us at
-    T = 8192, K = 16384; on the H100, 2026-12-05: 371.7 and 1080.9 us.
-    """
-    import tilelang.language as T
-
-    if BWD_MMA:
-        return _bwd_mma_kernel(K, M, accumulate)
-
-    assert takes(K, M), (K, M)
-    KPT, TB = BWD_KPT, TOKEN_BLOCK
-    Tn, P = T.dynamic("Tn, P", I64)
-
-    @T.prim_func
-    def mhc_norm_fn_bwd(DP: T.Tensor((Tn, M), F32), DQ: T.Tensor((Tn,), F32), X: T.Tensor((Tn, K), BF16),
-                        W: T.Tensor((M, K), F32), DX: T.Tensor((Tn, K), BF16), DWP: T.Tensor((P, M, K), F32)):
-        with T.Kernel(P, K // COLS, threads=BWD_THREADS) as (p, kc):
-            dps = T.alloc_shared((TB, M), F32)
-            dqs = T.alloc_shared((TB,), F32)
-            ws = T.alloc_shared((M, COLS), F32)
-            aw = T.alloc_local((M * KPT,), F32)
-            xv = T.alloc_local((KPT,), F32)
-            acc = T.alloc_local((KPT,), F32)
-            tid = T.get_thread_binding()
-            pp = T.cast(p, I64)
-            k0 = kc * COLS + tid * KPT
-            for j in T.unroll(M):
-                for e in T.unroll(KPT):
-                    ws[j, tid * KPT + e] = W[j, k0 + e]  # read by this thread only: no barrier needed
-                    aw[j * KPT + e] = T.float32(0.0)
-            for r in T.serial(T.ceildiv(T.ceildiv(Tn, TB) - pp, P)):
-                blk = pp + r * P
-                for c in T.serial(T.ceildiv(TB * M, BWD_THREADS)):
-                    f = c * BWD_THREADS + tid
-                    if f < TB * M:
-                        t = blk * TB + f // M
-                        dps[f // M, f % M] = T.if_then_else(t < Tn, DP[T.min(t, Tn - 1), f % M], T.float32(0.0))
-                if tid < TB:
-                    t = blk * TB + tid
-                    dqs[tid] = T.if_then_else(t < Tn, DQ[T.min(t, Tn - 1)], T.float32(0.0))
-                T.sync_threads()
-                for i in T.serial(TB):
-                    t = blk * TB + i
-                    if t < Tn:
-                        for e in T.unroll(KPT):
-                            xv[e] = T.cast(X[t, k0 + e], F32)
-                            if accumulate:
-                                acc[e] = T.cast(DX[t, k0 + e], F32)
-                            else:
-                                acc[e] = T.float32(0.0)
-                        for j in T.unroll(M):
-                            for e in T.unroll(KPT):
-                                acc[e] = _fma(dps[i, j], ws[j, tid * KPT + e], acc[e])
-                                aw[j * KPT + e] = _fma(dps[i, j], xv[e], aw[j * KPT + e])
-                        for e in T.unroll(KPT):
-                            DX[t, k0 + e] = T.cast(_add(acc[e], _mul(xv[e] + xv[e], dqs[i])), BF16)
-                T.sync_threads()
-            for j in T.unroll(M):
-                for e in T.unroll(KPT):
-                    DWP[pp, j, k0 + e] = aw[j * KPT + e]
-
-    return mhc_norm_fn_bwd
-
-
-def _bwd_mma_kernel(K: int, M: int, accumulate: bool):
-    """The backward on TF32 tensor cores, one pass over x; same parameters as ``norm_fn_bwd_kernel``'s.
+    """Factory: the backward on TF32 tensor cores, one pass over x. ``DP [T, M]`` (TF32-rounded), ``DQ [T]``, ``X
+    [T, K]`` bf16, ``W [M, K]`` (TF32-rounded) -> ``DX [T, K]`` bf16 (read first as ``D`` when ``accumulate``; may be
+    the same buffer as nothing else reads it) and the partials ``DWP [P, M, K]`` (P symbolic; the launcher passes
+    ``MMA_PARTIALS``).
 
     CTA ``(kc, p)`` owns the ``MMA_COLS`` columns ``kc`` and partial ``p``: it keeps its weight slice (transposed,
     ``[Kt, 32]``, rows past M zero) in shared memory and its weight-gradient partial ``[32, Kt]`` in MMA fragments, and
@@ -367,14 +278,14 @@ def norm_fn_partials_launch(x, fn, out_mul, sqrsum) -> None:
 def norm_fn_gemm_bwd_launch(out_mul_grad, sqrsum_grad, x, fn, x_grad, fn_grad, accumulate: bool) -> None:
     """Write ``x_grad [T, K]`` bf16 (``+=`` its content when ``accumulate``) and overwrite ``fn_grad [M, K]``
     (fp32) from ``out_mul_grad [T, M]``, ``sqrsum_grad [T]`` (fp32), ``x [T, K]`` and ``fn [M, K]`` (both
-    gradients' TF32 rounding here): the GEMM kernel with ``bwd_partials()`` token partials, then their in-order sum.
+    gradients' TF32 rounding here): the GEMM kernel with ``MMA_PARTIALS`` token partials, then their in-order sum.
     ``T == 0`` zeroes ``fn_grad``."""
     T_, K = x.shape
     M = fn.shape[0]
     if T_ == 0:
         fn_grad.zero_()
         return
-    parts = bwd_partials()
+    parts = MMA_PARTIALS
     dwp = torch.empty(parts, M, K, dtype=torch.float32, device=x.device)
     _jit.get("mhc_norm_fn_bwd", (K, M, bool(accumulate)))(tf32_round(out_mul_grad), sqrsum_grad.contiguous(), x,
                                                            tf32_round(fn), x_grad, dwp)
