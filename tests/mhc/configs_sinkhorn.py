@@ -4,7 +4,7 @@ from tilefuse.mhc import _sinkhorn_kernel as SK
 
 N_VALUES = SK.KERNEL_N              # multiplicities the kernels take (n = 8 keeps the reference)
 REPEATS = (1, 3, 10, 20)            # 1: no row step; 10: the spec's grid (mhc.md §4); 20: the bench row
-MAX_REPEAT = SK.MAX_BWD_REPEAT      # the longest chain the backward kernel keeps in registers
+MAX_REPEAT = SK.MAX_BWD_REPEAT      # the longest chain the backward kernel takes
 
 
 def fwd_configs() -> list[tuple]:

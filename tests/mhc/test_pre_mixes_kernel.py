@@ -3,7 +3,7 @@ launch; mhc.md §2.8, §3 contract 2).
 
 * compile tier: the kernel builds for sm_90 at n in {2, 4}, S in {1, 16} with IEEE arithmetic (no fast-math
   exponential, only the Sinkhorn reciprocal's seed is an approximate division); the launcher binds its arguments;
-  the generated CUDA of this kernel and of the chain's three kernels (reduce/RMS, split, lane Sinkhorn), run on the
+  the generated CUDA of this kernel and of the chain's three kernels (reduce/RMS, split, Sinkhorn), run on the
   CPU with g++, give the same bits for T = 1, 7 and 4001 (a partial last CTA), standard, large and small logits and
   Sinkhorn eps 0 (zero column sums: the IEEE fallback, NaN), also under the knob sets (the Sinkhorn macros' plain
   division and reciprocal, 64 threads a CTA, the staged loads); ``pre_chain``'s fused path binds one launch (none at
@@ -136,8 +136,8 @@ def test_takes_exactly_where_the_chain_takes_its_kernels(monkeypatch):
     assert not K.takes(ps, qs, 4, 4096, 10)
 
 
-# The chain's kernels and this one, their generated CUDA run on the CPU. Shim: post_emulation's (IEEE __f*_rn, the
-# warp exchange of the lane Sinkhorn through 32 host threads), rsqrtf as norm_emulation's, PDL's wait as nothing,
+# The chain's kernels and this one, their generated CUDA run on the CPU. Shim: post_emulation's (IEEE __f*_rn, a
+# warp's exchange through 32 host threads), rsqrtf as norm_emulation's, PDL's wait as nothing,
 # __syncthreads a barrier of the CTA's host threads, shared memory one array (CTAs in turn), and the Sinkhorn
 # reciprocal's seed __fdividef(1, d) = RN(1 / d) (the sinkhorn tests' shim: the Newton step ends at RN(1 / d) from
 # either).
@@ -151,7 +151,7 @@ static inline float __frcp_rn(float b) { volatile float r = 1.0f / b; return r; 
 
 def _cpu_kernel(src, name, threads, mode, workdir):
     """``run(args: dict, blocks)`` of kernel ``name`` of ``src`` on the CPU. ``mode``: ``"warps"``, each warp's 32
-    threads run as host threads (the lane Sinkhorn's shuffles); ``"cta"``, a CTA's threads as host threads
+    threads run as host threads (shuffles); ``"cta"``, a CTA's threads as host threads
     (``__syncthreads``); ``"serial"``, a CTA's threads one after another."""
     import re
 
@@ -197,10 +197,9 @@ def test_cpu_run_is_the_chain_bit_for_bit(n, S, knob, tmp_path, monkeypatch):
                          RK.FWD_THREADS, "serial", tmp_path / "reduce")
     split = _cpu_kernel(_source("mhc_split_mixes_fwd", (n,)), "mhc_split_mixes_fwd_kernel", MK.SPLIT_FWD_THREADS,
                         "serial", tmp_path / "split")
-    # the chain's Sinkhorn as the lane kernel (butterflies through the warp exchange): the per-thread default gives
-    # its bits (the GPU knob tests), and the lane kernel is a model independent of the macros the fused kernel shares
-    monkeypatch.setattr(SK, "PER_THREAD", False)
-    sinkhorn = _cpu_kernel(_source("mhc_sinkhorn_fwd", (n,)), "sinkhorn_fwd_kernel", SK.THREADS, "warps",
+    # the chain's Sinkhorn kernel shares its macros with the fused kernel; the sinkhorn tests' CPU runs hold those
+    # macros to a torch model of the butterflies bit for bit
+    sinkhorn = _cpu_kernel(_source("mhc_sinkhorn_fwd", (n,)), "sinkhorn_fwd_kernel", SK.PT_THREADS, "serial",
                            tmp_path / "sinkhorn")
     # (tokens, logit scale, Sinkhorn eps, repeat): tails, large (30, 1e3) and small (1e-4) logits, huge logits at
     # eps 0 (underflowing exponentials: zero sums, NaN through the IEEE fallback), one step, a long chain
@@ -222,7 +221,7 @@ def test_cpu_run_is_the_chain_bit_for_bit(n, S, knob, tmp_path, monkeypatch):
                "Tn": t}, _cdiv(t, MK.SPLIT_FWD_THREADS))
         comb_u = torch.full((t, nn), float("nan"))
         sinkhorn({"X": logits, "Y": comb_u, "repeat": repeat, "eps": sk_eps, "num_tokens": t},
-                 _cdiv(t, SK.THREADS // nn))
+                 _cdiv(t, SK.PT_THREADS))
         case = (t, scale, sk_eps, repeat)
         assert not pre_u.isnan().any() and not post_u.isnan().any(), case
         assert torch.equal(_bits(pre), _bits(pre_u)), case

@@ -2,15 +2,17 @@
 ``mhc_sinkhorn_bwd`` on CUDA.
 
 * reference tier: a model of the kernels' arithmetic (butterfly sums, the backward's walk) stays within the
-  spec's tolerance of the reference; CPU tensors never reach a launcher.
-* compile tier: every config the package registers and the GPU tests launch builds for sm_90, both the default
-  (per-thread) kernels and the lane kernels (``PER_THREAD=False``), with IEEE ``expf`` and division and no
-  contractible sums; the per-thread kernels' CUDA run on the CPU (g++) is the model of the lane kernels bit for
-  bit; the launchers bind their arguments to the prim_funcs.
+  spec's tolerance of the reference; the kernels' trees are the butterflies' sums; CPU tensors never reach a
+  launcher.
+* compile tier: every config the package registers and the GPU tests launch builds for sm_90 with IEEE ``expf``
+  and division and no contractible sums, and so do the swept knob sets; the kernels' CUDA run on the CPU (g++),
+  at the defaults and the swept knob sets, is the model bit for bit; the launchers bind their arguments to the
+  prim_funcs.
 * gpu tier: kernel against the reference over T in {0, 1, 7, 4001, 8192}, n in {2, 4}, repeat in
   {1, 3, 10, 20, 32}, outputs poisoned with NaN; the v1 op with leading dims, a strided input and autograd;
   n = 8 and repeat 33 (reference path); determinism and batch invariance, forward and backward; CUDA-graph
-  replay; ``torch.compile(fullgraph=True)``; every per-thread knob set gives the lane kernels' bits.
+  replay; ``torch.compile(fullgraph=True)``; every swept knob set gives the defaults' bits; the bench row's
+  batch invariance and graph replay.
 
 Tolerance (written once): the spec's contract for Sinkhorn forward and d_x is ``assert_close``'s fp32
 defaults (mhc.md §3): FP32_RTOL = 1.3e-6, FP32_ATOL = 1e-5. Upstream's kernels measured 1.8e-7 / 3e-7 max abs
@@ -39,12 +41,23 @@ def _close(actual, expected):
 
 # ---- a model of the kernels' arithmetic (fp32, CPU) ----
 
+def _distances(n, over):
+    """XOR distances of a butterfly over a row (``"row"``: across k, ``n/2, ..., 1``) or a column (``"col"``: across
+    j, ``n^2/2, ..., n``) of the ``n^2`` lanes ``l = j n + k``."""
+    out, d, stop = [], (n // 2 if over == "row" else n * n // 2), (1 if over == "row" else n)
+    while d >= stop:
+        out.append(d)
+        d //= 2
+    return tuple(out)
+
+
 def _butterfly(v, over, op):
-    """The kernel's XOR butterfly on ``[T, n, n]``: lane ``l`` of a matrix combines with lane ``l ^ d``."""
+    """An XOR butterfly on ``[T, n, n]``: lane ``l`` of a matrix combines with lane ``l ^ d``; every lane of a row
+    or column ends with the same bits (``op`` commutes)."""
     n = v.shape[-1]
     flat = v.reshape(-1, n * n)
     lane = torch.arange(n * n)
-    for d in SK._distances(n, over):
+    for d in _distances(n, over):
         flat = op(flat, flat[:, lane ^ d])
     return flat.view(v.shape)
 
@@ -82,11 +95,14 @@ def model_bwd(g, x, repeat, eps, exp=torch.exp):
 
 
 def test_distances_are_the_row_and_column_butterflies():
-    assert SK._distances(4, "row") == (2, 1) and SK._distances(4, "col") == (8, 4)
-    assert SK._distances(2, "row") == (1,) and SK._distances(2, "col") == (2,)
-    # n = 4: lane 0 of a row ends with (e0 + e2) + (e1 + e3), upstream's forward order (mhc.md §2.4)
-    e = torch.tensor([[1.0, 2.0 ** -24, -1.0, 2.0 ** -24]]).expand(4, 4).reshape(1, 4, 4)
-    assert _bsum(e, "row")[0, 0, 0].item() == (1.0 + -1.0) + (2.0 ** -24 + 2.0 ** -24)
+    assert _distances(4, "row") == (2, 1) and _distances(4, "col") == (8, 4)
+    assert _distances(2, "row") == (1,) and _distances(2, "col") == (2,)
+    # n = 4: a row sums to (e0 + e2) + (e1 + e3), upstream's forward order (mhc.md §2.4), in the model and the kernels
+    row = [1.0, 2.0 ** -24, -1.0, 2.0 ** -24]
+    want = (1.0 + -1.0) + (2.0 ** -24 + 2.0 ** -24)
+    e = torch.tensor([row]).expand(4, 4).reshape(1, 4, 4)
+    assert _bsum(e, "row")[0, 0, 0].item() == want
+    assert SK._tree([torch.tensor(v) for v in row], torch.add).item() == want
 
 
 @pytest.mark.parametrize("n", N_VALUES)
@@ -115,9 +131,6 @@ def test_cpu_tensors_never_reach_a_launcher(monkeypatch):
 
 # ---- compile tier ----
 
-LANE = {"PER_THREAD": False}  # the lane kernels: the knob's other value, the baseline of the per-thread kernels
-
-
 def _build_with(monkeypatch, knobs, name, cfg):
     import tilelang
 
@@ -136,7 +149,7 @@ def _compiled_configs():
 
 @pytest.mark.compile
 @pytest.mark.parametrize("name,cfg", _compiled_configs(), ids=str)
-def test_default_builds_for_sm90_as_the_per_thread_kernels(name, cfg):
+def test_builds_for_sm90_with_ieee_arithmetic(name, cfg):
     import re
 
     src = _jit.compile_kernel(name, cfg, "sm_90").get_kernel_source()
@@ -149,29 +162,6 @@ def test_default_builds_for_sm90_as_the_per_thread_kernels(name, cfg):
     assert src.count("__fadd_rn(") >= n * (n - 1)
     if name == "mhc_sinkhorn_bwd":  # the kept iterates live in shared memory, the segment in registers
         assert "kept[" in src and re.search(r"float u\[\d+\];", src)
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("name,cfg", _compiled_configs(), ids=str)
-def test_lane_kernels_build_for_sm90_with_ieee_arithmetic(name, cfg, monkeypatch):
-    import re
-
-    src = _build_with(monkeypatch, LANE, name, cfg)
-    assert "__global__" in src
-    n = cfg[0]
-    log_n = n.bit_length() - 1
-    steps = 2 * cfg[1] - 1 if name == "mhc_sinkhorn_bwd" else 0
-    # every add of a butterfly sum is __fadd_rn: softmax row sum, then the steps (fwd: first column step and one
-    # unrolled (row, column) pair; bwd: each step replayed and walked back, then the final row sum)
-    want = 4 * log_n if name == "mhc_sinkhorn_fwd" else (2 + 2 * steps) * log_n
-    assert src.count("__fadd_rn(") == want
-    assert src.count("__shfl_xor_sync(") == want + log_n  # plus the row maximum
-    assert "expf(" in src and "__expf" not in src and "__fdividef" not in src and "__frcp" not in src
-    if name == "mhc_sinkhorn_bwd":
-        assert src.count("__fmul_rn(") == steps + 1
-        # the kept iterates are indexed by constants only: registers, not local memory
-        assert re.search(rf"float u\[{steps}\];", src) and re.search(rf"float den\[{steps}\];", src)
-        assert not re.search(r"\b(u|den)\[[^\]0-9][^\]]*\]", src)
 
 
 @pytest.mark.compile
@@ -340,18 +330,17 @@ def test_torch_compile_fullgraph():
     assert torch.equal(d.view(4001, 4, 4), _bwd(g, x, 20))
 
 
-# ---- the per-thread kernels (the default) and their knob sets: the same bits as the lane kernels ----
+# ---- the kernels' trees and quotients, their CUDA on the CPU, and their swept knob sets ----
 
-# Knob sets of the per-thread kernels the GPU tier runs, each against the lane kernels' bits (LANE). The first (the
-# default's values) runs the whole grid of n and repeat; the others the bench's n = 4 at a short and the bench's
-# chain.
-PT_VARIANTS = ({"PER_THREAD": True},
-               {"PER_THREAD": True, "FAST_DIV": False, "PT_KEEP": 2},
-               {"PER_THREAD": True, "RCP_APPROX": False, "PT_KEEP": 6, "PT_THREADS": 64})
+# Knob sets: the defaults ({}) and swept ones, which give the defaults' bits (the CPU runs against the model; the GPU
+# tier against the default kernels, at the bench's n = 4 at a short and the bench's chain).
+VARIANTS = ({},
+            {"FAST_DIV": False, "PT_KEEP": 2},
+            {"RCP_APPROX": False, "PT_KEEP": 6, "PT_THREADS": 64})
 
 
 def test_trees_are_the_butterflies_lane_sums():
-    """The per-thread kernels' row / column trees end with lane 0's bits of the butterfly model, for every group."""
+    """The kernels' row / column trees end with lane 0's bits of the butterfly model, for every group."""
     for n in N_VALUES:
         v = torch.randn(50, n, n) * torch.tensor([1.0, 2.0 ** -24, 1e3, -1.0][:n]).view(1, 1, n)
         for over in ("row", "col"):
@@ -364,7 +353,7 @@ def test_trees_are_the_butterflies_lane_sums():
 
 def test_shared_reciprocal_quotient_is_ieee_in_its_range(tmp_path):
     """q0 = RN(a y), q = RN(q0 + y (a - d q0)) with y = RN(1/d) is RN(a/d) (Markstein), checked bit for bit on 10^7
-    random operand pairs across the whole range the per-thread kernels take it in (g++, no contraction)."""
+    random operand pairs across the whole range the kernels take it in (g++, no contraction)."""
     import ctypes
     import shutil
     import subprocess
@@ -404,15 +393,15 @@ extern "C" long run(long count, int dlo, int dhi, int nlo, int nhi) {
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("knobs", PT_VARIANTS[1:], ids=str)
-def test_per_thread_knob_sets_build_for_sm90(knobs, monkeypatch):
+@pytest.mark.parametrize("knobs", VARIANTS[1:], ids=str)
+def test_knob_sets_build_for_sm90(knobs, monkeypatch):
     for name, cfg in (("mhc_sinkhorn_fwd", (4,)), ("mhc_sinkhorn_bwd", (4, 20))):
         src = _build_with(monkeypatch, knobs, name, cfg)
         assert "__shfl" not in src
         assert ("__fdividef" in src) == (knobs.get("FAST_DIV", True) and knobs.get("RCP_APPROX", True))
 
 
-# The per-thread kernels' generated CUDA run on the CPU (g++; one host call a thread, threads in turn: no thread
+# The kernels' generated CUDA run on the CPU (g++; one host call a thread, threads in turn: no thread
 # reads another's data). Shim: __fadd_rn / __fmul_rn one rounded operation (no contraction), __fmaf_rn = fmaf, the
 # reciprocal's MUFU seed __fdividef(1, d) = RN(1 / d) (the GPU's is within an ulp; the Newton step ends at RN(1 / d)
 # from either), expf = the float64 exponential rounded to fp32, the same exponential as the model below gets.
@@ -455,11 +444,11 @@ def _exp64(v):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("knobs", PT_VARIANTS, ids=str)
+@pytest.mark.parametrize("knobs", VARIANTS, ids=str)
 @pytest.mark.parametrize("n,repeat", [(2, 1), (2, 3), (4, 1), (4, 3), (4, 10)])
-def test_per_thread_kernels_on_the_cpu_are_the_model_bit_for_bit(knobs, n, repeat, tmp_path, monkeypatch):
-    """The per-thread kernels' CUDA, run on the CPU, equals the model of the lane kernels' arithmetic (butterfly
-    sums, the backward's walk) bit for bit: standard, wide and huge logits, eps = 1e-6 and 0 (exact zeros: the IEEE
+def test_kernels_on_the_cpu_are_the_model_bit_for_bit(knobs, n, repeat, tmp_path, monkeypatch):
+    """The kernels' CUDA (``knobs`` {}: the defaults), run on the CPU, equals the model of their arithmetic
+    (butterfly sums, the backward's walk) bit for bit: standard, wide and huge logits, eps = 1e-6 and 0 (exact zeros: the IEEE
     fallback), 37 matrices (a partial last CTA)."""
     import shutil
 
@@ -482,31 +471,25 @@ def test_per_thread_kernels_on_the_cpu_are_the_model_bit_for_bit(knobs, n, repea
         assert torch.equal(bits(d), bits(model_bwd(g, x, repeat, eps, _exp64))), (scale, eps)
 
 
-def _variant_grid(i):
-    if i == 0:
-        return [(n, r) for n in N_VALUES for r in REPEATS + (MAX_REPEAT,)]
-    return [(4, 3), (4, 20)]
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("i", range(len(PT_VARIANTS)), ids=lambda i: str(PT_VARIANTS[i]))
-def test_per_thread_variant_gives_the_lane_kernels_bits(i, knob_kernels):
-    """Every per-thread knob set gives the lane kernels' bits, forward and backward, over T in the issue's list,
-    standard, wide (30) and huge (1e4) logits, eps = 1e-6 and eps = 0 (exact zeros: the IEEE fallback)."""
-    knob_kernels(SK, LANE)
+@pytest.mark.parametrize("knobs", VARIANTS[1:], ids=str)
+def test_knob_set_gives_the_defaults_bits(knobs, knob_kernels):
+    """Every swept knob set gives the default kernels' bits, forward and backward, at n = 4, repeat 3 and 20, over T
+    in the issue's list, standard, wide (30) and huge (1e4) logits, eps = 1e-6 and eps = 0 (exact zeros: the IEEE
+    fallback)."""
     cases = []
-    for n, repeat in _variant_grid(i):
+    for repeat in (3, 20):
         for t in (1, 7, 4001, 8192):
             for scale, eps in ((1.0, EPS), (30.0, EPS), (1e4, EPS), (30.0, 0.0)):
                 if (t, scale, eps) != (8192, 1.0, EPS) and t == 8192:
                     continue
-                x = torch.randn(t, n, n, device="cuda") * scale
-                g = torch.randn(t, n, n, device="cuda")
-                y, d = _nan(t, n, n), _nan(t, n, n)
-                mhc_sinkhorn_fwd(x, y, repeat, eps)
+                x = torch.randn(t, 4, 4, device="cuda") * scale
+                g = torch.randn(t, 4, 4, device="cuda")
+                y, d = _nan(t, 4, 4), _nan(t, 4, 4)
+                mhc_sinkhorn_fwd(x, y, repeat, eps)  # the shipped path: the package's kernels
                 mhc_sinkhorn_bwd(g, x, d, repeat, eps)
                 cases.append((x, g, repeat, eps, y, d))
-    knob_kernels(SK, PT_VARIANTS[i])
+    knob_kernels(SK, knobs)
     for x, g, repeat, eps, want_y, want_d in cases:
         y, d = _nan(*x.shape), _nan(*x.shape)
         mhc_sinkhorn_fwd(x, y, repeat, eps)
@@ -520,14 +503,9 @@ def test_per_thread_variant_gives_the_lane_kernels_bits(i, knob_kernels):
 
 
 @pytest.mark.gpu
-def test_per_thread_variant_bench_row_batch_invariance_and_graphs(knob_kernels):
+def test_bench_row_batch_invariance_and_graphs():
     x, g = _inputs(32768, 4)
-    default_y, default_d = _fwd(x, 20), _bwd(g, x, 20)  # the shipped path: the package's cached kernels
-    knob_kernels(SK, LANE)
     want_y, want_d = _fwd(x, 20), _bwd(g, x, 20)
-    assert torch.equal(default_y, want_y) and torch.equal(default_d, want_d)
-    knob_kernels(SK, PT_VARIANTS[0])
-    assert torch.equal(_fwd(x, 20), want_y) and torch.equal(_bwd(g, x, 20), want_d)
     for lo, hi in ((0, 1), (5, 12), (4001, 4001 + 37), (32767, 32768)):
         assert torch.equal(_fwd(x[lo:hi].clone(), 20), want_y[lo:hi])
         assert torch.equal(_bwd(g[lo:hi].clone(), x[lo:hi].clone(), 20), want_d[lo:hi])

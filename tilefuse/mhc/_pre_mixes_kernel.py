@@ -16,17 +16,17 @@ Order of operations, per token ``t`` (thread ``t``), each the one of the kernel 
 2. split (``_mix_kernel``'s split forward): ``z[j] = RN(m[j] * scale[g]) + base[j]`` (``g`` the group of column
    ``j``), ``PRE = sigmoid(z[i]) + pre_eps``, ``POST = sigmoid(z[n + i]) * v`` (its ``_sigmoid``), comb logits
    ``z[2n:]``;
-3. Sinkhorn (``_sinkhorn_kernel``'s per-thread macros ``softmax`` and ``normalize``): row softmax, ``+ eps``, a
-   column step, then ``repeat - 1`` (row, column) pairs; the sums are the lane kernel's butterfly trees.
+3. Sinkhorn (``_sinkhorn_kernel``'s macros ``softmax`` and ``normalize``): row softmax, ``+ eps``, a column step,
+   then ``repeat - 1`` (row, column) pairs; the sums are that kernel's trees.
 
 Why bit-identical to the four-kernel chain (§3 contract 2): every fp32 operation above is the same operation on the
 same operands in the same order as in the chain's kernels -- additions, products and quotients are explicit
 ``__f*_rn`` intrinsics (``tilefuse._rn``) or IEEE ``/`` with fast-math off, so nvcc contracts nothing into an fma;
 ``expf`` and ``rsqrtf`` are the same library functions -- and the values the chain stores between its kernels (the
-RMS output, the comb logits) are fp32, which the registers here hold exactly. The per-thread Sinkhorn macros give
-the lane kernel's bits (the sinkhorn module's doc and tests; with ``FAST_DIV`` the shared-reciprocal quotient is
-the IEEE quotient in its checked range, plain division outside). The helpers are imported, not copied:
-``_rms``, ``_sigmoid``, ``_groups`` and ``_pt_common``, so a change there changes both paths (their modules are in
+RMS output, the comb logits) are fp32, which the registers here hold exactly. The Sinkhorn macros are the Sinkhorn
+kernel's own (with ``FAST_DIV`` the shared-reciprocal quotient is the IEEE quotient in its checked range, plain
+division outside: the sinkhorn module's doc and tests). The helpers are imported, not copied: ``_rms``, ``_sigmoid``,
+``_groups`` and the Sinkhorn ``_common``, so a change there changes both paths (their modules are in
 ``KERNEL_HELPERS``, so in this kernel's cache key). The compile tier runs this kernel's generated CUDA and the
 chain's three kernels under g++ and compares the outputs bit for bit.
 
@@ -104,7 +104,7 @@ def pre_mixes_kernel(n: int, S: int):
     import tilelang.language as T
 
     assert supports(n, S), (n, S)
-    forward = SK._pt_common(n)[3]
+    forward = SK._common(n)[3]
     M, NN, TPB = n * (n + 2), n * n, THREADS
     VEC = 4 if M % 4 == 0 else 1  # floats a load: 16-byte vectors when every row starts on a 16-byte boundary
     groups = _groups(n)
@@ -177,7 +177,7 @@ def pre_mixes_kernel(n: int, S: int):
                     PRE[t, i] = _add(_sigmoid(p[i]), pre_eps)
                 for i in T.unroll(n):
                     POST[t, i] = _mul(_sigmoid(p[n + i]), v)
-                # 3. Sinkhorn of the comb logits (the per-thread macros: the lane kernel's trees and quotients)
+                # 3. Sinkhorn of the comb logits (the Sinkhorn kernel's macros: its trees and quotients)
                 for k in T.unroll(NN):
                     a[k] = p[2 * n + k]
                 forward(a, den, rcp, sk_eps, repeat)

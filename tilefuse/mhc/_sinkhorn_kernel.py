@@ -1,18 +1,15 @@
 """TileLang kernels for the Sinkhorn of mHC (mhc.md §2.4, §5.2): ``mhc_sinkhorn_fwd`` / ``mhc_sinkhorn_bwd`` on
 ``[T, n, n]`` fp32 logits, behind ``sinkhorn_normalize`` (v1) and the v2.1 destination-passing ops.
 
-Two kernel families give the same bits (the GPU knob tests check it), picked by the knob ``PER_THREAD``: the
-per-thread kernels (``True``, the default: one matrix per thread) and the lane kernels (``False``: one lane per
-matrix element; the fallback and the baseline the knob tests compare against). Both take ``n`` in ``KERNEL_N``
+One matrix per thread: a thread holds a whole ``n x n`` matrix in registers. The kernels take ``n`` in ``KERNEL_N``
 and a backward ``repeat`` up to ``MAX_BWD_REPEAT``; other inputs keep the reference (``fwd_supported`` /
-``bwd_supported``), whichever family the knob picks.
+``bwd_supported``).
 
-Measured on an NVIDIA H100 80GB HBM3, 2026-12-05 (32768 x 4 x 4, 20 iterations, isolated timer), forward /
-backward: per-thread (default) 15.6 / 67.1 µs; lane kernels (``PER_THREAD=False``) 18.9 / 73.2; per-thread with
-``FAST_DIV=False`` 26.3 / 80.6; per-thread with ``PT_KEEP=2`` backward 84.6. TileKernels 2.1.0, measured on an
+Measured on an NVIDIA H100 80GB HBM3, 2026-12-05 (32768 x 4 x 4, 20 iterations, isolated timer), forward / backward:
+15.6 / 67.1 µs; with ``FAST_DIV=False`` 26.3 / 80.6; with ``PT_KEEP=2`` backward 84.6. TileKernels 2.1.0, measured on an
 NVIDIA H200, 2026-12-05: 19.0 / 60.3.
 
-Common to both (§2.4): forward steps 1-5 are the softmax of the row (max, ``expf(x - max)``, divide by the sum),
+Arithmetic (§2.4): forward steps 1-5 are the softmax of the row (max, ``expf(x - max)``, divide by the sum),
 ``+ eps``, a column step, then ``repeat - 1`` (row step, column step) pairs, each dividing by ``sum + eps`` (IEEE
 division: fast-math is off). ``repeat`` and ``eps`` are launch arguments of the forward: one binary per ``n``.
 The backward (§2.4 backward, the order of ``sinkhorn_normalize_bwd_ref``) replays the forward keeping the softmax
@@ -22,44 +19,30 @@ a compile-time constant of the backward. Every add of a sum is ``__fadd_rn`` and
 ``__fmul_rn``, so nvcc contracts nothing into an fma (``expf`` ends in a multiply). No atomics: deterministic and
 batch-invariant.
 
-Lane kernels (``PER_THREAD=False``). The ``n * n`` lanes of a matrix are an aligned group inside one warp (lane
-``l`` of the group holds row ``j = l // n``, column ``k = l % n``), so a CTA of ``THREADS`` lanes holds
-``THREADS / n^2`` matrices, every value lives in a register, and consecutive lanes read and write consecutive
-4-byte words (whole 128-byte lines per warp). Registers a lane (ptxas, sm_90, no spills): forward 15; backward
-52 / 92 / 141 at repeat 10 / 20 / 32. Sums and maxima over a row or column are XOR butterflies inside the group,
-halving the distance: a row sum (over k) takes distances ``n/2, ..., 1``, a column sum (over j) ``n^2/2, ...,
-n``. Every lane of the row / column ends with the same bits; for n = 4 the sum of ``e0..e3`` is ``(e0 + e2) +
-(e1 + e3)``, the order of upstream's forward (mhc.md §2.4). The backward keeps two registers per step, statically
-indexed (at most ``MAX_BWD_REPEAT``). Lanes past the last token compute on zeros (the butterflies need every lane
-of the warp) and store nothing. No shared memory. What bounds them: each lane is one dependent chain (two
-shuffles, two adds and an IEEE division a step, about 110 cycles of latency) and a lane does every step of its
-matrix, so 16 lanes spend some 14 instructions each a step on one matrix (about 7 warp-instructions a
-matrix-step); the backward's 92 registers a lane leave 20 warps an SM for those chains.
-
-Per-thread kernels (``PER_THREAD=True``, the default). A thread holds a whole matrix: its ``n^2`` values in
-registers, row and column sums as the butterflies' trees (lane 0's order; every lane of the lane kernels ends
-with the same bits), the same ``expf``, maxima, additions and IEEE quotients in the same order -- the lane
-kernels' bits. With ``FAST_DIV`` the quotients of a row or column by its ``d = sum + eps`` share ``y = RN(1/d)``:
-``q0 = RN(a y)``, ``q = RN(q0 + y RN-exact(a - d q0))`` is the IEEE quotient (Markstein's theorem; a g++ test
-checks it on 10^7 operand pairs) while ``d`` is in [2^-30, 2^30] and every ``|a|`` in [2^-90, 2^90] (no subnormal
-quotient, remainder or reciprocal); one check a step (min / max trees) picks that path or plain IEEE division for
-the whole matrix. ``y`` comes from ``__frcp_rn``'s own fast-path steps (``MUFU.RCP`` through ``__fdividef(1, d)``,
-one Newton step; ``RCP_APPROX``), without its range branch. The plain IEEE division is a subroutine with its own
-range branch: 10 instructions, and ptxas does not overlap two of them (each is a separate convergence region), so
-16 of them a step in one thread would be a 16-deep serial chain. ptxas sm_90: forward 42 registers, backward 135
-at repeat 20, no spills. A step costs one thread about 150 SASS instructions (16 adds, 36 min / max for the range
-check, 4 x 7 for the reciprocals, 16 x 3 for the quotients, the branch), some 4.7 warp-instructions a matrix-step
-against about 7 for the lane kernels. The backward keeps the iterate entering every ``PT_KEEP`` (4) steps in
-shared memory (``[segment, element, thread]``, 20 KB a CTA of 32 threads at repeat 20) and replays each segment
-into registers on the way back (29 extra steps at repeat 20); threads past the last matrix compute on zeros and
-store nothing.
+The kernels. A thread holds a whole matrix: its ``n^2`` values in registers, row and column sums and maxima as fixed
+trees (``_tree``: the order lane 0 of an XOR butterfly over the row or column ends with, distances ``n/2, ..., 1``; for
+n = 4 the sum of ``e0..e3`` is ``(e0 + e2) + (e1 + e3)``, the order of upstream's forward, mhc.md §2.4), IEEE quotients.
+With ``FAST_DIV`` the quotients of a row or column by its ``d = sum + eps`` share ``y = RN(1/d)``: ``q0 = RN(a y)``, ``q
+= RN(q0 + y RN-exact(a - d q0))`` is the IEEE quotient (Markstein's theorem; a g++ test checks it on 10^7 operand pairs)
+while ``d`` is in [2^-30, 2^30] and every ``|a|`` in [2^-90, 2^90] (no subnormal quotient, remainder or reciprocal); one
+check a step (min / max trees) picks that path or plain IEEE division for the whole matrix. ``y`` comes from
+``__frcp_rn``'s own fast-path steps (``MUFU.RCP`` through ``__fdividef(1, d)``, one Newton step; ``RCP_APPROX``),
+without its range branch. The plain IEEE division is a subroutine with its own range branch: 10 instructions, and ptxas
+does not overlap two of them (each is a separate convergence region), so 16 of them a step in one thread would be a
+16-deep serial chain. ptxas sm_90: forward 42 registers, backward 135 at repeat 20, no spills. A step costs one thread
+about 150 SASS instructions (16 adds, 36 min / max for the range check, 4 x 7 for the reciprocals, 16 x 3 for the
+quotients, the branch), some 4.7 warp-instructions a matrix-step. The backward keeps the iterate entering every
+``PT_KEEP`` (4) steps in shared memory (``[segment, element, thread]``, 20 KB a CTA of 32 threads at repeat 20) and
+replays each segment into registers on the way back (29 extra steps at repeat 20); threads past the last matrix compute
+on zeros and store nothing. The kept iterates take ``ceil((2 repeat - 1) / PT_KEEP) n^2 PT_THREADS`` floats of shared
+memory (32 KB at n = 4, repeat 32): ``MAX_BWD_REPEAT`` bounds them, and longer chains keep the reference.
 The issue-bound estimate predicted 8-10 µs forward and 15-25 µs backward (1024 warps x 40 steps x 150
 instructions = 6.1 M warp-instructions forward, 15 M backward), and named its falsifiers: a forward above 12 µs
 (then the range check or the loads bound it: ``FAST_DIV=False`` shows the plain division's cost) or a backward
 above 30 µs (then the two warps a scheduler do not hide the quotient chains: ``PT_KEEP=2`` trades shared memory
 for recomputation). The H100 numbers above falsify both: 15.6 / 67.1 µs. ``FAST_DIV=False`` is slower (26.3 /
-80.6: the shared reciprocal pays) and ``PT_KEEP=2`` is slower (84.6), so what bounds the per-thread kernels is
-not yet known.
+80.6: the shared reciprocal pays) and ``PT_KEEP=2`` is slower (84.6), so what bounds the kernels is not yet
+known.
 """
 from __future__ import annotations
 
@@ -71,23 +54,16 @@ from tilefuse._rn import add as _fadd, call as _call, fma as _fma, mul as _fmul
 KERNEL_HELPERS = ("tilefuse._rn",)  # part of this module's kernel cache key (_jit._module_digest)
 
 # ---- tuning knobs (TILEFUSE_KNOBS) ----
-# lane kernels (PER_THREAD = False): lanes per CTA, THREADS / n^2 matrices (8 for n = 4). 128 rather than 256:
-# the backward at repeat = 20 uses 92 registers a lane (ptxas, sm_90; no spills), so an SM holds 5 CTAs of 4 warps
-# (20 warps) against 2 of 8 (16)
-THREADS = 128
 # PDL: the first statement waits for the stream's previous grid (griddepcontrol.wait), so the launch and CTA
 # setup overlap the previous kernel's tail. Results unchanged.
 PDL = True
-# one matrix per thread (module doc): True = every value of a matrix in one thread's registers (the measured
-# default); False = the lane-per-element kernels, the same operations in the same order (the same bits)
-PER_THREAD = True
-PT_THREADS = 32   # per-thread kernels: threads (= matrices) per CTA
-PT_KEEP = 4       # per-thread backward: the iterate before every PT_KEEP-th step is kept in shared memory
-FAST_DIV = True   # per-thread kernels: the quotients by one sum share RN(1 / sum) (Markstein; module doc)
+PT_THREADS = 32   # threads (= matrices) per CTA
+PT_KEEP = 4       # backward: the iterate before every PT_KEEP-th step is kept in shared memory
+FAST_DIV = True   # the quotients by one sum share RN(1 / sum) (Markstein; module doc)
 RCP_APPROX = True  # FAST_DIV: RN(1 / sum) by __frcp_rn's fast-path steps from MUFU.RCP (False: __frcp_rn itself)
 
-KERNEL_N = (2, 4)       # multiplicities both kernel families take (n^2 lanes of one warp); others keep the reference
-MAX_BWD_REPEAT = 32     # lane backward: 2 (2 repeat - 1) registers per lane; longer chains keep the reference (both)
+KERNEL_N = (2, 4)       # multiplicities the kernels take (the trees' rows and columns); others keep the reference
+MAX_BWD_REPEAT = 32     # backward: the longest chain it keeps in shared memory (module doc); longer: the reference
 MAX_FWD_REPEAT = 2 ** 31 - 1  # the forward's repeat is an int32 launch argument
 
 
@@ -97,144 +73,7 @@ def _expf(v):
     return T.call_extern("float32", "expf", v)
 
 
-def _distances(n: int, over: str) -> tuple:
-    """XOR distances of a butterfly over a row (``"row"``: across k) or a column (``"col"``: across j)."""
-    out, d = [], (n // 2 if over == "row" else n * n // 2)
-    stop = 1 if over == "row" else n
-    while d >= stop:
-        out.append(d)
-        d //= 2
-    return tuple(out)
-
-
-def _common(n: int):
-    """Symbols and helpers shared by both factories."""
-    import tilelang.language as T
-
-    assert n in KERNEL_N and THREADS % (n * n) == 0 and THREADS % 32 == 0, (n, THREADS)
-
-    @T.macro
-    def butterfly_sum(acc, over):
-        """``acc[0]`` (a one-element register buffer) becomes the sum over the lane's row or column."""
-        for d in _distances(n, over):
-            acc[0] = _fadd(acc[0], T.shfl_xor(acc[0], d))
-
-    @T.macro
-    def softmax(a, acc):
-        """``a[0]`` (the lane's logit) becomes its row's softmax value; ``acc`` is scratch."""
-        acc[0] = a[0]
-        for d in _distances(n, "row"):
-            acc[0] = T.max(acc[0], T.shfl_xor(acc[0], d))
-        a[0] = _expf(a[0] - acc[0])
-        acc[0] = a[0]
-        butterfly_sum(acc, "row")
-        a[0] = a[0] / acc[0]
-
-    return butterfly_sum, softmax
-
-
-def sinkhorn_fwd_kernel(n: int):
-    """Factory: the forward for multiplicity ``n`` (``KERNEL_N``). Launch: ``X``, ``Y`` fp32 ``[T, n, n]``
-    contiguous (T symbolic), ``repeat`` (int32, >= 1), ``eps`` (fp32)."""
-    import tilelang.language as T
-
-    if PER_THREAD:
-        return _pt_fwd_kernel(n)
-    butterfly_sum, softmax = _common(n)
-    NN = n * n
-    MPC = THREADS // NN  # matrices per CTA
-    Tn = T.dynamic("num_tokens", "int64")
-
-    @T.prim_func
-    def sinkhorn_fwd(X: T.Tensor((Tn, n, n), "float32"), Y: T.Tensor((Tn, n, n), "float32"),
-                     repeat: T.int32, eps: T.float32):
-        with T.Kernel(T.ceildiv(Tn, MPC), threads=THREADS) as bx:
-            if PDL:
-                T.pdl_sync()
-            tid = T.get_thread_binding()
-            t = T.cast(bx, "int64") * MPC + T.cast(tid // NN, "int64")
-            j = (tid % NN) // n
-            k = tid % n
-            a = T.alloc_local((1,), "float32")    # the lane's entry
-            acc = T.alloc_local((1,), "float32")  # sums and maxima
-            a[0] = T.float32(0.0)
-            if t < Tn:
-                a[0] = X[t, j, k]
-            softmax(a, acc)
-            a[0] = a[0] + eps
-            acc[0] = a[0]
-            butterfly_sum(acc, "col")
-            a[0] = a[0] / (acc[0] + eps)
-            for _ in T.serial(repeat - 1):
-                acc[0] = a[0]
-                butterfly_sum(acc, "row")
-                a[0] = a[0] / (acc[0] + eps)
-                acc[0] = a[0]
-                butterfly_sum(acc, "col")
-                a[0] = a[0] / (acc[0] + eps)
-            if t < Tn:
-                Y[t, j, k] = a[0]
-
-    return sinkhorn_fwd
-
-
-def sinkhorn_bwd_kernel(n: int, repeat: int):
-    """Factory: the backward for multiplicity ``n`` (``KERNEL_N``) and ``1 <= repeat <= MAX_BWD_REPEAT``.
-    Launch: ``G`` (d_out), ``X``, ``DX`` fp32 ``[T, n, n]`` contiguous (T symbolic), ``eps`` (fp32)."""
-    import tilelang.language as T
-
-    assert 1 <= repeat <= MAX_BWD_REPEAT, repeat
-    if PER_THREAD:
-        return _pt_bwd_kernel(n, repeat)
-    butterfly_sum, softmax = _common(n)
-    NN = n * n
-    MPC = THREADS // NN
-    S = 2 * repeat - 1                                            # normalisation steps
-    steps = tuple((s, "col" if s % 2 == 0 else "row") for s in range(S))  # unrolled while building
-    Tn = T.dynamic("num_tokens", "int64")
-
-    @T.prim_func
-    def sinkhorn_bwd(G: T.Tensor((Tn, n, n), "float32"), X: T.Tensor((Tn, n, n), "float32"),
-                     DX: T.Tensor((Tn, n, n), "float32"), eps: T.float32):
-        with T.Kernel(T.ceildiv(Tn, MPC), threads=THREADS) as bx:
-            if PDL:
-                T.pdl_sync()
-            tid = T.get_thread_binding()
-            t = T.cast(bx, "int64") * MPC + T.cast(tid // NN, "int64")
-            j = (tid % NN) // n
-            k = tid % n
-            u = T.alloc_local((S,), "float32")     # input of step s (this lane's entry)
-            den = T.alloc_local((S,), "float32")   # sum + eps of step s (this lane's row / column)
-            a0 = T.alloc_local((1,), "float32")   # softmax output (before + eps)
-            a = T.alloc_local((1,), "float32")    # the replayed iterate
-            g = T.alloc_local((1,), "float32")    # the gradient walked back
-            acc = T.alloc_local((1,), "float32")  # sums and maxima
-            a0[0] = T.float32(0.0)
-            g[0] = T.float32(0.0)
-            if t < Tn:
-                a0[0] = X[t, j, k]
-                g[0] = G[t, j, k]
-            softmax(a0, acc)
-            a[0] = a0[0] + eps
-            for s, over in steps:
-                u[s] = a[0]
-                acc[0] = a[0]
-                butterfly_sum(acc, over)
-                den[s] = acc[0] + eps
-                a[0] = a[0] / den[s]
-            for s, over in reversed(steps):
-                acc[0] = _fmul(g[0], u[s])
-                butterfly_sum(acc, over)
-                g[0] = (g[0] - acc[0] / den[s]) / den[s]
-            acc[0] = _fmul(g[0], a0[0])
-            butterfly_sum(acc, "row")
-            if t < Tn:
-                DX[t, j, k] = (g[0] - acc[0]) * a0[0]
-
-    return sinkhorn_bwd
-
-
-# ---- the per-thread kernels (PER_THREAD, the default): one matrix per thread ----
+# ---- the kernels: one matrix per thread ----
 
 # Operand ranges where the shared-reciprocal quotient is the IEEE quotient (module doc): the divisor in
 # [2^-30, 2^30], every dividend's magnitude in [2^-90, 2^90] (so the quotient, the remainder's granule and 1 / d
@@ -254,9 +93,8 @@ def _group(n: int, over: str, q: int) -> int:
 
 
 def _tree(vals, op):
-    """What lane 0 of a row or column ends with after the XOR butterfly (distances n/2, ..., 1 of the group's
-    values): ``op`` over pairs ``(l, l + d)``; every lane ends with the same bits since ``op`` commutes. For n = 4:
-    ``op(op(v0, v2), op(v1, v3))``."""
+    """``op`` over a row's or column's values in the order of lane 0 of an XOR butterfly (distances n/2, ..., 1):
+    pairs ``(l, l + d)``. For n = 4: ``op(op(v0, v2), op(v1, v3))``."""
     vals = list(vals)
     d = len(vals) // 2
     while d >= 1:
@@ -270,8 +108,8 @@ def _matrix_pairs(n: int, over: str, doff: int = 0, noff: int = 0) -> tuple:
     return tuple((doff + q, noff + q, _group(n, over, q)) for q in range(n * n))
 
 
-def _pt_common(n: int):
-    """Macros of the per-thread kernels: ``divide`` (quotients sharing a divisor), ``normalize`` (one Sinkhorn step)
+def _common(n: int):
+    """Macros of the kernels: ``divide`` (quotients sharing a divisor), ``normalize`` (one Sinkhorn step)
     and ``softmax``."""
     import tilelang.language as T
 
@@ -344,11 +182,12 @@ def _pt_common(n: int):
     return divide, normalize, softmax, forward
 
 
-def _pt_fwd_kernel(n: int):
-    """The forward with one matrix per thread (``PER_THREAD``); launch as ``sinkhorn_fwd_kernel``."""
+def sinkhorn_fwd_kernel(n: int):
+    """Factory: the forward for multiplicity ``n`` (``KERNEL_N``). Launch: ``X``, ``Y`` fp32 ``[T, n, n]``
+    contiguous (T symbolic), ``repeat`` (int32, >= 1), ``eps`` (fp32)."""
     import tilelang.language as T
 
-    forward = _pt_common(n)[3]
+    forward = _common(n)[3]
     NN, TPB = n * n, PT_THREADS
     Tn = T.dynamic("num_tokens", "int64")
 
@@ -374,16 +213,17 @@ def _pt_fwd_kernel(n: int):
     return sinkhorn_fwd
 
 
-def _pt_bwd_kernel(n: int, repeat: int):
-    """The backward with one matrix per thread (``PER_THREAD``); launch as ``sinkhorn_bwd_kernel``. The steps are
-    cut into segments of ``PT_KEEP`` (even: a step's row / column kind is its parity within the segment); the
-    iterate entering each segment goes to shared memory (``[segment, element, thread]``: consecutive threads,
-    consecutive words). Walking back, each segment is replayed from its kept iterate into registers (the same
-    operations: the same bits) and then walked back. Full segments run in a loop (one copy of the code), the
-    shorter last one unrolled."""
+def sinkhorn_bwd_kernel(n: int, repeat: int):
+    """Factory: the backward for multiplicity ``n`` (``KERNEL_N``) and ``1 <= repeat <= MAX_BWD_REPEAT``. Launch: ``G``
+    (d_out), ``X``, ``DX`` fp32 ``[T, n, n]`` contiguous (T symbolic), ``eps`` (fp32). The steps are cut into segments
+    of ``PT_KEEP`` (even: a step's row / column kind is its parity within the segment); the iterate entering each
+    segment goes to shared memory (``[segment, element, thread]``: consecutive threads, consecutive words). Walking
+    back, each segment is replayed from its kept iterate into registers (the same operations: the same bits) and then
+    walked back. Full segments run in a loop (one copy of the code), the shorter last one unrolled."""
     import tilelang.language as T
 
-    divide, normalize, softmax, _ = _pt_common(n)
+    assert 1 <= repeat <= MAX_BWD_REPEAT, repeat
+    divide, normalize, softmax, _ = _common(n)
     NN, TPB, K = n * n, PT_THREADS, PT_KEEP
     assert K >= 2 and K % 2 == 0, K
     S = 2 * repeat - 1
