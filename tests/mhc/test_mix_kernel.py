@@ -422,25 +422,27 @@ def test_the_partial_count_is_a_constant_not_the_sm_count():
     assert K.num_partials(torch.device("cpu")) == 1
 
 
-# ---- the multi-warp backward (knob BWD_WARPS) and the partial sum's loads in flight (PARTIAL_ROWS) ----
+# ---- the backward's warps a CTA (knob BWD_WARPS) and the partial sum's loads in flight (PARTIAL_ROWS) ----
 
-# The baseline every backward knob set is compared with: the one-warp backward kernels and the two-path partial sum
-# loading 16 partials at a time, without PDL (the knobs' other values; the defaults before the multi-warp kernels).
-ONE_WARP = {"BWD_WARPS": 1, "PARTIAL_ROWS": 16, "PARTIAL_ONE_PATH": False, "MIX_PDL": False}
-# Knob sets run against the baseline's bits, each setting every backward knob: the defaults (2 warps: the bench's two
-# blocks a partial at T = 8192 in one round; the one-path partial sum loading all 128 partials at once; PDL), 3 warps
-# (rounds that end part-way, W not a power of two), 4 warps with 64 partials a load round on one path.
-MIX_VARIANTS = ({"BWD_WARPS": 2, "PARTIAL_ROWS": 128, "PARTIAL_ONE_PATH": True, "MIX_PDL": True},
-                {**ONE_WARP, "BWD_WARPS": 3},
-                {**ONE_WARP, "BWD_WARPS": 4, "PARTIAL_ROWS": 64, "PARTIAL_ONE_PATH": True})
+# Knob sets, each run against the defaults' bits (the first, {}: 2 warps, the bench's two blocks a partial at
+# T = 8192 in one round; the partial sum loading all 128 partials at once): one warp (a round a block) with 16
+# partials a load round, 3 warps (rounds that end part-way, W not a power of two), 4 warps with 64 partials a load
+# round.
+MIX_VARIANTS = ({},
+                {"BWD_WARPS": 1, "PARTIAL_ROWS": 16},
+                {"BWD_WARPS": 3, "PARTIAL_ROWS": 16},
+                {"BWD_WARPS": 4, "PARTIAL_ROWS": 64})
 
 
-def test_the_defaults_are_the_first_variant():
-    """The module's defaults are the first knob set (so the GPU and g++ knob tests check the default kernels against
-    the one-warp baseline), and the baseline sets each knob to another value."""
-    assert {k: getattr(K, k) for k in ONE_WARP} == MIX_VARIANTS[0]
-    assert all(ONE_WARP[k] != v for k, v in MIX_VARIANTS[0].items())
-    assert all(set(kn) == set(ONE_WARP) for kn in MIX_VARIANTS)
+def test_the_variants_set_other_values():
+    """Every knob set but the first sets each knob to another value than the module's default."""
+    defaults = {"BWD_WARPS": K.BWD_WARPS, "PARTIAL_ROWS": K.PARTIAL_ROWS}
+    assert MIX_VARIANTS[0] == {}
+    assert all(set(kn) == set(defaults) and all(kn[k] != v for k, v in defaults.items()) for kn in MIX_VARIANTS[1:])
+
+
+def _knob(knobs, name):
+    return knobs.get(name, getattr(K, name))
 
 
 def _variant_source(monkeypatch, knobs, name, cfg):
@@ -460,17 +462,17 @@ def test_variant_builds_for_sm90(knobs, name, cfg, monkeypatch):
     import re
 
     src = _variant_source(monkeypatch, knobs, name, cfg)
-    assert ("cudaGridDependencySynchronize" in src) == knobs["MIX_PDL"]
+    assert "cudaGridDependencySynchronize" in src  # PDL
     if name == "mhc_partials_sum":
-        assert re.search(rf"float vals\[{knobs['PARTIAL_ROWS']}\];", src)
-        # two code paths (scale columns, then base columns) or one whose loads pick the source
-        assert src.count("__fadd_rn(") == (1 if knobs["PARTIAL_ONE_PATH"] else 2)
+        assert re.search(rf"float vals\[{_knob(knobs, 'PARTIAL_ROWS')}\];", src)
+        # one code path for the scale and base columns: its loads pick the source
+        assert src.count("__fadd_rn(") == 1
         return
     assert "expf(" in src and "__expf" not in src and "__fdividef" not in src
-    W = knobs["BWD_WARPS"]
+    W = _knob(knobs, "BWD_WARPS")
     assert f"__launch_bounds__({32 * W}" in src
     # the round's block sums are added in block order, one unrolled add per warp: W adds of the tile per column
-    assert re.search(rf"for \(int ww = 0; ww < {W}; \+\+ww\)", src)
+    assert W == 1 or re.search(rf"for \(int ww = 0; ww < {W}; \+\+ww\)", src)
     assert "atomic" not in src
 
 
@@ -495,14 +497,13 @@ def _mix_outputs():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("knobs", MIX_VARIANTS, ids=str)
-def test_variant_gives_the_one_warp_bits(knobs, knob_kernels):
-    """Each knob set gives the one-warp baseline's d_input, d_scale / d_base and head partials bit for bit (the same
+@pytest.mark.parametrize("knobs", MIX_VARIANTS[1:], ids=str)
+def test_variant_gives_the_defaults_bits(knobs, knob_kernels):
+    """Each knob set gives the default kernels' d_input, d_scale / d_base and head partials bit for bit (the same
     partial grouping and order) over T in {0, 1, 7, 4001, 8192}, n in {2, 4, 8}, P in {1, 3, 128} and token blocks
     {32, 8, 50} (50: two 32-token chunks a block); the data are drawn from the same seed for both runs."""
     seed = torch.initial_seed()
-    knob_kernels(K, ONE_WARP)
-    want = _mix_outputs()
+    want = _mix_outputs()  # the shipped path: the package's kernels
     knob_kernels(K, knobs)
     torch.manual_seed(seed)
     got = _mix_outputs()
@@ -549,22 +550,21 @@ def _cta_emulated(src, kernel, threads, workdir):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("knobs", MIX_VARIANTS, ids=str)
+@pytest.mark.parametrize("knobs", MIX_VARIANTS[1:], ids=str)
 @pytest.mark.parametrize("n", (2, 4))
-def test_variant_on_the_cpu_gives_the_one_warp_bits(knobs, n, tmp_path, monkeypatch):
-    """The backward kernels' CUDA run on the CPU: each knob set writes the one-warp baseline's d_input and partials
-    bit for bit (split mixes, token block 32; head mix, token blocks 32 and 50), over token counts with a partial last
-    block and partial counts with 0 to 5 blocks each; the partials also equal the reference's grouping to its
-    tolerance."""
+def test_variant_on_the_cpu_gives_the_defaults_bits(knobs, n, tmp_path, monkeypatch):
+    """The backward kernels' CUDA run on the CPU: each knob set writes the defaults' d_input and partials bit for bit
+    (split mixes, token block 32; head mix, token blocks 32 and 50), over token counts with a partial last block and
+    partial counts with 0 to 5 blocks each; the partials also equal the reference's grouping to its tolerance."""
     import shutil
 
     if shutil.which("g++") is None:
         pytest.skip("needs g++")
     M = n * (n + 2)
     runs = {}
-    for tag, kn in (("baseline", ONE_WARP), ("variant", knobs)):
+    for tag, kn in (("default", {}), ("variant", knobs)):
         runs[tag] = {(name, tb): _cta_emulated(_variant_source(monkeypatch, kn, name, (n, tb)), f"{name}_kernel",
-                                               32 * kn["BWD_WARPS"], tmp_path)
+                                               32 * _knob(kn, "BWD_WARPS"), tmp_path)
                      for name, tb in (("mhc_split_mixes_bwd", 32), ("mhc_head_mix_bwd", 32), ("mhc_head_mix_bwd", 50))}
     for T, P in ((1, 3), (700, 7), (1000, 5), (4001, 40)):
         m, s, b, post, grads = _split_data(T, n)
@@ -580,7 +580,7 @@ def test_variant_on_the_cpu_gives_the_one_warp_bits(knobs, n, tmp_path, monkeypa
                 fns["mhc_head_mix_bwd", tb](P, DOUT=hg, X=x, S=hs, Bs=hb, DX=hdx, PS=hps, PB=hpb, Tn=T, P=P)
                 got += [hdx, hps, hpb]
             outs[tag] = got
-        for a, c in zip(outs["variant"], outs["baseline"]):
+        for a, c in zip(outs["variant"], outs["default"]):
             assert torch.equal(a, c), (T, P)
         ri, rs, rb = R.mhc_pre_split_mixes_bwd_ref(*grads, m, post, s, b, V, P)
         assert torch.equal(outs["variant"][0][:, 2 * n:], ri[:, 2 * n:])
@@ -597,7 +597,7 @@ def test_partials_sum_variant_on_the_cpu_is_the_in_order_sum(knobs, tmp_path, mo
         pytest.skip("needs g++")
     fns = {tag: _cta_emulated(_variant_source(monkeypatch, kn, "mhc_partials_sum", ()), "mhc_partials_sum_kernel",
                               K.THREADS, tmp_path)
-           for tag, kn in (("baseline", ONE_WARP), ("variant", knobs))}
+           for tag, kn in (("default", {}), ("variant", knobs))}
     for P, G, M in ((1, 3, 24), (128, 3, 24), (133, 3, 80), (7, 1, 300)):
         ps, pb = torch.randn(P, G) * 100, torch.randn(P, M)
         for tag, fn in fns.items():

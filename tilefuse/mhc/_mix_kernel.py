@@ -25,27 +25,22 @@ one after another in token order (tail tokens past ``T`` add nothing). This is t
 ``[P, G]``, ``[P, M]`` are then summed over ``p`` in increasing order from zero by ``mhc_partials_sum``
 (one thread per column) -- the order of ``reference.mhc.seq_sum``, so that step is bit-identical to it.
 
-Multi-warp backward (knob ``BWD_WARPS``, 2 by default; 1 selects the one-warp kernels, the fallback and the
-comparison baseline). The one-warp backward runs P = 128 CTAs of one warp, each walking its partial's blocks one after
-another: at T = 8192 (256 blocks) two blocks a CTA, each a chain of DRAM loads, 8 IEEE divisions and 4 ``expf``, 24
-scattered stores, a barrier and 32 dependent adds of the stage. With ``BWD_WARPS = W`` each partial's CTA has W warps;
-warp ``w`` takes blocks ``r = w, w + W, ...`` (its own 32-row stage, its 32 stage loads unrolled ahead of the adds),
-and after a barrier thread ``c`` adds the round's block sums (``r < R``) to its running partial in block order: every
-addition of the one-warp kernels in the same order, so ``d_scale`` / ``d_base`` / the head partials have the same bits
-whatever W (GPU and g++ knob tests). The partial sum (one thread per column) loads ``PARTIAL_ROWS`` partials a thread
-at a time before adding them in order (128 by default: all of a split backward's partials in one round trip; 16: eight
-dependent round trips a column); ``PARTIAL_ONE_PATH`` (default True) makes its scale and base columns one code path
-whose loads pick their source (False: the two divergent paths of one warp run one after the other, 16 dependent round
-trips at 16 rows). ``MIX_PDL`` (default True) starts the multi-warp backward and the partial sum with
-``griddepcontrol.wait``, so the partial sum's launch overlaps the backward's tail (results unchanged).
+Backward: one CTA per partial, ``BWD_WARPS`` (W, 2 by default) warps a CTA. Warp ``w`` of partial ``p``'s CTA takes
+the partial's blocks ``r = w, w + W, ...`` (at T = 8192, 256 blocks, P = 128: the two blocks of a partial in one
+round at W = 2): for each 32-token chunk of a block, lane ``l`` computes token ``l``'s row -- its ``M`` column
+gradients ``dz`` (writing ``d_input``) and ``G`` scale terms -- into row ``l`` of the warp's shared 32-row stage
+(zeros past the block or past ``T``); after a barrier lane ``c`` adds the stage's column ``c`` (and ``c + 32``, ...)
+row by row (token order, its 32 stage loads unrolled ahead of the adds) into the block's sums. After a barrier thread
+``c`` adds the round's block sums (``r < R``) to its running partial in block order: the same additions in the same
+order whatever W, so ``d_scale`` / ``d_base`` / the head partials have the same bits (GPU and g++ knob tests). The
+partial sum (one thread per column) loads ``PARTIAL_ROWS`` partials a thread at a time before adding them in order
+(128 by default: all of a split backward's partials in one round trip); its scale and base columns are one code path
+whose loads pick their source. The backward and the partial sum start with ``griddepcontrol.wait`` (PDL), so the
+partial sum's launch overlaps the backward's tail (results unchanged).
 
-Measured on an NVIDIA H100 80GB HBM3, 2026-12-05 (T = 8192, n = 4): ``BWD_WARPS = 2``, ``PARTIAL_ROWS = 128``,
-``PARTIAL_ONE_PATH = True``, ``MIX_PDL = True`` (the defaults) take the split-mixes backward (both launches) from
-34.2 µs (the one-warp kernels, ``BWD_WARPS = 1``, 16 rows, two paths, no PDL) to 16.8 µs, and the v1 head-mix
-backward from 6.2 to 5.8 µs; ``BWD_WARPS = 4`` with the same other knobs: 16.8 and 6.0 µs. The 17.4 µs saved is more
-than twice what a latency model predicted (one round of blocks instead of two, about 2 µs; one partial-sum round trip
-instead of 16, about 4; the second launch hidden, 1 to 2), which put the one-warp chain at some 15 µs against the
-33.9 µs measured on an H200; how the saving splits between the knobs was not measured.
+Measured on an NVIDIA H100 80GB HBM3, 2026-12-05 (T = 8192, n = 4): at the defaults (``BWD_WARPS = 2``,
+``PARTIAL_ROWS = 128``) the split-mixes backward (both launches) takes 16.8 µs and the v1 head-mix backward 5.8 µs;
+``BWD_WARPS = 4``: 16.8 and 6.0 µs.
 
 Forward: one thread per token and nothing shared between threads, so a token's outputs do not depend on the threads
 a CTA. ``SPLIT_FWD_THREADS`` (split mixes) and ``THREADS`` (head mix, and the partial sum's columns) are the CTA
@@ -68,17 +63,11 @@ MAX_N = 8        # largest multiplicity the kernels take (per-token arrays of n(
 THREADS = 128    # head-mix forward and the partial sum: threads per CTA, one token (column) per thread
 SPLIT_FWD_THREADS = 32  # split-mixes forward: threads per CTA, one token per thread (results do not depend on it)
 LANES = 32       # backward kernels: threads a warp (BWD_WARPS warps a CTA), one token of a 32-token chunk each
-# backward kernels: warps per CTA (knob; 1 = the one-warp kernels). With W > 1 warp w of partial p's CTA takes its
-# blocks r = w, w + W, ... (one 32-token chunk per warp at a time), and the CTA adds the W block sums of a round
-# in block order: the same sums in the same order (the same bits), W blocks in flight instead of one
+# backward kernels: warps per CTA (>= 1). Warp w of partial p's CTA takes its blocks r = w, w + W, ... (one 32-token
+# chunk per warp at a time), and the CTA adds the W block sums of a round in block order: the same sums in the same
+# order (the same bits) whatever W, W blocks in flight
 BWD_WARPS = 2
 PARTIAL_ROWS = 128  # mhc_partials_sum: partials a thread loads at a time (in flight) before adding them in order
-# mhc_partials_sum: one code path for the scale and base columns (each load picks its source by the column), so a
-# warp holding both kinds does not run the two paths one after the other (False: the two-path kernel)
-PARTIAL_ONE_PATH = True
-# the multi-warp backward and the partial sum start with griddepcontrol.wait (PDL): their launch overlaps the
-# previous kernel's tail (results unchanged; False: no wait)
-MIX_PDL = True
 
 F32 = "float32"
 I64 = "int64"
@@ -168,8 +157,8 @@ def head_mix_fwd_kernel(n: int):
 def _token_row(split: bool, n: int):
     """The backward kernels' per-token part, as a macro ``token_row(t, row, bufs)``: token ``t``'s ``M`` column
     gradients ``dz`` into ``row[:M]`` (and ``dz`` times its group's scale into ``d_input``), then its ``G`` scale
-    terms ``sum_j dz[j] * m[j]`` into ``row[M:]`` (``bufs`` as ``_bwd_loop``'s). One definition for every variant
-    of the loop, so they compute the same bits."""
+    terms ``sum_j dz[j] * m[j]`` into ``row[M:]``. ``bufs``: split ``(DPRE, DPOST, DCOMB, X, POST, S, Bs, DX, v)``,
+    head ``(DOUT, X, S, Bs, DX)``."""
     import tilelang.language as T
 
     M = n * (n + 2) if split else n
@@ -202,60 +191,6 @@ def _token_row(split: bool, n: int):
     return token_row
 
 
-def _bwd_loop(split: bool, n: int, TB: int):
-    """The backward kernels' body, as a macro ``loop(Tn, P, p, lane, stage, row, acc, bsum, PS, PB, bufs)``.
-
-    CTA ``p`` of ``P`` walks token blocks ``p, p + P, ...`` (``Tn`` tokens). For each 32-token chunk of a
-    block, thread ``l`` computes token ``l``'s row -- its ``M`` column gradients ``dz`` (writing ``d_input``)
-    and ``G`` scale terms -- into row ``l`` of a shared stage (zeros past the block or past ``Tn``); after a
-    barrier thread ``l`` adds the stage's columns ``l, l + 32, ...`` row by row (token order) into its block
-    sums. A block's sums are added to the running partials; at the end the partials go to ``PS [P, G]``
-    (scale) and ``PB [P, M]`` (base). ``bufs``: split ``(DPRE, DPOST, DCOMB, X, POST, S, Bs, DX, v)``, head
-    ``(DOUT, X, S, Bs, DX)``. Returns ``(macro, F = M + G, columns per thread)``."""
-    import tilelang.language as T
-
-    M, G = (n * (n + 2), 3) if split else (n, 1)
-    F = M + G
-    CPT = -(-F // LANES)
-    CHUNKS = -(-TB // LANES)
-    token_row = _token_row(split, n)
-
-    @T.macro
-    def loop(Tn, P, p, lane, stage, row, acc, bsum, PS, PB, bufs):
-        for k in T.unroll(CPT):
-            acc[k] = T.float32(0.0)
-        for r in T.serial(T.ceildiv(T.ceildiv(Tn, TB) - p, P)):
-            blk = p + r * P
-            for k in T.unroll(CPT):
-                bsum[k] = T.float32(0.0)
-            for c in T.serial(CHUNKS):
-                within = c * LANES + lane
-                t = blk * TB + within
-                if within < TB and t < Tn:
-                    token_row(t, row, bufs)
-                else:
-                    for j in T.unroll(F):
-                        row[j] = T.float32(0.0)
-                for j in T.unroll(F):
-                    stage[lane, j] = row[j]
-                T.sync_threads()
-                for k in T.unroll(CPT):
-                    if k * LANES + lane < F:
-                        for s in T.serial(LANES):
-                            bsum[k] = _add(bsum[k], stage[s, k * LANES + lane])
-                T.sync_threads()
-            for k in T.unroll(CPT):
-                acc[k] = _add(acc[k], bsum[k])
-        for k in T.unroll(CPT):
-            col = k * LANES + lane
-            if col < M:
-                PB[p, col] = acc[k]
-            elif col < F:
-                PS[p, col - M] = acc[k]
-
-    return loop, F, CPT
-
-
 def split_mixes_bwd_kernel(n: int, TB: int):
     """Factory: split mixes backward at multiplicity ``n``, token block ``TB``.
 
@@ -263,30 +198,8 @@ def split_mixes_bwd_kernel(n: int, TB: int):
     ``S [3]``, ``Bs [M]``, outputs ``DX [T, M]``, ``PS [P, 3]``, ``PB [P, M]`` (one CTA per partial), then the
     float ``v``.
     """
-    import tilelang.language as T
-
     assert supports(n) and TB >= 1, (n, TB)
-    M = n * (n + 2)
-    if BWD_WARPS > 1:
-        return _wide_bwd_kernel(True, n, TB)
-    Tn, P = T.dynamic("Tn, P", I64)
-    loop, F, CPT = _bwd_loop(True, n, TB)
-
-    @T.prim_func
-    def mhc_split_mixes_bwd(DPRE: T.Tensor((Tn, n), F32), DPOST: T.Tensor((Tn, n), F32),
-                            DCOMB: T.Tensor((Tn, n * n), F32), X: T.Tensor((Tn, M), F32),
-                            POST: T.Tensor((Tn, n), F32), S: T.Tensor((3,), F32), Bs: T.Tensor((M,), F32),
-                            DX: T.Tensor((Tn, M), F32), PS: T.Tensor((P, 3), F32), PB: T.Tensor((P, M), F32),
-                            v: T.float32):
-        with T.Kernel(P, threads=LANES) as p:
-            stage = T.alloc_shared((LANES, F), F32)
-            row = T.alloc_local((F,), F32)
-            acc = T.alloc_local((CPT,), F32)
-            bsum = T.alloc_local((CPT,), F32)
-            loop(Tn, P, T.cast(p, I64), T.get_thread_binding(), stage, row, acc, bsum, PS, PB,
-                 (DPRE, DPOST, DCOMB, X, POST, S, Bs, DX, v))
-
-    return mhc_split_mixes_bwd
+    return _bwd_kernel(True, n, TB)
 
 
 def head_mix_bwd_kernel(n: int, TB: int):
@@ -295,39 +208,21 @@ def head_mix_bwd_kernel(n: int, TB: int):
     Arguments at launch: ``DOUT [T, n]``, ``X [T, n]``, ``S [1]``, ``Bs [n]``, outputs ``DX [T, n]``,
     ``PS [P, 1]``, ``PB [P, n]`` (one CTA per partial).
     """
-    import tilelang.language as T
-
     assert supports(n) and TB >= 1, (n, TB)
-    if BWD_WARPS > 1:
-        return _wide_bwd_kernel(False, n, TB)
-    Tn, P = T.dynamic("Tn, P", I64)
-    loop, F, CPT = _bwd_loop(False, n, TB)
-
-    @T.prim_func
-    def mhc_head_mix_bwd(DOUT: T.Tensor((Tn, n), F32), X: T.Tensor((Tn, n), F32), S: T.Tensor((1,), F32),
-                         Bs: T.Tensor((n,), F32), DX: T.Tensor((Tn, n), F32), PS: T.Tensor((P, 1), F32),
-                         PB: T.Tensor((P, n), F32)):
-        with T.Kernel(P, threads=LANES) as p:
-            stage = T.alloc_shared((LANES, F), F32)
-            row = T.alloc_local((F,), F32)
-            acc = T.alloc_local((CPT,), F32)
-            bsum = T.alloc_local((CPT,), F32)
-            loop(Tn, P, T.cast(p, I64), T.get_thread_binding(), stage, row, acc, bsum, PS, PB, (DOUT, X, S, Bs, DX))
-
-    return mhc_head_mix_bwd
+    return _bwd_kernel(False, n, TB)
 
 
-def _wide_bwd_kernel(split: bool, n: int, TB: int):
-    """The backward kernels with ``BWD_WARPS`` (W > 1) warps per CTA, launched like the one-warp kernels (one CTA
-    per partial, the same arguments). Partial ``p`` still sums its blocks ``p, p + P, ...`` in increasing order from
-    zero, and a block's sum adds its tokens in token order from zero (zero rows past ``TB`` or ``Tn``), exactly the
-    default loop's additions: warp ``w`` computes the block sums of blocks ``r = w, w + W, ...`` of the partial
-    (its own 32-row stage; column ``c`` summed by lane ``c`` of that warp, the 32 loads unrolled ahead of the adds),
-    puts them in a ``[W, F]`` tile, and after a barrier thread ``c`` adds the round's W block sums (those with
-    ``r < R``) in order to its running partial."""
+def _bwd_kernel(split: bool, n: int, TB: int):
+    """The backward kernels, ``BWD_WARPS`` (W) warps per CTA, one CTA per partial. Partial ``p`` sums its blocks ``p,
+    p + P, ...`` in increasing order from zero, and a block's sum adds its tokens in token order from zero (zero rows
+    past ``TB`` or ``Tn``): warp ``w`` computes the block sums of blocks ``r = w, w + W, ...`` of the partial (its own
+    32-row stage; column ``c`` summed by lane ``c`` of that warp, the 32 loads unrolled ahead of the adds), puts them
+    in a ``[W, F]`` tile, and after a barrier thread ``c`` adds the round's W block sums (those with ``r < R``) in
+    order to its running partial; at the end the partials go to ``PS [P, G]`` (scale) and ``PB [P, M]`` (base)."""
     import tilelang.language as T
 
     W = BWD_WARPS
+    assert W >= 1, W
     M, G = (n * (n + 2), 3) if split else (n, 1)
     F = M + G
     CPT = -(-F // LANES)             # columns a lane sums in its warp's stage
@@ -390,8 +285,7 @@ def _wide_bwd_kernel(split: bool, n: int, TB: int):
                                 DX: T.Tensor((Tn, M), F32), PS: T.Tensor((P, 3), F32), PB: T.Tensor((P, M), F32),
                                 v: T.float32):
             with T.Kernel(P, threads=NT) as p:
-                if MIX_PDL:
-                    T.pdl_sync()
+                T.pdl_sync()
                 stage = T.alloc_shared((W, LANES, F), F32)
                 tile = T.alloc_shared((W, F), F32)
                 row = T.alloc_local((F,), F32)
@@ -407,8 +301,7 @@ def _wide_bwd_kernel(split: bool, n: int, TB: int):
                          Bs: T.Tensor((n,), F32), DX: T.Tensor((Tn, n), F32), PS: T.Tensor((P, 1), F32),
                          PB: T.Tensor((P, n), F32)):
         with T.Kernel(P, threads=NT) as p:
-            if MIX_PDL:
-                T.pdl_sync()
+            T.pdl_sync()
             stage = T.alloc_shared((W, LANES, F), F32)
             tile = T.alloc_shared((W, F), F32)
             row = T.alloc_local((F,), F32)
@@ -430,19 +323,8 @@ def partials_sum_kernel():
     ROWS = PARTIAL_ROWS
 
     @T.macro
-    def column_sum(A, col, acc, vals):
-        acc[0] = T.float32(0.0)
-        for ch in T.serial(T.ceildiv(P, ROWS)):
-            for r in T.unroll(ROWS):
-                if ch * ROWS + r < P:
-                    vals[r] = A[ch * ROWS + r, col]
-            for r in T.unroll(ROWS):
-                if ch * ROWS + r < P:
-                    acc[0] = _add(acc[0], vals[r])
-
-    @T.macro
     def one_path_sum(PS, PB, col, acc, vals, OS, OB):
-        # column col of [PS | PB]: the load picks PS or PB (indices clamped into both), the adds are column_sum's
+        # column col of [PS | PB]: the load picks PS or PB (indices clamped into both), then the adds in order
         acc[0] = T.float32(0.0)
         for ch in T.serial(T.ceildiv(P, ROWS)):
             for r in T.unroll(ROWS):
@@ -461,20 +343,12 @@ def partials_sum_kernel():
     def mhc_partials_sum(PS: T.Tensor((P, G), F32), PB: T.Tensor((P, M), F32), OS: T.Tensor((G,), F32),
                          OB: T.Tensor((M,), F32)):
         with T.Kernel(T.ceildiv(G + M, THREADS), threads=THREADS) as bx:
-            if MIX_PDL:
-                T.pdl_sync()
+            T.pdl_sync()
             col = T.cast(bx, I64) * THREADS + T.get_thread_binding()
             acc = T.alloc_local((1,), F32)
             vals = T.alloc_local((ROWS,), F32)
-            if PARTIAL_ONE_PATH:
-                if col < G + M:
-                    one_path_sum(PS, PB, col, acc, vals, OS, OB)
-            elif col < G:
-                column_sum(PS, col, acc, vals)
-                OS[col] = acc[0]
-            elif col < G + M:
-                column_sum(PB, col - G, acc, vals)
-                OB[col - G] = acc[0]
+            if col < G + M:
+                one_path_sum(PS, PB, col, acc, vals, OS, OB)
 
     return mhc_partials_sum
 
