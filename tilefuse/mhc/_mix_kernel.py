@@ -233,7 +233,14 @@ def _bwd_kernel(split: bool, n: int, TB: int):
     Tn, P = T.dynamic("Tn, P", I64)
 
     @T.macro
-    def body(Tn, P, p, tid, stage, tile, row, acc, bsum, PS, PB, bufs):
+    def body(Tn, P, p, tid, PS, PB, bufs):
+        # the CTA of partial p (thread tid): PDL's wait, then its stages, tile and registers
+        T.pdl_sync()
+        stage = T.alloc_shared((W, LANES, F), F32)
+        tile = T.alloc_shared((W, F), F32)
+        row = T.alloc_local((F,), F32)
+        acc = T.alloc_local((CPW,), F32)
+        bsum = T.alloc_local((CPT,), F32)
         w = tid // LANES
         lane = tid % LANES
         R = T.ceildiv(T.ceildiv(Tn, TB) - p, P)  # blocks of this partial (<= 0: none)
@@ -285,14 +292,7 @@ def _bwd_kernel(split: bool, n: int, TB: int):
                                 DX: T.Tensor((Tn, M), F32), PS: T.Tensor((P, 3), F32), PB: T.Tensor((P, M), F32),
                                 v: T.float32):
             with T.Kernel(P, threads=NT) as p:
-                T.pdl_sync()
-                stage = T.alloc_shared((W, LANES, F), F32)
-                tile = T.alloc_shared((W, F), F32)
-                row = T.alloc_local((F,), F32)
-                acc = T.alloc_local((CPW,), F32)
-                bsum = T.alloc_local((CPT,), F32)
-                body(Tn, P, T.cast(p, I64), T.get_thread_binding(), stage, tile, row, acc, bsum, PS, PB,
-                     (DPRE, DPOST, DCOMB, X, POST, S, Bs, DX, v))
+                body(Tn, P, T.cast(p, I64), T.get_thread_binding(), PS, PB, (DPRE, DPOST, DCOMB, X, POST, S, Bs, DX, v))
 
         return mhc_split_mixes_bwd
 
@@ -301,14 +301,7 @@ def _bwd_kernel(split: bool, n: int, TB: int):
                          Bs: T.Tensor((n,), F32), DX: T.Tensor((Tn, n), F32), PS: T.Tensor((P, 1), F32),
                          PB: T.Tensor((P, n), F32)):
         with T.Kernel(P, threads=NT) as p:
-            T.pdl_sync()
-            stage = T.alloc_shared((W, LANES, F), F32)
-            tile = T.alloc_shared((W, F), F32)
-            row = T.alloc_local((F,), F32)
-            acc = T.alloc_local((CPW,), F32)
-            bsum = T.alloc_local((CPT,), F32)
-            body(Tn, P, T.cast(p, I64), T.get_thread_binding(), stage, tile, row, acc, bsum, PS, PB,
-                 (DOUT, X, S, Bs, DX))
+            body(Tn, P, T.cast(p, I64), T.get_thread_binding(), PS, PB, (DOUT, X, S, Bs, DX))
 
     return mhc_head_mix_bwd
 
