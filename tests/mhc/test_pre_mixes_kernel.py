@@ -6,12 +6,11 @@ launch; mhc.md §2.8, §3 contract 2).
   the generated CUDA of this kernel and of the chain's three kernels (reduce/RMS, split, Sinkhorn), run on the
   CPU with g++, give the same bits for T = 1, 7 and 4001 (a partial last CTA), standard, large and small logits and
   Sinkhorn eps 0 (zero column sums: the IEEE fallback, NaN), also under the knob sets (the Sinkhorn macros' plain
-  division and reciprocal, 64 threads a CTA, the staged loads); ``pre_chain``'s fused path binds one launch (none at
+  division and reciprocal, 64 threads a CTA); ``pre_chain``'s fused path binds one launch (none at
   T = 0) and hands the pre mix to the apply; ``takes`` is the chain's kernel conditions.
 * gpu tier: ``mhc_pre_big_fuse_fwd`` and ``mhc_pre_big_fuse`` with the kernel against the four-kernel chain
   (``ENABLED = False``), ``torch.equal`` on NaN-poisoned outputs, T in {0, 1, 7, 4001, 8192}; the kernel is the
-  path taken; CUDA-graph replay; batch invariance; ``torch.compile(fullgraph=True)`` (the custom op); the staged
-  variant (``STAGE_SPLITS``) gives the default's bits.
+  path taken; CUDA-graph replay; batch invariance; ``torch.compile(fullgraph=True)`` (the custom op).
 
 No tolerances: the contract is bit-identity with the unfused chain.
 """
@@ -34,12 +33,6 @@ from tests.quant.kernel_binding import fake_jit
 CONFIGS = pre_mixes_configs()  # (n, S) the tests build and launch
 EPS, V, REPEAT = 1e-6, 1.0, 10
 TOKENS = (0, 1, 7, 4001, 8192)
-
-
-@pytest.fixture(autouse=True)
-def _fused_path(monkeypatch):
-    """The fused path is off by default (``ENABLED``) until a GPU run has measured it: these tests turn it on."""
-    monkeypatch.setattr(K, "ENABLED", True)
 
 
 def _partials(S, t, n, c, device="cpu", scale=1.0):
@@ -177,15 +170,13 @@ def _cdiv(a, b):
 
 
 # knob sets the CPU run also covers (results unchanged): the Sinkhorn macros' plain IEEE division and __frcp_rn
-# reciprocal, 64 threads a CTA, the staged loads (8 splits a stage; 5: a short last stage)
-KNOB_SETS = ((SK, "FAST_DIV", False), (SK, "RCP_APPROX", False), (K, "THREADS", 64), (K, "STAGE_SPLITS", 8),
-             (K, "STAGE_SPLITS", 5))
+# reciprocal, 64 threads a CTA
+KNOB_SETS = ((SK, "FAST_DIV", False), (SK, "RCP_APPROX", False), (K, "THREADS", 64))
 
 
 @pytest.mark.compile
 @pytest.mark.skipif(not HAS_GXX, reason="needs g++")
-@pytest.mark.parametrize("n,S,knob", [(n, s, None) for n, s in CONFIGS] + [(4, 16, k) for k in KNOB_SETS]
-                         + [(2, 1, (K, "STAGE_SPLITS", 8)), (2, 16, (K, "STAGE_SPLITS", 5))],
+@pytest.mark.parametrize("n,S,knob", [(n, s, None) for n, s in CONFIGS] + [(4, 16, k) for k in KNOB_SETS],
                          ids=lambda v: f"{v[1]}={v[2]}" if isinstance(v, tuple) else str(v))
 def test_cpu_run_is_the_chain_bit_for_bit(n, S, knob, tmp_path, monkeypatch):
     if knob is not None:
@@ -320,17 +311,3 @@ def test_torch_compile_fullgraph():
     want = step(ps, qs, sc, bs, res, *want_outs)
     _equal(got_outs, want_outs)
     assert torch.equal(got, want)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("stage", (8, 5))
-def test_staged_variant_gives_the_default_bits(stage, knob_kernels):
-    cases = []
-    for n, S in CONFIGS:
-        for t in (1, 7, 4001, 8192):
-            ps, qs, sc, bs = _partials(S, t, n, 1280, "cuda")
-            res = torch.randn(t, n, 1280, device="cuda").to(BF16)
-            cases.append(((ps, qs, sc, bs, res), _fwd(ps, qs, sc, bs, res)))
-    knob_kernels(K, {"STAGE_SPLITS": stage})
-    for args, want in cases:
-        _equal(_fwd(*args), want)

@@ -179,7 +179,7 @@ def norm_fn_forward(residual: torch.Tensor, fn: torch.Tensor, eps: float):
 def pre_chain(out_mul_splitted, sqrsum_splitted, residual, scale, base, rms_eps, pre_eps, sinkhorn_eps,
               post_mult_value, sinkhorn_repeat, out=None):
     """The fused pre of §2.8 on flattened tensors: reduce + RMS, split, Sinkhorn, apply, so the chain's bits are the
-    unfused ops' (§3). With ``_pre_mixes_kernel.ENABLED`` (off by default until measured on a GPU), where the reduce,
+    unfused ops' (§3). With ``_pre_mixes_kernel.ENABLED`` (the default), where the reduce,
     split and Sinkhorn kernels would all be taken, one kernel does the three (the same operations in the same order)
     and the apply follows: two launches; otherwise each step goes through the helper its unfused op takes (the
     kernels on CUDA), one launch a step.

@@ -35,28 +35,16 @@ aligned when ``M % 4 == 0``: ``n`` even), the ``S`` splits unrolled so the loads
 while earlier ones are added; a warp's vector loads span ``32 M`` consecutive floats, whole lines that L1 serves
 to the warp's following vector loads. ``QS`` loads are consecutive words across a warp.
 
-Staged variant (knob ``STAGE_SPLITS = k``, off by default; neither measured): a CTA's ``THREADS`` token rows of one
-split are one contiguous block of ``THREADS M`` floats, so the CTA loads ``k`` splits at a time into shared memory
-with 16-byte loads by consecutive threads at consecutive addresses (each warp instruction one 512-byte run), and
-after a barrier each thread adds its row from the stage: the same additions in the same order, so the same bits
-(the compile tier's CPU runs check it, with a short last stage). The direct loads cost the L1 about 24 wavefronts a
-warp instruction (32 rows 96 bytes apart) against 4; the stage adds a store and a load of each float to shared
-memory and a barrier a stage. ``k = 8`` uses 24 KB a CTA at n = 4.
-
 Nothing is summed over tokens: deterministic and batch-invariant, no atomics.
 
-Expected speed (a model, not measured): at T = 8192, n = 4, S = 16 the kernel reads 8192 x 16 x 25 x 4 B = 13.1 MB
-of partials and writes 0.8 MB, about 3.5 µs at 4 TB/s; 256 CTAs of 32 threads (2 an SM on 132 SMs) then run the
-softmax and 2 x 10 - 1 = 19 Sinkhorn steps (repeat 10) of about 150 SASS instructions (the sinkhorn module's count)
-on dependent chains of about 90 cycles a step: some 2 k cycles, 1 µs at 1.98 GHz, partly behind the loads. About
-5 µs with the launch against the three kernels' ~13.6 µs (99.7 - 86.1 µs): the pre would take about 91-92 µs against
-99.7 (TileKernels 93.2). Falsified if the chain with ``ENABLED`` stays above 95 µs: then the latency of the loads of
-2 warps an SM bounds it (try staging the partials through shared memory with whole-warp contiguous loads, or more
-tokens a thread's loads in flight).
+Measured on an NVIDIA H200, 2026-12-05 (isolated timer, ``mhc_pre_big_fuse_fwd`` at T = 8192, n = 4, C = 4096,
+S = 16; ``tools/gpu_verify.sh`` with this kernel as a knob variant beside the chain in the same session): 95.6 µs,
+against 101.0 for the four-kernel chain and 92.6 for TileKernels 2.1.0. The model said 91-92 µs: this kernel's share
+(the partials' 13.1 MB and the Sinkhorn's steps on 2 warps an SM) about 5 µs against the three kernels' ~13.6 µs.
 
 Registers a thread (ptxas, sm_90, ``nvcc -O3``, no spills, no stack): n = 4, S = 16: 254 (ptxas hoists the splits'
 loads ahead of their adds; that still fits 8 CTAs of 32 threads an SM, more than the 2 that T = 8192 puts there);
-n = 4, S = 1: 63; n = 2, S = 16: 158; n = 2, S = 1: 31. Staged (n = 4, S = 16): k = 8: 236, k = 16: 254.
+n = 4, S = 1: 63; n = 2, S = 16: 158; n = 2, S = 1: 31.
 
 Kernel constraints: ``n`` in ``_sinkhorn_kernel.KERNEL_N`` (2, 4), ``S <= _reduce_norm_kernel.MAX_S``, a group size
 exact in fp32; the caller keeps the four-kernel chain for anything else (``takes``).
@@ -75,15 +63,10 @@ KERNEL_HELPERS = ("tilefuse._rn", "tilefuse.mhc._reduce_norm_kernel", "tilefuse.
                   "tilefuse.mhc._sinkhorn_kernel")
 
 # ---- knobs (TILEFUSE_KNOBS; results unchanged) ----
-# True: pre_chain runs this kernel and the apply kernel (2 launches). Off until a GPU run has measured it beside the
-# four-kernel chain (reduce, split, Sinkhorn, apply) and passed its GPU tier; the CPU runs of its generated CUDA give
-# the chain's bits
-ENABLED = False
+# True: pre_chain runs this kernel and the apply kernel (2 launches); False: the four-kernel chain (reduce, split,
+# Sinkhorn, apply), which also serves every input this kernel does not take (``takes``) and is the tests' baseline
+ENABLED = True
 THREADS = 32  # threads (tokens) per CTA: T = 8192 gives 256 CTAs, two on each of 132 SMs
-# 0: each thread loads its own token's rows of the partials (16-byte vectors; the default, neither measured); k > 0:
-# the CTA stages k splits at a time in shared memory (k THREADS M floats) through whole-CTA contiguous 16-byte
-# loads, then each thread adds its row from the stage: the same additions in the same order (the same bits)
-STAGE_SPLITS = 0
 # PDL: the first statement waits for the stream's previous grid (griddepcontrol.wait), so the launch and CTA setup
 # overlap the previous kernel's tail
 PDL = True
@@ -108,9 +91,6 @@ def pre_mixes_kernel(n: int, S: int):
     M, NN, TPB = n * (n + 2), n * n, THREADS
     VEC = 4 if M % 4 == 0 else 1  # floats a load: 16-byte vectors when every row starts on a 16-byte boundary
     groups = _groups(n)
-    CH = min(STAGE_SPLITS, S)          # splits a stage holds
-    CHUNKS = -(-S // max(CH, 1))
-    assert not STAGE_SPLITS or VEC == 4, (n, STAGE_SPLITS)
     Tn = T.dynamic("num_tokens", I64)
 
     @T.prim_func
@@ -121,10 +101,7 @@ def pre_mixes_kernel(n: int, S: int):
         with T.Kernel(T.ceildiv(Tn, TPB), threads=TPB) as bx:
             if PDL:
                 T.pdl_sync()
-            t0 = T.cast(bx, I64) * TPB
-            t = t0 + T.cast(T.get_thread_binding(), I64)
-            if STAGE_SPLITS:
-                stage = T.alloc_shared((CH, TPB * M), F32)
+            t = T.cast(bx, I64) * TPB + T.cast(T.get_thread_binding(), I64)
             ld = T.alloc_local((M,), F32)      # one split's partials of the token
             p = T.alloc_local((M,), F32)       # reduced partials, then the mix logits z
             q = T.alloc_local((1,), F32)
@@ -136,37 +113,14 @@ def pre_mixes_kernel(n: int, S: int):
             q[0] = T.float32(0.0)
             for j in T.unroll(M):
                 p[j] = T.float32(0.0)
-            if STAGE_SPLITS:
-                for ch in T.unroll(CHUNKS):
-                    # the CTA's TPB token rows of split s are one contiguous block: 16-byte loads by consecutive
-                    # threads at consecutive addresses, into the stage
-                    for i in T.unroll(CH * M // VEC):
-                        if ch * CH + i // (M // VEC) < S:
-                            o = ((i % (M // VEC)) * TPB + T.get_thread_binding()) * VEC  # float within the block
-                            if t0 + o // M < Tn:
-                                for e in T.vectorized(VEC):
-                                    stage[i // (M // VEC), o + e] = PS[ch * CH + i // (M // VEC), t0 + o // M,
-                                                                       o % M + e]
-                    T.sync_threads()
-                    if t < Tn:
-                        for sl in T.unroll(CH):
-                            if ch * CH + sl < S:
-                                for c in T.unroll(M // VEC):
-                                    for e in T.vectorized(VEC):
-                                        ld[c * VEC + e] = stage[sl, T.get_thread_binding() * M + c * VEC + e]
-                                q[0] = _add(q[0], QS[ch * CH + sl, t])
-                                for j in T.unroll(M):
-                                    p[j] = _add(p[j], ld[j])
-                    T.sync_threads()
-            else:
-                if t < Tn:
-                    for s in T.unroll(S):
-                        for c in T.unroll(M // VEC):
-                            for e in T.vectorized(VEC):
-                                ld[c * VEC + e] = PS[s, t, c * VEC + e]
-                        q[0] = _add(q[0], QS[s, t])
-                        for j in T.unroll(M):
-                            p[j] = _add(p[j], ld[j])
+            if t < Tn:
+                for s in T.unroll(S):
+                    for c in T.unroll(M // VEC):
+                        for e in T.vectorized(VEC):
+                            ld[c * VEC + e] = PS[s, t, c * VEC + e]
+                    q[0] = _add(q[0], QS[s, t])
+                    for j in T.unroll(M):
+                        p[j] = _add(p[j], ld[j])
             if t < Tn:
                 r[0] = RK._rms(q[0], kg, rms_eps)
                 # 2. split: z = RN(RN(0 + RN(P r)) * scale[g]) + base
