@@ -22,12 +22,18 @@ products ``dP~[t, j] x[t, k]`` in a fixed order (the spec's atol/rtol). Determin
 dx reads only its own row of every operand; dW's bits depend on the token count alone (a fixed partial count; zero
 tokens appended are zero rows or whole zero MMAs, which leave the sums' bits).
 
-Measured on the H100 (80GB HBM3), 2026-12-05, isolated timer, the bench row ``mhc_pre_norm_fn_bwd`` (the kernel, the
-roundings and the partial sum) at T x n x C: 4096 x 4 x 2048: 134.5 us (torch.compile of the reference: 339.5
-us); 8192 x 4 x 4096: 436.2 us (torch.compile: 1164.2 us). Swept beside it on that H100: ``MMA_PARTIALS = 16``
-143.1 / 451.1 us, ``MMA_MIN_BLOCKS = 3`` 142.7 / 461.9 us.
-Against the estimate from first principles below (70-100 us at 4096 x 2048; "over ~130 us would say barriers and
-latency dominate"): 134.5 us, so a register double buffer of the next token block is the next step to try.
+Measured on an NVIDIA H200, 2026-12-05, isolated timer, the bench row ``mhc_pre_norm_fn_bwd`` (the kernel, the
+roundings and the partial sum) at T x n x C: 4096 x 4 x 2048: 129.2 us (TileKernels 1.0.0 398.5 us in its own
+process, 3.10x; torch.compile of the reference 295.2); 8192 x 4 x 4096: 417.5 us (TileKernels 1.0.0 873.5, 2.09x;
+torch.compile 1019.6). On an H100 (80GB HBM3) the same day: 134.5 / 436.2 us; ``MMA_PARTIALS = 16`` 143.1 / 451.1,
+``MMA_MIN_BLOCKS = 3`` 142.7 / 461.9.
+
+Nsight Compute on the H200 (4096 x 2048): the kernel alone takes 109.4 us of the row's 129.2 (the rest: the torch
+ops of the two TF32 roundings, the partial sum and the launches between them). Shared memory bounds it: L1/TEX
+throughput 84% of peak, 37% of a warp's stall cycles wait on shared-memory loads, 0.54 of 3.7 warps a scheduler
+eligible, DRAM 36% of its peak. So the shared-memory estimate below is the limit; a prefetch of the next token block
+would not help. Next: fold the roundings into the kernel's staging loads (dP~ when it fills ``dps``, W~ when it
+fills ``ws``: no torch launches) and the bf16 second GEMM below.
 
 Its speed, from first principles (T = 4096, K = 8192, accumulating): HBM bytes x 67 MB + D 67 MB + dx 67 MB +
 partials 6.3 MB written and read: ~210 MB, ~50 us at 4.2 TB/s. 1024 CTAs (128 column slices, the fastest grid index,

@@ -5,9 +5,10 @@ One matrix per thread: a thread holds a whole ``n x n`` matrix in registers. The
 and a backward ``repeat`` up to ``MAX_BWD_REPEAT``; other inputs keep the reference (``fwd_supported`` /
 ``bwd_supported``).
 
-Measured on an NVIDIA H100 80GB HBM3, 2026-12-05 (32768 x 4 x 4, 20 iterations, isolated timer), forward / backward:
-15.6 / 67.1 µs; with ``FAST_DIV=False`` 26.3 / 80.6; with ``PT_KEEP=2`` backward 84.6. TileKernels 2.1.0, measured on an
-NVIDIA H200, 2026-12-05: 19.0 / 60.3.
+Measured on an NVIDIA H200, 2026-12-05 (32768 x 4 x 4, 20 iterations, isolated timer, ``bench --compare --quick
+--peers tk2``), forward / backward: 15.4 / 67.8 µs, TileKernels 2.1.0 19.1 / 60.7 in the same process (1.24x /
+0.89x). On an NVIDIA H100 80GB HBM3 the same day: 15.6 / 67.1; with ``FAST_DIV=False`` 26.3 / 80.6; with
+``PT_KEEP=2`` backward 84.6.
 
 Arithmetic (§2.4): forward steps 1-5 are the softmax of the row (max, ``expf(x - max)``, divide by the sum),
 ``+ eps``, a column step, then ``repeat - 1`` (row step, column step) pairs, each dividing by ``sum + eps`` (IEEE
@@ -36,13 +37,14 @@ quotients, the branch), some 4.7 warp-instructions a matrix-step. The backward k
 replays each segment into registers on the way back (29 extra steps at repeat 20); threads past the last matrix compute
 on zeros and store nothing. The kept iterates take ``ceil((2 repeat - 1) / PT_KEEP) n^2 PT_THREADS`` floats of shared
 memory (32 KB at n = 4, repeat 32): ``MAX_BWD_REPEAT`` bounds them, and longer chains keep the reference.
-The issue-bound estimate predicted 8-10 µs forward and 15-25 µs backward (1024 warps x 40 steps x 150
-instructions = 6.1 M warp-instructions forward, 15 M backward), and named its falsifiers: a forward above 12 µs
-(then the range check or the loads bound it: ``FAST_DIV=False`` shows the plain division's cost) or a backward
-above 30 µs (then the two warps a scheduler do not hide the quotient chains: ``PT_KEEP=2`` trades shared memory
-for recomputation). The H100 numbers above falsify both: 15.6 / 67.1 µs. ``FAST_DIV=False`` is slower (26.3 /
-80.6: the shared reciprocal pays) and ``PT_KEEP=2`` is slower (84.6), so what bounds the kernels is not yet
-known.
+What bounds them (Nsight Compute on the H200, the bench's launch): latency, not issue. The forward executes 6.4 M
+warp-instructions (the estimate of 1024 warps x 40 steps x 150 instructions said 6.1 M) in 13.9 µs; 32768 threads
+are 1.9 warps a scheduler, 0.92 of them eligible a cycle, so the issue slots are 45% busy (3.4 cycles between a warp's
+instructions: the quotient and sum chains). The backward: 26.2 M warp-instructions in 74.7 µs, 0.53 eligible warps of
+1.9, 34% busy. The issue-bound estimate (8-10 µs forward, 15-25 backward) assumed a busy scheduler. More threads a
+matrix was tried as a knob (2 or 4 threads a matrix, each holding rows ``a, a + TPM, ...``, column sums by XOR
+shuffles, the same bits): forward 16.3 / 19.8 µs, backward 65.8 / 79.9 on the H200 against 15.4 / 67.8 in the same
+session, so the shuffles and the reciprocals each thread repeats cost what the extra warps gain.
 """
 from __future__ import annotations
 
