@@ -7,25 +7,27 @@ GRID_H = (512, 1024, 4096, 7168)
 # an odd branch count with an odd chunk count (the load groups' guards), and the largest H the kernel takes
 ODD = ((3, 768), (1, 12288))
 # shapes the default token schedule does not take, so the dispatch keeps the row schedule: more branches than
-# TOKEN_MAX_M, and an x stage (8 x 7168 bf16 = 112 KiB) over TOKEN_SMEM_MAX
-ROW_SHAPES = ((9, 512), (8, 7168))
+# TOKEN_MAX_M, and x stages over TOKEN_SMEM_MAX (4 x 7168 bf16 = 56 KiB, the bench's; 8 x 7168 = 112 KiB)
+ROW_SHAPES = ((9, 512), (4, 7168), (8, 7168))
 
 
 def gate_fwd_configs() -> list[tuple]:
     """Every ``(M, H, save)`` the tests of the gate forward kernel build or launch."""
-    shapes = [(m, h) for m in GRID_M for h in GRID_H] + list(ODD) + list(ROW_SHAPES)
+    shapes = list(dict.fromkeys([(m, h) for m in GRID_M for h in GRID_H] + list(ODD) + list(ROW_SHAPES)))
     return [(m, h, save) for m, h in shapes for save in (True, False)]
 
 
 # The row schedule (``TOKEN_CTA = False``): the baseline every token-schedule knob set is compared against
 ROW_KNOBS = {"TOKEN_CTA": False}
 # The token schedule (``_gate_fwd_kernel.token_schedule``): the knob sets the tests build and launch (the bench's
-# variant sweep; each names its TOKEN_CTA and TOKEN_STAGE_V, so none depends on the defaults), and the shapes they
-# launch it at (the bench's, odd branch and chunk counts, the largest H, T not a multiple of TOKEN_ROWS)
-TOKEN_KNOBS = ({"TOKEN_CTA": True, "TOKEN_STAGE_V": True}, {"TOKEN_CTA": True, "TOKEN_STAGE_V": False},
-               {"TOKEN_CTA": True, "TOKEN_STAGE_V": True, "TOKEN_ROWS": 2},
-               {"TOKEN_CTA": True, "TOKEN_STAGE_V": True, "LOADS_AHEAD": 7, "TOKEN_MIN_BLOCKS": 3},
-               {"TOKEN_CTA": True, "TOKEN_STAGE_V": True, "LOADS_AHEAD": 8, "TOKEN_MIN_BLOCKS": 5})
+# variant sweep; each names its TOKEN_CTA, TOKEN_STAGE_V and stage limit, so none depends on the defaults: the
+# 96 KiB limit takes the bench's H = 7168 too), and the shapes they launch it at (the bench's, odd branch and chunk
+# counts, the largest H, T not a multiple of TOKEN_ROWS)
+_SWEPT = {"TOKEN_CTA": True, "TOKEN_SMEM_MAX": 96 * 1024}
+TOKEN_KNOBS = ({**_SWEPT, "TOKEN_STAGE_V": True}, {**_SWEPT, "TOKEN_STAGE_V": False},
+               {**_SWEPT, "TOKEN_STAGE_V": True, "TOKEN_ROWS": 2},
+               {**_SWEPT, "TOKEN_STAGE_V": True, "LOADS_AHEAD": 7, "TOKEN_MIN_BLOCKS": 3},
+               {**_SWEPT, "TOKEN_STAGE_V": True, "LOADS_AHEAD": 8, "TOKEN_MIN_BLOCKS": 5})
 TOKEN_SHAPES = ((8192, 4, 4096), (8192, 4, 7168), (4001, 2, 512), (1001, 3, 768), (7, 1, 12288), (1, 4, 1024))
 
 

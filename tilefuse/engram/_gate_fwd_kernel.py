@@ -6,7 +6,7 @@ are); ``w`` ``[M, H]`` fp32; the saved statistics ``[T, M]`` fp32. ``T`` and the
 ``M``, ``H`` and ``save`` are compile-time; ``eps`` and ``clamp_value`` are runtime fp32 scalars.
 
 Two schedules compute the same bits (the same arithmetic, operation for operation). The default is the token
-schedule (``TOKEN_CTA = True``, ``TOKEN_STAGE_V = False``; "Token schedule" below), the measured fastest; it takes a
+schedule (``TOKEN_CTA = True``, ``TOKEN_STAGE_V = False``; "Token schedule" below) where it measured fastest: a
 shape with at most ``TOKEN_MAX_M`` branches whose x stage fits ``TOKEN_SMEM_MAX`` (``token_schedule``). The row
 schedule (``TOKEN_CTA = False``) takes every other shape, and is the baseline the tests compare the token schedule
 against.
@@ -74,16 +74,23 @@ from L2). Each lane writes and reads back its own x vectors (no bank conflicts: 
 contiguous). ``TOKEN_STAGE_V = True`` also stages the v row (``TW * (M + 1) * H`` bf16: 40 / 70 KiB), its chunks
 loaded in the reduction pass, split between the warps, so the output pass has no global load.
 
-Measured on NVIDIA H100 80GB HBM3, 2026-12-05 (isolated timer, T = 8192, M = 4, kv packed; save / no save, µs):
+Measured (isolated timer, T = 8192, M = 4, kv packed; save / no save, µs), each column a knob variant beside the
+default in one session:
 
-==========  ===============  ===============  ================================
-H           row schedule     TOKEN_STAGE_V    default (no v stage)
-==========  ===============  ===============  ================================
-4096        357.8 / 358.1    343.3 / 342.6    297.6 / 296.9
-7168        660.1 / 660.4    604.3 / 603.3    613.7 / 611.6
-==========  ===============  ===============  ================================
+==========================  ===============  ===============  ===========================
+GPU, H                      row schedule     TOKEN_STAGE_V    token schedule, no v stage
+==========================  ===============  ===============  ===========================
+H100 80GB HBM3, 4096        357.8 / 358.1    343.3 / 342.6    297.6 / 296.9
+H100 80GB HBM3, 7168        660.1 / 660.4    604.3 / 603.3    613.7 / 611.6
+H200, 4096                  252.2 / 250.9    277.5 / 276.9    222.9 / 221.0
+H200, 7168                  467.5 / 466.7    488.7 / 488.0    495.4 / 493.3
+==========================  ===============  ===============  ===========================
 
-At H = 4096 the default moves the op's 873 MB in 297 µs, ~98% of that H100's same-bytes copy (2997 GB/s). Every
+(2026-12-05; on the H200 the no-stage column at 7168 read 539.8 / 538.5 in another invocation of the same
+session.) The default follows the H200: the token schedule where its x stage is at most ``TOKEN_SMEM_MAX`` = 44
+KiB (5 CTAs an SM, as the row schedule has; H up to 5632 at M = 4), the row schedule above (H = 7168: 56 KiB, 4 CTAs).
+At H = 4096 the token schedule moves the op's 873 MB in 222 µs on the H200 (94% of its same-bytes copy) and in
+297 µs on the H100 (~98%). TileKernels 2.1.0 on that H200: 232.1 / 230.9 at 4096, 406.2 / 402.9 at 7168. Every
 knob set's GPU test gave the row schedule's bits.
 
 Why staging v costs at H = 4096 (computed, sm_90, M = 4, 128 threads a CTA; ptxas of CUDA 13.0): registers 95 with the v
@@ -101,8 +108,8 @@ measured: that the driver picks the smallest split that keeps the occupancy (ncu
 and the L1 hit rates themselves (ncu's l1tex hit rate and lts throughput would show them).
 
 Other knob values of the token schedule (each gives the same bits; its GPU test passed in that H100 run):
-``TOKEN_ROWS = 2`` loads the weight once for two tokens (at 7168 its stage exceeds ``TOKEN_SMEM_MAX`` and the
-shape keeps the row schedule); ``LOADS_AHEAD = 7`` with ``TOKEN_MIN_BLOCKS = 3`` and ``LOADS_AHEAD = 8`` with
+``TOKEN_ROWS = 2`` loads the weight once for two tokens (its stage is twice the size, so fewer shapes fit
+``TOKEN_SMEM_MAX``); ``LOADS_AHEAD = 7`` with ``TOKEN_MIN_BLOCKS = 3`` and ``LOADS_AHEAD = 8`` with
 ``TOKEN_MIN_BLOCKS = 5`` deepen the load groups (more bytes in flight an SM).
 """
 
@@ -123,7 +130,10 @@ FW_THREADS = 128     # fused_weight: threads per CTA (8 elements each)
 TOKEN_CTA = True     # gate forward: the token schedule (a CTA per TOKEN_ROWS tokens, warp h = branch h, x staged
                      # in smem) where token_schedule takes the shape; False: the row schedule everywhere
 TOKEN_ROWS = 1       # token schedule: tokens each warp carries at once (one weight load serves them all)
-TOKEN_SMEM_MAX = 96 * 1024  # token schedule: the largest stage (bytes) a CTA takes; larger: the row schedule
+# token schedule: the largest stage (bytes) a CTA takes; larger: the row schedule. 44 KiB (+ 1 KiB reserved) keeps
+# 5 CTAs an SM, the row schedule's occupancy; the H200 measured the row schedule faster at a larger stage (module
+# doc: H = 7168 at M = 4, 56 KiB, 4 CTAs)
+TOKEN_SMEM_MAX = 44 * 1024
 TOKEN_MAX_M = 8      # token schedule: the most branches (warps) a CTA takes; more: the row schedule
 TOKEN_MIN_BLOCKS = 0  # token schedule: __launch_bounds__' minimum CTAs per SM (a register cap; 0: none)
 TOKEN_STAGE_V = False  # token schedule: v staged in shared memory in the reduction pass (False: the output
