@@ -14,17 +14,19 @@ outputs. Its K loop is a ``T.Pipelined`` loop of ``FWD_STAGES`` stages whose glo
 rows past T repeating row T - 1, whose outputs are not stored; W's fp32 tile, rows padded to ``BK + WF_PAD`` floats)
 lower to ``cp.async``: the copies of the next ``FWD_STAGES - 1`` steps are in flight while a step computes. The
 kernel rounds W itself (``tf32_round``'s bits, idempotent: the launcher passes fn unrounded) and splits ``W~`` into
-bf16 halves while gathering the MMA's B fragments from shared memory: ``hi`` = W~'s upper 16 bits (truncation: never
-rounds up past bf16's largest value), ``lo = bf16(W~ - hi)``. ``W~`` has 11 significant bits; ``W~ - hi`` is exact
-in fp32, has W~'s sign and at most 3 significant bits (a multiple of ``ulp_tf32(W~)`` below ``ulp_bf16(hi)``), so
-``hi + lo == W~`` exactly for ``|W~| >= 2^-123`` and 0 (below, ``ulp_tf32`` is under bf16's smallest subnormal
-2^-133 and lo is rounded: ``|hi + lo - W~| <= 2^-134``). ``P = x hi + x lo`` on bf16 tensor cores (``mma.m16n8k16``,
-B from registers: a shared-memory B selects wgmma, which needs sm_90a); each product is exact in fp32, ``|hi| + |lo|
-= |W~|``, and the fp32 accumulation of 2 K/S terms is the order §2.2.2 leaves open. The squares come from the bf16
-tile (exact in fp32), summed per token as before. Per CTA (T = 4096, K = 8192, ptxas -v sm_90): 157 registers (the
-``__launch_bounds__(128, FWD_MIN_BLOCKS = 3)`` cap: 3 CTAs an SM), no spill, 45.3 KB of shared memory (three
-stages of x 8 KB and W 6.75 KB); the TF32 kernel: 105 registers, 24 KB. ``FWD_TOKENS = 128`` builds (168 registers
-under the same cap, 32 bytes spilled).
+bf16 halves while it gathers the MMA's B fragments from shared memory. In the kernel, not the launcher: fp32 W and
+the two bf16 halves are the same 4 bytes a weight to load, and the launcher's torch ops (the rounding's too) are
+launches of their own. ``hi`` = W~'s upper 16 bits (truncation: never rounds up past bf16's largest value), ``lo =
+bf16(W~ - hi)``. ``W~`` has 11 significant bits; ``W~ - hi`` is exact in fp32, has W~'s sign and at most 3
+significant bits (a multiple of ``ulp_tf32(W~)`` below ``ulp_bf16(hi)``), so ``hi + lo == W~`` exactly for ``|W~|
+>= 2^-123`` and 0; below, ``ulp_tf32`` is under bf16's smallest subnormal 2^-133 and lo is rounded (``|hi + lo -
+W~| <= 2^-134``); an infinite W~ gives ``lo`` NaN. ``P = x hi + x lo`` on bf16 tensor cores (``mma.m16n8k16``, B
+from registers: a shared-memory B selects wgmma, which needs sm_90a): each product is exact in fp32, ``|hi| + |lo| =
+|W~|``, and the fp32 accumulation of the 2 K/S terms is the order §2.2.2 leaves open. The squares come from the bf16
+tile (exact in fp32), summed per token as before. ptxas -v (sm_90, K = 8192 and 16384): 157 registers under
+``__launch_bounds__(128, FWD_MIN_BLOCKS = 3)`` (3 CTAs an SM), no spill, 45.3 KB of shared memory (three stages of
+x, 8.2 KB, and W, 6.9 KB); the TF32 kernel: 105 registers, 24.6 KB. ``FWD_TOKENS = 128`` builds (168 registers under
+the same cap, 32 bytes spilled; 69.9 KB).
 
 Backward (§2.2.3): both GEMMs on TF32 tensor cores, one pass over x, with
 ``dP~ = tf32_round(dP)`` and ``W~`` rounded by the launcher. A CTA owns partial ``p`` of ``MMA_PARTIALS`` (a fixed
