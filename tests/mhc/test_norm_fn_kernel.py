@@ -21,6 +21,12 @@ independent of dx's destination and of zero tokens appended, graph replay and co
 runs with the warp instructions emulated (``MMA_SHIM``, itself checked on the forward kernel that passes on the
 H200), at its defaults and at a swept set of its tiling knobs (``MMA_SWEPT``, also through ``knob_kernels`` on the
 GPU).
+
+The pipelined forward (``FWD_PIPE``): its split of W~ into bf16 halves (a torch model of the kernel's bit
+operations) is exact over the exponent range where it can be and within 2^-134 below; it builds for sm_90 at every
+forward config (and with ``FWD_TOKENS = 128``); its generated CUDA runs on the CPU (``MMA_SHIM`` with the bf16 MMA
+and async copies) within the partials' bound; on the GPU (``knob_kernels``) the op's forward against the reference,
+determinism, batch invariance and the poisoned partials' bound.
 """
 import pytest
 import torch
@@ -74,6 +80,101 @@ def test_registered_configs_are_tested():
 @pytest.mark.parametrize("name, cfg", BENCH_ONLY, ids=str)
 def test_bench_only_configs_build(name, cfg):
     _check_source(name, _jit.compile_kernel(name, cfg, "sm_90").get_kernel_source())
+
+
+FWD_PIPE_KNOBS = {"FWD_PIPE": True}
+
+
+def _build_fwd(monkeypatch, cfg, knobs):
+    """The forward at ``cfg`` with ``knobs`` set, built for sm_90 outside tilefuse's caches."""
+    import tilelang
+
+    for name, value in knobs.items():
+        monkeypatch.setattr(K, name, value)
+    return tilelang.compile(K.norm_fn_fwd_kernel(*cfg), target={"kind": "cuda", "arch": "sm_90"},
+                            execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS))
+
+
+def _check_pipe_source(src):
+    """The ``FWD_PIPE`` forward's CUDA: async copies, bf16 MMAs (no TF32, no wgmma: sm_90 without the a), no
+    atomics."""
+    assert "__global__" in src and "atomic" not in src
+    assert "cp_async_gs" in src and "cp_async_wait" in src
+    assert "kBFloat16" in src and "kTensorFloat32" not in src and "wgmma" not in src
+    if K.FWD_MIN_BLOCKS:
+        assert f"__launch_bounds__({K.FWD_THREADS}, {K.FWD_MIN_BLOCKS})" in src
+
+
+FWD_CONFIGS = sorted({cfg for name, cfg in norm_fn_configs() + BENCH_ONLY if name == "mhc_norm_fn_fwd"})
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("cfg", FWD_CONFIGS, ids=str)
+def test_fwd_pipe_builds_for_sm90(cfg, monkeypatch):
+    _check_pipe_source(_build_fwd(monkeypatch, cfg, FWD_PIPE_KNOBS).get_kernel_source())
+
+
+@pytest.mark.compile
+def test_fwd_pipe_builds_with_128_tokens(monkeypatch):
+    _check_pipe_source(_build_fwd(monkeypatch, (8192, 24), {**FWD_PIPE_KNOBS, "FWD_TOKENS": 128}).get_kernel_source())
+
+
+@pytest.mark.compile
+def test_fwd_pipe_launcher_passes_the_weight_unrounded(monkeypatch):
+    monkeypatch.setattr(K, "FWD_PIPE", True)
+    calls = fake_jit(monkeypatch)  # binds the launch's arguments to the FWD_PIPE prim_func
+    T, k, m = 37, 2 * 1280, 8
+    s = K.splits(k)
+    x = torch.randn(T, k).to(BF16)
+    fn = torch.randn(m, k)
+    K.norm_fn_partials_launch(x, fn, torch.empty(s, T, m), torch.empty(s, T))
+    assert [(cl.name, cl.cfg, cl.env) for cl in calls] == [("mhc_norm_fn_fwd", (k, m), {"Tn": T})]
+    got = []
+    monkeypatch.setattr(_jit, "get", lambda name, cfg: lambda *args: got.append(args))
+    K.norm_fn_partials_launch(x, fn, torch.empty(s, T, m), torch.empty(s, T))
+    assert torch.equal(got[0][1], fn) and not torch.equal(got[0][1], K.tf32_round(fn))  # the kernel rounds it
+
+
+def _fwd_split(w: torch.Tensor):
+    """The ``FWD_PIPE`` forward's split of fp32 ``w`` (a model of the kernel's bit operations): ``W~ =
+    tf32_round(w)``, ``hi`` = W~'s upper 16 bits, ``lo = bf16(W~ - hi)`` (round to nearest even). Returns ``(W~, hi,
+    lo, W~ - hi)`` (``hi``, ``lo`` bf16; the difference in fp32)."""
+    wt = K.tf32_round(w)
+    hi = (wt.view(torch.int32) & -0x10000).view(F32)
+    d = wt - hi
+    return wt, hi.to(BF16), d.to(BF16), d
+
+
+def test_fwd_split_is_exact():
+    # random values over the whole exponent range, both signs, and the edges: zeros, fp32's and TF32's largest
+    # finite values, the smallest normal, subnormals, all TF32 mantissa bits set, ties of the TF32 rounding
+    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (200000,), dtype=torch.int32)
+    w = bits.view(F32)
+    edges = [0.0, -0.0, 2.0 ** -126, 2.0 ** -123, 2.0 ** -124 * 1.5, 2.0 ** -149, 2.0 ** -140 * 1.75,
+             2.0 ** -127 * (2 - 2.0 ** -10), 1.0, 1 + 2 ** -11, 1 + 2 ** -10 + 2 ** -11, 2 - 2.0 ** -10, 3e38,
+             (2 - 2.0 ** -10) * 2.0 ** 127, 1e-4, 7e-5]
+    edges = torch.tensor(edges, dtype=F64).to(F32)
+    edges = torch.cat([edges, -edges, torch.tensor([0x7F7FEFFF, 0x007FEFFF, 0x3FFFF000], dtype=torch.int32).view(F32)])
+    w = torch.cat([w[torch.isfinite(K.tf32_round(w))], edges, torch.randn(10000) * 1e-4])
+    wt, hi, lo, d = _fwd_split(w)
+    assert torch.isfinite(wt).all()
+    # hi: W~ truncated to bf16 (its upper 16 bits), the same value in bf16, never larger than W~ in magnitude
+    assert torch.equal(hi.float().view(torch.int32), wt.view(torch.int32) & -0x10000)
+    assert (hi.float().abs() <= wt.abs()).all() and (hi.float() * lo.float() >= 0).all()  # lo: W~'s sign or 0
+    exact = (wt.abs() >= 2.0 ** -123) | (wt == 0)
+    assert exact.sum() > 0.9 * len(w) and (~exact).sum() > 100
+    # lo = W~ - hi, exact in bf16 (at most 3 significant bits): hi + lo == W~, bitwise for nonzero W~ (0: +-0)
+    assert torch.equal(lo.float()[exact], d[exact])
+    assert torch.equal((hi.double() + lo.double())[exact], wt.double()[exact])
+    s = hi.float() + lo.float()
+    nz = exact & (wt != 0)
+    assert torch.equal(s[nz].view(torch.int32), wt[nz].view(torch.int32))
+    # lo = m ulp_tf32(W~), |m| <= 7 an integer: at most 3 significant bits
+    m = lo.double()[nz] / 2.0 ** (torch.floor(torch.log2(wt.double()[nz].abs())) - 10)
+    assert (m == m.round()).all() and (m.abs() <= 7).all()
+    # below 2^-123, ulp_tf32(W~) is under bf16's smallest subnormal 2^-133: lo is rounded, by at most 2^-134
+    err = (hi.double() + lo.double() - wt.double()).abs()
+    assert (err[~exact] <= 2.0 ** -134).all()
 
 
 def _build_bwd(monkeypatch, cfg, knobs):
@@ -440,6 +541,41 @@ def test_mma_swept_gemm_backward_launch(n, c, knob_kernels):
     _check_gemm_backward_launch(n, c)
 
 
+# ---- the pipelined forward (FWD_PIPE): bf16 MMAs on the exact split of W~ ----
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", GRID_N)
+@pytest.mark.parametrize("c", GRID_C)
+def test_fwd_pipe_forward(n, c, knob_kernels):
+    """With ``FWD_PIPE``: the op's forward against the reference (``test_forward_against_reference``'s assertion)
+    over the tests' token counts, two runs bitwise equal; the split partials of poisoned launches within the bound
+    of ``test_partials_launch_poisoned`` for 2 K/S exact products a split (``x hi``, ``x lo``: ``|hi| + |lo| =
+    |W~|``); a token's output bits independent of the batch."""
+    knob_kernels(K, FWD_PIPE_KNOBS)
+    k, m = n * c, n * (n + 2)
+    s = K.splits(k)
+    for T in TOKENS:
+        residual, fn, _, _ = _inputs(T, n, c)
+        out = mhc_pre_norm_fn(residual, fn, None, EPS, fuse_grad_acc=False)
+        assert out.shape == (1, T, m) and out.dtype == F32
+        torch.testing.assert_close(out.to(F64), _ref_out(residual, fn, None), **OUT_TOL)
+        assert torch.equal(out, mhc_pre_norm_fn(residual, fn, None, EPS, fuse_grad_acc=False))
+        if T in (7, 4001):
+            out_mul, sqrsum = torch.full((s, T, m), NAN, device="cuda"), torch.full((s, T), NAN, device="cuda")
+            K.norm_fn_partials_launch(residual.view(T, k), fn, out_mul, sqrsum)
+            wt = K.tf32_round(fn).to(F64)
+            pm, qm = R.mhc_pre_norm_fn_partials_ref(residual.to(F64), wt, s)
+            env = R.mhc_pre_norm_fn_partials_ref(residual.to(F64).abs(), wt.abs(), s)[0]
+            assert not out_mul.isnan().any() and not sqrsum.isnan().any()
+            assert ((out_mul.to(F64) - pm[:, :, 0]).abs() <= 2 * (2 * k // s) * 2.0 ** -24 * env[:, :, 0]).all()
+            assert ((sqrsum.to(F64) - qm[:, :, 0]).abs() <= (k // s) * 2.0 ** -24 * qm[:, :, 0]).all()
+    residual, fn, _, _ = _inputs(4001, n, c)
+    full = mhc_pre_norm_fn(residual, fn, None, EPS, fuse_grad_acc=False)
+    for sl in (slice(1234, 1241), slice(4000, 4001), slice(0, 1), slice(64, 4001)):
+        out = mhc_pre_norm_fn(residual[:, sl].clone(), fn, None, EPS, fuse_grad_acc=False)
+        assert torch.equal(out, full[:, sl])
+
+
 # ---- the backward kernels' CUDA source, run on the CPU ----
 
 EMU_EXTRA = r"""
@@ -495,9 +631,13 @@ extern "C" void run({cargs}, int64_t gx, int64_t gy) {{
 # of matrix l / 8 and receives, of each matrix i, the 32-bit word (l / 4, l % 4). ``mma.m16n8k8`` TF32 (PTX ISA
 # fragment layouts, g = l / 4, c = l % 4): A (g, c) (g + 8, c) (g, c + 4) (g + 8, c + 4); B (k = c, n = g)
 # (c + 4, g); C/D (g, 2c) (g, 2c + 1) (g + 8, 2c) (g + 8, 2c + 1); the forward's in-warp sum ``tl::AllReduce`` as
-# its butterfly of ``__shfl_xor_sync``. The operands' low 13 bits are dropped (TF32);
-# the products are exact in double and their sum with C is rounded once to fp32 (the hardware's order and rounding
-# of the sum are not specified: the test compares the result with a bound, not bitwise).
+# its butterfly of ``__shfl_xor_sync``. The operands' low 13 bits are dropped (TF32). ``mma.m16n8k16`` bf16 (the
+# ``FWD_PIPE`` forward; each 32-bit register holds two bf16, the lower index in the low half): A (g, 2c..2c+1)
+# (g + 8, 2c..) (g, 2c + 8..) (g + 8, 2c + 8..); B (k = 2c..2c+1, n = g) (2c + 8.., g); C/D as above. The async
+# copies (``cp.async``) copy when issued (zero-fill where the guard is false) and their waits do nothing: a copy
+# lands no later than on the GPU. The products are exact in double and their sum with C is rounded once to fp32
+# (the hardware's order and rounding of the sum are not specified: the test compares the result with a bound, not
+# bitwise).
 MMA_SHIM = r"""
 struct uint1 { uint x; };
 struct __nv_bfloat162 { bfloat16_t x, y; };
@@ -508,7 +648,7 @@ static inline float4 make_float4(float a, float b, float c, float d) { return fl
 static inline uint4 make_uint4(uint a, uint b, uint c, uint d) { return uint4{a, b, c, d}; }
 static inline uint1 make_uint1(uint a) { return uint1{a}; }
 namespace tl {
-enum class DataType { kTensorFloat32, kFloat32 };
+enum class DataType { kTensorFloat32, kFloat32, kBFloat16 };
 static std::barrier<> g_warp_bar[8] = {std::barrier<>(32), std::barrier<>(32), std::barrier<>(32),
   std::barrier<>(32), std::barrier<>(32), std::barrier<>(32), std::barrier<>(32), std::barrier<>(32)};
 static const void* g_rows[8][32];
@@ -528,6 +668,35 @@ template <class Op, int threads, int scale, int offset, class Bar> struct AllRed
   static float run(float x) { for (int d = threads / 2; d >= scale; d /= 2) x = x + warp_xor(x, d); return x; }
 };
 static inline double tf32(unsigned u) { u &= ~0x1FFFu; float f; std::memcpy(&f, &u, 4); return f; }
+static inline double bf16(unsigned u, int h) {
+  u = h ? u & 0xFFFF0000u : u << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+static inline void mma_bf16_m16n8k16(float* c, const unsigned* a, const unsigned* b) {
+  unsigned w = threadIdx.x / 32, l = threadIdx.x % 32;
+  for (int i = 0; i < 4; ++i) g_a[w][l][i] = a[i];
+  for (int i = 0; i < 2; ++i) g_b[w][l][i] = b[i];
+  g_warp_bar[w].arrive_and_wait();
+  double As[16][16], Bs[16][8];
+  for (int q = 0; q < 32; ++q) {
+    int g = q / 4, k = q % 4;
+    for (int h = 0; h < 2; ++h) {
+      As[g][2 * k + h] = bf16(g_a[w][q][0], h); As[g + 8][2 * k + h] = bf16(g_a[w][q][1], h);
+      As[g][2 * k + 8 + h] = bf16(g_a[w][q][2], h); As[g + 8][2 * k + 8 + h] = bf16(g_a[w][q][3], h);
+      Bs[2 * k + h][g] = bf16(g_b[w][q][0], h); Bs[2 * k + 8 + h][g] = bf16(g_b[w][q][1], h);
+    }
+  }
+  g_warp_bar[w].arrive_and_wait();
+  int g = l / 4, k = l % 4;
+  const int row[4] = {g, g, g + 8, g + 8}, col[4] = {2 * k, 2 * k + 1, 2 * k, 2 * k + 1};
+  for (int i = 0; i < 4; ++i) {
+    double acc = c[i];
+    for (int j = 0; j < 16; ++j) acc += As[row[i]][j] * Bs[j][col[i]];
+    c[i] = (float)acc;
+  }
+}
 static inline void ptx_ldmatrix_x4(const void* p, void* out) {
   unsigned w = threadIdx.x / 32, l = threadIdx.x % 32;
   g_rows[w][l] = p;
@@ -537,28 +706,43 @@ static inline void ptx_ldmatrix_x4(const void* p, void* out) {
 }
 template <DataType A, DataType B, DataType C, int M, int N, int K, bool TA, bool TB>
 static inline void mma_sync(float* c, const unsigned* a, const unsigned* b) {
-  static_assert(M == 16 && N == 8 && K == 8 && !TA && TB, "m16n8k8 TN only");
-  unsigned w = threadIdx.x / 32, l = threadIdx.x % 32;
-  for (int i = 0; i < 4; ++i) g_a[w][l][i] = a[i];
-  for (int i = 0; i < 2; ++i) g_b[w][l][i] = b[i];
-  g_warp_bar[w].arrive_and_wait();
-  double As[16][8], Bs[8][8];
-  for (int q = 0; q < 32; ++q) {
-    int g = q / 4, k = q % 4;
-    As[g][k] = tf32(g_a[w][q][0]); As[g + 8][k] = tf32(g_a[w][q][1]);
-    As[g][k + 4] = tf32(g_a[w][q][2]); As[g + 8][k + 4] = tf32(g_a[w][q][3]);
-    Bs[k][g] = tf32(g_b[w][q][0]); Bs[k + 4][g] = tf32(g_b[w][q][1]);
-  }
-  g_warp_bar[w].arrive_and_wait();
-  int g = l / 4, k = l % 4;
-  const int row[4] = {g, g, g + 8, g + 8}, col[4] = {2 * k, 2 * k + 1, 2 * k, 2 * k + 1};
-  for (int i = 0; i < 4; ++i) {
-    double acc = c[i];
-    for (int j = 0; j < 8; ++j) acc += As[row[i]][j] * Bs[j][col[i]];
-    c[i] = (float)acc;
+  if constexpr (A == DataType::kBFloat16) {
+    static_assert(B == DataType::kBFloat16 && M == 16 && N == 8 && K == 16 && !TA && TB, "bf16: m16n8k16 TN only");
+    mma_bf16_m16n8k16(c, a, b);
+  } else {
+    static_assert(M == 16 && N == 8 && K == 8 && !TA && TB, "m16n8k8 TN only");
+    unsigned w = threadIdx.x / 32, l = threadIdx.x % 32;
+    for (int i = 0; i < 4; ++i) g_a[w][l][i] = a[i];
+    for (int i = 0; i < 2; ++i) g_b[w][l][i] = b[i];
+    g_warp_bar[w].arrive_and_wait();
+    double As[16][8], Bs[8][8];
+    for (int q = 0; q < 32; ++q) {
+      int g = q / 4, k = q % 4;
+      As[g][k] = tf32(g_a[w][q][0]); As[g + 8][k] = tf32(g_a[w][q][1]);
+      As[g][k + 4] = tf32(g_a[w][q][2]); As[g + 8][k + 4] = tf32(g_a[w][q][3]);
+      Bs[k][g] = tf32(g_b[w][q][0]); Bs[k + 4][g] = tf32(g_b[w][q][1]);
+    }
+    g_warp_bar[w].arrive_and_wait();
+    int g = l / 4, k = l % 4;
+    const int row[4] = {g, g, g + 8, g + 8}, col[4] = {2 * k, 2 * k + 1, 2 * k, 2 * k + 1};
+    for (int i = 0; i < 4; ++i) {
+      double acc = c[i];
+      for (int j = 0; j < 8; ++j) acc += As[row[i]][j] * Bs[j][col[i]];
+      c[i] = (float)acc;
+    }
   }
 }
+template <int N> static inline void cp_async_gs(void* dst, const void* src) { std::memcpy(dst, src, N); }
+template <int N> static inline void cp_async_gs_conditional(void* dst, const void* src, bool cond) {
+  if (cond) std::memcpy(dst, src, N); else std::memset(dst, 0, N);
+}
+static inline void cp_async_commit() {}
+template <int N> static inline void cp_async_wait() {}
 }  // namespace tl
+static inline uint2 make_uint2(uint a, uint b) { return uint2{a, b}; }
+static inline __nv_bfloat162 __float22bfloat162_rn(float2 v) {
+  return __nv_bfloat162{bfloat16_t(v.x), bfloat16_t(v.y)};
+}
 """
 
 
@@ -627,3 +811,30 @@ def test_mma_shim_runs_the_forward(tmp_path):
     env = R.mhc_pre_norm_fn_partials_ref(x.view(1, T, n, c).to(F64).abs(), w.abs().to(F64), s)[0]
     assert ((out_mul.to(F64) - pm[:, :, 0]).abs() <= 2 * (k // s) * 2.0 ** -24 * env[:, :, 0]).all()
     assert ((sqrsum.to(F64) - qm[:, :, 0]).abs() <= (k // s) * 2.0 ** -24 * qm[:, :, 0]).all()
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="needs g++")
+@pytest.mark.parametrize("n, c", [(2, 256), (4, 256)])
+def test_fwd_pipe_source_on_cpu(n, c, tmp_path, monkeypatch):
+    """The ``FWD_PIPE`` forward's generated CUDA run on the CPU (``MMA_SHIM``: its bf16 MMA, async copies, ldmatrix
+    and in-warp sums): from unrounded fp32 weights (the kernel rounds them to TF32 and splits them), every split's
+    partials within the bound of ``test_partials_launch_poisoned`` for its 2 K/S exact products (``x hi`` and ``x
+    lo``, ``|hi| + |lo| = |W~|``, so the same sum of magnitudes), every element written; a partial last token tile
+    (T = 100) and a single token; more steps than stages (K/S = 256: 4 steps)."""
+    k, m = n * c, n * (n + 2)
+    s = K.splits(k)
+    assert (k // s) // K.FWD_BK > K.FWD_STAGES
+    src = _build_fwd(monkeypatch, (k, m), FWD_PIPE_KNOBS).get_kernel_source()
+    fwd = _emulate(src, "mhc_norm_fn_fwd_kernel", K.FWD_THREADS, tmp_path / "fwd", MMA_SHIM)
+    for T in (100, 1):
+        x = torch.randn(T, k).to(BF16)
+        w = torch.randn(m, k) * 1e-2
+        out_mul, sqrsum = torch.full((s, T, m), NAN), torch.full((s, T), NAN)
+        fwd(dict(X=x, W=w, P=out_mul, Q=sqrsum), dict(Tn=T), (-(-T // K.FWD_TOKENS), s))
+        wt = K.tf32_round(w)
+        pm, qm = R.mhc_pre_norm_fn_partials_ref(x.view(1, T, n, c).to(F64), wt.to(F64), s)
+        env = R.mhc_pre_norm_fn_partials_ref(x.view(1, T, n, c).to(F64).abs(), wt.abs().to(F64), s)[0]
+        assert not out_mul.isnan().any() and not sqrsum.isnan().any()
+        assert ((out_mul.to(F64) - pm[:, :, 0]).abs() <= 2 * (2 * k // s) * 2.0 ** -24 * env[:, :, 0]).all(), T
+        assert ((sqrsum.to(F64) - qm[:, :, 0]).abs() <= (k // s) * 2.0 ** -24 * qm[:, :, 0]).all(), T

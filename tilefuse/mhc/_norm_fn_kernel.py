@@ -9,6 +9,25 @@ W~[j, k]`` and ``Q[s, t] = sum_{k in s} x[t, k]^2``. ``S`` depends on ``K`` only
 partials, and the output the reduce step makes of them (``mhc_reduce_partials_and_rmsnorm_fwd``, splits in
 order), do not depend on the batch. The MMA summation order is not contractual (§2.2.2 step 2).
 
+With ``FWD_PIPE`` (a knob, default off) the forward is ``_norm_fn_fwd_pipe``: same parameters, grid, splits and
+outputs. Its K loop is a ``T.Pipelined`` loop of ``FWD_STAGES`` stages whose global -> shared stores (x's bf16 tile,
+rows past T repeating row T - 1, whose outputs are not stored; W's fp32 tile, rows padded to ``BK + WF_PAD`` floats)
+lower to ``cp.async``: the copies of the next ``FWD_STAGES - 1`` steps are in flight while a step computes. The
+kernel rounds W itself (``tf32_round``'s bits, idempotent: the launcher passes fn unrounded) and splits ``W~`` into
+bf16 halves while it gathers the MMA's B fragments from shared memory. In the kernel, not the launcher: fp32 W and
+the two bf16 halves are the same 4 bytes a weight to load, and the launcher's torch ops (the rounding's too) are
+launches of their own. ``hi`` = W~'s upper 16 bits (truncation: never rounds up past bf16's largest value), ``lo =
+bf16(W~ - hi)``. ``W~`` has 11 significant bits; ``W~ - hi`` is exact in fp32, has W~'s sign and at most 3
+significant bits (a multiple of ``ulp_tf32(W~)`` below ``ulp_bf16(hi)``), so ``hi + lo == W~`` exactly for ``|W~|
+>= 2^-123`` and 0; below, ``ulp_tf32`` is under bf16's smallest subnormal 2^-133 and lo is rounded (``|hi + lo -
+W~| <= 2^-134``); an infinite W~ gives ``lo`` NaN. ``P = x hi + x lo`` on bf16 tensor cores (``mma.m16n8k16``, B
+from registers: a shared-memory B selects wgmma, which needs sm_90a): each product is exact in fp32, ``|hi| + |lo| =
+|W~|``, and the fp32 accumulation of the 2 K/S terms is the order §2.2.2 leaves open. The squares come from the bf16
+tile (exact in fp32), summed per token as before. ptxas -v (sm_90, K = 8192 and 16384): 157 registers under
+``__launch_bounds__(128, FWD_MIN_BLOCKS = 3)`` (3 CTAs an SM), no spill, 45.3 KB of shared memory (three stages of
+x, 8.2 KB, and W, 6.9 KB); the TF32 kernel: 105 registers, 24.6 KB. ``FWD_TOKENS = 128`` builds (168 registers under
+the same cap, 32 bytes spilled; 69.9 KB).
+
 Backward (§2.2.3): both GEMMs on TF32 tensor cores, one pass over x, with
 ``dP~ = tf32_round(dP)`` and ``W~`` rounded by the launcher. A CTA owns partial ``p`` of ``MMA_PARTIALS`` (a fixed
 count, not the SM count) and ``MMA_COLS`` columns; per block of ``MMA_TOKENS`` tokens (blocks ``p, p + P, ...`` in
@@ -65,6 +84,10 @@ MAX_SPLITS = 16  # upstream's n_splits: the reduce kernel's registered split cou
 FWD_TOKENS = 64  # forward: tokens per CTA (MMA M)
 FWD_BK = 64      # forward: columns per MMA step
 FWD_THREADS = 128
+FWD_PIPE = False  # forward: bf16 x tiles through an async-copy pipeline, W~ as two exact bf16 halves (bf16 MMAs)
+FWD_STAGES = 3   # forward with FWD_PIPE: pipeline stages (shared-memory buffers of the x and W tiles)
+FWD_MIN_BLOCKS = 3  # forward with FWD_PIPE: __launch_bounds__' CTAs per SM (0: none)
+WF_PAD = 8       # forward with FWD_PIPE: W tile rows are BK + 8 floats (the B-fragment gathers: no bank conflict)
 MMA_TOKENS = 64  # tensor-core backward: tokens per step (its block of the weight-gradient partials)
 MMA_COLS = 64    # tensor-core backward: columns per CTA
 MMA_THREADS = 128
@@ -97,15 +120,18 @@ def tf32_round(t: torch.Tensor) -> torch.Tensor:
 # ---- forward: split-K partial GEMM and sums of squares ----
 
 def norm_fn_fwd_kernel(K: int, M: int):
-    """Factory: ``X [T, K]`` bf16, ``W [M, K]`` fp32 (TF32-rounded) -> ``P [S, T, M]``, ``Q [S, T]`` (S = splits(K)).
+    """Factory: ``X [T, K]`` bf16, ``W [M, K]`` fp32 (TF32-rounded; with ``FWD_PIPE`` any fp32, the kernel rounds)
+    -> ``P [S, T, M]``, ``Q [S, T]`` (S = splits(K)).
 
     Grid: token tiles of ``FWD_TOKENS`` x splits. A step loads a ``64 x 64`` tile of x (widened to fp32) and of W
     (rows past M zero) into shared memory, adds the tile's squares to the per-token sums and multiplies on TF32
-    tensor cores.
+    tensor cores. ``FWD_PIPE``: ``_norm_fn_fwd_pipe``.
     """
     import tilelang.language as T
 
     assert takes(K, M), (K, M)
+    if FWD_PIPE:
+        return _norm_fn_fwd_pipe(K, M)
     S = splits(K)
     KS = K // S
     BT, BK, MP = FWD_TOKENS, FWD_BK, MAX_M
@@ -138,6 +164,68 @@ def norm_fn_fwd_kernel(K: int, M: int):
                 for i in T.Parallel(BT):
                     qa[i] = qa[i] + qt[i]
                 T.gemm(xs, ws, acc, transpose_B=True)
+            for i, j in T.Parallel(BT, MP):
+                if t0 + i < Tn and j < M:
+                    P[s, t0 + i, j] = acc[i, j]
+            for i in T.Parallel(BT):
+                if t0 + i < Tn:
+                    Q[s, t0 + i] = qa[i]
+
+    return mhc_norm_fn_fwd
+
+
+
+def _norm_fn_fwd_pipe(K: int, M: int):
+    """``norm_fn_fwd_kernel`` with ``FWD_PIPE``: the same parameters and outputs. Per step of ``FWD_BK`` columns the
+    x tile (bf16) and the W tile (fp32) go global -> shared with ``T.copy`` in a ``T.Pipelined`` loop of
+    ``FWD_STAGES`` stages (async copies: the loads of the next steps are in flight while this one computes); W~ =
+    tf32(W) is split into ``hi = W~`` truncated to bf16 and ``lo = bf16(W~ - hi)`` (rows past M zero) and the
+    partial is ``x hi + x lo`` on bf16 tensor cores (fp32 accumulation); the squares come from the bf16 tile."""
+    import tilelang.language as T
+
+    S = splits(K)
+    KS = K // S
+    BT, BK, MP = FWD_TOKENS, FWD_BK, MAX_M
+    Tn = T.dynamic("Tn", I64)
+
+    @T.prim_func
+    def mhc_norm_fn_fwd(X: T.Tensor((Tn, K), BF16), W: T.Tensor((M, K), F32), P: T.Tensor((S, Tn, M), F32),
+                        Q: T.Tensor((S, Tn), F32)):
+        with T.Kernel(T.ceildiv(Tn, BT), S, threads=FWD_THREADS) as (bx, s):
+            if FWD_MIN_BLOCKS:
+                T.annotate_min_blocks_per_sm(FWD_MIN_BLOCKS)
+            xs = T.alloc_shared((BT, BK), BF16)
+            wf = T.alloc_shared((M, BK + WF_PAD), F32)
+            wh = T.alloc_fragment((MP, BK), BF16)  # the MMA's B operand in registers (shared B: wgmma, sm_90a)
+            wl = T.alloc_fragment((MP, BK), BF16)
+            xq = T.alloc_fragment((BT, BK), F32)
+            acc = T.alloc_fragment((BT, MP), F32)
+            qt = T.alloc_fragment((BT,), F32)
+            qa = T.alloc_fragment((BT,), F32)
+            T.clear(acc)
+            T.clear(qa)
+            t0 = T.cast(bx, I64) * BT
+            for ko in T.Pipelined(KS // BK, num_stages=FWD_STAGES):
+                c0 = s * KS + ko * BK
+                # global -> shared stores of a pipelined loop: async copies. Rows past T repeat row T - 1 (in-bounds
+                # addresses; their outputs are not stored: an MMA row reads only its own row of x)
+                for i, kk in T.Parallel(BT, BK):
+                    xs[i, kk] = X[T.min(t0 + i, Tn - 1), c0 + kk]
+                T.copy(W[0:M, c0:c0 + BK], wf[0:M, 0:BK], annotations={"disable_tma": True})
+                for i, kk in T.Parallel(BT, BK):  # each square exact in fp32
+                    xq[i, kk] = T.cast(xs[i, kk], F32) * T.cast(xs[i, kk], F32)
+                T.reduce_sum(xq, qt, dim=1)
+                for i in T.Parallel(BT):
+                    qa[i] = qa[i] + qt[i]
+                for j, kk in T.Parallel(MP, BK):
+                    # tf32 (round at bit 13, ties away, as tf32_round; idempotent on W~), then the upper 16 bits
+                    w = T.if_then_else(j < M, wf[T.min(j, M - 1), kk], T.float32(0.0))  # rows past M: zero
+                    u = (T.reinterpret(w, "uint32") + T.uint32(0x1000)) & T.uint32(0xFFFFE000)
+                    hi = T.reinterpret(u & T.uint32(0xFFFF0000), F32)
+                    wh[j, kk] = T.cast(hi, BF16)
+                    wl[j, kk] = T.cast(T.reinterpret(u, F32) - hi, BF16)
+                T.gemm(xs, wh, acc, transpose_B=True)
+                T.gemm(xs, wl, acc, transpose_B=True)
             for i, j in T.Parallel(BT, MP):
                 if t0 + i < Tn and j < M:
                     P[s, t0 + i, j] = acc[i, j]
@@ -273,12 +361,14 @@ _jit.register("mhc_norm_fn_dw_sum", dw_sum_kernel, lambda: [()])
 
 def norm_fn_partials_launch(x, fn, out_mul, sqrsum) -> None:
     """Write the split partials ``out_mul [S, T, M]``, ``sqrsum [S, T]`` of ``x [T, K]`` (bf16, contiguous) and
-    ``fn [M, K]`` (fp32; rounded to TF32 here), S = ``splits(K)``."""
+    ``fn [M, K]`` (fp32; rounded to TF32 here, or by the kernel with ``FWD_PIPE``), S = ``splits(K)``."""
     T_, K = x.shape
     if T_ == 0:
         return
-    # 16-byte loads of x: a contiguous view may start at any element; the rounded weight is a fresh tensor
-    _jit.get("mhc_norm_fn_fwd", (K, fn.shape[0]))(_launch.aligned(x), tf32_round(fn), out_mul, sqrsum)
+    # 16-byte loads of x: a contiguous view may start at any element; the rounded weight is a fresh tensor. With
+    # FWD_PIPE the kernel rounds W itself as it stages it (16-byte async copies of fn)
+    w = _launch.aligned(fn.contiguous()) if FWD_PIPE else tf32_round(fn)
+    _jit.get("mhc_norm_fn_fwd", (K, fn.shape[0]))(_launch.aligned(x), w, out_mul, sqrsum)
 
 
 def norm_fn_gemm_bwd_launch(out_mul_grad, sqrsum_grad, x, fn, x_grad, fn_grad, accumulate: bool) -> None:
