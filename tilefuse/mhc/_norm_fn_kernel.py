@@ -119,6 +119,25 @@ def tf32_round(t: torch.Tensor) -> torch.Tensor:
 
 # ---- forward: split-K partial GEMM and sums of squares ----
 
+def _store_partials(M: int):
+    """The forwards' epilogue, as a macro ``store(P, Q, acc, qa, s, t0, Tn)``: the CTA's accumulated partials (rows
+    past ``Tn`` and columns past ``M`` not stored) and sums of squares of split ``s``."""
+    import tilelang.language as T
+
+    BT, MP = FWD_TOKENS, MAX_M
+
+    @T.macro
+    def store(P, Q, acc, qa, s, t0, Tn):
+        for i, j in T.Parallel(BT, MP):
+            if t0 + i < Tn and j < M:
+                P[s, t0 + i, j] = acc[i, j]
+        for i in T.Parallel(BT):
+            if t0 + i < Tn:
+                Q[s, t0 + i] = qa[i]
+
+    return store
+
+
 def norm_fn_fwd_kernel(K: int, M: int):
     """Factory: ``X [T, K]`` bf16, ``W [M, K]`` fp32 (TF32-rounded; with ``FWD_PIPE`` any fp32, the kernel rounds)
     -> ``P [S, T, M]``, ``Q [S, T]`` (S = splits(K)).
@@ -136,6 +155,7 @@ def norm_fn_fwd_kernel(K: int, M: int):
     KS = K // S
     BT, BK, MP = FWD_TOKENS, FWD_BK, MAX_M
     Tn = T.dynamic("Tn", I64)
+    store = _store_partials(M)
 
     @T.prim_func
     def mhc_norm_fn_fwd(X: T.Tensor((Tn, K), BF16), W: T.Tensor((M, K), F32), P: T.Tensor((S, Tn, M), F32),
@@ -164,15 +184,9 @@ def norm_fn_fwd_kernel(K: int, M: int):
                 for i in T.Parallel(BT):
                     qa[i] = qa[i] + qt[i]
                 T.gemm(xs, ws, acc, transpose_B=True)
-            for i, j in T.Parallel(BT, MP):
-                if t0 + i < Tn and j < M:
-                    P[s, t0 + i, j] = acc[i, j]
-            for i in T.Parallel(BT):
-                if t0 + i < Tn:
-                    Q[s, t0 + i] = qa[i]
+            store(P, Q, acc, qa, s, t0, Tn)
 
     return mhc_norm_fn_fwd
-
 
 
 def _norm_fn_fwd_pipe(K: int, M: int):
@@ -187,6 +201,7 @@ def _norm_fn_fwd_pipe(K: int, M: int):
     KS = K // S
     BT, BK, MP = FWD_TOKENS, FWD_BK, MAX_M
     Tn = T.dynamic("Tn", I64)
+    store = _store_partials(M)
 
     @T.prim_func
     def mhc_norm_fn_fwd(X: T.Tensor((Tn, K), BF16), W: T.Tensor((M, K), F32), P: T.Tensor((S, Tn, M), F32),
@@ -226,12 +241,7 @@ def _norm_fn_fwd_pipe(K: int, M: int):
                     wl[j, kk] = T.cast(T.reinterpret(u, F32) - hi, BF16)
                 T.gemm(xs, wh, acc, transpose_B=True)
                 T.gemm(xs, wl, acc, transpose_B=True)
-            for i, j in T.Parallel(BT, MP):
-                if t0 + i < Tn and j < M:
-                    P[s, t0 + i, j] = acc[i, j]
-            for i in T.Parallel(BT):
-                if t0 + i < Tn:
-                    Q[s, t0 + i] = qa[i]
+            store(P, Q, acc, qa, s, t0, Tn)
 
     return mhc_norm_fn_fwd
 
