@@ -541,6 +541,36 @@ def test_mma_swept_gemm_backward_launch(n, c, knob_kernels):
     _check_gemm_backward_launch(n, c)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, c", [(2, 1280), (4, 4096)])
+def test_bwd_round_gives_the_default_bits(n, c, knob_kernels):
+    """``BWD_ROUND`` (the kernel rounds dP and W to TF32, the launcher passes them as they are): the launch writes
+    the default's bits, dx (accumulated into or not) and dW."""
+    k, m = n * c, n * (n + 2)
+    cases = []
+    for T in (1, 7, 4001):
+        residual, fn, _, _ = _inputs(T, n, c)
+        d_mul = torch.randn(T, m, device="cuda") * 1e-1
+        d_sq = torch.randn(T, device="cuda") * 1e-3
+        D = torch.randn(T, k, device="cuda").to(BF16)
+        cases.append((residual.view(T, k), fn, d_mul, d_sq, D))
+
+    def launch_all():
+        got = []
+        for x, fn, d_mul, d_sq, D in cases:
+            for accumulate in (False, True):
+                dx = D.clone() if accumulate else torch.full_like(D, NAN)
+                d_fn = torch.full_like(fn, NAN)
+                K.norm_fn_gemm_bwd_launch(d_mul, d_sq, x, fn, dx, d_fn, accumulate)
+                got += [dx, d_fn]
+        return got
+
+    want = launch_all()
+    knob_kernels(K, {"BWD_ROUND": True})
+    for a, b in zip(launch_all(), want):
+        assert torch.equal(a, b)
+
+
 # ---- the pipelined forward (FWD_PIPE): bf16 MMAs on the exact split of W~ ----
 
 @pytest.mark.gpu
@@ -790,6 +820,40 @@ def test_mma_backward_source_on_cpu(n, c, accumulate, knobs, tmp_path, monkeypat
         for p in range(parts):
             in_order = in_order + dwp[p]
         assert torch.equal(d_fn.view(m, k), in_order), T
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="needs g++")
+@pytest.mark.parametrize("accumulate", (False, True))
+def test_bwd_round_in_the_kernel_is_the_launcher_rounding(accumulate, tmp_path, monkeypatch):
+    """``BWD_ROUND``: the backward's generated CUDA rounds dP and W to TF32 as it stages them (the spec recipe's
+    bit operation, 4096 / 0xFFFFE000, twice), so on unrounded operands it writes the bits the default kernel writes
+    on the launcher's ``tf32_round`` of them (CPU run, ``MMA_SHIM``), dx and every partial; ties at bit 13 included."""
+    n, c = 4, 256
+    k, m = n * c, n * (n + 2)
+    default = _jit.compile_kernel("mhc_norm_fn_bwd", (k, m, accumulate), "sm_90").get_kernel_source()
+    src = _build_bwd(monkeypatch, (k, m, accumulate), {"BWD_ROUND": True}).get_kernel_source()
+    assert src.count("(uint)4096) & (uint)4294959104") == 2 and "4294959104" not in default
+    runs = [_emulate(s, "mhc_norm_fn_bwd_kernel", K.MMA_THREADS, tmp_path / name, MMA_SHIM)
+            for s, name in ((default, "default"), (src, "round"))]
+    parts = K.MMA_PARTIALS
+    T = 2 * parts * K.MMA_TOKENS + 5
+    x = torch.randn(T, k).to(BF16)
+    fn = torch.randn(m, k) * 1e-2
+    d_mul, d_sq = torch.randn(T, m), torch.randn(T) * 1e-2
+    ties = (d_mul.view(torch.int32) & -0x2000) | 0x1000  # exactly halfway between two TF32 values: ties away
+    d_mul[::3] = ties[::3].view(torch.float32)
+    D = torch.randn(T, k).to(BF16)
+    outs = []
+    for run, dp, w in ((runs[0], K.tf32_round(d_mul), K.tf32_round(fn)), (runs[1], d_mul, fn)):
+        dx = D.clone() if accumulate else torch.full((T, k), NAN, dtype=BF16)
+        dwp = torch.full((parts, m, k), NAN)
+        run(dict(DP=dp, DQ=d_sq, X=x, W=w, DX=dx, DWP=dwp), dict(P=parts, Tn=T), (k // K.MMA_COLS, parts))
+        outs.append((dx, dwp))
+    assert not torch.equal(K.tf32_round(d_mul), d_mul)  # the kernel had rounding to do
+    for a, b in zip(*outs):
+        assert torch.equal(a.view(torch.int16) if a.dtype == BF16 else a.view(torch.int32),
+                           b.view(torch.int16) if b.dtype == BF16 else b.view(torch.int32))
 
 
 @pytest.mark.compile

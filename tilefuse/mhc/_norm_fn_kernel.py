@@ -51,8 +51,10 @@ Nsight Compute on the H200 (4096 x 2048): the kernel alone takes 109.4 us of the
 ops of the two TF32 roundings, the partial sum and the launches between them). Shared memory bounds it: L1/TEX
 throughput 84% of peak, 37% of a warp's stall cycles wait on shared-memory loads, 0.54 of 3.7 warps a scheduler
 eligible, DRAM 36% of its peak. So the shared-memory estimate below is the limit; a prefetch of the next token block
-would not help. Next: fold the roundings into the kernel's staging loads (dP~ when it fills ``dps``, W~ when it
-fills ``ws``: no torch launches) and the bf16 second GEMM below.
+would not help. The roundings outside the kernel: with ``BWD_ROUND`` (a knob, off until measured) the kernel applies
+``tf32_round``'s bit operation to dP and W as it stages them (``dps``, ``ws``) and the launcher passes them as they
+are: the same operands reach the MMAs (the same bits; a CPU run of both kernels checks it), and the four elementwise
+launches go. The shared-memory limit: the bf16 second GEMM below.
 
 Its speed, from first principles (T = 4096, K = 8192, accumulating): HBM bytes x 67 MB + D 67 MB + dx 67 MB +
 partials 6.3 MB written and read: ~210 MB, ~50 us at 4.2 TB/s. 1024 CTAs (128 column slices, the fastest grid index,
@@ -94,6 +96,9 @@ MMA_THREADS = 128
 MMA_PARTIALS = 8  # tensor-core backward: weight-gradient partials (fixed: dW's bits do not depend on the device)
 GS_PAD = 8       # tensor-core backward: G's staging rows are BK + 8 floats (its fragment stores: no bank conflict)
 MMA_MIN_BLOCKS = 4  # tensor-core backward: __launch_bounds__' CTAs per SM (65536 / (128 * 4) = 128 registers)
+# tensor-core backward: dP and W rounded to TF32 in the kernel as they are staged in shared memory (the launcher
+# passes them as they are: no torch ops); False: the launcher rounds them (``tf32_round``, four elementwise launches)
+BWD_ROUND = False
 SUM_THREADS = 256
 
 BF16 = "bfloat16"
@@ -115,6 +120,13 @@ def tf32_round(t: torch.Tensor) -> torch.Tensor:
     """§2.2.4: ``bits((bits(v) + 0x1000) & ~0x1FFF)`` of fp32 ``t`` (round to nearest at bit 13, ties away from
     zero; a new tensor)."""
     return ((t.contiguous().view(torch.int32) + 0x1000) & -0x2000).view(torch.float32)
+
+
+def _tf32(v):
+    """``tf32_round``'s bits of the fp32 kernel expression ``v`` (round at bit 13, ties away; idempotent)."""
+    import tilelang.language as T
+
+    return T.reinterpret((T.reinterpret(v, "uint32") + T.uint32(0x1000)) & T.uint32(0xFFFFE000), F32)
 
 
 # ---- forward: split-K partial GEMM and sums of squares ----
@@ -287,7 +299,8 @@ def norm_fn_bwd_kernel(K: int, M: int, accumulate: bool):
             pp = T.cast(p, I64)
             c0 = kc * BK
             for kk, j in T.Parallel(BK, MP):
-                ws[kk, j] = T.if_then_else(j < M, W[T.min(j, M - 1), c0 + kk], T.float32(0.0))
+                ws[kk, j] = T.if_then_else(j < M, _tf32(W[T.min(j, M - 1), c0 + kk]) if BWD_ROUND
+                                           else W[T.min(j, M - 1), c0 + kk], T.float32(0.0))
             T.clear(dw)
             for r in T.serial(T.ceildiv(T.ceildiv(Tn, BT) - pp, P)):
                 t0 = (pp + r * P) * BT
@@ -298,8 +311,9 @@ def norm_fn_bwd_kernel(K: int, M: int, accumulate: bool):
                     for i, kk in T.Parallel(BT, BK):
                         db[i, kk] = DX[T.min(t0 + i, Tn - 1), c0 + kk]
                 for i, j in T.Parallel(BT, MP):
-                    dps[i, j] = T.if_then_else(t0 + i < Tn and j < M, DP[T.min(t0 + i, Tn - 1), T.min(j, M - 1)],
-                                               T.float32(0.0))
+                    dps[i, j] = T.if_then_else(t0 + i < Tn and j < M,
+                                               _tf32(DP[T.min(t0 + i, Tn - 1), T.min(j, M - 1)]) if BWD_ROUND
+                                               else DP[T.min(t0 + i, Tn - 1), T.min(j, M - 1)], T.float32(0.0))
                 for i in T.Parallel(BT):
                     dqs[i] = T.if_then_else(t0 + i < Tn, DQ[T.min(t0 + i, Tn - 1)], T.float32(0.0))
                 for i, kk in T.Parallel(BT, BK):
@@ -383,9 +397,9 @@ def norm_fn_partials_launch(x, fn, out_mul, sqrsum) -> None:
 
 def norm_fn_gemm_bwd_launch(out_mul_grad, sqrsum_grad, x, fn, x_grad, fn_grad, accumulate: bool) -> None:
     """Write ``x_grad [T, K]`` bf16 (``+=`` its content when ``accumulate``) and overwrite ``fn_grad [M, K]``
-    (fp32) from ``out_mul_grad [T, M]``, ``sqrsum_grad [T]`` (fp32), ``x [T, K]`` and ``fn [M, K]`` (both
-    gradients' TF32 rounding here): the GEMM kernel with ``MMA_PARTIALS`` token partials, then their in-order sum.
-    ``T == 0`` zeroes ``fn_grad``."""
+    (fp32) from ``out_mul_grad [T, M]``, ``sqrsum_grad [T]`` (fp32), ``x [T, K]`` and ``fn [M, K]`` (both rounded to
+    TF32 here, or by the kernel with ``BWD_ROUND``): the GEMM kernel with ``MMA_PARTIALS`` token partials, then their
+    in-order sum. ``T == 0`` zeroes ``fn_grad``."""
     T_, K = x.shape
     M = fn.shape[0]
     if T_ == 0:
@@ -393,8 +407,8 @@ def norm_fn_gemm_bwd_launch(out_mul_grad, sqrsum_grad, x, fn, x_grad, fn_grad, a
         return
     parts = MMA_PARTIALS
     dwp = torch.empty(parts, M, K, dtype=torch.float32, device=x.device)
-    _jit.get("mhc_norm_fn_bwd", (K, M, bool(accumulate)))(tf32_round(out_mul_grad), sqrsum_grad.contiguous(), x,
-                                                           tf32_round(fn), x_grad, dwp)
+    dp, w = (out_mul_grad.contiguous(), fn.contiguous()) if BWD_ROUND else (tf32_round(out_mul_grad), tf32_round(fn))
+    _jit.get("mhc_norm_fn_bwd", (K, M, bool(accumulate)))(dp, sqrsum_grad.contiguous(), x, w, x_grad, dwp)
     _jit.get("mhc_norm_fn_dw_sum", ())(dwp.view(parts, M * K), fn_grad.view(M * K))
 
 
