@@ -99,6 +99,7 @@ MMA_MIN_BLOCKS = 4  # tensor-core backward: __launch_bounds__' CTAs per SM (6553
 # tensor-core backward: dP and W rounded to TF32 in the kernel as they are staged in shared memory (the launcher
 # passes them as they are: no torch ops); False: the launcher rounds them (``tf32_round``, four elementwise launches)
 BWD_ROUND = False
+BWD_BF16_DW = False  # tensor-core backward: dW_p += hi^T x + lo^T x on bf16 tensor cores (dP~ = hi + lo, x unwidened)
 SUM_THREADS = 256
 
 BF16 = "bfloat16"
@@ -127,6 +128,15 @@ def _tf32(v):
     import tilelang.language as T
 
     return T.reinterpret((T.reinterpret(v, "uint32") + T.uint32(0x1000)) & T.uint32(0xFFFFE000), F32)
+
+
+def _bf16_halves(u):
+    """``(hi, lo)``, bf16 kernel expressions of the TF32 value with fp32 bits ``u`` (uint32): ``hi`` its upper 16
+    bits (truncation), ``lo = bf16(value - hi)``; ``hi + lo`` is the value exactly where bf16 can hold lo."""
+    import tilelang.language as T
+
+    hi = T.reinterpret(u & T.uint32(0xFFFF0000), F32)
+    return T.cast(hi, BF16), T.cast(T.reinterpret(u, F32) - hi, BF16)
 
 
 # ---- forward: split-K partial GEMM and sums of squares ----
@@ -248,9 +258,7 @@ def _norm_fn_fwd_pipe(K: int, M: int):
                     # tf32 (round at bit 13, ties away, as tf32_round; idempotent on W~), then the upper 16 bits
                     w = T.if_then_else(j < M, wf[T.min(j, M - 1), kk], T.float32(0.0))  # rows past M: zero
                     u = (T.reinterpret(w, "uint32") + T.uint32(0x1000)) & T.uint32(0xFFFFE000)
-                    hi = T.reinterpret(u & T.uint32(0xFFFF0000), F32)
-                    wh[j, kk] = T.cast(hi, BF16)
-                    wl[j, kk] = T.cast(T.reinterpret(u, F32) - hi, BF16)
+                    wh[j, kk], wl[j, kk] = _bf16_halves(u)
                 T.gemm(xs, wh, acc, transpose_B=True)
                 T.gemm(xs, wl, acc, transpose_B=True)
             store(P, Q, acc, qa, s, t0, Tn)
@@ -287,7 +295,10 @@ def norm_fn_bwd_kernel(K: int, M: int, accumulate: bool):
                 T.annotate_min_blocks_per_sm(MMA_MIN_BLOCKS)
             ws = T.alloc_shared((BK, MP), F32)  # W~ slice transposed: K-major, as the MMA loads it (ldmatrix)
             dps = T.alloc_shared((BT, MP), F32)
-            xs = T.alloc_shared((BT, BK), F32)
+            if BWD_BF16_DW:  # dP~'s bf16 halves and x's bf16 tile (not widened)
+                dph = T.alloc_shared((BT, MP), BF16)
+                dpl = T.alloc_shared((BT, MP), BF16)
+            xs = T.alloc_shared((BT, BK), BF16 if BWD_BF16_DW else F32)
             gs = T.alloc_shared((BT, BK + GS_PAD), F32)
             dqs = T.alloc_shared((BT,), F32)
             xb = T.alloc_fragment((BT, BK), BF16)
@@ -311,15 +322,22 @@ def norm_fn_bwd_kernel(K: int, M: int, accumulate: bool):
                     for i, kk in T.Parallel(BT, BK):
                         db[i, kk] = DX[T.min(t0 + i, Tn - 1), c0 + kk]
                 for i, j in T.Parallel(BT, MP):
-                    dps[i, j] = T.if_then_else(t0 + i < Tn and j < M,
-                                               _tf32(DP[T.min(t0 + i, Tn - 1), T.min(j, M - 1)]) if BWD_ROUND
-                                               else DP[T.min(t0 + i, Tn - 1), T.min(j, M - 1)], T.float32(0.0))
+                    dpv = T.if_then_else(t0 + i < Tn and j < M,
+                                         _tf32(DP[T.min(t0 + i, Tn - 1), T.min(j, M - 1)]) if BWD_ROUND
+                                         else DP[T.min(t0 + i, Tn - 1), T.min(j, M - 1)], T.float32(0.0))
+                    dps[i, j] = dpv
+                    if BWD_BF16_DW:
+                        dph[i, j], dpl[i, j] = _bf16_halves(T.reinterpret(dpv, "uint32"))
                 for i in T.Parallel(BT):
                     dqs[i] = T.if_then_else(t0 + i < Tn, DQ[T.min(t0 + i, Tn - 1)], T.float32(0.0))
                 for i, kk in T.Parallel(BT, BK):
-                    xs[i, kk] = T.cast(xb[i, kk], F32)
+                    xs[i, kk] = xb[i, kk] if BWD_BF16_DW else T.cast(xb[i, kk], F32)
                 T.gemm(dps, ws, g, transpose_B=True, clear_accum=True)
-                T.gemm(dps, xs, dw, transpose_A=True)
+                if BWD_BF16_DW:  # both operands in shared memory: mma.m16n8k16 (TileLang's wgmma needs M >= 64)
+                    T.gemm(dph, xs, dw, transpose_A=True)
+                    T.gemm(dpl, xs, dw, transpose_A=True)
+                else:
+                    T.gemm(dps, xs, dw, transpose_A=True)
                 for i, kk in T.Parallel(BT, BK):  # G to the layout of x's registers, through shared memory
                     gs[i, kk] = g[i, kk]
                 for i, kk in T.Parallel(BT, BK):
