@@ -188,6 +188,33 @@ def _build_bwd(monkeypatch, cfg, knobs):
                             execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS))
 
 
+BWD_BF16_DW_KNOBS = {"BWD_BF16_DW": True}
+BWD_CONFIGS = sorted({cfg for name, cfg in norm_fn_configs() + BENCH_ONLY if name == "mhc_norm_fn_bwd"}
+                     | {(n * 256, n * (n + 2), acc) for n in (2, 4) for acc in (False, True)})  # + the CPU runs'
+
+
+def _check_bf16_dw_source(src):
+    """The ``BWD_BF16_DW`` backward's CUDA: the first GEMM on TF32 MMAs, the second on bf16 ``mma.m16n8k16`` (no
+    wgmma, no ``setmaxnreg``: sm_90 without the a), x's tile not widened to fp32, no atomics."""
+    assert "__global__" in src and "atomic" not in src and "__fmaf_rn(" not in src
+    assert "kTensorFloat32" in src and "kBFloat16, tl::DataType::kBFloat16" in src
+    assert "wgmma" not in src and "setmaxnreg" not in src
+    assert "ptx_ldmatrix_x4_trans" in src  # the bf16 operands, token-major in shared memory
+    assert f"__launch_bounds__({K.MMA_THREADS}, {K.MMA_MIN_BLOCKS})" in src
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("cfg", BWD_CONFIGS, ids=str)
+def test_bwd_bf16_dw_builds_for_sm90(cfg, monkeypatch):
+    _check_bf16_dw_source(_build_bwd(monkeypatch, cfg, BWD_BF16_DW_KNOBS).get_kernel_source())
+
+
+@pytest.mark.compile
+def test_bwd_bf16_dw_builds_with_swept_knobs(monkeypatch):
+    _check_bf16_dw_source(_build_bwd(monkeypatch, (8192, 24, True), {**MMA_SWEPT, **BWD_BF16_DW_KNOBS})
+                          .get_kernel_source())
+
+
 @pytest.mark.compile
 def test_tf32_round_is_the_spec_recipe():
     # 1 + 2^-11 is a tie at bit 13: away from zero -> 1 + 2^-10; just below rounds down; negatives mirror
@@ -571,6 +598,42 @@ def test_bwd_round_gives_the_default_bits(n, c, knob_kernels):
         assert torch.equal(a, b)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, c", [(2, 1280), (4, 4096)])
+def test_bwd_bf16_dw_gemm_backward_launch(n, c, knob_kernels):
+    """``BWD_BF16_DW``: the launch against the float64 GEMMs (``test_gemm_backward_launch``'s bounds)."""
+    knob_kernels(K, BWD_BF16_DW_KNOBS)
+    _check_gemm_backward_launch(n, c)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, c", [(2, 1280), (4, 4096)])
+def test_bwd_bf16_dw_gives_the_default_dx(n, c, knob_kernels):
+    """``BWD_BF16_DW`` changes the second GEMM only: dx (accumulated into or not) has the default's bits."""
+    k, m = n * c, n * (n + 2)
+    cases = []
+    for T in (1, 7, 4001):
+        residual, fn, _, _ = _inputs(T, n, c)
+        d_mul = torch.randn(T, m, device="cuda") * 1e-1
+        d_sq = torch.randn(T, device="cuda") * 1e-3
+        D = torch.randn(T, k, device="cuda").to(BF16)
+        cases.append((residual.view(T, k), fn, d_mul, d_sq, D))
+
+    def launch_all():
+        got = []
+        for x, fn, d_mul, d_sq, D in cases:
+            for accumulate in (False, True):
+                dx = D.clone() if accumulate else torch.full_like(D, NAN)
+                K.norm_fn_gemm_bwd_launch(d_mul, d_sq, x, fn, dx, torch.full_like(fn, NAN), accumulate)
+                got.append(dx)
+        return got
+
+    want = launch_all()
+    knob_kernels(K, BWD_BF16_DW_KNOBS)
+    for a, b in zip(launch_all(), want):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
 # ---- the pipelined forward (FWD_PIPE): bf16 MMAs on the exact split of W~ ----
 
 @pytest.mark.gpu
@@ -663,7 +726,9 @@ extern "C" void run({cargs}, int64_t gx, int64_t gy) {{
 # (c + 4, g); C/D (g, 2c) (g, 2c + 1) (g + 8, 2c) (g + 8, 2c + 1); the forward's in-warp sum ``tl::AllReduce`` as
 # its butterfly of ``__shfl_xor_sync``. The operands' low 13 bits are dropped (TF32). ``mma.m16n8k16`` bf16 (the
 # ``FWD_PIPE`` forward; each 32-bit register holds two bf16, the lower index in the low half): A (g, 2c..2c+1)
-# (g + 8, 2c..) (g, 2c + 8..) (g + 8, 2c + 8..); B (k = 2c..2c+1, n = g) (2c + 8.., g); C/D as above. The async
+# (g + 8, 2c..) (g, 2c + 8..) (g + 8, 2c + 8..); B (k = 2c..2c+1, n = g) (2c + 8.., g); C/D as above.
+# ``ldmatrix.x4.trans`` (b16): the same addresses; lane l receives, of each matrix i, the elements (2 (l % 4), l / 4)
+# (low half) and (2 (l % 4) + 1, l / 4) (high half) (the ``BWD_BF16_DW`` backward's bf16 operands). The async
 # copies (``cp.async``) copy when issued (zero-fill where the guard is false) and their waits do nothing: a copy
 # lands no later than on the GPU. The products are exact in double and their sum with C is rounded once to fp32
 # (the hardware's order and rounding of the sum are not specified: the test compares the result with a bound, not
@@ -732,6 +797,17 @@ static inline void ptx_ldmatrix_x4(const void* p, void* out) {
   g_rows[w][l] = p;
   g_warp_bar[w].arrive_and_wait();
   for (int i = 0; i < 4; ++i) ((unsigned*)out)[i] = ((const unsigned*)g_rows[w][i * 8 + l / 4])[l % 4];
+  g_warp_bar[w].arrive_and_wait();
+}
+static inline void ptx_ldmatrix_x4_trans(const void* p, void* out) {
+  unsigned w = threadIdx.x / 32, l = threadIdx.x % 32;
+  g_rows[w][l] = p;
+  g_warp_bar[w].arrive_and_wait();
+  for (int i = 0; i < 4; ++i) {
+    const uint16_t* r0 = (const uint16_t*)g_rows[w][i * 8 + 2 * (l % 4)];
+    const uint16_t* r1 = (const uint16_t*)g_rows[w][i * 8 + 2 * (l % 4) + 1];
+    ((unsigned*)out)[i] = (unsigned)r0[l / 4] | ((unsigned)r1[l / 4] << 16);
+  }
   g_warp_bar[w].arrive_and_wait();
 }
 template <DataType A, DataType B, DataType C, int M, int N, int K, bool TA, bool TB>
@@ -854,6 +930,50 @@ def test_bwd_round_in_the_kernel_is_the_launcher_rounding(accumulate, tmp_path, 
     for a, b in zip(*outs):
         assert torch.equal(a.view(torch.int16) if a.dtype == BF16 else a.view(torch.int32),
                            b.view(torch.int16) if b.dtype == BF16 else b.view(torch.int32))
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="needs g++")
+@pytest.mark.parametrize("n, c", [(2, 256), (4, 256)])
+@pytest.mark.parametrize("accumulate", (False, True))
+@pytest.mark.parametrize("knobs", MMA_VARIANTS, ids=str)
+def test_bwd_bf16_dw_source_on_cpu(n, c, accumulate, knobs, tmp_path, monkeypatch):
+    """``BWD_BF16_DW``: the backward's generated CUDA (at the defaults and the swept knobs), run on the CPU
+    (``MMA_SHIM``: bf16 m16n8k16, ldmatrix.trans), writes the bits of dx the kernel without the knob writes on the
+    same operands, and partials whose sum is within ``test_mma_backward_source_on_cpu``'s bound of the float64 model
+    (``dP~ = hi + lo`` exactly: the same exact products, split in two), every element written; token counts that
+    leave partials empty, end mid-block and wrap the partials more than once; dW's bits the same whether dx
+    accumulates or not."""
+    k, m = n * c, n * (n + 2)
+    srcs = {"default": _build_bwd(monkeypatch, (k, m, accumulate), knobs).get_kernel_source()}
+    for acc in {accumulate, False}:  # the knob's kernel, and without accumulation to compare dW's bits
+        src = _build_bwd(monkeypatch, (k, m, acc), {**knobs, **BWD_BF16_DW_KNOBS}).get_kernel_source()
+        _check_bf16_dw_source(src)
+        srcs[f"bf16dw{acc}"] = src
+    runs = {name: _emulate(s, "mhc_norm_fn_bwd_kernel", K.MMA_THREADS, tmp_path / name, MMA_SHIM)
+            for name, s in srcs.items()}
+    parts = K.MMA_PARTIALS
+    for T in (1, 37, 100, 2 * parts * K.MMA_TOKENS + 5):
+        x = torch.randn(T, k).to(BF16)
+        fn = torch.randn(m, k) * 1e-2
+        d_mul, d_sq = torch.randn(T, m), torch.randn(T) * 1e-2
+        if T == 37:  # tiny (hi + lo exact down to 2^-123), huge and zero dP~
+            d_mul[5, :4] = torch.tensor([3.0 * 2.0 ** -120, -2.0 ** -100, 1e30, 0.0])
+        D = torch.randn(T, k).to(BF16)
+        outs = {}
+        for name, run in runs.items():
+            dx = D.clone() if accumulate and name != "bf16dwFalse" else torch.full((T, k), NAN, dtype=BF16)
+            dwp = torch.full((parts, m, k), NAN)
+            run(dict(DP=K.tf32_round(d_mul), DQ=d_sq, X=x, W=K.tf32_round(fn), DX=dx, DWP=dwp),
+                dict(P=parts, Tn=T), (k // K.MMA_COLS, parts))
+            outs[name] = dx, dwp
+        dx, dwp = outs[f"bf16dw{accumulate}"]
+        assert torch.equal(dx.view(torch.int16), outs["default"][0].view(torch.int16)), T
+        assert not dx.isnan().any() and not dwp.isnan().any(), T
+        _, want_dw = _model_bwd64(d_mul, d_sq, x, fn)
+        _, env_dw = _model_bwd64(d_mul.abs(), d_sq.abs(), x.abs(), fn.abs())
+        assert ((dwp.to(F64).sum(0) - want_dw).abs() <= env_dw * 2.0 ** -20).all(), T
+        assert torch.equal(dwp.view(torch.int32), outs["bf16dwFalse"][1].view(torch.int32)), T
 
 
 @pytest.mark.compile
