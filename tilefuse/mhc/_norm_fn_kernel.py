@@ -65,7 +65,22 @@ HBM's bandwidth x latency asks. Shared-memory wavefronts a 64 x 64 tile: ~1600 (
 K-major: 96 scalar loads a warp, 2-way conflicts, ~770; G staged through padded rows: ~380; ldmatrix and tile stores
 ~450), 62 tiles an SM: ~100k cycles, ~55 us at 1.8 GHz, overlapping the HBM time. Tensor work is small (64 MMAs a
 warp a tile, ~10 us). If the shared-memory estimate is the limit, a bf16 second GEMM (dP~ = hi + lo, two exact bf16
-halves; ldmatrix.trans) halves its operand traffic.
+halves; ldmatrix.trans) halves its operand traffic: ``BWD_BF16_DW``.
+
+With ``BWD_BF16_DW`` (a knob, off until measured) the second GEMM runs on bf16 tensor cores. As the kernel stages
+dP~ (``dps``) it also stores its two bf16 halves, split as ``FWD_PIPE`` splits W~ (``_bf16_halves``, the same bit
+operations): ``hi`` = dP~'s upper 16 bits, ``lo = bf16(dP~ - hi)``, ``hi + lo == dP~`` exactly for ``|dP~| >=
+2^-123`` and 0. x's tile stays bf16 (``xs [Tt, Kt]``, not widened). ``dW_p += hi^T x + lo^T x`` on ``mma.m16n8k16``
+with fp32 accumulation: each product is exact in fp32, ``|hi| + |lo| = |dP~|``, and the fp32 sums of the 2 Tt terms
+a block are in the MMA's order, which §2.2.3 leaves open (the same bound). Both operands are token-major 16-bit
+tiles in shared memory, loaded with ``ldmatrix.trans``; the TF32 GEMM's are 32-bit, which ldmatrix cannot transpose
+(scalar loads). Both in shared memory do not select wgmma (sm_90a): TileLang takes wgmma only for ``M >= 64`` and
+this GEMM's M is dW's 32 rows. x's tile in shared memory is 8 KB instead of 16 and the two halves add 2 x 4 KB: 51.5
+KB a CTA as without the knob. ptxas -v (sm_90, K = 8192 and 16384): 128 registers, no spill, accumulating or not
+(without the knob: 4 bytes spilled accumulating, 123 registers not); 4 CTAs an SM. The first GEMM (``G = dP~ W~``,
+TF32, from ``dps``) and the dx epilogue are unchanged: dx has the default's bits. (x as the MMA's B operand in
+registers would drop its tile, but x, D and dx then take the B fragment's layout, 2-byte global accesses, and ptxas
+spills 126 bytes accumulating under the 128-register cap.)
 
 Kernels take ``K % 256 == 0`` and ``1 <= M <= 32`` (``takes``); the public op keeps the reference for other shapes.
 """
@@ -279,6 +294,7 @@ def norm_fn_bwd_kernel(K: int, M: int, accumulate: bool):
     walks the token blocks ``p, p + P, ...`` of ``MMA_TOKENS`` in order. Per block: ``dP~ [Tt, 32]`` and x (bf16,
     exact in TF32) into shared memory; ``G = dP~ W~`` (MMA, from zero) and ``dW_p += dP~^T x`` (MMA); then per
     element ``dx = bf16((D + G) + (2 x) dQ)`` (round-to-nearest adds, ``D`` = the destination's content or 0).
+    ``BWD_BF16_DW``: x's tile stays bf16 and ``dW_p += hi^T x + lo^T x`` on bf16 MMAs (``dP~ = hi + lo`` exactly).
     """
     import tilelang.language as T
 
