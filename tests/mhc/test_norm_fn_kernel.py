@@ -27,6 +27,11 @@ operations) is exact over the exponent range where it can be and within 2^-134 b
 forward config (and with ``FWD_TOKENS = 128``); its generated CUDA runs on the CPU (``MMA_SHIM`` with the bf16 MMA
 and async copies) within the partials' bound; on the GPU (``knob_kernels``) the op's forward against the reference,
 determinism, batch invariance and the poisoned partials' bound.
+
+The backward's bf16 second GEMM (``BWD_BF16_DW``): it builds for sm_90 at every backward config and the swept knobs
+(bf16 ``mma.m16n8k16`` and ``ldmatrix.trans``, no wgmma or ``setmaxnreg``); its generated CUDA on the CPU writes the
+default kernel's dx bits and partials within the float64 model's bound; on the GPU (``knob_kernels``) the launch's
+bounds and the default's dx bits.
 """
 import pytest
 import torch
