@@ -573,11 +573,9 @@ def test_mma_swept_gemm_backward_launch(n, c, knob_kernels):
     _check_gemm_backward_launch(n, c)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("n, c", [(2, 1280), (4, 4096)])
-def test_bwd_round_gives_the_default_bits(n, c, knob_kernels):
-    """``BWD_ROUND`` (the kernel rounds dP and W to TF32, the launcher passes them as they are): the launch writes
-    the default's bits, dx (accumulated into or not) and dW."""
+def _bwd_beside_the_default(n, c, knob_kernels, knobs):
+    """``(default, knobs)``: the launch's ``[dx, dW]`` of each case (T in {1, 7, 4001}, accumulated into or not),
+    with the default kernels, then with ``knobs`` set, on the same inputs."""
     k, m = n * c, n * (n + 2)
     cases = []
     for T in (1, 7, 4001):
@@ -594,13 +592,22 @@ def test_bwd_round_gives_the_default_bits(n, c, knob_kernels):
                 dx = D.clone() if accumulate else torch.full_like(D, NAN)
                 d_fn = torch.full_like(fn, NAN)
                 K.norm_fn_gemm_bwd_launch(d_mul, d_sq, x, fn, dx, d_fn, accumulate)
-                got += [dx, d_fn]
+                got.append([dx, d_fn])
         return got
 
     want = launch_all()
-    knob_kernels(K, {"BWD_ROUND": True})
-    for a, b in zip(launch_all(), want):
-        assert torch.equal(a, b)
+    knob_kernels(K, knobs)
+    return want, launch_all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, c", [(2, 1280), (4, 4096)])
+def test_bwd_round_gives_the_default_bits(n, c, knob_kernels):
+    """``BWD_ROUND`` (the kernel rounds dP and W to TF32, the launcher passes them as they are): the launch writes
+    the default's bits, dx (accumulated into or not) and dW."""
+    for want, got in zip(*_bwd_beside_the_default(n, c, knob_kernels, {"BWD_ROUND": True})):
+        assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
+        assert torch.equal(got[1].view(torch.int32), want[1].view(torch.int32))
 
 
 @pytest.mark.gpu
@@ -615,28 +622,8 @@ def test_bwd_bf16_dw_gemm_backward_launch(n, c, knob_kernels):
 @pytest.mark.parametrize("n, c", [(2, 1280), (4, 4096)])
 def test_bwd_bf16_dw_gives_the_default_dx(n, c, knob_kernels):
     """``BWD_BF16_DW`` changes the second GEMM only: dx (accumulated into or not) has the default's bits."""
-    k, m = n * c, n * (n + 2)
-    cases = []
-    for T in (1, 7, 4001):
-        residual, fn, _, _ = _inputs(T, n, c)
-        d_mul = torch.randn(T, m, device="cuda") * 1e-1
-        d_sq = torch.randn(T, device="cuda") * 1e-3
-        D = torch.randn(T, k, device="cuda").to(BF16)
-        cases.append((residual.view(T, k), fn, d_mul, d_sq, D))
-
-    def launch_all():
-        got = []
-        for x, fn, d_mul, d_sq, D in cases:
-            for accumulate in (False, True):
-                dx = D.clone() if accumulate else torch.full_like(D, NAN)
-                K.norm_fn_gemm_bwd_launch(d_mul, d_sq, x, fn, dx, torch.full_like(fn, NAN), accumulate)
-                got.append(dx)
-        return got
-
-    want = launch_all()
-    knob_kernels(K, BWD_BF16_DW_KNOBS)
-    for a, b in zip(launch_all(), want):
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    for want, got in zip(*_bwd_beside_the_default(n, c, knob_kernels, BWD_BF16_DW_KNOBS)):
+        assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
 
 
 # ---- the pipelined forward (FWD_PIPE): bf16 MMAs on the exact split of W~ ----
