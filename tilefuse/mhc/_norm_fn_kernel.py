@@ -138,11 +138,18 @@ def tf32_round(t: torch.Tensor) -> torch.Tensor:
     return ((t.contiguous().view(torch.int32) + 0x1000) & -0x2000).view(torch.float32)
 
 
-def _tf32(v):
-    """``tf32_round``'s bits of the fp32 kernel expression ``v`` (round at bit 13, ties away; idempotent)."""
+def _tf32_bits(v):
+    """``tf32_round``'s bits (uint32) of the fp32 kernel expression ``v`` (round at bit 13, ties away; idempotent)."""
     import tilelang.language as T
 
-    return T.reinterpret((T.reinterpret(v, "uint32") + T.uint32(0x1000)) & T.uint32(0xFFFFE000), F32)
+    return (T.reinterpret(v, "uint32") + T.uint32(0x1000)) & T.uint32(0xFFFFE000)
+
+
+def _tf32(v):
+    """``tf32_round`` of the fp32 kernel expression ``v``."""
+    import tilelang.language as T
+
+    return T.reinterpret(_tf32_bits(v), F32)
 
 
 def _bf16_halves(u):
@@ -272,8 +279,7 @@ def _norm_fn_fwd_pipe(K: int, M: int):
                 for j, kk in T.Parallel(MP, BK):
                     # tf32 (round at bit 13, ties away, as tf32_round; idempotent on W~), then the upper 16 bits
                     w = T.if_then_else(j < M, wf[T.min(j, M - 1), kk], T.float32(0.0))  # rows past M: zero
-                    u = (T.reinterpret(w, "uint32") + T.uint32(0x1000)) & T.uint32(0xFFFFE000)
-                    wh[j, kk], wl[j, kk] = _bf16_halves(u)
+                    wh[j, kk], wl[j, kk] = _bf16_halves(_tf32_bits(w))
                 T.gemm(xs, wh, acc, transpose_B=True)
                 T.gemm(xs, wl, acc, transpose_B=True)
             store(P, Q, acc, qa, s, t0, Tn)
