@@ -2,7 +2,8 @@
 ``engram_sinkhorn_step``, ``engram_sinkhorn_step_reduce``, ``engram_sinkhorn_finalize``. Compile (sm_90 builds of
 every config the tests use, only explicitly rounded fp32 operations, the generated CUDA run on the CPU, the launchers'
 binding without a GPU) and gpu (grids against the CPU, poisoned outputs, determinism, batch invariance, CUDA graphs,
-torch.compile).
+torch.compile). The step reduce's ``REDUCE_PIPE`` knob (``PIPE_KNOBS``): an sm_90 build, its CUDA on the CPU (named
+barriers as host barriers), and on the GPU (``knob_kernels``) the default kernel's bits.
 
 Tolerances (engram.md §3.3 / §3.4), written once here:
 * bit for bit: the momentum update (the spec's fma formulation), the step reduce (sequential in ascending ``p``),
@@ -181,6 +182,71 @@ def test_step_reduce_source_on_the_cpu(tmp_path):
         assert_equal(out, R._sequential_sum(part))
 
 
+# REDUCE_PIPE (off by default): the knob sets the tests build, each against the default kernel's bits
+PIPE_KNOBS = ({"REDUCE_PIPE": True}, {"REDUCE_PIPE": True, "REDUCE_GROUPS": 4})
+
+# Named barriers on the CPU: ``bar.arrive`` arrives at the id's barrier of the CTA's threads without waiting,
+# ``bar.sync`` arrives and waits, as the hardware's (a warp's 32 arrivals are its 32 host threads'). A count other
+# than the CTA's threads or an id outside 1 .. 15 aborts.
+NAMED_BARRIERS = r"""
+namespace tl {
+static std::barrier<>* g_named[16];
+static inline void check_named(int id, int count) { if (id < 1 || id > 15 || count != THREADS) std::abort(); }
+static inline void __sync_thread_partial(int id, int count) { check_named(id, count); g_named[id]->arrive_and_wait(); }
+static inline void __named_barrier_arrive(int id, int count) { check_named(id, count); (void)g_named[id]->arrive(); }
+static const bool g_named_made = [] {
+  for (int i = 1; i < 16; ++i) g_named[i] = new std::barrier<>(THREADS);
+  return true;
+}();
+}
+"""
+
+
+def _reduce_pipe_source(knobs, monkeypatch):
+    """The step reduce's CUDA at ``knobs`` (not exported: the disk cache's key holds the knob values set at import)."""
+    for name, value in knobs.items():
+        monkeypatch.setattr(S, name, value)
+    return _jit.compile_kernel("engram_sinkhorn_step_reduce", (), "sm_90", export=False).get_kernel_source()
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("knobs", PIPE_KNOBS, ids=str)
+def test_reduce_pipe_builds_for_sm90(knobs, monkeypatch):
+    """REDUCE_PIPE builds for sm_90: one explicit add, per group a ``bar.arrive`` for the loading warps and a
+    ``bar.sync`` for warp 0 over the CTA's threads at ids 1 .. REDUCE_GROUPS, one ``__syncthreads`` (the block's end);
+    the default kernel has no named barrier."""
+    default = _jit.compile_kernel("engram_sinkhorn_step_reduce", (), "sm_90", export=False).get_kernel_source()
+    assert "tl::__named_barrier_arrive(" not in default and "tl::__sync_thread_partial(" not in default
+    src = _reduce_pipe_source(knobs, monkeypatch)
+    assert "__global__" in src and "atomic" not in src
+    _explicit_only(src)
+    assert src.count("__fadd_rn(") == 1 and src.count("__syncthreads()") == 1
+    groups = re.search(r"for \(int g = 0; g < (\d+); \+\+g\)", src)
+    assert groups and int(groups.group(1)) == S.REDUCE_GROUPS
+    assert src.count(f"tl::__named_barrier_arrive((g + 1), {S.REDUCE_THREADS});") == 1
+    assert src.count(f"tl::__sync_thread_partial((g + 1), {S.REDUCE_THREADS});") == 1
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not emu.HAS_GXX, reason="needs g++")
+@pytest.mark.parametrize("knobs", PIPE_KNOBS, ids=str)
+def test_reduce_pipe_source_on_the_cpu(knobs, tmp_path, monkeypatch):
+    """REDUCE_PIPE's CUDA on the CPU (the CTA's threads as host threads, named barriers as above): bit for bit the
+    sequential sum for P inside the first group, one group and one row past it, the bench's 396, one block, one row
+    past it (a second block of one row) and 1100 (three blocks, the last partial), columns of one and several CTAs.
+    The host threads' timing is not the GPU's: an add that read a group before its barrier would pass here only by
+    chance, so the GPU knob test is the check of the barriers' placement."""
+    src = _reduce_pipe_source(knobs, monkeypatch)
+    monkeypatch.setattr(emu, "SHIM", emu.SHIM + NAMED_BARRIERS.replace("THREADS", str(S.REDUCE_THREADS)))
+    run = emu.build(src, "engram_sinkhorn_step_reduce_kernel", S.REDUCE_THREADS, tmp_path / "pipe", threaded=True)
+    gr = S.REDUCE_BLOCK // S.REDUCE_GROUPS
+    for p, d in ((1, 32), (7, 256), (gr, 256), (gr + 1, 256), (396, 512), (S.REDUCE_BLOCK, 256),
+                 (S.REDUCE_BLOCK + 1, 256), (1100, 256)):
+        part, out = torch.randn(p, d), torch.full((d,), float("nan"))
+        run(dict(PART=part, OUT=out, partials=p, cols=d), (d // 32,))
+        assert_equal(out, R._sequential_sum(part))
+
+
 @pytest.mark.compile
 def test_launchers_bind_their_arguments(monkeypatch):
     calls = fake_jit(monkeypatch)
@@ -316,6 +382,28 @@ def test_step_reduce_counts_bitwise():
         out = torch.full((d,), float("nan"), device="cuda")
         E.engram_sinkhorn_step_reduce(part.cuda(), out)
         assert_equal(out.cpu(), R._sequential_sum(part))
+
+
+@pytest.mark.gpu
+@pytest.mark.knobs
+@pytest.mark.parametrize("knobs", PIPE_KNOBS, ids=str)
+def test_reduce_pipe_gives_the_defaults_bits(knobs, knob_kernels):
+    """REDUCE_PIPE's sums (outputs poisoned with NaN first) are the default kernel's bits and the sequential sum's,
+    at P inside a group, the bench's 396 and past one block (1100: three blocks), D = 256 (8 CTAs) and the bench's
+    widths."""
+    cases = []
+    for p in (1, 7, 396, 1100):
+        for d in (256, 4096, 7168):
+            part = torch.randn(p, d, device="cuda")
+            want = torch.full((d,), float("nan"), device="cuda")
+            E.engram_sinkhorn_step_reduce(part, want)  # the shipped path: the package's kernel
+            cases.append((part, want))
+    knob_kernels(S, knobs)
+    for part, want in cases:
+        got = torch.full_like(want, float("nan"))
+        E.engram_sinkhorn_step_reduce(part, got)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), part.shape
+        assert_equal(got.cpu(), R._sequential_sum(part.cpu()))
 
 
 @pytest.mark.gpu

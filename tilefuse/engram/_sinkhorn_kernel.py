@@ -32,6 +32,16 @@ memory (each warp a row at a time, 128 contiguous bytes: every load of the block
 of warp 0 adds the block's rows to column ``l``'s sum: ``acc = 0``, ``acc = RN(acc + partial[p, j])`` for ``p = 0,
 1, ..., P - 1``. That is the reference's sequential sum, bit for bit; ``D`` and ``P`` are runtime values.
 
+``REDUCE_PIPE`` (a knob, off by default): the same loads, issued up front, and the same order of adds, but a block's
+rows are signalled in ``REDUCE_GROUPS`` groups of consecutive rows (``REDUCE_BLOCK / REDUCE_GROUPS`` each): each
+other warp stores its rows of group ``g`` and arrives at named barrier ``g + 1`` (``bar.arrive``); warp 0 stores its
+own, waits there (``bar.sync``) and adds group ``g`` while the later groups' rows are still arriving from memory,
+its shared loads 16 rows ahead of its adds (a group's rows if 16 does not divide them). So the ordered adds overlap
+the loads instead of following the last of them. Every group is signalled whatever ``P`` (warp 0 skips the adds of a
+group past ``P``), and the ``__syncthreads`` that ends a block comes before the next block's stores reuse the tile
+and the barrier ids. ptxas (sm_90), ``REDUCE_GROUPS`` = 8 / 4: 110 registers (102 without the knob), 9 / 5 barriers,
+no spills, the same 64 KB of shared memory.
+
 No atomics. Shared memory: the row kernels' warp sums, the step's column sums (each thread its own columns), the
 reduce's staged rows. Deterministic and batch-invariant.
 
@@ -53,6 +63,8 @@ KERNEL_HELPERS = ("tilefuse._rn",)  # part of this module's kernel cache key (_j
 MOMENTUM_THREADS = 256  # momentum update: threads per CTA (VEC elements each)
 REDUCE_THREADS = 256    # step reduce: threads per CTA (32 columns; the warps stage rows, warp 0 adds them)
 REDUCE_BLOCK = 512      # step reduce: partial rows staged in shared memory at once (the public op's 396 in one)
+REDUCE_PIPE = False     # step reduce: warp 0 adds each group of a block's rows once it is stored (named barriers)
+REDUCE_GROUPS = 8       # step reduce, REDUCE_PIPE: groups of a block (ids 1 .. 15 at most; divides a warp's rows)
 # step: CTAs an SM must hold at once (registers capped to fit): the public op's 3 S_m partials are 3 CTAs per SM of
 # a 132-SM GPU, so all of them run in one wave. ptxas (sm_90): 79 registers at D = 7168 (117 uncapped), 64 at 4096,
 # no spills. Applied up to STEP_CAP_D columns (wider rows would spill). 0: no cap
@@ -260,6 +272,10 @@ def reduce_kernel():
     PB = REDUCE_BLOCK           # rows a block stages in shared memory
     assert PB % WR == 0, (PB, WR)
     U = PB // WR
+    G = REDUCE_GROUPS if REDUCE_PIPE else 1  # groups of a block signalled apart (named barriers 1 .. G)
+    assert 1 <= G <= 15 and U % G == 0, (G, U)
+    GR, UG = PB // G, U // G    # rows of a group; of them, each warp's
+    AH = 16 if GR % 16 == 0 else GR  # REDUCE_PIPE: shared loads warp 0 issues ahead of its adds
     Pn = T.dynamic("partials", I64)
     Dn = T.dynamic("cols", I64)
 
@@ -279,14 +295,34 @@ def reduce_kernel():
                     v[u] = T.float32(0.0)
                     if T.And(T.cast(blk, I64) * PB + w + u * WR < Pn, j < Dn):
                         v[u] = PART[T.cast(blk, I64) * PB + w + u * WR, j]
-                for u in T.unroll(U):
-                    tile[w + u * WR, lane] = v[u]
-                T.sync_threads()
-                if w == 0:  # warp 0 adds the block's rows to its column sums in ascending order
-                    for g in T.serial(T.ceildiv(T.min(T.cast(PB, I64), Pn - T.cast(blk, I64) * PB), 8)):
-                        for u in T.unroll(8):
-                            if T.cast(blk, I64) * PB + g * 8 + u < Pn:
-                                acc[0] = _add(acc[0], tile[g * 8 + u, lane])
+                if REDUCE_PIPE:
+                    t = T.alloc_local((2, AH), F32)
+                    for g in T.unroll(G):  # group g: rows g GR .. (g + 1) GR - 1 of the block
+                        for u in T.unroll(UG):
+                            tile[w + (g * UG + u) * WR, lane] = v[g * UG + u]
+                        if w == 0:  # waits for the group's rows only, then adds them in ascending order
+                            T.sync_threads(g + 1, threads)
+                            if T.cast(blk, I64) * PB + g * GR < Pn:
+                                for e in T.unroll(AH):
+                                    t[0, e] = tile[g * GR + e, lane]
+                                for c in T.unroll(GR // AH):  # chunk c + 1's loads ahead of chunk c's adds
+                                    if c + 1 < GR // AH:
+                                        for e in T.unroll(AH):
+                                            t[(c + 1) % 2, e] = tile[g * GR + (c + 1) * AH + e, lane]
+                                    for e in T.unroll(AH):
+                                        if T.cast(blk, I64) * PB + g * GR + c * AH + e < Pn:
+                                            acc[0] = _add(acc[0], t[c % 2, e])
+                        else:
+                            T.named_barrier_arrive(g + 1, threads)
+                else:
+                    for u in T.unroll(U):
+                        tile[w + u * WR, lane] = v[u]
+                    T.sync_threads()
+                    if w == 0:  # warp 0 adds the block's rows to its column sums in ascending order
+                        for g in T.serial(T.ceildiv(T.min(T.cast(PB, I64), Pn - T.cast(blk, I64) * PB), 8)):
+                            for u in T.unroll(8):
+                                if T.cast(blk, I64) * PB + g * 8 + u < Pn:
+                                    acc[0] = _add(acc[0], tile[g * 8 + u, lane])
                 T.sync_threads()
             if T.And(w == 0, j < Dn):
                 OUT[j] = acc[0]
