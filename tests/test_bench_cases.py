@@ -52,6 +52,7 @@ COUNTED = {
     "mhc_pre_big_fuse_fwd": 11,               # partials, sqrsum, scale, base, residual, 3 destinations; the 3 again
     "mhc_multilayer_recompute": 81,           # residual, 6 lists of 10 (pre, out, post, comb, inputs, residuals);
                                               # the 2 written lists again
+    "mhc_multilayer_steps": 81,               # the same tensors (the unfused apply and post steps)
     "mhc_sinkhorn_fwd": 3,                    # x, out, out
     "mhc_sinkhorn_bwd": 4,                    # d_out, x, d_x, d_x
     "mhc_fn_normw_merge_fwd": 4,              # fn, normw, out_fn; out_fn

@@ -7,7 +7,10 @@ backward (M = n(n + 2) = 24 logits a token; mhc.md 4's v = 2, eps = 1e-2), and t
 on 32768 matrices of 4 x 4 with 20 iterations (issue #35's shapes), the norm-weight merge of the projection
 weight (M = 24, K = 4 C) forward and backward, and the reduction of 16 split-K partials with the RMS step
 forward and backward (T = 8192, K = 16384), and the prenorm projection ``mhc_pre_norm_fn`` (forward; the backward
-GEMMs) at the issue's T x C = 4096 x 2048 and 8192 x 4096. Inputs are standard normal (the mixes
+GEMMs) at the issue's T x C = 4096 x 2048 and 8192 x 4096. ``mhc_multilayer_steps`` runs the L apply-mix and P
+post steps that ``mhc_multilayer_recompute`` fuses, one op a step, on the recompute's inputs: its bytes are mhc.md
+4's ``io_ref`` (the recompute's row counts ``io_fused``), so the recompute's efficiency is the ratio of the two rows'
+times over the ratio of their bytes. Inputs are standard normal (the mixes
 positive, as the layer makes them: sigmoid / softmax of a normal draw; the Sinkhorn logits as drawn).
 
 Bytes: each input read once and each output written once. The v2.1 ops write into the caller's buffers, so a
@@ -30,7 +33,7 @@ OPS = ("expand_to_mhc_fwd", "expand_to_mhc_bwd", "mhc_pre_apply_mix_fwd", "mhc_p
        "mhc_head_compute_mix_bwd", "mhc_sinkhorn_fwd", "mhc_sinkhorn_bwd", "mhc_fn_normw_merge_fwd",
        "mhc_fn_normw_merge_bwd", "mhc_reduce_partials_and_rmsnorm_fwd", "mhc_reduce_partials_and_rmsnorm_bwd",
        "mhc_pre_norm_fn", "mhc_pre_norm_fn_bwd", "mhc_pre_big_fuse_fwd", "mhc_multilayer_recompute",
-       "mhc_layer_step")
+       "mhc_multilayer_steps", "mhc_layer_step")
 # v1 ops -> the v2.1 op whose kernels they run (timed by that op's rows; the v1 fused pre also runs the
 # projection's kernels, timed by the mhc_pre_norm_fn rows)
 SAME_KERNELS = {"expand_to_mhc": "expand_to_mhc_fwd", "mhc_pre_apply_mix": "mhc_pre_apply_mix_fwd",
@@ -63,6 +66,12 @@ def _positive_mix(shape, device) -> torch.Tensor:
 def _written_once(inputs, outputs) -> int:
     """The inputs' bytes: the destination buffer is among them and is the output (returned for the check)."""
     return _nbytes(inputs)
+
+
+def _unfused_bytes(inputs, outputs) -> int:
+    """``mhc_multilayer_steps`` (mhc.md 4's ``io_ref``, L = P): every per-layer tensor once, and the residual each
+    apply and post step reads (two a layer)."""
+    return _nbytes(inputs[1:]) + 2 * len(inputs[1]) * _nbytes(inputs[0])
 
 
 def _accumulated(inputs, outputs) -> int:
@@ -405,6 +414,14 @@ def _fused_cases(c: int) -> list[Case]:
         ns.mhc_multilayer_recompute(r0, pre, out, post, comb, li, res)
         return li, res
 
+    def steps(r0, pre, out, post, comb, li, res):
+        # the unfused chain the recompute replaces: our apply-mix and post kernels, one op a step
+        r = r0
+        for l in range(layers):
+            mhc.mhc_pre_apply_mix_fwd(r.flatten(0, 1), pre[l].flatten(0, 1).squeeze(-1), li[l].flatten(0, 1))
+            r = mhc.mhc_post_fwd(out[l], r, post[l], comb[l], res[l])
+        return li, res
+
     def recompute_ref(r0, pre, out, post, comb, li, res):
         r = r0
         for l in range(layers):
@@ -415,6 +432,7 @@ def _fused_cases(c: int) -> list[Case]:
     f32 = lambda *shape: (shape, F32)  # noqa: E731
     per_layer = [f32(1, t, n, 1), ((1, t, c), BF16), f32(1, t, n, 1), f32(1, t, n, n), ((1, t, c), BF16),
                  ((1, t, n, c), BF16)]
+    per_step = per_layer + [((1, t, n, c), BF16)] * 2  # and the residual each step reads (two a layer)
     return [
         Case("mhc_pre_big_fuse_fwd", sized(fuse_inputs), lambda *args: fuse(mhc, *args), fuse_ref,
              {"tk2": lambda tk, *args: fuse(tk.mhc, *args)}, False, f"mhc_pre_big_fuse_fwd|n={n} C={c}", t,
@@ -425,6 +443,11 @@ def _fused_cases(c: int) -> list[Case]:
              {"tk2": lambda tk, *args: recompute(tk.mhc, *args)}, False, f"mhc_multilayer_recompute|n={n} C={c}",
              t, describe=lambda: (label, [((1, t, n, c), BF16), *per_layer * layers], []),
              nbytes=_written_once),
+        # the recompute's efficiency (mhc.md 4): this row's time over the recompute's, divided by io_ref / io_fused
+        # (this row's bytes over the recompute's row's)
+        Case("mhc_multilayer_steps", sized(layer_inputs), steps, recompute_ref, None, False,
+             f"mhc_multilayer_steps|n={n} C={c}", t,
+             describe=lambda: (label, per_step * layers, []), nbytes=_unfused_bytes),
     ]
 
 
