@@ -2,12 +2,14 @@
 
 The kernel function is compiled by g++ with a small shim: ``bfloat16_t`` with round-to-nearest-even, the 16-byte
 vector types, ``__fmaf_rn`` = ``std::fmaf``, ``__fmul_rn`` = one rounded multiply (no contraction:
-``-ffp-contract=off``), and ``__shfl_xor_sync`` exchanged through a 32-slot array between the 32 host threads of a
-warp at a barrier. The forward runs its CTAs' threads one after another (it has no exchange between threads); the
-backward runs each warp as 32 host threads. So the CPU computes exactly what the GPU computes, bit for bit, and
-checks the kernels' indexing, guards and reductions without a GPU.
+``-ffp-contract=off``), ``__shfl_xor_sync`` exchanged through the warp's 32 slots between two barriers of the warp,
+dynamic shared memory as one host buffer (NaN bytes before each CTA) and ``__syncthreads`` a barrier of the CTA.
+The forward runs its CTAs' threads one after another (it has no exchange between threads); the backward runs every
+thread of a CTA as a host thread, CTAs one after another. So the CPU computes exactly what the GPU computes, bit for
+bit, and checks the kernels' indexing, guards, barriers and reductions without a GPU.
 """
 import ctypes
+import re
 from pathlib import Path
 
 import torch
@@ -19,25 +21,45 @@ struct alignas(16) uint4 { uint x, y, z, w; };
 struct alignas(8) uint2 { uint x, y; };
 struct alignas(16) float4 { float x, y, z, w; };
 struct alignas(8) float2 { float x, y; };
-static float g_slots[32];
+static uchar g_smem[4096] __attribute__((aligned(1024)));
 static std::barrier<>* g_bar;
+static std::barrier<>* g_wbar[32];
+static float g_slots[32][32];
+static inline void __syncthreads() { g_bar->arrive_and_wait(); }
 static inline float __shfl_xor_sync(uint, float v, int delta, int) {
-  int lane = threadIdx.x % 32;
-  g_slots[lane] = v;
-  g_bar->arrive_and_wait();
-  float r = g_slots[lane ^ delta];
-  g_bar->arrive_and_wait();
+  unsigned w = threadIdx.x / 32, lane = threadIdx.x % 32;
+  g_slots[w][lane] = v;
+  g_wbar[w]->arrive_and_wait();
+  float r = g_slots[w][lane ^ delta];
+  g_wbar[w]->arrive_and_wait();
   return r;
 }
 """
 
 
-def build(src: str, name: str, threads: int, warp_threads: bool, workdir: Path):
-    """Compile the ``__global__`` function ``name`` of ``src`` for the CPU; returns ``run(tensors: dict, num_tokens,
-    blocks)``, which binds tensors by the kernel's parameter names."""
+def cta_loop(name: str, call: str, threads: int) -> str:
+    """The C++ loop that runs ``blocks`` CTAs one after another, each CTA's ``threads`` threads as host threads."""
+    return f"""std::barrier<> bar({threads}); g_bar = &bar;
+  std::vector<std::unique_ptr<std::barrier<>>> warps;
+  for (unsigned w = 0; w < {threads // 32}; ++w) warps.emplace_back(g_wbar[w] = new std::barrier<>(32));
+  for (int64_t b = 0; b < blocks; ++b) {{
+    std::memset(g_smem, 0xFF, sizeof(g_smem));
+    std::vector<std::thread> th;
+    for (unsigned t = 0; t < {threads}; ++t)
+      th.emplace_back([=]() {{ blockIdx.x = (unsigned)b; threadIdx.x = t; {name}({call}); }});
+    for (auto& t : th) t.join();
+  }}"""
+
+
+def build(src: str, name: str, threads: int, cta_threads: bool, workdir: Path):
+    """Compile the ``__global__`` function ``name`` of ``src`` for the CPU, a CTA's threads as host threads
+    (``cta_threads``) or one after another; returns ``run(tensors: dict, num_tokens, blocks)``, which binds tensors
+    by the kernel's parameter names."""
+    assert threads % 32 == 0 and threads <= 1024, threads
     body = src[src.index('extern "C" __global__ void __launch_bounds__'):]
+    body = re.sub(r"extern __shared__ [^;]*float (\w+)\[\];", r"float* \1 = (float*)g_smem;", body)
     decl, cargs, call = signature(body, name)
-    loop = launch_loop("warps" if warp_threads else "serial", name, call, threads)
+    loop = cta_loop(name, call, threads) if cta_threads else launch_loop("serial", name, call, threads)
     cpp = SHIM + body.replace('extern "C" __global__', "static") + f"""
 extern "C" void run({cargs}, int64_t blocks) {{
   {loop}
@@ -60,3 +82,25 @@ def fma_chain(first: torch.Tensor, terms) -> torch.Tensor:
     for a, b in terms:
         acc = (a.double() * b.double() + acc.double()).float()
     return acc
+
+
+def mix_model(a: torch.Tensor, g: torch.Tensor, token_warps: int) -> torch.Tensor:
+    """``sum_c a[..., c] g[..., c]`` (fp32 ``[..., C]``, ``C % 8 == 0``) in the backward's order: thread ``k`` of the
+    token's ``32 * token_warps`` takes the lanes ``k, k + 32 * token_warps, ...`` and chains their columns in
+    increasing order with fma (``fma_chain``'s model), each warp adds its 32 partials by the XOR butterfly (offsets
+    16, 8, 4, 2, 1), then the warps' sums are added in warp order."""
+    *lead, c = a.shape
+    tw = 32 * token_warps
+    steps = -(-c // (8 * tw))
+    pad = steps * tw * 8 - c  # zero columns: fma(0, 0, acc) leaves acc unchanged
+    a, g = (torch.nn.functional.pad(t, (0, pad)).view(*lead, steps, tw, 8) for t in (a, g))
+    acc = torch.zeros(*lead, tw)
+    for s in range(steps):
+        acc = fma_chain(acc, [(a[..., s, :, e], g[..., s, :, e]) for e in range(8)])
+    acc = acc.view(*lead, token_warps, 32)
+    for off in (16, 8, 4, 2, 1):
+        acc = acc + acc[..., torch.arange(32) ^ off]
+    total = acc[..., 0, 0]
+    for h in range(1, token_warps):
+        total = total + acc[..., h, 0]
+    return total

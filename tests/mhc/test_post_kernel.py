@@ -1,7 +1,9 @@
 """Kernel tiers of mhc_post / mhc_post_fwd / mhc_post_bwd (mhc.md §2.6, §5.2): compile (sm_90 builds of every
 config the tests use, the explicit fma chains in the source, the launchers' binding without a GPU) and gpu (the
 issue's grid against float64 and the reference, poisoned outputs, strided inputs, determinism, batch invariance,
-CUDA graphs, torch.compile).
+CUDA graphs, torch.compile). The backward's TOKEN_WARPS knob (2 and 4): sm_90 builds at every config, the generated
+source on the CPU (the default's d_x / d_residual bits, d_post / d_comb in the order of ``mix_model``), and a GPU
+knob test beside the default kernel.
 
 Tolerances (derived, written once):
 * bf16 results (out, d_x, d_residual) are one fp32 chain of k products (k = n + 1 for out, n for the gradients)
@@ -100,6 +102,23 @@ def test_launchers_bind_their_arguments(shape, monkeypatch):
     assert all(call.env["num_tokens"] == b * s for call in calls)
 
 
+def _cpu_bwd(cfg, workdir):
+    """The backward's generated source at the module's current knobs, built for the CPU (``post_emulation``)."""
+    src = _jit.compile_kernel("mhc_post_bwd", cfg, "sm_90", export=False).get_kernel_source()
+    return emu.build(src, "mhc_post_bwd_kernel", K.BWD_WARPS * K.WARP, True, workdir)
+
+
+def _run_bwd(bwd, x, r, p, cm, g):
+    """``(d_x, d_residual, d_post, d_comb)`` of the CPU-built backward ``bwd`` (outputs NaN-poisoned before), launched
+    as the launcher does at the module's current knobs."""
+    tokens, n = r.shape[1:3]
+    got = (torch.full_like(x, float("nan")), torch.full_like(r, float("nan")),
+           torch.full((1, tokens, n, 1), float("nan")), torch.full((1, tokens, n, n), float("nan")))
+    bwd(dict(X=x, Rs=r, G=g, P=p, Cm=cm, DX=got[0], DR=got[1], DP=got[2], DC=got[3]), tokens,
+        -(-tokens // (K.BWD_WARPS // K.TOKEN_WARPS)))
+    return got
+
+
 @pytest.mark.compile
 @pytest.mark.skipif(not emu.HAS_GXX, reason="needs g++")
 @pytest.mark.parametrize("n, c, tokens", [(4, 264, 7), (2, 8, 5), (8, 264, 9), (4, 1280, 13)])
@@ -123,11 +142,7 @@ def test_generated_source_on_the_cpu(n, c, tokens, tmp_path):
     assert torch.equal(out, model)
     _check_forward(out, x, r, p, cm)
 
-    bwd = emu.build(_jit.compile_kernel("mhc_post_bwd", (n, c), "sm_90").get_kernel_source(), "mhc_post_bwd_kernel",
-                    K.BWD_WARPS * K.WARP, True, tmp_path)
-    got = (torch.full_like(x, float("nan")), torch.full_like(r, float("nan")),
-           torch.full((1, tokens, n, 1), float("nan")), torch.full((1, tokens, n, n), float("nan")))
-    bwd(dict(X=x, Rs=r, G=g, P=p, Cm=cm, DX=got[0], DR=got[1], DP=got[2], DC=got[3]), tokens, -(-tokens // K.BWD_WARPS))
+    got = _run_bwd(_cpu_bwd((n, c), tmp_path), x, r, p, cm, g)
     d_x_model = emu.fma_chain(p[..., 0, :] * gf[..., 0, :], [(p[..., o, :], gf[..., o, :]) for o in range(1, n)])
     assert torch.equal(got[0], d_x_model.to(BF16))
     assert torch.equal(got[1], mhc_post_bwd_ref(x, r, p, cm, g)[1])
@@ -146,16 +161,64 @@ def test_backward_unroll_knob_changes_no_result(tmp_path, monkeypatch):
     results = []
     for u in (1, 2, 3):
         monkeypatch.setattr(K, "BWD_UNROLL", u)
-        src = _jit.compile_kernel("mhc_post_bwd", (n, c), "sm_90", export=False).get_kernel_source()
-        bwd = emu.build(src, "mhc_post_bwd_kernel", K.BWD_WARPS * K.WARP, True, tmp_path / str(u))
-        got = (torch.full_like(x, float("nan")), torch.full_like(r, float("nan")),
-               torch.full((1, tokens, n, 1), float("nan")), torch.full((1, tokens, n, n), float("nan")))
-        bwd(dict(X=x, Rs=r, G=g, P=p, Cm=cm, DX=got[0], DR=got[1], DP=got[2], DC=got[3]), tokens,
-            -(-tokens // K.BWD_WARPS))
-        results.append(got)
+        results.append(_run_bwd(_cpu_bwd((n, c), tmp_path / str(u)), x, r, p, cm, g))
     for other in results[1:]:
         for a, b in zip(results[0], other):
             assert torch.equal(a, b)
+
+
+TOKEN_WARPS = (2, 4)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("h", TOKEN_WARPS)
+@pytest.mark.parametrize("cfg", _all_configs(), ids=str)
+def test_token_warps_builds_for_sm90(cfg, h, monkeypatch):
+    """TOKEN_WARPS = h: the default's chains and 16-byte accesses, CTAs of BWD_WARPS warps, the warps' sums through
+    shared memory behind one barrier, no atomics."""
+    n, c = cfg
+    monkeypatch.setattr(K, "TOKEN_WARPS", h)
+    src = _jit.compile_kernel("mhc_post_bwd", cfg, "sm_90", export=False).get_kernel_source()
+    assert src.count("__fmul_rn(") == 2 and src.count("__fmaf_rn(") == 2 * (n - 1) + 2
+    for buf in ("X", "Rs", "G", "DX", "DR"):
+        assert re.search(rf"\*\(uint4\*\)\({buf} \+", src), buf
+    assert f"__launch_bounds__({K.BWD_WARPS * K.WARP}," in src
+    assert src.count("__syncthreads()") == 1 and "__shared__" in src
+    assert "__shfl_xor_sync" in src and "atomic" not in src
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not emu.HAS_GXX, reason="needs g++")
+@pytest.mark.parametrize("n, c, tokens", [(4, 264, 7), (2, 8, 5), (8, 264, 9), (2, 4096, 3)])
+def test_token_warps_on_the_cpu(n, c, tokens, tmp_path, monkeypatch):
+    """TOKEN_WARPS = 2 and 4, the generated source on the CPU: d_x and d_residual have the default kernel's bits;
+    d_post and d_comb are bit for bit the order of ``emu.mix_model`` (which depends on C only; the default kernel's
+    values are its order with one warp), within the tolerances above of the reference, and the last token alone
+    has its bits in the batch. Small C leaves warps of a token without lanes; odd T, a partial last CTA."""
+    x, r = torch.randn(1, tokens, c).to(BF16), torch.randn(1, tokens, n, c).to(BF16)
+    p, cm = torch.rand(1, tokens, n, 1) * 2, torch.randn(1, tokens, n, n)
+    g = torch.randn(1, tokens, n, c).to(BF16)
+    xf, rf, gf = x.float(), r.float(), g.float()
+
+    def model(h):
+        d_post = torch.stack([emu.mix_model(xf, gf[..., o, :], h) for o in range(n)], dim=-1).unsqueeze(-1)
+        d_comb = torch.stack([torch.stack([emu.mix_model(rf[..., i, :], gf[..., o, :], h) for o in range(n)], dim=-1)
+                              for i in range(n)], dim=-2)
+        return d_post, d_comb
+
+    want = _run_bwd(_cpu_bwd((n, c), tmp_path / "1"), x, r, p, cm, g)
+    assert all(torch.equal(a, b) for a, b in zip(want[2:], model(1)))
+    for h in TOKEN_WARPS:
+        monkeypatch.setattr(K, "TOKEN_WARPS", h)
+        bwd = _cpu_bwd((n, c), tmp_path / str(h))
+        got = _run_bwd(bwd, x, r, p, cm, g)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        d_post, d_comb = model(h)
+        assert torch.equal(got[2], d_post) and torch.equal(got[3], d_comb)
+        _check_backward(got, x, r, p, cm, g)
+        alone = _run_bwd(bwd, *(t[:, -1:] for t in (x, r, p, cm, g)))
+        for a, b in zip(alone, got):
+            assert torch.equal(a, b[:, -1:])
 
 
 @pytest.mark.compile
@@ -368,6 +431,34 @@ def test_batch_invariant(n, poisoned):
         assert torch.equal(mhc_post_fwd(*part[:4]), full_f[:, sl])
         for a, b in zip(mhc_post_bwd(*part, fuse_grad_acc=False), full_b):
             assert torch.equal(a, b[:, sl])
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.dtype == BF16 else torch.int32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", TOKEN_WARPS)
+@pytest.mark.parametrize("c", (1280, 4096, 7168))
+@pytest.mark.parametrize("n", GRID_N)
+def test_token_warps_beside_the_default(n, c, h, knob_kernels, poisoned):
+    """TOKEN_WARPS = h against the default kernel on the same inputs (T in {1, 7, 4001}): d_x and d_residual have
+    the default's bits; d_post and d_comb are within the tolerances above, two launches give the same bits, and
+    tokens launched alone (the first, the last, seven in the middle) have their bits in the batch."""
+    cases = [_inputs(tokens, n, c) for tokens in (1, 7, 4001)]
+    want = [K.post_bwd_launch(*case) for case in cases]
+    knob_kernels(K, {"TOKEN_WARPS": h})
+    for case, default in zip(cases, want):
+        got = K.post_bwd_launch(*case)
+        for a, b in zip(got[:2], default[:2]):
+            assert torch.equal(_bits(a), _bits(b))
+        _check_backward(got, *case)
+        for a, b in zip(K.post_bwd_launch(*case), got):
+            assert torch.equal(_bits(a), _bits(b))
+        tokens = case[0].shape[1]
+        for sl in (slice(0, 1), slice(tokens - 1, tokens), slice(tokens // 2, tokens // 2 + 7)):
+            for a, b in zip(K.post_bwd_launch(*(t[:, sl].clone() for t in case)), got):
+                assert torch.equal(_bits(a), _bits(b[:, sl]))
 
 
 @pytest.mark.gpu

@@ -12,22 +12,30 @@ broadcasts) and the lane's ``x`` and ``n`` residual vectors, and writes ``n`` ou
 ``out_o = bf16(acc)`` (the chain of §2.6, bit-for-bit; every product and fma is an explicit ``__fmul_rn`` /
 ``__fmaf_rn`` so nvcc cannot contract or reorder it).
 
-Backward: one warp per token; lane ``k`` of the warp walks the token's lanes ``k, k + 32, ...``, issuing the
+Backward: ``TOKEN_WARPS`` warps per token (default one), ``BWD_WARPS // TOKEN_WARPS`` tokens per CTA of
+``BWD_WARPS`` warps; thread ``k`` of the token's ``W = 32 * TOKEN_WARPS`` walks the token's lanes ``k, k + W, ...``
+(a warp's loads of one step: 32 adjacent lanes, 512 contiguous bytes a stream), issuing the
 loads of ``BWD_UNROLL`` steps before their arithmetic (more bytes in flight per warp; the order of the arithmetic
 is the same for every value of the knob). Elementwise, per column: ``d_x = bf16(chain_o post[o] * g_o)`` and ``d_residual_i = bf16(chain_o comb[i, o] * g_o)`` with the chain
 ``RN(a_0 * g_0)``, then ``fma(a_o, g_o, acc)`` for increasing o (§2.6, bit-for-bit). The per-token mix gradients
 ``d_post[o] = sum_c x[c] g_o[c]`` and ``d_comb[i, o] = sum_c R_i[c] g_o[c]`` are fp32 reductions over C (the
-order is not contractual, §2.6): each lane accumulates its columns with fma in increasing column order, then
-the warp adds its 32 partials by an XOR butterfly (offsets 16, 8, 4, 2, 1), which leaves the same value in
-every lane; lane 0 stores them. The order depends only on C, never on T or on other tokens: deterministic
-and batch-invariant, with no atomics and no shared memory. Nothing is summed over tokens (the mix gradients
-are per token).
+order is not contractual, §2.6): each thread accumulates its columns with fma in increasing column order, then
+each warp adds its 32 partials by an XOR butterfly (offsets 16, 8, 4, 2, 1), which leaves the same value in
+every lane. With one warp per token, lane 0 stores them (no shared memory). With ``TOKEN_WARPS`` > 1, lane 0 of
+each warp writes its sums to shared memory and, after a barrier, the token's first warp adds the token's warps'
+sums in warp order (h = 0, 1, ...), one mix gradient a lane, and stores them; d_x and d_residual keep their bits
+(elementwise), d_post and d_comb change only by the order of their fp32 additions. The order depends only on C
+and TOKEN_WARPS, never on T or on other tokens: deterministic and batch-invariant, with no atomics. Nothing is
+summed over tokens (the mix gradients are per token).
 
 Kernel constraints: ``n`` in ``KERNEL_N`` and ``C % 8 == 0``; the public ops keep the reference path for any
 other input (``takes``).
 
 Speed: not yet measured on a GPU. ptxas (sm_90, n = 4) gives the forward 72 registers and the backward 151-167
 (3 CTAs of 128 threads per SM), no spills; n = 8 takes 167 / 252. The knobs above are the first things to sweep.
+TOKEN_WARPS = 2 / 4 (ptxas, C in 1280..7168, no spills): n = 4 takes 149-183 / 145-177 registers (3 CTAs per SM,
+2 at TOKEN_WARPS = 2, C = 1280 and TOKEN_WARPS = 4, C = 2560), n = 2 86-106 / 77-96, n = 8 249 / 238-243 (2 CTAs);
+the warps' sums take 4 (n + n^2) bytes of shared memory a warp.
 """
 
 import torch
@@ -42,8 +50,9 @@ KERNEL_HELPERS = ("tilefuse.mhc._chains", "tilefuse._rn")
 
 # ---- tuning knobs (TILEFUSE_KNOBS) ----
 FWD_THREADS = 128  # threads per CTA of the forward (one lane each)
-BWD_WARPS = 4      # tokens per CTA of the backward (one warp each)
+BWD_WARPS = 4      # warps per CTA of the backward
 BWD_UNROLL = 2     # backward lane steps whose loads a thread issues before their arithmetic (results unchanged)
+TOKEN_WARPS = 1    # backward warps per token (divides BWD_WARPS): the CTA takes BWD_WARPS // TOKEN_WARPS tokens
 
 V = 8                  # bf16 columns per lane: one 16-byte vector
 KERNEL_N = (2, 4, 8)   # multiplicities the kernels are built for
@@ -108,9 +117,13 @@ def post_bwd_kernel(n: int, C: int):
 
     assert n in KERNEL_N and C % V == 0 and C > 0, (n, C)
     L = C // V
-    steps = (L + WARP - 1) // WARP  # lane steps per thread
+    H = TOKEN_WARPS
+    assert BWD_WARPS % H == 0, (BWD_WARPS, H)
+    TW = H * WARP  # threads per token
+    steps = (L + TW - 1) // TW  # lane steps per thread
     U = max(1, min(BWD_UNROLL if n <= 4 else 1, steps))  # n = 8 already holds ~250 registers with U = 1
-    warps = BWD_WARPS
+    warps = BWD_WARPS // H  # tokens per CTA
+    NM = n + n * n  # mix gradients per token: d_post, then d_comb [i * n + o]
     Tn = T.dynamic("num_tokens", "int64")
     bf, f32 = "bfloat16", "float32"
 
@@ -119,9 +132,10 @@ def post_bwd_kernel(n: int, C: int):
                      P: T.Tensor((Tn, n), f32), Cm: T.Tensor((Tn, n, n), f32),
                      DX: T.Tensor((Tn, C), bf), DR: T.Tensor((Tn, n, C), bf),
                      DP: T.Tensor((Tn, n), f32), DC: T.Tensor((Tn, n, n), f32)):
-        with T.Kernel(T.ceildiv(Tn, warps), threads=warps * WARP) as bx:
+        with T.Kernel(T.ceildiv(Tn, warps), threads=BWD_WARPS * WARP) as bx:
             tid = T.get_thread_binding()
-            lane = tid % WARP
+            lane = tid % TW  # the thread's place among its token's threads (warp h: lanes 32 h .. 32 h + 31)
+            red = T.alloc_shared((BWD_WARPS * NM,), f32) if H > 1 else None  # [warp of the CTA, NM]
             xv = T.alloc_local((U * V,), bf)
             rv = T.alloc_local((U * n * V,), bf)
             gv = T.alloc_local((U * n * V,), bf)
@@ -131,7 +145,7 @@ def post_bwd_kernel(n: int, C: int):
             gf = T.alloc_local((n * V,), f32)
             sp = T.alloc_local((n,), f32)       # d_post partials
             sc = T.alloc_local((n * n,), f32)   # d_comb partials, [i * n + o]
-            t = T.cast(bx, "int64") * warps + tid // WARP
+            t = T.cast(bx, "int64") * warps + tid // TW
             if t < Tn:  # the same for the whole warp: every lane takes part in the shuffles
                 for e in T.vectorized(n):
                     pv[e] = P[t, e]
@@ -144,7 +158,7 @@ def post_bwd_kernel(n: int, C: int):
                     sc[k] = T.float32(0)
                 for s in T.serial(T.ceildiv(steps, U)):
                     for u in T.unroll(U):  # the loads of U lane steps, then their arithmetic in step order
-                        l = lane + (s * U + u) * WARP
+                        l = lane + (s * U + u) * TW
                         if l < L:
                             for e in T.vectorized(V):
                                 xv[u * V + e] = X[t, l * V + e]
@@ -155,7 +169,7 @@ def post_bwd_kernel(n: int, C: int):
                                 for e in T.vectorized(V):
                                     gv[(u * n + o) * V + e] = G[t, o, l * V + e]
                     for u in T.unroll(U):
-                        l = lane + (s * U + u) * WARP
+                        l = lane + (s * U + u) * TW
                         if l < L:
                             c = l * V
                             for k in T.unroll(n * V):
@@ -188,12 +202,32 @@ def post_bwd_kernel(n: int, C: int):
                 for k in T.unroll(n * n):
                     for m in T.unroll(5):
                         sc[k] = sc[k] + T.shfl_xor(sc[k], T.shift_right(16, m))
-                if lane == 0:
-                    for k in T.unroll(n):
-                        DP[t, k] = sp[k]
-                    for i in T.unroll(n):
-                        for o in T.unroll(n):
-                            DC[t, i, o] = sc[i * n + o]
+                if H == 1:
+                    if lane == 0:
+                        for k in T.unroll(n):
+                            DP[t, k] = sp[k]
+                        for i in T.unroll(n):
+                            for o in T.unroll(n):
+                                DC[t, i, o] = sc[i * n + o]
+                else:
+                    if tid % WARP == 0:
+                        for k in T.unroll(n):
+                            red[tid // WARP * NM + k] = sp[k]
+                        for k in T.unroll(n * n):
+                            red[tid // WARP * NM + n + k] = sc[k]
+            if H > 1:  # the token's first warp adds its H warps' sums in warp order, one value a lane
+                T.sync_threads()
+                if t < Tn and lane < WARP:
+                    for j in T.serial(T.ceildiv(NM, WARP)):
+                        k = lane + j * WARP
+                        if k < NM:
+                            total = T.alloc_var(f32, init=red[tid // TW * H * NM + k])
+                            for h in T.unroll(1, H):
+                                total = total + red[(tid // TW * H + h) * NM + k]
+                            if k < n:
+                                DP[t, k] = total
+                            else:
+                                DC[t, (k - n) // n, (k - n) % n] = total
 
     return mhc_post_bwd
 
