@@ -7,7 +7,7 @@ GRID_C = (1280, 2560, 4096, 7168)
 
 def norm_fn_configs() -> list[tuple[str, tuple]]:
     """``(kernel name, config)`` of every launch of the GPU tests."""
-    cfgs = [("mhc_norm_fn_dw_sum", ())]
+    cfgs = [("mhc_norm_fn_dw_sum", ()), ("mhc_norm_fn_tf32_round", ())]
     for n in GRID_N:
         for c in GRID_C:
             K, M = n * c, n * (n + 2)

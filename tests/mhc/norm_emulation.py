@@ -1,5 +1,5 @@
-"""Run the CUDA source that TileLang generates for the norm-weight merge and the reduce/RMS kernels on the CPU (not a
-test module).
+"""Run the CUDA source that TileLang generates for the norm-weight merge, the reduce/RMS kernels and the TF32
+rounding of the projection's backward operands on the CPU (not a test module).
 
 The kernel function is compiled by g++ with ``post_emulation``'s shim plus ``rsqrtf`` as ``1 / sqrt`` in double
 rounded once to fp32 (CUDA's ``rsqrtf`` is within 2 ulp of that, so an output that passes through it is compared with a bound; every

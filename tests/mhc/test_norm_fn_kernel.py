@@ -1,11 +1,16 @@
-"""Kernel tiers of the prenorm projection ``mhc_pre_norm_fn`` (mhc.md §2.2): split-K TF32 forward GEMM, backward
-GEMMs with fixed-order weight-gradient partials.
+"""Kernel tiers of the prenorm projection ``mhc_pre_norm_fn`` (mhc.md §2.2): the split-K forward GEMM (bf16 MMAs on
+the exact split of W~), the TF32 rounding of the backward's operands, the backward GEMMs with fixed-order
+weight-gradient partials.
 
-compile: every config the GPU tests launch (and every registered one) builds for sm_90; the launchers bind their
-arguments to the kernels' parameters; the TF32 rounding and the split count (CPU, no GPU).
+compile: every config the GPU tests launch (and every registered one) builds for sm_90 (async copies and bf16
+``mma.m16n8k16`` in the forward, TF32 and bf16 MMAs with ``ldmatrix.trans`` in the backward, 16-byte accesses in the
+rounding; no wgmma, ``setmaxnreg`` or atomics); the launchers bind their arguments to the kernels' parameters; the
+TF32 rounding, the forward's split of W~ into bf16 halves (a torch model of the kernel's bit operations: exact over
+the exponent range where it can be, within 2^-134 below) and the split count (CPU, no GPU).
 gpu: against the reference over T in {0, 1, 7, 4001, 8192}, n in {2, 4} (n = 8: M = 80, the reference path),
 C in {1280, 2560, 4096, 7168}, the spec's data (§4); launches with poisoned destinations against the float64 GEMMs
-of their operands; determinism, batch invariance, CUDA-graph replay and ``torch.compile(fullgraph=True)``.
+of their operands; determinism, batch invariance, CUDA-graph replay and ``torch.compile(fullgraph=True)``; the
+rounding kernel's bits against ``tf32_round``.
 
 Tolerances, derived once here from §3 (norm_fn rows):
 * output: ``atol = rtol = 1e-3`` against the reference with the TF32-rounded weight (the spec compares with a
@@ -13,25 +18,13 @@ Tolerances, derived once here from §3 (norm_fn rows):
 * residual gradient: bf16 ``assert_close`` defaults (rtol 1.6e-2, atol 1e-5) against the float64 reference of
   the TF32-rounded operands; weight gradient: ``atol 3e-2, rtol 1e-3``;
 * bitwise where the chain is fixed: the partial sum ``mhc_norm_fn_dw_sum`` (the partials added in increasing ``p``
-  from zero, rounded adds that torch reproduces).
+  from zero, rounded adds that torch reproduces) and the rounding ``mhc_norm_fn_tf32_round``.
 
-The backward runs on TF32 tensor cores and sums in the MMA's order: its results are held to the tolerances above
-against the reference and its launch against the float64 GEMMs, plus determinism, batch invariance of dx, dW's bits
-independent of dx's destination and of zero tokens appended, graph replay and compile. On the CPU its generated CUDA
-runs with the warp instructions emulated (``MMA_SHIM``, itself checked on the forward kernel that passes on the
-H200), at its defaults and at a swept set of its tiling knobs (``MMA_SWEPT``, also through ``knob_kernels`` on the
-GPU).
-
-The pipelined forward (``FWD_PIPE``): its split of W~ into bf16 halves (a torch model of the kernel's bit
-operations) is exact over the exponent range where it can be and within 2^-134 below; it builds for sm_90 at every
-forward config (and with ``FWD_TOKENS = 128``); its generated CUDA runs on the CPU (``MMA_SHIM`` with the bf16 MMA
-and async copies) within the partials' bound; on the GPU (``knob_kernels``) the op's forward against the reference,
-determinism, batch invariance and the poisoned partials' bound.
-
-The backward's bf16 second GEMM (``BWD_BF16_DW``): it builds for sm_90 at every backward config and the swept knobs
-(bf16 ``mma.m16n8k16`` and ``ldmatrix.trans``, no wgmma or ``setmaxnreg``); its generated CUDA on the CPU writes the
-default kernel's dx bits and partials within the float64 model's bound; on the GPU (``knob_kernels``) the launch's
-bounds and the default's dx bits.
+The GEMMs sum in the MMAs' order: their results are held to the tolerances above against the reference and their
+launches against the float64 GEMMs, plus determinism, batch invariance, dW's bits independent of dx's destination
+and of zero tokens appended, graph replay and compile. On the CPU the kernels' generated CUDA runs with the warp
+instructions emulated (``MMA_SHIM``), the backward at its defaults and at a swept set of its tiling knobs
+(``MMA_SWEPT``, also through ``knob_kernels`` on the GPU).
 """
 import pytest
 import torch
@@ -62,13 +55,23 @@ def test_builds_for_sm90(name, cfg):
 
 
 def _check_source(name, src):
-    """The generated CUDA of a registered kernel: no atomics; TF32 MMAs in the GEMMs."""
-    assert "__global__" in src and "atomic" not in src
+    """The generated CUDA of a kernel: no atomics, no wgmma or ``setmaxnreg`` (sm_90 without the a). The forward:
+    async copies, bf16 MMAs (no TF32). The backward: the first GEMM on TF32 MMAs, the second on bf16
+    ``mma.m16n8k16`` from token-major shared tiles (``ldmatrix.trans``). The rounding: 16-byte loads and stores and
+    the spec recipe's bit operation (4096 / 0xFFFFE000) on each of the two ranges' vector and element paths."""
+    assert "__global__" in src and "atomic" not in src and "wgmma" not in src and "setmaxnreg" not in src
     if name == "mhc_norm_fn_fwd":
-        assert "kTensorFloat32" in src  # the TF32 tensor-core MMA
-    if name == "mhc_norm_fn_bwd":  # the backward: TF32 tensor cores
-        assert "kTensorFloat32" in src and "__fmaf_rn(" not in src
+        assert "cp_async_gs" in src and "cp_async_wait" in src
+        assert "kBFloat16" in src and "kTensorFloat32" not in src
+        if K.FWD_MIN_BLOCKS:
+            assert f"__launch_bounds__({K.FWD_THREADS}, {K.FWD_MIN_BLOCKS})" in src
+    if name == "mhc_norm_fn_bwd":
+        assert "kTensorFloat32" in src and "kBFloat16, tl::DataType::kBFloat16" in src and "__fmaf_rn(" not in src
+        assert "ptx_ldmatrix_x4_trans" in src
         assert f"__launch_bounds__({K.MMA_THREADS}, {K.MMA_MIN_BLOCKS})" in src
+    if name == "mhc_norm_fn_tf32_round":
+        assert all(src.count(f"*(float4*)({a} + ") == 1 for a in ("DP", "DPR", "W", "WR"))
+        assert src.count("(uint)4096) & (uint)4294959104") == 4
 
 
 BENCH_ONLY = [("mhc_norm_fn_fwd", (8192, 24)), ("mhc_norm_fn_bwd", (8192, 24, True))]  # C = 2048: not in the grid
@@ -87,9 +90,6 @@ def test_bench_only_configs_build(name, cfg):
     _check_source(name, _jit.compile_kernel(name, cfg, "sm_90").get_kernel_source())
 
 
-FWD_PIPE_KNOBS = {"FWD_PIPE": True}
-
-
 def _build_fwd(monkeypatch, cfg, knobs):
     """The forward at ``cfg`` with ``knobs`` set, built for sm_90 outside tilefuse's caches."""
     import tilelang
@@ -100,34 +100,14 @@ def _build_fwd(monkeypatch, cfg, knobs):
                             execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS))
 
 
-def _check_pipe_source(src):
-    """The ``FWD_PIPE`` forward's CUDA: async copies, bf16 MMAs (no TF32, no wgmma: sm_90 without the a), no
-    atomics."""
-    assert "__global__" in src and "atomic" not in src
-    assert "cp_async_gs" in src and "cp_async_wait" in src
-    assert "kBFloat16" in src and "kTensorFloat32" not in src and "wgmma" not in src
-    if K.FWD_MIN_BLOCKS:
-        assert f"__launch_bounds__({K.FWD_THREADS}, {K.FWD_MIN_BLOCKS})" in src
-
-
-FWD_CONFIGS = sorted({cfg for name, cfg in norm_fn_configs() + BENCH_ONLY if name == "mhc_norm_fn_fwd"})
+@pytest.mark.compile
+def test_fwd_builds_with_128_tokens(monkeypatch):
+    _check_source("mhc_norm_fn_fwd", _build_fwd(monkeypatch, (8192, 24), {"FWD_TOKENS": 128}).get_kernel_source())
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("cfg", FWD_CONFIGS, ids=str)
-def test_fwd_pipe_builds_for_sm90(cfg, monkeypatch):
-    _check_pipe_source(_build_fwd(monkeypatch, cfg, FWD_PIPE_KNOBS).get_kernel_source())
-
-
-@pytest.mark.compile
-def test_fwd_pipe_builds_with_128_tokens(monkeypatch):
-    _check_pipe_source(_build_fwd(monkeypatch, (8192, 24), {**FWD_PIPE_KNOBS, "FWD_TOKENS": 128}).get_kernel_source())
-
-
-@pytest.mark.compile
-def test_fwd_pipe_launcher_passes_the_weight_unrounded(monkeypatch):
-    monkeypatch.setattr(K, "FWD_PIPE", True)
-    calls = fake_jit(monkeypatch)  # binds the launch's arguments to the FWD_PIPE prim_func
+def test_fwd_launcher_passes_the_weight_unrounded(monkeypatch):
+    calls = fake_jit(monkeypatch)  # binds the launch's arguments to the prim_func
     T, k, m = 37, 2 * 1280, 8
     s = K.splits(k)
     x = torch.randn(T, k).to(BF16)
@@ -141,7 +121,7 @@ def test_fwd_pipe_launcher_passes_the_weight_unrounded(monkeypatch):
 
 
 def _fwd_split(w: torch.Tensor):
-    """The ``FWD_PIPE`` forward's split of fp32 ``w`` (a model of the kernel's bit operations): ``W~ =
+    """The forward's split of fp32 ``w`` (a model of the kernel's bit operations): ``W~ =
     tf32_round(w)``, ``hi`` = W~'s upper 16 bits, ``lo = bf16(W~ - hi)`` (round to nearest even). Returns ``(W~, hi,
     lo, W~ - hi)`` (``hi``, ``lo`` bf16; the difference in fp32)."""
     wt = K.tf32_round(w)
@@ -193,31 +173,9 @@ def _build_bwd(monkeypatch, cfg, knobs):
                             execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS))
 
 
-BWD_BF16_DW_KNOBS = {"BWD_BF16_DW": True}
-BWD_CONFIGS = sorted({cfg for name, cfg in norm_fn_configs() + BENCH_ONLY if name == "mhc_norm_fn_bwd"}
-                     | {(n * 256, n * (n + 2), acc) for n in (2, 4) for acc in (False, True)})  # + the CPU runs'
-
-
-def _check_bf16_dw_source(src):
-    """The ``BWD_BF16_DW`` backward's CUDA: the first GEMM on TF32 MMAs, the second on bf16 ``mma.m16n8k16`` (no
-    wgmma, no ``setmaxnreg``: sm_90 without the a), x's tile not widened to fp32, no atomics."""
-    assert "__global__" in src and "atomic" not in src and "__fmaf_rn(" not in src
-    assert "kTensorFloat32" in src and "kBFloat16, tl::DataType::kBFloat16" in src
-    assert "wgmma" not in src and "setmaxnreg" not in src
-    assert "ptx_ldmatrix_x4_trans" in src  # the bf16 operands, token-major in shared memory
-    assert f"__launch_bounds__({K.MMA_THREADS}, {K.MMA_MIN_BLOCKS})" in src
-
-
 @pytest.mark.compile
-@pytest.mark.parametrize("cfg", BWD_CONFIGS, ids=str)
-def test_bwd_bf16_dw_builds_for_sm90(cfg, monkeypatch):
-    _check_bf16_dw_source(_build_bwd(monkeypatch, cfg, BWD_BF16_DW_KNOBS).get_kernel_source())
-
-
-@pytest.mark.compile
-def test_bwd_bf16_dw_builds_with_swept_knobs(monkeypatch):
-    _check_bf16_dw_source(_build_bwd(monkeypatch, (8192, 24, True), {**MMA_SWEPT, **BWD_BF16_DW_KNOBS})
-                          .get_kernel_source())
+def test_bwd_builds_with_swept_knobs(monkeypatch):
+    _check_source("mhc_norm_fn_bwd", _build_bwd(monkeypatch, (8192, 24, True), MMA_SWEPT).get_kernel_source())
 
 
 @pytest.mark.compile
@@ -255,14 +213,16 @@ def test_launchers_bind(n, c, monkeypatch):
     for acc in (False, True):
         K.norm_fn_gemm_bwd_launch(torch.randn(T, m), torch.randn(T), x, fn, torch.empty(T, k, dtype=BF16),
                                   torch.empty(m, k), acc)
+    rnd = ("mhc_norm_fn_tf32_round", ())
     assert [(cl.name, cl.cfg) for cl in calls] == [
-        ("mhc_norm_fn_fwd", (k, m)), ("mhc_norm_fn_bwd", (k, m, False)), ("mhc_norm_fn_dw_sum", ()),
-        ("mhc_norm_fn_bwd", (k, m, True)), ("mhc_norm_fn_dw_sum", ())]
+        ("mhc_norm_fn_fwd", (k, m)), rnd, ("mhc_norm_fn_bwd", (k, m, False)), ("mhc_norm_fn_dw_sum", ()),
+        rnd, ("mhc_norm_fn_bwd", (k, m, True)), ("mhc_norm_fn_dw_sum", ())]
     assert calls[0].env == {"Tn": T}
-    # the backward's partials buffer and the partial sum's count are MMA_PARTIALS
-    for i in (1, 3):
-        assert calls[i].env == {"Tn": T, "P": K.MMA_PARTIALS}
-        assert calls[i + 1].env == {"P": K.MMA_PARTIALS, "N": m * k}
+    # one rounding launch over dP and W; the backward's partials buffer and the partial sum's count are MMA_PARTIALS
+    for i in (1, 4):
+        assert calls[i].env == {"Nd": T * m, "Nw": m * k}
+        assert calls[i + 1].env == {"Tn": T, "P": K.MMA_PARTIALS}
+        assert calls[i + 2].env == {"P": K.MMA_PARTIALS, "N": m * k}
 
 
 @pytest.mark.compile
@@ -375,12 +335,13 @@ def test_partials_launch_poisoned(T, n, c):
     out_mul, sqrsum = torch.full((s, T, m), NAN, device="cuda"), torch.full((s, T), NAN, device="cuda")
     K.norm_fn_partials_launch(residual.view(T, k), fn, out_mul, sqrsum)
     pm, qm = R.mhc_pre_norm_fn_partials_ref(residual.to(F64), K.tf32_round(fn).to(F64), s)
-    # each split: a K/S-term dot product of exact products (TF32 x TF32 fits fp32); every MMA addition errs by at
-    # most one fp32 ulp of the running sum (2u: the tensor core's accumulator need not round to nearest), so
-    # |err| <= 2 (K/S) u sum|terms|; the squares (exact) are added on CUDA cores in round to nearest: (K/S) u Q
+    # each split: a 2 K/S-term dot product of exact products (bf16 x bf16 fits fp32: ``x hi`` and ``x lo``, ``|hi| +
+    # |lo| = |W~|``, so the same sum of magnitudes); every MMA addition errs by at most one fp32 ulp of the running
+    # sum (2u: the tensor core's accumulator need not round to nearest), so |err| <= 2 (2 K/S) u sum|terms|; the
+    # squares (exact) are added on CUDA cores in round to nearest: (K/S) u Q
     env = R.mhc_pre_norm_fn_partials_ref(residual.to(F64).abs(), K.tf32_round(fn).abs().to(F64), s)[0]
     assert not out_mul.isnan().any() and not sqrsum.isnan().any()
-    assert ((out_mul.to(F64) - pm[:, :, 0]).abs() <= 2 * (k // s) * 2.0 ** -24 * env[:, :, 0]).all()
+    assert ((out_mul.to(F64) - pm[:, :, 0]).abs() <= 2 * (2 * k // s) * 2.0 ** -24 * env[:, :, 0]).all()
     assert ((sqrsum.to(F64) - qm[:, :, 0]).abs() <= (k // s) * 2.0 ** -24 * qm[:, :, 0]).all()
 
 
@@ -573,70 +534,15 @@ def test_mma_swept_gemm_backward_launch(n, c, knob_kernels):
     _check_gemm_backward_launch(n, c)
 
 
-def _bwd_beside_the_default(n, c, knob_kernels, knobs):
-    """``(default, knobs)``: the launch's ``[dx, dW]`` of each case (T in {1, 7, 4001}, accumulated into or not),
-    with the default kernels, then with ``knobs`` set, on the same inputs."""
-    k, m = n * c, n * (n + 2)
-    cases = []
-    for T in (1, 7, 4001):
-        residual, fn, _, _ = _inputs(T, n, c)
-        d_mul = torch.randn(T, m, device="cuda") * 1e-1
-        d_sq = torch.randn(T, device="cuda") * 1e-3
-        D = torch.randn(T, k, device="cuda").to(BF16)
-        cases.append((residual.view(T, k), fn, d_mul, d_sq, D))
-
-    def launch_all():
-        got = []
-        for x, fn, d_mul, d_sq, D in cases:
-            for accumulate in (False, True):
-                dx = D.clone() if accumulate else torch.full_like(D, NAN)
-                d_fn = torch.full_like(fn, NAN)
-                K.norm_fn_gemm_bwd_launch(d_mul, d_sq, x, fn, dx, d_fn, accumulate)
-                got.append([dx, d_fn])
-        return got
-
-    want = launch_all()
-    knob_kernels(K, knobs)
-    return want, launch_all()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n, c", [(2, 1280), (4, 4096)])
-def test_bwd_round_gives_the_default_bits(n, c, knob_kernels):
-    """``BWD_ROUND`` (the kernel rounds dP and W to TF32, the launcher passes them as they are): the launch writes
-    the default's bits, dx (accumulated into or not) and dW."""
-    for want, got in zip(*_bwd_beside_the_default(n, c, knob_kernels, {"BWD_ROUND": True})):
-        assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
-        assert torch.equal(got[1].view(torch.int32), want[1].view(torch.int32))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n, c", [(2, 1280), (4, 4096)])
-def test_bwd_bf16_dw_gemm_backward_launch(n, c, knob_kernels):
-    """``BWD_BF16_DW``: the launch against the float64 GEMMs (``test_gemm_backward_launch``'s bounds)."""
-    knob_kernels(K, BWD_BF16_DW_KNOBS)
-    _check_gemm_backward_launch(n, c)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n, c", [(2, 1280), (4, 4096)])
-def test_bwd_bf16_dw_gives_the_default_dx(n, c, knob_kernels):
-    """``BWD_BF16_DW`` changes the second GEMM only: dx (accumulated into or not) has the default's bits."""
-    for want, got in zip(*_bwd_beside_the_default(n, c, knob_kernels, BWD_BF16_DW_KNOBS)):
-        assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
-
-
-# ---- the pipelined forward (FWD_PIPE): bf16 MMAs on the exact split of W~ ----
+# ---- the forward over the whole grid; the TF32 rounding kernel ----
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", GRID_N)
 @pytest.mark.parametrize("c", GRID_C)
-def test_fwd_pipe_forward(n, c, knob_kernels):
-    """With ``FWD_PIPE``: the op's forward against the reference (``test_forward_against_reference``'s assertion)
+def test_forward_over_the_grid(n, c):
+    """At every (n, C): the op's forward against the reference (``test_forward_against_reference``'s assertion)
     over the tests' token counts, two runs bitwise equal; the split partials of poisoned launches within the bound
-    of ``test_partials_launch_poisoned`` for 2 K/S exact products a split (``x hi``, ``x lo``: ``|hi| + |lo| =
-    |W~|``); a token's output bits independent of the batch."""
-    knob_kernels(K, FWD_PIPE_KNOBS)
+    of ``test_partials_launch_poisoned``; a token's output bits independent of the batch."""
     k, m = n * c, n * (n + 2)
     s = K.splits(k)
     for T in TOKENS:
@@ -661,7 +567,24 @@ def test_fwd_pipe_forward(n, c, knob_kernels):
         assert torch.equal(out, full[:, sl])
 
 
-# ---- the backward kernels' CUDA source, run on the CPU ----
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", (1, 7, 33, 4001, 8192))
+@pytest.mark.parametrize("m, k", [(8, 2 * 1280), (24, 4 * 7168)])
+def test_tf32_round_kernel_bits(T, m, k):
+    """The rounding kernel on dP ``[T, M]`` and W ``[M, K]`` writes ``tf32_round``'s bits of both (ties, negatives,
+    infinities, NaNs, subnormals: ``_rounding_operands``), every element; the launcher's operands as it passes them:
+    views that start off a 16-byte boundary are copied (``_launch.aligned``) and give the same bits."""
+    from tilefuse import _launch
+
+    dp, w = _rounding_operands(T * m + 1, m * k + 3, device="cuda")
+    for a, b in ((dp[:-1], w[:-3]), (dp[1:], w[3:])):  # aligned, and views 4 and 12 bytes off
+        dpr, wr = _poison(T * m, "cuda"), _poison(m * k, "cuda")
+        _jit.get("mhc_norm_fn_tf32_round", ())(_launch.aligned(a), _launch.aligned(b), dpr, wr)
+        assert torch.equal(dpr.view(torch.int32), K.tf32_round(a).view(torch.int32))
+        assert torch.equal(wr.view(torch.int32), K.tf32_round(b).view(torch.int32))
+
+
+# ---- the kernels' CUDA source, run on the CPU ----
 
 EMU_EXTRA = r"""
 static inline int64_t min(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -711,20 +634,19 @@ extern "C" void run({cargs}, int64_t gx, int64_t gy) {{
     return run
 
 
-# The warp-level instructions of the tensor-core backward, for the CPU: each warp's 32 host threads exchange their
-# registers through arrays at a barrier of the warp. ``ldmatrix.x4`` (b16): lane l gives the address of row l % 8
-# of matrix l / 8 and receives, of each matrix i, the 32-bit word (l / 4, l % 4). ``mma.m16n8k8`` TF32 (PTX ISA
-# fragment layouts, g = l / 4, c = l % 4): A (g, c) (g + 8, c) (g, c + 4) (g + 8, c + 4); B (k = c, n = g)
-# (c + 4, g); C/D (g, 2c) (g, 2c + 1) (g + 8, 2c) (g + 8, 2c + 1); the forward's in-warp sum ``tl::AllReduce`` as
-# its butterfly of ``__shfl_xor_sync``. The operands' low 13 bits are dropped (TF32). ``mma.m16n8k16`` bf16 (the
-# ``FWD_PIPE`` forward; each 32-bit register holds two bf16, the lower index in the low half): A (g, 2c..2c+1)
-# (g + 8, 2c..) (g, 2c + 8..) (g + 8, 2c + 8..); B (k = 2c..2c+1, n = g) (2c + 8.., g); C/D as above.
-# ``ldmatrix.x4.trans`` (b16): the same addresses; lane l receives, of each matrix i, the elements (2 (l % 4), l / 4)
-# (low half) and (2 (l % 4) + 1, l / 4) (high half) (the ``BWD_BF16_DW`` backward's bf16 operands). The async
-# copies (``cp.async``) copy when issued (zero-fill where the guard is false) and their waits do nothing: a copy
-# lands no later than on the GPU. The products are exact in double and their sum with C is rounded once to fp32
-# (the hardware's order and rounding of the sum are not specified: the test compares the result with a bound, not
-# bitwise).
+# The warp-level instructions of the GEMM kernels, for the CPU: each warp's 32 host threads exchange their registers
+# through arrays at a barrier of the warp. ``ldmatrix.x4`` (b16): lane l gives the address of row l % 8 of matrix l /
+# 8 and receives, of each matrix i, the 32-bit word (l / 4, l % 4). ``mma.m16n8k8`` TF32 (PTX ISA fragment layouts, g
+# = l / 4, c = l % 4): A (g, c) (g + 8, c) (g, c + 4) (g + 8, c + 4); B (k = c, n = g) (c + 4, g); C/D (g, 2c) (g, 2c
+# + 1) (g + 8, 2c) (g + 8, 2c + 1); the forward's in-warp sum ``tl::AllReduce`` as its butterfly of
+# ``__shfl_xor_sync``. The operands' low 13 bits are dropped (TF32). ``mma.m16n8k16`` bf16 (the forward, the
+# backward's second GEMM; each 32-bit register holds two bf16, the lower index in the low half): A (g, 2c..2c+1) (g +
+# 8, 2c..) (g, 2c + 8..) (g + 8, 2c + 8..); B (k = 2c..2c+1, n = g) (2c + 8.., g); C/D as above. ``ldmatrix.x4.trans``
+# (b16): the same addresses; lane l receives, of each matrix i, the elements (2 (l % 4), l / 4) (low half) and (2 (l %
+# 4) + 1, l / 4) (high half) (the backward's bf16 operands). The async copies (``cp.async``) copy when issued
+# (zero-fill where the guard is false) and their waits do nothing: a copy lands no later than on the GPU. The products
+# are exact in double and their sum with C is rounded once to fp32 (the hardware's order and rounding of the sum are
+# not specified: the test compares the result with a bound, not bitwise).
 MMA_SHIM = r"""
 struct uint1 { uint x; };
 struct __nv_bfloat162 { bfloat16_t x, y; };
@@ -850,20 +772,23 @@ static inline __nv_bfloat162 __float22bfloat162_rn(float2 v) {
 @pytest.mark.parametrize("accumulate", (False, True))
 @pytest.mark.parametrize("knobs", MMA_VARIANTS, ids=str)
 def test_mma_backward_source_on_cpu(n, c, accumulate, knobs, tmp_path, monkeypatch):
-    """The tensor-core backward's generated CUDA (``knobs`` {}: the registered kernel tilefuse launches;
-    else built with the swept knobs), run on the CPU with the warp instructions emulated (``MMA_SHIM``):
-    its tiles, fragment layouts, guards and barriers give the GEMMs of the float64 model (dx within one bf16 rounding
-    of it: the emulated MMA errs by an fp32 rounding per call; dW within 2^-20 of the sum of |terms|), every element
-    written; token counts that leave partials empty, end mid-block and wrap the partials more than once; dW's bits
-    the same whether dx accumulates or not. The partial sum's generated CUDA, run on the CPU, adds those partials
-    in increasing ``p`` from zero, bit for bit."""
+    """The backward's generated CUDA (``knobs`` {}: the registered kernel tilefuse launches; else built with the
+    swept knobs), run on the CPU with the warp instructions emulated (``MMA_SHIM``: TF32 m16n8k8, bf16 m16n8k16,
+    ldmatrix, ldmatrix.trans): its tiles, fragment layouts, guards and barriers give the GEMMs of the float64 model
+    (dx within one bf16 rounding of it: the emulated MMA errs by an fp32 rounding per call; dW within 2^-20 of the
+    sum of |terms|: ``dP~ = hi + lo`` exactly, the same exact products split in two), every element written; tiny
+    (hi + lo exact down to 2^-123), huge and zero dP~; token counts that leave partials empty, end mid-block and
+    wrap the partials more than once; dW's bits the same whether dx accumulates or not. The partial sum's generated
+    CUDA, run on the CPU, adds those partials in increasing ``p`` from zero, bit for bit."""
     k, m = n * c, n * (n + 2)
-    if knobs:
-        src = _build_bwd(monkeypatch, (k, m, accumulate), knobs).get_kernel_source()
-    else:
-        src = _jit.compile_kernel("mhc_norm_fn_bwd", (k, m, accumulate), "sm_90").get_kernel_source()
-    assert "kTensorFloat32" in src
-    bwd = _emulate(src, "mhc_norm_fn_bwd_kernel", K.MMA_THREADS, tmp_path / "bwd", MMA_SHIM)
+    runs = {}
+    for acc in {accumulate, False}:  # the kernel, and without accumulation to compare dW's bits
+        if knobs:
+            src = _build_bwd(monkeypatch, (k, m, acc), knobs).get_kernel_source()
+        else:
+            src = _jit.compile_kernel("mhc_norm_fn_bwd", (k, m, acc), "sm_90").get_kernel_source()
+        _check_source("mhc_norm_fn_bwd", src)
+        runs[acc] = _emulate(src, "mhc_norm_fn_bwd_kernel", K.MMA_THREADS, tmp_path / f"bwd{acc}", MMA_SHIM)
     dws = _emulate(_jit.compile_kernel("mhc_norm_fn_dw_sum", (), "sm_90").get_kernel_source(),
                    "mhc_norm_fn_dw_sum_kernel", K.SUM_THREADS, tmp_path / "sum")
     parts = K.MMA_PARTIALS
@@ -871,11 +796,19 @@ def test_mma_backward_source_on_cpu(n, c, accumulate, knobs, tmp_path, monkeypat
         x = torch.randn(T, k).to(BF16)
         fn = torch.randn(m, k) * 1e-2
         d_mul, d_sq = torch.randn(T, m), torch.randn(T) * 1e-2
+        if T == 37:  # tiny (hi + lo exact down to 2^-123), huge and zero dP~
+            d_mul[5, :4] = torch.tensor([3.0 * 2.0 ** -120, -2.0 ** -100, 1e30, 0.0])
         D = torch.randn(T, k).to(BF16)
-        dx = D.clone() if accumulate else torch.full((T, k), NAN, dtype=BF16)
-        dwp = torch.full((parts, m, k), NAN)
-        bwd(dict(DP=K.tf32_round(d_mul), DQ=d_sq, X=x, W=K.tf32_round(fn), DX=dx, DWP=dwp),
-            dict(P=parts, Tn=T), (k // K.MMA_COLS, parts))
+        outs = {}
+        for acc, run in runs.items():
+            dx = D.clone() if acc else torch.full((T, k), NAN, dtype=BF16)
+            dwp = torch.full((parts, m, k), NAN)
+            run(dict(DP=K.tf32_round(d_mul), DQ=d_sq, X=x, W=K.tf32_round(fn), DX=dx, DWP=dwp),
+                dict(P=parts, Tn=T), (k // K.MMA_COLS, parts))
+            outs[acc] = dx, dwp
+        dx, dwp = outs[accumulate]
+        assert not dx.isnan().any() and not dwp.isnan().any(), T
+        assert torch.equal(dwp.view(torch.int32), outs[False][1].view(torch.int32)), T
         want_dx, want_dw = _model_bwd64(d_mul, d_sq, x, fn, D if accumulate else None)
         env_dx, env_dw = _model_bwd64(d_mul.abs(), d_sq.abs(), x.abs(), fn.abs(), D.abs() if accumulate else None)
         # bf16 of a value within 2^-20 env of the model: off the model by half a bf16 ulp of it plus that
@@ -892,116 +825,18 @@ def test_mma_backward_source_on_cpu(n, c, accumulate, knobs, tmp_path, monkeypat
 
 @pytest.mark.compile
 @pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="needs g++")
-@pytest.mark.parametrize("accumulate", (False, True))
-def test_bwd_round_in_the_kernel_is_the_launcher_rounding(accumulate, tmp_path, monkeypatch):
-    """``BWD_ROUND``: the backward's generated CUDA rounds dP and W to TF32 as it stages them (the spec recipe's
-    bit operation, 4096 / 0xFFFFE000, twice), so on unrounded operands it writes the bits the default kernel writes
-    on the launcher's ``tf32_round`` of them (CPU run, ``MMA_SHIM``), dx and every partial; ties at bit 13 included."""
-    n, c = 4, 256
-    k, m = n * c, n * (n + 2)
-    default = _jit.compile_kernel("mhc_norm_fn_bwd", (k, m, accumulate), "sm_90").get_kernel_source()
-    src = _build_bwd(monkeypatch, (k, m, accumulate), {"BWD_ROUND": True}).get_kernel_source()
-    assert src.count("(uint)4096) & (uint)4294959104") == 2 and "4294959104" not in default
-    runs = [_emulate(s, "mhc_norm_fn_bwd_kernel", K.MMA_THREADS, tmp_path / name, MMA_SHIM)
-            for s, name in ((default, "default"), (src, "round"))]
-    parts = K.MMA_PARTIALS
-    T = 2 * parts * K.MMA_TOKENS + 5
-    x = torch.randn(T, k).to(BF16)
-    fn = torch.randn(m, k) * 1e-2
-    d_mul, d_sq = torch.randn(T, m), torch.randn(T) * 1e-2
-    ties = (d_mul.view(torch.int32) & -0x2000) | 0x1000  # exactly halfway between two TF32 values: ties away
-    d_mul[::3] = ties[::3].view(torch.float32)
-    D = torch.randn(T, k).to(BF16)
-    outs = []
-    for run, dp, w in ((runs[0], K.tf32_round(d_mul), K.tf32_round(fn)), (runs[1], d_mul, fn)):
-        dx = D.clone() if accumulate else torch.full((T, k), NAN, dtype=BF16)
-        dwp = torch.full((parts, m, k), NAN)
-        run(dict(DP=dp, DQ=d_sq, X=x, W=w, DX=dx, DWP=dwp), dict(P=parts, Tn=T), (k // K.MMA_COLS, parts))
-        outs.append((dx, dwp))
-    assert not torch.equal(K.tf32_round(d_mul), d_mul)  # the kernel had rounding to do
-    for a, b in zip(*outs):
-        assert torch.equal(a.view(torch.int16) if a.dtype == BF16 else a.view(torch.int32),
-                           b.view(torch.int16) if b.dtype == BF16 else b.view(torch.int32))
-
-
-@pytest.mark.compile
-@pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="needs g++")
 @pytest.mark.parametrize("n, c", [(2, 256), (4, 256)])
-@pytest.mark.parametrize("accumulate", (False, True))
-@pytest.mark.parametrize("knobs", MMA_VARIANTS, ids=str)
-def test_bwd_bf16_dw_source_on_cpu(n, c, accumulate, knobs, tmp_path, monkeypatch):
-    """``BWD_BF16_DW``: the backward's generated CUDA (at the defaults and the swept knobs), run on the CPU
-    (``MMA_SHIM``: bf16 m16n8k16, ldmatrix.trans), writes the bits of dx the kernel without the knob writes on the
-    same operands, and partials whose sum is within ``test_mma_backward_source_on_cpu``'s bound of the float64 model
-    (``dP~ = hi + lo`` exactly: the same exact products, split in two), every element written; token counts that
-    leave partials empty, end mid-block and wrap the partials more than once; dW's bits the same whether dx
-    accumulates or not."""
-    k, m = n * c, n * (n + 2)
-    srcs = {"default": _build_bwd(monkeypatch, (k, m, accumulate), knobs).get_kernel_source()}
-    for acc in {accumulate, False}:  # the knob's kernel, and without accumulation to compare dW's bits
-        src = _build_bwd(monkeypatch, (k, m, acc), {**knobs, **BWD_BF16_DW_KNOBS}).get_kernel_source()
-        _check_bf16_dw_source(src)
-        srcs[f"bf16dw{acc}"] = src
-    runs = {name: _emulate(s, "mhc_norm_fn_bwd_kernel", K.MMA_THREADS, tmp_path / name, MMA_SHIM)
-            for name, s in srcs.items()}
-    parts = K.MMA_PARTIALS
-    for T in (1, 37, 100, 2 * parts * K.MMA_TOKENS + 5):
-        x = torch.randn(T, k).to(BF16)
-        fn = torch.randn(m, k) * 1e-2
-        d_mul, d_sq = torch.randn(T, m), torch.randn(T) * 1e-2
-        if T == 37:  # tiny (hi + lo exact down to 2^-123), huge and zero dP~
-            d_mul[5, :4] = torch.tensor([3.0 * 2.0 ** -120, -2.0 ** -100, 1e30, 0.0])
-        D = torch.randn(T, k).to(BF16)
-        outs = {}
-        for name, run in runs.items():
-            dx = D.clone() if accumulate and name != "bf16dwFalse" else torch.full((T, k), NAN, dtype=BF16)
-            dwp = torch.full((parts, m, k), NAN)
-            run(dict(DP=K.tf32_round(d_mul), DQ=d_sq, X=x, W=K.tf32_round(fn), DX=dx, DWP=dwp),
-                dict(P=parts, Tn=T), (k // K.MMA_COLS, parts))
-            outs[name] = dx, dwp
-        dx, dwp = outs[f"bf16dw{accumulate}"]
-        assert torch.equal(dx.view(torch.int16), outs["default"][0].view(torch.int16)), T
-        assert not dx.isnan().any() and not dwp.isnan().any(), T
-        _, want_dw = _model_bwd64(d_mul, d_sq, x, fn)
-        _, env_dw = _model_bwd64(d_mul.abs(), d_sq.abs(), x.abs(), fn.abs())
-        assert ((dwp.to(F64).sum(0) - want_dw).abs() <= env_dw * 2.0 ** -20).all(), T
-        assert torch.equal(dwp.view(torch.int32), outs["bf16dwFalse"][1].view(torch.int32)), T
-
-
-@pytest.mark.compile
-@pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="needs g++")
-def test_mma_shim_runs_the_forward(tmp_path):
-    """``MMA_SHIM`` checked on the forward kernel (its TF32 MMA passes the GPU tier on the H200): the forward's
-    CUDA source, run on the CPU with it, gives its split partials within the bound of
-    ``test_partials_launch_poisoned``."""
-    n, c, T = 2, 256, 100
-    k, m = n * c, n * (n + 2)
-    s = K.splits(k)
-    src = _jit.compile_kernel("mhc_norm_fn_fwd", (k, m), "sm_90", export=False).get_kernel_source()
-    fwd = _emulate(src, "mhc_norm_fn_fwd_kernel", K.FWD_THREADS, tmp_path / "fwd", MMA_SHIM)
-    x = torch.randn(T, k).to(BF16)
-    w = K.tf32_round(torch.randn(m, k) * 1e-2)
-    out_mul, sqrsum = torch.full((s, T, m), NAN), torch.full((s, T), NAN)
-    fwd(dict(X=x, W=w, P=out_mul, Q=sqrsum), dict(Tn=T), (-(-T // K.FWD_TOKENS), s))
-    pm, qm = R.mhc_pre_norm_fn_partials_ref(x.view(1, T, n, c).to(F64), w.to(F64), s)
-    env = R.mhc_pre_norm_fn_partials_ref(x.view(1, T, n, c).to(F64).abs(), w.abs().to(F64), s)[0]
-    assert ((out_mul.to(F64) - pm[:, :, 0]).abs() <= 2 * (k // s) * 2.0 ** -24 * env[:, :, 0]).all()
-    assert ((sqrsum.to(F64) - qm[:, :, 0]).abs() <= (k // s) * 2.0 ** -24 * qm[:, :, 0]).all()
-
-
-@pytest.mark.compile
-@pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="needs g++")
-@pytest.mark.parametrize("n, c", [(2, 256), (4, 256)])
-def test_fwd_pipe_source_on_cpu(n, c, tmp_path, monkeypatch):
-    """The ``FWD_PIPE`` forward's generated CUDA run on the CPU (``MMA_SHIM``: its bf16 MMA, async copies, ldmatrix
-    and in-warp sums): from unrounded fp32 weights (the kernel rounds them to TF32 and splits them), every split's
-    partials within the bound of ``test_partials_launch_poisoned`` for its 2 K/S exact products (``x hi`` and ``x
-    lo``, ``|hi| + |lo| = |W~|``, so the same sum of magnitudes), every element written; a partial last token tile
-    (T = 100) and a single token; more steps than stages (K/S = 256: 4 steps)."""
+def test_forward_source_on_cpu(n, c, tmp_path):
+    """The forward's generated CUDA run on the CPU (``MMA_SHIM``: its bf16 MMA, async copies, ldmatrix and in-warp
+    sums): from unrounded fp32 weights (the kernel rounds them to TF32 and splits them), every split's partials
+    within the bound of ``test_partials_launch_poisoned`` (2 K/S exact products, ``x hi`` and ``x lo``), every
+    element written; a partial last token tile (T = 100) and a single token; more steps than stages (K/S = 256: 4
+    steps)."""
     k, m = n * c, n * (n + 2)
     s = K.splits(k)
     assert (k // s) // K.FWD_BK > K.FWD_STAGES
-    src = _build_fwd(monkeypatch, (k, m), FWD_PIPE_KNOBS).get_kernel_source()
+    src = _jit.compile_kernel("mhc_norm_fn_fwd", (k, m), "sm_90", export=False).get_kernel_source()
+    _check_source("mhc_norm_fn_fwd", src)
     fwd = _emulate(src, "mhc_norm_fn_fwd_kernel", K.FWD_THREADS, tmp_path / "fwd", MMA_SHIM)
     for T in (100, 1):
         x = torch.randn(T, k).to(BF16)
@@ -1014,3 +849,50 @@ def test_fwd_pipe_source_on_cpu(n, c, tmp_path, monkeypatch):
         assert not out_mul.isnan().any() and not sqrsum.isnan().any()
         assert ((out_mul.to(F64) - pm[:, :, 0]).abs() <= 2 * (2 * k // s) * 2.0 ** -24 * env[:, :, 0]).all(), T
         assert ((sqrsum.to(F64) - qm[:, :, 0]).abs() <= (k // s) * 2.0 ** -24 * qm[:, :, 0]).all(), T
+
+
+ROUND_SIZES = [(1, 1), (7, 5), (24, 4096), (37 * 8, 8 * 512 + 3), (4001 * 24, 24 * 2560)]  # (Nd, Nw)
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="needs g++")
+def test_tf32_round_source_on_cpu(tmp_path):
+    """The rounding kernel's generated CUDA run on the CPU (its threads one after another): ``tf32_round``'s bits
+    of both ranges (``_rounding_operands``: ties, negatives, infinities, NaNs, subnormals), every element written;
+    ranges that end mid-chunk (the element path) and a W range whose chunks start right after DP's last, cut one."""
+    from tests.mhc import norm_emulation
+
+    src = _jit.compile_kernel("mhc_norm_fn_tf32_round", (), "sm_90", export=False).get_kernel_source()
+    _check_source("mhc_norm_fn_tf32_round", src)
+    run = norm_emulation.build(src, "mhc_norm_fn_tf32_round_kernel", K.ROUND_THREADS, tmp_path)
+    for nd, nw in ROUND_SIZES:
+        dp, w = _rounding_operands(nd, nw)
+        dpr, wr = _poison(nd), _poison(nw)
+        chunks = -(-nd // K.ROUND_V) - (-nw // K.ROUND_V)
+        run(dict(DP=dp, W=w, DPR=dpr, WR=wr, Nd=nd, Nw=nw), -(-chunks // K.ROUND_THREADS))
+        assert torch.equal(dpr.view(torch.int32), K.tf32_round(dp).view(torch.int32)), (nd, nw)
+        assert torch.equal(wr.view(torch.int32), K.tf32_round(w).view(torch.int32)), (nd, nw)
+
+
+def _rounding_operands(nd: int, nw: int, device="cpu"):
+    """``(dP, W)``: ``nd`` and ``nw`` fp32 values of random bits (every exponent and sign, NaNs and infinities among
+    them) with the edges at both ends of each: ±0, ties at bit 13 (ties away from zero) and their neighbours, ±inf,
+    NaNs (one whose rounding carries into the sign bit), subnormals (one that rounds up to the smallest normal),
+    fp32's largest finite value (it rounds to inf)."""
+    edges = [0, 0x80000000, 0x3F801000, 0xBF801000, 0x3F800FFF, 0x3F801001, 0x3F803000, 0xBF803000, 0x7F800000,
+             0xFF800000, 0x7FC00000, 0x7FFFFFFF, 0xFFFFF000, 0x7F800001, 0x00000001, 0x00001000, 0x80001000,
+             0x007FFFFF, 0x807FF000, 0x7F7FFFFF, 0xFF7FF000]
+    edges = torch.tensor([e - (1 << 32) if e >> 31 else e for e in edges], dtype=torch.int32)
+    out = []
+    for n in (nd, nw):
+        v = torch.randint(-2 ** 31, 2 ** 31 - 1, (n,), dtype=torch.int32)
+        e = edges[:n]
+        v[:len(e)] = e
+        v[n - len(e):] = e
+        out.append(v.view(F32).to(device))
+    return out
+
+
+def _poison(n: int, device="cpu"):
+    """``n`` fp32 values with low bits that no ``tf32_round`` result has (an element left unwritten shows)."""
+    return torch.full((n,), 0x12345, dtype=torch.int32, device=device).view(F32)

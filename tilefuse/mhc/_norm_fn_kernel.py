@@ -1,86 +1,54 @@
 """TileLang kernels of the mHC prenorm projection ``mhc_pre_norm_fn`` (mhc.md §2.2): the split-K forward GEMM with
-its sums of squares, the backward GEMMs (the residual gradient and token partials of the weight gradient), and the
-in-order sum of those partials.
+its sums of squares, the TF32 rounding of the backward's operands, the backward GEMMs (the residual gradient and
+token partials of the weight gradient), and the in-order sum of those partials.
 
-Forward (§2.2.2 steps 1-3). ``x [T, K]`` (bf16, exact in TF32) times the TF32-rounded weight ``W~ [M, K]``
-(``tf32_round``, §2.2.4, applied by the launcher) on TF32 tensor cores with fp32 accumulation. ``K`` is cut into
-``S = splits(K)`` contiguous slices of ``K / S`` columns; split ``s`` writes ``P[s, t, j] = sum_{k in s} x[t, k]
-W~[j, k]`` and ``Q[s, t] = sum_{k in s} x[t, k]^2``. ``S`` depends on ``K`` only (never on T), so a token's
-partials, and the output the reduce step makes of them (``mhc_reduce_partials_and_rmsnorm_fwd``, splits in
-order), do not depend on the batch. The MMA summation order is not contractual (§2.2.2 step 2).
+Forward (§2.2.2 steps 1-3). ``K`` is cut into ``S = splits(K)`` contiguous slices of ``K / S`` columns; split ``s``
+writes ``P[s, t, j] = sum_{k in s} x[t, k] W~[j, k]`` and ``Q[s, t] = sum_{k in s} x[t, k]^2`` with ``W~ =
+tf32_round(W)`` (§2.2.4). ``S`` depends on ``K`` only (never on T), so a token's partials, and the output the reduce
+step makes of them (``mhc_reduce_partials_and_rmsnorm_fwd``, splits in order), do not depend on the batch. The K
+loop is a ``T.Pipelined`` loop of ``FWD_STAGES`` stages whose global -> shared stores (x's bf16 tile, rows past T
+repeating row T - 1, whose outputs are not stored; W's fp32 tile, rows padded to ``BK + WF_PAD`` floats) lower to
+``cp.async``: the copies of the next ``FWD_STAGES - 1`` steps are in flight while a step computes. The launcher
+passes fn unrounded; the kernel rounds it (``tf32_round``'s bits) and splits ``W~`` into bf16 halves while it
+gathers the MMA's B fragments from shared memory: ``hi`` = W~'s upper 16 bits (truncation: never rounds up past
+bf16's largest value), ``lo = bf16(W~ - hi)``. ``W~`` has 11 significant bits; ``W~ - hi`` is exact in fp32, has
+W~'s sign and at most 3 significant bits, so ``hi + lo == W~`` exactly for ``|W~| >= 2^-123`` and 0; below,
+``ulp_tf32`` is under bf16's smallest subnormal 2^-133 and lo is rounded (``|hi + lo - W~| <= 2^-134``); an
+infinite W~ gives ``lo`` NaN. ``P = x hi + x lo`` on bf16 tensor cores (``mma.m16n8k16``, B from registers: a
+shared-memory B selects wgmma, which needs sm_90a): each product is exact in fp32, ``|hi| + |lo| = |W~|``, and the
+fp32 accumulation of the 2 K/S terms is the order §2.2.2 leaves open. The squares come from the bf16 tile (exact).
+ptxas -v (sm_90, K = 8192 and 16384): 157 registers under ``__launch_bounds__(128, FWD_MIN_BLOCKS = 3)``, no spill,
+45.3 KB of shared memory (three stages of x, 8.2 KB, and W, 6.9 KB).
 
-With ``FWD_PIPE`` (a knob, default off) the forward is ``_norm_fn_fwd_pipe``: same parameters, grid, splits and
-outputs. Its K loop is a ``T.Pipelined`` loop of ``FWD_STAGES`` stages whose global -> shared stores (x's bf16 tile,
-rows past T repeating row T - 1, whose outputs are not stored; W's fp32 tile, rows padded to ``BK + WF_PAD`` floats)
-lower to ``cp.async``: the copies of the next ``FWD_STAGES - 1`` steps are in flight while a step computes. The
-kernel rounds W itself (``tf32_round``'s bits, idempotent: the launcher passes fn unrounded) and splits ``W~`` into
-bf16 halves while it gathers the MMA's B fragments from shared memory. In the kernel, not the launcher: fp32 W and
-the two bf16 halves are the same 4 bytes a weight to load, and the launcher's torch ops (the rounding's too) are
-launches of their own. ``hi`` = W~'s upper 16 bits (truncation: never rounds up past bf16's largest value), ``lo =
-bf16(W~ - hi)``. ``W~`` has 11 significant bits; ``W~ - hi`` is exact in fp32, has W~'s sign and at most 3
-significant bits (a multiple of ``ulp_tf32(W~)`` below ``ulp_bf16(hi)``), so ``hi + lo == W~`` exactly for ``|W~|
->= 2^-123`` and 0; below, ``ulp_tf32`` is under bf16's smallest subnormal 2^-133 and lo is rounded (``|hi + lo -
-W~| <= 2^-134``); an infinite W~ gives ``lo`` NaN. ``P = x hi + x lo`` on bf16 tensor cores (``mma.m16n8k16``, B
-from registers: a shared-memory B selects wgmma, which needs sm_90a): each product is exact in fp32, ``|hi| + |lo| =
-|W~|``, and the fp32 accumulation of the 2 K/S terms is the order §2.2.2 leaves open. The squares come from the bf16
-tile (exact in fp32), summed per token as before. ptxas -v (sm_90, K = 8192 and 16384): 157 registers under
-``__launch_bounds__(128, FWD_MIN_BLOCKS = 3)`` (3 CTAs an SM), no spill, 45.3 KB of shared memory (three stages of
-x, 8.2 KB, and W, 6.9 KB); the TF32 kernel: 105 registers, 24.6 KB. ``FWD_TOKENS = 128`` builds (168 registers under
-the same cap, 32 bytes spilled; 69.9 KB).
+Backward (§2.2.3), one pass over x. The launcher writes ``dP~ = tf32_round(dP)`` and ``W~`` into fresh buffers with
+one launch (``mhc_norm_fn_tf32_round``: both element ranges, 16-byte accesses). A CTA owns partial ``p`` of
+``MMA_PARTIALS`` (a fixed count, not the SM count) and ``MMA_COLS`` columns; per block of ``MMA_TOKENS`` tokens
+(blocks ``p, p + P, ...`` in order) ``G = dP~ W~`` on TF32 tensor cores and ``dW_p += hi^T x + lo^T x`` on bf16
+tensor cores (``mma.m16n8k16``; dP~'s halves split as the forward splits W~, ``hi + lo == dP~`` exactly for ``|dP~|
+>= 2^-123`` and 0; x's tile bf16; both operands token-major in shared memory, loaded with ``ldmatrix.trans``: wgmma
+is not selected, TileLang takes it only for ``M >= 64`` and this GEMM's M is dW's 32 rows), fp32 accumulators in MMA
+fragments across the blocks; then ``dx = bf16((D + G) + (2 x) dQ)`` with ``D`` the destination's previous content
+(``accumulate``) or 0 (round-to-nearest adds; ``(2 x) dQ`` rounded then added, the reference's chain).
+``mhc_norm_fn_dw_sum`` then adds the partials ``[P, M, K]`` in increasing ``p`` from zero, one thread per element.
+No atomics. The MMAs' summation order is their own (not contractual, §2.2.3): dx is the bf16 rounding of a value
+within ``~2 M u sum_j |dP~_j W~_jk|`` plus a rounded add or two of the exact one, inside the bf16 tolerance; dW sums
+the exact products ``dP~[t, j] x[t, k]`` (each split in two exact ones) in a fixed order (the spec's atol/rtol).
+Deterministic and batch invariant: a token's dx reads only its own row of every operand; dW's bits depend on the
+token count alone (a fixed partial count; zero tokens appended are zero rows or whole zero MMAs). ptxas -v (sm_90, K
+= 8192 and 16384): 128 registers (the ``__launch_bounds__(128, MMA_MIN_BLOCKS = 4)`` cap), no spill, accumulating or
+not; 51.5 KB of shared memory, 4 CTAs an SM. Shared memory bounds it (Nsight Compute on an H200 with the TF32 second
+GEMM: L1/TEX 84% of peak, 37% of stalls on shared-memory loads); that GEMM's 32-bit operands, which ldmatrix cannot
+transpose (scalar loads, about half the wavefronts), are what the bf16 halves replace.
 
-Backward (§2.2.3): both GEMMs on TF32 tensor cores, one pass over x, with
-``dP~ = tf32_round(dP)`` and ``W~`` rounded by the launcher. A CTA owns partial ``p`` of ``MMA_PARTIALS`` (a fixed
-count, not the SM count) and ``MMA_COLS`` columns; per block of ``MMA_TOKENS`` tokens (blocks ``p, p + P, ...`` in
-order) ``G = dP~ W~`` and ``dW_p += dP~^T x`` (fp32 accumulators in MMA fragments across the blocks), then ``dx =
-bf16((D + G) + (2 x) dQ)`` with ``D`` the destination's previous content (``accumulate``) or 0 (round-to-nearest adds;
-``(2 x) dQ`` rounded then added, the reference's chain). ``mhc_norm_fn_dw_sum`` then adds the partials ``[P, M, K]``
-in increasing ``p`` from zero, one thread per element. No atomics. The MMA's summation order is its own (not
-contractual, §2.2.3): dx is the bf16 rounding of a value within ``~2 M u sum_j |dP~_j W~_jk|`` (M exact products
-summed in fp32 by the MMA) plus a rounded add or two of the exact one, inside the bf16 tolerance; dW sums the exact
-products ``dP~[t, j] x[t, k]`` in a fixed order (the spec's atol/rtol). Deterministic and batch invariant: a token's
-dx reads only its own row of every operand; dW's bits depend on the token count alone (a fixed partial count; zero
-tokens appended are zero rows or whole zero MMAs, which leave the sums' bits).
-
-Measured on an NVIDIA H200, 2026-12-05, isolated timer, the bench row ``mhc_pre_norm_fn_bwd`` (the kernel, the
-roundings and the partial sum) at T x n x C: 4096 x 4 x 2048: 129.2 us (TileKernels 1.0.0 398.5 us in its own
-process, 3.10x; torch.compile of the reference 295.2); 8192 x 4 x 4096: 417.5 us (TileKernels 1.0.0 873.5, 2.09x;
-torch.compile 1019.6). On an H100 (80GB HBM3) the same day: 134.5 / 436.2 us; ``MMA_PARTIALS = 16`` 143.1 / 451.1,
-``MMA_MIN_BLOCKS = 3`` 142.7 / 461.9.
-
-Nsight Compute on the H200 (4096 x 2048): the kernel alone takes 109.4 us of the row's 129.2 (the rest: the torch
-ops of the two TF32 roundings, the partial sum and the launches between them). Shared memory bounds it: L1/TEX
-throughput 84% of peak, 37% of a warp's stall cycles wait on shared-memory loads, 0.54 of 3.7 warps a scheduler
-eligible, DRAM 36% of its peak. So the shared-memory estimate below is the limit; a prefetch of the next token block
-would not help. The roundings outside the kernel: with ``BWD_ROUND`` (a knob, off until measured) the kernel applies
-``tf32_round``'s bit operation to dP and W as it stages them (``dps``, ``ws``) and the launcher passes them as they
-are: the same operands reach the MMAs (the same bits; a CPU run of both kernels checks it), and the four elementwise
-launches go. The shared-memory limit: the bf16 second GEMM below.
-
-Its speed, from first principles (T = 4096, K = 8192, accumulating): HBM bytes x 67 MB + D 67 MB + dx 67 MB +
-partials 6.3 MB written and read: ~210 MB, ~50 us at 4.2 TB/s. 1024 CTAs (128 column slices, the fastest grid index,
-x 8 partials) of 128 threads; ptxas -v (sm_90): 128 registers (the ``__launch_bounds__(128, 4)`` cap; 4 bytes
-spilled when accumulating), 51.5 KB of shared memory: 4 CTAs, 16 warps an SM, 2 waves. A block's global loads (x, D,
-dP: 22 KB a CTA) go into registers first and stay in flight across the barriers: ~88 KB an SM against the ~35 KB that
-HBM's bandwidth x latency asks. Shared-memory wavefronts a 64 x 64 tile: ~1600 (the second GEMM's operands are not
-K-major: 96 scalar loads a warp, 2-way conflicts, ~770; G staged through padded rows: ~380; ldmatrix and tile stores
-~450), 62 tiles an SM: ~100k cycles, ~55 us at 1.8 GHz, overlapping the HBM time. Tensor work is small (64 MMAs a
-warp a tile, ~10 us). If the shared-memory estimate is the limit, a bf16 second GEMM (dP~ = hi + lo, two exact bf16
-halves; ldmatrix.trans) halves its operand traffic: ``BWD_BF16_DW``.
-
-With ``BWD_BF16_DW`` (a knob, off until measured) the second GEMM runs on bf16 tensor cores. As the kernel stages
-dP~ (``dps``) it also stores its two bf16 halves, split as ``FWD_PIPE`` splits W~ (``_bf16_halves``, the same bit
-operations): ``hi`` = dP~'s upper 16 bits, ``lo = bf16(dP~ - hi)``, ``hi + lo == dP~`` exactly for ``|dP~| >=
-2^-123`` and 0. x's tile stays bf16 (``xs [Tt, Kt]``, not widened). ``dW_p += hi^T x + lo^T x`` on ``mma.m16n8k16``
-with fp32 accumulation: each product is exact in fp32, ``|hi| + |lo| = |dP~|``, and the fp32 sums of the 2 Tt terms
-a block are in the MMA's order, which §2.2.3 leaves open (the same bound). Both operands are token-major 16-bit
-tiles in shared memory, loaded with ``ldmatrix.trans``; the TF32 GEMM's are 32-bit, which ldmatrix cannot transpose
-(scalar loads). Both in shared memory do not select wgmma (sm_90a): TileLang takes wgmma only for ``M >= 64`` and
-this GEMM's M is dW's 32 rows. x's tile in shared memory is 8 KB instead of 16 and the two halves add 2 x 4 KB: 51.5
-KB a CTA as without the knob. ptxas -v (sm_90, K = 8192 and 16384): 128 registers, no spill, accumulating or not
-(without the knob: 4 bytes spilled accumulating, 123 registers not); 4 CTAs an SM. The first GEMM (``G = dP~ W~``,
-TF32, from ``dps``) and the dx epilogue are unchanged: dx has the default's bits. (x as the MMA's B operand in
-registers would drop its tile, but x, D and dx then take the B fragment's layout, 2-byte global accesses, and ptxas
-spills 126 bytes accumulating under the 128-register cap.)
+Measured on an NVIDIA H100 (80GB HBM3), 2026-12-05, isolated timer, bench rows ``mhc_pre_norm_fn`` (the partials
+kernel) and ``mhc_pre_norm_fn_bwd`` (the roundings as four torch launches, the kernel and the partial sum) at T x n x
+C = 4096 x 4 x 2048 / 8192 x 4 x 4096: forward 46.2 / 128.1 us (``FWD_STAGES = 2``: 47.2 / 132.0; TileKernels 1.0.0
+in its own process 50.3 / 146.4), the TF32 forward it replaced 62.4 / 188.4; backward 121.9 / 388.0 (TileKernels
+406.5 / 927.7), the TF32 backward it replaced 134.4 / 433.2; the kernel rounding dP and W as it staged them instead
+of the launcher: 148.1 / 528.7 (136.5 / 509.5 with the bf16 second GEMM). Nsight Compute (the same H100, 8192 x
+4096): the forward 113.9 us (157 registers, issue slots 58% busy, DRAM read 270 MB; the TF32 forward 169.1); the
+backward kernel 359.0 us (128 registers, 544.6 MB read, 263.5 MB written), the partial sum 6.8 us, each of the four
+torch launches of the roundings 3.1-3.6 us.
 
 Kernels take ``K % 256 == 0`` and ``1 <= M <= 32`` (``takes``); the public op keeps the reference for other shapes.
 """
@@ -101,21 +69,18 @@ MAX_SPLITS = 16  # upstream's n_splits: the reduce kernel's registered split cou
 FWD_TOKENS = 64  # forward: tokens per CTA (MMA M)
 FWD_BK = 64      # forward: columns per MMA step
 FWD_THREADS = 128
-FWD_PIPE = False  # forward: bf16 x tiles through an async-copy pipeline, W~ as two exact bf16 halves (bf16 MMAs)
-FWD_STAGES = 3   # forward with FWD_PIPE: pipeline stages (shared-memory buffers of the x and W tiles)
-FWD_MIN_BLOCKS = 3  # forward with FWD_PIPE: __launch_bounds__' CTAs per SM (0: none)
-WF_PAD = 8       # forward with FWD_PIPE: W tile rows are BK + 8 floats (the B-fragment gathers: no bank conflict)
+FWD_STAGES = 3   # forward: pipeline stages (shared-memory buffers of the x and W tiles)
+FWD_MIN_BLOCKS = 3  # forward: __launch_bounds__' CTAs per SM (0: none)
+WF_PAD = 8       # forward: W tile rows are BK + 8 floats (the B-fragment gathers: no bank conflict)
 MMA_TOKENS = 64  # tensor-core backward: tokens per step (its block of the weight-gradient partials)
 MMA_COLS = 64    # tensor-core backward: columns per CTA
 MMA_THREADS = 128
 MMA_PARTIALS = 8  # tensor-core backward: weight-gradient partials (fixed: dW's bits do not depend on the device)
 GS_PAD = 8       # tensor-core backward: G's staging rows are BK + 8 floats (its fragment stores: no bank conflict)
 MMA_MIN_BLOCKS = 4  # tensor-core backward: __launch_bounds__' CTAs per SM (65536 / (128 * 4) = 128 registers)
-# tensor-core backward: dP and W rounded to TF32 in the kernel as they are staged in shared memory (the launcher
-# passes them as they are: no torch ops); False: the launcher rounds them (``tf32_round``, four elementwise launches)
-BWD_ROUND = False
-BWD_BF16_DW = False  # tensor-core backward: dW_p += hi^T x + lo^T x on bf16 tensor cores (dP~ = hi + lo, x unwidened)
 SUM_THREADS = 256
+ROUND_THREADS = 256  # the TF32 rounding of dP and W: threads a CTA
+ROUND_V = 4      # the TF32 rounding: elements a thread (one 16-byte access)
 
 BF16 = "bfloat16"
 F32 = "float32"
@@ -164,7 +129,7 @@ def _bf16_halves(u):
 # ---- forward: split-K partial GEMM and sums of squares ----
 
 def _store_partials(M: int):
-    """The forwards' epilogue, as a macro ``store(P, Q, acc, qa, s, t0, Tn)``: the CTA's accumulated partials (rows
+    """The forward's epilogue, as a macro ``store(P, Q, acc, qa, s, t0, Tn)``: the CTA's accumulated partials (rows
     past ``Tn`` and columns past ``M`` not stored) and sums of squares of split ``s``."""
     import tilelang.language as T
 
@@ -183,64 +148,18 @@ def _store_partials(M: int):
 
 
 def norm_fn_fwd_kernel(K: int, M: int):
-    """Factory: ``X [T, K]`` bf16, ``W [M, K]`` fp32 (TF32-rounded; with ``FWD_PIPE`` any fp32, the kernel rounds)
-    -> ``P [S, T, M]``, ``Q [S, T]`` (S = splits(K)).
+    """Factory: ``X [T, K]`` bf16, ``W [M, K]`` fp32 (any: the kernel rounds it to TF32) -> ``P [S, T, M]``, ``Q [S,
+    T]`` (S = splits(K)).
 
-    Grid: token tiles of ``FWD_TOKENS`` x splits. A step loads a ``64 x 64`` tile of x (widened to fp32) and of W
-    (rows past M zero) into shared memory, adds the tile's squares to the per-token sums and multiplies on TF32
-    tensor cores. ``FWD_PIPE``: ``_norm_fn_fwd_pipe``.
+    Grid: token tiles of ``FWD_TOKENS`` x splits. Per step of ``FWD_BK`` columns the x tile (bf16) and the W tile
+    (fp32) go global -> shared in a ``T.Pipelined`` loop of ``FWD_STAGES`` stages (async copies: the loads of the
+    next steps are in flight while this one computes); W~ = tf32(W) is split into ``hi = W~`` truncated to bf16 and
+    ``lo = bf16(W~ - hi)`` (rows past M zero) and the partial is ``x hi + x lo`` on bf16 tensor cores (fp32
+    accumulation); the squares come from the bf16 tile.
     """
     import tilelang.language as T
 
     assert takes(K, M), (K, M)
-    if FWD_PIPE:
-        return _norm_fn_fwd_pipe(K, M)
-    S = splits(K)
-    KS = K // S
-    BT, BK, MP = FWD_TOKENS, FWD_BK, MAX_M
-    Tn = T.dynamic("Tn", I64)
-    store = _store_partials(M)
-
-    @T.prim_func
-    def mhc_norm_fn_fwd(X: T.Tensor((Tn, K), BF16), W: T.Tensor((M, K), F32), P: T.Tensor((S, Tn, M), F32),
-                        Q: T.Tensor((S, Tn), F32)):
-        with T.Kernel(T.ceildiv(Tn, BT), S, threads=FWD_THREADS) as (bx, s):
-            xs = T.alloc_shared((BT, BK), F32)
-            ws = T.alloc_shared((MP, BK), F32)
-            xf = T.alloc_fragment((BT, BK), F32)
-            acc = T.alloc_fragment((BT, MP), F32)
-            qt = T.alloc_fragment((BT,), F32)
-            qa = T.alloc_fragment((BT,), F32)
-            T.clear(acc)
-            T.clear(qa)
-            t0 = T.cast(bx, I64) * BT
-            for ko in T.serial(KS // BK):
-                c0 = s * KS + ko * BK
-                for i, kk in T.Parallel(BT, BK):
-                    xf[i, kk] = T.if_then_else(t0 + i < Tn, T.cast(X[T.min(t0 + i, Tn - 1), c0 + kk], F32),
-                                               T.float32(0.0))
-                for j, kk in T.Parallel(MP, BK):
-                    ws[j, kk] = T.if_then_else(j < M, W[T.min(j, M - 1), c0 + kk], T.float32(0.0))
-                T.copy(xf, xs)
-                for i, kk in T.Parallel(BT, BK):
-                    xf[i, kk] = xf[i, kk] * xf[i, kk]
-                T.reduce_sum(xf, qt, dim=1)
-                for i in T.Parallel(BT):
-                    qa[i] = qa[i] + qt[i]
-                T.gemm(xs, ws, acc, transpose_B=True)
-            store(P, Q, acc, qa, s, t0, Tn)
-
-    return mhc_norm_fn_fwd
-
-
-def _norm_fn_fwd_pipe(K: int, M: int):
-    """``norm_fn_fwd_kernel`` with ``FWD_PIPE``: the same parameters and outputs. Per step of ``FWD_BK`` columns the
-    x tile (bf16) and the W tile (fp32) go global -> shared with ``T.copy`` in a ``T.Pipelined`` loop of
-    ``FWD_STAGES`` stages (async copies: the loads of the next steps are in flight while this one computes); W~ =
-    tf32(W) is split into ``hi = W~`` truncated to bf16 and ``lo = bf16(W~ - hi)`` (rows past M zero) and the
-    partial is ``x hi + x lo`` on bf16 tensor cores (fp32 accumulation); the squares come from the bf16 tile."""
-    import tilelang.language as T
-
     S = splits(K)
     KS = K // S
     BT, BK, MP = FWD_TOKENS, FWD_BK, MAX_M
@@ -290,17 +209,17 @@ def _norm_fn_fwd_pipe(K: int, M: int):
 # ---- backward: residual gradient and weight-gradient partials ----
 
 def norm_fn_bwd_kernel(K: int, M: int, accumulate: bool):
-    """Factory: the backward on TF32 tensor cores, one pass over x. ``DP [T, M]`` (TF32-rounded), ``DQ [T]``, ``X
+    """Factory: the backward on tensor cores, one pass over x. ``DP [T, M]`` (TF32-rounded), ``DQ [T]``, ``X
     [T, K]`` bf16, ``W [M, K]`` (TF32-rounded) -> ``DX [T, K]`` bf16 (read first as ``D`` when ``accumulate``; may be
     the same buffer as nothing else reads it) and the partials ``DWP [P, M, K]`` (P symbolic; the launcher passes
     ``MMA_PARTIALS``).
 
     CTA ``(kc, p)`` owns the ``MMA_COLS`` columns ``kc`` and partial ``p``: it keeps its weight slice (transposed,
     ``[Kt, 32]``, rows past M zero) in shared memory and its weight-gradient partial ``[32, Kt]`` in MMA fragments, and
-    walks the token blocks ``p, p + P, ...`` of ``MMA_TOKENS`` in order. Per block: ``dP~ [Tt, 32]`` and x (bf16,
-    exact in TF32) into shared memory; ``G = dP~ W~`` (MMA, from zero) and ``dW_p += dP~^T x`` (MMA); then per
-    element ``dx = bf16((D + G) + (2 x) dQ)`` (round-to-nearest adds, ``D`` = the destination's content or 0).
-    ``BWD_BF16_DW``: x's tile stays bf16 and ``dW_p += hi^T x + lo^T x`` on bf16 MMAs (``dP~ = hi + lo`` exactly).
+    walks the token blocks ``p, p + P, ...`` of ``MMA_TOKENS`` in order. Per block: ``dP~ [Tt, 32]``, its bf16
+    halves ``hi``, ``lo`` (``dP~ = hi + lo`` exactly) and x (bf16) into shared memory; ``G = dP~ W~`` (TF32 MMA, from
+    zero) and ``dW_p += hi^T x + lo^T x`` (bf16 MMAs); then per element ``dx = bf16((D + G) + (2 x) dQ)``
+    (round-to-nearest adds, ``D`` = the destination's content or 0).
     """
     import tilelang.language as T
 
@@ -317,10 +236,9 @@ def norm_fn_bwd_kernel(K: int, M: int, accumulate: bool):
                 T.annotate_min_blocks_per_sm(MMA_MIN_BLOCKS)
             ws = T.alloc_shared((BK, MP), F32)  # W~ slice transposed: K-major, as the MMA loads it (ldmatrix)
             dps = T.alloc_shared((BT, MP), F32)
-            if BWD_BF16_DW:  # dP~'s bf16 halves and x's bf16 tile (not widened)
-                dph = T.alloc_shared((BT, MP), BF16)
-                dpl = T.alloc_shared((BT, MP), BF16)
-            xs = T.alloc_shared((BT, BK), BF16 if BWD_BF16_DW else F32)
+            dph = T.alloc_shared((BT, MP), BF16)  # dP~'s bf16 halves
+            dpl = T.alloc_shared((BT, MP), BF16)
+            xs = T.alloc_shared((BT, BK), BF16)  # x's tile, not widened
             gs = T.alloc_shared((BT, BK + GS_PAD), F32)
             dqs = T.alloc_shared((BT,), F32)
             xb = T.alloc_fragment((BT, BK), BF16)
@@ -332,8 +250,7 @@ def norm_fn_bwd_kernel(K: int, M: int, accumulate: bool):
             pp = T.cast(p, I64)
             c0 = kc * BK
             for kk, j in T.Parallel(BK, MP):
-                ws[kk, j] = T.if_then_else(j < M, _tf32(W[T.min(j, M - 1), c0 + kk]) if BWD_ROUND
-                                           else W[T.min(j, M - 1), c0 + kk], T.float32(0.0))
+                ws[kk, j] = T.if_then_else(j < M, W[T.min(j, M - 1), c0 + kk], T.float32(0.0))
             T.clear(dw)
             for r in T.serial(T.ceildiv(T.ceildiv(Tn, BT) - pp, P)):
                 t0 = (pp + r * P) * BT
@@ -344,22 +261,18 @@ def norm_fn_bwd_kernel(K: int, M: int, accumulate: bool):
                     for i, kk in T.Parallel(BT, BK):
                         db[i, kk] = DX[T.min(t0 + i, Tn - 1), c0 + kk]
                 for i, j in T.Parallel(BT, MP):
-                    dpv = T.if_then_else(t0 + i < Tn and j < M,
-                                         _tf32(DP[T.min(t0 + i, Tn - 1), T.min(j, M - 1)]) if BWD_ROUND
-                                         else DP[T.min(t0 + i, Tn - 1), T.min(j, M - 1)], T.float32(0.0))
+                    dpv = T.if_then_else(t0 + i < Tn and j < M, DP[T.min(t0 + i, Tn - 1), T.min(j, M - 1)],
+                                         T.float32(0.0))
                     dps[i, j] = dpv
-                    if BWD_BF16_DW:
-                        dph[i, j], dpl[i, j] = _bf16_halves(T.reinterpret(dpv, "uint32"))
+                    dph[i, j], dpl[i, j] = _bf16_halves(T.reinterpret(dpv, "uint32"))
                 for i in T.Parallel(BT):
                     dqs[i] = T.if_then_else(t0 + i < Tn, DQ[T.min(t0 + i, Tn - 1)], T.float32(0.0))
                 for i, kk in T.Parallel(BT, BK):
-                    xs[i, kk] = xb[i, kk] if BWD_BF16_DW else T.cast(xb[i, kk], F32)
+                    xs[i, kk] = xb[i, kk]
                 T.gemm(dps, ws, g, transpose_B=True, clear_accum=True)
-                if BWD_BF16_DW:  # both operands in shared memory: mma.m16n8k16 (TileLang's wgmma needs M >= 64)
-                    T.gemm(dph, xs, dw, transpose_A=True)
-                    T.gemm(dpl, xs, dw, transpose_A=True)
-                else:
-                    T.gemm(dps, xs, dw, transpose_A=True)
+                # both operands in shared memory: mma.m16n8k16 (TileLang's wgmma needs M >= 64)
+                T.gemm(dph, xs, dw, transpose_A=True)
+                T.gemm(dpl, xs, dw, transpose_A=True)
                 for i, kk in T.Parallel(BT, BK):  # G to the layout of x's registers, through shared memory
                     gs[i, kk] = g[i, kk]
                 for i, kk in T.Parallel(BT, BK):
@@ -401,6 +314,45 @@ def dw_sum_kernel():
     return mhc_norm_fn_dw_sum
 
 
+def tf32_round_kernel():
+    """Factory: ``DPR = tf32_round(DP)``, ``WR = tf32_round(W)`` over the flattened ``Nd`` and ``Nw`` elements (all
+    sizes symbolic: one binary). Thread ``c`` of the grid rounds ``ROUND_V`` elements: chunk ``c`` of DP, or past DP's
+    ``ceil(Nd / ROUND_V)`` chunks, chunk ``c - ceil(Nd / ROUND_V)`` of W; a whole chunk with 16-byte accesses (the
+    launcher passes 16-byte aligned tensors), a chunk cut by the end element by element."""
+    import tilelang.language as T
+
+    Nd, Nw = T.dynamic("Nd, Nw", I64)
+    V = ROUND_V
+
+    @T.macro
+    def round_chunk(src, dst, v, e0):  # the size from the buffer: a macro argument would rename its variable
+        if e0 + V <= src.shape[0]:
+            for e in T.vectorized(V):
+                v[e] = src[e0 + e]
+            for e in T.unroll(V):
+                v[e] = _tf32(v[e])
+            for e in T.vectorized(V):
+                dst[e0 + e] = v[e]
+        else:
+            for e in T.serial(V):
+                if e0 + e < src.shape[0]:
+                    dst[e0 + e] = _tf32(src[e0 + e])
+
+    @T.prim_func
+    def mhc_norm_fn_tf32_round(DP: T.Tensor((Nd,), F32), W: T.Tensor((Nw,), F32), DPR: T.Tensor((Nd,), F32),
+                               WR: T.Tensor((Nw,), F32)):
+        cd = T.ceildiv(Nd, V)
+        with T.Kernel(T.ceildiv(cd + T.ceildiv(Nw, V), ROUND_THREADS), threads=ROUND_THREADS) as bx:
+            v = T.alloc_local((V,), F32)
+            c = T.cast(bx, I64) * ROUND_THREADS + T.get_thread_binding()
+            if c < cd:
+                round_chunk(DP, DPR, v, c * V)
+            else:
+                round_chunk(W, WR, v, (c - cd) * V)
+
+    return mhc_norm_fn_tf32_round
+
+
 # ---- registration of the configs the bench launches ----
 
 BENCH_N = 4
@@ -419,26 +371,26 @@ def _bwd_configs() -> list[tuple]:
 _jit.register("mhc_norm_fn_fwd", norm_fn_fwd_kernel, _fwd_configs)
 _jit.register("mhc_norm_fn_bwd", norm_fn_bwd_kernel, _bwd_configs)
 _jit.register("mhc_norm_fn_dw_sum", dw_sum_kernel, lambda: [()])
+_jit.register("mhc_norm_fn_tf32_round", tf32_round_kernel, lambda: [()])
 
 
 # ---- launchers (no validation: the public ops validate; shapes must satisfy ``takes``) ----
 
 def norm_fn_partials_launch(x, fn, out_mul, sqrsum) -> None:
     """Write the split partials ``out_mul [S, T, M]``, ``sqrsum [S, T]`` of ``x [T, K]`` (bf16, contiguous) and
-    ``fn [M, K]`` (fp32; rounded to TF32 here, or by the kernel with ``FWD_PIPE``), S = ``splits(K)``."""
+    ``fn [M, K]`` (fp32, unrounded: the kernel rounds it to TF32), S = ``splits(K)``."""
     T_, K = x.shape
     if T_ == 0:
         return
-    # 16-byte loads of x: a contiguous view may start at any element; the rounded weight is a fresh tensor. With
-    # FWD_PIPE the kernel rounds W itself as it stages it (16-byte async copies of fn)
-    w = _launch.aligned(fn.contiguous()) if FWD_PIPE else tf32_round(fn)
-    _jit.get("mhc_norm_fn_fwd", (K, fn.shape[0]))(_launch.aligned(x), w, out_mul, sqrsum)
+    # 16-byte loads of x and 16-byte async copies of fn: a contiguous view may start at any element
+    _jit.get("mhc_norm_fn_fwd", (K, fn.shape[0]))(_launch.aligned(x), _launch.aligned(fn.contiguous()), out_mul,
+                                                  sqrsum)
 
 
 def norm_fn_gemm_bwd_launch(out_mul_grad, sqrsum_grad, x, fn, x_grad, fn_grad, accumulate: bool) -> None:
     """Write ``x_grad [T, K]`` bf16 (``+=`` its content when ``accumulate``) and overwrite ``fn_grad [M, K]``
-    (fp32) from ``out_mul_grad [T, M]``, ``sqrsum_grad [T]`` (fp32), ``x [T, K]`` and ``fn [M, K]`` (both rounded to
-    TF32 here, or by the kernel with ``BWD_ROUND``): the GEMM kernel with ``MMA_PARTIALS`` token partials, then their
+    (fp32) from ``out_mul_grad [T, M]``, ``sqrsum_grad [T]`` (fp32), ``x [T, K]`` and ``fn [M, K]``: their TF32
+    roundings into fresh buffers (one launch), the GEMM kernel with ``MMA_PARTIALS`` token partials, then their
     in-order sum. ``T == 0`` zeroes ``fn_grad``."""
     T_, K = x.shape
     M = fn.shape[0]
@@ -447,7 +399,10 @@ def norm_fn_gemm_bwd_launch(out_mul_grad, sqrsum_grad, x, fn, x_grad, fn_grad, a
         return
     parts = MMA_PARTIALS
     dwp = torch.empty(parts, M, K, dtype=torch.float32, device=x.device)
-    dp, w = (out_mul_grad.contiguous(), fn.contiguous()) if BWD_ROUND else (tf32_round(out_mul_grad), tf32_round(fn))
+    dp = torch.empty(T_, M, dtype=torch.float32, device=x.device)
+    w = torch.empty(M, K, dtype=torch.float32, device=x.device)
+    _jit.get("mhc_norm_fn_tf32_round", ())(_launch.aligned(out_mul_grad.contiguous()).view(-1),
+                                           _launch.aligned(fn.contiguous()).view(-1), dp.view(-1), w.view(-1))
     _jit.get("mhc_norm_fn_bwd", (K, M, bool(accumulate)))(dp, sqrsum_grad.contiguous(), x, w, x_grad, dwp)
     _jit.get("mhc_norm_fn_dw_sum", ())(dwp.view(parts, M * K), fn_grad.view(M * K))
 
