@@ -61,8 +61,9 @@ def test_builds_for_sm90_with_the_explicit_operations(name, cfg):
 
 @pytest.mark.compile
 def test_registered_configs_are_the_bench_shapes():
-    for name in ("mhc_normw_merge_fwd", "mhc_normw_merge_bwd"):
-        assert list(_jit._FACTORIES[name][1]()) == [(4 * c,) for c in (2560, 4096, 7168)]
+    bench = [4 * c for c in (2560, 4096, 7168)]
+    assert list(_jit._FACTORIES["mhc_normw_merge_fwd"][1]()) == [(k,) for k in bench]
+    assert K.BWD_VEC == 1 and list(_jit._FACTORIES["mhc_normw_merge_bwd"][1]()) == [(k, 1) for k in bench]
     assert set(GRID_K) >= set(K.BENCH_K)
 
 
@@ -80,7 +81,7 @@ def test_generated_source_on_the_cpu(rows, k, tmp_path):
         out = _nan(rows, k)
         fwd(dict(FN=fn, W=normw, OUT=out, rows=rows), -(-rows * k // K.V // K.FWD_THREADS))
         assert torch.equal(out, fn * normw)
-    bwd = emu.build(_jit.compile_kernel("mhc_normw_merge_bwd", (k,), "sm_90").get_kernel_source(),
+    bwd = emu.build(_jit.compile_kernel("mhc_normw_merge_bwd", (k, 1), "sm_90").get_kernel_source(),
                     "mhc_normw_merge_bwd_kernel", K.BWD_THREADS, tmp_path)
     fn_grad, normw_grad = torch.randn(rows, k), torch.randn(k)
     want = _ref_bwd(fn, normw, dw, fn_grad, normw_grad)
@@ -108,7 +109,7 @@ def test_backward_knobs_change_no_result(tmp_path, monkeypatch):
     for threads, u in cases:
         monkeypatch.setattr(K, "BWD_THREADS", threads)
         monkeypatch.setattr(K, "BWD_ROWS", u)
-        src = _jit.compile_kernel("mhc_normw_merge_bwd", (k,), "sm_90", export=False).get_kernel_source()
+        src = _jit.compile_kernel("mhc_normw_merge_bwd", (k, 1), "sm_90", export=False).get_kernel_source()
         runs[threads, u] = emu.build(src, "mhc_normw_merge_bwd_kernel", threads, tmp_path / f"{threads}-{u}")
     for rows in (7, 30):
         fn, normw, dw = torch.randn(rows, k), 1 + 0.1 * torch.randn(k), torch.randn(rows, k)
@@ -127,7 +128,7 @@ def test_launchers_bind_their_arguments(monkeypatch):
     K.normw_merge_fwd_launch(fn, normw, torch.empty_like(fn))
     K.normw_merge_bwd_launch(fn, normw, fn, torch.zeros_like(fn), torch.zeros_like(normw))
     assert [(c.name, c.cfg, c.env["rows"]) for c in calls] == [("mhc_normw_merge_fwd", (264,), 24),
-                                                               ("mhc_normw_merge_bwd", (264,), 24)]
+                                                               ("mhc_normw_merge_bwd", (264, 1), 24)]
 
 
 def test_empty_shapes_launch_nothing(monkeypatch):
