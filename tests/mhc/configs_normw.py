@@ -1,4 +1,4 @@
-"""Static configs ``(K,)`` of the norm-weight merge kernels that the tests launch (test-only; the package registers
+"""Static configs (forward ``(K,)``, backward ``(K, vec)``) of the norm-weight merge kernels that the tests launch (test-only; the package registers
 the bench's in ``tilefuse/mhc/_normw_kernel.py``)."""
 
 GRID_N = (2, 4, 8)
@@ -13,5 +13,5 @@ ODD_K_BWD = (100,)
 def normw_configs() -> list[tuple]:
     """Every ``(name, cfg)`` the tests build."""
     fwd = [("mhc_normw_merge_fwd", (k,)) for k in GRID_K + ODD_K]
-    bwd = [("mhc_normw_merge_bwd", (k,)) for k in GRID_K + ODD_K + ODD_K_BWD]
+    bwd = [("mhc_normw_merge_bwd", (k, 1)) for k in GRID_K + ODD_K + ODD_K_BWD]
     return fwd + bwd

@@ -37,10 +37,16 @@ def _ref_bwd(fn, normw, dw, fn_grad, normw_grad):
 
 # ---- compile tier ----
 
+BWD_VECS = (2, 4)  # the BWD_VEC knob's other values
+
+
 def _all_configs():
+    """The tests' and the registered configs, and the backward's at BWD_VEC 2 and 4 (the bench's K and K = 264,
+    a partial CTA at either)."""
     registered = [(name, cfg) for name in ("mhc_normw_merge_fwd", "mhc_normw_merge_bwd")
                   for cfg in _jit._FACTORIES[name][1]()]
-    return sorted(set(normw_configs()) | set(registered))
+    vec = [("mhc_normw_merge_bwd", (k, v)) for k in K.BENCH_K + ODD_K for v in BWD_VECS]
+    return sorted(set(normw_configs()) | set(registered) | set(vec))
 
 
 @pytest.mark.compile
@@ -54,15 +60,27 @@ def test_builds_for_sm90_with_the_explicit_operations(name, cfg):
             assert f"*(float4*)({buf} +" in src, buf
     else:  # one product and one add per destination, then the one add into normw_grad
         assert src.count("__fmul_rn(") == 2 and src.count("__fadd_rn(") == 3
+        vec = {2: "float2", 4: "float4"}.get(cfg[1])
+        if vec:  # 8- / 16-byte accesses: the loads of every input, the stores of both destinations
+            for buf in ("FN", "W", "DW", "DFN", "DNW"):
+                assert f"*({vec}*)({buf} +" in src, buf
+            for buf in ("DFN", "DNW"):
+                assert re.search(rf"^ *\*\({vec}\*\)\({buf} \+.*\) = ", src, re.M), buf
+        else:
+            assert "float2" not in src and "float4" not in src
     for line in (line for line in src.splitlines() if "__f" in line):  # nothing contractible around them
         rhs = re.sub(r"\[[^\]]*\]", "", line.split("=", 1)[1])
         assert not re.search(r"[-+*/]", rhs), line
 
 
 @pytest.mark.compile
-def test_registered_configs_are_the_bench_shapes():
-    for name in ("mhc_normw_merge_fwd", "mhc_normw_merge_bwd"):
-        assert list(_jit._FACTORIES[name][1]()) == [(4 * c,) for c in (2560, 4096, 7168)]
+def test_registered_configs_are_the_bench_shapes(monkeypatch):
+    bench = [4 * c for c in (2560, 4096, 7168)]
+    assert list(_jit._FACTORIES["mhc_normw_merge_fwd"][1]()) == [(k,) for k in bench]
+    assert K.BWD_VEC == 1 and list(_jit._FACTORIES["mhc_normw_merge_bwd"][1]()) == [(k, 1) for k in bench]
+    for vec in BWD_VECS:
+        monkeypatch.setattr(K, "BWD_VEC", vec)
+        assert list(_jit._FACTORIES["mhc_normw_merge_bwd"][1]()) == [(k, vec) for k in bench]
     assert set(GRID_K) >= set(K.BENCH_K)
 
 
@@ -80,7 +98,7 @@ def test_generated_source_on_the_cpu(rows, k, tmp_path):
         out = _nan(rows, k)
         fwd(dict(FN=fn, W=normw, OUT=out, rows=rows), -(-rows * k // K.V // K.FWD_THREADS))
         assert torch.equal(out, fn * normw)
-    bwd = emu.build(_jit.compile_kernel("mhc_normw_merge_bwd", (k,), "sm_90").get_kernel_source(),
+    bwd = emu.build(_jit.compile_kernel("mhc_normw_merge_bwd", (k, 1), "sm_90").get_kernel_source(),
                     "mhc_normw_merge_bwd_kernel", K.BWD_THREADS, tmp_path)
     fn_grad, normw_grad = torch.randn(rows, k), torch.randn(k)
     want = _ref_bwd(fn, normw, dw, fn_grad, normw_grad)
@@ -108,7 +126,7 @@ def test_backward_knobs_change_no_result(tmp_path, monkeypatch):
     for threads, u in cases:
         monkeypatch.setattr(K, "BWD_THREADS", threads)
         monkeypatch.setattr(K, "BWD_ROWS", u)
-        src = _jit.compile_kernel("mhc_normw_merge_bwd", (k,), "sm_90", export=False).get_kernel_source()
+        src = _jit.compile_kernel("mhc_normw_merge_bwd", (k, 1), "sm_90", export=False).get_kernel_source()
         runs[threads, u] = emu.build(src, "mhc_normw_merge_bwd_kernel", threads, tmp_path / f"{threads}-{u}")
     for rows in (7, 30):
         fn, normw, dw = torch.randn(rows, k), 1 + 0.1 * torch.randn(k), torch.randn(rows, k)
@@ -121,13 +139,57 @@ def test_backward_knobs_change_no_result(tmp_path, monkeypatch):
 
 
 @pytest.mark.compile
+@pytest.mark.skipif(not emu.HAS_GXX, reason="needs g++")
+@pytest.mark.parametrize("vec", BWD_VECS)
+def test_backward_vec_knob_on_the_cpu(vec, tmp_path):
+    """BWD_VEC 2 and 4 (a thread's consecutive columns, vector accesses) give bitwise the default's and the
+    reference's gradients, accumulating into random buffers (CPU emulation; K = 264 leaves a partial CTA; 7 and 30
+    rows end on a partly guarded group of BWD_ROWS)."""
+    k = 264
+    builds = {v: emu.build(_jit.compile_kernel("mhc_normw_merge_bwd", (k, v), "sm_90", export=False)
+                           .get_kernel_source(), "mhc_normw_merge_bwd_kernel", K.BWD_THREADS, tmp_path / str(v))
+              for v in (1, vec)}
+    for rows in (7, 30):
+        fn, normw, dw = torch.randn(rows, k), 1 + 0.1 * torch.randn(k), torch.randn(rows, k)
+        start = (torch.randn(rows, k), torch.randn(k))
+        got = {}
+        for v, bwd in builds.items():
+            fn_grad, normw_grad = start[0].clone(), start[1].clone()
+            bwd(dict(FN=fn, W=normw, DW=dw, DFN=fn_grad, DNW=normw_grad, rows=rows), -(-k // (v * K.BWD_THREADS)))
+            got[v] = fn_grad, normw_grad
+        want = _ref_bwd(fn, normw, dw, *start)
+        for v in builds:
+            assert torch.equal(got[v][0], want[0]) and torch.equal(got[v][1], want[1]), (rows, v)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("vec", BWD_VECS)
+def test_backward_launcher_takes_the_vector_kernel_when_it_fits(vec, monkeypatch):
+    """At BWD_VEC = vec the launcher builds the vector kernel when K is a multiple of vec and every tensor starts
+    on a 4 * vec-byte boundary; else the one-column kernel."""
+    calls = fake_jit(monkeypatch)
+    monkeypatch.setattr(K, "BWD_VEC", vec)
+
+    def launch(rows, k, shift=0):  # shift: fn starts that many elements into its storage
+        fn = torch.randn(rows * k + shift)[shift:].view(rows, k)
+        K.normw_merge_bwd_launch(fn, torch.randn(k), torch.randn(rows, k), torch.zeros(rows, k), torch.zeros(k))
+        return calls.pop().cfg
+
+    assert launch(24, 264) == (264, vec) and launch(1, 4) == (4, vec)
+    assert launch(24, 262) == (262, 2 if vec == 2 else 1)  # 262 = 2 * 131
+    assert launch(3, 101) == (101, 1)
+    assert launch(24, 264, shift=1) == (264, 1)
+    assert launch(24, 264, shift=2) == (264, 2 if vec == 2 else 1)  # 8-byte aligned, not 16
+
+
+@pytest.mark.compile
 def test_launchers_bind_their_arguments(monkeypatch):
     calls = fake_jit(monkeypatch)
     fn, normw = torch.randn(24, 264), torch.randn(264)
     K.normw_merge_fwd_launch(fn, normw, torch.empty_like(fn))
     K.normw_merge_bwd_launch(fn, normw, fn, torch.zeros_like(fn), torch.zeros_like(normw))
     assert [(c.name, c.cfg, c.env["rows"]) for c in calls] == [("mhc_normw_merge_fwd", (264,), 24),
-                                                               ("mhc_normw_merge_bwd", (264,), 24)]
+                                                               ("mhc_normw_merge_bwd", (264, 1), 24)]
 
 
 def test_empty_shapes_launch_nothing(monkeypatch):
@@ -173,6 +235,31 @@ def test_grid_bitwise(rows, k):
     want = _ref_bwd(fn, normw, dw, fn_grad, normw_grad)
     mhc_fn_normw_merge_bwd(fn, normw, dw, fn_grad, normw_grad)
     assert torch.equal(fn_grad, want[0]) and torch.equal(normw_grad, want[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vec", BWD_VECS)
+def test_backward_vec_knob_bitwise(vec, knob_kernels):
+    """BWD_VEC 2 and 4: fn_grad and normw_grad bitwise the default kernel's (and the reference's), accumulating into
+    random buffers; K = 16390 (not a multiple of 4) and a misaligned fn take the one-column fallback at 4."""
+    cases = [(m, k, 0) for m in (1, 24, 40) for k in (4, 16384, 16388, 16390)] + [(24, 16384, 1), (24, 16384, 2)]
+    data, default = [], []
+    for rows, k, shift in cases:
+        fn = torch.randn(rows * k + shift, device="cuda")[shift:].view(rows, k)
+        normw, dw = 1 + 0.1 * torch.randn(k, device="cuda"), torch.randn(rows, k, device="cuda")
+        start = (torch.randn(rows, k, device="cuda"), torch.randn(k, device="cuda"))
+        data.append((fn, normw, dw, start))
+        grads = (start[0].clone(), start[1].clone())
+        K.normw_merge_bwd_launch(fn, normw, dw, *grads)
+        default.append(grads)
+    knob_kernels(K, {"BWD_VEC": vec})
+    for (rows, k, shift), (fn, normw, dw, start), want in zip(cases, data, default):
+        assert K.bwd_vec(k, fn) == (vec if k % vec == 0 and (4 * shift) % (4 * vec) == 0 else 1)
+        grads = (start[0].clone(), start[1].clone())
+        K.normw_merge_bwd_launch(fn, normw, dw, *grads)
+        ref = _ref_bwd(fn, normw, dw, *start)
+        for got, d, r in zip(grads, want, ref):
+            assert torch.equal(got, d) and torch.equal(got, r), (rows, k, shift)
 
 
 @pytest.mark.gpu

@@ -8,21 +8,26 @@ an explicit ``__fmul_rn`` / ``__fadd_rn`` so nvcc cannot contract a product and 
 Forward: ``out[j, k] = fn[j, k] * w[k]`` (one rounding). One thread per 16-byte vector of ``V = 4`` columns of
 one row, over the flattened ``M * K / V`` vectors (``K % 4 == 0``).
 
-Backward (both outputs accumulate into the caller's buffers): one thread per column ``k``. It walks the rows
+Backward (both outputs accumulate into the caller's buffers): one thread per ``BWD_VEC`` consecutive columns (each
+column ``k`` as below, its operations in the same order: no bit changes with the knob). It walks the rows
 ``j = 0, 1, ..., M - 1`` in order (loading ``BWD_ROWS`` rows ahead of their arithmetic, which changes no bit): ``fn_grad[j, k] = fn_grad[j, k] + RN(dW[j, k] * w[k])`` and
 ``acc = acc + RN(dW[j, k] * fn[j, k])`` from ``acc = 0``; then ``normw_grad[k] = normw_grad[k] + acc`` once.
 That is the order of §2.2.1 and of the reference (``seq_sum`` over rows, then one add): bit for bit, with no
 atomics and nothing that depends on the launch. Consecutive threads take consecutive columns, so every row
-access of a warp is one coalesced 128-byte line.
+access of a warp is one coalesced 128-byte line (``BWD_VEC`` lines of 8- or 16-byte vectors at 2 or 4).
 
 Kernel constraints: CUDA fp32 tensors; the forward needs ``K % 4 == 0`` (``takes_fwd``), the backward takes
-any ``K``. The public ops keep the reference path for other inputs.
+any ``K``. The public ops keep the reference path for other inputs. The backward's launcher builds the
+``BWD_VEC``-column kernel when ``K % BWD_VEC == 0`` and every tensor starts on a ``4 * BWD_VEC``-byte boundary
+(``bwd_vec``), else the one-column kernel.
 
 Speed, measured on an NVIDIA H100 80GB HBM3, 2026-12-05 (M = 24, K = 16384): the backward at ``BWD_THREADS = 64``,
 ``BWD_ROWS = 24`` (the defaults: 256 CTAs of two warps, every row's loads issued at once) 8.4 µs; at 128 threads and
 8 rows (the knobs' other values, the earlier defaults: 128 CTAs of four warps, three rounds of loads) 9.2 µs; 32
 threads with 8 rows 9.3 µs. ptxas (sm_90, K = 16384, no spills): the forward 19 registers, the backward 128 at 24
-rows (56 at 8).
+rows (56 at 8). The backward at ``BWD_VEC = 2``: 195 registers at 24 rows, 125 at 14 (the most rows under 128),
+238 at 32; at ``BWD_VEC = 4``: 111 at 7 rows (the most under 128), 233 at 16, 255 at 18 (the most without
+spills; 20 rows spill). No shared memory.
 """
 
 import torch
@@ -34,8 +39,9 @@ KERNEL_HELPERS = ("tilefuse._rn",)  # part of this module's kernel cache key (_j
 
 # ---- tuning knobs (TILEFUSE_KNOBS; results unchanged) ----
 FWD_THREADS = 128  # forward: threads per CTA (one 16-byte vector each)
-BWD_THREADS = 64   # backward: threads per CTA (one column each)
+BWD_THREADS = 64   # backward: threads per CTA (BWD_VEC columns each)
 BWD_ROWS = 24      # backward: rows whose loads a thread issues before their arithmetic (the order is the same)
+BWD_VEC = 1        # backward: consecutive columns a thread (1, 2 or 4: 4-, 8- or 16-byte accesses; see bwd_vec)
 
 V = 4  # fp32 columns per forward vector (16 bytes)
 F32 = "float32"
@@ -73,40 +79,60 @@ def normw_merge_fwd_kernel(K: int):
     return mhc_normw_merge_fwd
 
 
-def normw_merge_bwd_kernel(K: int):
-    """Factory: backward at ``K`` columns. Launch: ``FN [M, K]``, ``W [K]``, ``DW [M, K]`` (the merged weight's
-    gradient), then the accumulated ``DFN [M, K]`` and ``DNW [K]``."""
+def normw_merge_bwd_kernel(K: int, vec: int):
+    """Factory: backward at ``K`` columns, ``vec`` consecutive columns a thread (1, 2 or 4; ``K % vec == 0``).
+    Launch: ``FN [M, K]``, ``W [K]``, ``DW [M, K]`` (the merged weight's gradient), then the accumulated
+    ``DFN [M, K]`` and ``DNW [K]``; at ``vec > 1`` every tensor starts on a ``4 * vec``-byte boundary."""
     import tilelang.language as T
 
-    assert K > 0, K
-    threads = BWD_THREADS
-    U = max(1, BWD_ROWS)
+    assert K > 0 and vec in (1, 2, 4) and K % vec == 0, (K, vec)
+    threads, U = BWD_THREADS, max(1, BWD_ROWS)
     Mn = T.dynamic("rows", I64)
 
     @T.prim_func
     def mhc_normw_merge_bwd(FN: T.Tensor((Mn, K), F32), W: T.Tensor((K,), F32), DW: T.Tensor((Mn, K), F32),
                             DFN: T.Tensor((Mn, K), F32), DNW: T.Tensor((K,), F32)):
-        with T.Kernel(T.ceildiv(K, threads), threads=threads) as bx:
-            acc = T.alloc_local((1,), F32)
-            w = T.alloc_local((1,), F32)
-            d = T.alloc_local((U,), F32)
-            f = T.alloc_local((U,), F32)
-            g = T.alloc_local((U,), F32)
-            k = bx * threads + T.get_thread_binding()
+        with T.Kernel(T.ceildiv(K, vec * threads), threads=threads) as bx:
+            acc = T.alloc_local((vec,), F32)
+            w = T.alloc_local((vec,), F32)
+            d = T.alloc_local((U * vec,), F32)
+            f = T.alloc_local((U * vec,), F32)
+            g = T.alloc_local((U * vec,), F32)
+            k = (bx * threads + T.get_thread_binding()) * vec  # the thread's first column
             if k < K:
-                w[0] = W[k]
-                acc[0] = T.float32(0.0)
+                for e in T.vectorized(vec):
+                    w[e] = W[k + e]
+                for e in T.unroll(vec):
+                    acc[e] = T.float32(0.0)
                 for s in T.serial(T.ceildiv(Mn, U)):
                     for u in T.unroll(U):  # the loads of U rows, then their arithmetic in row order
                         if s * U + u < Mn:
-                            d[u] = DW[s * U + u, k]
-                            f[u] = FN[s * U + u, k]
-                            g[u] = DFN[s * U + u, k]
+                            for e in T.vectorized(vec):
+                                d[u * vec + e] = DW[s * U + u, k + e]
+                            for e in T.vectorized(vec):
+                                f[u * vec + e] = FN[s * U + u, k + e]
+                            for e in T.vectorized(vec):
+                                g[u * vec + e] = DFN[s * U + u, k + e]
                     for u in T.unroll(U):
                         if s * U + u < Mn:
-                            DFN[s * U + u, k] = _add(g[u], _mul(d[u], w[0]))
-                            acc[0] = _add(acc[0], _mul(d[u], f[u]))
-                DNW[k] = _add(DNW[k], acc[0])
+                            if vec == 1:
+                                DFN[s * U + u, k] = _add(g[u], _mul(d[u], w[0]))
+                            else:  # the vec sums, then one vector store
+                                for e in T.unroll(vec):
+                                    g[u * vec + e] = _add(g[u * vec + e], _mul(d[u * vec + e], w[e]))
+                                for e in T.vectorized(vec):
+                                    DFN[s * U + u, k + e] = g[u * vec + e]
+                            for e in T.unroll(vec):
+                                acc[e] = _add(acc[e], _mul(d[u * vec + e], f[u * vec + e]))
+                if vec == 1:
+                    DNW[k] = _add(DNW[k], acc[0])
+                else:  # one vector load of the destinations (into w, read no more), the vec adds, one vector store
+                    for e in T.vectorized(vec):
+                        w[e] = DNW[k + e]
+                    for e in T.unroll(vec):
+                        acc[e] = _add(w[e], acc[e])
+                    for e in T.vectorized(vec):
+                        DNW[k + e] = acc[e]
 
     return mhc_normw_merge_bwd
 
@@ -115,12 +141,16 @@ def normw_merge_bwd_kernel(K: int):
 BENCH_K = (4 * 2560, 4 * 4096, 4 * 7168)
 
 
-def _configs() -> list[tuple]:
+def _fwd_configs() -> list[tuple]:
     return [(k,) for k in BENCH_K]
 
 
-_jit.register("mhc_normw_merge_fwd", normw_merge_fwd_kernel, _configs)
-_jit.register("mhc_normw_merge_bwd", normw_merge_bwd_kernel, _configs)
+def _bwd_configs() -> list[tuple]:
+    return [(k, BWD_VEC) for k in BENCH_K]
+
+
+_jit.register("mhc_normw_merge_fwd", normw_merge_fwd_kernel, _fwd_configs)
+_jit.register("mhc_normw_merge_bwd", normw_merge_bwd_kernel, _bwd_configs)
 
 
 # ---- launchers (no validation: the public ops validate) ----
@@ -133,6 +163,14 @@ def takes_fwd(fn: torch.Tensor) -> bool:
 def takes_bwd(fn: torch.Tensor) -> bool:
     """Whether the backward kernel takes this (validated) ``fn [M, K]``: CUDA fp32."""
     return fn.is_cuda and fn.dtype == torch.float32
+
+
+def bwd_vec(K: int, *ts: torch.Tensor) -> int:
+    """Columns a backward thread takes: ``BWD_VEC`` when ``K`` is a multiple of it and every tensor starts on a
+    ``4 * BWD_VEC``-byte boundary (then so does every row), else 1."""
+    if K % BWD_VEC == 0 and all(t.data_ptr() % (4 * BWD_VEC) == 0 for t in ts):
+        return BWD_VEC
+    return 1
 
 
 def normw_merge_fwd_launch(fn: torch.Tensor, normw: torch.Tensor, out_fn: torch.Tensor) -> None:
@@ -152,7 +190,8 @@ def normw_merge_bwd_launch(fn: torch.Tensor, normw: torch.Tensor, out_fn_grad: t
     if not M:
         normw_grad.add_(0.0)  # the kernel's one add of an empty sum (turns -0 into +0, as the reference does)
         return
-    _jit.get("mhc_normw_merge_bwd", (K,))(fn, normw, out_fn_grad, fn_grad, normw_grad)
+    args = (fn, normw, out_fn_grad, fn_grad, normw_grad)
+    _jit.get("mhc_normw_merge_bwd", (K, bwd_vec(K, *args)))(*args)
 
 
 # ---- torch.library registration (torch.compile / fake tensors) ----
