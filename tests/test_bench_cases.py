@@ -218,7 +218,7 @@ BENCH_REGISTERED = ("per_token_cast", "per_block_cast", "per_block_cast_lossless
                     "moe_fused_mapping_scan", "moe_fused_mapping_scatter", "mhc_expand_fwd", "mhc_expand_bwd",
                     "mhc_apply_mix_fwd", "mhc_apply_mix_bwd", "mhc_normw_merge_fwd", "mhc_normw_merge_bwd",
                     "mhc_reduce_rmsnorm_fwd", "mhc_reduce_rmsnorm_bwd", "mhc_norm_fn_fwd", "mhc_norm_fn_bwd",
-                    "mhc_norm_fn_dw_sum", "mhc_multilayer_recompute", "mhc_pre_mixes_fwd", "engram_gate_fwd",
+                    "mhc_norm_fn_dw_sum", "mhc_norm_fn_tf32_round", "mhc_multilayer_recompute", "mhc_pre_mixes_fwd", "engram_gate_fwd",
                     "engram_fused_weight", "engram_hash", "engram_sinkhorn_momentum", "engram_sinkhorn_step", "engram_sinkhorn_step_reduce",
                     "engram_sinkhorn_finalize", "engram_gate_bwd", "engram_grad_w_reduce")
 

@@ -32,8 +32,9 @@ spills; 20 rows spill). No shared memory.
 
 import torch
 
-from tilefuse import _jit, _ops
+from tilefuse import _jit, _launch, _ops
 from tilefuse._rn import add as _add, mul as _mul
+from tilefuse.mhc._rows import write_through
 
 KERNEL_HELPERS = ("tilefuse._rn",)  # part of this module's kernel cache key (_jit._module_digest)
 
@@ -174,10 +175,12 @@ def bwd_vec(K: int, *ts: torch.Tensor) -> int:
 
 
 def normw_merge_fwd_launch(fn: torch.Tensor, normw: torch.Tensor, out_fn: torch.Tensor) -> None:
-    """Write ``out_fn = fn * normw`` (contiguous fp32 tensors, ``K % 4 == 0``)."""
+    """Write ``out_fn = fn * normw`` (contiguous fp32 tensors, ``K % 4 == 0``). The kernel's 16-byte accesses: a
+    misaligned input is bound through an aligned copy, a misaligned ``out_fn`` written through one."""
     M, K = fn.shape
     if M and K:
-        _jit.get("mhc_normw_merge_fwd", (K,))(fn, normw, out_fn)
+        kernel = _jit.get("mhc_normw_merge_fwd", (K,))
+        write_through(out_fn, lambda dst: kernel(_launch.aligned(fn), _launch.aligned(normw), dst))
 
 
 def normw_merge_bwd_launch(fn: torch.Tensor, normw: torch.Tensor, out_fn_grad: torch.Tensor, fn_grad: torch.Tensor,

@@ -53,10 +53,11 @@ from __future__ import annotations
 
 import torch
 
-from tilefuse import _jit, _ops
+from tilefuse import _jit, _launch, _ops
 from tilefuse._rn import add as _add, mul as _mul
 from tilefuse.mhc import _reduce_norm_kernel as RK, _sinkhorn_kernel as SK
 from tilefuse.mhc._mix_kernel import _groups, _sigmoid
+from tilefuse.mhc._rows import write_through
 
 # part of this module's kernel cache key (_jit._module_digest): the helpers the kernel's code comes from
 KERNEL_HELPERS = ("tilefuse._rn", "tilefuse.mhc._reduce_norm_kernel", "tilefuse.mhc._mix_kernel",
@@ -170,13 +171,15 @@ def pre_mixes_launch(out_mul: torch.Tensor, sqrsum: torch.Tensor, scale: torch.T
                      pre: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, group_size: int, rms_eps: float,
                      post_mult_value: float, pre_eps: float, repeat: int, sinkhorn_eps: float) -> None:
     """Write ``pre [T, n]``, ``post [T, n]``, ``comb [T, n * n]`` from the contiguous partials ``out_mul [S, T, M]``,
-    ``sqrsum [S, T]`` (one launch; none for T = 0)."""
+    ``sqrsum [S, T]`` (one launch; none for T = 0). The kernel's 16-byte accesses: misaligned partials are bound
+    through an aligned copy, a misaligned output written through one."""
     S, T_, _ = out_mul.shape
     if T_ == 0:
         return
-    _jit.get("mhc_pre_mixes_fwd", (pre.shape[1], S))(out_mul, sqrsum, scale, base, pre, post, comb,
-                                                      float(group_size), float(rms_eps), float(post_mult_value),
-                                                      float(pre_eps), int(repeat), float(sinkhorn_eps))
+    fn = _jit.get("mhc_pre_mixes_fwd", (pre.shape[1], S))
+    args = (float(group_size), float(rms_eps), float(post_mult_value), float(pre_eps), int(repeat), float(sinkhorn_eps))
+    write_through(pre, lambda p: write_through(post, lambda q: write_through(comb, lambda c: fn(
+        _launch.aligned(out_mul), sqrsum, scale, base, p, q, c, *args))))
 
 
 # ---- torch.library registration (torch.compile / fake tensors) ----

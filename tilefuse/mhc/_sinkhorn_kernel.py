@@ -50,8 +50,9 @@ from __future__ import annotations
 
 import torch
 
-from tilefuse import _jit, _ops
+from tilefuse import _jit, _launch, _ops
 from tilefuse._rn import add as _fadd, call as _call, fma as _fma, mul as _fmul
+from tilefuse.mhc._rows import write_through
 
 KERNEL_HELPERS = ("tilefuse._rn",)  # part of this module's kernel cache key (_jit._module_digest)
 
@@ -327,17 +328,22 @@ def bwd_supported(x: torch.Tensor, repeat: int) -> bool:
 # ---- launchers (no validation: the public ops validate; tensors contiguous [T, n, n] fp32) ----
 
 def sinkhorn_fwd_launch(x: torch.Tensor, out: torch.Tensor, repeat: int, eps: float) -> None:
-    """Write the Sinkhorn of ``x`` into ``out`` (one launch; none for T = 0)."""
+    """Write the Sinkhorn of ``x`` into ``out`` (one launch; none for T = 0). The kernel's vector accesses need
+    16-byte aligned rows: a misaligned ``x`` is bound through an aligned copy, a misaligned ``out`` written through
+    one."""
     if x.size(0) == 0:
         return
-    _jit.get("mhc_sinkhorn_fwd", (x.size(-1),))(x, out, int(repeat), float(eps))
+    fn = _jit.get("mhc_sinkhorn_fwd", (x.size(-1),))
+    write_through(out, lambda dst: fn(_launch.aligned(x), dst, int(repeat), float(eps)))
 
 
 def sinkhorn_bwd_launch(d_out: torch.Tensor, x: torch.Tensor, d_x: torch.Tensor, repeat: int, eps: float) -> None:
-    """Write the Sinkhorn input gradient into ``d_x`` (one launch; none for T = 0)."""
+    """Write the Sinkhorn input gradient into ``d_x`` (one launch; none for T = 0; misaligned tensors as in the
+    forward)."""
     if x.size(0) == 0:
         return
-    _jit.get("mhc_sinkhorn_bwd", (x.size(-1), int(repeat)))(d_out, x, d_x, float(eps))
+    fn = _jit.get("mhc_sinkhorn_bwd", (x.size(-1), int(repeat)))
+    write_through(d_x, lambda dst: fn(_launch.aligned(d_out), _launch.aligned(x), dst, float(eps)))
 
 
 # ---- torch.library registration (torch.compile / fake tensors) ----
