@@ -47,6 +47,25 @@ a CTA. ``SPLIT_FWD_THREADS`` (split mixes) and ``THREADS`` (head mix, and the pa
 sizes. Measured on the same H100, 2026-12-05 (T = 8192, n = 4): split forward 7.7 µs at 128 threads, 6.7 at 64, 6.6
 at 32 (the default); head forward 4.2 µs at 128 (the default), 4.7 at 64, 4.8 at 32.
 
+Knobs, each off by default and each giving the default kernels' bits (the same fp32 operations on each element in
+the same order; only which thread computes what and how memory is accessed change):
+
+* ``SPLIT_FWD_FLAT`` (split forward): a CTA of ``FLAT_THREADS`` threads takes ``FLAT_TOKENS`` tokens; it copies
+  their input rows (one contiguous block) into shared memory, thread ``e`` of a round taking float ``e`` of the block,
+  then writes ``PRE`` / ``POST`` / ``COMB`` one thread per output element in memory order, each element computed
+  from its shared input as the default thread computes it.
+* ``SUM_WARP`` (``mhc_partials_sum``, also the v1 head-mix backward's sum): one 32-thread CTA per output column;
+  for each round of ``PARTIAL_ROWS`` partials lane ``l`` copies partials ``l, l + 32, ...`` of the column into
+  shared memory, then lane 0 loads the round from shared memory into registers and adds them in increasing ``p`` to
+  its running sum from zero, and stores it.
+* ``BWD_STAGED`` (split and head backward): for each 32-token chunk a warp first copies its tokens' input rows
+  (split ``DPRE``, ``DPOST``, ``DCOMB``, ``X``, ``POST``; head ``DOUT``, ``X``: each a contiguous block) into its
+  shared tiles, lane ``l`` taking floats ``l, l + 32, ...`` of a block (rows of odd length: a lane a row reads no
+  bank twice); lane ``l`` then computes token ``l``'s row from the tiles, and after the stage's barrier the warp
+  writes ``d_input`` (the stage's ``dz`` times its group's scale) in memory order. The block sums and partials are
+  the default's; the copy and store loops are rolled (``T.serial``) to keep registers below the spill point at
+  ``n = 8``.
+
 Kernels take ``1 <= n <= MAX_N``; the public ops keep the reference path for larger n. Token counts and
 partial counts are symbolic (int64 indices): one binary per n (and token block) serves every batch.
 """
@@ -293,7 +312,7 @@ def _bwd_kernel(split: bool, n: int, TB: int):
     def load_rows(SRC, DST, width, w, lane, t0, rows):
         # rows [t0, t0 + rows) of SRC [Tn, width] (one contiguous block) into rows w * 32 + ... of DST, element
         # e = k * 32 + lane of the block per lane: coalesced
-        for k in T.unroll(width):
+        for k in T.serial(width):
             if (k * LANES + lane) // width < rows:
                 DST[w * LANES + (k * LANES + lane) // width, (k * LANES + lane) % width] = SRC[
                     t0 + (k * LANES + lane) // width, (k * LANES + lane) % width]
@@ -302,7 +321,7 @@ def _bwd_kernel(split: bool, n: int, TB: int):
     def store_dx(bufs, stage, w, lane, t0, rows):
         # d_input rows [t0, t0 + rows) from the warp's stage (dz times its group's scale), coalesced as load_rows
         DX, S = dx_and_scale(bufs)
-        for k in T.unroll(M):
+        for k in T.serial(M):
             if (k * LANES + lane) // M < rows:
                 DX[t0 + (k * LANES + lane) // M, (k * LANES + lane) % M] = _mul(
                     stage[w, (k * LANES + lane) // M, (k * LANES + lane) % M], S[group((k * LANES + lane) % M)])
