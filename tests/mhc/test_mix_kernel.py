@@ -30,7 +30,7 @@ from tilefuse.mhc import _functions as F
 from tilefuse.mhc import _mix_kernel as K
 from tilefuse.reference import mhc as R
 from tests.cuda_emulation import build_kernel
-from tests.mhc.configs_mix import HEAD_BLOCKS, MULTS, mix_configs
+from tests.mhc.configs_mix import HEAD_BLOCKS, KNOB_MULTS, MULTS, mix_configs
 from tests.quant.kernel_binding import fake_jit
 
 SPLIT_TOL = dict(rtol=1e-5, atol=2e-5)
@@ -662,3 +662,154 @@ def test_split_fwd_threads_change_no_bit(n, knob_kernels):
     assert len(outs[default]) == 3 * len(TOKENS)
     for a, c in zip(outs[default], outs[SPLIT_FWD_BASELINE]):
         assert torch.equal(a, c)
+
+
+# ---- coalesced-access knobs: SPLIT_FWD_FLAT, SUM_WARP, BWD_STAGED (each the default kernel's bits) ----
+
+FAST_KNOBS = ("SPLIT_FWD_FLAT", "SUM_WARP", "BWD_STAGED")
+FAST_TOKENS = (1, 7, 33, 4001, 8192)  # 0 < T < 32, T not a multiple of 32, and the bench's T
+FAST_KERNELS = {"SPLIT_FWD_FLAT": ("mhc_split_mixes_fwd",), "SUM_WARP": ("mhc_partials_sum",),
+                "BWD_STAGED": ("mhc_split_mixes_bwd", "mhc_head_mix_bwd")}
+
+
+def test_fast_knobs_default_off():
+    assert [getattr(K, k) for k in FAST_KNOBS] == [False] * len(FAST_KNOBS)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("knob, name, cfg", [(k, name, cfg) for k in FAST_KNOBS for name, cfg in mix_configs()
+                                             if name in FAST_KERNELS[k]], ids=str)
+def test_fast_knob_builds_for_sm90(knob, name, cfg, monkeypatch):
+    import re
+
+    src = _variant_source(monkeypatch, {knob: True}, name, cfg)
+    assert "atomic" not in src
+    if knob == "SUM_WARP":
+        assert "__launch_bounds__(32" in src and "cudaGridDependencySynchronize" in src
+        assert src.count("__fadd_rn(") == 1  # one in-order add path for the scale and base columns
+        assert re.search(rf"float vals\[{K.PARTIAL_ROWS}\];", src)
+        return
+    assert "expf(" in src and "__expf" not in src and "__fdivide" not in src and "__fdiv_rn(" in src
+    assert "extern __shared__" in src
+    if knob == "SPLIT_FWD_FLAT":
+        assert f"__launch_bounds__({K.FLAT_THREADS}" in src
+        # every global access's last index term is the thread index: consecutive threads, consecutive floats
+        for buf in ("X", "PRE", "POST", "COMB"):
+            assert re.search(rf"\b{buf}\[[^\]]*\(\(int64_t\)\(\(int\)threadIdx\.x\)\)\)\]", src), buf
+    else:
+        assert f"__launch_bounds__({32 * K.BWD_WARPS}" in src and "cudaGridDependencySynchronize" in src
+        assert re.search(r"\bDX\[[^\]]*\(\(\(int64_t\)\(\(int\)threadIdx\.x\)\) & \(int64_t\)31\)\)\] = __fmul_rn\("
+                         r"\(\(float\*\)stage\)", src)  # d_input from the stage, lane-consecutive
+
+
+def _emulated(monkeypatch, knobs, name, cfg, threads, tmp_path):
+    return _cta_emulated(_variant_source(monkeypatch, knobs, name, cfg), f"{name}_kernel", threads, tmp_path)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("n", (1, 2, 4))
+def test_split_fwd_flat_on_the_cpu_gives_the_defaults_bits(n, tmp_path, monkeypatch):
+    """SPLIT_FWD_FLAT's CUDA on the CPU writes the default forward's pre / post / comb bits (T with a partial last
+    CTA at both kernels' token counts)."""
+    import shutil
+
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++")
+    name, th = "mhc_split_mixes_fwd", K.SPLIT_FWD_THREADS
+    fns = {False: (_emulated(monkeypatch, {"SPLIT_FWD_FLAT": False}, name, (n,), th, tmp_path), th),
+           True: (_emulated(monkeypatch, {"SPLIT_FWD_FLAT": True}, name, (n,), K.FLAT_THREADS, tmp_path),
+                  K.FLAT_TOKENS)}
+    for T in (1, 7, 33, 700):
+        m, s, b, _, _ = _split_data(T, n)
+        outs = {}
+        for flat, (fn, tokens) in fns.items():
+            pre, post, comb = torch.full((T, n), NAN), torch.full((T, n), NAN), torch.full((T, n * n), NAN)
+            fn(-(-T // tokens), X=m, S=s, Bs=b, PRE=pre, POST=post, COMB=comb, Tn=T, v=V, eps=EPS)
+            outs[flat] = (pre, post, comb)
+        for a, c in zip(outs[True], outs[False]):
+            assert not torch.isnan(a).any() and torch.equal(a, c), T
+        assert torch.equal(outs[True][2], R.mhc_pre_split_mixes_ref(m, s, b, n, V, EPS)[2].reshape(T, n * n))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("n", (1, 2, 4))
+def test_bwd_staged_on_the_cpu_gives_the_defaults_bits(n, tmp_path, monkeypatch):
+    """BWD_STAGED's backward kernels on the CPU (split mixes, token block 32; head mix, token blocks 32 and 50) write
+    the default kernels' d_input and partials bit for bit, over token counts with a partial last block and partial
+    counts with 0 to 5 blocks each."""
+    import shutil
+
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++")
+    M, th = n * (n + 2), 32 * K.BWD_WARPS
+    runs = {st: {(name, tb): _emulated(monkeypatch, {"BWD_STAGED": st}, name, (n, tb), th, tmp_path)
+                 for name, tb in (("mhc_split_mixes_bwd", 32), ("mhc_head_mix_bwd", 32), ("mhc_head_mix_bwd", 50))}
+            for st in (False, True)}
+    for T, P in ((1, 3), (7, 1), (33, 2), (700, 7), (4001, 40)):
+        m, s, b, post, grads = _split_data(T, n)
+        x, hs, hb, hg = _head_data(T, n)
+        outs = {}
+        for st, fns in runs.items():
+            dx, ps, pb = torch.full((T, M), NAN), torch.full((P, 3), NAN), torch.full((P, M), NAN)
+            fns["mhc_split_mixes_bwd", 32](P, DPRE=grads[0], DPOST=grads[1], DCOMB=grads[2], X=m, POST=post, S=s,
+                                           Bs=b, DX=dx, PS=ps, PB=pb, Tn=T, P=P, v=V)
+            got = [dx, ps, pb]
+            for tb in (32, 50):
+                hdx, hps, hpb = torch.full((T, n), NAN), torch.full((P, 1), NAN), torch.full((P, n), NAN)
+                fns["mhc_head_mix_bwd", tb](P, DOUT=hg, X=x, S=hs, Bs=hb, DX=hdx, PS=hps, PB=hpb, Tn=T, P=P)
+                got += [hdx, hps, hpb]
+            outs[st] = got
+        for a, c in zip(outs[True], outs[False]):
+            assert not torch.isnan(a).any() and torch.equal(a, c), (T, P)
+
+
+@pytest.mark.compile
+def test_sum_warp_on_the_cpu_is_the_in_order_sum(tmp_path, monkeypatch):
+    """SUM_WARP's partial sum on the CPU (a CTA a column) is the in-order sum (the default's bits), partial counts
+    below, at and past a load round and column counts of both sources."""
+    import shutil
+
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++")
+    fn = _emulated(monkeypatch, {"SUM_WARP": True}, "mhc_partials_sum", (), 32, tmp_path)
+    for P, G, M in ((1, 3, 24), (31, 3, 3), (128, 3, 24), (133, 3, 80), (300, 1, 8)):
+        ps, pb = torch.randn(P, G) * 100, torch.randn(P, M)
+        os_, ob = torch.full((G,), NAN), torch.full((M,), NAN)
+        fn(G + M, PS=ps, PB=pb, OS=os_, OB=ob, P=P, G=G, M=M)
+        assert torch.equal(os_, R.seq_sum(ps, 0)) and torch.equal(ob, R.seq_sum(pb, 0)), (P, M)
+
+
+def _fast_outputs():
+    """Split forward / backward (d_input, d_scale, d_base: the partial sum too), head backward (d_input, partials)
+    and partial sums over T in FAST_TOKENS, n in KNOB_MULTS, P in {1, 3, 128}, token blocks {32, 8, 50}."""
+    outs = []
+    for n in KNOB_MULTS:
+        for T in FAST_TOKENS:
+            m, s, b, post, grads = _split_data(T, n)
+            outs += list(_split_fwd_cuda(m, s, b, n)) + list(_split_bwd_cuda(m, s, b, post, grads))
+            x, hs, hb, g = _head_data(T, n)
+            for P in (1, 3, F.num_partials(torch.device("cuda"))):
+                for block in (0,) + HEAD_BLOCKS[1:]:
+                    outs += list(_head_bwd_cuda(x, hs, hb, g, P, block))
+    for P, M in ((1, 24), (132, 24), (133, 80), (7, 300)):
+        ps, pb = torch.randn(P, 3, device="cuda") * 100, torch.randn(P, M, device="cuda")
+        d_s, d_b = _poisoned(3), _poisoned(M)
+        K.partials_sum_launch(ps, pb, d_s, d_b)
+        outs += [d_s, d_b]
+    return outs
+
+
+@pytest.mark.gpu
+@pytest.mark.knobs
+@pytest.mark.parametrize("knob", FAST_KNOBS)
+def test_fast_knob_gives_the_defaults_bits(knob, knob_kernels):
+    """The knob's kernels give the default kernels' split forward outputs, d_input, d_scale / d_base, head partials
+    and partial sums bit for bit (the data drawn from the same seed for both runs)."""
+    seed = torch.initial_seed()
+    want = _fast_outputs()  # the shipped path: the package's kernels
+    knob_kernels(K, {knob: True})
+    torch.manual_seed(seed)
+    got = _fast_outputs()
+    assert len(got) == len(want)
+    for i, (a, c) in enumerate(zip(got, want)):
+        assert not torch.isnan(a).any() and torch.equal(a, c), i

@@ -47,6 +47,25 @@ a CTA. ``SPLIT_FWD_THREADS`` (split mixes) and ``THREADS`` (head mix, and the pa
 sizes. Measured on the same H100, 2026-12-05 (T = 8192, n = 4): split forward 7.7 µs at 128 threads, 6.7 at 64, 6.6
 at 32 (the default); head forward 4.2 µs at 128 (the default), 4.7 at 64, 4.8 at 32.
 
+Knobs, each off by default and each giving the default kernels' bits (the same fp32 operations on each element in
+the same order; only which thread computes what and how memory is accessed change):
+
+* ``SPLIT_FWD_FLAT`` (split forward): a CTA of ``FLAT_THREADS`` threads takes ``FLAT_TOKENS`` tokens; it copies
+  their input rows (one contiguous block) into shared memory, thread ``e`` of a round taking float ``e`` of the block,
+  then writes ``PRE`` / ``POST`` / ``COMB`` one thread per output element in memory order, each element computed
+  from its shared input as the default thread computes it.
+* ``SUM_WARP`` (``mhc_partials_sum``, also the v1 head-mix backward's sum): one 32-thread CTA per output column;
+  for each round of ``PARTIAL_ROWS`` partials lane ``l`` copies partials ``l, l + 32, ...`` of the column into
+  shared memory, then lane 0 loads the round from shared memory into registers and adds them in increasing ``p`` to
+  its running sum from zero, and stores it.
+* ``BWD_STAGED`` (split and head backward): for each 32-token chunk a warp first copies its tokens' input rows
+  (split ``DPRE``, ``DPOST``, ``DCOMB``, ``X``, ``POST``; head ``DOUT``, ``X``: each a contiguous block) into its
+  shared tiles, lane ``l`` taking floats ``l, l + 32, ...`` of a block (rows of odd length: a lane a row reads no
+  bank twice); lane ``l`` then computes token ``l``'s row from the tiles, and after the stage's barrier the warp
+  writes ``d_input`` (the stage's ``dz`` times its group's scale) in memory order. The block sums and partials are
+  the default's; the copy and store loops are rolled (``T.serial``) to keep registers below the spill point at
+  ``n = 8``.
+
 Kernels take ``1 <= n <= MAX_N``; the public ops keep the reference path for larger n. Token counts and
 partial counts are symbolic (int64 indices): one binary per n (and token block) serves every batch.
 """
@@ -68,6 +87,13 @@ LANES = 32       # backward kernels: threads a warp (BWD_WARPS warps a CTA), one
 # order (the same bits) whatever W, W blocks in flight
 BWD_WARPS = 2
 PARTIAL_ROWS = 128  # mhc_partials_sum: partials a thread loads at a time (in flight) before adding them in order
+
+# ---- knobs (TILEFUSE_KNOBS; results unchanged: the same fp32 operations in the same order) ----
+SPLIT_FWD_FLAT = False  # split forward: a CTA stages its tokens' input rows in shared memory, outputs written flat
+FLAT_TOKENS = 32        # SPLIT_FWD_FLAT: tokens a CTA
+FLAT_THREADS = 128      # SPLIT_FWD_FLAT: threads a CTA
+SUM_WARP = False        # mhc_partials_sum: one warp a column (a CTA each), lane 0 adds the partials from shared memory
+BWD_STAGED = False      # backward: a warp's input rows loaded to shared memory and d_input stored from it, coalesced
 
 F32 = "float32"
 I64 = "int64"
@@ -106,7 +132,36 @@ def split_mixes_fwd_kernel(n: int):
     assert supports(n), n
     M = n * (n + 2)
     groups = _groups(n)
+    TT, NT = FLAT_TOKENS, FLAT_THREADS
     Tn = T.dynamic("Tn", I64)
+
+    if SPLIT_FWD_FLAT:
+        @T.prim_func
+        def mhc_split_mixes_fwd(X: T.Tensor((Tn, M), F32), S: T.Tensor((3,), F32), Bs: T.Tensor((M,), F32),
+                                     PRE: T.Tensor((Tn, n), F32), POST: T.Tensor((Tn, n), F32),
+                                     COMB: T.Tensor((Tn, n * n), F32), v: T.float32, eps: T.float32):
+            with T.Kernel(T.ceildiv(Tn, TT), threads=NT) as bx:
+                tid = T.get_thread_binding()
+                t0 = T.cast(bx, I64) * TT
+                xs = T.alloc_shared((TT, M), F32)
+                for k in T.unroll(-(-TT * M // NT)):  # the CTA's rows [t0, t0 + TT) of X: one contiguous block
+                    e = k * NT + tid
+                    if e < TT * M and t0 + e // M < Tn:
+                        xs[e // M, e % M] = X[t0 + e // M, e % M]
+                T.sync_threads()
+                for k in T.unroll(-(-TT * n // NT)):  # PRE and POST element e = token * n + i, in memory order
+                    e = k * NT + tid
+                    if e < TT * n and t0 + e // n < Tn:
+                        PRE[t0 + e // n, e % n] = _add(_sigmoid(_add(_mul(xs[e // n, e % n], S[0]), Bs[e % n])), eps)
+                        POST[t0 + e // n, e % n] = _mul(_sigmoid(_add(_mul(xs[e // n, n + e % n], S[1]),
+                                                                      Bs[n + e % n])), v)
+                for k in T.unroll(-(-TT * n * n // NT)):  # COMB element e = token * n * n + q
+                    e = k * NT + tid
+                    if e < TT * n * n and t0 + e // (n * n) < Tn:
+                        COMB[t0 + e // (n * n), e % (n * n)] = _add(_mul(xs[e // (n * n), 2 * n + e % (n * n)], S[2]),
+                                                                     Bs[2 * n + e % (n * n)])
+
+        return mhc_split_mixes_fwd
 
     @T.prim_func
     def mhc_split_mixes_fwd(X: T.Tensor((Tn, M), F32), S: T.Tensor((3,), F32), Bs: T.Tensor((M,), F32),
@@ -154,11 +209,11 @@ def head_mix_fwd_kernel(n: int):
 
 # ---- backward kernels (per-token gradient + per-CTA token partials) ----
 
-def _token_row(split: bool, n: int):
+def _token_row(split: bool, n: int, write_dx: bool = True):
     """The backward kernels' per-token part, as a macro ``token_row(t, row, bufs)``: token ``t``'s ``M`` column
-    gradients ``dz`` into ``row[:M]`` (and ``dz`` times its group's scale into ``d_input``), then its ``G`` scale
-    terms ``sum_j dz[j] * m[j]`` into ``row[M:]``. ``bufs``: split ``(DPRE, DPOST, DCOMB, X, POST, S, Bs, DX, v)``,
-    head ``(DOUT, X, S, Bs, DX)``."""
+    gradients ``dz`` into ``row[:M]`` (and, with ``write_dx``, ``dz`` times its group's scale into ``d_input``), then
+    its ``G`` scale terms ``sum_j dz[j] * m[j]`` into ``row[M:]``. ``bufs``: split ``(DPRE, DPOST, DCOMB, X, POST, S,
+    Bs, DX, v)``, head ``(DOUT, X, S, Bs, DX)``."""
     import tilelang.language as T
 
     M = n * (n + 2) if split else n
@@ -182,8 +237,9 @@ def _token_row(split: bool, n: int):
                 sig = _sigmoid(_add(_mul(X[t, i], S[0]), Bs[i]))
                 row[i] = _mul(_mul(sig, _sub(T.float32(1.0), sig)), DOUT[t, i])
         for g, (lo, hi) in enumerate(groups):
-            for j in T.unroll(lo, hi):
-                DX[t, j] = _mul(row[j], S[g])
+            if write_dx:
+                for j in T.unroll(lo, hi):
+                    DX[t, j] = _mul(row[j], S[g])
             row[M + g] = _mul(row[lo], X[t, lo])
             for j in T.unroll(lo + 1, hi):
                 row[M + g] = _add(row[M + g], _mul(row[j], X[t, j]))
@@ -229,8 +285,46 @@ def _bwd_kernel(split: bool, n: int, TB: int):
     CPW = -(-F // (W * LANES))       # columns a thread adds into the partials
     CHUNKS = -(-TB // LANES)
     NT = W * LANES
-    token_row = _token_row(split, n)
+    token_row = _token_row(split, n, write_dx=not BWD_STAGED)
+    widths = (n, n, n * n, M, n) if split else (n, n)  # the staged inputs: split DPRE, DPOST, DCOMB, X, POST; head
+    # DOUT, X
     Tn, P = T.dynamic("Tn, P", I64)
+
+    def staged_bufs(bufs):
+        """``bufs`` as ``token_row`` reads them: unchanged by default; with BWD_STAGED each input replaced by its
+        shared tile (a warp's 32 rows, odd row length: a lane a row reads no bank twice) and no ``DX`` (stored from
+        the stage)."""
+        if not BWD_STAGED:
+            return bufs
+        tiles = tuple(T.alloc_shared((W * LANES, wd | 1), F32) for wd in widths)
+        if split:
+            return tiles + bufs[len(widths):-2] + (None, bufs[-1])
+        return tiles + bufs[len(widths):-1] + (None,)
+
+    def dx_and_scale(bufs):
+        return (bufs[-2], bufs[-4]) if split else (bufs[-1], bufs[-3])
+
+    def group(j):
+        """The scale group of column ``j``."""
+        return T.if_then_else(j < n, 0, T.if_then_else(j < 2 * n, 1, 2)) if split else 0
+
+    @T.macro
+    def load_rows(SRC, DST, width, w, lane, t0, rows):
+        # rows [t0, t0 + rows) of SRC [Tn, width] (one contiguous block) into rows w * 32 + ... of DST, element
+        # e = k * 32 + lane of the block per lane: coalesced
+        for k in T.serial(width):
+            if (k * LANES + lane) // width < rows:
+                DST[w * LANES + (k * LANES + lane) // width, (k * LANES + lane) % width] = SRC[
+                    t0 + (k * LANES + lane) // width, (k * LANES + lane) % width]
+
+    @T.macro
+    def store_dx(bufs, stage, w, lane, t0, rows):
+        # d_input rows [t0, t0 + rows) from the warp's stage (dz times its group's scale), coalesced as load_rows
+        DX, S = dx_and_scale(bufs)
+        for k in T.serial(M):
+            if (k * LANES + lane) // M < rows:
+                DX[t0 + (k * LANES + lane) // M, (k * LANES + lane) % M] = _mul(
+                    stage[w, (k * LANES + lane) // M, (k * LANES + lane) % M], S[group((k * LANES + lane) % M)])
 
     @T.macro
     def body(Tn, P, p, tid, PS, PB, bufs):
@@ -244,6 +338,7 @@ def _bwd_kernel(split: bool, n: int, TB: int):
         w = tid // LANES
         lane = tid % LANES
         R = T.ceildiv(T.ceildiv(Tn, TB) - p, P)  # blocks of this partial (<= 0: none)
+        sbufs = staged_bufs(bufs)
         for k in T.unroll(CPW):
             acc[k] = T.float32(0.0)
         for rr in T.serial(T.ceildiv(R, W)):
@@ -254,14 +349,30 @@ def _bwd_kernel(split: bool, n: int, TB: int):
             for c in T.serial(CHUNKS):
                 within = c * LANES + lane
                 t = blk * TB + within
+                # BWD_STAGED: the chunk's tokens [t0, t0 + rows) (in the partial's blocks, in the block, before Tn)
+                t0 = blk * TB + c * LANES
+                rows = T.if_then_else(r < R, T.max(T.min(T.min(LANES, TB - c * LANES), Tn - t0), 0), 0)
+                if BWD_STAGED:
+                    load_rows(bufs[0], sbufs[0], widths[0], w, lane, t0, rows)
+                    load_rows(bufs[1], sbufs[1], widths[1], w, lane, t0, rows)
+                    if split:
+                        load_rows(bufs[2], sbufs[2], widths[2], w, lane, t0, rows)
+                        load_rows(bufs[3], sbufs[3], widths[3], w, lane, t0, rows)
+                        load_rows(bufs[4], sbufs[4], widths[4], w, lane, t0, rows)
+                    T.sync_threads()
                 if r < R and within < TB and t < Tn:
-                    token_row(t, row, bufs)
+                    if BWD_STAGED:
+                        token_row(w * LANES + lane, row, sbufs)
+                    else:
+                        token_row(t, row, bufs)
                 else:
                     for j in T.unroll(F):
                         row[j] = T.float32(0.0)
                 for j in T.unroll(F):
                     stage[w, lane, j] = row[j]
                 T.sync_threads()
+                if BWD_STAGED:
+                    store_dx(bufs, stage, w, lane, t0, rows)
                 for k in T.unroll(CPT):
                     if k * LANES + lane < F:
                         for s in T.unroll(LANES):
@@ -331,6 +442,41 @@ def partials_sum_kernel():
             OS[col] = acc[0]
         else:
             OB[col - G] = acc[0]
+
+    if SUM_WARP:
+        @T.prim_func
+        def mhc_partials_sum(PS: T.Tensor((P, G), F32), PB: T.Tensor((P, M), F32), OS: T.Tensor((G,), F32),
+                                  OB: T.Tensor((M,), F32)):
+            with T.Kernel(G + M, threads=LANES) as bx:
+                T.pdl_sync()
+                col = T.cast(bx, I64)
+                lane = T.get_thread_binding()
+                buf = T.alloc_shared((ROWS,), F32)
+                acc = T.alloc_local((1,), F32)
+                vals = T.alloc_local((ROWS,), F32)
+                acc[0] = T.float32(0.0)
+                for ch in T.serial(T.ceildiv(P, ROWS)):
+                    for k in T.unroll(-(-ROWS // LANES)):  # lane l: partials l, l + 32, ... of the chunk
+                        if k * LANES + lane < ROWS and ch * ROWS + k * LANES + lane < P:
+                            buf[k * LANES + lane] = T.if_then_else(
+                                col < G, PS[ch * ROWS + k * LANES + lane, T.min(col, G - 1)],
+                                PB[ch * ROWS + k * LANES + lane, T.max(col - G, 0)])
+                    T.sync_threads()
+                    if lane == 0:
+                        for r in T.unroll(ROWS):  # every shared load of the chunk ahead of the adds
+                            if ch * ROWS + r < P:
+                                vals[r] = buf[r]
+                        for r in T.unroll(ROWS):
+                            if ch * ROWS + r < P:
+                                acc[0] = _add(acc[0], vals[r])
+                    T.sync_threads()
+                if lane == 0:
+                    if col < G:
+                        OS[col] = acc[0]
+                    else:
+                        OB[col - G] = acc[0]
+
+        return mhc_partials_sum
 
     @T.prim_func
     def mhc_partials_sum(PS: T.Tensor((P, G), F32), PB: T.Tensor((P, M), F32), OS: T.Tensor((G,), F32),
