@@ -45,11 +45,11 @@ Kernel constraints: CUDA tensors; the gate backward needs ``M == 4``, ``H % 512 
 ``1024 <= H <= MAX_H`` (at most two vectors a thread and branch); the public op keeps the reference path for
 ``H > MAX_H``. The reduction takes every validated input.
 
-Speed: not yet measured on a GPU. One CTA an SM (``P = 132`` CTAs); ptxas (sm_90, no spills): H = 4096 128
-registers (512 threads), H = 7168 128 (448 threads, 224 KiB shared memory), H = 1024 212 (128 threads); every
-H % 512 == 0 from 1024 to 8192 builds, and only H = 7680, 8192 (sums in registers: shared memory too small) spill,
-about 300 bytes a thread. The reduction: 70 registers. What a CTA overlaps is one
-token's loads with the previous token's stores; prefetching the next token would be the next step.
+Speed: docs/BENCHMARKS.md (its mHC and Engram section). One CTA an SM (``P = 132`` CTAs); ptxas (sm_90, no spills): H
+= 4096 128 registers (512 threads), H = 7168 128 (448 threads, 224 KiB shared memory), H = 1024 212 (128 threads);
+every H % 512 == 0 from 1024 to 8192 builds, and only H = 7680, 8192 (sums in registers: shared memory too small)
+spill, about 300 bytes a thread. The reduction: 70 registers. What a CTA overlaps is one token's loads with the
+previous token's stores; prefetching the next token would be the next step.
 """
 
 import struct

@@ -21,7 +21,7 @@ Kernel constraints: ``N >= 2``, ``L >= 1``, ``K >= 1`` (compile-time), any token
 Table sizes must be nonzero (``V = 0`` is undefined, §2.2.2). No shared memory, no atomics, no floating point:
 deterministic and batch-invariant (a row depends only on its token's ids).
 
-Speed: not yet measured on a GPU. ptxas (sm_90, (N, L, K) = (3, 2, 8)): 30 registers, no spills.
+Speed: docs/BENCHMARKS.md (its mHC and Engram section). ptxas (sm_90, (N, L, K) = (3, 2, 8)): 30 registers, no spills.
 """
 import torch
 

@@ -31,11 +31,11 @@ summed over tokens (the mix gradients are per token).
 Kernel constraints: ``n`` in ``KERNEL_N`` and ``C % 8 == 0``; the public ops keep the reference path for any
 other input (``takes``).
 
-Speed: not yet measured on a GPU. ptxas (sm_90, n = 4) gives the forward 72 registers and the backward 151-167
-(3 CTAs of 128 threads per SM), no spills; n = 8 takes 167 / 252. The knobs above are the first things to sweep.
-TOKEN_WARPS = 2 / 4 (ptxas, C in 1280..7168, no spills): n = 4 takes 149-183 / 145-177 registers (3 CTAs per SM,
-2 at TOKEN_WARPS = 2, C = 1280 and TOKEN_WARPS = 4, C = 2560), n = 2 86-106 / 77-96, n = 8 249 / 238-243 (2 CTAs);
-the warps' sums take 4 (n + n^2) bytes of shared memory a warp.
+Speed: docs/BENCHMARKS.md (its mHC and Engram section). ptxas (sm_90, n = 4) gives the forward 72 registers and the
+backward 151-167 (3 CTAs of 128 threads per SM), no spills; n = 8 takes 167 / 252. The knobs above are the first
+things to sweep. TOKEN_WARPS = 2 / 4 (ptxas, C in 1280..7168, no spills): n = 4 takes 149-183 / 145-177 registers (3
+CTAs per SM, 2 at TOKEN_WARPS = 2, C = 1280 and TOKEN_WARPS = 4, C = 2560), n = 2 86-106 / 77-96, n = 8 249 / 238-243
+(2 CTAs); the warps' sums take 4 (n + n^2) bytes of shared memory a warp.
 """
 
 import torch

@@ -25,8 +25,8 @@ Arguments: the L (or P) tensors of a list are L (or P) separate kernel parameter
 has a fixed signature, so the factory declares the lists' parameters with the IR builder's ``arg`` as the body's
 first statements, after the signature's one (the initial residual).
 
-Speed: not yet measured on a GPU. ptxas (sm_90, no spills): n = 4, L = P = 10 takes 128 registers (``MIN_BLOCKS``),
-n = 8 236 (2 CTAs an SM; no bench case has n = 8).
+Speed: docs/BENCHMARKS.md (its mHC and Engram section). ptxas (sm_90, no spills): n = 4, L = P = 10 takes 128
+registers (``MIN_BLOCKS``), n = 8 236 (2 CTAs an SM; no bench case has n = 8).
 
 Kernel constraints: ``n`` in ``KERNEL_N``, ``C % 8 == 0``, contiguous tensors (``takes``; the public op runs the
 layer-by-layer chain for anything else); the launcher gives the kernel 16-byte aligned copies of misaligned ones.

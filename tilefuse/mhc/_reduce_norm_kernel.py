@@ -23,8 +23,8 @@ Nothing is summed over tokens: deterministic and batch-invariant, no atomics, no
 Kernel constraints: CUDA fp32 tensors with ``S <= MAX_S``, ``G <= MAX_G``, ``M <= MAX_M`` (the loops over them are
 unrolled) and ``K_g < 2^24`` (exact as fp32); the public ops keep the reference path for other inputs (``takes``).
 
-Speed: not yet measured on a GPU. ptxas (sm_90, S = 16, G = 1, M = 24): the forward 56 registers, the
-backward 59.
+Speed: docs/BENCHMARKS.md (its mHC and Engram section). ptxas (sm_90, S = 16, G = 1, M = 24): the forward 56
+registers, the backward 59.
 """
 
 import torch
