@@ -94,7 +94,20 @@ def values(decl, args: dict, contiguous: bool = True) -> list:
 def launch_loop(mode: str, name: str, call: str, threads: int) -> str:
     """The C++ loop that runs a grid of ``blocks`` CTAs of ``threads`` threads on the host. ``mode``: ``"warps"``,
     each warp's 32 threads as host threads (shuffles through ``g_bar``); ``"cta"``, a CTA's threads as host threads
-    (``__syncthreads`` through ``g_bar``); ``"serial"``, a CTA's threads one after another."""
+    (``__syncthreads`` through ``g_bar``); ``"cta_warps"``, the same with a barrier a warp too (``g_wbar[w]``: the
+    caller's shuffles) and the caller's shared memory ``g_smem`` filled with 0xFF before each CTA; ``"serial"``, a
+    CTA's threads one after another."""
+    if mode == "cta_warps":
+        return f"""std::barrier<> bar({threads}); g_bar = &bar;
+  std::vector<std::unique_ptr<std::barrier<>>> warps;
+  for (unsigned w = 0; w < {threads // 32}; ++w) warps.emplace_back(g_wbar[w] = new std::barrier<>(32));
+  for (int64_t b = 0; b < blocks; ++b) {{
+    std::memset(g_smem, 0xFF, sizeof(g_smem));
+    std::vector<std::thread> th;
+    for (unsigned t = 0; t < {threads}; ++t)
+      th.emplace_back([=]() {{ blockIdx.x = (unsigned)b; threadIdx.x = t; {name}({call}); }});
+    for (auto& t : th) t.join();
+  }}"""
     if mode == "cta":
         return f"""for (int64_t b = 0; b < blocks; ++b) {{
     std::barrier<> bar({threads}); g_bar = &bar;

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from tests.cuda_emulation import HAS_GXX, PREAMBLE, compile_run, signature, values  # noqa: F401 (HAS_GXX: re-exported)
+from tests.cuda_emulation import HAS_GXX  # noqa: F401 (re-exported)
+from tests.cuda_emulation import PREAMBLE, compile_run, launch_loop, signature, values
 
 SHIM = PREAMBLE + r"""
 struct uint4 { uint x, y, z, w; };
@@ -47,18 +48,7 @@ def build(src: str, name: str, threads: int, workdir: Path):
     decl, cargs, call = signature(body, name)
     cpp = SHIM + body.replace('extern "C" __global__', "static") + f"""
 extern "C" void run({cargs}, int64_t blocks) {{
-  std::barrier<> bar({threads});
-  g_bar = &bar;
-  std::vector<std::barrier<>*> warps;
-  for (unsigned w = 0; w < {threads // 32}; ++w) warps.push_back(g_wbar[w] = new std::barrier<>(32));
-  for (int64_t b = 0; b < blocks; ++b) {{
-    std::memset(g_smem, 0xFF, sizeof(g_smem));
-    std::vector<std::thread> th;
-    for (unsigned t = 0; t < {threads}; ++t)
-      th.emplace_back([=]() {{ blockIdx.x = (unsigned)b; threadIdx.x = t; {name}({call}); }});
-    for (auto& t : th) t.join();
-  }}
-  for (auto* w : warps) delete w;
+  {launch_loop("cta_warps", name, call, threads)}
 }}
 """
     fn = compile_run(cpp, name, workdir)

@@ -37,20 +37,6 @@ static inline float __shfl_xor_sync(uint, float v, int delta, int) {
 """
 
 
-def cta_loop(name: str, call: str, threads: int) -> str:
-    """The C++ loop that runs ``blocks`` CTAs one after another, each CTA's ``threads`` threads as host threads."""
-    return f"""std::barrier<> bar({threads}); g_bar = &bar;
-  std::vector<std::unique_ptr<std::barrier<>>> warps;
-  for (unsigned w = 0; w < {threads // 32}; ++w) warps.emplace_back(g_wbar[w] = new std::barrier<>(32));
-  for (int64_t b = 0; b < blocks; ++b) {{
-    std::memset(g_smem, 0xFF, sizeof(g_smem));
-    std::vector<std::thread> th;
-    for (unsigned t = 0; t < {threads}; ++t)
-      th.emplace_back([=]() {{ blockIdx.x = (unsigned)b; threadIdx.x = t; {name}({call}); }});
-    for (auto& t : th) t.join();
-  }}"""
-
-
 def build(src: str, name: str, threads: int, cta_threads: bool, workdir: Path):
     """Compile the ``__global__`` function ``name`` of ``src`` for the CPU, a CTA's threads as host threads
     (``cta_threads``) or one after another; returns ``run(tensors: dict, num_tokens, blocks)``, which binds tensors
@@ -59,7 +45,7 @@ def build(src: str, name: str, threads: int, cta_threads: bool, workdir: Path):
     body = src[src.index('extern "C" __global__ void __launch_bounds__'):]
     body = re.sub(r"extern __shared__ [^;]*float (\w+)\[\];", r"float* \1 = (float*)g_smem;", body)
     decl, cargs, call = signature(body, name)
-    loop = cta_loop(name, call, threads) if cta_threads else launch_loop("serial", name, call, threads)
+    loop = launch_loop("cta_warps" if cta_threads else "serial", name, call, threads)
     cpp = SHIM + body.replace('extern "C" __global__', "static") + f"""
 extern "C" void run({cargs}, int64_t blocks) {{
   {loop}

@@ -549,6 +549,24 @@ def _cta_emulated(src, kernel, threads, workdir):
     return build_kernel(_CTA_SHIM, body, kernel, threads, "cta", workdir)
 
 
+def _cpu_bwd_outputs(fns, split, head, T, P, n) -> list:
+    """The emulated backward kernels ``fns`` (``{(name, token block): fn}``) on one draw of ``_split_data`` and
+    ``_head_data``: the split backward's d_input and partials (block 32), then the head backward's (blocks 32, 50),
+    every output NaN-filled first."""
+    m, s, b, post, grads = split
+    x, hs, hb, hg = head
+    M = n * (n + 2)
+    dx, ps, pb = torch.full((T, M), NAN), torch.full((P, 3), NAN), torch.full((P, M), NAN)
+    fns["mhc_split_mixes_bwd", 32](P, DPRE=grads[0], DPOST=grads[1], DCOMB=grads[2], X=m, POST=post, S=s, Bs=b,
+                                   DX=dx, PS=ps, PB=pb, Tn=T, P=P, v=V)
+    got = [dx, ps, pb]
+    for tb in (32, 50):
+        hdx, hps, hpb = torch.full((T, n), NAN), torch.full((P, 1), NAN), torch.full((P, n), NAN)
+        fns["mhc_head_mix_bwd", tb](P, DOUT=hg, X=x, S=hs, Bs=hb, DX=hdx, PS=hps, PB=hpb, Tn=T, P=P)
+        got += [hdx, hps, hpb]
+    return got
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("knobs", MIX_VARIANTS[1:], ids=str)
 @pytest.mark.parametrize("n", (2, 4))
@@ -560,26 +578,15 @@ def test_variant_on_the_cpu_gives_the_defaults_bits(knobs, n, tmp_path, monkeypa
 
     if shutil.which("g++") is None:
         pytest.skip("needs g++")
-    M = n * (n + 2)
     runs = {}
     for tag, kn in (("default", {}), ("variant", knobs)):
         runs[tag] = {(name, tb): _cta_emulated(_variant_source(monkeypatch, kn, name, (n, tb)), f"{name}_kernel",
                                                32 * _knob(kn, "BWD_WARPS"), tmp_path)
                      for name, tb in (("mhc_split_mixes_bwd", 32), ("mhc_head_mix_bwd", 32), ("mhc_head_mix_bwd", 50))}
     for T, P in ((1, 3), (700, 7), (1000, 5), (4001, 40)):
-        m, s, b, post, grads = _split_data(T, n)
-        x, hs, hb, hg = _head_data(T, n)
-        outs = {}
-        for tag, fns in runs.items():
-            dx, ps, pb = torch.full((T, M), NAN), torch.full((P, 3), NAN), torch.full((P, M), NAN)
-            fns["mhc_split_mixes_bwd", 32](P, DPRE=grads[0], DPOST=grads[1], DCOMB=grads[2], X=m, POST=post, S=s,
-                                           Bs=b, DX=dx, PS=ps, PB=pb, Tn=T, P=P, v=V)
-            got = [dx, ps, pb]
-            for tb in (32, 50):
-                hdx, hps, hpb = torch.full((T, n), NAN), torch.full((P, 1), NAN), torch.full((P, n), NAN)
-                fns["mhc_head_mix_bwd", tb](P, DOUT=hg, X=x, S=hs, Bs=hb, DX=hdx, PS=hps, PB=hpb, Tn=T, P=P)
-                got += [hdx, hps, hpb]
-            outs[tag] = got
+        m, s, b, post, grads = split = _split_data(T, n)
+        head = _head_data(T, n)
+        outs = {tag: _cpu_bwd_outputs(fns, split, head, T, P, n) for tag, fns in runs.items()}
         for a, c in zip(outs["variant"], outs["default"]):
             assert torch.equal(a, c), (T, P)
         ri, rs, rb = R.mhc_pre_split_mixes_bwd_ref(*grads, m, post, s, b, V, P)
@@ -741,24 +748,13 @@ def test_bwd_staged_on_the_cpu_gives_the_defaults_bits(n, tmp_path, monkeypatch)
 
     if shutil.which("g++") is None:
         pytest.skip("needs g++")
-    M, th = n * (n + 2), 32 * K.BWD_WARPS
+    th = 32 * K.BWD_WARPS
     runs = {st: {(name, tb): _emulated(monkeypatch, {"BWD_STAGED": st}, name, (n, tb), th, tmp_path)
                  for name, tb in (("mhc_split_mixes_bwd", 32), ("mhc_head_mix_bwd", 32), ("mhc_head_mix_bwd", 50))}
             for st in (False, True)}
     for T, P in ((1, 3), (7, 1), (33, 2), (700, 7), (4001, 40)):
-        m, s, b, post, grads = _split_data(T, n)
-        x, hs, hb, hg = _head_data(T, n)
-        outs = {}
-        for st, fns in runs.items():
-            dx, ps, pb = torch.full((T, M), NAN), torch.full((P, 3), NAN), torch.full((P, M), NAN)
-            fns["mhc_split_mixes_bwd", 32](P, DPRE=grads[0], DPOST=grads[1], DCOMB=grads[2], X=m, POST=post, S=s,
-                                           Bs=b, DX=dx, PS=ps, PB=pb, Tn=T, P=P, v=V)
-            got = [dx, ps, pb]
-            for tb in (32, 50):
-                hdx, hps, hpb = torch.full((T, n), NAN), torch.full((P, 1), NAN), torch.full((P, n), NAN)
-                fns["mhc_head_mix_bwd", tb](P, DOUT=hg, X=x, S=hs, Bs=hb, DX=hdx, PS=hps, PB=hpb, Tn=T, P=P)
-                got += [hdx, hps, hpb]
-            outs[st] = got
+        split, head = _split_data(T, n), _head_data(T, n)
+        outs = {st: _cpu_bwd_outputs(fns, split, head, T, P, n) for st, fns in runs.items()}
         for a, c in zip(outs[True], outs[False]):
             assert not torch.isnan(a).any() and torch.equal(a, c), (T, P)
 
