@@ -476,14 +476,15 @@ def test_variant_builds_for_sm90(knobs, name, cfg, monkeypatch):
     assert "atomic" not in src
 
 
-def _mix_outputs():
-    """Split-mixes and head-mix backward outputs (d_input, sums / partials) over the GPU grid, on the current
-    kernels."""
+def _mix_outputs(mults=MULTS, tokens=TOKENS, forward: bool = False) -> list:
+    """Split-mixes backward (d_input, d_scale, d_base: the partial sum too) and head-mix backward outputs (d_input,
+    partials; P in {1, 3, 128}, token blocks {32, 8, 50}) over ``mults`` x ``tokens`` on the current kernels, the
+    split forward's too when ``forward``, then partial sums of drawn partials."""
     outs = []
-    for n in MULTS:
-        for T in TOKENS:
+    for n in mults:
+        for T in tokens:
             m, s, b, post, grads = _split_data(T, n)
-            outs += list(_split_bwd_cuda(m, s, b, post, grads))
+            outs += (list(_split_fwd_cuda(m, s, b, n)) if forward else []) + list(_split_bwd_cuda(m, s, b, post, grads))
             x, hs, hb, g = _head_data(T, n)
             for P in (1, 3, F.num_partials(torch.device("cuda"))):
                 for block in (0,) + HEAD_BLOCKS[1:]:
@@ -775,26 +776,6 @@ def test_sum_warp_on_the_cpu_is_the_in_order_sum(tmp_path, monkeypatch):
         assert torch.equal(os_, R.seq_sum(ps, 0)) and torch.equal(ob, R.seq_sum(pb, 0)), (P, M)
 
 
-def _fast_outputs():
-    """Split forward / backward (d_input, d_scale, d_base: the partial sum too), head backward (d_input, partials)
-    and partial sums over T in FAST_TOKENS, n in KNOB_MULTS, P in {1, 3, 128}, token blocks {32, 8, 50}."""
-    outs = []
-    for n in KNOB_MULTS:
-        for T in FAST_TOKENS:
-            m, s, b, post, grads = _split_data(T, n)
-            outs += list(_split_fwd_cuda(m, s, b, n)) + list(_split_bwd_cuda(m, s, b, post, grads))
-            x, hs, hb, g = _head_data(T, n)
-            for P in (1, 3, F.num_partials(torch.device("cuda"))):
-                for block in (0,) + HEAD_BLOCKS[1:]:
-                    outs += list(_head_bwd_cuda(x, hs, hb, g, P, block))
-    for P, M in ((1, 24), (132, 24), (133, 80), (7, 300)):
-        ps, pb = torch.randn(P, 3, device="cuda") * 100, torch.randn(P, M, device="cuda")
-        d_s, d_b = _poisoned(3), _poisoned(M)
-        K.partials_sum_launch(ps, pb, d_s, d_b)
-        outs += [d_s, d_b]
-    return outs
-
-
 @pytest.mark.gpu
 @pytest.mark.knobs
 @pytest.mark.parametrize("knob", FAST_KNOBS)
@@ -802,10 +783,10 @@ def test_fast_knob_gives_the_defaults_bits(knob, knob_kernels):
     """The knob's kernels give the default kernels' split forward outputs, d_input, d_scale / d_base, head partials
     and partial sums bit for bit (the data drawn from the same seed for both runs)."""
     seed = torch.initial_seed()
-    want = _fast_outputs()  # the shipped path: the package's kernels
+    want = _mix_outputs(KNOB_MULTS, FAST_TOKENS, forward=True)  # the shipped path: the package's kernels
     knob_kernels(K, {knob: True})
     torch.manual_seed(seed)
-    got = _fast_outputs()
+    got = _mix_outputs(KNOB_MULTS, FAST_TOKENS, forward=True)
     assert len(got) == len(want)
     for i, (a, c) in enumerate(zip(got, want)):
         assert not torch.isnan(a).any() and torch.equal(a, c), i
