@@ -91,6 +91,24 @@ def values(decl, args: dict, contiguous: bool = True) -> list:
     return out
 
 
+# A CTA's threads as host threads (``launch_loop``'s mode ``cta_warps``): ``__syncthreads`` a barrier of the CTA,
+# ``__shfl_xor_sync`` exchanged through the warp's 32 slots between two barriers of the warp.
+CTA_EXCHANGE = r"""
+static std::barrier<>* g_bar;
+static std::barrier<>* g_wbar[32];
+static float g_slots[32][32];
+static inline void __syncthreads() { g_bar->arrive_and_wait(); }
+static inline float __shfl_xor_sync(uint, float v, int delta, int) {
+  unsigned w = threadIdx.x / 32, lane = threadIdx.x % 32;
+  g_slots[w][lane] = v;
+  g_wbar[w]->arrive_and_wait();
+  float r = g_slots[w][lane ^ delta];
+  g_wbar[w]->arrive_and_wait();
+  return r;
+}
+"""
+
+
 def launch_loop(mode: str, name: str, call: str, threads: int) -> str:
     """The C++ loop that runs a grid of ``blocks`` CTAs of ``threads`` threads on the host. ``mode``: ``"warps"``,
     each warp's 32 threads as host threads (shuffles through ``g_bar``); ``"cta"``, a CTA's threads as host threads

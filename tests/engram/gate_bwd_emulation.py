@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from tests.cuda_emulation import HAS_GXX  # noqa: F401 (re-exported)
-from tests.cuda_emulation import PREAMBLE, compile_run, launch_loop, signature, values
+from tests.cuda_emulation import CTA_EXCHANGE, PREAMBLE, compile_run, launch_loop, signature, values
 
 SHIM = PREAMBLE + r"""
 struct uint4 { uint x, y, z, w; };
@@ -23,19 +23,7 @@ struct uint2 { uint x, y; };
 struct float4 { float x, y, z, w; };
 static inline float4 make_float4(float a, float b, float c, float d) { return float4{a, b, c, d}; }
 static uchar g_smem[232448] __attribute__((aligned(1024)));
-static std::barrier<>* g_bar;
-static std::barrier<>* g_wbar[32];
-static float g_slots[32][32];
-static inline void __syncthreads() { g_bar->arrive_and_wait(); }
-static inline float __shfl_xor_sync(uint, float v, int delta, int) {
-  unsigned w = threadIdx.x / 32, lane = threadIdx.x % 32;
-  g_slots[w][lane] = v;
-  g_wbar[w]->arrive_and_wait();
-  float r = g_slots[w][lane ^ delta];
-  g_wbar[w]->arrive_and_wait();
-  return r;
-}
-"""
+""" + CTA_EXCHANGE
 
 
 def build(src: str, name: str, threads: int, workdir: Path):

@@ -14,27 +14,32 @@ from pathlib import Path
 
 import torch
 
-from tests.cuda_emulation import HAS_GXX, PREAMBLE, compile_run, launch_loop, signature, values  # noqa: F401 (re-exported)
+from tests.cuda_emulation import HAS_GXX  # noqa: F401 (re-exported)
+from tests.cuda_emulation import CTA_EXCHANGE, PREAMBLE, compile_run, launch_loop, signature, values
 
-SHIM = PREAMBLE + r"""
+_TYPES = r"""
 struct alignas(16) uint4 { uint x, y, z, w; };
 struct alignas(8) uint2 { uint x, y; };
 struct alignas(16) float4 { float x, y, z, w; };
 struct alignas(8) float2 { float x, y; };
-static uchar g_smem[4096] __attribute__((aligned(1024)));
+"""
+# a warp's threads as host threads (``launch_loop``'s modes warps and serial; the other kernels' CPU runs use it too)
+SHIM = PREAMBLE + _TYPES + r"""
+static float g_slots[32];
 static std::barrier<>* g_bar;
-static std::barrier<>* g_wbar[32];
-static float g_slots[32][32];
-static inline void __syncthreads() { g_bar->arrive_and_wait(); }
 static inline float __shfl_xor_sync(uint, float v, int delta, int) {
-  unsigned w = threadIdx.x / 32, lane = threadIdx.x % 32;
-  g_slots[w][lane] = v;
-  g_wbar[w]->arrive_and_wait();
-  float r = g_slots[w][lane ^ delta];
-  g_wbar[w]->arrive_and_wait();
+  int lane = threadIdx.x % 32;
+  g_slots[lane] = v;
+  g_bar->arrive_and_wait();
+  float r = g_slots[lane ^ delta];
+  g_bar->arrive_and_wait();
   return r;
 }
 """
+# a CTA's threads as host threads, with its dynamic shared memory (the backward)
+CTA_SHIM = PREAMBLE + _TYPES + r"""
+static uchar g_smem[4096] __attribute__((aligned(1024)));
+""" + CTA_EXCHANGE
 
 
 def build(src: str, name: str, threads: int, cta_threads: bool, workdir: Path):
@@ -46,7 +51,7 @@ def build(src: str, name: str, threads: int, cta_threads: bool, workdir: Path):
     body = re.sub(r"extern __shared__ [^;]*float (\w+)\[\];", r"float* \1 = (float*)g_smem;", body)
     decl, cargs, call = signature(body, name)
     loop = launch_loop("cta_warps" if cta_threads else "serial", name, call, threads)
-    cpp = SHIM + body.replace('extern "C" __global__', "static") + f"""
+    cpp = (CTA_SHIM if cta_threads else SHIM) + body.replace('extern "C" __global__', "static") + f"""
 extern "C" void run({cargs}, int64_t blocks) {{
   {loop}
 }}

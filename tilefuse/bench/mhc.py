@@ -1,17 +1,16 @@
 """The bench cases of the mHC ops (``tilefuse.mhc``, mhc.md): the v2.1 kernel-level ops of a DeepSeek-V4 layer's
-memory-bound and latency-bound steps, at T = 8192 tokens and n = 4 streams.
-
-Rows: ``expand_to_mhc`` forward and backward, ``mhc_pre_apply_mix`` forward and backward, ``mhc_post`` forward
-and backward at C in {2560, 4096, 7168} (``--quick``: 4096), the split mixes and the head mix forward and
-backward (M = n(n + 2) = 24 logits a token; mhc.md 4's v = 2, eps = 1e-2), and the Sinkhorn forward and backward
-on 32768 matrices of 4 x 4 with 20 iterations (issue #35's shapes), the norm-weight merge of the projection
-weight (M = 24, K = 4 C) forward and backward, and the reduction of 16 split-K partials with the RMS step
-forward and backward (T = 8192, K = 16384), and the prenorm projection ``mhc_pre_norm_fn`` (forward; the backward
-GEMMs) at the issue's T x C = 4096 x 2048 and 8192 x 4096. ``mhc_multilayer_steps`` runs the L apply-mix and P
-post steps that ``mhc_multilayer_recompute`` fuses, one op a step, on the recompute's inputs: its bytes are mhc.md
-4's ``io_ref`` (the recompute's row counts ``io_fused``), so the recompute's efficiency is the ratio of the two rows'
-times over the ratio of their bytes. Inputs are standard normal (the mixes
-positive, as the layer makes them: sigmoid / softmax of a normal draw; the Sinkhorn logits as drawn).
+memory-bound and latency-bound steps, at T = 8192 tokens and n = 4 streams. Rows: ``expand_to_mhc`` forward and
+backward, ``mhc_pre_apply_mix`` forward and backward, ``mhc_post`` forward and backward at C in {2560, 4096, 7168}
+(``--quick``: 4096), the split mixes and the head mix forward and backward (M = n(n + 2) = 24 logits a token; mhc.md
+4's v = 2, eps = 1e-2), and the Sinkhorn forward and backward on 32768 matrices of 4 x 4 with 20 iterations (issue
+#35's shapes), the norm-weight merge of the projection weight (M = 24, K = 4 C) forward and backward, and the
+reduction of 16 split-K partials with the RMS step forward and backward (T = 8192, K = 16384), and the prenorm
+projection ``mhc_pre_norm_fn`` (forward; the backward GEMMs) at the issue's T x C = 4096 x 2048 and 8192 x 4096.
+``mhc_multilayer_steps`` runs the L apply-mix and P post steps that ``mhc_multilayer_recompute`` fuses, one op a
+step (ours; TileKernels 2.1.0's), on its inputs: its bytes are mhc.md 4's ``io_ref`` (the recompute's row counts
+``io_fused``), so the recompute's efficiency is the ratio of the two rows' times over the ratio of their bytes.
+Inputs are standard normal (the mixes positive, as the layer makes them: sigmoid / softmax of a normal draw; the
+Sinkhorn logits as drawn).
 
 Bytes: each input read once and each output written once. The v2.1 ops write into the caller's buffers, so a
 case passes the destination as an input and returns it for the agreement check; ``Case.nbytes`` then counts it
@@ -414,12 +413,12 @@ def _fused_cases(c: int) -> list[Case]:
         ns.mhc_multilayer_recompute(r0, pre, out, post, comb, li, res)
         return li, res
 
-    def steps(r0, pre, out, post, comb, li, res):
-        # the unfused chain the recompute replaces: our apply-mix and post kernels, one op a step
+    def steps(ns, r0, pre, out, post, comb, li, res):
+        # the unfused chain the recompute replaces: the apply-mix and post ops, one a step
         r = r0
         for l in range(layers):
-            mhc.mhc_pre_apply_mix_fwd(r.flatten(0, 1), pre[l].flatten(0, 1).squeeze(-1), li[l].flatten(0, 1))
-            r = mhc.mhc_post_fwd(out[l], r, post[l], comb[l], res[l])
+            ns.mhc_pre_apply_mix_fwd(r.flatten(0, 1), pre[l].flatten(0, 1).squeeze(-1), li[l].flatten(0, 1))
+            r = ns.mhc_post_fwd(out[l], r, post[l], comb[l], res[l])
         return li, res
 
     def recompute_ref(r0, pre, out, post, comb, li, res):
@@ -445,7 +444,8 @@ def _fused_cases(c: int) -> list[Case]:
              nbytes=_written_once),
         # the recompute's efficiency (mhc.md 4): this row's time over the recompute's, divided by io_ref / io_fused
         # (this row's bytes over the recompute's row's)
-        Case("mhc_multilayer_steps", sized(layer_inputs), steps, recompute_ref, None, False,
+        Case("mhc_multilayer_steps", sized(layer_inputs), lambda *args: steps(mhc, *args), recompute_ref,
+             {"tk2": lambda tk, *args: steps(tk.mhc, *args)}, False,
              f"mhc_multilayer_steps|n={n} C={c}", t,
              describe=lambda: (label, per_step * layers, []), nbytes=_unfused_bytes),
     ]
