@@ -13,7 +13,8 @@ import ctypes
 import re
 from pathlib import Path
 
-from tests.cuda_emulation import HAS_GXX, PREAMBLE, compile_run, signature, values  # noqa: F401 (HAS_GXX: re-exported)
+from tests.cuda_emulation import HAS_GXX  # noqa: F401 (re-exported)
+from tests.cuda_emulation import CTA_EXCHANGE, PREAMBLE, compile_run, signature, values
 
 SHIM = PREAMBLE + r"""
 struct alignas(16) uint4 { uint x, y, z, w; };
@@ -21,20 +22,8 @@ struct alignas(8) uint2 { uint x, y; };
 struct alignas(16) int4 { int x, y, z, w; };
 struct alignas(16) float4 { float x, y, z, w; };
 static inline float4 make_float4(float a, float b, float c, float d) { return float4{a, b, c, d}; }
-static std::barrier<>* g_cta;
-static std::barrier<>* g_warp[32];
-static float g_slots[32][32];
 alignas(1024) static float g_shared[65536];
-#define __syncthreads() g_cta->arrive_and_wait()
-static inline float __shfl_xor_sync(uint, float v, int delta, int) {
-  unsigned w = threadIdx.x / 32, l = threadIdx.x % 32;
-  g_slots[w][l] = v;
-  g_warp[w]->arrive_and_wait();
-  float r = g_slots[w][l ^ delta];
-  g_warp[w]->arrive_and_wait();
-  return r;
-}
-"""
+""" + CTA_EXCHANGE
 
 
 def build(src: str, name: str, threads: int, workdir: Path, threaded: bool = False):
@@ -45,12 +34,9 @@ def build(src: str, name: str, threads: int, workdir: Path, threaded: bool = Fal
     body = re.sub(r"extern __shared__ __align__\(\d+\) (\w+) (\w+)\[\];", r"\1* \2 = (\1*)g_shared;", body)
     decl, cargs, call = signature(body, name)
     if threaded:
-        cta = f"""std::barrier<> cta({threads}); g_cta = &cta;
+        cta = f"""std::barrier<> cta({threads}); g_bar = &cta;
     std::vector<std::unique_ptr<std::barrier<>>> warps;
-    for (unsigned w = 0; w < {threads} / 32; ++w) {{
-      warps.emplace_back(new std::barrier<>(32));
-      g_warp[w] = warps.back().get();
-    }}
+    for (unsigned w = 0; w < {threads} / 32; ++w) warps.emplace_back(g_wbar[w] = new std::barrier<>(32));
     std::vector<std::thread> th;
     for (unsigned t = 0; t < {threads}; ++t)
       th.emplace_back([=]() {{ blockIdx.x = bx; blockIdx.y = by; threadIdx.x = t; {name}({call}); }});
