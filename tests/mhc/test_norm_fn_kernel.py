@@ -90,19 +90,21 @@ def test_bench_only_configs_build(name, cfg):
     _check_source(name, _jit.compile_kernel(name, cfg, "sm_90").get_kernel_source())
 
 
-def _build_fwd(monkeypatch, cfg, knobs):
-    """The forward at ``cfg`` with ``knobs`` set, built for sm_90 outside tilefuse's caches."""
+def _build(monkeypatch, factory, cfg, knobs):
+    """``factory`` (a kernel factory of the module) at ``cfg`` with ``knobs`` set, built for sm_90 outside tilefuse's
+    caches (whose keys hold the module's knob values as set at import)."""
     import tilelang
 
     for name, value in knobs.items():
         monkeypatch.setattr(K, name, value)
-    return tilelang.compile(K.norm_fn_fwd_kernel(*cfg), target={"kind": "cuda", "arch": "sm_90"},
+    return tilelang.compile(factory(*cfg), target={"kind": "cuda", "arch": "sm_90"},
                             execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS))
 
 
 @pytest.mark.compile
 def test_fwd_builds_with_128_tokens(monkeypatch):
-    _check_source("mhc_norm_fn_fwd", _build_fwd(monkeypatch, (8192, 24), {"FWD_TOKENS": 128}).get_kernel_source())
+    kernel = _build(monkeypatch, K.norm_fn_fwd_kernel, (8192, 24), {"FWD_TOKENS": 128})
+    _check_source("mhc_norm_fn_fwd", kernel.get_kernel_source())
 
 
 @pytest.mark.compile
@@ -162,20 +164,10 @@ def test_fwd_split_is_exact():
     assert (err[~exact] <= 2.0 ** -134).all()
 
 
-def _build_bwd(monkeypatch, cfg, knobs):
-    """The backward at ``cfg`` with ``knobs`` set, built for sm_90 outside tilefuse's caches (whose keys hold the
-    module's knob values as set at import)."""
-    import tilelang
-
-    for name, value in knobs.items():
-        monkeypatch.setattr(K, name, value)
-    return tilelang.compile(K.norm_fn_bwd_kernel(*cfg), target={"kind": "cuda", "arch": "sm_90"},
-                            execution_backend="tvm_ffi", pass_configs=dict(_jit._PASS_CONFIGS))
-
-
 @pytest.mark.compile
 def test_bwd_builds_with_swept_knobs(monkeypatch):
-    _check_source("mhc_norm_fn_bwd", _build_bwd(monkeypatch, (8192, 24, True), MMA_SWEPT).get_kernel_source())
+    kernel = _build(monkeypatch, K.norm_fn_bwd_kernel, (8192, 24, True), MMA_SWEPT)
+    _check_source("mhc_norm_fn_bwd", kernel.get_kernel_source())
 
 
 @pytest.mark.compile
@@ -784,7 +776,7 @@ def test_mma_backward_source_on_cpu(n, c, accumulate, knobs, tmp_path, monkeypat
     runs = {}
     for acc in {accumulate, False}:  # the kernel, and without accumulation to compare dW's bits
         if knobs:
-            src = _build_bwd(monkeypatch, (k, m, acc), knobs).get_kernel_source()
+            src = _build(monkeypatch, K.norm_fn_bwd_kernel, (k, m, acc), knobs).get_kernel_source()
         else:
             src = _jit.compile_kernel("mhc_norm_fn_bwd", (k, m, acc), "sm_90").get_kernel_source()
         _check_source("mhc_norm_fn_bwd", src)
