@@ -4,6 +4,7 @@ case's declared shapes (what ``--list`` prints) match the tensors it builds."""
 import random
 
 import pytest
+import torch
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
                                            FakeTensorMode)
 
@@ -247,6 +248,42 @@ def test_host_overhead_table_ratios_per_group():
     lines = host_overhead_table(rows)
     assert lines[4] == "| row | tilefuse.quant.per_token_cast (public op) | 10.00 | 1.25x | 0.62x |"
     assert lines[5] == "| other public ops | norm_forward (weight) | 12.00 | - | - |"
+
+
+def _decode_groups(device: str) -> dict:
+    """The mHC and Engram one-token host calls, run once each: ``{group: [(call name, output copy)]}``."""
+    from tilefuse.bench import engram as bench_engram, mhc as bench_mhc
+
+    groups = {}
+    for group, name, fn in bench_mhc.host_calls(device) + bench_engram.host_calls(device):
+        groups.setdefault(group, []).append((name, fn().clone()))
+    return groups
+
+
+def test_decode_host_calls_run_on_the_cpu():
+    """The one-token mHC / Engram host calls are valid public-op calls (the reference path on the CPU): one token's
+    output each, and the calls of a group compute the same bits."""
+    groups = _decode_groups("cpu")
+    assert set(groups) == {"mhc_post_fwd, n=4 C=4096, 1 token", "mhc_pre_apply_mix_fwd, n=4 C=4096, 1 token",
+                           "other public ops", "engram_gate_fwd, M=4 H=4096, no save, 1 token"}
+    for group, outputs in groups.items():
+        for name, out in outputs:
+            assert out.dtype == torch.bfloat16 and out.numel() in (4096, 4 * 4096), (group, name, out.shape)
+            assert torch.equal(out, outputs[0][1]), (group, name)
+
+
+@pytest.mark.gpu
+def test_decode_host_calls_agree_on_the_gpu():
+    """On CUDA each timed group has its bare TileLang call, and the bare call and the public ops write the same bits
+    (so the host-overhead rows time the same work)."""
+    groups = _decode_groups("cuda")
+    for group, outputs in groups.items():
+        names = [name for name, _ in outputs]
+        if group != "other public ops":
+            assert names[0].startswith("bare TileLang kernel call"), (group, names)
+        for name, out in outputs:
+            assert out.is_cuda and torch.isfinite(out.float()).all(), (group, name)
+            assert torch.equal(out, outputs[0][1]), (group, name)
 
 
 def test_moe_bytes_by_hand():

@@ -469,3 +469,28 @@ def quick_cases() -> list[Case]:
 
 def grid_cases() -> list[Case]:
     return _cases((True, False))
+
+
+def host_calls(device: str = "cuda") -> list:
+    """The one-token gate forward (T = 1, M = 4, H = 4096, statistics not saved: the inference call) for
+    ``--host-overhead``: the bare TileLang call (JITKernel, preallocated output; k and v as the launcher binds them)
+    beside the public op. Each call returns its output, so a test can check that both compute the same thing."""
+    from tilefuse import _jit, engram
+    from tilefuse.engram import _gate_fwd_kernel as K
+
+    h = STEP_HIDDEN
+    x = _normal((1, M, h), BF16, device)
+    kv = _normal((1, M + 1, h), BF16, device)
+    k, v = kv[:, :M], kv[:, M]
+    w = _normal((M, h), F32, device)
+    group = f"engram_gate_fwd, M={M} H={h}, no save, 1 token"
+    calls = []
+    if device == "cuda":
+        jk = _jit.get_jit_kernel("engram_gate_fwd", (M, h, False))
+        out = torch.empty_like(x)
+        (k_rows, (k_s0, k_s1)), (v_rows, (v_s0,)) = K._vector_rows(k), K._vector_rows(v)
+        calls.append((group, "bare TileLang kernel call (JITKernel, preallocated outputs)",
+                      lambda: (jk(x, k_rows, v_rows, w, out, k_s0, k_s1, v_s0, EPS, CLAMP), out)[1]))
+    calls.append((group, "tilefuse.engram.engram_gate_fwd (public op)",
+                  lambda: engram.engram_gate_fwd(x, k, v, w, EPS, CLAMP, False)[0]))
+    return calls

@@ -10,6 +10,8 @@ import time
 import torch
 
 from tilefuse.bench.core import _nbytes, median_us
+from tilefuse.bench.engram import host_calls as engram_host_calls
+from tilefuse.bench.mhc import host_calls as mhc_host_calls
 from tilefuse.bench.transform import host_calls as rotary_host_calls
 
 
@@ -60,8 +62,9 @@ def _gate_host_calls() -> dict:
 
 def host_overhead(iters: int = 2000) -> list[dict]:
     """Median wall µs per call at one row (7168 bf16 channels -> e4m3), for two sf layouts, of six other
-    public ops at one row (their bench rows' configs; group "other public ops", no baseline) and of the two
-    one-token MoE gates beside their bare kernels (``_gate_host_calls``). Each layout group has
+    public ops at one row (their bench rows' configs; group "other public ops", no baseline), of the two
+    one-token MoE gates beside their bare kernels (``_gate_host_calls``), and of the one-token rotary, mHC and
+    Engram calls (``host_calls`` of their bench modules). Each layout group has
     two baselines: the bare TileLang call with preallocated outputs, and TileLang's own allocating call
     (``out_idx``: the kernel returns its outputs), which does what the public op does minus validation; the
     latter exists for the row-major layout only (TileLang allocates plain contiguous outputs). All calls are
@@ -119,6 +122,7 @@ def host_overhead(iters: int = 2000) -> list[dict]:
     everything += [("other public ops", name, fn) for name, fn in others.items()]
     everything += _gate_host_calls()
     everything += rotary_host_calls()
+    everything += mhc_host_calls() + engram_host_calls()
     times = _interleaved_call_us([fn for _, _, fn in everything], batch=max(1, iters // 10))
     return [{"group": group, "call": name, "us": us} for (group, name, _), us in zip(everything, times)]
 

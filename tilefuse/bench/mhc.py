@@ -598,3 +598,49 @@ def grid_cases() -> list[Case]:
             + [case for c in HIDDEN for case in _normw_cases(c)] + _reduce_cases()
             + [case for t, c in NORM_FN_SHAPES for case in _norm_fn_cases(t, c)]
             + [case for c in HIDDEN for case in _fused_cases(c)] + _step_cases(QUICK_HIDDEN))
+
+
+DECODE_HIDDEN = 4096  # the one-token host calls' C
+
+
+def host_calls(device: str = "cuda") -> list:
+    """The one-token decode calls of an mHC sub-layer (T = 1, n = 4, C = 4096) for ``--host-overhead``: the post
+    and the apply-mix forward, each as a bare TileLang call (JITKernel, preallocated output) beside its public ops,
+    and the three-launch fused pre (``mhc_pre_big_fuse``) alone. Each call returns its output, so a test can check
+    that the calls of a group compute the same thing."""
+    from tilefuse import _jit, mhc
+
+    n, c = N, DECODE_HIDDEN
+    x = _normal((1, 1, c), BF16, device)
+    residual = _normal((1, 1, n, c), BF16, device)
+    post = _positive_mix((1, 1, n, 1), device)
+    comb = _positive_mix((1, 1, n, n), device)
+    out = torch.empty_like(residual)
+    stream = residual.view(1, n, c)
+    mix = post.view(1, n)
+    layer_input = torch.empty(1, c, dtype=BF16, device=device)
+    fn = _normal((n * (n + 2), n * c), F32, device)
+    scale, base = _normal((3,), F32, device), _normal((n * (n + 2),), F32, device)
+    calls = []
+    if device == "cuda":
+        post_jk = _jit.get_jit_kernel("mhc_post_fwd", (n, c))
+        apply_jk = _jit.get_jit_kernel("mhc_apply_mix_fwd", (n, c))
+        post_flat = (x.view(1, c), stream, mix, comb.view(1, n, n))
+        calls += [
+            ("post", "bare TileLang kernel call (JITKernel, preallocated outputs)",
+             lambda: (post_jk(*post_flat, out.view(1, n, c)), out)[1]),
+            ("apply", "bare TileLang kernel call (JITKernel, preallocated outputs)",
+             lambda: (apply_jk(stream, mix, layer_input), layer_input)[1]),
+        ]
+    calls += [
+        ("post", "tilefuse.mhc.mhc_post_fwd (public op, preallocated out)",
+         lambda: mhc.mhc_post_fwd(x, residual, post, comb, out)),
+        ("post", "tilefuse.mhc.mhc_post (public op with autograd)", lambda: mhc.mhc_post(x, residual, post, comb)),
+        ("apply", "tilefuse.mhc.mhc_pre_apply_mix_fwd (public op, preallocated o)",
+         lambda: (mhc.mhc_pre_apply_mix_fwd(stream, mix, layer_input), layer_input)[1]),
+        ("pre", "tilefuse.mhc.mhc_pre_big_fuse (public op: three launches)",
+         lambda: mhc.mhc_pre_big_fuse(residual, fn, scale, base, RMS_EPS, PRE_EPS, SINKHORN_EPS, POST_MULT, 20)[2]),
+    ]
+    groups = {"post": f"mhc_post_fwd, n={n} C={c}, 1 token", "apply": f"mhc_pre_apply_mix_fwd, n={n} C={c}, 1 token",
+              "pre": "other public ops"}
+    return [(groups[g], name, call) for g, name, call in calls]
