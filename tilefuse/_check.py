@@ -32,6 +32,16 @@ def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
     return names[0] if len(names) == 1 else "one of " + ", ".join(names)
 
 
+def _matches(size: torch.Size, shape: Sequence[int | None]) -> bool:
+    """``size`` has ``shape``'s rank and its sizes where ``shape`` names one (``None``: any size)."""
+    if len(size) != len(shape):
+        return False
+    for want, got in zip(shape, size):
+        if want is not None and want != got:
+            return False
+    return True
+
+
 def tensor(
     op: str,
     name: str,
@@ -52,21 +62,18 @@ def tensor(
     """
     if not isinstance(t, torch.Tensor):
         fail(op, f"{name} must be a torch.Tensor, got {type(t).__name__}", TypeError)
-    if dtype is not None:
+    if dtype is not None and (t.dtype != dtype if isinstance(dtype, torch.dtype) else t.dtype not in tuple(dtype)):
         allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
-        if t.dtype not in allowed:
-            fail(op, f"{name} must have dtype {_dtype_names(allowed)}, got {str(t.dtype).replace('torch.', '')}",
-                 TypeError)
-    if ndim is not None:
+        fail(op, f"{name} must have dtype {_dtype_names(allowed)}, got {str(t.dtype).replace('torch.', '')}",
+             TypeError)
+    if ndim is not None and (t.dim() != ndim if isinstance(ndim, int) else t.dim() not in tuple(ndim)):
         allowed_nd = (ndim,) if isinstance(ndim, int) else tuple(ndim)
-        if t.dim() not in allowed_nd:
-            want = allowed_nd[0] if len(allowed_nd) == 1 else " or ".join(map(str, allowed_nd))
-            fail(op, f"{name} must be {want}-D, got shape {tuple(t.shape)}")
-    if shape is not None:
-        ok = t.dim() == len(shape) and all(s is None or s == d for s, d in zip(shape, t.shape))
-        if not ok:
-            want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
-            fail(op, f"{name} must have shape {want}, got {tuple(t.shape)}")
+        want = allowed_nd[0] if len(allowed_nd) == 1 else " or ".join(map(str, allowed_nd))
+        fail(op, f"{name} must be {want}-D, got shape {tuple(t.shape)}")
+    # torch.Size equals a tuple of the same sizes: the common case, a shape without wildcards, costs one compare
+    if shape is not None and t.shape != shape and not _matches(t.shape, shape):
+        want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+        fail(op, f"{name} must have shape {want}, got {tuple(t.shape)}")
     if contiguous and not t.is_contiguous():
         fail(op, f"{name} must be contiguous, got strides {t.stride()}")
     if inner_contiguous and t.dim() > 0 and t.size(-1) > 1 and t.stride(-1) != 1:

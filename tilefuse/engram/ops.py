@@ -52,9 +52,9 @@ def _num_sms(op: str, num_sms: int | None) -> int:
 def _hidden(op: str, name: str, t: torch.Tensor, multiple: int, minimum: int = 0) -> None:
     """Check the last dimension of ``t`` is a multiple of ``multiple`` and at least ``minimum``."""
     h = t.shape[-1]
-    _check.expect(h % multiple == 0 and h >= minimum, op,
-                  f"{name} must have hidden % {multiple} == 0" + (f" and hidden >= {minimum}" if minimum else "")
-                  + f", got shape {tuple(t.shape)}")
+    if not (h % multiple == 0 and h >= minimum):
+        _check.fail(op, f"{name} must have hidden % {multiple} == 0" + (f" and hidden >= {minimum}" if minimum else "")
+                    + f", got shape {tuple(t.shape)}")
 
 
 def _gate_operands(op: str, hidden_states, k, v, weight_fused):

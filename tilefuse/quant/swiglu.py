@@ -70,9 +70,9 @@ def swiglu_forward_and_per_token_cast(
                     device=x.device)
     _check.expect(clamped_count is None or swiglu_clamp_value is not None, op,
                   "clamped_count requires swiglu_clamp_value")
-    _check.expect(sf_clamp_min is None or (isinstance(sf_clamp_min, (int, float)) and not isinstance(sf_clamp_min, bool)
-                                           and sf_clamp_min >= F.FMT_MAX["e4m3"] * 2.0 ** -126), op,
-                  f"sf_clamp_min must be None or a float >= 448 * 2^-126, got {sf_clamp_min!r}")
+    if not (sf_clamp_min is None or (isinstance(sf_clamp_min, (int, float)) and not isinstance(sf_clamp_min, bool)
+                                     and sf_clamp_min >= F.FMT_MAX["e4m3"] * 2.0 ** -126)):
+        _check.fail(op, f"sf_clamp_min must be None or a float >= 448 * 2^-126, got {sf_clamp_min!r}")
     args = (x, fmt, num_per_channels, pos_to_token_topk, topk_weights, pos_to_expert, col, round_sf, packed,
             swiglu_clamp_value, clamped_count, sf_clamp_min)
     if x.is_cuda:
