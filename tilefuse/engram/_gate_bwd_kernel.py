@@ -35,6 +35,18 @@ H <= 4096) the sums, ``x`` and ``k`` are in registers too, and ``x``, ``k`` are 
 before the barrier (``EARLY_XK_J``). With two (``J = 2``) the sums live in shared memory when they fit
 (``ACC_SMEM_J``; H <= 7168: 224 KiB with ``w``) and ``x``, ``k`` are loaded after the barrier.
 
+Prefetch (``PREFETCH``, off by default; ``H <= 4096``, where the stages fit: other ``H`` build the kernel above).
+Two shared-memory stages of a token's inputs: each thread's vectors of grad_out, x, k (4 branches) and v
+(``[stage, plane, thread, 16 bytes]``, 26 H bytes a stage) and each warp's copy of the token's statistics (64 bytes,
+copied by its lane 0). Token ``s + 1``'s ``cp.async`` copies (one commit group a token) are issued before token
+``s``'s work; a thread then waits for its own group of token ``s``, and the warp's barrier (``__syncwarp``) hands
+lane 0's statistics to the warp. Each thread reads back only the vectors it copied, and a stage is copied over only
+after the CTA's barrier of the token that read it, so a token keeps one CTA barrier (the dg reduction's, whose buffer
+is then static shared memory). grad_out, x and k are read from the stage where used (not held across the barrier;
+``EARLY_XK_J``, ``KEEP_GO_J`` do not apply) and ``w`` is in registers (32 a thread), not shared memory. At H = 4096:
+208 KiB of stages, 2 KiB of statistics, 512 bytes of dg sums; ptxas (sm_90): 128 registers (512 threads), no
+spills; H = 2048 163, H = 1024 188. The same operations in the same order: the default kernel's bits.
+
 Weight-gradient reduction: one thread per ``REDUCE_VEC`` consecutive elements of the flattened ``(M·H)``
 accumulators; ``S = 0 + partial[0] + partial[1] + ...`` in ascending ``p`` (the loads of ``REDUCE_ROWS`` rows issued
 before their adds, so about ``M·H·REDUCE_ROWS·4`` bytes are in flight: the order is the same), then
@@ -48,8 +60,8 @@ Kernel constraints: CUDA tensors; the gate backward needs ``M == 4``, ``H % 512 
 Speed: docs/BENCHMARKS.md (its mHC and Engram section). One CTA an SM (``P = 132`` CTAs); ptxas (sm_90, no spills): H
 = 4096 128 registers (512 threads), H = 7168 128 (448 threads, 224 KiB shared memory), H = 1024 212 (128 threads);
 every H % 512 == 0 from 1024 to 8192 builds, and only H = 7680, 8192 (sums in registers: shared memory too small)
-spill, about 300 bytes a thread. The reduction: 70 registers. What a CTA overlaps is one token's loads with the
-previous token's stores; prefetching the next token would be the next step.
+spill, about 300 bytes a thread. The reduction: 70 registers. What a CTA overlaps by default is one token's loads
+with the previous token's stores; with ``PREFETCH`` the next token's loads overlap this token's work too.
 """
 
 import struct
