@@ -156,7 +156,7 @@ def gate_bwd_kernel(H: int):
         return (((st * PLANES + plane) * J + j) * threads + tid) * V
 
     def stat(st, warp, kind):
-        """Offset in the statistics' stages of warp ``warp``'s copy of kind ``kind`` (dot, gate, rstd_x, rstd_k)."""
+        """Offset in the statistics' stages of warp ``warp``'s copy of ``kind`` (0 dot, 1 gate, 2 rstd_x, 3 rstd_k)."""
         return ((st * warps + warp) * 4 + kind) * M
 
     def cp16(dst, src):
@@ -204,10 +204,9 @@ def gate_bwd_kernel(H: int):
             else:
                 ws = T.alloc_shared((MJV * threads,), F32)  # [h, j, half, thread, 4]: conflict-free 16 bytes
             accs = T.alloc_shared((MJV * threads if acc_smem else 4,), F32)  # the sums, laid out as ws
-            if prefetch:  # static: apart from the stages' extern copies in TileLang's barrier planning
-                red = T.alloc_shared((2 * warps * M,), F32, scope="shared")
-            else:
-                red = T.alloc_shared((2 * warps * M,), F32)     # [token parity, warp, branch]
+            # [token parity, warp, branch]. With PREFETCH in static shared memory: TileLang plans barriers a scope at a
+            # time, and beside the stages' extern copies (addresses it cannot bound) it would add a barrier a token
+            red = T.alloc_shared((2 * warps * M,), F32, scope="shared" if prefetch else "shared.dyn")
             go = T.alloc_local((MJV,), BF)
             xv = T.alloc_local((MJV,), BF)
             kv = T.alloc_local((MJV,), BF)
@@ -258,7 +257,9 @@ def gate_bwd_kernel(H: int):
                     if s + 1 < ntok:
                         issue(GO, X, K, Vt, D, GS, RX, RK, stg, sst, t + 1, (s + 1) % STAGES, tid, lane, warp)
                     T.ptx_commit_group()  # (empty for the last token)
-                    T.call_extern("void", "tl::cp_async_wait<1>")  # this thread's copies of token t have landed
+                    # this thread's copies of token t have landed (an extern call: TileLang follows its own wait
+                    # with a CTA barrier)
+                    T.call_extern("void", "tl::cp_async_wait<1>")
                     T.sync_warp()  # and lane 0's statistics, for the whole warp
                     for h in T.vectorized(M):
                         sd[h] = sst[stat(st, warp, 0) + h]
