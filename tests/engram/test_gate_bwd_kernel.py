@@ -14,6 +14,8 @@ What is asserted:
   is 1 ulp off on some inputs): grad_w_partial's chunks, their ascending-token order and its two roundings a term.
 * ``grad_w_reduce`` is order-fixed: bit for bit the reference (``_sequential_sum`` and a correctly rounded fma),
   for partial counts that are not multiples of 8 too.
+* ``PREFETCH`` (the next token's inputs copied by ``cp.async``) gives the default kernel's bits: its generated CUDA
+  on the CPU, and on the GPU.
 * Same kernel, same values: bitwise (determinism, rows of a sub-batch, a chunk alone as one partial, strided or
   misaligned ``k``/``v`` against contiguous copies, graph replay, torch.compile).
 
@@ -457,9 +459,9 @@ def test_other_partial_counts(partials, poisoned, monkeypatch):
 @pytest.mark.parametrize("h", (1024, 4096))
 def test_prefetch_gives_the_defaults_bits(h, poisoned, knob_kernels):
     """PREFETCH (outputs poisoned with NaN first): the shipped kernel's bits at one token, odd counts and the bench's
-    8192, contiguous and strided ``k``, ``v``, with one partial and with the default's."""
+    8192 tokens, contiguous and strided ``k``, ``v``, with one partial and with the default's."""
     cases = []
-    for tokens in (1, 7, 4001, 8192):
+    for tokens in (1, 7, 33, 4001, 8192):
         a = make_inputs(tokens, h, device="cuda")
         for args in (a, _strided(a)):
             for partials in (1, DEFAULT_NUM_SMS):
