@@ -6,6 +6,8 @@ GRID_H = (1024, 4096, 7168)
 # run on the CPU from the generated source: one vector a thread in registers (1024), two with the sums in shared
 # memory (7168)
 EMU_H = (1024, 7168)
+PREFETCH_H = (1024, 2048, 4096)  # PREFETCH builds (its stages fit: one vector a thread and branch)
+FALLBACK_H = (4608, 7168)  # PREFETCH on, two vectors a thread: the default kernel
 BEYOND_H = 8704  # H % 512 == 0 but above MAX_H: the public op keeps the reference path (never compiled)
 
 

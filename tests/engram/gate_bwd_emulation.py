@@ -3,9 +3,11 @@ test module).
 
 g++ compiles the ``__global__`` function with a shim: ``bfloat16_t`` rounding to nearest even, the vector types
 (no alignment demands), ``__f*_rn`` as one IEEE-rounded fp32 operation each (``-ffp-contract=off``, ``std::fmaf``,
-``std::sqrt``), dynamic shared memory as one host buffer (filled with NaN bytes before each CTA), and every thread
-of a CTA as a host thread: ``__syncthreads`` is a barrier of the CTA, ``__shfl_xor_sync`` an exchange through 32
-slots of the warp between two barriers of the warp. CTAs run one after another. So the CPU computes what the GPU
+``std::sqrt``), dynamic shared memory as one host buffer (filled with NaN bytes before each CTA), static shared
+memory as function statics, and every thread of a CTA as a host thread: ``__syncthreads`` is a barrier of the CTA,
+``__syncwarp`` a barrier of the warp, ``__shfl_xor_sync`` an exchange through 32 slots of the warp between two
+barriers of the warp. ``cp.async`` (``tl::cp_async_gs``) is a synchronous copy at its issue, its commit and wait do
+nothing. CTAs run one after another. So the CPU computes what the GPU
 computes, bit for bit, and checks the kernels' indexing, chunking, barriers and reductions without a GPU.
 """
 import ctypes
@@ -23,7 +25,17 @@ struct uint2 { uint x, y; };
 struct float4 { float x, y, z, w; };
 static inline float4 make_float4(float a, float b, float c, float d) { return float4{a, b, c, d}; }
 static uchar g_smem[232448] __attribute__((aligned(1024)));
-""" + CTA_EXCHANGE
+#define __shared__ static
+""" + CTA_EXCHANGE + r"""
+static inline void __syncwarp() { g_wbar[threadIdx.x / 32]->arrive_and_wait(); }
+namespace tl {
+template <int N> static inline void cp_async_gs(const void* smem, const void* global) {
+  std::memcpy(const_cast<void*>(smem), global, N);
+}
+static inline void cp_async_commit() {}
+template <int N> static inline void cp_async_wait() {}
+}  // namespace tl
+"""
 
 
 def build(src: str, name: str, threads: int, workdir: Path):

@@ -14,6 +14,8 @@ What is asserted:
   is 1 ulp off on some inputs): grad_w_partial's chunks, their ascending-token order and its two roundings a term.
 * ``grad_w_reduce`` is order-fixed: bit for bit the reference (``_sequential_sum`` and a correctly rounded fma),
   for partial counts that are not multiples of 8 too.
+* ``PREFETCH`` (the next token's inputs copied by ``cp.async``) gives the default kernel's bits: its generated CUDA
+  on the CPU, and on the GPU.
 * Same kernel, same values: bitwise (determinism, rows of a sub-batch, a chunk alone as one partial, strided or
   misaligned ``k``/``v`` against contiguous copies, graph replay, torch.compile).
 
@@ -32,7 +34,7 @@ from tilefuse.engram.ops import DEFAULT_NUM_SMS
 from tilefuse.reference import engram as R
 from tilefuse.testing import calc_diff
 from tests.engram import gate_bwd_emulation as emu
-from tests.engram.configs_gate_bwd import BEYOND_H, EMU_H, GRID_H, GRID_T, gate_bwd_configs
+from tests.engram.configs_gate_bwd import BEYOND_H, EMU_H, FALLBACK_H, GRID_H, GRID_T, PREFETCH_H, gate_bwd_configs
 from tests.quant.kernel_binding import fake_jit
 
 CLAMP, EPS = 1e-6, 1e-20
@@ -100,10 +102,7 @@ def _all_configs():
     return sorted(set(gate_bwd_configs()) | set(registered))
 
 
-@pytest.mark.compile
-@pytest.mark.parametrize("name, cfg", _all_configs(), ids=str)
-def test_builds_for_sm90_with_the_explicit_operations(name, cfg):
-    src = _jit.compile_kernel(name, cfg, "sm_90").get_kernel_source()
+def _assert_explicit_operations(name: str, src: str) -> None:
     assert "__global__" in src and "atomic" not in src
     if name == "engram_gate_bwd":
         # beta's square root and quotient, and qx, qk: IEEE; the per-column chains as the reference's
@@ -117,6 +116,49 @@ def test_builds_for_sm90_with_the_explicit_operations(name, cfg):
         rhs = re.sub(r"\[[^\]]*\]", "", line.split("=", 1)[1])
         rhs = re.sub(r"/\*.*?\*/|0x[0-9a-f.]+p[-+]?\d+f", "", rhs)  # comments, hexadecimal float literals
         assert not re.search(r"[-+*/]", rhs), line
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name, cfg", _all_configs(), ids=str)
+def test_builds_for_sm90_with_the_explicit_operations(name, cfg):
+    _assert_explicit_operations(name, _jit.compile_kernel(name, cfg, "sm_90").get_kernel_source())
+
+
+def _gate_source(h: int) -> str:
+    return _jit.compile_kernel("engram_gate_bwd", (h,), "sm_90", export=False).get_kernel_source()
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("h", PREFETCH_H)
+def test_prefetch_builds_for_sm90(h, monkeypatch):
+    """PREFETCH: the explicit operations; the copies are cp.async, a thread waits for all but its newest group, the
+    warp's barrier follows, and the token loop keeps one CTA barrier (the dg reduction's)."""
+    monkeypatch.setattr(K, "PREFETCH", True)
+    assert K.prefetches(h)
+    src = _gate_source(h)
+    _assert_explicit_operations("engram_gate_bwd", src)
+    assert "tl::cp_async_gs<16>(" in src and "tl::cp_async_commit();" in src
+    assert re.search(r"tl::cp_async_wait<1>\(\);\s*__syncwarp\(\);", src)
+    assert src.count("__syncthreads()") == 1 and src.count("tl::cp_async_wait<") == 1
+
+
+def test_prefetch_takes_one_vector_a_thread(monkeypatch):
+    sizes = range(1024, K.MAX_H + 1, 512)
+    assert not any(K.prefetches(h) for h in sizes)  # off by default
+    monkeypatch.setattr(K, "PREFETCH", True)
+    assert [h for h in sizes if K.prefetches(h)] == [h for h in sizes if K.layout(h)[0] == 1] == list(
+        range(1024, 4097, 512))
+    assert set(PREFETCH_H) <= {h for h in sizes if K.prefetches(h)}
+    assert not any(K.prefetches(h) for h in FALLBACK_H)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("h", FALLBACK_H)
+def test_prefetch_falls_back_where_the_stages_do_not_fit(h, monkeypatch):
+    """Two vectors a thread: two stages would take 52 H bytes; PREFETCH builds the default kernel."""
+    want = _gate_source(h)
+    monkeypatch.setattr(K, "PREFETCH", True)
+    assert _gate_source(h) == want
 
 
 @pytest.mark.compile
@@ -155,9 +197,9 @@ def _emulated_gate(h: int, tmp_path):
 
 
 def _strided(a: dict) -> dict:
-    """``k`` and ``v`` as views into one fused ``(T, 5, H)`` projection (token stride 5 H)."""
+    """``k`` and ``v`` as views into one fused ``(T, 5, H)`` projection (token stride 5 H), on ``x``'s device."""
     t, _, h = a["x"].shape
-    kv = torch.empty(t, 5, h, dtype=torch.bfloat16)
+    kv = torch.empty(t, 5, h, dtype=torch.bfloat16, device=a["x"].device)
     kv[:, :4] = a["k"]
     kv[:, 4] = a["v"]
     return dict(a, k=kv[:, :4], v=kv[:, 4])
@@ -199,6 +241,25 @@ def test_gate_knobs_change_no_result(h, variants, tmp_path, monkeypatch):
             for name, value in knobs.items():
                 m.setattr(K, name, value)
             assert_bits(_emulated_gate(h, tmp_path / str(i))(a, partials), want)
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not emu.HAS_GXX, reason="needs g++")
+@pytest.mark.parametrize("h, cases", [(1024, [(1, 3, False), (7, 2, True), (33, 5, False), (33, 4, True),
+                                              (5, 9, True)]),
+                                      (4096, [(7, 3, True)])])
+def test_prefetch_gives_the_defaults_bits_on_the_cpu(h, cases, tmp_path, monkeypatch):
+    """PREFETCH's CUDA source on the CPU: the default kernel's bits (``(tokens, partials, strided)``: one token, odd
+    counts, 5 tokens in 9 partials leave empty chunks, ``k``, ``v`` views into one projection)."""
+    default = _emulated_gate(h, tmp_path / "default")
+    monkeypatch.setattr(K, "PREFETCH", True)
+    assert K.prefetches(h)
+    prefetch = _emulated_gate(h, tmp_path / "prefetch")
+    for tokens, partials, strided in cases:
+        a = make_inputs(tokens, h)
+        if strided:
+            a = _strided(a)
+        assert_bits(prefetch(a, partials), default(a, partials))
 
 
 @pytest.mark.compile
@@ -391,6 +452,26 @@ def test_other_partial_counts(partials, poisoned, monkeypatch):
     assert_bits(got, ieee_reference(a, partials, monkeypatch))
     if partials > t:
         assert torch.equal(got[3][t:], torch.zeros_like(got[3][t:]))
+
+
+@pytest.mark.gpu
+@pytest.mark.knobs
+@pytest.mark.parametrize("h", (1024, 4096))
+def test_prefetch_gives_the_defaults_bits(h, poisoned, knob_kernels):
+    """PREFETCH (outputs poisoned with NaN first): the shipped kernel's bits at one token, odd counts and the bench's
+    8192 tokens, contiguous and strided ``k``, ``v``, with one partial and with the default's."""
+    cases = []
+    for tokens in (1, 7, 33, 4001, 8192):
+        a = make_inputs(tokens, h, device="cuda")
+        for args in (a, _strided(a)):
+            for partials in (1, DEFAULT_NUM_SMS):
+                cases.append((args, partials, E.engram_gate_bwd(*bwd_args(args), CLAMP, num_sms=partials)))
+    knob_kernels(K, dict(PREFETCH=True))
+    assert K.prefetches(h)
+    for args, partials, want in cases:
+        got = E.engram_gate_bwd(*bwd_args(args), CLAMP, num_sms=partials)
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert torch.equal(g, w), (args["x"].shape, partials, i)
 
 
 @pytest.mark.gpu

@@ -35,6 +35,18 @@ H <= 4096) the sums, ``x`` and ``k`` are in registers too, and ``x``, ``k`` are 
 before the barrier (``EARLY_XK_J``). With two (``J = 2``) the sums live in shared memory when they fit
 (``ACC_SMEM_J``; H <= 7168: 224 KiB with ``w``) and ``x``, ``k`` are loaded after the barrier.
 
+Prefetch (``PREFETCH``, off by default; ``H <= 4096``, where the stages fit: other ``H`` build the kernel above).
+Two shared-memory stages of a token's inputs: each thread's vectors of grad_out, x, k (4 branches) and v
+(``[stage, plane, thread, 16 bytes]``, 26 H bytes a stage) and each warp's copy of the token's statistics (64 bytes,
+copied by its lane 0). Token ``s + 1``'s ``cp.async`` copies (one commit group a token) are issued before token
+``s``'s work; a thread then waits for its own group of token ``s``, and the warp's barrier (``__syncwarp``) hands
+lane 0's statistics to the warp. Each thread reads back only the vectors it copied, and a stage is copied over only
+after the CTA's barrier of the token that read it, so a token keeps one CTA barrier (the dg reduction's, whose buffer
+is then static shared memory). grad_out, x and k are read from the stage where used (not held across the barrier;
+``EARLY_XK_J``, ``KEEP_GO_J`` do not apply) and ``w`` is in registers (32 a thread), not shared memory. At H = 4096:
+208 KiB of stages, 2 KiB of statistics, 512 bytes of dg sums; ptxas (sm_90): 128 registers (512 threads), no
+spills; H = 2048 163, H = 1024 188. The same operations in the same order: the default kernel's bits.
+
 Weight-gradient reduction: one thread per ``REDUCE_VEC`` consecutive elements of the flattened ``(M·H)``
 accumulators; ``S = 0 + partial[0] + partial[1] + ...`` in ascending ``p`` (the loads of ``REDUCE_ROWS`` rows issued
 before their adds, so about ``M·H·REDUCE_ROWS·4`` bytes are in flight: the order is the same), then
@@ -48,8 +60,8 @@ Kernel constraints: CUDA tensors; the gate backward needs ``M == 4``, ``H % 512 
 Speed: docs/BENCHMARKS.md (its mHC and Engram section). One CTA an SM (``P = 132`` CTAs); ptxas (sm_90, no spills): H
 = 4096 128 registers (512 threads), H = 7168 128 (448 threads, 224 KiB shared memory), H = 1024 212 (128 threads);
 every H % 512 == 0 from 1024 to 8192 builds, and only H = 7680, 8192 (sums in registers: shared memory too small)
-spill, about 300 bytes a thread. The reduction: 70 registers. What a CTA overlaps is one token's loads with the
-previous token's stores; prefetching the next token would be the next step.
+spill, about 300 bytes a thread. The reduction: 70 registers. What a CTA overlaps by default is one token's loads
+with the previous token's stores; with ``PREFETCH`` the next token's loads overlap this token's work too.
 """
 
 import struct
@@ -68,6 +80,7 @@ ACC_SMEM_J = 2      # gate backward: weight-gradient sums in shared memory (not 
 REDUCE_THREADS = 128  # reduction: threads per CTA
 REDUCE_ROWS = 32      # reduction: partial rows whose loads a thread issues before their adds
 REDUCE_VEC = 1        # reduction: consecutive elements a thread (1, 2 or 4; M·H must be a multiple)
+PREFETCH = False    # gate backward: the next token's inputs copied into shared memory (cp.async) where they fit
 
 # Most threads a gate-backward CTA; a thread takes J = ceil(H / 8 / MAX_THREADS) vectors a branch. Not a knob: the
 # thread layout fixes the order of the dg sums (lanes, then warps), so it is part of the results.
@@ -78,6 +91,8 @@ V = 8            # bf16 columns per vector (16 bytes)
 WARP = 32
 MAX_H = 8192
 SMEM_BYTES = 227 * 1024  # shared memory a CTA may take (sm_90)
+PLANES = 3 * M + 1       # a token's planes in a prefetch stage: grad_out, x, k of each branch, then v
+STAGES = 2               # prefetch stages: the token computed and the next one in flight
 BF, F32, I64 = "bfloat16", "float32", "int64"
 
 
@@ -92,6 +107,21 @@ def layout(H: int) -> tuple[int, int]:
     J = -(-lanes // MAX_THREADS)
     threads = -(-(-(-lanes // J)) // WARP) * WARP
     return J, threads
+
+
+def sums_in_smem(H: int) -> bool:
+    """Whether the gate backward at ``H`` keeps the weight-gradient sums in shared memory (``ACC_SMEM_J``)."""
+    J, threads = layout(H)
+    return J >= ACC_SMEM_J and 2 * M * J * V * threads * 4 + 2 * (threads // WARP) * M * 4 <= SMEM_BYTES
+
+
+def prefetches(H: int) -> bool:
+    """Whether the gate backward at ``H`` takes ``PREFETCH``: the sums are in registers and the stages (each thread's
+    vectors, each warp's copy of the statistics) and the dg buffer fit the shared memory: ``H <= 4096``."""
+    J, threads = layout(H)
+    warps = threads // WARP
+    stages = STAGES * (PLANES * J * threads * V * 2 + warps * 4 * M * 4)
+    return PREFETCH and not sums_in_smem(H) and stages + 2 * warps * M * 4 <= SMEM_BYTES
 
 
 def gate_bwd_kernel(H: int):
@@ -109,7 +139,8 @@ def gate_bwd_kernel(H: int):
     early = J <= EARLY_XK_J
     keep_go = J <= KEEP_GO_J
     MJV = M * J * V
-    acc_smem = J >= ACC_SMEM_J and 2 * MJV * threads * 4 + 2 * warps * M * 4 <= SMEM_BYTES
+    acc_smem = sums_in_smem(H)
+    prefetch = prefetches(H)
     Tn, P, kT, kM, vT = T.dynamic("num_tokens, num_partials, k_token_stride, k_branch_stride, v_token_stride", I64)
 
     def vec(j, tid):
@@ -119,6 +150,36 @@ def gate_bwd_kernel(H: int):
     def slot(h, j, half, tid):
         """Shared-memory offset of the thread's 4 fp32 ``half`` of vector ``j`` of branch ``h``."""
         return (((h * J + j) * 2 + half) * threads + tid) * 4
+
+    def staged(st, plane, j, tid):
+        """Offset in the prefetch stages of the thread's vector ``j`` of ``plane`` in stage ``st``."""
+        return (((st * PLANES + plane) * J + j) * threads + tid) * V
+
+    def stat(st, warp, kind):
+        """Offset in the statistics' stages of warp ``warp``'s copy of ``kind`` (0 dot, 1 gate, 2 rstd_x, 3 rstd_k)."""
+        return ((st * warps + warp) * 4 + kind) * M
+
+    def cp16(dst, src):
+        """16 bytes global -> shared by ``cp.async`` (TileLang's ``tl::cp_async_gs``), as an extern call: TileLang's
+        barrier planner cannot see that the copies are ordered by their issuer's wait (and, for the statistics, the
+        warp's barrier), and would add CTA barriers."""
+        return T.call_extern("void", "tl::cp_async_gs<16>", T.address_of(dst), T.address_of(src))
+
+    @T.macro
+    def issue(GO, X, K, Vt, D, GS, RX, RK, stg, sst, t, st, tid, lane, warp):
+        """``cp.async`` of token ``t``'s inputs into stage ``st``: the thread's vectors of grad_out, x, k (plane
+        ``h``, ``M + h``, ``2 M + h``) and v (plane ``3 M``), and by lane 0 the token's statistics for its warp."""
+        for j in T.unroll(J):
+            for h in T.unroll(M):
+                cp16(stg[staged(st, h, j, tid)], GO[t, h, vec(j, tid)])
+                cp16(stg[staged(st, M + h, j, tid)], X[t, h, vec(j, tid)])
+                cp16(stg[staged(st, 2 * M + h, j, tid)], K[t, h, vec(j, tid)])
+            cp16(stg[staged(st, 3 * M, j, tid)], Vt[t, vec(j, tid)])
+        if lane == 0:
+            cp16(sst[stat(st, warp, 0)], D[t, 0])
+            cp16(sst[stat(st, warp, 1)], GS[t, 0])
+            cp16(sst[stat(st, warp, 2)], RX[t, 0])
+            cp16(sst[stat(st, warp, 3)], RK[t, 0])
 
     @T.prim_func
     def engram_gate_bwd(GO: T.Tensor((Tn, M, H), BF), X: T.Tensor((Tn, M, H), BF),
@@ -136,9 +197,16 @@ def gate_bwd_kernel(H: int):
             tid = T.get_thread_binding()
             lane = tid % WARP
             warp = tid // WARP
-            ws = T.alloc_shared((MJV * threads,), F32)  # [h, j, half, thread, 4]: conflict-free 16 bytes
+            if prefetch:
+                stg = T.alloc_shared((STAGES * PLANES * J * threads * V,), BF)  # [stage, plane, j, thread, 8]
+                sst = T.alloc_shared((STAGES * warps * 4 * M,), F32)  # [stage, warp, kind, branch]
+                wr = T.alloc_local((MJV,), F32)  # w in registers
+            else:
+                ws = T.alloc_shared((MJV * threads,), F32)  # [h, j, half, thread, 4]: conflict-free 16 bytes
             accs = T.alloc_shared((MJV * threads if acc_smem else 4,), F32)  # the sums, laid out as ws
-            red = T.alloc_shared((2 * warps * M,), F32)     # [token parity, warp, branch]
+            # [token parity, warp, branch]. With PREFETCH in static shared memory: TileLang plans barriers a scope at a
+            # time, and beside the stages' extern copies (addresses it cannot bound) it would add a barrier a token
+            red = T.alloc_shared((2 * warps * M,), F32, scope="shared" if prefetch else "shared.dyn")
             go = T.alloc_local((MJV,), BF)
             xv = T.alloc_local((MJV,), BF)
             kv = T.alloc_local((MJV,), BF)
@@ -160,13 +228,22 @@ def gate_bwd_kernel(H: int):
             start = pp * q
             ntok = T.max(T.min(q, Tn - start), T.int64(0))  # this chunk's (0 past the last token)
 
-            for h in T.unroll(M):
-                for j in T.unroll(J):
-                    for half in T.unroll(2):
-                        for e in T.vectorized(4):
-                            ws[slot(h, j, half, tid) + e] = W[h, vec(j, tid) + half * 4 + e]
-                            if acc_smem:
-                                accs[slot(h, j, half, tid) + e] = T.float32(0.0)
+            if prefetch:
+                for h in T.unroll(M):
+                    for j in T.unroll(J):
+                        for e in T.vectorized(V):
+                            wr[(h * J + j) * V + e] = W[h, vec(j, tid) + e]
+                if ntok > 0:
+                    issue(GO, X, K, Vt, D, GS, RX, RK, stg, sst, start, 0, tid, lane, warp)
+                T.ptx_commit_group()
+            else:
+                for h in T.unroll(M):
+                    for j in T.unroll(J):
+                        for half in T.unroll(2):
+                            for e in T.vectorized(4):
+                                ws[slot(h, j, half, tid) + e] = W[h, vec(j, tid) + half * 4 + e]
+                                if acc_smem:
+                                    accs[slot(h, j, half, tid) + e] = T.float32(0.0)
             if not acc_smem:
                 for i in T.unroll(MJV):
                     acc[i] = T.float32(0.0)
@@ -175,26 +252,50 @@ def gate_bwd_kernel(H: int):
                 t = start + s
                 buf = (s % 2) * (warps * M)
                 # ---- 1. loads; grad_v; the thread's dg partials ----
-                for h in T.vectorized(M):
-                    sd[h] = D[t, h]
-                for h in T.vectorized(M):
-                    sg[h] = GS[t, h]
-                for h in T.vectorized(M):
-                    srx[h] = RX[t, h]
-                for h in T.vectorized(M):
-                    srk[h] = RK[t, h]
-                for j in T.unroll(J):
-                    for e in T.vectorized(V):
-                        vv[j * V + e] = Vt[t, vec(j, tid) + e]
-                    for h in T.unroll(M):
+                if prefetch:
+                    st = s % STAGES
+                    if s + 1 < ntok:
+                        issue(GO, X, K, Vt, D, GS, RX, RK, stg, sst, t + 1, (s + 1) % STAGES, tid, lane, warp)
+                    T.ptx_commit_group()  # (empty for the last token)
+                    # this thread's copies of token t have landed (an extern call: TileLang follows its own wait
+                    # with a CTA barrier)
+                    T.call_extern("void", "tl::cp_async_wait<1>")
+                    T.sync_warp()  # and lane 0's statistics, for the whole warp
+                    for h in T.vectorized(M):
+                        sd[h] = sst[stat(st, warp, 0) + h]
+                    for h in T.vectorized(M):
+                        sg[h] = sst[stat(st, warp, 1) + h]
+                    for h in T.vectorized(M):
+                        srx[h] = sst[stat(st, warp, 2) + h]
+                    for h in T.vectorized(M):
+                        srk[h] = sst[stat(st, warp, 3) + h]
+                    for j in T.unroll(J):
                         for e in T.vectorized(V):
-                            go[(h * J + j) * V + e] = GO[t, h, vec(j, tid) + e]
-                    if early:
+                            vv[j * V + e] = stg[staged(st, 3 * M, j, tid) + e]
                         for h in T.unroll(M):
                             for e in T.vectorized(V):
-                                xv[(h * J + j) * V + e] = X[t, h, vec(j, tid) + e]
+                                go[(h * J + j) * V + e] = stg[staged(st, h, j, tid) + e]
+                else:
+                    for h in T.vectorized(M):
+                        sd[h] = D[t, h]
+                    for h in T.vectorized(M):
+                        sg[h] = GS[t, h]
+                    for h in T.vectorized(M):
+                        srx[h] = RX[t, h]
+                    for h in T.vectorized(M):
+                        srk[h] = RK[t, h]
+                    for j in T.unroll(J):
+                        for e in T.vectorized(V):
+                            vv[j * V + e] = Vt[t, vec(j, tid) + e]
+                        for h in T.unroll(M):
                             for e in T.vectorized(V):
-                                kv[(h * J + j) * V + e] = K[t, h, vec(j, tid) + e]
+                                go[(h * J + j) * V + e] = GO[t, h, vec(j, tid) + e]
+                        if early:
+                            for h in T.unroll(M):
+                                for e in T.vectorized(V):
+                                    xv[(h * J + j) * V + e] = X[t, h, vec(j, tid) + e]
+                                for e in T.vectorized(V):
+                                    kv[(h * J + j) * V + e] = K[t, h, vec(j, tid) + e]
                 for h in T.unroll(M):
                     part[h] = T.float32(0.0)
                 for j in T.unroll(J):
@@ -235,17 +336,27 @@ def gate_bwd_kernel(H: int):
                     for j in T.unroll(J):
                         o = (h * J + j) * V
                         a0 = 0 if acc_smem else o
-                        if not early:
+                        if prefetch:
                             for e in T.vectorized(V):
-                                xv[o + e] = X[t, h, vec(j, tid) + e]
+                                xv[o + e] = stg[staged(st, M + h, j, tid) + e]
                             for e in T.vectorized(V):
-                                kv[o + e] = K[t, h, vec(j, tid) + e]
-                        if not keep_go:
+                                kv[o + e] = stg[staged(st, 2 * M + h, j, tid) + e]
                             for e in T.vectorized(V):
-                                go[o + e] = GO[t, h, vec(j, tid) + e]
-                        for half in T.unroll(2):
-                            for e in T.vectorized(4):
-                                wl[half * 4 + e] = ws[slot(h, j, half, tid) + e]
+                                go[o + e] = stg[staged(st, h, j, tid) + e]
+                            for e in T.unroll(V):
+                                wl[e] = wr[o + e]
+                        else:
+                            if not early:
+                                for e in T.vectorized(V):
+                                    xv[o + e] = X[t, h, vec(j, tid) + e]
+                                for e in T.vectorized(V):
+                                    kv[o + e] = K[t, h, vec(j, tid) + e]
+                            if not keep_go:
+                                for e in T.vectorized(V):
+                                    go[o + e] = GO[t, h, vec(j, tid) + e]
+                            for half in T.unroll(2):
+                                for e in T.vectorized(4):
+                                    wl[half * 4 + e] = ws[slot(h, j, half, tid) + e]
                         if acc_smem:
                             for half in T.unroll(2):
                                 for e in T.vectorized(4):
