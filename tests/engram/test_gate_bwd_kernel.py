@@ -131,14 +131,17 @@ def _gate_source(h: int) -> str:
 @pytest.mark.compile
 @pytest.mark.parametrize("h", PREFETCH_H)
 def test_prefetch_builds_for_sm90(h, monkeypatch):
-    """PREFETCH: the explicit operations; the copies are cp.async, a thread waits for all but its newest group, the
-    warp's barrier follows, and the token loop keeps one CTA barrier (the dg reduction's)."""
+    """PREFETCH: the explicit operations; the copies are cp.async behind a warp barrier (the previous token's reads
+    of the stage stay before them), a thread waits for all but its newest group, the warp's barrier follows, and the
+    token loop keeps one CTA barrier (the dg reduction's)."""
     monkeypatch.setattr(K, "PREFETCH", True)
     assert K.prefetches(h)
     src = _gate_source(h)
     _assert_explicit_operations("engram_gate_bwd", src)
     assert "tl::cp_async_gs<16>(" in src and "tl::cp_async_commit();" in src
     assert re.search(r"tl::cp_async_wait<1>\(\);\s*__syncwarp\(\);", src)
+    loop = src[src.index("for (int64_t s = "):]
+    assert loop.count("__syncwarp();") == 2 and loop.index("__syncwarp();") < loop.index("tl::cp_async_gs<16>(")
     assert src.count("__syncthreads()") == 1 and src.count("tl::cp_async_wait<") == 1
 
 

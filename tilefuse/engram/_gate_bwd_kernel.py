@@ -254,6 +254,9 @@ def gate_bwd_kernel(H: int):
                 # ---- 1. loads; grad_v; the thread's dg partials ----
                 if prefetch:
                     st = s % STAGES
+                    # the previous token's reads of the stage copied over next are this thread's own: the warp
+                    # barrier keeps the compiler from moving them past the copies (cp.async's asm names no memory)
+                    T.sync_warp()
                     if s + 1 < ntok:
                         issue(GO, X, K, Vt, D, GS, RX, RK, stg, sst, t + 1, (s + 1) % STAGES, tid, lane, warp)
                     T.ptx_commit_group()  # (empty for the last token)
