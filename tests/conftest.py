@@ -89,3 +89,14 @@ def knob_kernels(monkeypatch):
         monkeypatch.setattr(_jit, "get", get)
 
     return apply
+
+
+@pytest.fixture
+def poison_outputs(monkeypatch):
+    """``poison_outputs(module)``: the module's ``_new`` (where its launchers allocate their outputs) hands out
+    buffers filled with NaN, so an output element a kernel fails to write shows."""
+    def poison(module):
+        monkeypatch.setattr(module, "_new", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
+                                                                                   device=device))
+
+    return poison

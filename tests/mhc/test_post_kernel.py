@@ -287,12 +287,9 @@ def test_zero_tokens_launch_nothing(monkeypatch):
 # ---- gpu tier ----
 
 @pytest.fixture
-def poisoned(monkeypatch):
-    """Make the launchers allocate their outputs filled with NaN."""
-    def new(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-    monkeypatch.setattr(K, "_new", new)
+def poisoned(poison_outputs):
+    """The launchers allocate their outputs filled with NaN."""
+    poison_outputs(K)
 
 
 def _inputs(tokens, n, c, batch=1):
