@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from tilefuse import _check
+from tilefuse import _autograd, _check
 from tilefuse._registry import public
 from tilefuse.reference import mhc as R
 
@@ -105,7 +105,7 @@ def expand_to_mhc(hidden: torch.Tensor, mhc_mult: int, out: torch.Tensor | None 
     n = _check.integer(op, "mhc_mult", mhc_mult, min=1)
     _check.optional(op, "out", out, dtype=BF16, shape=(*hidden.shape[:-1], n, hidden.shape[-1]), contiguous=True,
                     device=hidden.device)
-    return F.ExpandToMHCFn.apply(hidden, n, out)
+    return _autograd.apply(F.ExpandToMHCFn, hidden, n, out)
 
 
 @public("mhc", path="kernel")
@@ -236,8 +236,8 @@ def mhc_pre_norm_fn(residual: torch.Tensor, mhc_fn: torch.Tensor, mhc_norm_weigh
     eps = _check.real(op, "mhc_norm_eps", mhc_norm_eps)
     _check.flag(op, "fuse_grad_acc", fuse_grad_acc)
     _check.integer(op, "n_splits", n_splits, min=1)
-    fn = mhc_fn if mhc_norm_weight is None else F.MHCFnNormwMergeFn.apply(mhc_fn, mhc_norm_weight)
-    return F.MHCPreNormFn.apply(residual, fn, eps, fuse_grad_acc)
+    fn = mhc_fn if mhc_norm_weight is None else _autograd.apply(F.MHCFnNormwMergeFn, mhc_fn, mhc_norm_weight)
+    return _autograd.apply(F.MHCPreNormFn, residual, fn, eps, fuse_grad_acc)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -266,7 +266,7 @@ def mhc_pre_split_mixes(input_mixes: torch.Tensor, mhc_scale: torch.Tensor, mhc_
     _check_scale_base(op, mhc_scale, mhc_base, 3, M, input_mixes.device)
     v = _post_mult(op, "mhc_post_mult_value", mhc_post_mult_value)
     eps = _check.real(op, "mhc_pre_eps", mhc_pre_eps)
-    return F.MHCPreSplitMixesFn.apply(input_mixes, mhc_scale, mhc_base, n, v, eps)
+    return _autograd.apply(F.MHCPreSplitMixesFn, input_mixes, mhc_scale, mhc_base, n, v, eps)
 
 
 @public("mhc", path="kernel")
@@ -356,7 +356,7 @@ def sinkhorn_normalize(x: torch.Tensor, repeat: int = 10, eps: float = 1e-6) -> 
     op = "sinkhorn_normalize"
     _square(op, "x", x)
     repeat, eps = _sinkhorn_args(op, repeat, eps)
-    return F.SinkhornNormalizeFn.apply(x.contiguous(), repeat, eps)
+    return _autograd.apply(F.SinkhornNormalizeFn, x.contiguous(), repeat, eps)
 
 
 @public("mhc", path="kernel")
@@ -409,7 +409,7 @@ def mhc_pre_apply_mix(x: torch.Tensor, mix: torch.Tensor, out: torch.Tensor | No
     _streams(op, "x", x)
     _check.tensor(op, "mix", mix, dtype=F32, shape=(*x.shape[:-1], 1), device=x.device)
     _check.optional(op, "out", out, dtype=BF16, shape=(*x.shape[:-2], x.shape[-1]), device=x.device)
-    return F.MHCPreApplyMixFn.apply(x, mix, out)
+    return _autograd.apply(F.MHCPreApplyMixFn, x, mix, out)
 
 
 def _check_apply_flat(op: str, x, mix) -> tuple[int, int, int]:
@@ -468,7 +468,7 @@ def mhc_post(x: torch.Tensor, residual: torch.Tensor, post_layer_mix: torch.Tens
     op = "mhc_post"
     _check_post(op, x, residual, post_layer_mix, comb_res_mix)
     _check.optional(op, "out", out, dtype=BF16, shape=tuple(residual.shape), device=residual.device)
-    return F.MHCPostFn.apply(x, residual, post_layer_mix, comb_res_mix, out)
+    return _autograd.apply(F.MHCPostFn, x, residual, post_layer_mix, comb_res_mix, out)
 
 
 @public("mhc", path="kernel")
@@ -509,7 +509,7 @@ def mhc_head_compute_mix(input_mix: torch.Tensor, mhc_scale: torch.Tensor, mhc_b
     _check.tensor(op, "input_mix", input_mix, dtype=F32, ndim=3, contiguous=True)
     _check_scale_base(op, mhc_scale, mhc_base, 1, input_mix.shape[-1], input_mix.device)
     eps = _check.real(op, "mhc_pre_eps", mhc_pre_eps)
-    return F.MHCHeadComputeMixFn.apply(input_mix, mhc_scale, mhc_base, eps)
+    return _autograd.apply(F.MHCHeadComputeMixFn, input_mix, mhc_scale, mhc_base, eps)
 
 
 def _check_head_flat(op: str, input_mix, mhc_scale, mhc_base, token_block_size) -> tuple[int, int, int]:

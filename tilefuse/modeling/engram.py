@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from tilefuse._autograd import records
 from tilefuse.engram import engram_gate_bwd, engram_gate_fwd, fused_weight, grad_w_reduce
 
 __all__ = ["EngramGateFn", "engram_gate"]
@@ -19,6 +20,12 @@ def _accumulator(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return torch.zeros(weight.shape, dtype=torch.float32, device=weight.device), False
 
 
+def _flat(hidden_states: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """``x``, ``k`` as ``[T, M, H]`` and ``v`` as ``[T, H]``: the leading dims flattened by views (no copies)."""
+    m, h = hidden_states.shape[-2:]
+    return hidden_states.view(-1, m, h), k.view(-1, m, h), v.view(-1, h)
+
+
 class EngramGateFn(torch.autograd.Function):
     """``out = x + σ(u)·v`` over ``[*, M, H]`` with the fused forward/backward ops (§2.7.1).
 
@@ -29,8 +36,7 @@ class EngramGateFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_states, k, v, weight_hidden, weight_embed, clamp_value, eps):
         shape = hidden_states.shape
-        m, h = shape[-2], shape[-1]
-        x2, k2, v2 = hidden_states.view(-1, m, h), k.view(-1, m, h), v.view(-1, h)
+        x2, k2, v2 = _flat(hidden_states, k, v)
         weight = fused_weight(weight_hidden, weight_embed)
         out, dot, gate_score, rstd_x, rstd_k = engram_gate_fwd(x2, k2, v2, weight, eps, clamp_value, True)
         ctx.save_for_backward(x2, k2, v2, weight_hidden, weight_embed, weight, dot, gate_score, rstd_x, rstd_k)
@@ -59,6 +65,11 @@ def engram_gate(hidden_states: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w
     """Differentiable Engram gate (§2.7.1): ``EngramGateFn.apply`` with all seven arguments positional.
 
     ``hidden_states``, ``k``: ``[*, M, H]`` bf16; ``v``: ``[*, H]`` bf16; weights ``[M, H]`` bf16. Leading
-    dims are flattened with views (no copies).
+    dims are flattened with views (no copies). Where autograd records nothing (grad mode off, or no argument that
+    requires grad) the forward alone runs, without saving the statistics: the same output bits.
     """
-    return EngramGateFn.apply(hidden_states, k, v, weight_hidden, weight_embed, clamp_value, eps)
+    if records(hidden_states, k, v, weight_hidden, weight_embed):
+        return EngramGateFn.apply(hidden_states, k, v, weight_hidden, weight_embed, clamp_value, eps)
+    x2, k2, v2 = _flat(hidden_states, k, v)
+    out = engram_gate_fwd(x2, k2, v2, fused_weight(weight_hidden, weight_embed), eps, clamp_value, False)[0]
+    return out.view(hidden_states.shape)
