@@ -39,26 +39,35 @@ def test_apply_records_only_where_autograd_would(requires_grad, grad_mode, recor
 
 
 def _mhc_calls(requires_grad: bool) -> dict:
-    """One small CPU call of each mHC public op behind an autograd Function, its tensor inputs requiring grad or
-    not (the same values either way)."""
+    """``{op: (fn, args)}``: one small CPU call of each mHC public op behind an autograd Function, its tensor inputs
+    requiring grad or not (the same values either way)."""
     g = torch.Generator().manual_seed(0)
 
-    def t(*shape, dtype=torch.float32):
-        return torch.randn(*shape, generator=g).to(dtype).requires_grad_(requires_grad)
+    def t(*shape, dtype=torch.float32, positive=False):
+        x = torch.randn(*shape, generator=g)
+        return (x.sigmoid() if positive else x).to(dtype).requires_grad_(requires_grad)
 
     n, c = 4, 64
     m = n * (n + 2)
     bf = torch.bfloat16
     return {
-        "expand_to_mhc": lambda: mhc.expand_to_mhc(t(2, 3, c, dtype=bf), n),
-        "mhc_pre_norm_fn": lambda: mhc.mhc_pre_norm_fn(t(2, 3, n, c, dtype=bf), t(m, n * c), t(n * c), 1e-6),
-        "mhc_pre_split_mixes": lambda: mhc.mhc_pre_split_mixes(t(2, 3, m), t(3), t(m), n, 2.0, 1e-2),
-        "sinkhorn_normalize": lambda: mhc.sinkhorn_normalize(t(2, 3, n, n), 5, 1e-6),
-        "mhc_pre_apply_mix": lambda: mhc.mhc_pre_apply_mix(t(2, 3, n, c, dtype=bf), t(2, 3, n, 1).sigmoid()),
-        "mhc_post": lambda: mhc.mhc_post(t(2, 3, c, dtype=bf), t(2, 3, n, c, dtype=bf), t(2, 3, n, 1),
-                                         t(2, 3, n, n)),
-        "mhc_head_compute_mix": lambda: mhc.mhc_head_compute_mix(t(2, 3, n), t(1), t(n), 1e-2),
+        "expand_to_mhc": (lambda h: mhc.expand_to_mhc(h, n), (t(2, 3, c, dtype=bf),)),
+        "mhc_pre_norm_fn": (lambda r, f, w: mhc.mhc_pre_norm_fn(r, f, w, 1e-6),
+                            (t(2, 3, n, c, dtype=bf), t(m, n * c), t(n * c))),
+        "mhc_pre_split_mixes": (lambda a, s, b: mhc.mhc_pre_split_mixes(a, s, b, n, 2.0, 1e-2), (t(2, 3, m), t(3), t(m))),
+        "sinkhorn_normalize": (lambda x: mhc.sinkhorn_normalize(x, 5, 1e-6), (t(2, 3, n, n),)),
+        "mhc_pre_apply_mix": (mhc.mhc_pre_apply_mix, (t(2, 3, n, c, dtype=bf), t(2, 3, n, 1, positive=True))),
+        "mhc_post": (mhc.mhc_post, (t(2, 3, c, dtype=bf), t(2, 3, n, c, dtype=bf), t(2, 3, n, 1), t(2, 3, n, n))),
+        "mhc_head_compute_mix": (lambda a, s, b: mhc.mhc_head_compute_mix(a, s, b, 1e-2), (t(2, 3, n), t(1), t(n))),
     }
+
+
+def _call(op: str, requires_grad: bool, compile_: bool = False) -> list:
+    fn, args = _mhc_calls(requires_grad)[op]
+    if compile_:
+        torch._dynamo.reset()
+        fn = torch.compile(fn, fullgraph=True, backend="eager")
+    return _outputs(fn(*args))
 
 
 def _outputs(result) -> list:
@@ -69,13 +78,13 @@ def _outputs(result) -> list:
 def test_mhc_ops_without_autograd_skip_the_function_with_the_same_outputs(op, monkeypatch):
     """Inputs that require no grad (or grad mode off) take the Function's forward alone: Function.apply is never
     called, and the outputs are the recorded call's bits."""
-    recorded = _outputs(_mhc_calls(True)[op]())
+    recorded = _call(op, True)
     for name in dir(F):
         if name.endswith("Fn"):
             monkeypatch.setattr(getattr(F, name), "apply", None)  # calling it would raise
-    assert all(torch.equal(a, b) for a, b in zip(_outputs(_mhc_calls(False)[op]()), recorded, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(_call(op, False), recorded, strict=True))
     with torch.no_grad():
-        assert all(torch.equal(a, b) for a, b in zip(_outputs(_mhc_calls(True)[op]()), recorded, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(_call(op, True), recorded, strict=True))
 
 
 def test_engram_gate_without_autograd_matches_the_recorded_output(monkeypatch):
@@ -90,3 +99,10 @@ def test_engram_gate_without_autograd_matches_the_recorded_output(monkeypatch):
     assert torch.equal(engram_layer.engram_gate(x, k, v, wh, we, 1e-6, 1e-20), recorded.detach())
     with torch.no_grad():
         assert torch.equal(engram_layer.engram_gate(*leaves, 1e-6, 1e-20), recorded.detach())
+
+
+@pytest.mark.parametrize("op", list(_mhc_calls(False)))
+def test_the_no_record_path_compiles_as_one_graph(op):
+    """Dynamo traces the forward-alone path as one graph (backend "eager": no codegen) and gives the eager bits."""
+    got = _call(op, False, compile_=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, _call(op, False), strict=True))
