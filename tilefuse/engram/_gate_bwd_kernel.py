@@ -41,11 +41,11 @@ Two shared-memory stages of a token's inputs: each thread's vectors of grad_out,
 copied by its lane 0). Token ``s + 1``'s ``cp.async`` copies (one commit group a token) are issued before token
 ``s``'s work; a thread then waits for its own group of token ``s``, and the warp's barrier (``__syncwarp``) hands
 lane 0's statistics to the warp. Each thread reads back only the vectors it copied, and a stage is copied over only
-after the CTA's barrier of the token that read it, so a token keeps one CTA barrier (the dg reduction's, whose buffer
-is then static shared memory). grad_out, x and k are read from the stage where used (not held across the barrier;
+after the CTA's barrier of the token that read it, so a token keeps one CTA barrier (the dg reduction's). grad_out,
+x and k are read from the stage where used (not held across the barrier;
 ``EARLY_XK_J``, ``KEEP_GO_J`` do not apply) and ``w`` is in registers (32 a thread), not shared memory. At H = 4096:
 208 KiB of stages, 2 KiB of statistics, 512 bytes of dg sums; ptxas (sm_90): 128 registers (512 threads), no
-spills; H = 2048 163, H = 1024 188. The same operations in the same order: the default kernel's bits.
+spills; H = 2048 163, H = 1024 186. The same operations in the same order: the default kernel's bits.
 
 Early x and k (``XK_ASYNC``, off by default; two vectors a thread with the sums in shared memory, ``4608 <= H <=
 7168``: other ``H`` build the kernel above). At a token's start, with its grad_out and v loads, each thread issues
@@ -241,9 +241,7 @@ def gate_bwd_kernel(H: int):
             else:
                 ws = T.alloc_shared((MJV * threads,), F32)  # [h, j, half, thread, 4]: conflict-free 16 bytes
             accs = T.alloc_shared((MJV * threads if acc_smem else 4,), F32)  # the sums, laid out as ws
-            # [token parity, warp, branch]. With PREFETCH in static shared memory: TileLang plans barriers a scope at a
-            # time, and beside the stages' extern copies (addresses it cannot bound) it would add a barrier a token
-            red = T.alloc_shared((2 * warps * M,), F32, scope="shared" if prefetch else "shared.dyn")
+            red = T.alloc_shared((2 * warps * M,), F32)  # [token parity, warp, branch]
             go = T.alloc_local((MJV,), BF)
             xv = T.alloc_local((MJV,), BF)
             kv = T.alloc_local((MJV,), BF)
