@@ -16,6 +16,8 @@ What is asserted:
   for partial counts that are not multiples of 8 too.
 * ``PREFETCH`` (the next token's inputs copied by ``cp.async``) gives the default kernel's bits: its generated CUDA
   on the CPU, and on the GPU.
+* ``XK_ASYNC`` (a token's x and k copied by ``cp.async`` with its grad_out / v loads) likewise, and both keep one CTA
+  barrier in the token loop (the generated source).
 * Same kernel, same values: bitwise (determinism, rows of a sub-batch, a chunk alone as one partial, strided or
   misaligned ``k``/``v`` against contiguous copies, graph replay, torch.compile).
 
@@ -292,11 +294,13 @@ def test_generated_source_on_the_cpu(h, tokens, partials, strided, tmp_path, mon
 @pytest.mark.skipif(not emu.HAS_GXX, reason="needs g++")
 @pytest.mark.parametrize("h, variants", [
     (1024, [dict(EARLY_XK_J=0, KEEP_GO_J=0), dict(ACC_SMEM_J=1), dict(ACC_SMEM_J=1, EARLY_XK_J=0)]),
-    (7168, [dict(KEEP_GO_J=1), dict(ACC_SMEM_J=3), dict(ACC_SMEM_J=3, EARLY_XK_J=2, KEEP_GO_J=1)])])
+    (7168, [dict(KEEP_GO_J=1), dict(ACC_SMEM_J=3), dict(ACC_SMEM_J=3, EARLY_XK_J=2, KEEP_GO_J=1),
+            dict(XK_ASYNC=True, KEEP_GO_J=1), dict(XK_ASYNC=True, EARLY_XK_J=2)])])
 def test_gate_knobs_change_no_result(h, variants, tmp_path, monkeypatch):
     """EARLY_XK_J, KEEP_GO_J and ACC_SMEM_J only move loads and storage: the same bits (CPU emulation; at H = 7168
     ACC_SMEM_J = 3 keeps the sums of two vectors a thread in registers, the path of H = 8192; KEEP_GO_J = 1 reads
-    grad_out again after the barrier)."""
+    grad_out again after the barrier, with XK_ASYNC too; XK_ASYNC takes x and k from its stage whatever
+    EARLY_XK_J)."""
     tokens, partials = 9, 2
     a = make_inputs(tokens, h)
     want = _emulated_gate(h, tmp_path / "default")(a, partials)
