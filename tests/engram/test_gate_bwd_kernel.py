@@ -16,6 +16,8 @@ What is asserted:
   for partial counts that are not multiples of 8 too.
 * ``PREFETCH`` (the next token's inputs copied by ``cp.async``) gives the default kernel's bits: its generated CUDA
   on the CPU, and on the GPU.
+* ``XK_ASYNC`` (a token's x and k copied by ``cp.async`` with its grad_out / v loads) likewise, and both keep one CTA
+  barrier in the token loop (the generated source).
 * Same kernel, same values: bitwise (determinism, rows of a sub-batch, a chunk alone as one partial, strided or
   misaligned ``k``/``v`` against contiguous copies, graph replay, torch.compile).
 
@@ -34,7 +36,8 @@ from tilefuse.engram.ops import DEFAULT_NUM_SMS
 from tilefuse.reference import engram as R
 from tilefuse.testing import calc_diff
 from tests.engram import gate_bwd_emulation as emu
-from tests.engram.configs_gate_bwd import BEYOND_H, EMU_H, FALLBACK_H, GRID_H, GRID_T, PREFETCH_H, gate_bwd_configs
+from tests.engram.configs_gate_bwd import (BEYOND_H, FALLBACK_H, GRID_H, GRID_T, PREFETCH_H, XK_FALLBACK_H, XK_H,
+                                           gate_bwd_configs)
 from tests.quant.kernel_binding import fake_jit
 
 CLAMP, EPS = 1e-6, 1e-20
@@ -128,21 +131,59 @@ def _gate_source(h: int) -> str:
     return _jit.compile_kernel("engram_gate_bwd", (h,), "sm_90", export=False).get_kernel_source()
 
 
+def _token_loop(src: str) -> str:
+    """The body of the generated kernel's token loop."""
+    start = src.index("{", src.index("for (int64_t s = "))
+    depth = 0
+    for end, c in enumerate(src[start:], start):
+        depth += {"{": 1, "}": -1}.get(c, 0)
+        if depth == 0:
+            return src[start:end + 1]
+    raise AssertionError("unbalanced braces")
+
+
+def _assert_async_copies(src: str, wait: int) -> str:
+    """The explicit operations; in the token loop the copies are cp.async behind a warp barrier (the previous
+    token's reads of the stage stay before them), a thread waits for all but ``wait`` of its groups, the warp's
+    barrier follows, and the loop keeps one CTA barrier (the dg reduction's). Returns the token loop's body."""
+    _assert_explicit_operations("engram_gate_bwd", src)
+    assert "tl::cp_async_gs<16>(" in src and "tl::cp_async_commit();" in src
+    assert re.search(rf"tl::cp_async_wait<{wait}>\(\);\s*__syncwarp\(\);", src)
+    loop = _token_loop(src)
+    assert loop.count("__syncwarp();") == 2 and loop.index("__syncwarp();") < loop.index("tl::cp_async_gs<16>(")
+    assert loop.count("__syncthreads()") == 1 and src.count("tl::cp_async_wait<") == 1
+    return loop
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("h", PREFETCH_H)
 def test_prefetch_builds_for_sm90(h, monkeypatch):
-    """PREFETCH: the explicit operations; the copies are cp.async behind a warp barrier (the previous token's reads
-    of the stage stay before them), a thread waits for all but its newest group, the warp's barrier follows, and the
-    token loop keeps one CTA barrier (the dg reduction's)."""
+    """PREFETCH: the copies' pattern (``_assert_async_copies``); a thread waits for all but its newest group."""
     monkeypatch.setattr(K, "PREFETCH", True)
     assert K.prefetches(h)
     src = _gate_source(h)
-    _assert_explicit_operations("engram_gate_bwd", src)
-    assert "tl::cp_async_gs<16>(" in src and "tl::cp_async_commit();" in src
-    assert re.search(r"tl::cp_async_wait<1>\(\);\s*__syncwarp\(\);", src)
-    loop = src[src.index("for (int64_t s = "):]
-    assert loop.count("__syncwarp();") == 2 and loop.index("__syncwarp();") < loop.index("tl::cp_async_gs<16>(")
-    assert src.count("__syncthreads()") == 1 and src.count("tl::cp_async_wait<") == 1
+    _assert_async_copies(src, 1)
+    assert src.count("__syncthreads()") == 1
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("h", XK_H)
+def test_xk_async_builds_for_sm90(h, monkeypatch):
+    """XK_ASYNC: the copies' pattern (``_assert_async_copies``); the token's x and k copies (two statements, in
+    loops over branches and vectors) are all in the token loop, issued before the dg barrier and waited for (all of
+    them) after it; w is not staged in shared memory and is read from global memory in the token loop. (TileLang's
+    barrier planner adds a CTA barrier after the loop at some H, 5632 and 6144: once a CTA.)"""
+    monkeypatch.setattr(K, "XK_ASYNC", True)
+    assert K.xk_async(h)
+    src = _gate_source(h)
+    loop = _assert_async_copies(src, 0)
+    assert src.count("tl::cp_async_gs<16>(") == loop.count("tl::cp_async_gs<16>(") == 2
+    assert src.count("tl::cp_async_commit();") == 1
+    barrier = loop.index("__syncthreads()")
+    assert loop.rindex("tl::cp_async_gs<16>(") < loop.index("tl::cp_async_commit();") < barrier
+    assert barrier < loop.index("tl::cp_async_wait<0>();") < loop.index("((bfloat16_t*)xks)")
+    assert "ws" not in re.findall(r"void\* (\w+) = ", src) and "*(float4*)(W + " in loop
+    assert src.count("__syncthreads()") <= 2
 
 
 def test_prefetch_takes_one_vector_a_thread(monkeypatch):
@@ -161,6 +202,28 @@ def test_prefetch_falls_back_where_the_stages_do_not_fit(h, monkeypatch):
     """Two vectors a thread: two stages would take 52 H bytes; PREFETCH builds the default kernel."""
     want = _gate_source(h)
     monkeypatch.setattr(K, "PREFETCH", True)
+    assert _gate_source(h) == want
+
+
+def test_xk_async_takes_two_vectors_with_the_sums_in_shared_memory(monkeypatch):
+    sizes = range(1024, K.MAX_H + 1, 512)
+    assert not any(K.xk_async(h) for h in sizes)  # off by default
+    monkeypatch.setattr(K, "XK_ASYNC", True)
+    assert [h for h in sizes if K.xk_async(h)] == [h for h in sizes if K.layout(h)[0] == 2 and K.sums_in_smem(h)] == (
+        list(range(4608, 7169, 512)))
+    assert set(XK_H) <= {h for h in sizes if K.xk_async(h)}
+    assert not any(K.xk_async(h) for h in XK_FALLBACK_H)
+    monkeypatch.setattr(K, "ACC_SMEM_J", 3)  # the sums in registers: no room taken by w to give to the stage
+    assert not any(K.xk_async(h) for h in sizes)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("h", XK_FALLBACK_H)
+def test_xk_async_falls_back_elsewhere(h, monkeypatch):
+    """One vector a thread (x and k already loaded with grad_out), or the sums in registers (shared memory holds w
+    alone): XK_ASYNC builds the default kernel."""
+    want = _gate_source(h)
+    monkeypatch.setattr(K, "XK_ASYNC", True)
     assert _gate_source(h) == want
 
 
@@ -231,11 +294,13 @@ def test_generated_source_on_the_cpu(h, tokens, partials, strided, tmp_path, mon
 @pytest.mark.skipif(not emu.HAS_GXX, reason="needs g++")
 @pytest.mark.parametrize("h, variants", [
     (1024, [dict(EARLY_XK_J=0, KEEP_GO_J=0), dict(ACC_SMEM_J=1), dict(ACC_SMEM_J=1, EARLY_XK_J=0)]),
-    (7168, [dict(KEEP_GO_J=1), dict(ACC_SMEM_J=3), dict(ACC_SMEM_J=3, EARLY_XK_J=2, KEEP_GO_J=1)])])
+    (7168, [dict(KEEP_GO_J=1), dict(ACC_SMEM_J=3), dict(ACC_SMEM_J=3, EARLY_XK_J=2, KEEP_GO_J=1),
+            dict(XK_ASYNC=True, KEEP_GO_J=1), dict(XK_ASYNC=True, EARLY_XK_J=2)])])
 def test_gate_knobs_change_no_result(h, variants, tmp_path, monkeypatch):
     """EARLY_XK_J, KEEP_GO_J and ACC_SMEM_J only move loads and storage: the same bits (CPU emulation; at H = 7168
     ACC_SMEM_J = 3 keeps the sums of two vectors a thread in registers, the path of H = 8192; KEEP_GO_J = 1 reads
-    grad_out again after the barrier)."""
+    grad_out again after the barrier, with XK_ASYNC too; XK_ASYNC takes x and k from its stage whatever
+    EARLY_XK_J)."""
     tokens, partials = 9, 2
     a = make_inputs(tokens, h)
     want = _emulated_gate(h, tmp_path / "default")(a, partials)
@@ -246,23 +311,40 @@ def test_gate_knobs_change_no_result(h, variants, tmp_path, monkeypatch):
             assert_bits(_emulated_gate(h, tmp_path / str(i))(a, partials), want)
 
 
-@pytest.mark.compile
-@pytest.mark.skipif(not emu.HAS_GXX, reason="needs g++")
-@pytest.mark.parametrize("h, cases", [(1024, [(1, 3, False), (7, 2, True), (33, 5, False), (33, 4, True),
-                                              (5, 9, True)]),
-                                      (4096, [(7, 3, True)])])
-def test_prefetch_gives_the_defaults_bits_on_the_cpu(h, cases, tmp_path, monkeypatch):
-    """PREFETCH's CUDA source on the CPU: the default kernel's bits (``(tokens, partials, strided)``: one token, odd
-    counts, 5 tokens in 9 partials leave empty chunks, ``k``, ``v`` views into one projection)."""
+_TAKES = {"PREFETCH": K.prefetches, "XK_ASYNC": K.xk_async}
+# (tokens, partials, strided): one token, odd counts, 5 tokens in 9 partials leave empty chunks, ``k``, ``v`` views
+# into one projection
+_CPU_CASES = [(1, 3, False), (7, 2, True), (33, 5, False), (33, 4, True), (5, 9, True)]
+
+
+def _assert_knob_gives_the_defaults_bits_on_the_cpu(knob: str, h: int, cases, tmp_path, monkeypatch) -> None:
+    """The knob's CUDA source on the CPU gives the default kernel's bits (``cases``: ``(tokens, partials,
+    strided)``)."""
     default = _emulated_gate(h, tmp_path / "default")
-    monkeypatch.setattr(K, "PREFETCH", True)
-    assert K.prefetches(h)
-    prefetch = _emulated_gate(h, tmp_path / "prefetch")
+    monkeypatch.setattr(K, knob, True)
+    assert _TAKES[knob](h)
+    variant = _emulated_gate(h, tmp_path / knob)
     for tokens, partials, strided in cases:
         a = make_inputs(tokens, h)
         if strided:
             a = _strided(a)
-        assert_bits(prefetch(a, partials), default(a, partials))
+        assert_bits(variant(a, partials), default(a, partials))
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not emu.HAS_GXX, reason="needs g++")
+@pytest.mark.parametrize("h, cases", [(1024, _CPU_CASES), (4096, [(7, 3, True)])])
+def test_prefetch_gives_the_defaults_bits_on_the_cpu(h, cases, tmp_path, monkeypatch):
+    """PREFETCH's CUDA source on the CPU: the default kernel's bits."""
+    _assert_knob_gives_the_defaults_bits_on_the_cpu("PREFETCH", h, cases, tmp_path, monkeypatch)
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not emu.HAS_GXX, reason="needs g++")
+@pytest.mark.parametrize("h, cases", [(7168, _CPU_CASES), (4608, [(7, 3, True)])])
+def test_xk_async_gives_the_defaults_bits_on_the_cpu(h, cases, tmp_path, monkeypatch):
+    """XK_ASYNC's CUDA source on the CPU: the default kernel's bits."""
+    _assert_knob_gives_the_defaults_bits_on_the_cpu("XK_ASYNC", h, cases, tmp_path, monkeypatch)
 
 
 @pytest.mark.compile
@@ -454,24 +536,37 @@ def test_other_partial_counts(partials, poisoned, monkeypatch):
         assert torch.equal(got[3][t:], torch.zeros_like(got[3][t:]))
 
 
-@pytest.mark.gpu
-@pytest.mark.knobs
-@pytest.mark.parametrize("h", (1024, 4096))
-def test_prefetch_gives_the_defaults_bits(h, poisoned, knob_kernels):
-    """PREFETCH (outputs poisoned with NaN first): the shipped kernel's bits at one token, odd counts and the bench's
-    8192 tokens, contiguous and strided ``k``, ``v``, with one partial and with the default's."""
+def _assert_knob_gives_the_defaults_bits(knob: str, h: int, knob_kernels) -> None:
+    """The knob's kernel gives the shipped kernel's bits at one token, odd counts and the bench's 8192 tokens,
+    contiguous and strided ``k``, ``v``, with one partial and with the default's."""
     cases = []
     for tokens in (1, 7, 33, 4001, 8192):
         a = make_inputs(tokens, h, device="cuda")
         for args in (a, _strided(a)):
             for partials in (1, DEFAULT_NUM_SMS):
                 cases.append((args, partials, E.engram_gate_bwd(*bwd_args(args), CLAMP, num_sms=partials)))
-    knob_kernels(K, dict(PREFETCH=True))
-    assert K.prefetches(h)
+    knob_kernels(K, {knob: True})
+    assert _TAKES[knob](h)
     for args, partials, want in cases:
         got = E.engram_gate_bwd(*bwd_args(args), CLAMP, num_sms=partials)
         for i, (g, w) in enumerate(zip(got, want)):
             assert torch.equal(g, w), (args["x"].shape, partials, i)
+
+
+@pytest.mark.gpu
+@pytest.mark.knobs
+@pytest.mark.parametrize("h", (1024, 4096))
+def test_prefetch_gives_the_defaults_bits(h, poisoned, knob_kernels):
+    """PREFETCH (outputs poisoned with NaN first): the shipped kernel's bits."""
+    _assert_knob_gives_the_defaults_bits("PREFETCH", h, knob_kernels)
+
+
+@pytest.mark.gpu
+@pytest.mark.knobs
+@pytest.mark.parametrize("h", (4608, 7168))
+def test_xk_async_gives_the_defaults_bits(h, poisoned, knob_kernels):
+    """XK_ASYNC (outputs poisoned with NaN first): the shipped kernel's bits."""
+    _assert_knob_gives_the_defaults_bits("XK_ASYNC", h, knob_kernels)
 
 
 @pytest.mark.gpu

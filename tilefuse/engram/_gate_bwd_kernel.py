@@ -41,11 +41,24 @@ Two shared-memory stages of a token's inputs: each thread's vectors of grad_out,
 copied by its lane 0). Token ``s + 1``'s ``cp.async`` copies (one commit group a token) are issued before token
 ``s``'s work; a thread then waits for its own group of token ``s``, and the warp's barrier (``__syncwarp``) hands
 lane 0's statistics to the warp. Each thread reads back only the vectors it copied, and a stage is copied over only
-after the CTA's barrier of the token that read it, so a token keeps one CTA barrier (the dg reduction's, whose buffer
-is then static shared memory). grad_out, x and k are read from the stage where used (not held across the barrier;
+after the CTA's barrier of the token that read it, so a token keeps one CTA barrier (the dg reduction's). grad_out,
+x and k are read from the stage where used (not held across the barrier;
 ``EARLY_XK_J``, ``KEEP_GO_J`` do not apply) and ``w`` is in registers (32 a thread), not shared memory. At H = 4096:
 208 KiB of stages, 2 KiB of statistics, 512 bytes of dg sums; ptxas (sm_90): 128 registers (512 threads), no
-spills; H = 2048 163, H = 1024 188. The same operations in the same order: the default kernel's bits.
+spills; H = 2048 163, H = 1024 186. The same operations in the same order: the default kernel's bits.
+
+Early x and k (``XK_ASYNC``, off by default; two vectors a thread with the sums in shared memory, ``4608 <= H <=
+7168``: other ``H`` build the kernel above). At a token's start, with its grad_out and v loads, each thread issues
+``cp.async`` copies of its vectors of the token's x and k (4 branches, 2 vectors, 2 planes; one commit group) into a
+shared stage (``[plane, j, thread, 16 bytes]``, 16 H bytes: 112 KiB at H = 7168) that takes the place of ``w``'s;
+after the dg barrier it waits for its group, and step 4 reads x and k from the stage. One stage: each thread reads
+back only the vectors it copied, and issues the next token's copies after those reads (a warp barrier before the
+copies keeps the compiler from moving the reads past them; the wait, an extern call, is followed by one too). The
+token loop keeps one CTA barrier (TileLang's planner adds one after the loop at H = 5632, 6144). ``w`` is read from
+global memory where used (the same ``16 H`` bytes each token); ``EARLY_XK_J`` does not apply. ptxas (sm_90, no
+spills): H = 7168 127 registers (448 threads), H = 4608 153 (288). Held in registers instead, ``w`` would spill at H
+= 7168 (292 bytes; 448 threads leave a thread at most 128 registers). The same operations in the same order: the
+default kernel's bits.
 
 Weight-gradient reduction: one thread per ``REDUCE_VEC`` consecutive elements of the flattened ``(M·H)``
 accumulators; ``S = 0 + partial[0] + partial[1] + ...`` in ascending ``p`` (the loads of ``REDUCE_ROWS`` rows issued
@@ -61,7 +74,8 @@ Speed: docs/BENCHMARKS.md (its mHC and Engram section). One CTA an SM (``P = 132
 = 4096 128 registers (512 threads), H = 7168 128 (448 threads, 224 KiB shared memory), H = 1024 212 (128 threads);
 every H % 512 == 0 from 1024 to 8192 builds, and only H = 7680, 8192 (sums in registers: shared memory too small)
 spill, about 300 bytes a thread. The reduction: 70 registers. What a CTA overlaps by default is one token's loads
-with the previous token's stores; with ``PREFETCH`` the next token's loads overlap this token's work too.
+with the previous token's stores; with ``PREFETCH`` the next token's loads overlap this token's work too; with
+``XK_ASYNC`` a token's x and k loads are in flight with its grad_out and v loads.
 """
 
 import struct
@@ -81,6 +95,7 @@ REDUCE_THREADS = 128  # reduction: threads per CTA
 REDUCE_ROWS = 32      # reduction: partial rows whose loads a thread issues before their adds
 REDUCE_VEC = 1        # reduction: consecutive elements a thread (1, 2 or 4; M·H must be a multiple)
 PREFETCH = False    # gate backward: the next token's inputs copied into shared memory (cp.async) where they fit
+XK_ASYNC = False    # gate backward, two vectors a thread: x and k copied to shared memory (cp.async) at a token's start
 
 # Most threads a gate-backward CTA; a thread takes J = ceil(H / 8 / MAX_THREADS) vectors a branch. Not a knob: the
 # thread layout fixes the order of the dg sums (lanes, then warps), so it is part of the results.
@@ -124,19 +139,27 @@ def prefetches(H: int) -> bool:
     return PREFETCH and not sums_in_smem(H) and stages + 2 * warps * M * 4 <= SMEM_BYTES
 
 
+def xk_async(H: int) -> bool:
+    """Whether the gate backward at ``H`` takes ``XK_ASYNC``: two vectors a thread with the sums in shared memory,
+    where the stage of x and k (16 H bytes) takes the place of ``w``'s: ``4608 <= H <= 7168``."""
+    return XK_ASYNC and layout(H)[0] == 2 and sums_in_smem(H)
+
+
 def gate_bwd_kernel(H: int):
     """Factory: the gate backward at hidden size ``H`` (``takes_hidden(H)``). Launch: ``GO, X`` ``(T, 4, H)``,
     ``K`` ``(T, 4, H)`` strided, ``Vt`` ``(T, H)`` strided (bf16), ``W`` ``(4, H)``, ``D, GS, RX, RK`` ``(T, 4)``
     (fp32); outputs ``DX, DK`` ``(T, 4, H)``, ``DV`` ``(T, H)`` (bf16), ``DWP`` ``(P, 4, H)`` (fp32); then the floats
     ``c_h``, ``clamp``, ``hf`` (fp32 ``H``)."""
     import tilelang.language as T
+    from tilelang import tvm
 
     assert takes_hidden(H), H
     J, threads = layout(H)
     lanes = H // V
     assert J * threads == lanes, (H, J, threads)  # H % 512 == 0 and J <= 2: the threads tile each row exactly
     warps = threads // WARP
-    early = J <= EARLY_XK_J
+    xk = xk_async(H)
+    early = J <= EARLY_XK_J and not xk
     keep_go = J <= KEEP_GO_J
     MJV = M * J * V
     acc_smem = sums_in_smem(H)
@@ -160,10 +183,23 @@ def gate_bwd_kernel(H: int):
         return ((st * warps + warp) * 4 + kind) * M
 
     def cp16(dst, src):
-        """16 bytes global -> shared by ``cp.async`` (TileLang's ``tl::cp_async_gs``), as an extern call: TileLang's
-        barrier planner cannot see that the copies are ordered by their issuer's wait (and, for the statistics, the
-        warp's barrier), and would add CTA barriers."""
-        return T.call_extern("void", "tl::cp_async_gs<16>", T.address_of(dst), T.address_of(src))
+        """16 bytes global -> shared by ``cp.async`` (TileLang's ``tl::cp_async_gs``) into element ``dst`` of a shared
+        buffer, as an extern call given the destination as a byte offset from the buffer's base, so that TileLang's
+        barrier planner sees no access: it cannot see that the copies are ordered by their issuer's wait (and, for
+        the statistics, the warp's barrier) and would add CTA barriers (an element's address is an access it cannot
+        bound, which it orders against every store to the same dynamic shared memory)."""
+        offset = dst.indices[0] * (tvm.DataType(dst.buffer.dtype).bits // 8)
+        return T.call_extern("void", "tl::cp_async_gs<16>", T.handle_add_byte_offset(dst.buffer.data, offset),
+                             T.address_of(src))
+
+    @T.macro
+    def issue_xk(X, K, stg, t, st, x0, tid):
+        """``cp.async`` of the thread's vectors of token ``t``'s x and k into stage ``st``: planes ``x0 + h`` (x)
+        and ``x0 + M + h`` (k)."""
+        for j in T.unroll(J):
+            for h in T.unroll(M):
+                cp16(stg[staged(st, x0 + h, j, tid)], X[t, h, vec(j, tid)])
+                cp16(stg[staged(st, x0 + M + h, j, tid)], K[t, h, vec(j, tid)])
 
     @T.macro
     def issue(GO, X, K, Vt, D, GS, RX, RK, stg, sst, t, st, tid, lane, warp):
@@ -172,9 +208,8 @@ def gate_bwd_kernel(H: int):
         for j in T.unroll(J):
             for h in T.unroll(M):
                 cp16(stg[staged(st, h, j, tid)], GO[t, h, vec(j, tid)])
-                cp16(stg[staged(st, M + h, j, tid)], X[t, h, vec(j, tid)])
-                cp16(stg[staged(st, 2 * M + h, j, tid)], K[t, h, vec(j, tid)])
             cp16(stg[staged(st, 3 * M, j, tid)], Vt[t, vec(j, tid)])
+        issue_xk(X, K, stg, t, st, M, tid)
         if lane == 0:
             cp16(sst[stat(st, warp, 0)], D[t, 0])
             cp16(sst[stat(st, warp, 1)], GS[t, 0])
@@ -201,12 +236,12 @@ def gate_bwd_kernel(H: int):
                 stg = T.alloc_shared((STAGES * PLANES * J * threads * V,), BF)  # [stage, plane, j, thread, 8]
                 sst = T.alloc_shared((STAGES * warps * 4 * M,), F32)  # [stage, warp, kind, branch]
                 wr = T.alloc_local((MJV,), F32)  # w in registers
+            elif xk:
+                xks = T.alloc_shared((2 * MJV * threads,), BF)  # [plane (x: h, k: M + h), j, thread, 8]
             else:
                 ws = T.alloc_shared((MJV * threads,), F32)  # [h, j, half, thread, 4]: conflict-free 16 bytes
             accs = T.alloc_shared((MJV * threads if acc_smem else 4,), F32)  # the sums, laid out as ws
-            # [token parity, warp, branch]. With PREFETCH in static shared memory: TileLang plans barriers a scope at a
-            # time, and beside the stages' extern copies (addresses it cannot bound) it would add a barrier a token
-            red = T.alloc_shared((2 * warps * M,), F32, scope="shared" if prefetch else "shared.dyn")
+            red = T.alloc_shared((2 * warps * M,), F32)  # [token parity, warp, branch]
             go = T.alloc_local((MJV,), BF)
             xv = T.alloc_local((MJV,), BF)
             kv = T.alloc_local((MJV,), BF)
@@ -241,7 +276,8 @@ def gate_bwd_kernel(H: int):
                     for j in T.unroll(J):
                         for half in T.unroll(2):
                             for e in T.vectorized(4):
-                                ws[slot(h, j, half, tid) + e] = W[h, vec(j, tid) + half * 4 + e]
+                                if not xk:
+                                    ws[slot(h, j, half, tid) + e] = W[h, vec(j, tid) + half * 4 + e]
                                 if acc_smem:
                                     accs[slot(h, j, half, tid) + e] = T.float32(0.0)
             if not acc_smem:
@@ -279,6 +315,12 @@ def gate_bwd_kernel(H: int):
                             for e in T.vectorized(V):
                                 go[(h * J + j) * V + e] = stg[staged(st, h, j, tid) + e]
                 else:
+                    if xk:
+                        # the previous token's reads of the stage are this thread's own: the warp barrier keeps
+                        # them before the copies
+                        T.sync_warp()
+                        issue_xk(X, K, xks, t, 0, 0, tid)
+                        T.ptx_commit_group()
                     for h in T.vectorized(M):
                         sd[h] = D[t, h]
                     for h in T.vectorized(M):
@@ -334,6 +376,11 @@ def gate_bwd_kernel(H: int):
                     beta[h] = T.if_then_else(below, T.float32(0.0), b)
                     qx[h] = _div(_mul(_mul(sd[h], srx[h]), srx[h]), hf)
                     qk[h] = _div(_mul(_mul(sd[h], srk[h]), srk[h]), hf)
+                if xk:
+                    # this thread's copies of token t have landed; the warp barrier keeps the stage's reads after
+                    # the wait (an extern call, as PREFETCH's)
+                    T.call_extern("void", "tl::cp_async_wait<0>")
+                    T.sync_warp()
                 # ---- 4. elementwise gradients and the chunk's weight-gradient sums ----
                 for h in T.unroll(M):
                     for j in T.unroll(J):
@@ -349,7 +396,12 @@ def gate_bwd_kernel(H: int):
                             for e in T.unroll(V):
                                 wl[e] = wr[o + e]
                         else:
-                            if not early:
+                            if xk:
+                                for e in T.vectorized(V):
+                                    xv[o + e] = xks[staged(0, h, j, tid) + e]
+                                for e in T.vectorized(V):
+                                    kv[o + e] = xks[staged(0, M + h, j, tid) + e]
+                            elif not early:
                                 for e in T.vectorized(V):
                                     xv[o + e] = X[t, h, vec(j, tid) + e]
                                 for e in T.vectorized(V):
@@ -359,7 +411,10 @@ def gate_bwd_kernel(H: int):
                                     go[o + e] = GO[t, h, vec(j, tid) + e]
                             for half in T.unroll(2):
                                 for e in T.vectorized(4):
-                                    wl[half * 4 + e] = ws[slot(h, j, half, tid) + e]
+                                    if xk:
+                                        wl[half * 4 + e] = W[h, vec(j, tid) + half * 4 + e]
+                                    else:
+                                        wl[half * 4 + e] = ws[slot(h, j, half, tid) + e]
                         if acc_smem:
                             for half in T.unroll(2):
                                 for e in T.vectorized(4):
