@@ -3,9 +3,6 @@ registers the bench's in ``tilefuse/engram/_gate_bwd_kernel.py``)."""
 
 GRID_T = (0, 1, 7, 4001, 8192)
 GRID_H = (1024, 4096, 7168)
-# run on the CPU from the generated source: one vector a thread in registers (1024), two with the sums in shared
-# memory (7168)
-EMU_H = (1024, 7168)
 PREFETCH_H = (1024, 2048, 4096)  # PREFETCH builds (its stages fit: one vector a thread and branch)
 FALLBACK_H = (4608, 7168)  # PREFETCH on, two vectors a thread: the default kernel
 XK_H = (4608, 6144, 7168)  # XK_ASYNC builds (two vectors a thread, the sums in shared memory)
