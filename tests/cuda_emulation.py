@@ -109,6 +109,38 @@ static inline float __shfl_xor_sync(uint, float v, int delta, int) {
 """
 
 
+# TileLang's cp.async (``tl::cp_async_gs``, ``tl::cp_async_gs_conditional``, commit, wait) as the PTX states it, per
+# emulated thread (a host thread): a copy's destination holds nothing defined until a wait covers its commit group
+# (NaN bytes from the issue on; the data, or zeros for a conditional copy whose condition is false, when the wait
+# lands it); ``wait<N>`` completes all but the N newest groups. A read that comes before its wait sees NaN.
+CP_ASYNC = r"""
+namespace tl {
+struct AsyncCopy { void* dst; const void* src; int n; bool zero; };
+static thread_local std::vector<std::vector<AsyncCopy>> g_async_groups;  // committed, oldest first
+static thread_local std::vector<AsyncCopy> g_async_open;                 // issued since the last commit
+static inline void cp_async_issue(void* dst, const void* src, int n, bool zero) {
+  std::memset(dst, 0xFF, n);
+  g_async_open.push_back(AsyncCopy{dst, src, n, zero});
+}
+template <int N> static inline void cp_async_gs(const void* dst, const void* src) {
+  cp_async_issue(const_cast<void*>(dst), src, N, false);
+}
+template <int N> static inline void cp_async_gs_conditional(const void* dst, const void* src, bool cond) {
+  cp_async_issue(const_cast<void*>(dst), src, N, !cond);
+}
+static inline void cp_async_commit() { g_async_groups.push_back(std::move(g_async_open)); g_async_open.clear(); }
+template <int N> static inline void cp_async_wait() {
+  while (g_async_groups.size() > (size_t)N) {
+    for (const AsyncCopy& c : g_async_groups.front()) {
+      if (c.zero) std::memset(c.dst, 0, c.n); else std::memcpy(c.dst, c.src, c.n);
+    }
+    g_async_groups.erase(g_async_groups.begin());
+  }
+}
+}  // namespace tl
+"""
+
+
 def launch_loop(mode: str, name: str, call: str, threads: int) -> str:
     """The C++ loop that runs a grid of ``blocks`` CTAs of ``threads`` threads on the host. ``mode``: ``"warps"``,
     each warp's 32 threads as host threads (shuffles through ``g_bar``); ``"cta"``, a CTA's threads as host threads

@@ -6,9 +6,8 @@ g++ compiles the ``__global__`` function with a shim: ``bfloat16_t`` rounding to
 ``std::sqrt``), dynamic shared memory as one host buffer (filled with NaN bytes before each CTA), static shared
 memory as function statics, and every thread of a CTA as a host thread: ``__syncthreads`` is a barrier of the CTA,
 ``__syncwarp`` a barrier of the warp, ``__shfl_xor_sync`` an exchange through 32 slots of the warp between two
-barriers of the warp. ``cp.async`` (``tl::cp_async_gs``) fills its destination with NaN bytes at its issue and copies
-the data when a ``cp.async.wait_group`` covering its commit group runs (the PTX's rule: nothing is defined before),
-so a read that comes before its wait sees NaN. CTAs run one after another. So the CPU computes what the GPU
+barriers of the warp, ``cp.async`` as the PTX states it (``cuda_emulation.CP_ASYNC``: a read before its wait sees
+NaN). CTAs run one after another. So the CPU computes what the GPU
 computes, bit for bit, and checks the kernels' indexing, chunking, barriers and reductions without a GPU.
 """
 import ctypes
@@ -18,7 +17,7 @@ from pathlib import Path
 import torch
 
 from tests.cuda_emulation import HAS_GXX  # noqa: F401 (re-exported)
-from tests.cuda_emulation import CTA_EXCHANGE, PREAMBLE, compile_run, launch_loop, signature, values
+from tests.cuda_emulation import CP_ASYNC, CTA_EXCHANGE, PREAMBLE, compile_run, launch_loop, signature, values
 
 SHIM = PREAMBLE + r"""
 struct uint4 { uint x, y, z, w; };
@@ -29,25 +28,7 @@ static uchar g_smem[232448] __attribute__((aligned(1024)));
 #define __shared__ static
 """ + CTA_EXCHANGE + r"""
 static inline void __syncwarp() { g_wbar[threadIdx.x / 32]->arrive_and_wait(); }
-namespace tl {
-// cp.async as the PTX states it: a copy's destination holds nothing defined until a wait covers its group (here:
-// NaN bytes from the issue on, the data when the wait lands it); wait<N> completes all but the N newest groups
-struct Copy { void* dst; const void* src; int n; };
-static thread_local std::vector<std::vector<Copy>> g_groups;  // committed, oldest first
-static thread_local std::vector<Copy> g_open;                  // issued since the last commit
-template <int N> static inline void cp_async_gs(const void* smem, const void* global) {
-  std::memset(const_cast<void*>(smem), 0xFF, N);
-  g_open.push_back(Copy{const_cast<void*>(smem), global, N});
-}
-static inline void cp_async_commit() { g_groups.push_back(std::move(g_open)); g_open.clear(); }
-template <int N> static inline void cp_async_wait() {
-  while (g_groups.size() > (size_t)N) {
-    for (const Copy& c : g_groups.front()) std::memcpy(c.dst, c.src, c.n);
-    g_groups.erase(g_groups.begin());
-  }
-}
-}  // namespace tl
-"""
+""" + CP_ASYNC
 
 
 def build(src: str, name: str, threads: int, workdir: Path):

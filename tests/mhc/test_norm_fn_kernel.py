@@ -34,6 +34,7 @@ from tilefuse.mhc import mhc_pre_norm_fn
 from tilefuse.mhc import _functions as F
 from tilefuse.mhc import _norm_fn_kernel as K
 from tilefuse.reference import mhc as R
+from tests.cuda_emulation import CP_ASYNC
 from tests.mhc.configs_norm_fn import GRID_C, GRID_N, norm_fn_configs
 from tests.quant.kernel_binding import fake_jit
 
@@ -744,13 +745,8 @@ static inline void mma_sync(float* c, const unsigned* a, const unsigned* b) {
     }
   }
 }
-template <int N> static inline void cp_async_gs(void* dst, const void* src) { std::memcpy(dst, src, N); }
-template <int N> static inline void cp_async_gs_conditional(void* dst, const void* src, bool cond) {
-  if (cond) std::memcpy(dst, src, N); else std::memset(dst, 0, N);
-}
-static inline void cp_async_commit() {}
-template <int N> static inline void cp_async_wait() {}
 }  // namespace tl
+""" + CP_ASYNC + r"""
 static inline uint2 make_uint2(uint a, uint b) { return uint2{a, b}; }
 static inline __nv_bfloat162 __float22bfloat162_rn(float2 v) {
   return __nv_bfloat162{bfloat16_t(v.x), bfloat16_t(v.y)};
