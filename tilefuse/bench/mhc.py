@@ -635,7 +635,8 @@ def host_calls(device: str = "cuda") -> list:
     calls += [
         ("post", "tilefuse.mhc.mhc_post_fwd (public op, preallocated out)",
          lambda: mhc.mhc_post_fwd(x, residual, post, comb, out)),
-        ("post", "tilefuse.mhc.mhc_post (public op with autograd)", lambda: mhc.mhc_post(x, residual, post, comb)),
+        ("post", "tilefuse.mhc.mhc_post (autograd op, inputs without grad: its forward alone)",
+         lambda: mhc.mhc_post(x, residual, post, comb)),
         ("apply", "tilefuse.mhc.mhc_pre_apply_mix_fwd (public op, preallocated o)",
          lambda: (mhc.mhc_pre_apply_mix_fwd(stream, mix, layer_input), layer_input)[1]),
         ("pre", "tilefuse.mhc.mhc_pre_big_fuse (public op: three launches)",
