@@ -1,8 +1,8 @@
 """The public ops' autograd entry: ``Function.apply`` only where autograd records the call.
 
-``torch.autograd.Function.apply`` costs about 6 µs of host time a call (a 2-core CPU machine, torch 2.13), even under
-``torch.no_grad()`` and ``torch.inference_mode()``: an inference call of an op (one decode token) spends most of its
-Python path there. Where autograd records nothing -- grad mode off, or no tensor argument requires grad -- the
+``torch.autograd.Function.apply`` costs microseconds of host time a call even under ``torch.no_grad()`` and
+``torch.inference_mode()``: more than the rest of an op's Python path, which is what an inference call of one token
+waits on. Where autograd records nothing -- grad mode off, or no tensor argument requires grad -- the
 Function's ``forward`` runs alone, with a context that keeps nothing: the same kernels and the same outputs.
 """
 from __future__ import annotations
