@@ -26,8 +26,8 @@ ROW_KNOBS = {"TOKEN_CTA": False}
 _SWEPT = {"TOKEN_CTA": True, "TOKEN_SMEM_MAX": 96 * 1024}
 TOKEN_KNOBS = ({**_SWEPT, "TOKEN_STAGE_V": True}, {**_SWEPT, "TOKEN_STAGE_V": False},
                {**_SWEPT, "TOKEN_STAGE_V": True, "TOKEN_ROWS": 2},
-               {**_SWEPT, "TOKEN_STAGE_V": True, "LOADS_AHEAD": 7, "TOKEN_MIN_BLOCKS": 3},
-               {**_SWEPT, "TOKEN_STAGE_V": True, "LOADS_AHEAD": 8, "TOKEN_MIN_BLOCKS": 5})
+               {**_SWEPT, "TOKEN_STAGE_V": True, "LOADS_AHEAD": 7, "TOKEN_MIN_WARPS": 12},
+               {**_SWEPT, "TOKEN_STAGE_V": True, "LOADS_AHEAD": 8, "TOKEN_MIN_WARPS": 20})
 TOKEN_SHAPES = ((8192, 4, 4096), (8192, 4, 7168), (4001, 2, 512), (1001, 3, 768), (7, 1, 12288), (1, 4, 1024))
 
 

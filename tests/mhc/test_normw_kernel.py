@@ -37,7 +37,7 @@ def _ref_bwd(fn, normw, dw, fn_grad, normw_grad):
 
 # ---- compile tier ----
 
-BWD_VECS = (2, 4)  # the BWD_VEC knob's other values
+BWD_VECS = (2, 4)  # the BWD_VEC knob's vector values (2: the default)
 
 
 def _all_configs():
@@ -77,7 +77,7 @@ def test_builds_for_sm90_with_the_explicit_operations(name, cfg):
 def test_registered_configs_are_the_bench_shapes(monkeypatch):
     bench = [4 * c for c in (2560, 4096, 7168)]
     assert list(_jit._FACTORIES["mhc_normw_merge_fwd"][1]()) == [(k,) for k in bench]
-    assert K.BWD_VEC == 1 and list(_jit._FACTORIES["mhc_normw_merge_bwd"][1]()) == [(k, 1) for k in bench]
+    assert K.BWD_VEC == 2 and list(_jit._FACTORIES["mhc_normw_merge_bwd"][1]()) == [(k, 2) for k in bench]
     for vec in BWD_VECS:
         monkeypatch.setattr(K, "BWD_VEC", vec)
         assert list(_jit._FACTORIES["mhc_normw_merge_bwd"][1]()) == [(k, vec) for k in bench]
@@ -142,7 +142,7 @@ def test_backward_knobs_change_no_result(tmp_path, monkeypatch):
 @pytest.mark.skipif(not emu.HAS_GXX, reason="needs g++")
 @pytest.mark.parametrize("vec", BWD_VECS)
 def test_backward_vec_knob_on_the_cpu(vec, tmp_path):
-    """BWD_VEC 2 and 4 (a thread's consecutive columns, vector accesses) give bitwise the default's and the
+    """BWD_VEC 2 and 4 (a thread's consecutive columns, vector accesses) give bitwise the one-column kernel's and the
     reference's gradients, accumulating into random buffers (CPU emulation; K = 264 leaves a partial CTA; 7 and 30
     rows end on a partly guarded group of BWD_ROWS)."""
     k = 264
@@ -189,7 +189,7 @@ def test_launchers_bind_their_arguments(monkeypatch):
     K.normw_merge_fwd_launch(fn, normw, torch.empty_like(fn))
     K.normw_merge_bwd_launch(fn, normw, fn, torch.zeros_like(fn), torch.zeros_like(normw))
     assert [(c.name, c.cfg, c.env["rows"]) for c in calls] == [("mhc_normw_merge_fwd", (264,), 24),
-                                                               ("mhc_normw_merge_bwd", (264, 1), 24)]
+                                                               ("mhc_normw_merge_bwd", (264, K.BWD_VEC), 24)]
 
 
 def test_empty_shapes_launch_nothing(monkeypatch):

@@ -181,6 +181,8 @@ KNOB_SETS = ((SK, "FAST_DIV", False), (SK, "RCP_APPROX", False), (K, "THREADS", 
 def test_cpu_run_is_the_chain_bit_for_bit(n, S, knob, tmp_path, monkeypatch):
     if knob is not None:
         monkeypatch.setattr(*knob)
+    # the chain's split forward as a thread a token (run serially here); SPLIT_FWD_FLAT gives its bits (test_mix_kernel)
+    monkeypatch.setattr(MK, "SPLIT_FWD_FLAT", False)
     m, nn, c = n * (n + 2), n * n, 64
     fused = _cpu_kernel(_source("mhc_pre_mixes_fwd", (n, S)), "mhc_pre_mixes_kernel", K.THREADS, "cta",
                         tmp_path / "fused")

@@ -47,7 +47,7 @@ x and k are read from the stage where used (not held across the barrier;
 208 KiB of stages, 2 KiB of statistics, 512 bytes of dg sums; ptxas (sm_90): 128 registers (512 threads), no
 spills; H = 2048 163, H = 1024 186. The same operations in the same order: the default kernel's bits.
 
-Early x and k (``XK_ASYNC``, off by default; two vectors a thread with the sums in shared memory, ``4608 <= H <=
+Early x and k (``XK_ASYNC``, on by default; two vectors a thread with the sums in shared memory, ``4608 <= H <=
 7168``: other ``H`` build the kernel above). At a token's start, with its grad_out and v loads, each thread issues
 ``cp.async`` copies of its vectors of the token's x and k (4 branches, 2 vectors, 2 planes; one commit group) into a
 shared stage (``[plane, j, thread, 16 bytes]``, 16 H bytes: 112 KiB at H = 7168) that takes the place of ``w``'s;
@@ -58,7 +58,7 @@ token loop keeps one CTA barrier (TileLang's planner adds one after the loop at 
 global memory where used (the same ``16 H`` bytes each token); ``EARLY_XK_J`` does not apply. ptxas (sm_90, no
 spills): H = 7168 127 registers (448 threads), H = 4608 153 (288). Held in registers instead, ``w`` would spill at H
 = 7168 (292 bytes; 448 threads leave a thread at most 128 registers). The same operations in the same order: the
-default kernel's bits.
+bits of the kernel above (``XK_ASYNC = False``).
 
 Weight-gradient reduction: one thread per ``REDUCE_VEC`` consecutive elements of the flattened ``(M·H)``
 accumulators; ``S = 0 + partial[0] + partial[1] + ...`` in ascending ``p`` (the loads of ``REDUCE_ROWS`` rows issued
@@ -73,9 +73,10 @@ Kernel constraints: CUDA tensors; the gate backward needs ``M == 4``, ``H % 512 
 Speed: docs/BENCHMARKS.md (its mHC and Engram section). One CTA an SM (``P = 132`` CTAs); ptxas (sm_90, no spills): H
 = 4096 128 registers (512 threads), H = 7168 128 (448 threads, 224 KiB shared memory), H = 1024 212 (128 threads);
 every H % 512 == 0 from 1024 to 8192 builds, and only H = 7680, 8192 (sums in registers: shared memory too small)
-spill, about 300 bytes a thread. The reduction: 70 registers. What a CTA overlaps by default is one token's loads
-with the previous token's stores; with ``PREFETCH`` the next token's loads overlap this token's work too; with
-``XK_ASYNC`` a token's x and k loads are in flight with its grad_out and v loads.
+spill, about 300 bytes a thread. The reduction: 254 registers at ``REDUCE_ROWS = 132`` (all of the op's 132
+partials in flight), no spills. What a CTA overlaps without the knobs is one token's loads with the previous token's
+stores; with ``PREFETCH`` the next token's loads overlap this token's work too; with ``XK_ASYNC`` a token's x and k
+loads are in flight with its grad_out and v loads.
 """
 
 import struct
@@ -92,10 +93,10 @@ EARLY_XK_J = 1      # gate backward: x and k loaded with grad_out and v (before 
 KEEP_GO_J = 2       # gate backward: grad_out kept in registers across the barrier when J <= this, else read again
 ACC_SMEM_J = 2      # gate backward: weight-gradient sums in shared memory (not registers) when J >= this and they fit
 REDUCE_THREADS = 128  # reduction: threads per CTA
-REDUCE_ROWS = 32      # reduction: partial rows whose loads a thread issues before their adds
+REDUCE_ROWS = 132     # reduction: partial rows whose loads a thread issues before their adds
 REDUCE_VEC = 1        # reduction: consecutive elements a thread (1, 2 or 4; M·H must be a multiple)
 PREFETCH = False    # gate backward: the next token's inputs copied into shared memory (cp.async) where they fit
-XK_ASYNC = False    # gate backward, two vectors a thread: x and k copied to shared memory (cp.async) at a token's start
+XK_ASYNC = True     # gate backward, two vectors a thread: x and k copied to shared memory (cp.async) at a token's start
 
 # Most threads a gate-backward CTA; a thread takes J = ceil(H / 8 / MAX_THREADS) vectors a branch. Not a knob: the
 # thread layout fixes the order of the dg sums (lanes, then warps), so it is part of the results.

@@ -49,17 +49,16 @@ strides are not multiples of 8 elements is copied to a contiguous tensor first.
 fused_weight: ``out = RN(fp32(w_h) * fp32(w_e))`` (exact: 16 significant bits), one thread per 8 elements of the
 flattened ``[M, H]`` (16-byte loads, two 16-byte stores); the element count is a runtime value.
 
-Row schedule speed (H200, isolated timer, T = 8192, M = 4, kv packed): 252.9 / 270.5 µs save / no save at H = 4096
-(82.0 / 76.7% of a same-bytes copy; TileKernels 2.1.0 233.8), 470.5 / 500.4 µs at 7168 (77.3 / 72.8%; TileKernels
-408.7). ptxas (sm_90, M = 4): 86 registers at H = 4096 with and without save, 90 / 84 at 7168, no spills, so 5 CTAs of
-128 threads an SM (20 warps, each with the loads of ``LOADS_AHEAD`` chunks of x and k in flight: 4 KiB), and 16-28 KiB
-of shared memory a CTA. ``v`` is read by the ``M`` CTAs of a token block (one HBM read, the others L2 hits). Save and
-no save compile to the same loops (SASS at H = 4096: the same 24 16-byte loads, in the same groups and order up to one
-swap in the output pass, the same 86 registers and occupancy; save adds four 4-byte stores of lane 0 between the
-passes): no save being slower is not in the generated code; look at the measurement (row order, the buffers'
+Row schedule occupancy, ptxas (sm_90, M = 4, no spills): at ``LOADS_AHEAD = 4`` 86 registers at H = 4096 with and
+without save, 90 / 84 at 7168: 5 CTAs of 128 threads an SM (20 warps, each with 4 KiB of x and k loads in flight); at
+``LOADS_AHEAD = 8`` (the default: faster at H = 7168, docs/BENCHMARKS.md) 144 at 7168: 3 CTAs an SM, 8 KiB in flight a
+warp. 16-28 KiB of shared memory a CTA. ``v`` is read by the ``M`` CTAs of a token block (one HBM read, the others L2
+hits). Save and no save compile to the same loops (SASS at H = 4096: the same 24 16-byte loads, in the same groups and
+order up to one swap in the output pass, the same 86 registers and occupancy; save adds four 4-byte stores of lane 0
+between the passes): no save being slower is not in the generated code; look at the measurement (row order, the buffers'
 addresses: ``out`` is written at the offsets ``x`` is read at) before the kernel. The row schedule's knobs:
-``ROWS_PER_WARP`` (CTA granularity against weight reloads: at T = 8192, M = 4 ``ROWS_PER_WARP = 2`` makes 4096 CTAs of
-8 rows, about 6 per CTA slot, and each CTA's 16-28 KiB weight fill is about 6% of its L2 reads), ``LOADS_AHEAD``,
+``ROWS_PER_WARP`` (CTA granularity against weight reloads: at T = 8192, M = 4 ``ROWS_PER_WARP = 2`` makes 4096 CTAs of 8
+rows, about 6 per CTA slot, and each CTA's 16-28 KiB weight fill is about 6% of its L2 reads), ``LOADS_AHEAD``,
 ``WARPS``.
 
 Token schedule (the default: ``TOKEN_CTA = True``, ``TOKEN_STAGE_V = False``). CTA ``b`` takes tokens
@@ -109,8 +108,8 @@ and the L1 hit rates themselves (ncu's l1tex hit rate and lts throughput would s
 
 Other knob values of the token schedule (each gives the same bits; its GPU test passed in that H100 run):
 ``TOKEN_ROWS = 2`` loads the weight once for two tokens (its stage is twice the size, so fewer shapes fit
-``TOKEN_SMEM_MAX``); ``LOADS_AHEAD = 7`` with ``TOKEN_MIN_BLOCKS = 3`` and ``LOADS_AHEAD = 8`` with
-``TOKEN_MIN_BLOCKS = 5`` deepen the load groups (more bytes in flight an SM).
+``TOKEN_SMEM_MAX``); ``LOADS_AHEAD = 7`` with ``TOKEN_MIN_WARPS = 12`` deepens the load groups less than the
+default's 8 with 20 (more bytes in flight an SM).
 """
 
 import struct
@@ -125,7 +124,7 @@ KERNEL_HELPERS = ("tilefuse._rn",)  # part of this module's kernel cache key (_j
 # ---- tuning knobs (TILEFUSE_KNOBS; results unchanged) ----
 WARPS = 4            # gate forward: warps per CTA, one (token, branch) row at a time each
 ROWS_PER_WARP = 2    # gate forward: tokens each warp handles in turn (token block = WARPS * ROWS_PER_WARP)
-LOADS_AHEAD = 4      # gate forward: chunks whose loads are issued before their arithmetic
+LOADS_AHEAD = 8      # gate forward: chunks whose loads are issued before their arithmetic
 FW_THREADS = 128     # fused_weight: threads per CTA (8 elements each)
 TOKEN_CTA = True     # gate forward: the token schedule (a CTA per TOKEN_ROWS tokens, warp h = branch h, x staged
                      # in smem) where token_schedule takes the shape; False: the row schedule everywhere
@@ -135,7 +134,8 @@ TOKEN_ROWS = 1       # token schedule: tokens each warp carries at once (one wei
 # doc: H = 7168 at M = 4, 56 KiB, 4 CTAs)
 TOKEN_SMEM_MAX = 44 * 1024
 TOKEN_MAX_M = 8      # token schedule: the most branches (warps) a CTA takes; more: the row schedule
-TOKEN_MIN_BLOCKS = 0  # token schedule: __launch_bounds__' minimum CTAs per SM (a register cap; 0: none)
+TOKEN_MIN_WARPS = 20  # token schedule: __launch_bounds__' minimum CTAs per SM is TOKEN_MIN_WARPS // M (a register
+                      # cap of 65536 / (32 * TOKEN_MIN_WARPS) a thread whatever M; 0: none)
 TOKEN_STAGE_V = False  # token schedule: v staged in shared memory in the reduction pass (False: the output
                       # pass loads it, LOADS_AHEAD chunks at a time; the M warps' reads of it are L1 / L2 hits)
 
@@ -327,8 +327,8 @@ def _token_body(T, M: int, H: int, save: bool, Tn):
     @T.macro
     def body(X, K, Vv, W, OUT, stats, k_s0, k_s1, v_s0, eps, clamp):
         with T.Kernel(T.ceildiv(Tn, TW), threads=threads) as bx:
-            if TOKEN_MIN_BLOCKS:
-                T.annotate_min_blocks_per_sm(TOKEN_MIN_BLOCKS)
+            if TOKEN_MIN_WARPS:
+                T.annotate_min_blocks_per_sm(max(1, TOKEN_MIN_WARPS // M))
             tid = T.get_thread_binding()
             lane = tid % LANES
             h = tid // LANES

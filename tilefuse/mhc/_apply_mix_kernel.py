@@ -33,7 +33,7 @@ KERNEL_HELPERS = ("tilefuse.mhc._rows", "tilefuse._rn")  # part of this module's
 BWD_MAX_THREADS = 256
 
 # ---- tuning knobs of the forward (TILEFUSE_KNOBS; results unchanged) ----
-MAX_THREADS = 256  # the most threads per CTA (_rows.row_threads)
+MAX_THREADS = 512  # the most threads per CTA (_rows.row_threads)
 # tokens per CTA: a thread loads its chunk of TOKENS_PER_CTA consecutive tokens before it stores any
 TOKENS_PER_CTA = 1
 # PDL: the first statement waits for the stream's previous grid (griddepcontrol.wait). Results unchanged.

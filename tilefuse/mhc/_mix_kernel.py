@@ -47,8 +47,9 @@ a CTA. ``SPLIT_FWD_THREADS`` (split mixes) and ``THREADS`` (head mix, and the pa
 sizes. Measured on the same H100, 2026-12-05 (T = 8192, n = 4): split forward 7.7 µs at 128 threads, 6.7 at 64, 6.6
 at 32 (the default); head forward 4.2 µs at 128 (the default), 4.7 at 64, 4.8 at 32.
 
-Knobs, each off by default and each giving the default kernels' bits (the same fp32 operations on each element in
-the same order; only which thread computes what and how memory is accessed change):
+Knobs, each value giving the same bits (the same fp32 operations on each element in the same order; only which
+thread computes what and how memory is accessed change). ``SPLIT_FWD_FLAT`` and ``SUM_WARP`` are on (measured faster,
+docs/BENCHMARKS.md), ``BWD_STAGED`` off; "the default thread" below is the kernel with the knob off:
 
 * ``SPLIT_FWD_FLAT`` (split forward): a CTA of ``FLAT_THREADS`` threads takes ``FLAT_TOKENS`` tokens; it copies
   their input rows (one contiguous block) into shared memory, thread ``e`` of a round taking float ``e`` of the block,
@@ -89,10 +90,10 @@ BWD_WARPS = 2
 PARTIAL_ROWS = 128  # mhc_partials_sum: partials a thread loads at a time (in flight) before adding them in order
 
 # ---- knobs (TILEFUSE_KNOBS; results unchanged: the same fp32 operations in the same order) ----
-SPLIT_FWD_FLAT = False  # split forward: a CTA stages its tokens' input rows in shared memory, outputs written flat
+SPLIT_FWD_FLAT = True   # split forward: a CTA stages its tokens' input rows in shared memory, outputs written flat
 FLAT_TOKENS = 32        # SPLIT_FWD_FLAT: tokens a CTA
 FLAT_THREADS = 128      # SPLIT_FWD_FLAT: threads a CTA
-SUM_WARP = False        # mhc_partials_sum: one warp a column (a CTA each), lane 0 adds the partials from shared memory
+SUM_WARP = True         # mhc_partials_sum: one warp a column (a CTA each), lane 0 adds the partials from shared memory
 BWD_STAGED = False      # backward: a warp's input rows loaded to shared memory and d_input stored from it, coalesced
 
 F32 = "float32"

@@ -21,13 +21,11 @@ any ``K``. The public ops keep the reference path for other inputs. The backward
 ``BWD_VEC``-column kernel when ``K % BWD_VEC == 0`` and every tensor starts on a ``4 * BWD_VEC``-byte boundary
 (``bwd_vec``), else the one-column kernel.
 
-Speed, measured on an NVIDIA H100 80GB HBM3, 2026-12-05 (M = 24, K = 16384): the backward at ``BWD_THREADS = 64``,
-``BWD_ROWS = 24`` (the defaults: 256 CTAs of two warps, every row's loads issued at once) 8.4 µs; at 128 threads and
-8 rows (the knobs' other values, the earlier defaults: 128 CTAs of four warps, three rounds of loads) 9.2 µs; 32
-threads with 8 rows 9.3 µs. ptxas (sm_90, K = 16384, no spills): the forward 19 registers, the backward 128 at 24
-rows (56 at 8). The backward at ``BWD_VEC = 2``: 195 registers at 24 rows, 125 at 14 (the most rows under 128),
-238 at 32; at ``BWD_VEC = 4``: 111 at 7 rows (the most under 128), 233 at 16, 255 at 18 (the most without
-spills; 20 rows spill). No shared memory.
+Speed: docs/BENCHMARKS.md (its mHC and Engram section; the knobs' values are the fastest measured there: 64 threads,
+every row's loads at once, two columns a thread). ptxas (sm_90, K = 16384, no spills): the forward 19 registers, the
+backward at ``BWD_VEC = 1`` 128 at 24 rows (56 at 8). The backward at ``BWD_VEC = 2``: 195 registers at 24 rows, 125
+at 14 (the most rows under 128), 238 at 32; at ``BWD_VEC = 4``: 111 at 7 rows (the most under 128), 233 at 16, 255 at
+18 (the most without spills; 20 rows spill). No shared memory.
 """
 
 import torch
@@ -42,7 +40,7 @@ KERNEL_HELPERS = ("tilefuse._rn",)  # part of this module's kernel cache key (_j
 FWD_THREADS = 128  # forward: threads per CTA (one 16-byte vector each)
 BWD_THREADS = 64   # backward: threads per CTA (BWD_VEC columns each)
 BWD_ROWS = 24      # backward: rows whose loads a thread issues before their arithmetic (the order is the same)
-BWD_VEC = 1        # backward: consecutive columns a thread (1, 2 or 4: 4-, 8- or 16-byte accesses; see bwd_vec)
+BWD_VEC = 2        # backward: consecutive columns a thread (1, 2 or 4: 4-, 8- or 16-byte accesses; see bwd_vec)
 
 V = 4  # fp32 columns per forward vector (16 bytes)
 F32 = "float32"

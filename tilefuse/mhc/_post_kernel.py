@@ -32,7 +32,8 @@ Kernel constraints: ``n`` in ``KERNEL_N`` and ``C % 8 == 0``; the public ops kee
 other input (``takes``).
 
 Speed: docs/BENCHMARKS.md (its mHC and Engram section). ptxas (sm_90, n = 4) gives the forward 72 registers and the
-backward 151-167 (3 CTAs of 128 threads per SM), no spills; n = 8 takes 167 / 252. The knobs above are the first
+backward 160 at C = 4096 (``BWD_UNROLL = 4``; 3 CTAs of 128 threads per SM), no spills; n = 8 takes 167 / 249, n = 2
+96 at 7168. The knobs above are the first
 things to sweep. TOKEN_WARPS = 2 / 4 (ptxas, C in 1280..7168, no spills): n = 4 takes 149-183 / 145-177 registers (3
 CTAs per SM, 2 at TOKEN_WARPS = 2, C = 1280 and TOKEN_WARPS = 4, C = 2560), n = 2 86-106 / 77-96, n = 8 249 / 238-243
 (2 CTAs); the warps' sums take 4 (n + n^2) bytes of shared memory a warp.
@@ -51,7 +52,7 @@ KERNEL_HELPERS = ("tilefuse.mhc._chains", "tilefuse._rn")
 # ---- tuning knobs (TILEFUSE_KNOBS) ----
 FWD_THREADS = 128  # threads per CTA of the forward (one lane each)
 BWD_WARPS = 4      # warps per CTA of the backward
-BWD_UNROLL = 2     # backward lane steps whose loads a thread issues before their arithmetic (results unchanged)
+BWD_UNROLL = 4     # backward lane steps whose loads a thread issues before their arithmetic (results unchanged)
 TOKEN_WARPS = 1    # backward warps per token (divides BWD_WARPS): the CTA takes BWD_WARPS // TOKEN_WARPS tokens
 
 V = 8                  # bf16 columns per lane: one 16-byte vector
